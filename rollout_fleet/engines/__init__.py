@@ -1,0 +1,1 @@
+"""Engine clients behind one interface: vllm, sglang, local (transformers, CPU) and simulated."""

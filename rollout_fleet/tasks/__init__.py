@@ -1,0 +1,1 @@
+"""Synthetic verifiable tasks whose datasets come out in verl's Parquet layout."""

@@ -1,0 +1,96 @@
+"""Run-config composition, dotted overrides, and the messages a user sees for bad input."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch.config import load_run_config, write_subconfigs
+from launch.configbase import ConfigError
+from learner.config import LearnerConfig
+
+
+def test_recipe_and_overrides_compose():
+    cfg = load_run_config("tiny", ["learner.optim.lr=1e-6", "broker.max_staleness=0", "rollout.sampling.n=4"])
+    assert cfg.learner.optim.lr == 1e-6
+    assert cfg.broker.max_staleness == 0
+    assert cfg.rollout.sampling.n == 4
+    # untouched values keep the recipe's
+    assert cfg.learner.loss.correction == "decoupled"
+
+
+def test_override_parses_yaml_values():
+    cfg = load_run_config("tiny", ["data.test_files=[a.parquet, b.parquet]", "broker.spool_dir=/tmp/spool"])
+    assert cfg.data.test_files == ["a.parquet", "b.parquet"]
+    assert cfg.broker.spool_dir == "/tmp/spool"
+
+
+def test_unknown_key_names_key_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_run_config("tiny", ["broker.max_stalness=2"])
+    msg = str(e.value)
+    assert "broker.max_stalness" in msg
+    assert "Did you mean 'max_staleness'" in msg
+    assert "groups_per_step" in msg  # the allowed keys are listed
+
+
+def test_unknown_section_suggests():
+    with pytest.raises(ConfigError, match="unknown key 'lerner'.*Did you mean 'learner'"):
+        load_run_config("tiny", ["lerner.optim.lr=1"])
+
+
+def test_bad_value_names_key_value_and_range():
+    with pytest.raises(ConfigError) as e:
+        load_run_config("tiny", ["learner.optim.lr=-1"])
+    assert "learner.optim.lr" in str(e.value) and "-1" in str(e.value) and "greater than 0" in str(e.value)
+
+
+def test_bad_literal_lists_choices():
+    with pytest.raises(ConfigError, match="rollout.engine.*'vlm'.*'vllm', 'sglang'"):
+        load_run_config("tiny", ["rollout.engine=vlm"])
+
+
+def test_correction_none_requires_synchronous():
+    with pytest.raises(ConfigError, match="correction='none' is only legal with broker.max_staleness=0"):
+        load_run_config("tiny", ["learner.loss.correction=none"])
+    cfg = load_run_config("tiny", ["learner.loss.correction=none", "broker.max_staleness=0"])
+    assert cfg.learner.loss.correction == "none"
+
+
+def test_correction_is_required():
+    with pytest.raises(Exception, match="correction"):
+        LearnerConfig.model_validate({"engine": "fsdp", "loss": {}})
+
+
+def test_unknown_recipe_suggests():
+    with pytest.raises(ConfigError, match="unknown recipe 'tinny'. Did you mean 'tiny'"):
+        load_run_config("tinny")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_run_config("tiny", ["broker.max_staleness"])
+
+
+def test_write_subconfigs_round_trip(tmp_path):
+    cfg = load_run_config("tiny")
+    paths = write_subconfigs(cfg, tmp_path)
+    assert paths["broker"].exists() and paths["learner"].exists()
+    import yaml
+    from broker.config import BrokerConfig
+
+    assert BrokerConfig.model_validate(yaml.safe_load(paths["broker"].read_text())) == cfg.broker
+
+
+def test_config_modules_import_neither_torch_nor_vllm():
+    code = (
+        "import sys, time; t = time.time(); import launch.config; "
+        "bad = [m for m in ('torch', 'vllm', 'ray') if m in sys.modules]; "
+        "print(time.time() - t); sys.exit(1 if bad else 0)"
+    )
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert time.time() - t0 < 5  # interpreter start included; the import itself is printed
+    assert float(out.stdout.strip()) < 1.0
