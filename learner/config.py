@@ -17,6 +17,7 @@ class OptimConfig(ConfigModel):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     grad_clip: float = Field(1.0, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the cosine/linear decay, as a fraction of lr")
 
 
 class LossConfig(ConfigModel):
@@ -46,6 +47,15 @@ class LearnerConfig(ConfigModel):
     loss: LossConfig
     micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
     activation_checkpointing: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="transformers attention; sdpa and eager keep packed sequences apart via position_ids")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
+    recompute_proximal: bool = Field(
+        False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 disables")
+    checkpoint_dir: str | None = Field(None, description="None: RUN_DIR/checkpoints")
+    resume: bool = Field(True, description="resume from the newest complete checkpoint in checkpoint_dir if any")
+    export_every: int = Field(0, ge=0, description="steps between HF exports (RUN_DIR/export/latest); 0: only at the end")
+    export_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of HF exports (lossless by default)")
     reference_offload: bool = Field(True, description="keep the KL reference model on CPU")
     megatron: MegatronConfig = MegatronConfig()

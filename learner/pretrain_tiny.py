@@ -13,6 +13,7 @@ same command gives the same checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import time
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--max-steps", type=int, default=6000)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--target-acc", type=float, default=0.35, help="stop once validation accuracy reaches this")
@@ -172,17 +174,20 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("model: %d parameters, vocab %d (tokenizer %d)", n_params, model.config.vocab_size, len(tok))
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     gen = torch.Generator().manual_seed(args.seed)
+    all_ids, all_lab = encode_batch(train, tok)  # once: per-batch tokenizing cost a third of a step
     model.train()
     val_acc, step = 0.0, 0
     for step in range(1, args.max_steps + 1):
-        pick = torch.randint(len(train), (args.batch,), generator=gen).tolist()
-        ids, lab = encode_batch([train[i] for i in pick], tok)
+        pick = torch.randint(len(train), (args.batch,), generator=gen)
+        ids, lab = all_ids[pick], all_lab[pick]
         loss = model(input_ids=ids, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         if step % args.eval_every == 0:
             val_acc = accuracy(model, tok, val)
             logger.info("step %d loss %.4f val_acc %.3f (%.0f s)", step, loss.item(), val_acc, time.time() - t0)
@@ -195,6 +200,22 @@ def main(argv: list[str] | None = None) -> None:
     save(model, tok, args, step=step, val_acc=val_acc, test_acc=test_acc, wall=wall, n_params=n_params)
 
 
+def save_tokenizer(tok, out: Path) -> None:
+    """Save with the chat template inside tokenizer_config.json and a portable class name.
+
+    transformers 5 writes ``TokenizersBackend`` and a separate ``chat_template.jinja``;
+    older transformers (the GPU machine's vLLM pins one) only know
+    ``PreTrainedTokenizerFast`` and read the template from the config.
+    """
+    tok.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+
+
 def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: float, n_params: int) -> None:
     from transformers import GenerationConfig
 
@@ -204,7 +225,7 @@ def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: 
     GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     ).save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    save_tokenizer(tok, args.out)
     cmd = "python -m learner.pretrain_tiny --out " + str(args.out)
     (args.out / "README.md").write_text(
         f"""# tiny-adder
@@ -215,7 +236,7 @@ digits, prompt `"347+85="`, answer `"432"` then `<eos>`), stopped partly trained
 has room to improve it. Character-level tokenizer (`tokenizer.json`, printable ASCII
 plus `<pad> <bos> <eos> <unk>`); the chat template renders the user message only.
 
-- command: `{cmd}` (seed {args.seed}, {args.threads} thread(s), batch {args.batch}, lr {args.lr})
+- command: `{cmd}` (seed {args.seed}, {args.threads} thread(s), batch {args.batch}, lr {args.lr}, warmup {args.warmup})
 - shape: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads,
   intermediate {args.intermediate}, vocab {model.config.vocab_size}, untied lm_head, float32
 - stopped at step {step} when greedy validation accuracy reached {val_acc:.3f}

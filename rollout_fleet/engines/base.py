@@ -83,6 +83,7 @@ class EngineClient(abc.ABC):
 
     engine_id: str
     simulated: bool = False
+    group_ranks: int = 1  # ranks this engine takes in the weight-sync group (its TP x PP workers)
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:

@@ -46,7 +46,8 @@ class SimulatedEngine(EngineClient):
         self.cfg = cfg
         self._rng = np.random.default_rng(seed)
         self._version = 0
-        self._paused = False
+        self._admitting = True  # False while paused: new requests wait
+        self._frozen = False  # True under pause(keep): running requests make no progress
         self._alive = True
         self._abort_epoch = 0
         self._changed = asyncio.Event()
@@ -76,14 +77,14 @@ class SimulatedEngine(EngineClient):
     async def restart(self) -> None:
         """Bring a dead server back empty: version 0 until it loads the latest export."""
         await asyncio.sleep(self.cfg.startup_s)
-        self._alive, self._paused, self._version = True, False, 0
+        self._alive, self._admitting, self._frozen, self._version = True, True, False, 0
         self._plan = self._group = None
         log.info("%s engine %s restarted (version 0)", SIM, self.engine_id)
 
     # -- generation ---------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         self._check_alive("generate")
-        while self._paused:  # a paused server admits nothing new
+        while not self._admitting:  # a paused server admits nothing new
             await self._changed.wait()
             self._check_alive("generate")
         n, cap = params.n, params.max_tokens
@@ -104,7 +105,7 @@ class SimulatedEngine(EngineClient):
             while (produced < lengths).any():
                 # the engine's state is constant between two notifications, so an interval
                 # either decoded at full rate (running) or not at all (paused)
-                changed, running = self._changed, not self._paused
+                changed, running = self._changed, not self._frozen
                 if running:
                     left = float((lengths - produced).max()) / rate
                     try:
@@ -163,21 +164,22 @@ class SimulatedEngine(EngineClient):
         return self._alive
 
     async def pause(self, mode: str = "keep") -> None:
+        """``keep``: freeze running requests; ``wait``: let them finish; ``abort``: end them now."""
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
         self._check_alive("pause")
+        self._admitting = False
         if mode == "abort":
             self._abort_epoch += 1
-        self._paused = mode != "wait"
+        self._frozen = mode == "keep"
         self._notify()
-        if mode == "wait":  # stop admitting, let running requests finish
-            self._paused = True
+        if mode == "wait":
             await self._idle.wait()
-            self._notify()
+            self._check_alive("pause")
 
     async def resume(self) -> None:
         self._check_alive("resume")
-        self._paused = False
+        self._admitting, self._frozen = True, False
         self._notify()
 
     async def reset_prefix_cache(self) -> None:
@@ -222,3 +224,21 @@ class SimulatedEngine(EngineClient):
 
 def simulated_checksum(version: int) -> str:
     return "sim-" + hashlib.sha1(f"simulated-weights-{version}".encode()).hexdigest()[:16]
+
+
+class SimulatedFactory:
+    """Starts SIMULATED engines for the fleet controller (``sim-<index>``)."""
+
+    def __init__(self, cfg: SimulatedEngineConfig, *, seed: int = 0) -> None:
+        self.cfg, self.seed = cfg, seed
+
+    async def start(self, index: int) -> SimulatedEngine:
+        await asyncio.sleep(self.cfg.startup_s)
+        return SimulatedEngine(f"sim-{index}", self.cfg, seed=self.seed * 100_003 + index)
+
+    async def restart(self, engine: SimulatedEngine) -> SimulatedEngine:
+        await engine.restart()
+        return engine
+
+    async def stop(self, engine: SimulatedEngine) -> None:
+        engine.kill()

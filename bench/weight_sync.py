@@ -1,0 +1,325 @@
+"""Weight-sync benchmark (GPU, 2 GPUs): fleetrl's publish against raw NCCL broadcast, same group, same run.
+
+The learner side is this process on GPU 0 holding a random bf16 model shaped like
+Qwen2 (0.5B, 1.5B) or an 8B dense model in the Qwen2 layout (Qwen3-8B's sizes), as a
+plain dict of full tensors (no HF download, no FSDP gather). The receiver is a
+second process on GPU 1 running fleetrl's :class:`weight_sync.receiver.WeightReceiver`,
+driven through an :class:`EngineClient` over a pipe, so the publish is the real
+:class:`weight_sync.publisher.Publisher` path: RPC to the engine, bucket packing,
+broadcast overlapped with the next bucket, receive + load, checksums, acks.
+
+``raw_broadcast_s`` is the same bytes in the same buckets broadcast over the very
+same process group (``publisher.pg`` / ``receiver.pg``) from preallocated buffers,
+all posted back to back, nothing else: the wire's ceiling for that group.
+
+    python bench/weight_sync.py --json bench/results/weight_sync.json        # on the 2-GPU machine
+    python bench/weight_sync.py --models 0.5B --reps 3
+
+Output: ``{"cases": [{"model", "bytes", "publish_s", "raw_broadcast_s", "ratio_vs_raw", ...}],
+"device", "date"}``; ``ratio_vs_raw = raw_broadcast_s / publish_s`` (1.0 = at the wire's limit,
+target >= 0.85).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, WeightPlan  # noqa: E402
+
+log = logging.getLogger("bench.weight_sync")
+
+# (hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, tied embeddings)
+SHAPES = {
+    "0.5B": (896, 4864, 24, 14, 2, 64, 151936, True),  # Qwen2-0.5B
+    "1.5B": (1536, 8960, 28, 12, 2, 128, 151936, True),  # Qwen2-1.5B
+    "8B": (4096, 12288, 36, 32, 8, 128, 151936, False),  # Qwen3-8B's sizes, Qwen2 tensor layout
+    "tiny": (64, 128, 2, 4, 2, 16, 1024, False),  # --cpu smoke runs only
+}
+
+
+def qwen2_params(model: str) -> list[tuple[str, list[int]]]:
+    """HF names and shapes of a Qwen2-layout causal LM, in state-dict order."""
+    h, inter, layers, heads, kv, hd, vocab, tied = SHAPES[model]
+    out = [("model.embed_tokens.weight", [vocab, h])]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", [heads * hd, h]), (p + "self_attn.q_proj.bias", [heads * hd]),
+                (p + "self_attn.k_proj.weight", [kv * hd, h]), (p + "self_attn.k_proj.bias", [kv * hd]),
+                (p + "self_attn.v_proj.weight", [kv * hd, h]), (p + "self_attn.v_proj.bias", [kv * hd]),
+                (p + "self_attn.o_proj.weight", [h, heads * hd]),
+                (p + "mlp.gate_proj.weight", [inter, h]), (p + "mlp.up_proj.weight", [inter, h]),
+                (p + "mlp.down_proj.weight", [h, inter]),
+                (p + "input_layernorm.weight", [h]), (p + "post_attention_layernorm.weight", [h])]
+    out.append(("model.norm.weight", [h]))
+    if not tied:
+        out.append(("lm_head.weight", [vocab, h]))
+    return out
+
+
+def random_model(model: str, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return {n: torch.randn(s, generator=g, device=device, dtype=torch.bfloat16) * 0.02 for n, s in qwen2_params(model)}
+
+
+# ---- the receiver process (GPU 1) -----------------------------------------------------------
+def _receiver_main(conn, device: str) -> None:
+    """Serve commands from the pipe: join / receive / raw broadcast / checksum of held tensors."""
+    logging.basicConfig(level=logging.WARNING)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    from weight_sync.group import broadcast_async
+    from weight_sync.receiver import WeightReceiver
+
+    rx = WeightReceiver("bench-rx", device=device)
+    held: dict[str, torch.Tensor] = {}
+    raw_bufs: list[torch.Tensor] = []
+
+    def load(pairs):
+        for name, t in pairs:
+            dst = held.get(name)
+            if dst is None:
+                held[name] = t.clone()
+            else:
+                dst.copy_(t)  # what an engine does: write into the parameter it already has
+
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "stop":
+                rx.leave()
+                conn.send(("ok", None))
+                return
+            if cmd == "join":
+                group, plan, timeout_s = arg
+                held.clear()  # a new plan (model) replaces the old tensors
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                rx.join(group, plan, group.rank_offset, timeout_s)
+                conn.send(("ok", None))
+            elif cmd == "receive":
+                version, plan_id = arg
+                checksum = rx.receive(version, plan_id, load)
+                _sync()
+                conn.send(("ok", checksum))
+            elif cmd == "raw_prepare":
+                raw_bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in arg]
+                conn.send(("ok", None))
+            elif cmd == "raw":
+                works = [broadcast_async(rx.pg, b) for b in raw_bufs]
+                for w in works:
+                    w.wait()
+                _sync()
+                conn.send(("ok", None))
+            elif cmd == "dump":  # tests compare bit for bit
+                from safetensors.torch import save_file
+
+                save_file({n: t.contiguous().cpu() for n, t in held.items()}, arg)
+                conn.send(("ok", None))
+            elif cmd == "digest":
+                # Bitwise digest of every held tensor, computed on the GPU (int64 wrap-around sum of
+                # position-weighted 16-bit words): equal digests for all names <=> equal bytes w.h.p.
+                conn.send(("ok", {n: _digest(t) for n, t in held.items()}))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except Exception as e:  # noqa: BLE001 - reported to the publisher side, which names us
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _digest(t: torch.Tensor) -> int:
+    w = t.contiguous().view(-1).view(torch.int16).to(torch.int64)
+    pos = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
+    return int(((w + 40503) * (pos * 2654435761 % 1000003)).sum().item())
+
+
+class PipeEngine(EngineClient):
+    """EngineClient of the receiver process: the publisher's RPCs go over a multiprocessing pipe."""
+
+    def __init__(self, engine_id: str, conn) -> None:
+        self.engine_id = engine_id
+        self.group_ranks = 1
+        self._conn = conn
+        self._lock = asyncio.Lock()
+        self._version = 0
+
+    def call(self, cmd: str, arg=None, timeout_s: float = 600.0):
+        self._conn.send((cmd, arg))
+        if not self._conn.poll(timeout_s):
+            raise EngineError(f"engine {self.engine_id}: {cmd} got no answer within {timeout_s:.0f}s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise EngineError(f"engine {self.engine_id}: {cmd} failed: {value}")
+        return value
+
+    async def _acall(self, cmd: str, arg=None):
+        async with self._lock:
+            return await asyncio.to_thread(self.call, cmd, arg)
+
+    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
+        await self._acall("join", (group, plan, 120.0))
+
+    async def update_weights(self, version: int, plan_id: str) -> str:
+        checksum = await self._acall("receive", (version, plan_id))
+        self._version = version
+        return checksum
+
+    async def generate(self, prompt_ids, params):
+        raise EngineError("the benchmark receiver does not generate")
+
+    async def health(self) -> bool:
+        return True
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Nothing generates here."""
+
+    async def resume(self) -> None:
+        """Nothing generates here."""
+
+    async def reset_prefix_cache(self) -> None:
+        """No KV cache here."""
+
+    async def load_weights_from_path(self, path: str, version: int) -> None:
+        raise EngineError("the benchmark receiver loads only over the group")
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _sync_time(fn) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0") -> dict:
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.group import broadcast_async
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    state = random_model(model, device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], int(bucket_mb * (1 << 20)))
+    cfg = WeightSyncConfig(backend="nccl" if device.startswith("cuda") else "gloo", bucket_mb=bucket_mb,
+                           timeout_s=120.0)
+    pub = Publisher(cfg, plan, rank=0, engines=[engine], device=device)
+    try:
+        first = _sync_time(lambda: pub.publish(1, iter(state.items())))  # rebuild + NCCL communicator warm-up
+        sizes = plan.bucket_bytes()
+        engine.call("raw_prepare", sizes)
+        bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+
+        def raw():
+            engine._conn.send(("raw", None))
+            works = [broadcast_async(pub.pg, b) for b in bufs]
+            for w in works:
+                w.wait()
+            _sync()
+            status, value = engine._conn.recv()
+            if status != "ok":
+                raise EngineError(f"raw broadcast failed on the receiver: {value}")
+
+        raw()  # warm-up
+        pubs, raws, reports = [], [], []
+        for r in range(reps):  # interleaved, so drift (clocks, other tenants) hits both alike
+            _sync()
+            t0 = time.perf_counter()
+            reports.append(pub.publish(2 + r, iter(state.items())))
+            _sync()
+            pubs.append(time.perf_counter() - t0)
+            raws.append(_sync_time(raw))
+        # Bit-identity of the last publish: digests on both GPUs.
+        want = {n: _digest(t) for n, t in state.items()}
+        got = engine.call("digest")
+        identical = got == want
+        publish_s, raw_s = statistics.median(pubs), statistics.median(raws)
+        case = {"model": f"qwen2-{model}-shape", "bytes": nbytes, "publish_s": publish_s, "raw_broadcast_s": raw_s,
+                "ratio_vs_raw": raw_s / publish_s, "publish_gb_per_s": nbytes / publish_s / 1e9,
+                "raw_gb_per_s": nbytes / raw_s / 1e9, "buckets": len(sizes), "bucket_mb": bucket_mb,
+                "first_publish_s": first, "publish_runs_s": pubs, "raw_runs_s": raws,
+                "publisher_broadcast_s": statistics.median(r.broadcast_seconds for r in reports),
+                "bit_identical": identical, "checksum": reports[-1].checksum}
+        log.info("%s: %.2f GB publish %.4fs raw %.4fs ratio %.3f identical=%s", model, nbytes / 1e9, publish_s,
+                 raw_s, raw_s / publish_s, identical)
+        return case
+    finally:
+        pub.close()
+        del state
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["0.5B", "1.5B", "8B"], choices=sorted(SHAPES))
+    ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--cpu", action="store_true", help="smoke run of this script over gloo on CPU (not a result)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.cpu:
+        devices = ("cpu", "cpu")
+    elif torch.cuda.device_count() < 2:
+        print("bench/weight_sync.py needs 2 CUDA GPUs (or --cpu for a smoke run)", file=sys.stderr)
+        return 2
+    else:
+        devices = ("cuda:0", "cuda:1")
+        torch.cuda.set_device(0)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, devices[1]), daemon=True)
+    proc.start()
+    cases = []
+    try:
+        for i, model in enumerate(args.models):
+            # a fresh engine id per model: each model is its own plan, hence its own group epoch
+            cases.append(bench_model(model, args.bucket_mb, args.reps, PipeEngine(f"bench-rx-{i}", parent), devices[0]))
+    finally:
+        try:
+            parent.send(("stop", None))
+            parent.poll(10)
+        except (BrokenPipeError, OSError):
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    out = {"cases": cases, "device": device,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+           "torch": torch.__version__,
+           "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
+           "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")}}
+    for c in cases:
+        print(f"{c['model']:>18}  {c['bytes'] / 1e9:6.2f} GB  publish {c['publish_s']:.4f}s  "
+              f"raw {c['raw_broadcast_s']:.4f}s  ratio {c['ratio_vs_raw']:.3f}  identical={c['bit_identical']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

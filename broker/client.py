@@ -1,0 +1,373 @@
+"""Asyncio clients of the broker (producer and consumer), their synchronous wrappers, and status.
+
+Each client owns one DEALER socket; many requests may be in flight on it, matched
+to replies by ``req``. Every wait has a timeout that names the broker, the
+operation and the time waited. Requests that are idempotent on the broker side
+(push, next_batch, ack, renew, status, versions) are re-sent after a silent
+attempt, so a broker restart on the same address is ridden out within
+``timeout_s``; ``acquire_tickets`` is sent once (a lost grant expires on its own).
+
+Example (producer)::
+
+    prod = ProducerClient("tcp://127.0.0.1:5555", producer_id="worker-0")
+    for t in await prod.acquire_tickets(max_groups=4, wait_s=5.0):
+        ...                                   # run one prompt group with rows' step = t.step
+    await prod.push(batch)                    # rows of complete groups; waits while the broker is full
+
+Example (consumer, from a synchronous torch loop)::
+
+    cons = SyncConsumer("tcp://127.0.0.1:5555", consumer_id="learner")
+    lease = cons.next_batch(step=v + 1, wait_s=60)
+    ...                                       # optimizer step on lease.batch
+    cons.ack(lease.lease_id); cons.report_version(v + 1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import zmq
+import zmq.asyncio
+
+from broker import protocol as P
+from broker.protocol import Ticket
+from broker.state import BrokerError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ProducerClient", "ConsumerClient", "SyncConsumer", "SyncProducer", "Lease", "Ticket",
+           "BrokerError", "BrokerTimeout", "ping", "get_status", "new_event_loop"]
+
+
+class BrokerTimeout(TimeoutError):
+    """No reply from the broker in time; the message names the broker, the operation and the wait."""
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    step: int
+    batch: pa.RecordBatch  # groups_per_step whole groups, oldest first
+    staleness: np.ndarray  # int32 per row: (step - 1) - oldest policy version of the row
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where it is installed, the default loop elsewhere."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+def _curve_setup(sock: zmq.Socket, keys_dir: str | None) -> None:
+    if not keys_dir:
+        return
+    from zmq.auth import load_certificate
+
+    keys = Path(keys_dir)
+    server_public, _ = load_certificate(keys / "server.key")
+    public, secret = load_certificate(keys / "client.key_secret")
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
+
+
+class _Client:
+    def __init__(self, address: str, *, timeout_s: float, curve_keys_dir: str | None = None,
+                 attempt_s: float | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.attempt_s = attempt_s if attempt_s is not None else max(1.0, timeout_s / 3)
+        self._curve = curve_keys_dir
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:  # created lazily inside the running loop
+            self._ctx = zmq.asyncio.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            _curve_setup(sock, self._curve)
+            sock.connect(self.address)
+            self._sock = sock
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        return self._sock
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                reply = P.decode_reply(frames[0].buffer)
+            except msgspec.DecodeError:
+                log.error("undecodable reply from broker %s; ignored", self.address)
+                continue
+            fut = self._pending.get(reply.req)
+            if fut is not None and not fut.done():
+                fut.set_result((reply, frames[1:]))
+
+    async def _call(self, msg, payload=None, *, wait_s: float = 0.0, retry: bool = True):
+        deadline = time.monotonic() + self.timeout_s + wait_s
+        op = type(msg).__name__
+        sock = self._socket()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BrokerTimeout(f"broker {self.address}: no reply to {op} within {self.timeout_s + wait_s:.1f}s")
+            msg.req = next(self._ids)
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[msg.req] = fut
+            attempt = remaining if not retry else min(remaining, self.attempt_s + wait_s)
+            try:
+                frames = [P.encode(msg)] + ([payload] if payload is not None else [])
+                await asyncio.wait_for(sock.send_multipart(frames, copy=False), attempt)
+                reply, rest = await asyncio.wait_for(fut, attempt)
+            except (TimeoutError, asyncio.TimeoutError):
+                if not retry:
+                    raise BrokerTimeout(f"broker {self.address}: no reply to {op} within {attempt:.1f}s") from None
+                log.warning("broker %s: no reply to %s within %.1fs; retrying", self.address, op, attempt)
+                continue
+            finally:
+                self._pending.pop(msg.req, None)
+            if isinstance(reply, P.ErrorReply):
+                raise BrokerError(reply.code, reply.message, reply.retry_after_s)
+            return reply, rest
+
+    async def ping(self) -> None:
+        await self._call(P.Ping())
+
+    async def status(self) -> dict:
+        """Every lag metric of the broker (see broker.metrics.snapshot)."""
+        reply, _ = await self._call(P.StatusRequest())
+        return {"status": reply.status, "drops": reply.drops, "errors": reply.errors,
+                "engine_lag": reply.engine_lag, "staleness_hist": reply.staleness_hist}
+
+    async def close(self) -> None:
+        for task in getattr(self, "_renewers", {}).values():
+            task.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+
+
+class ProducerClient(_Client):
+    """The rollout side: tickets in, batches of complete groups out."""
+
+    def __init__(self, address: str, *, producer_id: str, timeout_s: float = 30.0,
+                 curve_keys_dir: str | None = None) -> None:
+        super().__init__(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir)
+        self.producer_id = producer_id
+
+    async def acquire_tickets(self, max_groups: int, wait_s: float) -> list[Ticket]:
+        """Up to ``max_groups`` tickets; waits up to ``wait_s`` for the first; [] if none came."""
+        reply, _ = await self._call(P.AcquireTickets(producer_id=self.producer_id, max_groups=max_groups,
+                                                     wait_s=wait_s), wait_s=wait_s, retry=False)
+        return reply.tickets
+
+    async def push(self, batch: pa.RecordBatch) -> P.PushReply:
+        """Send rows of complete groups. While the broker's byte budget is full this waits and
+        retries (backpressure) until ``timeout_s``; any refusal raises BrokerError(code, reason)."""
+        payload = P.batch_to_ipc(batch)
+        deadline = time.monotonic() + self.timeout_s
+        backoff = 0.01
+        while True:
+            try:
+                reply, _ = await self._call(P.Push(producer_id=self.producer_id), payload)
+                return reply
+            except BrokerError as e:
+                if e.code != P.ErrorCode.BUSY or time.monotonic() + backoff > deadline:
+                    raise
+                await asyncio.sleep(max(backoff, e.retry_after_s))
+                backoff = min(0.5, backoff * 2)
+
+    async def report_engine_version(self, engine_id: str, version: int) -> None:
+        await self._call(P.EngineVersion(engine_id=engine_id, version=version))
+
+
+class ConsumerClient(_Client):
+    """The learner side: leases of whole groups for a step, acked after the optimizer step."""
+
+    def __init__(self, address: str, *, consumer_id: str, timeout_s: float = 30.0,
+                 curve_keys_dir: str | None = None) -> None:
+        super().__init__(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir)
+        self.consumer_id = consumer_id
+        self._renewers: dict[str, asyncio.Task] = {}
+
+    async def next_batch(self, step: int, wait_s: float, *, renew_every_s: float | None = None) -> Lease | None:
+        """The batch of learner step ``step``, or None if ``wait_s`` passed without one.
+
+        With ``renew_every_s`` the lease is renewed in the background until it is acked, so
+        only the death of this process (or its event loop) lets it expire."""
+        reply, rest = await self._call(P.NextBatch(consumer_id=self.consumer_id, step=step, wait_s=wait_s),
+                                       wait_s=wait_s)
+        if isinstance(reply, P.NoBatch):
+            return None
+        batches = P.ipc_to_batches(rest[0].buffer)
+        batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+        if renew_every_s and reply.lease_id not in self._renewers:
+            self._renewers[reply.lease_id] = asyncio.get_running_loop().create_task(
+                self._keep_renewing(reply.lease_id, renew_every_s))
+        return Lease(reply.lease_id, reply.step, batch, np.frombuffer(reply.staleness, dtype="<i4"))
+
+    async def _keep_renewing(self, lease_id: str, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.renew(lease_id)
+            except (BrokerError, BrokerTimeout) as e:
+                log.warning("renewing lease %s failed: %s", lease_id, e)
+                if isinstance(e, BrokerError):
+                    return
+
+    async def ack(self, lease_id: str) -> P.AckReply:
+        """Raises BrokerError(lease_expired) if the lease's groups went to someone else."""
+        if (task := self._renewers.pop(lease_id, None)) is not None:
+            task.cancel()
+        reply, _ = await self._call(P.Ack(consumer_id=self.consumer_id, lease_id=lease_id))
+        return reply
+
+    async def renew(self, lease_id: str) -> None:
+        await self._call(P.Renew(lease_id=lease_id))
+
+    async def report_version(self, v: int) -> None:
+        await self._call(P.ReportVersion(version=v))
+
+
+class _LoopThread:
+    """An event loop on a private daemon thread, for synchronous callers."""
+
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="broker-client", daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float):
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise BrokerTimeout(f"broker client call did not finish within {timeout:.1f}s") from None
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class SyncConsumer:
+    """ConsumerClient for synchronous code (the learner's torch loop): same methods, blocking."""
+
+    def __init__(self, address: str, *, consumer_id: str, timeout_s: float = 30.0,
+                 curve_keys_dir: str | None = None) -> None:
+        self._lt = _LoopThread()
+        self.client = ConsumerClient(address, consumer_id=consumer_id, timeout_s=timeout_s,
+                                     curve_keys_dir=curve_keys_dir)
+        self._slack = timeout_s + 5.0
+
+    def next_batch(self, step: int, wait_s: float, *, renew_every_s: float | None = None) -> Lease | None:
+        return self._lt.run(self.client.next_batch(step, wait_s, renew_every_s=renew_every_s),
+                            self._slack + wait_s)
+
+    def ack(self, lease_id: str) -> P.AckReply:
+        return self._lt.run(self.client.ack(lease_id), self._slack)
+
+    def renew(self, lease_id: str) -> None:
+        return self._lt.run(self.client.renew(lease_id), self._slack)
+
+    def report_version(self, v: int) -> None:
+        return self._lt.run(self.client.report_version(v), self._slack)
+
+    def status(self) -> dict:
+        return self._lt.run(self.client.status(), self._slack)
+
+    def close(self) -> None:
+        try:
+            self._lt.run(self.client.close(), 5.0)
+        finally:
+            self._lt.stop()
+
+
+class SyncProducer:
+    """ProducerClient for synchronous code (tests, scripts): same methods, blocking."""
+
+    def __init__(self, address: str, *, producer_id: str, timeout_s: float = 30.0,
+                 curve_keys_dir: str | None = None) -> None:
+        self._lt = _LoopThread()
+        self.client = ProducerClient(address, producer_id=producer_id, timeout_s=timeout_s,
+                                     curve_keys_dir=curve_keys_dir)
+        self._slack = timeout_s + 5.0
+
+    def acquire_tickets(self, max_groups: int, wait_s: float) -> list[Ticket]:
+        return self._lt.run(self.client.acquire_tickets(max_groups, wait_s), self._slack + wait_s)
+
+    def push(self, batch: pa.RecordBatch) -> P.PushReply:
+        return self._lt.run(self.client.push(batch), self._slack)
+
+    def report_engine_version(self, engine_id: str, version: int) -> None:
+        return self._lt.run(self.client.report_engine_version(engine_id, version), self._slack)
+
+    def close(self) -> None:
+        try:
+            self._lt.run(self.client.close(), 5.0)
+        finally:
+            self._lt.stop()
+
+
+def _sync_request(address: str, msg, timeout_s: float, curve_keys_dir: str | None = None):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        _curve_setup(sock, curve_keys_dir)
+        sock.connect(address)
+        sock.send(P.encode(msg))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise BrokerTimeout(f"broker {address}: no reply to {type(msg).__name__} within {timeout_s:.1f}s")
+        reply = P.decode_reply(sock.recv_multipart()[0])
+        if isinstance(reply, P.ErrorReply):
+            raise BrokerError(reply.code, reply.message)
+        return reply
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def ping(address: str, timeout_s: float = 2.0, curve_keys_dir: str | None = None) -> bool:
+    """True if a broker answers at ``address`` within ``timeout_s``."""
+    try:
+        _sync_request(address, P.Ping(req=1), timeout_s, curve_keys_dir)
+        return True
+    except BrokerTimeout:
+        return False
+
+
+def get_status(address: str, timeout_s: float = 5.0, curve_keys_dir: str | None = None) -> dict:
+    """The broker's status (for ``python -m broker status`` and the launcher)."""
+    r = _sync_request(address, P.StatusRequest(req=1), timeout_s, curve_keys_dir)
+    return {"status": r.status, "drops": r.drops, "errors": r.errors, "engine_lag": r.engine_lag,
+            "staleness_hist": r.staleness_hist}

@@ -1,0 +1,349 @@
+"""The broker process: one ZMQ ROUTER socket, one thread, a BrokerState and an optional spool.
+
+Dataflow::
+
+    rollout workers (DEALER)                                        learner (DEALER)
+      acquire(max, wait) --> tickets for step s <= v+k+1
+      push(Arrow IPC) -----> validate -> whole groups -> [spool] -> queue
+                                                 next_batch(s, wait) <-- lease: G groups, oldest first
+                                                 ack(lease)          <-- after the optimizer step
+                                                 report_version(v)   <-- after each step
+
+Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step):
+
+* **Admission.** A ticket is granted while supply (outstanding tickets + groups
+  held) is below ``G * (k + 1)``, labelled with step ``v + 1 + supply // G``: each
+  step gets exactly ``G`` tickets and only steps ``s <= v + k + 1`` get any. With
+  ``k = 0`` this is the synchronous baseline. A ticket not fulfilled within
+  ``ticket_timeout_s`` (its producer died) expires and its slot is granted again,
+  so a run never stalls on a dead worker. A push is matched to the pushing
+  producer's tickets by step; a group whose ticket expired (or that was granted by
+  a previous broker incarnation) is still accepted while there is a free slot,
+  otherwise refused with ``no_ticket`` (an error reply, never a silent drop).
+* **Consumption.** ``next_batch(s)`` sets ``v = s - 1`` and hands out ``G``
+  complete groups (pushes hold whole groups only: ``incomplete_group``), oldest
+  first (by admission step, then arrival). A group with any row whose staleness
+  ``(s - 1) - segment_versions[0]`` exceeds ``k`` is dropped with reason ``stale``
+  and never handed out. With fewer than ``G`` fresh groups the request waits up to
+  ``wait_s`` and then gets ``NoBatch``.
+* **Leases.** A batch is leased, not removed. The same (consumer, step) asked
+  again gets the same lease (a retried request). A lease not acked or renewed
+  within ``lease_timeout_s`` expires: its groups go back to the front of the queue
+  and are re-checked for staleness when next handed out, under a new lease id.
+* **Exactly once into optimizer steps.** A group leaves the broker only by one
+  ack or one ``stale`` drop. Acking a live lease consumes its groups and sets
+  ``v = max(v, s)``; acking it again returns ``duplicate``. Acking an *expired*
+  lease succeeds (``late``) only if none of its groups has been handed out again
+  or dropped since; otherwise it is refused with ``lease_expired`` and the caller
+  must not count that step (the learner treats it as fatal and resumes from its
+  checkpoint). So no trajectory is ever part of two acked leases. Consumers that
+  may hold a lease longer than the timeout call ``renew``.
+* **Durability** (``spool_dir``). Accepted batches, leases, acks, expiries, drops and
+  version changes are written before the state changes and before any reply
+  (see :mod:`broker.spool` for fsync). After ``kill -9`` and a restart on the same
+  spool every accepted, unacked group is back (live leases restored with a fresh
+  timeout, so an ack that races the crash is honoured), and nothing acked or
+  dropped comes back. Without a spool a restart starts empty.
+* **Backpressure and high-water marks.** The broker holds at most
+  ``byte_budget_mb`` of trajectories; a push over it gets ``busy`` with
+  ``retry_after_s`` and the client retries until its timeout: producers are
+  slowed, never dropped. The ROUTER socket has ``socket_hwm`` messages each way:
+  when its receive queue is full, libzmq stops reading that peer's TCP pipe and
+  the client's DEALER send queue fills and then blocks (clients time out).
+  Replies are sent non-blocking with ROUTER_MANDATORY: a reply to a peer that is
+  gone or whose queue is full is counted (``errors{reply_undeliverable}``) and
+  dropped; every request is idempotent, so the client's retry gets it again.
+  Messages larger than ``max_message_mb`` make libzmq close that connection.
+* **Bad input.** A frame that is not a message header, a payload that is not
+  Arrow IPC (truncated, garbage, absurd length prefix), an unknown type, another
+  protocol version, a batch failing ``broker.schema.validate_batch``, or any
+  other refusal gets an ``ErrorReply`` with a code from
+  :class:`broker.protocol.ErrorCode` and a counter ``errors{code}``; the loop
+  goes on serving everyone else. Garbage at the TCP level (not ZMTP) is dropped
+  by libzmq before it reaches us.
+* **Security.** Binds to 127.0.0.1 unless another address is configured. With
+  ``curve_keys_dir`` the socket is a CurveZMQ server (keys from
+  ``python -m broker keys DIR``) and only client public keys in ``DIR/clients``
+  may connect.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import zmq
+
+from broker import protocol as P
+from broker.config import BrokerConfig
+from broker.metrics import Hist, Rates, snapshot, start_metrics_server
+from broker.spool import Spool
+from broker.state import BrokerError, BrokerState
+
+log = logging.getLogger(__name__)
+
+MAX_READS_PER_ITERATION = 256
+
+
+@dataclass
+class _Waiter:
+    ident: bytes
+    msg: object
+    t0: float
+    deadline: float
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+class BrokerServer:
+    """The broker loop. Example::
+
+        server = BrokerServer(BrokerConfig(address="tcp://127.0.0.1:0"))
+        address = server.bind()          # tcp://127.0.0.1:PORT
+        server.serve(stop_event)         # until stop_event is set (or SIGTERM via broker.__main__)
+    """
+
+    def __init__(self, cfg: BrokerConfig) -> None:
+        self.cfg = cfg
+        self.spool = Spool(cfg.spool_dir, fsync=cfg.fsync) if cfg.spool_dir else None
+        self.state = BrokerState(
+            max_staleness=cfg.max_staleness, groups_per_step=cfg.groups_per_step,
+            lease_timeout_s=cfg.lease_timeout_s, ticket_timeout_s=cfg.ticket_timeout_s,
+            byte_budget_bytes=int(cfg.byte_budget_mb * (1 << 20)))
+        self.errors: dict[str, int] = defaultdict(int)
+        self.ticket_wait = Hist()
+        self.learner_wait = Hist()
+        self.rates = Rates()
+        self.t_start = time.monotonic()
+        self.latest_snapshot: dict | None = None
+        self.metrics_httpd = None
+        self.metrics_port: int | None = None
+        self._ticket_waiters: list[_Waiter] = []
+        self._lease_waiters: list[_Waiter] = []
+        self._out: list[list] = []
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._auth = None
+        self.address: str | None = None
+
+    # -- setup -----------------------------------------------------------------------------------
+    def bind(self) -> str:
+        if self.spool is not None:
+            rec = self.spool.recover()
+            self.state.restore(rec.batches, rec.records, time.monotonic())
+            self.state.journal = self.spool
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.socket_hwm)
+        sock.setsockopt(zmq.SNDHWM, self.cfg.socket_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, int(self.cfg.max_message_mb * (1 << 20)))
+        if self.cfg.curve_keys_dir:
+            self._setup_curve(sock, Path(self.cfg.curve_keys_dir))
+        address = self.cfg.address
+        if address.startswith("tcp://") and address.endswith(":0"):
+            address = address[:-2] + ":*"
+        sock.bind(address)
+        self._sock = sock
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.cfg.metrics_port is not None:
+            self.latest_snapshot = snapshot(self)
+            self.metrics_port = start_metrics_server(self, self.cfg.metrics_port)
+        log.info("broker bound to %s (k=%d, G=%d, spool=%s)", self.address, self.cfg.max_staleness,
+                 self.cfg.groups_per_step, self.cfg.spool_dir)
+        return self.address
+
+    def _setup_curve(self, sock: zmq.Socket, keys: Path) -> None:
+        from zmq.auth import load_certificate
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = load_certificate(keys / "server.key_secret")
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(keys / "clients"))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+
+    # -- loop ------------------------------------------------------------------------------------
+    def serve(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_snap = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            timeout = 0.05
+            for w in self._ticket_waiters + self._lease_waiters:
+                timeout = min(timeout, w.deadline - now)
+            if (d := self.state.next_deadline()) is not None:
+                timeout = min(timeout, d - now)
+            if poller.poll(_ms(timeout)):
+                for _ in range(MAX_READS_PER_ITERATION):
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            now = time.monotonic()
+            self.state.tick(now)
+            self._serve_waiters(now)
+            if self.spool is not None:
+                self.spool.commit()
+            self._flush()
+            if now >= next_snap and self.cfg.metrics_port is not None:
+                self.latest_snapshot = snapshot(self)
+                next_snap = now + 0.5
+        self.close()
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.shutdown()
+            self.metrics_httpd = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._ctx.term()
+
+    def _reply(self, ident: bytes, msg, payload=None) -> None:
+        self._out.append([ident, P.encode(msg)] + ([payload] if payload is not None else []))
+
+    def _error(self, ident: bytes, req: int, code: str, message: str, retry_after_s: float = 0.0) -> None:
+        self.errors[code] += 1
+        if code != P.ErrorCode.BUSY:
+            log.warning("refused request %d: %s: %s", req, code, message[:300])
+        self._reply(ident, P.ErrorReply(req=req, code=code, message=message, retry_after_s=retry_after_s))
+
+    def _flush(self) -> None:
+        for frames in self._out:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except (zmq.Again, zmq.ZMQError) as e:
+                self.errors["reply_undeliverable"] += 1
+                log.debug("reply undeliverable: %s", e)
+        self._out.clear()
+
+    # -- requests --------------------------------------------------------------------------------
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        req = 0
+        try:
+            if len(frames) < 2:
+                raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "message has no header frame")
+            msg = P.decode_request(frames[1].buffer)
+            req = msg.req
+            expect = 3 if isinstance(msg, P.Push) else 2
+            if len(frames) != expect:
+                raise P.ProtocolError(P.ErrorCode.BAD_FRAME,
+                                      f"{type(msg).__name__} takes {expect - 1} frame(s), got {len(frames) - 1}")
+            self._dispatch(ident, msg, frames)
+        except P.ProtocolError as e:
+            self._error(ident, req, e.code, e.message)
+        except BrokerError as e:
+            self._error(ident, req, e.code, e.message, e.retry_after_s)
+        except Exception as e:  # a bug must not take the broker down for everyone
+            log.exception("internal error handling a request")
+            self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _dispatch(self, ident: bytes, msg, frames) -> None:
+        now = time.monotonic()
+        st = self.state
+        if isinstance(msg, P.Push):
+            payload = frames[2]
+            batches = P.ipc_to_batches(payload.buffer)
+            if not batches:
+                raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "Arrow IPC stream holds no record batch")
+            batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+            groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer))
+            self._reply(ident, P.PushReply(req=msg.req, groups=groups, rows=rows, duplicates=dups))
+        elif isinstance(msg, P.AcquireTickets):
+            self._ticket_waiters.append(_Waiter(ident, msg, now, now + max(0.0, msg.wait_s)))
+            if msg.max_groups < 1:
+                self._ticket_waiters.pop()
+                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"max_groups must be >= 1, got {msg.max_groups}")
+        elif isinstance(msg, P.NextBatch):
+            if msg.step < 1:
+                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"step must be >= 1, got {msg.step}")
+            self._lease_waiters.append(_Waiter(ident, msg, now, now + max(0.0, msg.wait_s)))
+        elif isinstance(msg, P.Ack):
+            dup, late = st.ack(msg.lease_id, now)
+            self._reply(ident, P.AckReply(req=msg.req, duplicate=dup, late=late))
+        elif isinstance(msg, P.Renew):
+            st.renew(msg.lease_id, now)
+            self._reply(ident, P.OkReply(req=msg.req))
+        elif isinstance(msg, P.ReportVersion):
+            st.set_version(msg.version)
+            self._reply(ident, P.OkReply(req=msg.req))
+        elif isinstance(msg, P.EngineVersion):
+            st.set_engine_version(msg.engine_id, msg.version)
+            self._reply(ident, P.OkReply(req=msg.req))
+        elif isinstance(msg, P.StatusRequest):
+            snap = self.latest_snapshot = snapshot(self)
+            self._reply(ident, P.StatusReply(req=msg.req, status=snap["status"], drops=snap["drops"],
+                                             errors=snap["errors"], engine_lag=snap["engine_lag"],
+                                             staleness_hist=snap["staleness_hist"]))
+        elif isinstance(msg, P.Ping):
+            self._reply(ident, P.OkReply(req=msg.req))
+        else:  # decode_request only returns known types
+            raise AssertionError(f"unhandled message {msg!r}")
+
+    def _serve_waiters(self, now: float) -> None:
+        keep = []
+        for w in self._ticket_waiters:
+            try:
+                tickets = self.state.acquire(w.msg.producer_id, w.msg.max_groups, now)
+            except BrokerError as e:
+                self._error(w.ident, w.msg.req, e.code, e.message)
+                continue
+            if tickets or now >= w.deadline:
+                if tickets:
+                    self.ticket_wait.observe(now - w.t0)
+                self._reply(w.ident, P.TicketsReply(req=w.msg.req, tickets=tickets))
+            else:
+                keep.append(w)
+        self._ticket_waiters = keep
+        keep = []
+        for w in self._lease_waiters:
+            try:
+                lease = self.state.lease(w.msg.consumer_id, w.msg.step, now)
+            except BrokerError as e:
+                self._error(w.ident, w.msg.req, e.code, e.message)
+                continue
+            if lease is not None:
+                self.learner_wait.observe(now - w.t0)
+                payload = P.batch_to_ipc(lease.batches, lease.batches[0].schema)
+                self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
+                                                  groups=len(lease.group_ids),
+                                                  staleness=lease.staleness.astype("<i4").tobytes()), payload)
+            elif now >= w.deadline:
+                self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups))
+            else:
+                keep.append(w)
+        self._lease_waiters = keep
+
+
+def run_server(cfg: BrokerConfig, *, on_bound=None) -> None:
+    """Bind, announce, serve until SIGTERM/SIGINT (used by ``python -m broker``)."""
+    server = BrokerServer(cfg)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    address = server.bind()
+    if on_bound is not None:
+        on_bound(server, address)
+    server.serve(stop)
+    log.info("broker stopped")

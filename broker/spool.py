@@ -1,0 +1,255 @@
+"""The durable spool: accepted batches in Arrow IPC files, acks and leases in a log.
+
+Layout of a spool directory::
+
+    segments/seg-00000001.arrows   Arrow IPC streams of accepted rows, in arrival order;
+                                   each broker start opens a new segment (a torn tail of an
+                                   old one, left by kill -9, is never appended to)
+    log.bin                        records: [u32 length][u32 crc32][msgpack LogRecord] ...
+
+Write order is what makes restarts exact: the broker writes a batch (or an ack,
+lease, drop record) *before* it changes its state and before it replies. A
+record cut short by a crash fails its length or crc check and is ignored, and
+the log is truncated there; such a record was never answered, so the client
+sees a timeout and retries (pushes and acks are idempotent).
+
+fsync policy (``BrokerConfig.fsync``):
+
+* ``never``: write() only. Survives ``kill -9`` of the broker (the OS holds the
+  pages), not a power loss.
+* ``batch``: group commit: one fsync of the data and the log per server loop
+  iteration, before any reply of that iteration is sent.
+* ``always``: fsync after every record.
+
+Segments are kept (not compacted) so a run's trajectories can be exported:
+``python -m broker export SPOOL --out x.parquet --steps 3:7``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from broker.schema import TRAJECTORY_SCHEMA
+
+log = logging.getLogger(__name__)
+
+_HEAD = struct.Struct("<II")
+
+
+class LogRecord(msgspec.Struct, omit_defaults=True):
+    kind: str  # lease | ack | expire | drop | version
+    lease_id: str = ""
+    step: int = 0  # lease/ack: the learner step; version: the version
+    consumer_id: str = ""
+    group_ids: list[str] = []
+    reason: str = ""
+
+
+_rec_enc = msgspec.msgpack.Encoder()
+_rec_dec = msgspec.msgpack.Decoder(LogRecord)
+
+
+@dataclass
+class Recovered:
+    batches: list[pa.RecordBatch]
+    records: list[LogRecord]
+    torn_segments: int = 0
+    torn_log_bytes: int = 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_segments(root: Path) -> tuple[list[pa.RecordBatch], int]:
+    batches, torn = [], 0
+    for path in sorted((root / "segments").glob("seg-*.arrows")):
+        try:
+            reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+        except pa.ArrowException:
+            torn += 1  # died before the schema was written
+            continue
+        while True:
+            try:
+                batches.append(reader.read_next_batch())
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError):
+                torn += 1
+                log.warning("spool segment %s ends in a torn batch (crash while writing); ignored", path)
+                break
+    return batches, torn
+
+
+def read_log(path: Path) -> tuple[list[LogRecord], int]:
+    """Records up to the first torn one, and the byte offset where the good part ends."""
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    out, pos = [], 0
+    while pos + _HEAD.size <= len(data):
+        length, crc = _HEAD.unpack_from(data, pos)
+        body = data[pos + _HEAD.size: pos + _HEAD.size + length]
+        if len(body) != length or zlib.crc32(body) != crc:
+            break
+        try:
+            out.append(_rec_dec.decode(body))
+        except msgspec.DecodeError:
+            break
+        pos += _HEAD.size + length
+    return out, pos
+
+
+class Spool:
+    """Journal of a BrokerState on disk. Example::
+
+        spool = Spool("/run/spool", fsync="batch")
+        recovered = spool.recover()              # before the first write
+        state.restore(recovered.batches, recovered.records, now)
+        state.journal = spool
+        ...; spool.commit()                      # once per loop iteration, before replies
+    """
+
+    def __init__(self, root: str | os.PathLike, *, fsync: str = "batch",
+                 segment_max_bytes: int = 256 << 20) -> None:
+        if fsync not in ("never", "batch", "always"):
+            raise ValueError(f"fsync must be one of never|batch|always, got {fsync!r}")
+        self.root = Path(root)
+        self.fsync = fsync
+        self.segment_max_bytes = segment_max_bytes
+        (self.root / "segments").mkdir(parents=True, exist_ok=True)
+        self._log_path = self.root / "log.bin"
+        self._log_fd: int | None = None
+        self._sink = None
+        self._writer = None
+        self._data_fd: int | None = None
+        self._dirty = False
+        self.bytes_written = 0
+
+    def recover(self) -> Recovered:
+        batches, torn = read_segments(self.root)
+        records, good = read_log(self._log_path)
+        size = self._log_path.stat().st_size if self._log_path.exists() else 0
+        if size > good:
+            log.warning("spool log has a torn tail of %d bytes (crash while writing); truncated", size - good)
+            os.truncate(self._log_path, good)
+        return Recovered(batches, records, torn, size - good)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _open_segment(self) -> None:
+        self._close_segment()
+        existing = sorted((self.root / "segments").glob("seg-*.arrows"))
+        n = int(existing[-1].stem.split("-")[1]) + 1 if existing else 1
+        path = self.root / "segments" / f"seg-{n:08d}.arrows"
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pa.ipc.new_stream(self._sink, TRAJECTORY_SCHEMA)
+        self._data_fd = os.open(path, os.O_RDONLY)
+        self._seg_bytes = 0
+        if self.fsync != "never":
+            _fsync_dir(self.root / "segments")
+
+    def _close_segment(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._sink.close()
+            os.close(self._data_fd)
+            self._writer = self._sink = self._data_fd = None
+
+    def _after_write(self, fd: int) -> None:
+        if self.fsync == "always":
+            os.fsync(fd)
+        else:
+            self._dirty = True
+
+    def on_accept(self, batch: pa.RecordBatch) -> None:
+        if self._writer is None or self._seg_bytes > self.segment_max_bytes:
+            self._open_segment()
+        if batch.schema.metadata != TRAJECTORY_SCHEMA.metadata:
+            batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
+        before = self._sink.tell()
+        self._writer.write_batch(batch)
+        written = self._sink.tell() - before
+        self._seg_bytes += written
+        self.bytes_written += written
+        self._after_write(self._data_fd)
+
+    def _append(self, rec: LogRecord) -> None:
+        if self._log_fd is None:
+            self._log_fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        body = _rec_enc.encode(rec)
+        os.write(self._log_fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
+        self._after_write(self._log_fd)
+
+    def on_lease(self, lease_id: str, step: int, consumer_id: str, group_ids: list[str]) -> None:
+        self._append(LogRecord("lease", lease_id=lease_id, step=step, consumer_id=consumer_id, group_ids=group_ids))
+
+    def on_ack(self, lease_id: str, step: int, group_ids: list[str]) -> None:
+        self._append(LogRecord("ack", lease_id=lease_id, step=step, group_ids=group_ids))
+
+    def on_expire(self, lease_id: str) -> None:
+        self._append(LogRecord("expire", lease_id=lease_id))
+
+    def on_drop(self, reason: str, group_ids: list[str]) -> None:
+        self._append(LogRecord("drop", reason=reason, group_ids=group_ids))
+
+    def on_version(self, version: int) -> None:
+        self._append(LogRecord("version", step=version))
+
+    def commit(self) -> None:
+        """Group commit for ``fsync=batch``: call before sending the replies of a loop iteration."""
+        if self._dirty and self.fsync == "batch":
+            if self._data_fd is not None:
+                os.fsync(self._data_fd)
+            if self._log_fd is not None:
+                os.fsync(self._log_fd)
+        self._dirty = False
+
+    def close(self) -> None:
+        self.commit()
+        self._close_segment()
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+
+
+def export_parquet(root: str | os.PathLike, out: str | os.PathLike, steps: tuple[int, int] | None = None) -> int:
+    """Write a spool's rows to Parquet with their fate; returns the row count.
+
+    Adds ``status`` (``acked``, ``dropped:<reason>``, ``pending``) and ``consumed_step``
+    (the learner step that acked the row, null otherwise). ``steps=(a, b)`` keeps rows
+    whose ``step`` (the admission step) is in ``[a, b)``.
+    """
+    root = Path(root)
+    if not (root / "segments").is_dir():
+        raise FileNotFoundError(f"{root} is not a broker spool (no segments/ folder)")
+    batches, _ = read_segments(root)
+    records, _ = read_log(root / "log.bin")
+    fate: dict[str, tuple[str, int | None]] = {}
+    for rec in records:
+        if rec.kind == "ack":
+            fate.update({g: ("acked", rec.step) for g in rec.group_ids})
+        elif rec.kind == "drop":
+            fate.update({g: (f"dropped:{rec.reason}", None) for g in rec.group_ids})
+    table = pa.Table.from_batches(batches, schema=TRAJECTORY_SCHEMA)
+    if steps is not None:
+        st = table.column("step").to_numpy()
+        table = table.filter(pa.array((st >= steps[0]) & (st < steps[1])))
+    gids = table.column("group_id").to_pylist()
+    status = [fate.get(g, ("pending", None)) for g in gids]
+    table = table.append_column("status", pa.array([s for s, _ in status], pa.string()))
+    table = table.append_column("consumed_step", pa.array([c for _, c in status], pa.int64()))
+    pq.write_table(table, str(out))
+    return table.num_rows

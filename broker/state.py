@@ -1,0 +1,453 @@
+"""The broker's pure core: admission tickets, groups, leases, acks, stale drops, byte budget.
+
+No sockets and no clock of its own (every method takes ``now``), so the property
+tests drive it directly; :mod:`broker.server` wraps it in a ZMQ loop. The
+semantics are stated in :mod:`broker.server`'s docstring; the short version:
+
+* supply = outstanding tickets + pending groups (queued or leased); demand =
+  ``groups_per_step * (k + 1)`` (steps ``v+1 .. v+k+1``). A ticket is granted
+  while supply < demand, labelled with step ``v + 1 + supply // G``, so every
+  step gets exactly ``G`` tickets and each label is ``<= v + k + 1``.
+* a lease for step ``s`` takes the ``G`` oldest queued groups (by label, then
+  arrival); a group whose staleness ``(s - 1) - oldest version`` exceeds ``k``
+  for any row is dropped with reason ``stale``.
+* acked groups are gone for good; an expired lease's groups are queued again.
+
+A *journal* (the spool, or None) sees every change before it is visible, so a
+restart from the journal restores exactly the accepted, unacked groups.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from broker.protocol import ErrorCode, Ticket
+from broker.schema import SchemaError, oldest_versions, validate_batch
+
+log = logging.getLogger(__name__)
+
+
+class BrokerError(Exception):
+    """A request the broker refuses; ``code`` is an ErrorCode, sent back in the error reply."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class Journal(Protocol):
+    def on_accept(self, batch: pa.RecordBatch) -> None: ...
+    def on_lease(self, lease_id: str, step: int, consumer_id: str, group_ids: list[str]) -> None: ...
+    def on_ack(self, lease_id: str, step: int, group_ids: list[str]) -> None: ...
+    def on_expire(self, lease_id: str) -> None: ...
+    def on_drop(self, reason: str, group_ids: list[str]) -> None: ...
+    def on_version(self, version: int) -> None: ...
+
+
+@dataclass(slots=True)
+class Group:
+    group_id: str
+    label: int  # the step of the ticket that started it (the rows' ``step``)
+    seq: int  # arrival order; ties between labels break on it
+    batch: pa.RecordBatch
+    nbytes: int
+    versions: np.ndarray  # oldest policy version of each row
+    lease_id: str | None = None
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    step: int
+    consumer_id: str
+    group_ids: list[str]
+    batches: list[pa.RecordBatch]
+    staleness: np.ndarray  # int32 per row, in batch order
+    deadline: float
+
+
+@dataclass(slots=True)
+class _TicketRec:
+    producer_id: str
+    step: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class Counters:
+    produced_groups: int = 0
+    produced_rows: int = 0
+    produced_bytes: int = 0
+    leased_groups: int = 0
+    acked_groups: int = 0
+    acked_rows: int = 0
+    redelivered_groups: int = 0
+    tickets_granted: int = 0
+    tickets_fulfilled: int = 0
+    tickets_expired: int = 0
+    unticketed_groups: int = 0
+    late_acks: int = 0
+    drops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    drops_rows: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    staleness_hist: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+
+def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None) -> list[Group]:
+    """Cut a validated batch into whole groups; raise BrokerError if any group is partial.
+
+    Rows of one group that sit together become a zero-copy slice; scattered rows are
+    gathered with ``take`` (one copy). ``seq`` and ``lease_id`` are filled in by the caller.
+    """
+    n = batch.num_rows
+    if n == 0:
+        return []
+    gids = batch.column("group_id").to_pylist()
+    rows_of: dict[str, list[int]] = {}
+    for i, g in enumerate(gids):
+        rows_of.setdefault(g, []).append(i)
+    si = batch.column("sample_index").to_numpy()
+    gs = batch.column("group_size").to_numpy()
+    step = batch.column("step").to_numpy()
+    ver = oldest_versions(batch)
+    total = payload_bytes if payload_bytes is not None else batch.nbytes
+    out = []
+    for gid, rows in rows_of.items():
+        idx = np.asarray(rows)
+        size = int(gs[idx[0]])
+        if (gs[idx] != size).any() or (step[idx] != step[idx[0]]).any():
+            raise BrokerError(ErrorCode.INCOMPLETE_GROUP, f"group {gid!r}: rows disagree on group_size or step")
+        if len(idx) != size or len(np.unique(si[idx])) != size:
+            raise BrokerError(
+                ErrorCode.INCOMPLETE_GROUP,
+                f"group {gid!r} has {len(idx)} rows with sample indices {sorted(si[idx].tolist())[:8]}, "
+                f"expected all of 0..{size - 1}; push whole groups only",
+            )
+        contiguous = idx[-1] - idx[0] + 1 == len(idx)
+        rows_batch = batch.slice(int(idx[0]), len(idx)) if contiguous else batch.take(pa.array(idx))
+        out.append(Group(gid, int(step[idx[0]]), 0, rows_batch, max(1, total * len(idx) // n), ver[idx]))
+    return out
+
+
+class BrokerState:
+    """The broker's bookkeeping. Example::
+
+        st = BrokerState(max_staleness=1, groups_per_step=2, lease_timeout_s=30, ticket_timeout_s=60,
+                         byte_budget_bytes=1 << 30)
+        tickets = st.acquire("w0", 2, now=0.0)     # two tickets for step 1
+        st.accept("w0", batch, now=1.0)            # rows of two complete groups with step=1
+        lease = st.lease("learner", 1, now=2.0)    # both groups, staleness per row
+        st.ack(lease.lease_id, now=3.0)            # gone for good; version is now 1
+    """
+
+    def __init__(self, *, max_staleness: int, groups_per_step: int, lease_timeout_s: float,
+                 ticket_timeout_s: float, byte_budget_bytes: int, journal: Journal | None = None,
+                 max_expired_leases: int = 4096) -> None:
+        self.k = max_staleness
+        self.G = groups_per_step
+        self.lease_timeout_s = lease_timeout_s
+        self.ticket_timeout_s = ticket_timeout_s
+        self.byte_budget = byte_budget_bytes
+        self.journal = journal
+        self.version = 0
+        self.engine_versions: dict[str, int] = {}
+        self.counters = Counters()
+        self.pending: dict[str, Group] = {}  # accepted, not acked, not dropped
+        self.pending_bytes = 0
+        self._queue: list[tuple[int, int, str]] = []  # heap of (label, seq, group_id); lazily pruned
+        self._done: set[str] = set()  # acked or dropped group ids
+        self._tickets: dict[int, _TicketRec] = {}
+        self._leases: dict[str, Lease] = {}
+        self._lease_by_key: dict[tuple[str, int], str] = {}
+        self._acked_leases: set[str] = set()
+        self._expired: OrderedDict[str, Lease] = OrderedDict()
+        self._max_expired = max_expired_leases
+        self._epoch = os.urandom(4).hex()  # lease ids stay unique across broker restarts
+        self._next_ticket = int.from_bytes(os.urandom(3), "little") << 20
+        self._next_lease = 0
+        self._seq = 0
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def queued_groups(self) -> int:
+        return sum(1 for g in self.pending.values() if g.lease_id is None)
+
+    @property
+    def leased_groups(self) -> int:
+        return sum(len(lease.group_ids) for lease in self._leases.values())
+
+    @property
+    def outstanding_tickets(self) -> int:
+        return len(self._tickets)
+
+    def _supply(self) -> int:
+        return len(self._tickets) + len(self.pending)
+
+    def _demand(self) -> int:
+        return self.G * (self.k + 1)
+
+    # -- admission -------------------------------------------------------------------------------
+    def acquire(self, producer_id: str, max_groups: int, now: float) -> list[Ticket]:
+        if max_groups < 1:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"max_groups must be >= 1, got {max_groups}")
+        out = []
+        while len(out) < max_groups and (supply := self._supply()) < self._demand():
+            step = self.version + 1 + supply // self.G
+            tid = self._next_ticket
+            self._next_ticket += 1
+            self._tickets[tid] = _TicketRec(producer_id, step, now + self.ticket_timeout_s)
+            out.append(Ticket(tid, step))
+        self.counters.tickets_granted += len(out)
+        return out
+
+    def accept(self, producer_id: str, batch: pa.RecordBatch, now: float,
+               payload_bytes: int | None = None) -> tuple[int, int, int]:
+        """Take a pushed batch. Returns (groups, rows, duplicate groups); all or nothing."""
+        try:
+            validate_batch(batch)
+        except SchemaError as e:
+            raise BrokerError(ErrorCode.BAD_SCHEMA, str(e)) from None
+        groups = split_groups(batch, payload_bytes)
+        fresh = [g for g in groups if g.group_id not in self.pending and g.group_id not in self._done]
+        dups = len(groups) - len(fresh)
+        if not fresh:
+            self.counters.drops["duplicate"] += dups
+            return 0, 0, dups
+        nbytes = sum(g.nbytes for g in fresh)
+        if nbytes > self.byte_budget:
+            raise BrokerError(ErrorCode.TOO_LARGE, f"push of {nbytes} bytes exceeds the whole byte budget "
+                              f"of {self.byte_budget}; push smaller batches")
+        if self.pending_bytes + nbytes > self.byte_budget:
+            raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
+                              "bytes held); retry later", retry_after_s=0.05)
+        # Plan tickets before changing anything, so a refused push leaves no trace.
+        mine = defaultdict(list)
+        for tid, t in self._tickets.items():
+            if t.producer_id == producer_id:
+                mine[t.step].append(tid)
+        used, unticketed, supply = [], 0, self._supply()
+        for g in fresh:
+            if mine[g.label]:
+                used.append(mine[g.label].pop())
+            elif supply < self._demand():
+                unticketed += 1
+                supply += 1
+            else:
+                raise BrokerError(ErrorCode.NO_TICKET, f"group {g.group_id!r} for step {g.label}: producer "
+                                  f"{producer_id!r} holds no ticket for that step (expired?) and all "
+                                  f"{self._demand()} slots are taken; acquire a ticket first")
+        if self.journal is not None:
+            self.journal.on_accept(batch if not dups else pa.concat_batches([g.batch for g in fresh]))
+        for tid in used:
+            del self._tickets[tid]
+        rows = 0
+        for g in fresh:
+            self._add(g)
+            rows += g.batch.num_rows
+        c = self.counters
+        c.tickets_fulfilled += len(used)
+        c.unticketed_groups += unticketed
+        c.produced_groups += len(fresh)
+        c.produced_rows += rows
+        c.produced_bytes += nbytes
+        if dups:
+            c.drops["duplicate"] += dups
+        return len(fresh), rows, dups
+
+    def _add(self, g: Group) -> None:
+        g.seq = self._seq
+        self._seq += 1
+        self.pending[g.group_id] = g
+        self.pending_bytes += g.nbytes
+        heapq.heappush(self._queue, (g.label, g.seq, g.group_id))
+
+    # -- consumption -----------------------------------------------------------------------------
+    def lease(self, consumer_id: str, step: int, now: float) -> Lease | None:
+        """The batch of learner step ``step`` (trained at version ``step - 1``), or None if short."""
+        if step < 1:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"step must be >= 1, got {step}")
+        if (lid := self._lease_by_key.get((consumer_id, step))) is not None:
+            return self._leases[lid]  # a retried request: the same lease again
+        self.set_version(step - 1)
+        picked: list[Group] = []
+        stale: list[Group] = []
+        while self._queue and len(picked) < self.G:
+            label, seq, gid = heapq.heappop(self._queue)
+            g = self.pending.get(gid)
+            if g is None or g.lease_id is not None or g.seq != seq:
+                continue  # acked, dropped or leased since it was queued
+            if int(((step - 1) - g.versions).max()) > self.k:
+                stale.append(g)
+                continue
+            picked.append(g)
+        if stale:
+            self._drop(stale, "stale")
+        if len(picked) < self.G:
+            for g in picked:
+                heapq.heappush(self._queue, (g.label, g.seq, g.group_id))
+            return None
+        lid = f"{self._epoch}-{self._next_lease}"
+        self._next_lease += 1
+        gids = [g.group_id for g in picked]
+        if self.journal is not None:
+            self.journal.on_lease(lid, step, consumer_id, gids)
+        staleness = np.concatenate([(step - 1) - g.versions for g in picked]).astype(np.int32)
+        lease = Lease(lid, step, consumer_id, gids, [g.batch for g in picked], staleness,
+                      now + self.lease_timeout_s)
+        for g in picked:
+            g.lease_id = lid
+        self._leases[lid] = lease
+        self._lease_by_key[(consumer_id, step)] = lid
+        self.counters.leased_groups += len(picked)
+        for s, n in zip(*np.unique(staleness, return_counts=True)):
+            self.counters.staleness_hist[int(s)] += int(n)
+        return lease
+
+    def _drop(self, groups: list[Group], reason: str) -> None:
+        if self.journal is not None:
+            self.journal.on_drop(reason, [g.group_id for g in groups])
+        for g in groups:
+            self._forget(g)
+            self.counters.drops[reason] += 1
+            self.counters.drops_rows[reason] += g.batch.num_rows
+        log.info("dropped %d group(s): %s", len(groups), reason)
+
+    def _forget(self, g: Group) -> None:
+        del self.pending[g.group_id]
+        self.pending_bytes -= g.nbytes
+        self._done.add(g.group_id)
+
+    def ack(self, lease_id: str, now: float) -> tuple[bool, bool]:
+        """Mark a lease's groups consumed. Returns (duplicate, late)."""
+        lease = self._leases.pop(lease_id, None)
+        late = False
+        if lease is None:
+            if lease_id in self._acked_leases:
+                return True, False
+            lease = self._expired.get(lease_id)
+            if lease is None:
+                raise BrokerError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown to this broker")
+            if not all((g := self.pending.get(gid)) is not None and g.lease_id is None for gid in lease.group_ids):
+                raise BrokerError(ErrorCode.LEASE_EXPIRED, f"lease {lease_id!r} (step {lease.step}) expired and "
+                                  "some of its groups were handed out again or dropped; do not count this step")
+            del self._expired[lease_id]
+            late = True
+            self.counters.late_acks += 1
+        else:
+            self._lease_by_key.pop((lease.consumer_id, lease.step), None)
+        if self.journal is not None:
+            self.journal.on_ack(lease_id, lease.step, lease.group_ids)
+        self._acked_leases.add(lease_id)
+        for gid in lease.group_ids:
+            g = self.pending[gid]
+            self._forget(g)
+            self.counters.acked_groups += 1
+            self.counters.acked_rows += g.batch.num_rows
+        if lease.step > self.version:
+            self.set_version(lease.step)
+        return False, late
+
+    def renew(self, lease_id: str, now: float) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            code = ErrorCode.LEASE_EXPIRED if lease_id in self._expired else ErrorCode.UNKNOWN_LEASE
+            raise BrokerError(code, f"lease {lease_id!r} is not live; it cannot be renewed")
+        lease.deadline = now + self.lease_timeout_s
+
+    def set_version(self, version: int) -> None:
+        if version < 0:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"version must be >= 0, got {version}")
+        if version == self.version:
+            return
+        if version < self.version:
+            log.warning("learner version went back from %d to %d (restored checkpoint?)", self.version, version)
+        if self.journal is not None:
+            self.journal.on_version(version)
+        self.version = version
+
+    def set_engine_version(self, engine_id: str, version: int) -> None:
+        self.engine_versions[engine_id] = version
+
+    # -- time ------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Expire leases (their groups are queued again) and unfulfilled tickets."""
+        for lid in [lid for lid, lease in self._leases.items() if lease.deadline <= now]:
+            lease = self._leases.pop(lid)
+            self._lease_by_key.pop((lease.consumer_id, lease.step), None)
+            if self.journal is not None:
+                self.journal.on_expire(lid)
+            for gid in lease.group_ids:
+                g = self.pending[gid]
+                g.lease_id = None
+                heapq.heappush(self._queue, (g.label, g.seq, gid))
+            self.counters.redelivered_groups += len(lease.group_ids)
+            self._expired[lid] = lease
+            while len(self._expired) > self._max_expired:
+                self._expired.popitem(last=False)
+            log.warning("lease %s (step %d, consumer %s) expired; %d groups queued again",
+                        lid, lease.step, lease.consumer_id, len(lease.group_ids))
+        dead = [tid for tid, t in self._tickets.items() if t.deadline <= now]
+        for tid in dead:
+            del self._tickets[tid]
+        self.counters.tickets_expired += len(dead)
+
+    def next_deadline(self) -> float | None:
+        ds = [lease.deadline for lease in self._leases.values()] + [t.deadline for t in self._tickets.values()]
+        return min(ds) if ds else None
+
+    # -- recovery --------------------------------------------------------------------------------
+    def restore(self, batches: list[pa.RecordBatch], records: list, now: float) -> None:
+        """Rebuild from a spool: accepted batches in order, then the log records (see broker.spool)."""
+        journal, self.journal = self.journal, None  # replaying must not write the journal again
+        try:
+            done: set[str] = set()
+            leases: dict[str, tuple[int, str, list[str]]] = {}
+            for rec in records:
+                if rec.kind == "lease":
+                    leases[rec.lease_id] = (rec.step, rec.consumer_id, rec.group_ids)
+                elif rec.kind == "expire":
+                    leases.pop(rec.lease_id, None)
+                elif rec.kind == "ack":
+                    leases.pop(rec.lease_id, None)
+                    done.update(rec.group_ids)
+                    self._acked_leases.add(rec.lease_id)
+                elif rec.kind == "drop":
+                    done.update(rec.group_ids)
+                elif rec.kind == "version":
+                    self.version = rec.step
+            for batch in batches:
+                for g in split_groups(batch):
+                    if g.group_id in done:
+                        self._done.add(g.group_id)
+                    elif g.group_id not in self.pending:
+                        self._add(g)
+            for lid, (step, consumer_id, gids) in leases.items():
+                gs = [self.pending.get(gid) for gid in gids]
+                if all(g is not None and g.lease_id is None for g in gs):
+                    staleness = np.concatenate([(step - 1) - g.versions for g in gs]).astype(np.int32)
+                    lease = Lease(lid, step, consumer_id, gids, [g.batch for g in gs], staleness,
+                                  now + self.lease_timeout_s)
+                    for g in gs:
+                        g.lease_id = lid
+                    self._leases[lid] = lease
+                    self._lease_by_key[(consumer_id, step)] = lid
+            log.info("restored %d pending groups (%d leased) and %d done; version %d",
+                     len(self.pending), self.leased_groups, len(self._done), self.version)
+        finally:
+            self.journal = journal
+
+    # -- status ----------------------------------------------------------------------------------
+    def has_seen(self, group_id: str) -> bool:
+        return group_id in self.pending or group_id in self._done
+
+    def engine_lag(self) -> dict[str, int]:
+        return {e: self.version - v for e, v in self.engine_versions.items()}

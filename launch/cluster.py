@@ -1,0 +1,130 @@
+"""fleetrl's one entry point: place the learner and the rollout fleet on a Ray cluster and run.
+
+Examples::
+
+    python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe tiny          # CPU demo
+    python launch/cluster.py --rollout-gpus 32 --learner-gpus 32 --simulate \\
+        --max-steps 200 --summary out.json                                            # SIMULATED scale
+    python launch/cluster.py --recipe tiny broker.max_staleness=0 learner.loss.correction=none
+    python launch/cluster.py scale --rollout-gpus 8 --run-dir runs/tiny                # running job
+    python launch/cluster.py status --run-dir runs/tiny
+
+This module imports only the standard library at the top, so ``--help`` and config
+errors answer in well under a second; Ray, torch and vLLM load in :mod:`launch.driver`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python launch/cluster.py` (not -m): make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SUBCOMMANDS = ("scale", "status")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/cluster.py",
+        description="Run asynchronous RL: a learner pool and a rollout fleet on disjoint GPUs of a Ray cluster. "
+        "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help').",
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. broker.max_staleness=0 learner.optim.lr=1e-5")
+    p.add_argument("--recipe", default="tiny", help="a recipe name in launch/recipes/ or a YAML path (default: tiny)")
+    p.add_argument("--rollout-gpus", type=int, default=0, help="GPUs for the rollout fleet (0: CPU servers)")
+    p.add_argument("--learner-gpus", type=int, default=0, help="GPUs for the learner (0: CPU)")
+    p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--ray-auth", choices=("token", "disabled"), default=None,
+                   help="Ray token auth (default: 'disabled' for a local cluster bound to 127.0.0.1, "
+                   "'token' when joining with --address)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: run.run_dir of the recipe)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: run.max_steps)")
+    p.add_argument("--summary", default=None, metavar="PATH", help="write a JSON summary here at the end")
+    p.add_argument("--simulate", action="store_true",
+                   help="SIMULATED engines and learner (no model): exercise placement, broker, admission, "
+                   "scaling and lag monitoring at full size with fake GPUs")
+    p.add_argument("--no-live", action="store_true", help="no live terminal view (log lines instead)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def control_parser(cmd: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"launch/cluster.py {cmd}",
+                                description=f"'{cmd}' a running job through its control endpoint")
+    p.add_argument("--run-dir", required=True, help="the run directory of the running job")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the job's answer")
+    if cmd == "scale":
+        p.add_argument("--rollout-gpus", type=int, required=True, help="the fleet's new GPU count (or servers on CPU)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    return p
+
+
+def _control(argv: list[str]) -> int:
+    cmd, rest = argv[0], argv[1:]
+    args = control_parser(cmd).parse_args(rest)
+    from launch.control import ControlError, request
+
+    body = {"op": cmd}
+    if cmd == "scale":
+        if args.rollout_gpus < 0:
+            print(f"error: --rollout-gpus must be >= 0, got {args.rollout_gpus}", file=sys.stderr)
+            return 2
+        body["rollout_gpus"] = args.rollout_gpus
+    try:
+        answer = request(Path(args.run_dir), body, timeout_s=args.timeout)
+    except ControlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json or cmd == "scale":
+        print(json.dumps(answer, indent=2))
+    else:
+        from launch.monitor import format_status
+
+        print(format_status(answer))
+    return 0 if answer.get("ok", True) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return _control(argv)
+    args = run_parser().parse_args(argv)
+    from launch.configbase import ConfigError
+
+    try:
+        cfg = resolve_config(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from launch.driver import run
+
+    return run(cfg, args)
+
+
+def resolve_config(args: argparse.Namespace):
+    """The run config from the recipe, the overrides and the flags that imply config values."""
+    from launch.config import load_run_config
+    from launch.configbase import ConfigError
+
+    if args.rollout_gpus < 0 or args.learner_gpus < 0:
+        raise ConfigError(f"GPU counts must be >= 0, got --rollout-gpus {args.rollout_gpus} "
+                          f"--learner-gpus {args.learner_gpus}")
+    overrides = list(args.overrides)
+    if args.simulate:
+        overrides.append("rollout.engine=simulated")
+    if args.max_steps is not None:
+        overrides.append(f"run.max_steps={args.max_steps}")
+    if args.run_dir is not None:
+        overrides.append(f"run.run_dir={args.run_dir}")
+    cfg = load_run_config(args.recipe, overrides)
+    if cfg.rollout.engine == "simulated" and not args.simulate:
+        raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")
+    return cfg
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The job driver behind ``launch/cluster.py``: Ray, placement, processes, the live view, shutdown.
+
+Dataflow::
+
+    driver (this process)
+      |- Ray: local head on 127.0.0.1 (or --address), placement groups per role
+      |- broker process (python -m broker)       <- tickets / batches / acks / status ->
+      |- fleet actor   (FleetRunner: controller + rollout workers + engine servers)
+      |- learner actor (SimLearner under --simulate; the training loop otherwise)
+      |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale
+      '- monitor: rich view, TensorBoard, Prometheus; JSON summary at the end
+
+Shutdown (Ctrl-C, SIGTERM, a failed component, or the last step): stop the learner, stop
+the fleet (in-flight groups cancelled, engine servers stopped), stop the broker process,
+remove placement groups, shut Ray down (only if this driver started it), close the
+control socket and remove its file. Each step has a timeout and runs even if an earlier
+one failed, so no process and no port outlive the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from launch.config import REPO_ROOT, RunConfig, write_subconfigs
+from launch.control import ControlRequest, ControlServer
+from launch.monitor import Monitor, setup_logging
+from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 30.0
+
+
+class JobFailed(RuntimeError):
+    """A component of the job failed; the message names it."""
+
+
+class Job:
+    def __init__(self, cfg: RunConfig, args: argparse.Namespace) -> None:
+        self.cfg = cfg
+        self.args = args
+        self.simulated = bool(args.simulate)
+        self.run_dir = Path(cfg.run.run_dir).resolve()
+        self.t0 = time.monotonic()
+        self.started_ray = False
+        self.broker = None
+        self.fleet = None
+        self.learner = None
+        self.run_ref = None
+        self.pgs: dict[str, Any] = {}  # "learner" / "server-<i>" -> placement group
+        self.server_slots: dict[int, Slot] = {}
+        self.placement = Placement()
+        self.control: ControlServer | None = None
+        self.monitor: Monitor | None = None
+        self.snapshot: dict[str, Any] = {}
+        self.eval_before: float | None = None
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+
+        self._init_ray(ray)
+        self._place(ray)
+        self._start_broker()
+        self._start_fleet(ray)
+        self._start_learner(ray)
+        self.control = ControlServer(self.run_dir, self.handle)
+        self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
+                               live=not self.args.no_live)
+
+    def _init_ray(self, ray) -> None:
+        local = self.args.address is None
+        os.environ["RAY_AUTH_MODE"] = self.args.ray_auth or ("disabled" if local else "token")
+        env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+        if local:
+            gpus = self.args.rollout_gpus + self.args.learner_gpus if self.simulated else None
+            # a local head binds loopback only: with auth disabled nothing else may reach it
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, _node_ip_address="127.0.0.1", **kw)
+            self.started_ray = True
+        else:
+            ray.init(address=self.args.address, **kw)
+        log.info("Ray up (%s); resources %s", "local" if local else self.args.address, ray.cluster_resources())
+
+    def _nodes(self, ray) -> tuple[list[NodeGPUs], dict[str, str]]:
+        nodes, pin = [], {}
+        for n in ray.nodes():
+            if n.get("Alive"):
+                nodes.append(NodeGPUs(n["NodeID"], int(n["Resources"].get("GPU", 0))))
+                pin[n["NodeID"]] = f"node:{n['NodeManagerAddress']}"
+        return nodes, pin
+
+    def _place(self, ray) -> None:
+        from ray.util.placement_group import placement_group
+
+        r, lg = self.args.rollout_gpus, self.args.learner_gpus
+        if r == 0 and lg == 0:
+            return
+        if (r == 0) != (lg == 0):
+            raise JobFailed(f"give GPUs to both pools or to neither (got --rollout-gpus {r} --learner-gpus {lg})")
+        nodes, self._pin = self._nodes(ray)
+        self.placement = plan_placement(nodes, learner_gpus=lg, rollout_gpus=r,
+                                        rollout_tp=self.cfg.rollout.tensor_parallel_size,
+                                        learner_mp=self.cfg.learner.megatron.tensor_model_parallel_size
+                                        if self.cfg.learner.engine == "megatron" else 1)
+        self.pgs["learner"] = placement_group(bundles(self.placement.learner, self._pin), strategy="PACK",
+                                              name="fleetrl-learner")
+        for i, slot in enumerate(self.placement.servers):
+            self._add_server_pg(i, slot)
+        self._wait_pgs(ray, list(self.pgs.values()))
+        log.info("placed learner on %d GPUs (%d nodes), fleet on %d servers x TP %d",
+                 self.placement.learner_gpus(), len(self.placement.learner), len(self.placement.servers),
+                 self.cfg.rollout.tensor_parallel_size)
+
+    def _add_server_pg(self, index: int, slot: Slot):
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group(bundles([slot], self._pin), strategy="STRICT_PACK", name=f"fleetrl-server-{index}")
+        self.pgs[f"server-{index}"] = pg
+        self.server_slots[index] = slot
+        return pg
+
+    @staticmethod
+    def _wait_pgs(ray, pgs: list, timeout_s: float = 60.0) -> None:
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
+        if len(ready) != len(pgs):
+            raise JobFailed(f"{len(pgs) - len(ready)} placement group(s) not ready after {timeout_s:.0f} s: "
+                            f"the cluster lacks the resources ({ray.available_resources()})")
+
+    def _start_broker(self) -> None:
+        from broker.client import BrokerProcess
+
+        self.broker = BrokerProcess(self.cfg.broker, run_dir=self.run_dir)
+        self.broker.start()
+        log.info("broker at %s", self.broker.address)
+
+    def _n_servers(self) -> int:
+        return len(self.placement.servers) if self.placement.servers else self.cfg.rollout.servers
+
+    def _start_fleet(self, ray) -> None:
+        from launch.ray_actors import FleetActor
+
+        self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0).remote(
+            self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
+            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()})
+        n = self._n_servers()
+        self._get(self.fleet.start.remote(n, list(range(n))), self.cfg.rollout.startup_timeout_s, "fleet start")
+
+    def _start_learner(self, ray) -> None:
+        if not self.simulated:
+            from launch.real_learner import start_learner
+
+            self.learner, self.run_ref, self.eval_before = start_learner(self)
+            return
+        from launch.ray_actors import SimLearnerActor
+
+        self.learner = SimLearnerActor.options(name="fleetrl-sim-learner", num_cpus=0).remote(
+            self.broker.address, str(self.run_dir), self.cfg.rollout.simulated.learner_step_s,
+            self.cfg.broker.max_staleness, self.fleet)
+        self.run_ref = self.learner.run.remote(self.cfg.run.max_steps)
+
+    # -- run ------------------------------------------------------------------------------------
+    def _get(self, ref, timeout: float, what: str):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailed(f"{what}: no answer within {timeout:.0f} s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise JobFailed(f"{what}: the actor died ({exc})") from None
+
+    def loop(self) -> None:
+        import ray
+
+        while True:
+            done, _ = ray.wait([self.run_ref], timeout=0.25)
+            self.snapshot = self.collect()
+            self.monitor.update(self.snapshot)
+            while self.control.poll(0):
+                pass
+            if done:
+                self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
+                return
+            if self.broker is not None and not self.broker.alive():
+                raise JobFailed("the broker process exited")
+
+    def collect(self) -> dict[str, Any]:
+        learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
+        fleet = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")
+        broker = self._broker_status()
+        snap = {**fleet, **learner, "broker": broker, "max_steps": self.cfg.run.max_steps,
+                "max_staleness": self.cfg.broker.max_staleness, "simulated": self.simulated,
+                "wall_s": time.monotonic() - self.t0, "eval_accuracy_before": self.eval_before,
+                "queue_groups": broker.get("queued_groups"), "groups_produced": fleet.get("groups_pushed"),
+                "groups_dropped": broker.get("drops", {}), "fleet_servers": fleet.get("servers", [])}
+        for s in snap["servers"]:
+            s["tok_per_s"] = None
+        return snap
+
+    def _broker_status(self) -> dict[str, Any]:
+        from launch.broker_view import broker_status
+
+        try:
+            return broker_status(self.broker.address)
+        except Exception as exc:  # a slow status answer must not end the job
+            log.warning("broker status failed: %s", exc)
+            return {}
+
+    # -- control --------------------------------------------------------------------------------
+    def handle(self, req: ControlRequest) -> dict[str, Any]:
+        if req.op == "status":
+            return self.collect()
+        if req.rollout_gpus is None:
+            raise ValueError("scale needs rollout_gpus")
+        return self.scale(req.rollout_gpus)
+
+    def scale(self, rollout_gpus: int) -> dict[str, Any]:
+        tp = self.cfg.rollout.tensor_parallel_size
+        if self.placement.servers:  # GPU (or simulated GPU) fleet
+            if rollout_gpus % tp:
+                raise ValueError(f"--rollout-gpus {rollout_gpus} is not a multiple of TP {tp}")
+            target = rollout_gpus // tp
+        else:
+            target = rollout_gpus  # CPU: the number of servers
+        current = sorted(self.server_slots) if self.placement.servers else None
+        n_now = len(self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")["servers"])
+        if target > n_now:
+            indices = self._grow(target - n_now) if current is not None else None
+            if indices is None:
+                self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.startup_timeout_s, "fleet scale")
+            else:
+                slots = {i: (self.server_slots[i].node_id, list(self.server_slots[i].gpu_ids)) for i in indices}
+                self._get(self.fleet.add_servers.remote(indices, slots), self.cfg.rollout.startup_timeout_s, "fleet add")
+        elif target < n_now:
+            removed = self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.request_timeout_s, "fleet drain")
+            self._release(removed)
+        log.info("fleet scaled from %d to %d servers", n_now, target)
+        return {"servers_before": n_now, "servers_after": target}
+
+    def _grow(self, k: int) -> list[int]:
+        import ray
+
+        nodes, _ = self._nodes(ray)
+        used = {(s.node_id, g) for s in self.placement.learner + list(self.server_slots.values()) for g in s.gpu_ids}
+        tp = self.cfg.rollout.tensor_parallel_size
+        new: list[int] = []
+        next_index = max(self.server_slots, default=-1) + 1
+        for n in nodes:
+            free = [g for g in range(n.gpus) if (n.node_id, g) not in used]
+            while len(new) < k and len(free) >= tp:
+                slot = Slot(n.node_id, tuple(free[:tp]))
+                free = free[tp:]
+                self._add_server_pg(next_index, slot)
+                new.append(next_index)
+                next_index += 1
+        if len(new) < k:
+            for i in new:
+                self._release([i])
+            raise ValueError(f"cannot add {k} servers of TP {tp}: only {len(new)} fit on the free GPUs")
+        self._wait_pgs(ray, [self.pgs[f"server-{i}"] for i in new])
+        return new
+
+    def _release(self, indices: list[int]) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for i in indices:
+            pg = self.pgs.pop(f"server-{i}", None)
+            self.server_slots.pop(i, None)
+            if pg is not None:
+                remove_placement_group(pg)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def shutdown(self) -> dict[str, Any]:
+        import ray
+
+        final: dict[str, Any] = {"learner": {}, "fleet": {}, "broker": {}}
+        steps = [
+            ("learner", lambda: self.learner and self._stop_learner()),
+            ("fleet", lambda: self.fleet and self._get(self.fleet.stop.remote(), 60.0, "fleet stop")),
+            ("broker", lambda: self.broker and self._broker_status()),
+        ]
+        for name, fn in steps:
+            try:
+                final[name] = fn() or {}
+            except Exception as exc:
+                log.error("shutdown: %s: %s", name, exc)
+        for actor in (self.learner, self.fleet):
+            if actor is not None and not isinstance(actor, (str, int)):
+                try:
+                    ray.kill(actor)
+                except Exception as exc:
+                    log.warning("shutdown: kill actor: %s", exc)
+        if self.broker is not None:
+            try:
+                self.broker.stop()
+            except Exception as exc:
+                log.error("shutdown: broker process: %s", exc)
+        if self.control is not None:
+            self.control.close()
+        if self.monitor is not None:
+            self.monitor.close()
+        if ray.is_initialized():
+            for pg in self.pgs.values():
+                try:
+                    ray.util.remove_placement_group(pg)
+                except Exception:
+                    pass
+            ray.shutdown()
+        return final
+
+    def _stop_learner(self) -> dict[str, Any]:
+        self._get(self.learner.stop.remote(), CALL_TIMEOUT_S, "learner stop")
+        return self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
+
+
+def run(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from launch.summary import build_summary
+
+    run_dir = Path(cfg.run.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
+    write_subconfigs(cfg, run_dir)
+    job = Job(cfg, args)
+
+    def _term(signum, frame):  # SIGTERM takes the same clean path as Ctrl-C
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _term)
+    rc, error = 0, None
+    try:
+        job.start()
+        job.loop()
+    except KeyboardInterrupt:
+        rc, error = 130, "interrupted"
+        log.warning("interrupted: shutting down")
+    except Exception as exc:
+        rc, error = 1, f"{type(exc).__name__}: {exc}"
+        log.exception("job failed")
+    finally:
+        final = job.shutdown()
+        signal.signal(signal.SIGTERM, old)
+    summary = build_summary(cfg, job, final, error=error)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: summary[k] for k in ("steps", "max_staleness", "max_staleness_seen", "eval_accuracy_before",
+                                              "eval_accuracy_after", "groups_lost", "wall_s", "simulated")}))
+    if error:
+        print(f"error: {error} (logs in {run_dir / 'logs'})")
+    return rc

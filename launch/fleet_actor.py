@@ -1,0 +1,132 @@
+"""The rollout fleet as one process: controller + workers on an asyncio loop (a Ray actor in a run).
+
+It is a plain class so tests can run it in-process; :mod:`launch.driver` wraps it with
+``ray.remote`` (an async actor: its methods run concurrently on the actor's event loop,
+so ``status`` answers while the workers run).
+
+Which engine, prompts and rewards it uses follows ``rollout.engine``: ``simulated`` takes
+the SIMULATED engine, synthetic prompts and a simulated reward; the others take the
+Parquet dataset and the configured reward function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from launch.configbase import build
+from rollout_fleet.controller import FleetController
+from rollout_fleet.worker import AsyncProducer, RolloutWorker
+
+log = logging.getLogger(__name__)
+
+
+class FleetRunner:
+    def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
+                 run_dir: str | None = None) -> None:
+        from launch.config import RunConfig
+
+        self.cfg = build(RunConfig, cfg_data)
+        self.broker_address = broker_address
+        self.run_dir = run_dir
+        self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
+        self.simulated = self.cfg.rollout.engine == "simulated"
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._versions_task: asyncio.Task | None = None
+        self._t0 = time.monotonic()
+        self._tok_hist: list[tuple[float, int]] = []
+
+    def _components(self):
+        r, seed = self.cfg.rollout, self.cfg.run.seed
+        if self.simulated:
+            from rollout_fleet.engines.simulated import SimulatedFactory
+            from rollout_fleet.simulation import SimulatedRewards, SyntheticPrompts
+
+            return (SimulatedFactory(r.simulated, seed=seed),
+                    SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size),
+                    SimulatedRewards(seed=seed))
+        from launch.real_fleet import real_components
+
+        return real_components(self.cfg, self.slots, self.run_dir)
+
+    async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
+        from broker.client import ProducerClient
+
+        factory, prompts, rewards = self._components()
+        self.fleet = FleetController(self.cfg.rollout, factory)
+        for i in indices if indices is not None else range(n_servers):
+            await self.fleet.add_server(i)
+        await self.fleet.start(0)  # servers are in; start the health loop
+        self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
+        self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
+                                    max_inflight_groups=self.cfg.rollout.max_inflight_groups, seed=self.cfg.run.seed)
+        self._task = asyncio.create_task(self.worker.run(self._stop), name="rollout-worker")
+        self._versions_task = asyncio.create_task(self._report_versions(), name="engine-versions")
+        return self.status_now()
+
+    async def _report_versions(self) -> None:
+        """Tell the broker each server's version so it can show per-engine lag."""
+        while not self._stop.is_set():
+            for s in list(self.fleet.servers.values()):
+                try:
+                    await self.producer.report_engine_version(s.engine_id, s.engine.weight_version)
+                except Exception as exc:  # lag reporting must never stop the fleet
+                    log.debug("engine version report failed: %s", exc)
+            await asyncio.sleep(1.0)
+
+    async def update_weights(self, version: int, export_path: str | None = None) -> float:
+        """Fleet-side choreography of one publish (the SIMULATED publisher calls this)."""
+        return await self.fleet.update_fleet(version, export_path)
+
+    async def set_latest_export(self, version: int, path: str) -> None:
+        self.fleet.set_latest_export(version, path)
+
+    async def add_servers(self, indices: list[int], slots: dict[int, Any] | None = None) -> list[str]:
+        self.slots.update(slots or {})
+        return list(await asyncio.gather(*(self.fleet.add_server(i) for i in indices)))
+
+    async def scale_to(self, n_servers: int) -> list[int]:
+        return await self.fleet.scale_to(n_servers)
+
+    async def kill_server(self, engine_id: str) -> None:
+        """Fault injection: kill one server as ``kill -9`` would."""
+        engine = self.fleet.servers[engine_id].engine
+        kill = getattr(engine, "kill", None)
+        if kill is None:
+            raise ValueError(f"engine {engine_id} cannot be killed from the fleet")
+        res = kill()
+        if asyncio.iscoroutine(res):
+            await res
+
+    async def status(self) -> dict[str, Any]:
+        return self.status_now()
+
+    def status_now(self) -> dict[str, Any]:
+        now = time.monotonic()
+        w = self.worker.status() if hasattr(self, "worker") else {}
+        tokens = w.get("tokens_pushed", 0)
+        self._tok_hist.append((now, tokens))
+        self._tok_hist = [(t, n) for t, n in self._tok_hist if now - t <= 10.0]
+        t_old, n_old = self._tok_hist[0]
+        st = self.fleet.status() if hasattr(self, "fleet") else {"servers": []}
+        return {**st, **w, "simulated": self.simulated,
+                "tok_per_s": (tokens - n_old) / (now - t_old) if now > t_old else None,
+                "fleet_idle_fraction": w.get("idle_s", 0.0) / max(1e-9, now - self._t0),
+                "healthy_servers": sum(1 for s in st["servers"] if s["state"] == "healthy")}
+
+    async def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=10.0)
+            except (TimeoutError, asyncio.CancelledError):
+                await self.worker.cancel_inflight()
+        if self._versions_task is not None:
+            self._versions_task.cancel()
+        final = self.status_now()
+        await self.fleet.close()
+        self.producer.close()
+        return final

@@ -1,0 +1,173 @@
+"""What a run shows while it runs: a rich live view, TensorBoard scalars and Prometheus gauges.
+
+The driver builds one snapshot dict per tick (:func:`launch.driver` collects it from the
+learner, the fleet and the broker) and hands it to :class:`Monitor`. Simulated runs say
+so in the view title, in a TensorBoard text entry and in a Prometheus label.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GAUGES = {
+    "learner_step": "learner/step: optimizer steps applied (the policy version)",
+    "learner_idle_fraction": "learner/idle_fraction: share of wall time the learner waited for data",
+    "rollout_tokens_per_s": "rollout/tokens_per_s: generated tokens pushed per second",
+    "rollout_idle_fraction": "rollout/idle_fraction: share of wall time the fleet had no group in flight",
+    "rollout_servers": "rollout/servers: healthy servers",
+    "rollout_reward_mean": "rollout/reward_mean: mean reward of the last consumed step",
+    "broker_queue_groups": "broker/queue_groups: groups waiting in the broker",
+    "rollout_staleness_max_versions": "rollout/staleness_max_versions: max staleness consumed so far",
+    "eval_accuracy": "eval/accuracy: test-set accuracy of the latest evaluation",
+}
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """Plain-text rendering of a ``status`` answer (for the ``status`` subcommand)."""
+    lines = []
+    tag = " [SIMULATED]" if st.get("simulated") else ""
+    lines.append(f"fleetrl job{tag}: step {st.get('step')} / {st.get('max_steps')}  wall {_fmt(st.get('wall_s'), '.1f')} s")
+    lines.append(f"learner: wait {_fmt(st.get('learner_wait_s'), '.2f')} s total, idle {_fmt(st.get('learner_idle_fraction'))}")
+    lines.append(f"broker: queue {st.get('queue_groups')} groups, max staleness seen {st.get('max_staleness_seen')} "
+                 f"(bound {st.get('max_staleness')})")
+    lines.append(f"staleness histogram (versions: samples): {st.get('staleness_hist')}")
+    lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}")
+    for s in st.get("servers", []):
+        lines.append(f"{s['engine_id']:<14}{s['state']:<11}{s['version']:>8}{s['inflight_groups']:>9}"
+                     f"{s['groups_done']:>8}{_fmt(s.get('tok_per_s'), '.0f'):>10}")
+    return "\n".join(lines)
+
+
+class Monitor:
+    def __init__(self, run_dir: Path, *, simulated: bool, tensorboard: bool, live: bool,
+                 prometheus: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.simulated = simulated
+        self._tb = None
+        self._live = None
+        self._gauges: dict[str, Any] = {}
+        self._last_tb_step = -1
+        self._last_log = 0.0
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+                if simulated:
+                    self._tb.add_text("run", "SIMULATED run: no model; engines, rewards and learner are simulated")
+            except ImportError as exc:
+                log.warning("TensorBoard disabled: %s", exc)
+        if prometheus:
+            self._start_prometheus()
+        if live:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def _start_prometheus(self) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+        self._registry = CollectorRegistry()
+        labels = {"simulated": "true" if self.simulated else "false"}
+        for name, doc in GAUGES.items():
+            self._gauges[name] = Gauge(f"fleetrl_{name}", doc, list(labels), registry=self._registry).labels(**labels)
+        self._http, self._http_thread = start_http_server(0, addr="127.0.0.1", registry=self._registry)
+        port = self._http.server_port
+        (self.run_dir / "metrics.json").write_text(json.dumps({"prometheus": f"http://127.0.0.1:{port}/metrics"}))
+        log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
+
+    def update(self, snap: dict[str, Any]) -> None:
+        values = {
+            "learner_step": snap.get("step"), "learner_idle_fraction": snap.get("learner_idle_fraction"),
+            "rollout_tokens_per_s": snap.get("tok_per_s"), "rollout_idle_fraction": snap.get("fleet_idle_fraction"),
+            "rollout_servers": snap.get("healthy_servers"), "rollout_reward_mean": snap.get("reward"),
+            "broker_queue_groups": snap.get("queue_groups"),
+            "rollout_staleness_max_versions": snap.get("max_staleness_seen"),
+            "eval_accuracy": snap.get("eval_accuracy"),
+        }
+        for k, v in values.items():
+            if v is not None and k in self._gauges:
+                self._gauges[k].set(float(v))
+        step = snap.get("step") or 0
+        if self._tb is not None and step != self._last_tb_step:
+            self._last_tb_step = step
+            prefix = "simulated/" if self.simulated else ""
+            for k, v in values.items():
+                if v is not None:
+                    self._tb.add_scalar(prefix + k.replace("_", "/", 1), float(v), step)
+        if self._live is not None:
+            self._live.update(self.render(snap))
+        elif time.monotonic() - self._last_log > 5.0:
+            self._last_log = time.monotonic()
+            log.info("%sstep %s reward %s eval %s tok/s %s fleet idle %s learner idle %s queue %s staleness %s",
+                     "[SIMULATED] " if self.simulated else "", step, _fmt(snap.get("reward")),
+                     _fmt(snap.get("eval_accuracy")), _fmt(snap.get("tok_per_s"), ".0f"),
+                     _fmt(snap.get("fleet_idle_fraction")), _fmt(snap.get("learner_idle_fraction")),
+                     snap.get("queue_groups"), snap.get("staleness_hist"))
+
+    def render(self, snap: dict[str, Any]):
+        from rich.table import Table
+
+        title = "fleetrl" + ("  [bold red]SIMULATED[/] (no model)" if self.simulated else "")
+        t = Table(title=title, show_header=False, expand=False)
+        t.add_column("what", style="cyan")
+        t.add_column("value")
+        t.add_row("step", f"{snap.get('step')} / {snap.get('max_steps')}")
+        t.add_row("reward (last step)", _fmt(snap.get("reward")))
+        t.add_row("eval accuracy", f"{_fmt(snap.get('eval_accuracy'))} (before {_fmt(snap.get('eval_accuracy_before'))})")
+        t.add_row("throughput", f"{_fmt(snap.get('tok_per_s'), '.0f')} tok/s, {snap.get('healthy_servers')} servers")
+        t.add_row("fleet idle", _fmt(snap.get("fleet_idle_fraction")))
+        t.add_row("learner idle", _fmt(snap.get("learner_idle_fraction")))
+        t.add_row("broker queue", f"{snap.get('queue_groups')} groups")
+        t.add_row("trajectory lag", f"max {snap.get('max_staleness_seen')} (bound {snap.get('max_staleness')}), "
+                  f"histogram {snap.get('staleness_hist')}")
+        t.add_row("groups", f"produced {snap.get('groups_produced')}, consumed {snap.get('groups_consumed')}, "
+                  f"dropped {snap.get('groups_dropped')}, re-queued {snap.get('groups_requeued')}")
+        return t
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+class _Prefixed(logging.Formatter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: " + prefix + "%(message)s")
+
+
+def setup_logging(run_dir: Path, name: str, *, simulated: bool, level: str = "INFO", stderr: bool = False) -> None:
+    """Log to ``<run_dir>/logs/<name>.log`` (and stderr if asked); SIMULATED runs prefix every line."""
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = _Prefixed("[SIMULATED] " if simulated else "")
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    for h in list(root.handlers):
+        if getattr(h, "_fleetrl", False):
+            root.removeHandler(h)
+    handlers: list[logging.Handler] = [logging.FileHandler(logs / f"{name}.log")]
+    if stderr:
+        handlers.append(logging.StreamHandler())
+    for h in handlers:
+        h.setFormatter(fmt)
+        h._fleetrl = True  # type: ignore[attr-defined]
+        root.addHandler(h)

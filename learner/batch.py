@@ -1,0 +1,179 @@
+"""From a trajectory record batch to this rank's packed micro-batches for one optimizer step.
+
+Every rank holds the whole step batch (rank 0 pulls it and broadcasts it), so
+advantages, the split across ranks and the micro-batch plan are computed
+identically everywhere without further communication. Each micro-batch is one
+row of concatenated sequences whose ``position_ids`` restart at 0 per sequence
+(transformers' padding-free path: no pad tokens, attention kept inside each
+sequence). All ranks run the same number of micro-batches, because every
+FSDP forward/backward is a collective; a rank with less work runs empty ones
+(one token, weight zero).
+
+Example::
+
+    plan = plan_step(record_batch, rank=0, world_size=2, micro_batch_tokens=4096,
+                     advantage="mean_std", drop_uniform=True, aggregation="token")
+    for mb in plan.micro_batches: ...
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from broker.schema import validate_batch
+from learner.losses import aggregation_weights, group_advantages
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    """One packed row. Token tensors are [n_targets]: one entry per response token."""
+
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 for each sequence
+    target_index: torch.Tensor  # [n] positions in the row whose logits predict a response token
+    targets: torch.Tensor  # [n] the response token ids
+    behaviour_logp: torch.Tensor  # [n] float32
+    advantages: torch.Tensor  # [n] float32 (the sequence's advantage repeated)
+    weights: torch.Tensor  # [n] aggregation weights (sum to 1 over the whole step)
+    seq_lens: torch.Tensor  # [s] response lengths of the packed sequences
+    rows: list[int] = field(default_factory=list)  # rows of the step batch packed here
+    prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
+    ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights"):
+            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        return self
+
+
+@dataclass(kw_only=True, slots=True)
+class StepPlan:
+    micro_batches: list[MicroBatch]
+    stats: dict[str, float]  # whole-step numbers, identical on every rank
+
+
+def _pack(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing bin packing of sequence indices under a token budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b in range(len(bins)):
+            if lengths[i] <= room[b]:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            if lengths[i] > budget:
+                logger.warning("a sequence of %d tokens exceeds micro_batch_tokens=%d; it gets its own micro-batch",
+                               lengths[i], budget)
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def _split_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
+    """Longest first, each sequence to the rank with the fewest tokens (ties: lowest rank)."""
+    load = [0] * world_size
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(x) for x in out]
+
+
+def _empty_micro_batch() -> MicroBatch:
+    """A one-token row with one target of weight zero: keeps collectives in step, changes nothing."""
+    z = torch.zeros(1, dtype=torch.int64)
+    return MicroBatch(input_ids=z.view(1, 1), position_ids=z.view(1, 1), target_index=z.clone(), targets=z.clone(),
+                      behaviour_logp=torch.zeros(1), advantages=torch.zeros(1), weights=torch.zeros(1),
+                      seq_lens=torch.ones(1, dtype=torch.int64))
+
+
+def plan_step(
+    batch: pa.RecordBatch, *, rank: int, world_size: int, micro_batch_tokens: int,
+    advantage: str, drop_uniform: bool, aggregation: str,
+) -> StepPlan:
+    """Advantages, the rank split and this rank's micro-batches for one step batch."""
+    validate_batch(batch)
+    if batch.num_rows == 0:
+        raise ValueError("a step batch must hold at least one trajectory")
+    prompts = batch.column("prompt_ids")
+    responses = batch.column("response_ids")
+    behaviour = batch.column("behaviour_logprobs")
+    p_len = np.diff(prompts.offsets.to_numpy())
+    r_len = np.diff(responses.offsets.to_numpy())
+    if (bad := p_len < 1).any():
+        raise ValueError(f"row {int(np.flatnonzero(bad)[0])}: a trajectory needs at least one prompt token")
+    rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
+    _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
+    adv, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
+    keep_np = keep.numpy() & (r_len > 0)
+    rows = [int(i) for i in np.flatnonzero(keep_np)]
+    total_tokens = int(r_len[rows].sum())
+    stats = {
+        "samples": float(batch.num_rows),
+        "samples_trained": float(len(rows)),
+        "samples_dropped_uniform": float((~keep.numpy()).sum()),
+        "response_tokens": float(total_tokens),
+        "reward_mean": float(rewards.mean()),
+        "advantage_abs_mean": float(adv[keep].abs().mean()) if bool(keep.any()) else 0.0,
+    }
+    if not rows:
+        logger.warning("no trainable sample in this step (all groups uniform or responses empty)")
+
+    p_off, r_off, b_off = prompts.offsets.to_numpy(), responses.offsets.to_numpy(), behaviour.offsets.to_numpy()
+    p_val = prompts.values.to_numpy(zero_copy_only=False)
+    r_val = responses.values.to_numpy(zero_copy_only=False)
+    b_val = behaviour.values.to_numpy(zero_copy_only=False)
+    # The last response token predicts nothing we train on, so it is not fed: L - 1 inputs per sequence.
+    in_len = [int(p_len[i] + r_len[i] - 1) for i in rows]
+    per_rank = _split_ranks(in_len, world_size)
+    packed = [[[per_rank[r][j] for j in b] for b in _pack([in_len[k] for k in per_rank[r]], micro_batch_tokens)]
+              for r in range(world_size)]
+    n_micro = max(1, max(len(p) for p in packed))
+
+    mbs: list[MicroBatch] = []
+    for members in packed[rank]:
+        ids, pos, tidx, tgt, blp, advs, lens, used = [], [], [], [], [], [], [], []
+        offset = 0
+        for k in members:
+            i = rows[k]
+            resp = r_val[r_off[i]:r_off[i + 1]]
+            seq = np.concatenate([p_val[p_off[i]:p_off[i + 1]], resp])[:-1]
+            ids.append(seq)
+            pos.append(np.arange(len(seq)))
+            tidx.append(offset + p_len[i] - 1 + np.arange(r_len[i]))
+            tgt.append(resp)
+            blp.append(b_val[b_off[i]:b_off[i + 1]])
+            advs.append(np.full(r_len[i], float(adv[i]), dtype=np.float32))
+            lens.append(int(r_len[i]))
+            used.append(i)
+            offset += len(seq)
+        seq_lens = torch.tensor(lens, dtype=torch.int64)
+        mbs.append(MicroBatch(
+            input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64)).view(1, -1),
+            position_ids=torch.from_numpy(np.concatenate(pos).astype(np.int64)).view(1, -1),
+            target_index=torch.from_numpy(np.concatenate(tidx).astype(np.int64)),
+            targets=torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
+            behaviour_logp=torch.from_numpy(np.concatenate(blp).astype(np.float32)),
+            advantages=torch.from_numpy(np.concatenate(advs)),
+            weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)),
+            seq_lens=seq_lens, rows=used,
+        ))
+    while len(mbs) < n_micro:
+        mbs.append(_empty_micro_batch())
+    stats["micro_batches"] = float(n_micro)
+    return StepPlan(micro_batches=mbs, stats=stats)

@@ -1,0 +1,137 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) with exact resume, and Hugging Face export.
+
+A checkpoint folder holds:
+
+* ``dcp/``: model and optimizer state, each rank writing its own shards
+  (``torch.distributed.checkpoint``; it can be loaded by another world size);
+* ``meta.json``: the policy version, the source's data position, the LR
+  scheduler's state and the world size, written by rank 0 last, so a folder
+  without it is an incomplete checkpoint and is never picked for resume;
+* ``rng/rank{r}.pt``: each rank's torch (and CUDA) RNG state.
+
+:func:`latest` finds the newest complete ``step_XXXXXXXX`` folder of a run.
+
+An HF export is a plain folder (config.json, model.safetensors, the tokenizer
+files copied from the source model) that ``AutoModelForCausalLM.from_pretrained``
+and the inference engines load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+META = "meta.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def step_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"step_{version:08d}"
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (one with ``meta.json``), or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step_*") if (p / META).exists())
+    return done[-1] if done else None
+
+
+def _rng_state(device_is_cuda: bool) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device_is_cuda:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: int, world_size: int) -> None:
+    """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all shards are on disk."""
+    path.mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    (path / "rng").mkdir(exist_ok=True)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    torch.save(_rng_state(on_cuda), path / "rng" / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        meta = {"extra": extra, "scheduler": scheduler.state_dict(), "world_size": world_size}
+        tmp = path / (META + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.rename(path / META)
+        logger.info("checkpoint saved: %s", path)
+    dist.barrier()
+
+
+def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int) -> dict[str, Any]:
+    """Collective: restore model, optimizer, scheduler and RNG; returns the saved ``extra``."""
+    meta_path = path / META
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META}); it was interrupted while saving")
+    meta = json.loads(meta_path.read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / "rng" / f"rank{rank}.pt"
+    if meta["world_size"] == world_size and rng_file.exists():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        logger.warning("checkpoint %s was written by %d ranks, resuming on %d: RNG states not restored",
+                       path, meta["world_size"], world_size)
+    logger.info("checkpoint loaded: %s (version %s)", path, meta["extra"].get("version"))
+    return meta["extra"]
+
+
+def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype | None = None) -> None:
+    """Collective: gather the full state dict to rank 0 and write an HF folder there.
+
+    ``dtype`` casts floating tensors (e.g. bf16 for inference engines); the
+    config's ``dtype`` is set to match. Tokenizer files come from ``source_dir``.
+    """
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        tensors = {}
+        for name, t in sd.items():
+            if tied and name == "lm_head.weight":
+                continue  # HF re-ties it at load; safetensors refuses shared storage
+            t = t.detach().contiguous()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            tensors[name] = t
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg["dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
+        cfg.pop("torch_dtype", None)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        src = Path(source_dir)
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, out / name)
+        logger.info("HF export written: %s", out)
+    dist.barrier()

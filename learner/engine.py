@@ -1,0 +1,118 @@
+"""The training-engine interface the loop drives, and helpers every backend shares.
+
+A backend (FSDP2 here, Megatron-core later) owns the model, optimizer and LR
+schedule on each learner rank. All methods are collective: every rank calls
+them in the same order with its own part of the step (see learner/batch.py).
+
+Example::
+
+    engine = FSDPEngine(cfg, model_path="models/tiny-adder", total_steps=100)
+    plan = plan_step(batch, rank=engine.rank, world_size=engine.world_size, ...)
+    engine.prepare_logprobs(plan)           # proximal / reference log-probs, no grad
+    metrics = engine.train_step(plan)       # one optimizer step; metrics are global
+    for bucket in engine.iter_full_params(256 << 20):
+        ...                                 # [(name, full tensor)], on every rank
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learner.batch import MicroBatch, StepPlan
+
+
+class TrainingEngine(ABC):
+    """One learner rank's share of the model, optimizer and schedule."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @abstractmethod
+    def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-response-token log-probs and entropies ([n] each) of one packed micro-batch."""
+
+    @abstractmethod
+    def prepare_logprobs(self, plan: StepPlan) -> None:
+        """Fill ``prox_logp`` (when the correction needs the pre-step policy) and ``ref_logp`` (KL) with no grad."""
+
+    @abstractmethod
+    def train_step(self, plan: StepPlan) -> dict[str, float]:
+        """Accumulate gradients over the plan's micro-batches, clip, step optimizer and schedule.
+
+        Returns step metrics reduced over all ranks (identical on every rank).
+        """
+
+    @abstractmethod
+    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) tensors in a fixed order, grouped into buckets of about ``bucket_bytes``.
+
+        Collective: every rank must drain the iterator in lockstep (each tensor is
+        gathered from the shards); the tensors are only meaningful on rank 0.
+        """
+
+    @abstractmethod
+    def param_plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        """(name, full shape, dtype) of every tensor :meth:`iter_full_params` yields, in order (no communication)."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Sharded save of model, optimizer, schedule and RNG plus JSON-able ``extra`` (version, data position)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` wrote; returns its ``extra``."""
+
+    @abstractmethod
+    def export_hf(self, path: Path, dtype: torch.dtype | None = None) -> None:
+        """Write a Hugging Face folder (config, safetensors, tokenizer) loadable by AutoModelForCausalLM."""
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+    """LR multiplier as a function of the number of optimizer steps already taken.
+
+    Linear warm-up from 1/warmup to 1 over ``warmup_steps``, then ``constant``,
+    ``cosine`` or ``linear`` decay to ``min_lr_ratio`` at ``total_steps``.
+    """
+    if schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"schedule must be constant, cosine or linear, got {schedule!r}")
+
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_lr_ratio + (1 - min_lr_ratio) * shape
+
+    return f
+
+
+def logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select the response positions first (the full-vocab softmax of prompt tokens is never built)."""
+    sel = logits[0, mb.target_index].float()
+    if temperature != 1.0:
+        sel = sel / temperature
+    logp_all = torch.log_softmax(sel, dim=-1)
+    logp = logp_all.gather(-1, mb.targets.view(-1, 1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of one packed row through a transformers causal LM.
+
+    ``use_cache=False`` matters: transformers only derives the block-diagonal mask
+    from restarting ``position_ids`` when there is no KV cache (tested against
+    unpacked forwards in tests/unit/test_learner_packing.py).
+    """
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    return logprobs_from_logits(out.logits, mb, temperature)

@@ -1,0 +1,203 @@
+"""The FSDP2 training engine (``torch.distributed.fsdp.fully_shard``) for transformers causal LMs.
+
+Each decoder layer (the model's ``_no_split_modules``) is its own FSDP unit and the
+root holds embeddings, final norm and head. On GPU parameters are stored in fp32
+and computed in bf16 (``MixedPrecisionPolicy``, gradients reduced in fp32); on
+CPU everything is fp32. The same code runs over gloo (CPU) and NCCL (GPU): the
+process group must be initialised before construction.
+
+Loss normalisation: every micro-batch's loss is already divided by the step's
+global token (or sequence) count (learner/losses.py), so the sum over ranks is
+the global mean; FSDP's reduce-scatter averages over ranks, hence the backward
+of ``loss * world_size``. One and two ranks give the same gradient up to the
+order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from learner import checkpoint as ckpt
+from learner.batch import MicroBatch, StepPlan
+from learner.config import LearnerConfig
+from learner.engine import TrainingEngine, lr_lambda, packed_forward
+from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_loss
+
+logger = logging.getLogger(__name__)
+
+
+def _load_model(path: str, attn_implementation: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"model folder {path!r} has no config.json (expected a Hugging Face model folder)")
+    # fp32 master weights; bf16 compute comes from the mixed-precision policy on GPU.
+    return AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offload: bool) -> None:
+    kw: dict[str, Any] = {"mesh": mesh}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers to shard")
+    for m in blocks:
+        fully_shard(m, **kw)
+    fully_shard(model, **kw)
+
+
+class FSDPEngine(TrainingEngine):
+    def __init__(self, cfg: LearnerConfig, model_path: str, total_steps: int, seed: int = 0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPEngine needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
+        self.cfg = cfg
+        self.model_path = model_path
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.loss = LossSettings.from_config(cfg.loss)
+        backend = dist.get_backend()
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(seed)
+        on_gpu = self.device.type == "cuda"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+        model = _load_model(model_path, cfg.attn_implementation)
+        if cfg.activation_checkpointing:
+            # HF's own checkpointing keeps parameter names unchanged (a checkpoint wrapper would add a prefix).
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Load on CPU, move whole, then shard: each rank keeps only its shard afterwards.
+        model.to(self.device)
+        _shard(model, mesh, mp, offload=False)
+        self.model = model
+
+        self.ref_model = None
+        if cfg.loss.kl_coef > 0:
+            ref = _load_model(model_path, cfg.attn_implementation).eval()
+            ref.requires_grad_(False)
+            offload = on_gpu and cfg.reference_offload
+            if not offload:
+                ref.to(self.device)
+            # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
+            _shard(ref, mesh, mp, offload=offload)
+            self.ref_model = ref
+
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio))
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters, model %s", self.rank, self.world_size,
+                    self.device, n_params, model_path)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        mb.to(self.device)
+        with torch.set_grad_enabled(grad):
+            return packed_forward(self.model, mb, self.cfg.temperature)
+
+    def needs_proximal(self) -> bool:
+        return self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
+
+    def prepare_logprobs(self, plan: StepPlan) -> None:
+        if self.needs_proximal():
+            self.model.eval()
+            for mb in plan.micro_batches:
+                mb.prox_logp, _ = self.forward_logprobs(mb, grad=False)
+        if self.ref_model is not None:
+            for mb in plan.micro_batches:
+                mb.to(self.device)
+                with torch.no_grad():
+                    mb.ref_logp, _ = packed_forward(self.ref_model, mb, self.cfg.temperature)
+
+    # ---- step ------------------------------------------------------------------------------
+    def train_step(self, plan: StepPlan) -> dict[str, float]:
+        t0 = time.perf_counter()
+        if self.needs_proximal() and any(mb.prox_logp is None for mb in plan.micro_batches):
+            raise RuntimeError(f"correction={self.loss.correction!r} needs prepare_logprobs(plan) before train_step")
+        self.model.train()
+        parts = []
+        for mb in plan.micro_batches:
+            logp, ent = self.forward_logprobs(mb, grad=True)
+            loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
+                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+            (loss * self.world_size).backward()
+            parts.append(m)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            logger.error("non-finite gradient norm (%s): optimizer step skipped", float(grad_norm))
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        metrics = self._reduce(combine_metrics(parts))
+        metrics.update(grad_norm=float(grad_norm), lr=lr, step_skipped=float(not finite),
+                       step_seconds=time.perf_counter() - t0)
+        return metrics
+
+    def _reduce(self, m: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(m)
+        sums = [k for k in keys if not k.endswith(MAX_SUFFIX)]
+        maxes = [k for k in keys if k.endswith(MAX_SUFFIX)]
+        out: dict[str, float] = {}
+        for names, op in ((sums, dist.ReduceOp.SUM), (maxes, dist.ReduceOp.MAX)):
+            if not names:
+                continue
+            t = torch.stack([m[k].detach().float().reshape(()) for k in names]).to(self.device)
+            dist.all_reduce(t, op=op)
+            out.update({k: float(v) for k, v in zip(names, t.tolist())})
+        return out
+
+    # ---- weights out -----------------------------------------------------------------------
+    def param_plan(self) -> list[tuple[str, list[int], torch.dtype]]:
+        return [(n, list(t.shape), t.dtype) for n, t in self.model.state_dict().items()]
+
+    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in self.model.state_dict().items():
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            full = full.detach()
+            if dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            bucket.append((name, full))
+            size += full.numel() * full.element_size()
+            if size > bucket_bytes:  # cut after the tensor that crosses the limit (weight_sync/plan.py's rule)
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        ckpt.save(Path(path), self.model, self.optimizer, self.scheduler, extra, self.rank, self.world_size)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return ckpt.load(Path(path), self.model, self.optimizer, self.scheduler, self.rank, self.world_size)
+
+    def export_hf(self, path: Path, dtype: torch.dtype | None = None) -> None:
+        ckpt.export_hf(Path(path), self.model, self.model_path, self.rank, dtype)

@@ -1,0 +1,200 @@
+"""The learner's training loop: one step batch in, one policy version out.
+
+Dataflow of step ``s = v + 1`` (``v``: the current policy version)::
+
+    rank 0: source.next_batch(s) --Arrow IPC bytes, uint8 broadcast--> every rank
+    every rank: plan_step (advantages, rank split, packed micro-batches)
+                engine.prepare_logprobs (proximal / reference, no grad)
+                engine.train_step (accumulate, clip, AdamW, LR schedule)  -> version s
+                publish(s, engine)            (collective; rank 0 sends the weights)
+    rank 0: source.report_version(s)
+    every rank: checkpoint every N steps (before the ack)
+    rank 0: source.ack(lease)
+
+Invariants: a batch is acked only after its step is applied, published and,
+when due, checkpointed, so a learner that dies mid-step gets the same data again
+from the broker (at-least-once into the step; the checkpoint decides which step
+is redone). Ranks never disagree about the batch: only rank 0 talks to the
+source and the others receive its exact bytes. If rank 0 cannot get a batch
+(timeout, source exhausted), it broadcasts a stop mark and every rank raises
+the same error instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from broker.schema import oldest_versions
+from learner import checkpoint as ckpt
+from learner.batch import plan_step
+from learner.config import LearnerConfig
+from learner.engine import TrainingEngine
+from learner.source import BatchSource
+
+logger = logging.getLogger(__name__)
+
+# Called on every rank after each optimizer step (and once after a resume) with the new version;
+# it must drain engine.iter_full_params() on every rank (the gathers are collectives).
+PublishHook = Callable[[int, TrainingEngine], None]
+MetricsHook = Callable[[int, dict[str, float]], None]
+
+_STOP = -1
+
+
+def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str = "") -> pa.RecordBatch:
+    """Broadcast rank 0's record batch to every rank as Arrow IPC bytes (no pickle).
+
+    Rank 0 passes the batch (or None with ``error`` to make every rank raise).
+    """
+    rank = dist.get_rank()
+    if rank == 0:
+        if batch is None:
+            payload = np.frombuffer(error.encode()[:4096] or b"stop", dtype=np.uint8)
+            header = torch.tensor([_STOP, payload.size], dtype=torch.int64)
+        else:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as w:
+                w.write_batch(batch)
+            payload = np.frombuffer(sink.getvalue(), dtype=np.uint8)
+            header = torch.tensor([1, payload.size], dtype=torch.int64)
+    else:
+        header = torch.zeros(2, dtype=torch.int64)
+    header = header.to(device)
+    dist.broadcast(header, src=0)
+    kind, size = (int(x) for x in header.tolist())
+    buf = torch.from_numpy(payload.copy()).to(device) if rank == 0 else torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0)
+    data = buf.cpu().numpy().tobytes()
+    if kind == _STOP:
+        raise TimeoutError(f"learner rank 0 got no batch: {data.decode(errors='replace')}")
+    if rank == 0:
+        return batch
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
+
+
+class Learner:
+    """Runs steps ``version + 1 .. max_steps`` on one rank (every rank runs one)."""
+
+    def __init__(self, engine: TrainingEngine, cfg: LearnerConfig, *, source: BatchSource | None, max_steps: int,
+                 checkpoint_dir: Path | None = None, export_dir: Path | None = None,
+                 publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
+                 batch_timeout_s: float | None = None) -> None:
+        if engine.rank == 0 and source is None:
+            raise ValueError("learner rank 0 needs a BatchSource")
+        self.engine, self.cfg, self.source = engine, cfg, source
+        self.max_steps = max_steps
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.export_dir = Path(export_dir) if export_dir else None
+        self.publish = publish
+        self.on_metrics = on_metrics
+        self.batch_timeout_s = batch_timeout_s
+        self.version = 0
+        self.history: list[dict[str, float]] = []
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint (if any); every rank must call it."""
+        if self.checkpoint_dir is None:
+            return False
+        # Rank 0 decides, so all ranks load the same folder even if one is being written.
+        path = ckpt.latest(self.checkpoint_dir) if self.engine.rank == 0 else None
+        found = [str(path) if path else ""]
+        dist.broadcast_object_list(found, src=0)  # one short string among our own trusted ranks
+        if not found[0]:
+            return False
+        extra = self.engine.load_checkpoint(Path(found[0]))
+        self.version = int(extra["version"])
+        if self.engine.rank == 0 and extra.get("source_position") is not None and hasattr(self.source, "restore"):
+            self.source.restore(extra["source_position"])
+        logger.info("resumed at policy version %d from %s", self.version, found[0])
+        return True
+
+    def _pull(self, step: int):
+        lease, batch, error = None, None, ""
+        if self.engine.rank == 0:
+            try:
+                sb = self.source.next_batch(step, timeout_s=self.batch_timeout_s)
+                if sb.step != step:
+                    raise ValueError(f"source returned the batch of step {sb.step} for step {step}")
+                lease, batch = sb.lease_id, sb.batch
+            except (TimeoutError, ValueError) as exc:
+                error = f"step {step}: {exc}"
+        batch = share_batch(batch, self.engine.device, error)
+        return lease, batch
+
+    def save(self) -> None:
+        if self.checkpoint_dir is None:
+            raise ValueError("no checkpoint_dir configured")
+        pos = self.source.position() if self.engine.rank == 0 and hasattr(self.source, "position") else None
+        self.engine.save_checkpoint(ckpt.step_dir(self.checkpoint_dir, self.version),
+                                    {"version": self.version, "source_position": pos})
+
+    def export(self) -> None:
+        if self.export_dir is not None:
+            dtype = torch.bfloat16 if self.cfg.export_dtype == "bfloat16" else torch.float32
+            self.engine.export_hf(self.export_dir, dtype=dtype)
+
+    def step(self) -> dict[str, float]:
+        step = self.version + 1
+        t0 = time.perf_counter()
+        lease, batch = self._pull(step)
+        t_pull = time.perf_counter() - t0
+        plan = plan_step(batch, rank=self.engine.rank, world_size=self.engine.world_size,
+                         micro_batch_tokens=self.cfg.micro_batch_tokens, advantage=self.cfg.loss.advantage,
+                         drop_uniform=self.cfg.loss.drop_uniform_groups, aggregation=self.cfg.loss.aggregation)
+        t1 = time.perf_counter()
+        self.engine.prepare_logprobs(plan)
+        t_prep = time.perf_counter() - t1
+        m = self.engine.train_step(plan)
+        self.version = step
+        t2 = time.perf_counter()
+        if self.publish is not None:
+            self.publish(self.version, self.engine)
+        t_pub = time.perf_counter() - t2
+        if self.engine.rank == 0:
+            self.source.report_version(self.version)
+        if self.checkpoint_dir is not None and self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            self.save()
+        if self.cfg.export_every and step % self.cfg.export_every == 0:
+            self.export()
+        if self.engine.rank == 0:
+            self.source.ack(lease)
+        stale = step - 1 - oldest_versions(batch)
+        metrics = {f"learner/{k}": v for k, v in m.items()}
+        metrics.update({f"learner/batch_{k}": v for k, v in plan.stats.items()})
+        metrics.update({
+            "learner/version": float(self.version),
+            "learner/staleness_max_versions": float(stale.max()),
+            "learner/staleness_mean_versions": float(stale.mean()),
+            "learner/pull_seconds": t_pull,
+            "learner/proximal_seconds": t_prep,
+            "learner/publish_seconds": t_pub,
+            "learner/total_step_seconds": time.perf_counter() - t0,
+        })
+        self.history.append(metrics)
+        if self.engine.rank == 0:
+            logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e grad_norm %.3f (%.2fs)",
+                        step, metrics["learner/loss/total"], metrics["learner/batch_reward_mean"],
+                        metrics["learner/clip_frac"], metrics["learner/mismatch_kl_k3"],
+                        metrics["learner/grad_norm"], metrics["learner/total_step_seconds"])
+        if self.on_metrics is not None:
+            self.on_metrics(step, metrics)
+        return metrics
+
+    def run(self) -> list[dict[str, Any]]:
+        if self.version > 0 and self.publish is not None:
+            self.publish(self.version, self.engine)  # engines started from the base model: bring them up to date
+        while self.version < self.max_steps:
+            self.step()
+        if self.checkpoint_dir is not None and self.cfg.checkpoint_every and self.version % self.cfg.checkpoint_every:
+            self.save()
+        self.export()
+        return self.history

@@ -1,0 +1,101 @@
+"""Starting a learner rank: process group from the environment, engine, resume, loop.
+
+The launcher runs one process per learner rank with the usual torch.distributed
+environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``) and either calls :func:`run_learner` or runs::
+
+    python -m learner --config RUN_DIR/config/run.yaml [--replay trajectories.arrow]
+
+Example (in-process, e.g. a Ray actor)::
+
+    init_distributed()
+    history = run_learner(cfg, source=broker_client, publish=publisher.publish)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from learner.loop import Learner, MetricsHook, PublishHook
+from learner.source import BatchSource
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
+    """Initialise the default process group from the environment; returns (rank, world_size).
+
+    ``auto`` picks NCCL when CUDA is available, gloo otherwise. A collective that
+    waits longer than ``timeout_s`` raises instead of hanging forever.
+    """
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"learner process needs the torch.distributed environment; missing {missing}")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None = None,
+                on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None) -> list[dict]:
+    """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
+
+    ``cfg`` is a ``launch.config.RunConfig``; the process group must be initialised
+    (:func:`init_distributed`). Rank 0 needs ``source``; other ranks may pass None.
+    Checkpoints go to ``learner.checkpoint_dir`` (default ``RUN_DIR/checkpoints``),
+    the HF export to ``RUN_DIR/export/latest``. Returns the per-step metrics.
+    """
+    lc = cfg.learner
+    if lc.engine != "fsdp":
+        raise NotImplementedError(f"learner.engine={lc.engine!r} is not implemented yet; use 'fsdp'")
+    from learner.fsdp import FSDPEngine
+
+    torch.manual_seed(cfg.run.seed)
+    run_dir = Path(cfg.run.run_dir)
+    engine = FSDPEngine(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
+    learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
+                      checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
+                      export_dir=run_dir / "export" / "latest", publish=publish, on_metrics=on_metrics,
+                      batch_timeout_s=batch_timeout_s)
+    if lc.resume:
+        learner.resume()
+    return learner.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    import pyarrow as pa
+    import yaml
+
+    from launch.config import RunConfig
+    from launch.configbase import build
+    from learner.source import InProcessSource
+
+    ap = argparse.ArgumentParser(prog="python -m learner", description="Run one learner rank.")
+    ap.add_argument("--config", required=True, help="RUN_DIR/config/run.yaml written by the launcher")
+    ap.add_argument("--replay", help="Arrow IPC file of trajectories, one record batch per step (offline training)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = build(RunConfig, yaml.safe_load(Path(args.config).read_text()))
+    rank, _ = init_distributed()
+    source = None
+    if rank == 0:
+        if not args.replay:
+            raise SystemExit("no batch source: pass --replay FILE (the broker client is wired by the launcher)")
+        with pa.ipc.open_file(args.replay) as f:
+            source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
+    try:
+        run_learner(cfg, source=source)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,468 @@
+"""SGLang engine: the ``python -m sglang.launch_server`` process and its :class:`EngineClient`.
+
+Generation is SGLang's native ``/generate`` with ``input_ids`` (token in, token
+out, no tokenizer in the loop: the server runs with ``--skip-tokenizer-init``),
+``n`` samples and ``return_logprob``; the sampler's log-probs come back per
+token in ``meta_info.output_token_logprobs``.
+
+Weights come from fleetrl's publisher over SGLang's own distributed update:
+``/init_weights_update_group`` joins a torch NCCL group (rank ``rank_offset +
+tp_rank``; every TP rank receives the full tensors and shards them itself),
+then each bucket of the fixed plan is one ``/update_weights_from_distributed``
+call with ``load_format="flattened_bucket"``: one broadcast of a uint8 buffer
+holding the bucket's tensors back to back, byte for byte
+:func:`weight_sync.plan.pack_bucket`'s layout. SGLang >= 0.5.23 additionally
+wants the calls between ``/begin_weight_update`` and ``/end_weight_update``;
+the client finds out which API the server has at start.
+
+One weight update, engine side (what the fleet controller drives)::
+
+    pause(mode) -> [begin] -> update bucket 0 .. k-1 (each meets one publisher broadcast)
+                -> [end] -> flush_cache -> continue_generation
+
+Versions: SGLang 0.5.16 (the release built for torch 2.11) to 0.5.23 are
+supported; :func:`check_sglang_version` fails fast otherwise.
+
+NCCL: every process of one weight-sync group must agree on
+``NCCL_CUMEM_ENABLE``. SGLang sets it to 0 in its own process when unset, a
+plain torch learner leaves NCCL's default (1); peers that disagree fail in the
+first broadcast with ``unhandled cuda error ... invalid argument``. The server
+started here gets ``NCCL_CUMEM_ENABLE=0`` and :func:`publisher_nccl_env` says
+what the learner process must set before its first NCCL call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+from packaging.version import Version
+
+from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+
+log = logging.getLogger(__name__)
+
+SGLANG_MIN = Version("0.5.16")  # first release built for torch 2.11; has pause modes and flattened buckets
+SGLANG_MAX_TESTED = Version("0.5.23")
+_SESSION_API = Version("0.5.23")  # update_weights_from_distributed must sit inside begin/end_weight_update
+
+#: What a learner that publishes to SGLang servers must have in its environment before any NCCL call.
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
+
+
+def publisher_nccl_env() -> dict[str, str]:
+    """The NCCL settings the publishing process must share with SGLang (see module docstring)."""
+    return dict(NCCL_ENV)
+
+
+def check_sglang_version(version: str) -> Version:
+    """Raise a ValueError naming the supported range unless ``version`` is in it."""
+    v = Version(version)
+    if v < SGLANG_MIN or v.release[:2] != SGLANG_MIN.release[:2]:
+        raise ValueError(
+            f"sglang {version} is not supported: fleetrl needs sglang >= {SGLANG_MIN}, < 0.6 "
+            f"(tested {SGLANG_MIN} with torch 2.11 and the API of {SGLANG_MAX_TESTED}). It relies on "
+            "/pause_generation modes, /update_weights_from_distributed with load_format='flattened_bucket' "
+            "and input_ids in /generate; install e.g. `pip install sglang==0.5.16` for torch 2.11."
+        )
+    if v > SGLANG_MAX_TESTED:
+        log.warning("sglang %s is newer than the newest version fleetrl was tested with (%s)", v, SGLANG_MAX_TESTED)
+    return v
+
+
+def installed_sglang_version(python: str = sys.executable) -> str:
+    """sglang's version in ``python``'s environment, without importing sglang (seconds) there."""
+    code = "import importlib.metadata as m; print(m.version('sglang'))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"{python} did not report sglang's version within 60s") from None
+    if out.returncode != 0:
+        raise EngineError(f"sglang is not installed for {python}: install sglang>={SGLANG_MIN} "
+                          f"(`pip install fleetrl[sglang]`); {out.stderr.strip().splitlines()[-1:]}")
+    return out.stdout.strip()
+
+
+def sglang_group_name(group_epoch: int) -> str:
+    """SGLang names its update group; one name per weight-sync epoch keeps epochs apart in the store."""
+    return f"fleetrl_ws_epoch{group_epoch}"
+
+
+def sglang_store_prefixes(group_epoch: int) -> list[str]:
+    """The key prefixes SGLang's side of the group uses, outermost first.
+
+    SGLang's ``init_custom_process_group`` wraps the TCP store in ``PrefixStore(G)``,
+    torch's ``_new_process_group_helper`` adds ``PrefixStore(G + "/")`` and, per device
+    type, ``PrefixStore("cuda/")``. The publisher's rank 0 must see the same keys.
+    """
+    g = sglang_group_name(group_epoch)
+    return [g, g + "/", "cuda/"]
+
+
+def publisher_group(store, group: GroupInfo, timeout_s: float):
+    """Rank 0's ``ProcessGroupNCCL`` of a group whose other ranks are SGLang workers.
+
+    No barrier here: SGLang runs no collective when it joins; the first broadcast of
+    the first publish creates the communicator on both sides (the slow one, ~0.5 s).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if group.backend != "nccl":
+        raise ValueError(f"SGLang receives weights over NCCL only, not {group.backend!r}")
+    s = store
+    for p in sglang_store_prefixes(group.group_epoch):
+        s = dist.PrefixStore(p, s)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(s, 0, group.world_size, opts)
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangServerArgs:
+    """How to start one SGLang server. ``gpus`` are physical ids (CUDA_VISIBLE_DEVICES)."""
+
+    model: str
+    gpus: list[int]
+    port: int
+    host: str = "127.0.0.1"
+    tensor_parallel_size: int = 1
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 256
+    dtype: str = "bfloat16"
+    seed: int = 0
+    radix_cache: bool = True  # off for in-flight ('keep') updates: see SGLangClient.pause
+    python: str = sys.executable
+    # SGLang 0.5.16 on H200 died on its first forward without these (FACTS.md); see compat_args.
+    compat: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.gpus) != self.tensor_parallel_size:
+            raise ValueError(f"SGLang server with tensor_parallel_size={self.tensor_parallel_size} "
+                             f"needs that many GPUs, got gpus={self.gpus}")
+
+
+def compat_args(version: Version) -> list[str]:
+    """Serving flags a given SGLang needs on our GPUs (measured, see bench/results/engines_gpu.md)."""
+    if version < Version("0.5.17"):
+        return ["--disable-overlap-schedule", "--skip-server-warmup", "--attention-backend", "triton",
+                "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+    return []
+
+
+class SGLangServer:
+    """One SGLang server process. Example::
+
+        server = SGLangServer(SGLangServerArgs(model="models/qwen", gpus=[1], port=30000))
+        await server.start(timeout_s=600)
+        client = server.client("sglang-0")
+        ...
+        server.stop()
+    """
+
+    def __init__(self, args: SGLangServerArgs) -> None:
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+        self.version: Version | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.args.port}"
+
+    def command(self, version: Version) -> list[str]:
+        a = self.args
+        cmd = [a.python, "-m", "sglang.launch_server", "--model-path", a.model, "--host", a.host,
+               "--port", str(a.port), "--tp-size", str(a.tensor_parallel_size), "--dtype", a.dtype,
+               "--mem-fraction-static", str(a.mem_fraction_static),
+               "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed),
+               "--skip-tokenizer-init"]
+        if not a.radix_cache:
+            cmd.append("--disable-radix-cache")
+        if a.compat:
+            cmd += compat_args(version)
+        return cmd + list(a.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.args.gpus)
+        for k, v in NCCL_ENV.items():
+            env.setdefault(k, v)
+        env.update(self.args.env)
+        return env
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        """Check the version, launch, and wait until ``/health`` answers (or raise with the log tail)."""
+        self.version = check_sglang_version(await asyncio.to_thread(installed_sglang_version, self.args.python))
+        cmd = self.command(self.version)
+        log_path = Path(self.args.log_path or f"sglang-{self.args.port}.log")
+        self._log = open(log_path, "ab")
+        log.info("starting sglang %s on GPUs %s: %s", self.version, self.args.gpus, " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while time.monotonic() - t0 < timeout_s:
+                if self.proc.poll() is not None:
+                    raise EngineError(f"sglang server on port {self.args.port} exited with {self.proc.returncode} "
+                                      f"during start; log tail:\n{_tail(log_path)}")
+                try:
+                    if (await http.get(self.url + "/health")).status_code == 200:
+                        log.info("sglang on port %d healthy after %.0fs", self.args.port, time.monotonic() - t0)
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(1.0)
+        self.stop()
+        raise EngineError(f"sglang server on port {self.args.port} not healthy within {timeout_s:.0f}s; "
+                          f"log tail:\n{_tail(log_path)}")
+
+    def client(self, engine_id: str, **kw) -> "SGLangClient":
+        return SGLangClient(engine_id, self.url, tp_size=self.args.tensor_parallel_size,
+                            version=str(self.version) if self.version else None,
+                            radix_cache=self.args.radix_cache, **kw)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Terminate the server's process group (it forks schedulers and detokenizers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            import signal
+
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+class _Meta(msgspec.Struct):
+    output_token_logprobs: list = []
+    finish_reason: dict | None = None
+    weight_version: str | None = None
+
+
+class _Out(msgspec.Struct):
+    output_ids: list[int]
+    meta_info: _Meta
+
+
+_decode_one = msgspec.json.Decoder(_Out)
+_decode_many = msgspec.json.Decoder(list[_Out])
+
+
+class SGLangClient(EngineClient):
+    """EngineClient of one SGLang server (any TP size)."""
+
+    def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
+                 radix_cache: bool = True, timeout_s: float = 600.0, control_timeout_s: float = 120.0,
+                 max_connections: int = 1024) -> None:
+        self.engine_id = engine_id
+        self.url = url.rstrip("/")
+        self.group_ranks = tp_size  # ranks this engine holds in the weight-sync group
+        self.timeout_s, self.control_timeout_s = timeout_s, control_timeout_s
+        self.radix_cache = radix_cache
+        self._version = 0
+        self._version_str = version
+        self._session_api: bool | None = None
+        self._plan: WeightPlan | None = None
+        self._group: GroupInfo | None = None
+        self._paused = ""
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:  # lazily, so it binds to the loop that uses it
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=self._limits)
+        return self._http
+
+    async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
+        t = timeout_s or self.control_timeout_s
+        try:
+            r = await self.http.post(self.url + path, content=msgspec.json.encode(body),
+                                     headers={"Content-Type": "application/json"}, timeout=t)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"engine {self.engine_id}: {path} got no answer within {t:.0f}s") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {r.status_code}: {r.text[:500]}")
+        return r.content
+
+    async def _control(self, path: str, body: dict, timeout_s: float | None = None) -> None:
+        """POST a weight/control call whose answer is ``{"success": bool, "message": str}``."""
+        raw = await self._post(path, body, timeout_s)
+        reply = msgspec.json.decode(raw)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.get('message')}")
+
+    # -- generation ------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        sp = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None and params.n > 1:
+            # one seed for n parallel samples would make them identical: give each its own
+            body = {"input_ids": [list(prompt_ids)] * params.n, "return_logprob": True,
+                    "sampling_params": [dict(sp, sampling_seed=params.seed + i) for i in range(params.n)]}
+        else:
+            if params.seed is not None:
+                sp["sampling_seed"] = params.seed
+            body = {"input_ids": list(prompt_ids), "return_logprob": True, "sampling_params": dict(sp, n=params.n)}
+        start_version = self._version
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            raw = await self._post("/generate", body, self.timeout_s)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        outs = _decode_one.decode(raw) if raw.lstrip()[:1] == b"{" else _decode_many.decode(raw)
+        outs = [outs] if isinstance(outs, _Out) else outs
+        if len(outs) != params.n:
+            raise EngineError(f"engine {self.engine_id}: asked for {params.n} samples, got {len(outs)}")
+        return [self._sample(o, start_version) for o in outs]
+
+    def _sample(self, o: _Out, start_version: int) -> Sample:
+        lps = o.meta_info.output_token_logprobs
+        if len(lps) != len(o.output_ids):
+            raise EngineError(f"engine {self.engine_id}: {len(o.output_ids)} tokens but {len(lps)} log-probs")
+        fr = (o.meta_info.finish_reason or {}).get("type", "abort")
+        # A sample that spans an in-flight update is tagged with its oldest version: SGLang does
+        # not say at which token the weights changed, and staleness is counted from the oldest.
+        return Sample(token_ids=np.asarray(o.output_ids, dtype=np.int32),
+                      logprobs=np.asarray([x[0] for x in lps], dtype=np.float32),
+                      finish_reason=fr if fr in ("stop", "length", "abort") else "stop",
+                      segment_starts=[0], segment_versions=[start_version])
+
+    async def health(self) -> bool:
+        try:
+            r = await self.http.get(self.url + "/health", timeout=min(self.control_timeout_s, 10.0))
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # -- pause / resume ------------------------------------------------------------------------
+    async def pause(self, mode: str = "keep") -> None:
+        """``abort``: end running requests now; ``wait``: let this client's requests finish first;
+        ``keep``: SGLang's ``retract`` (running requests go back to the queue and are recomputed
+        with the new weights on resume). With ``keep`` the prefix cache cannot be flushed while
+        requests are queued, so start the server with ``radix_cache=False`` for in-flight updates.
+        """
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "wait":
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise EngineError(f"engine {self.engine_id}: {self._inflight} requests still running "
+                                  f"after {self.timeout_s:.0f}s of pause(wait)") from None
+        await self._post("/pause_generation", {"mode": "retract" if mode == "keep" else "abort"})
+        self._paused = mode
+
+    async def resume(self) -> None:
+        await self._post("/continue_generation", {"torch_empty_cache": False})
+        self._paused = ""
+
+    async def reset_prefix_cache(self) -> None:
+        if self._paused == "keep":
+            if self.radix_cache:
+                log.warning("engine %s: prefix cache not flushed during an in-flight update (requests are "
+                            "queued); start SGLang with radix_cache=False for in-flight updates", self.engine_id)
+            return
+        await self._post("/flush_cache", {})  # refused (requests still queued) -> HTTP 400 -> EngineError
+
+    # -- weights -------------------------------------------------------------------------------
+    async def _detect_session_api(self) -> bool:
+        if self._session_api is None:
+            if self._version_str:
+                self._session_api = Version(self._version_str) >= _SESSION_API
+            else:  # attached to a running server: ask it which routes it has
+                r = await self.http.get(self.url + "/openapi.json", timeout=self.control_timeout_s)
+                self._session_api = r.status_code == 200 and "/begin_weight_update" in r.text
+        return self._session_api
+
+    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
+        if group.backend != "nccl":
+            raise EngineError(f"engine {self.engine_id}: SGLang receives weights over NCCL, not {group.backend!r}")
+        await self._detect_session_api()
+        if self._group is not None:
+            try:  # leave the previous epoch's group so its communicator is freed
+                await self._control("/destroy_weights_update_group",
+                                    {"group_name": sglang_group_name(self._group.group_epoch)})
+            except EngineError as e:
+                log.debug("engine %s: destroying the old update group failed: %s", self.engine_id, e)
+        await self._control("/init_weights_update_group", {
+            "master_address": group.master_addr, "master_port": group.master_port,
+            "rank_offset": group.rank_offset, "world_size": group.world_size,
+            "group_name": sglang_group_name(group.group_epoch), "backend": "nccl"})
+        self._group, self._plan = group, plan
+
+    async def update_weights(self, version: int, plan_id: str) -> str:
+        """One call per bucket, in plan order; each returns once its broadcast has landed and loaded.
+
+        The cache is flushed by :meth:`reset_prefix_cache`, not here: SGLang >= 0.5.23 fails an
+        update whose flush is refused (requests queued during an in-flight update).
+        """
+        plan, group = self._plan, self._group
+        if plan is None or group is None:
+            raise EngineError(f"engine {self.engine_id}: update_weights(v{version}) before init_weight_transfer")
+        if plan_id != plan.plan_id:
+            raise EngineError(f"engine {self.engine_id}: publish uses plan {plan_id!r}, announced {plan.plan_id!r}")
+        name = sglang_group_name(group.group_epoch)
+        if self._session_api:
+            await self._control("/begin_weight_update", {})
+        for b, idx in enumerate(plan.buckets):
+            last = b == len(plan.buckets) - 1
+            await self._control("/update_weights_from_distributed", {
+                "names": [plan.names[i] for i in idx], "dtypes": [plan.dtypes[i] for i in idx],
+                "shapes": [plan.shapes[i] for i in idx], "group_name": name, "load_format": "flattened_bucket",
+                "flush_cache": False, "weight_version": str(version) if last else None}, self.timeout_s)
+        if self._session_api:
+            await self._control("/end_weight_update", {})
+        self._version = version
+        return ""  # SGLang computes no checksum of what it received; tests compare outputs instead
+
+    async def load_weights_from_path(self, path: str, version: int) -> None:
+        await self._control("/update_weights_from_disk", {"model_path": path, "weight_version": str(version),
+                                                          "flush_cache": True}, self.timeout_s)
+        self._version = version
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None

@@ -1,0 +1,226 @@
+"""The vLLM engine: a vLLM OpenAI server subprocess (:class:`VLLMServer`) and its client (:class:`VLLMClient`).
+
+The server runs with vLLM's RL endpoints (``VLLM_SERVER_DEV_MODE=1``, bound to
+127.0.0.1 or a private network: they are unauthenticated) and a weight-transfer
+backend: fleetrl's ``fleetrl_gloo`` on CPU (weight_sync/vllm_plugin.py), vLLM's
+built-in ``nccl`` on GPU. The client generates through ``/v1/completions``
+with token-id prompts and takes weights through the layer-wise reload
+choreography (FACTS: writing parameters directly is ignored on CPU)::
+
+    pause(keep) -> start_weight_update -> update_weights (the broadcast) ->
+    finish_weight_update(version) -> reset_prefix_cache -> [checksum] -> resume
+
+A failed update leaves the engine paused: its model may be half loaded, so it
+must not generate until a later update or load succeeds.
+
+Example::
+
+    server = VLLMServer(VLLMServerArgs(model="models/tiny-adder"), run_dir)
+    server.start()                                  # waits for /health
+    client = VLLMClient("vllm-0", server.url, model="models/tiny-adder")
+    samples = await client.generate([1, 5, 7], SamplingParams(n=4, max_tokens=8))
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs, check_vllm_version  # noqa: F401
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Segments:
+    starts: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+def _segments(spans: list[dict] | None, default_version: int) -> _Segments:
+    """vLLM's ``weight_versions`` spans ([{version, start, end}]) -> fleetrl's run-length segments."""
+    if not spans:
+        return _Segments(starts=[0], versions=[default_version])
+    seg = _Segments()
+    for s in sorted(spans, key=lambda s: s["start"]):
+        try:
+            v = int(s["version"])
+        except (TypeError, ValueError):
+            v = default_version  # a label we did not set (e.g. the initial load)
+        if seg.versions and seg.versions[-1] == v:
+            continue
+        seg.starts.append(int(s["start"]))
+        seg.versions.append(v)
+    seg.starts[0] = 0
+    return seg
+
+
+class VLLMClient(EngineClient):
+    """Client of one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
+
+    def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl_gloo",
+                 timeout_s: float = 60.0, request_timeout_s: float = 600.0, group_ranks: int = 1,
+                 initial_version: int = 0) -> None:
+        if weight_backend not in ("fleetrl_gloo", "nccl"):
+            raise ValueError(f"weight_backend must be 'fleetrl_gloo' (CPU) or 'nccl' (GPU), got {weight_backend!r}")
+        self.engine_id, self.url, self.model = engine_id, url.rstrip("/"), model
+        self.weight_backend = weight_backend
+        self.timeout_s, self.request_timeout_s = timeout_s, request_timeout_s
+        self.group_ranks = group_ranks
+        self._version = initial_version
+        self._paused = False
+        self._plan: WeightPlan | None = None
+        self._join_timeout_s = timeout_s
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.timeout_s)
+        return self._http
+
+    async def _req(self, method: str, path: str, *, timeout_s: float | None = None, **kw) -> httpx.Response:
+        limit = timeout_s or self.timeout_s
+        try:
+            r = await self.http.request(method, self.url + path, timeout=limit, **kw)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}")
+        return r
+
+    # ---- generation ---------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        body = {"model": self.model, "prompt": list(prompt_ids), "n": params.n, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
+                "return_token_ids": True, "stop_token_ids": params.stop_token_ids}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        r = await self._req("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        out = []
+        for c in choices:
+            ids = c.get("token_ids")
+            lp = (c.get("logprobs") or {}).get("token_logprobs")
+            if ids is None or lp is None or len(ids) != len(lp):
+                raise EngineError(f"engine {self.engine_id}: completion choice {c['index']} lacks token ids or "
+                                  f"per-token log-probs (token_ids={ids is not None}, logprobs={lp is not None})")
+            seg = _segments(c.get("weight_versions"), self._version)
+            out.append(Sample(token_ids=np.asarray(ids, dtype=np.int32),
+                              logprobs=np.asarray([-np.inf if x is None else x for x in lp], dtype=np.float32),
+                              finish_reason=c.get("finish_reason") or "abort",
+                              segment_starts=seg.starts, segment_versions=seg.versions))
+        return out
+
+    async def health(self) -> bool:
+        try:
+            r = await self.http.get(self.url + "/health", timeout=min(self.timeout_s, 5.0))
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def pause(self, mode: str = "keep") -> None:
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
+        await self._req("POST", "/pause", params={"mode": mode}, timeout_s=self.request_timeout_s)
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self._req("POST", "/resume")
+        self._paused = False
+
+    async def is_paused(self) -> bool:
+        return bool((await self._req("GET", "/is_paused")).json()["is_paused"])
+
+    async def reset_prefix_cache(self) -> None:
+        await self._req("POST", "/reset_prefix_cache")
+
+    async def abort(self) -> int:
+        """Abort every in-flight request; returns how many."""
+        return int((await self._req("POST", "/abort_requests", json={})).json().get("aborted", 0))
+
+    async def server_weight_version(self) -> str | None:
+        return (await self._req("GET", "/weight_info")).json().get("weight_version")
+
+    # ---- weights ------------------------------------------------------------------
+    def _init_info(self, group: GroupInfo, plan: WeightPlan) -> dict:
+        from weight_sync.plan import packed_buffer_bytes, plan_to_dict
+
+        if self.weight_backend == "nccl":
+            # vLLM's built-in NCCL backend: its packed chunks equal our buckets for this buffer size.
+            return {"master_address": group.master_addr, "master_port": group.master_port,
+                    "rank_offset": group.rank_offset, "world_size": group.world_size, "packed": True,
+                    "packed_buffer_size_bytes": packed_buffer_bytes(plan), "packed_num_buffers": 2}
+        return {"master_address": group.master_addr, "master_port": group.master_port,
+                "rank_offset": group.rank_offset, "world_size": group.world_size, "group_epoch": group.group_epoch,
+                "plan": plan_to_dict(plan), "engine_id": self.engine_id, "timeout_s": self._join_timeout_s,
+                "backend": group.backend}
+
+    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
+        self._plan = plan
+        await self._req("POST", "/init_weight_transfer_engine", json={"init_info": self._init_info(group, plan)},
+                        timeout_s=self._join_timeout_s + 10)
+
+    def _update_info(self, version: int, plan_id: str) -> dict:
+        plan = self._plan
+        if plan is None or plan.plan_id != plan_id:
+            raise EngineError(f"engine {self.engine_id}: update_weights(v{version}) with plan {plan_id!r} but the "
+                              f"announced plan is {plan.plan_id if plan else None!r}")
+        if self.weight_backend == "nccl":
+            return {"names": plan.names, "dtype_names": plan.dtypes, "shapes": plan.shapes}
+        return {"version": version, "plan_id": plan_id}
+
+    async def update_weights(self, version: int, plan_id: str) -> str:
+        info = self._update_info(version, plan_id)
+        paused_here = not self._paused
+        if paused_here:
+            await self.pause("keep")
+        try:
+            await self._req("POST", "/start_weight_update")
+            await self._req("POST", "/update_weights", json={"update_info": info}, timeout_s=self.request_timeout_s)
+            await self._req("POST", "/finish_weight_update", json={"weight_version": str(version)})
+            await self.reset_prefix_cache()  # KV computed with the old weights must not be reused
+            checksum = await self._checksum(version)
+        except EngineError as e:
+            raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
+        self._version = version
+        if paused_here:
+            await self.resume()
+        return checksum
+
+    async def _checksum(self, version: int) -> str:
+        if self.weight_backend != "fleetrl_gloo":
+            return ""  # vLLM's NCCL backend reports none; the publisher accepts an empty ack
+        r = await self._req("POST", "/collective_rpc", json={"method": "fleetrl_weight_sync_status"})
+        states = r.json()["results"]
+        sums = {s["checksum"] for s in states}
+        if len(sums) != 1 or any(s["version"] != version for s in states):
+            raise EngineError(f"engine {self.engine_id}: workers disagree after v{version}: {states}")
+        return sums.pop()
+
+    async def load_weights_from_path(self, path: str, version: int) -> None:
+        paused_here = not self._paused
+        if paused_here:
+            await self.pause("keep")
+        await self._req("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+                        timeout_s=self.request_timeout_s)
+        await self._req("POST", "/update_weight_version", json={"new_version": str(version)})
+        await self.reset_prefix_cache()
+        self._version = version
+        if paused_here:
+            await self.resume()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None

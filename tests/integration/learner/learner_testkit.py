@@ -1,0 +1,174 @@
+"""Shared pieces of the learner tests: a tiny real Qwen2 folder, synthetic trajectories, process launching.
+
+Used by the tests and by learner_worker.py (a real learner rank started as a subprocess).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+VOCAB = 96
+
+
+def make_tiny_model(out: Path, seed: int = 0, tie: bool = False) -> Path:
+    """A random 2-layer Qwen2 saved as an HF folder (with a small word-level tokenizer)."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
+                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+                                  pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+    tok.save_pretrained(out)
+    return out
+
+
+def make_batches(n_steps: int, groups: int = 4, group_size: int = 4, seed: int = 0):
+    """Synthetic step batches in the trajectory schema: varied lengths, one all-equal group per step."""
+    from broker.schema import Trajectory, to_record_batch
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(1, n_steps + 1):
+        trajs = []
+        for g in range(groups):
+            prompt = rng.integers(3, VOCAB, size=int(rng.integers(2, 9))).tolist()
+            uniform = g == groups - 1
+            for i in range(group_size):
+                n = int(rng.integers(1, 12))
+                trajs.append(Trajectory(
+                    traj_id=f"s{step}g{g}/{i}", group_id=f"s{step}g{g}", sample_index=i, group_size=group_size,
+                    step=step, prompt_ids=prompt, response_ids=rng.integers(3, VOCAB, size=n).tolist(),
+                    # Near the tiny model's own log-probs (about -log 96 = -4.56), so weights are not all capped.
+                    behaviour_logprobs=(-4.56 + rng.normal(0, 0.3, size=n)).clip(max=0).tolist(),
+                    segment_starts=[0], segment_versions=[max(0, step - 2)],
+                    reward=1.0 if uniform else float(rng.integers(0, 2)) + 0.1 * i, finish_reason="stop",
+                    engine_id="test", data_source="synthetic"))
+        out.append(to_record_batch(trajs))
+    return out
+
+
+def write_batches(path: Path, batches) -> Path:
+    import pyarrow as pa
+
+    with pa.ipc.new_file(str(path), batches[0].schema) as w:
+        for b in batches:
+            w.write_batch(b)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, kw: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
+    try:
+        worker(rank=rank, **kw)
+    except BaseException:
+        logging.exception("learner rank %d failed", rank)
+        os._exit(1)
+    os._exit(0)
+
+
+def run_ranks(world_size: int, timeout: float = 120.0, **kw) -> list[dict]:
+    """Run ``world_size`` learner ranks as real processes (gloo) and return each rank's result.
+
+    The processes are forked from the test process, which has torch and
+    transformers imported already (a fresh interpreter spends 10-20 s importing
+    them on a loaded 2-core machine); each is still a separate process with its
+    own process group, model and optimizer, and state crosses only through disk.
+    """
+    import multiprocessing as mp
+
+    import torch
+
+    torch.set_num_threads(1)
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, kw), daemon=True) for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+            if p.exitcode is None:
+                raise AssertionError(f"learner rank pid {p.pid} did not finish within {timeout}s")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"learner ranks failed (rank, exit code): {bad}; see the captured log")
+        return [json.loads(Path(f"{kw['out']}.rank{r}").read_text()) for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_steps: int | None = None,
+           correction: str = "decoupled", aggregation: str = "token", micro_tokens: int = 64, kl_coef: float = 0.0,
+           ckpt: str | None = None, checkpoint_every: int = 0, export: str | None = None,
+           dump_at: tuple[int, ...] = (), dump_path: str | None = None) -> None:
+    """One learner rank: FSDP2 engine + loop on an in-process source; writes ``out.rank{r}`` (JSON).
+
+    ``dump_at``: versions whose full weights rank 0 writes to ``dump_path.format(version=v)``
+    from inside the publish hook (what a publisher would send).
+    """
+    import pyarrow as pa
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.fsdp import FSDPEngine
+    from learner.loop import Learner
+    from learner.run import init_distributed
+    from learner.source import InProcessSource
+
+    init_distributed("gloo", timeout_s=60)
+    cfg = LearnerConfig.model_validate({
+        "loss": {"correction": correction, "aggregation": aggregation, "kl_coef": kl_coef},
+        "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine", "grad_clip": 1.0, "weight_decay": 0.01},
+        "micro_batch_tokens": micro_tokens, "checkpoint_every": checkpoint_every,
+    })
+    engine = FSDPEngine(cfg, model, total_steps=total_steps or steps, seed=0)
+    source = None
+    if rank == 0:
+        with pa.ipc.open_file(data) as f:
+            source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
+    published: list[int] = []
+
+    def publish(version: int, eng) -> None:
+        # Every rank drains the gathers, as a real publisher must; rank 0 keeps the tensors.
+        full = {n: t.clone() for b in eng.iter_full_params(1 << 16) for n, t in b}
+        published.append(version)
+        if version in dump_at and rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(full, dump_path.format(version=version))
+
+    learner = Learner(engine, cfg, source=source, max_steps=steps,
+                      checkpoint_dir=Path(ckpt) if ckpt else None,
+                      export_dir=Path(export) if export else None, publish=publish)
+    resumed = learner.resume()
+    history = learner.run()
+    result = {"history": history, "version": learner.version, "resumed": resumed, "published": published,
+              "acked": source.acked_step if source else None, "reported": source.versions if source else None}
+    Path(f"{out}.rank{rank}").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,92 @@
+"""The dedicated weight-sync process group: made from a TCP store, never the default group.
+
+FSDP owns the learner's default group and every engine owns its own, so the
+weight group is a bare ``ProcessGroupGloo``/``ProcessGroupNCCL`` built from a
+``TCPStore`` (the publisher hosts it) under a per-epoch prefix. Nothing here
+calls ``init_process_group`` or touches ``torch.distributed``'s global state.
+
+Ranks: the publisher is rank 0; an engine with ``k`` workers holds ranks
+``rank_offset .. rank_offset + k - 1``. A rebuild bumps the epoch, so a stale
+peer from an old epoch can never meet the new one under the same keys.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from rollout_fleet.engines.base import GroupInfo
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def host_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The store server, in the publisher. ``port=0`` picks a free port (read ``.port``)."""
+    return dist.TCPStore(addr, port, is_master=True, timeout=_td(timeout_s), wait_for_workers=False)
+
+
+def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(addr, port, is_master=False, timeout=_td(timeout_s), wait_for_workers=False)
+    except Exception as e:  # torch raises DistStoreError/RuntimeError with a terse text
+        raise TimeoutError(f"weight-sync store {addr}:{port} unreachable within {timeout_s:.0f}s: {e}") from e
+
+
+def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """Join the group of ``group.group_epoch`` as ``rank``; returns when every rank has joined.
+
+    gloo connects the full mesh in its constructor, so this is the join
+    barrier; it raises after ``timeout_s`` if a rank never comes.
+    """
+    if not 0 <= rank < group.world_size:
+        raise ValueError(f"rank {rank} outside weight-sync group of size {group.world_size}")
+    prefixed = dist.PrefixStore(f"fleetrl/weight_sync/epoch{group.group_epoch}", store)
+    if group.backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _td(timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(prefixed, rank, group.world_size, opts)
+    if group.backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("weight-sync backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout_s)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, group.world_size, opts)
+        # NCCL connects lazily; a one-element all-reduce makes this the join barrier like gloo's.
+        t = torch.zeros(1, device="cuda")
+        pg.allreduce([t]).wait(_td(timeout_s))
+        return pg
+    raise ValueError(f"unknown weight-sync backend {group.backend!r}; expected 'gloo' or 'nccl'")
+
+
+def broadcast_async(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return pg.broadcast([buf], opts)
+
+
+def close_group(pg: dist.ProcessGroup | None) -> None:
+    """Tear a group down so peers blocked in it fail at once instead of waiting for their timeout."""
+    if pg is None:
+        return
+    for how in ("abort", "shutdown"):
+        try:
+            getattr(pg, how)()
+            return
+        except Exception as e:  # noqa: BLE001 - best effort; the group is being discarded
+            log.debug("weight-sync group %s failed: %s", how, e)

@@ -1,0 +1,51 @@
+"""Typed control messages of the standalone receiver's HTTP channel (msgspec JSON, no pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class PlanMsg(msgspec.Struct, frozen=True):
+    plan_id: str
+    names: list[str]
+    shapes: list[list[int]]
+    dtypes: list[str]
+    buckets: list[list[int]]
+
+
+class GroupMsg(msgspec.Struct, frozen=True):
+    master_addr: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str
+    group_epoch: int
+
+
+class InitTransfer(msgspec.Struct, frozen=True):
+    group: GroupMsg
+    plan: PlanMsg
+    timeout_s: float
+
+
+class UpdateWeights(msgspec.Struct, frozen=True):
+    version: int
+    plan_id: str
+
+
+class LoadFromPath(msgspec.Struct, frozen=True):
+    path: str
+    version: int
+
+
+class DumpState(msgspec.Struct, frozen=True):
+    """Write the held tensors to a safetensors file (tests compare them bit for bit)."""
+
+    path: str
+
+
+class Reply(msgspec.Struct, frozen=True):
+    ok: bool
+    error: str = ""
+    checksum: str = ""
+    version: int = -1

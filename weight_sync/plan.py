@@ -1,0 +1,160 @@
+"""The bucket plan of a publish, bucket packing, and the checksum both sides compute.
+
+A plan is fixed for a run: the same tensors in the same order every publish, so
+it is announced once per group epoch and then referred to by ``plan_id``.
+
+Buckets are cut with vLLM's packed-broadcast rule (append tensors until the
+running size *exceeds* the bucket size, then cut after that tensor), so a bucket
+of ours is byte for byte one chunk of vLLM's ``packed_nccl_broadcast_consumer``
+given ``packed_buffer_size_bytes = bucket_bytes``: the same publisher feeds
+vLLM's built-in NCCL backend and fleetrl's own receivers.
+
+Example::
+
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in model.state_dict().items()], 256 << 20)
+    buf = pack_bucket([state[n] for n in bucket_names(plan, 0)])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rollout_fleet.engines.base import WeightPlan
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"weight sync cannot carry dtype {dtype}; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise TypeError(f"unknown dtype name {name!r} in weight plan; supported: {sorted(_DTYPES)}") from None
+
+
+def nbytes(shape: Sequence[int], dtype: str) -> int:
+    return math.prod(shape) * _DTYPES[dtype].itemsize
+
+
+def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], bucket_bytes: int) -> WeightPlan:
+    """Plan for ``params`` = [(name, full shape, dtype)] in broadcast order.
+
+    ``plan_id`` is a digest of names, shapes, dtypes and buckets, so two sides that
+    agree on the id agree on the byte layout.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if not params:
+        raise ValueError("a weight plan needs at least one tensor")
+    names, shapes, dtypes = [], [], []
+    for name, shape, dtype in params:
+        names.append(name)
+        shapes.append([int(s) for s in shape])
+        dtypes.append(dtype if isinstance(dtype, str) else dtype_name(dtype))
+        torch_dtype(dtypes[-1])
+    if len(set(names)) != len(names):
+        raise ValueError("weight plan has duplicate tensor names")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in range(len(names)):
+        current.append(i)
+        size += nbytes(shapes[i], dtypes[i])
+        if size > bucket_bytes:  # vLLM's rule: cut after the tensor that crosses the limit
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    digest = hashlib.sha256(repr((names, shapes, dtypes, buckets)).encode()).hexdigest()[:16]
+    return WeightPlan(plan_id=digest, names=names, shapes=shapes, dtypes=dtypes, buckets=buckets)
+
+
+def packed_buffer_bytes(plan: WeightPlan) -> int:
+    """The ``packed_buffer_size_bytes`` under which vLLM's packed NCCL format cuts exactly ``plan.buckets``."""
+    sizes = [[nbytes(plan.shapes[i], plan.dtypes[i]) for i in b] for b in plan.buckets]
+    limit = max(sum(b[:-1]) for b in sizes)
+    if any(sum(b) <= limit for b in sizes[:-1]):
+        raise ValueError(f"plan {plan.plan_id}: buckets were not cut by the packed rule; vLLM's NCCL backend cannot follow them")
+    return max(limit, 1)
+
+
+def validate_plan(plan: WeightPlan) -> None:
+    """Reject a malformed plan received over the wire, naming the problem."""
+    n = len(plan.names)
+    if len(plan.shapes) != n or len(plan.dtypes) != n:
+        raise ValueError(f"weight plan {plan.plan_id}: {n} names but {len(plan.shapes)} shapes, {len(plan.dtypes)} dtypes")
+    for d in plan.dtypes:
+        torch_dtype(d)
+    flat = [i for b in plan.buckets for i in b]
+    if sorted(flat) != list(range(n)):
+        raise ValueError(f"weight plan {plan.plan_id}: buckets do not cover each of the {n} tensors exactly once")
+
+
+def bucket_layout(plan: WeightPlan, b: int) -> tuple[list[str], list[list[int]], list[torch.dtype], list[int]]:
+    """Names, shapes, dtypes and byte sizes of bucket ``b``, in packing order."""
+    idx = plan.buckets[b]
+    return (
+        [plan.names[i] for i in idx],
+        [plan.shapes[i] for i in idx],
+        [torch_dtype(plan.dtypes[i]) for i in idx],
+        [nbytes(plan.shapes[i], plan.dtypes[i]) for i in idx],
+    )
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors' raw bytes into one contiguous uint8 buffer (vLLM's packed layout)."""
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack_bucket(buf: torch.Tensor, plan: WeightPlan, b: int) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``buf`` as the named tensors of bucket ``b``."""
+    names, shapes, dtypes, sizes = bucket_layout(plan, b)
+    if buf.numel() != sum(sizes):
+        raise ValueError(f"bucket {b} of plan {plan.plan_id}: got {buf.numel()} bytes, expected {sum(sizes)}")
+    parts = buf.split(sizes)
+    return [(n, p.view(d).view(s)) for n, s, d, p in zip(names, shapes, dtypes, parts)]
+
+
+def bucket_crc(buf: torch.Tensor) -> int:
+    """CRC32 of a bucket's bytes (zlib's is SIMD-accelerated: several GB/s on one core)."""
+    return zlib.crc32(np.asarray(buf.detach().cpu().numpy()).data)
+
+
+def combine_crcs(crcs: Sequence[int]) -> str:
+    """One checksum for a publish: CRC32 over the per-bucket CRCs, as hex."""
+    return f"{zlib.crc32(np.asarray(crcs, dtype=np.uint32).tobytes()):08x}-{len(crcs)}"
+
+
+def plan_to_dict(plan: WeightPlan) -> dict:
+    return {"plan_id": plan.plan_id, "names": plan.names, "shapes": plan.shapes, "dtypes": plan.dtypes, "buckets": plan.buckets}
+
+
+def plan_from_dict(d: dict) -> WeightPlan:
+    try:
+        plan = WeightPlan(plan_id=d["plan_id"], names=list(d["names"]), shapes=[list(s) for s in d["shapes"]],
+                          dtypes=list(d["dtypes"]), buckets=[list(b) for b in d["buckets"]])
+    except KeyError as e:
+        raise ValueError(f"weight plan message lacks key {e}; keys given: {sorted(d)}") from None
+    validate_plan(plan)
+    return plan

@@ -1,0 +1,292 @@
+"""The publisher: learner rank 0 broadcasts each new policy to every engine over a dedicated group.
+
+Dataflow of ``publish(v, tensors)`` (``tensors`` yields (name, full tensor) in
+plan order; with FSDP every learner rank iterates it, because each item is an
+all-gather, and only rank 0 sends)::
+
+    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs)
+             gather b0 -> bcast b0 || gather b1 -> bcast b1 || gather b2 ... -> acks
+             -> compare every engine's checksum with our own
+    rank>0:  gather b0, b1, ... (drain the iterator; keeps FSDP collectives aligned)
+
+Invariants and what happens when a peer dies:
+- Every wait is bounded by ``timeout_s`` (join, each bucket, the acks). A
+  failure or timeout raises :class:`PublishError` naming the step and the
+  engine(s) to blame (an engine whose RPC failed, or which fails a health
+  probe); the group is torn down so survivors blocked in a receive fail at
+  once; the blamed engines are dropped; the next publish first rebuilds the
+  group (new epoch) with the survivors. Nothing waits without a limit.
+- After a failure rank 0 keeps draining ``tensors`` so the other learner ranks
+  never hang in a gather.
+- The plan is fixed; it is announced once per epoch in ``init_weight_transfer``.
+- A late joiner (:meth:`add_engine`) first loads the latest export from disk,
+  then joins at the next rebuild; until then it is not in the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
+from weight_sync import group as wgroup
+from weight_sync.config import WeightSyncConfig
+from weight_sync.plan import bucket_crc, combine_crcs, pack_bucket
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """A publish failed; ``blamed`` are the engine ids held responsible (dropped from the group)."""
+
+    def __init__(self, msg: str, blamed: list[str]) -> None:
+        super().__init__(msg)
+        self.blamed = blamed
+
+
+@dataclass(kw_only=True, slots=True)
+class PublishReport:
+    version: int
+    bytes: int
+    seconds: float
+    broadcast_seconds: float
+    engines: list[str]
+    checksum: str
+    epoch: int
+    rebuild_seconds: float = 0.0
+    per_engine_checksums: dict[str, str] = field(default_factory=dict)
+
+
+class Publisher:
+    """Weight publisher; construct on every learner rank, with ``engines`` on rank 0 only."""
+
+    def __init__(self, cfg: WeightSyncConfig, plan: WeightPlan, *, rank: int = 0,
+                 engines: Iterable[EngineClient] = (), device: str = "cpu") -> None:
+        self.cfg, self.plan, self.rank = cfg, plan, rank
+        self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device(device)
+        self.engines: dict[str, EngineClient] = {}
+        self.members: list[str] = []  # engine ids in the current epoch's group
+        self.epoch = 0
+        self.pg = None
+        self._dirty = True
+        self._store = None
+        self._loop = None
+        if rank != 0:
+            return
+        for e in engines:
+            self._add(e)
+        self._store = wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
+
+    # ---- membership -------------------------------------------------------------
+    def _add(self, client: EngineClient) -> None:
+        if client.engine_id in self.engines:
+            raise ValueError(f"engine id {client.engine_id!r} is already a weight-sync member")
+        self.engines[client.engine_id] = client
+        self._dirty = True
+
+    def add_engine(self, client: EngineClient, export_path: str | None = None, version: int = 0) -> None:
+        """A late joiner: load the latest export first (if given), then join at the next rebuild."""
+        if export_path is not None:
+            self.call(client.load_weights_from_path(export_path, version), self.cfg.timeout_s,
+                       f"engine {client.engine_id}: load_weights_from_path({export_path}, v{version})")
+        self._add(client)
+
+    def remove_engine(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+        self._dirty = True
+
+    # ---- async RPCs from sync code ---------------------------------------------------
+    def _submit(self, coro) -> cf.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro, timeout_s: float, what: str):
+        """Run an engine coroutine on the publisher's RPC loop (clients are bound to it), bounded."""
+        fut = self._submit(coro)
+        try:
+            return fut.result(timeout_s)
+        except cf.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
+
+    # ---- group ------------------------------------------------------------------------
+    def rebuild(self) -> float:
+        """Open a new epoch with the current engines; an engine that fails to join is dropped."""
+        t0 = time.perf_counter()
+        wgroup.close_group(self.pg)
+        self.pg = None
+        for _attempt in range(3):
+            self.epoch += 1
+            ids = list(self.engines)
+            offsets, world = {}, 1
+            for eid in ids:
+                offsets[eid] = world
+                world += self.engines[eid].group_ranks
+            infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=self._store.port,
+                                    rank_offset=offsets[eid], world_size=world, backend=self.backend,
+                                    group_epoch=self.epoch) for eid in ids}
+            futs = {eid: self._submit(self.engines[eid].init_weight_transfer(infos[eid], self.plan)) for eid in ids}
+            own = GroupInfo(master_addr=self.cfg.master_addr, master_port=self._store.port, rank_offset=0,
+                            world_size=world, backend=self.backend, group_epoch=self.epoch)
+            try:
+                pg = wgroup.make_group(self._store, own, 0, self.cfg.timeout_s) if ids else None
+                failed = self._collect(futs, self.cfg.timeout_s)
+            except Exception as e:  # noqa: BLE001 - the join failed; find who did not come
+                failed = self._collect(futs, 1.0) or {eid: f"did not join: {e}" for eid, f in futs.items() if not f.done()}
+                pg = None
+            if not failed:
+                self.pg, self.members, self._dirty = pg, ids, False
+                log.info("weight-sync epoch %d: %d engines, world %d, joined in %.2fs",
+                         self.epoch, len(ids), world, time.perf_counter() - t0)
+                return time.perf_counter() - t0
+            wgroup.close_group(pg)
+            for eid, why in failed.items():
+                log.error("weight-sync epoch %d: dropping engine %s: %s", self.epoch, eid, why)
+                self.engines.pop(eid, None)
+        raise PublishError(f"weight-sync group could not be rebuilt after 3 epochs (last {self.epoch})", [])
+
+    def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]:
+        """Wait (bounded) for RPC futures; map engine id -> reason for those that failed or timed out."""
+        done, _ = cf.wait(list(futs.values()), timeout=timeout_s)
+        failed = {}
+        for eid, f in futs.items():
+            if f not in done:
+                failed[eid] = f"no answer within {timeout_s:.0f}s"
+            elif f.exception() is not None:
+                failed[eid] = str(f.exception())
+        return failed
+
+    # ---- publish ----------------------------------------------------------------------
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishReport | None:
+        """Send ``version`` to every member; rank 0 returns a report, other ranks ``None``."""
+        it = iter(tensors)
+        if self.rank != 0:
+            for _ in it:
+                pass
+            return None
+        t0 = time.perf_counter()
+        try:
+            rebuild_s = self.rebuild() if self._dirty else 0.0
+            return self._publish(version, it, t0, rebuild_s)
+        finally:
+            for _ in it:  # after a failure, keep the other learner ranks' gathers going
+                pass
+
+    def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
+        plan, timeout = self.plan, datetime.timedelta(seconds=self.cfg.timeout_s)
+        futs = {eid: self._submit(self.engines[eid].update_weights(version, plan.plan_id)) for eid in self.members}
+        crcs, sent, step = [], 0, "start"
+        pending = None  # (work, buffer) in flight: the buffer must live until the wait returns
+        tb = time.perf_counter()
+        try:
+            for b, idx in enumerate(plan.buckets):
+                step = f"gather bucket {b}/{len(plan.buckets)}"
+                parts = []
+                for i in idx:
+                    name, t = next(it)
+                    if name != plan.names[i] or list(t.shape) != plan.shapes[i]:
+                        raise ValueError(f"weight source yielded {name} {list(t.shape)} where plan {plan.plan_id} "
+                                         f"expects {plan.names[i]} {plan.shapes[i]} (index {i})")
+                    parts.append(t.to(self.device))
+                buf = pack_bucket(parts)
+                crcs.append(bucket_crc(buf))
+                if pending is not None:
+                    step = f"broadcast bucket {b - 1}/{len(plan.buckets)}"
+                    pending[0].wait(timeout)
+                    self._check_acks(futs, step)
+                step = f"broadcast bucket {b}/{len(plan.buckets)}"
+                if self.pg is not None:
+                    pending = (wgroup.broadcast_async(self.pg, buf), buf)
+                sent += buf.numel()
+            if pending is not None:
+                pending[0].wait(timeout)
+            broadcast_s = time.perf_counter() - tb
+            step = "acknowledge"
+            failed = self._collect(futs, self.cfg.timeout_s)
+            if failed:
+                raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
+        except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
+            self._fail(version, step, e, futs)
+        checksum = combine_crcs(crcs)
+        acks = {eid: f.result() for eid, f in futs.items()}
+        bad = {eid: c for eid, c in acks.items() if c and c != checksum}
+        if bad:
+            for eid in bad:
+                self.engines.pop(eid, None)
+            self._dirty = True
+            raise PublishError(f"publish v{version}: checksum mismatch (ours {checksum}) from "
+                               + ", ".join(f"engine {k} ({v})" for k, v in bad.items()), list(bad))
+        dt = time.perf_counter() - t0
+        log.info("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs, %.0f MB/s)", version, sent / 1e6,
+                 len(futs), dt, broadcast_s, sent / 1e6 / max(broadcast_s, 1e-9))
+        return PublishReport(version=version, bytes=sent, seconds=dt, broadcast_seconds=broadcast_s,
+                             engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
+                             per_engine_checksums=acks)
+
+    def _check_acks(self, futs: dict[str, cf.Future], step: str) -> None:
+        """Fail fast if an engine's RPC already died (e.g. its process was killed)."""
+        for eid, f in futs.items():
+            if f.done() and f.exception() is not None:
+                raise RuntimeError(f"engine {eid} failed during '{step}': {f.exception()}")
+
+    def _fail(self, version: int, step: str, err: Exception, futs: dict[str, cf.Future]):
+        """Blame, tear down, drop, and raise; survivors rejoin at the next publish."""
+        # Before tearing the group down (which makes survivors' RPCs fail too), find the
+        # engines whose RPC failed on its own, then probe the rest.
+        grace = min(2.0, self.cfg.timeout_s)
+        blamed = {eid: str(f.exception()) for eid, f in futs.items() if f.done() and f.exception() is not None}
+        if not blamed:
+            cf.wait(list(futs.values()), timeout=grace, return_when=cf.FIRST_EXCEPTION)
+            blamed = {eid: str(f.exception()) for eid, f in futs.items() if f.done() and f.exception() is not None}
+        if not blamed:
+            probes = {eid: self._submit(asyncio.wait_for(self.engines[eid].health(), grace)) for eid in futs}
+            for eid, p in probes.items():
+                try:
+                    healthy = p.result(grace + 1)
+                except Exception:  # noqa: BLE001 - a probe that fails is an unhealthy engine
+                    healthy = False
+                if not healthy:
+                    blamed[eid] = "failed its health probe"
+        wgroup.close_group(self.pg)
+        self.pg = None
+        for f in futs.values():
+            f.cancel()
+        for eid in blamed:
+            self.engines.pop(eid, None)
+        self._dirty = True
+        who = ", ".join(f"engine {eid} (rank {self._rank_of(eid)}): {why}" for eid, why in blamed.items()) \
+            or "no engine identified (all answered health probes)"
+        cause = "" if any(why in str(err) for why in blamed.values()) else f"; cause: {err}"
+        raise PublishError(f"publish v{version} aborted at '{step}' (epoch {self.epoch}); blamed: {who}{cause}",
+                           list(blamed)) from err
+
+    def _rank_of(self, eid: str) -> int:
+        r = 1
+        for m in self.members:
+            if m == eid:
+                return r
+            r += self.engines[m].group_ranks if m in self.engines else 1
+        return -1
+
+    def close(self) -> None:
+        wgroup.close_group(self.pg)
+        self.pg = None
+        if self._loop is not None:
+            async def _close_all():
+                await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
+            try:
+                self._submit(_close_all()).result(5)
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None

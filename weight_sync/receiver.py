@@ -1,0 +1,233 @@
+"""The receiving side of weight sync, and a standalone receiver process built on it.
+
+:class:`WeightReceiver` is the logic every fleetrl receiver shares (the vLLM
+gloo backend, the local engine, this module's standalone server): join the
+group of an epoch with the announced plan, then per publish receive each
+bucket into a fresh contiguous buffer, hand its tensors to ``load`` while the
+next bucket is already being received, and return the checksum of the bytes.
+
+Dataflow of one publish, receiver side::
+
+    recv(bucket 0) -> [recv(bucket 1) || load(bucket 0)] -> ... -> checksum
+                      ^ posted before loading, so the wire never idles
+
+Guarantees: every wait is bounded by the group timeout; on any failure the
+group is torn down (so the publisher learns at once) and the error names the
+engine, the step and the bucket. A receiver never holds a half-joined group: a
+new ``join`` always replaces the old one.
+
+Standalone process (tests, CPU): ``python -m weight_sync.receiver --engine-id r0
+--port 0 --port-file F [--init PATH]`` serves the typed HTTP control channel of
+:mod:`weight_sync.receiver_client` over a dict of tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import msgspec
+import torch
+
+from rollout_fleet.engines.base import GroupInfo, WeightPlan
+from weight_sync import group as wgroup
+from weight_sync import messages as m
+from weight_sync.plan import bucket_crc, combine_crcs, unpack_bucket, validate_plan
+
+log = logging.getLogger(__name__)
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class WeightReceiver:
+    """Joins weight-sync groups and receives publishes for one engine worker."""
+
+    def __init__(self, engine_id: str, device: str | torch.device = "cpu") -> None:
+        self.engine_id = engine_id
+        self.device = torch.device(device)
+        self.pg = None
+        self.plan: WeightPlan | None = None
+        self.group: GroupInfo | None = None
+        self.timeout_s = 60.0
+        self.last_checksum = ""
+
+    def join(self, group: GroupInfo, plan: WeightPlan, rank: int, timeout_s: float) -> None:
+        validate_plan(plan)
+        self.leave()
+        t0 = time.perf_counter()
+        try:
+            store = wgroup.connect_store(group.master_addr, group.master_port, timeout_s)
+            self.pg = wgroup.make_group(store, group, rank, timeout_s)
+        except Exception as e:
+            raise RuntimeError(
+                f"engine {self.engine_id}: joining weight-sync epoch {group.group_epoch} as rank {rank} "
+                f"of {group.world_size} at {group.master_addr}:{group.master_port} failed: {e}"
+            ) from e
+        self.plan, self.group, self.timeout_s = plan, group, timeout_s
+        log.info("engine %s joined weight-sync epoch %d as rank %d/%d in %.2fs", self.engine_id,
+                 group.group_epoch, rank, group.world_size, time.perf_counter() - t0)
+
+    def leave(self) -> None:
+        wgroup.close_group(self.pg)
+        self.pg = None
+
+    def receive(self, version: int, plan_id: str, load: LoadFn) -> str:
+        """Receive one publish and load it bucket by bucket; return the checksum of the bytes."""
+        if self.pg is None or self.plan is None:
+            raise RuntimeError(f"engine {self.engine_id}: update_weights(v{version}) before joining a weight-sync group")
+        if plan_id != self.plan.plan_id:
+            raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
+        plan, pg = self.plan, self.pg
+        sizes = plan.bucket_bytes()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        crcs: list[int] = []
+
+        def post(b: int):
+            buf = torch.empty(sizes[b], dtype=torch.uint8, device=self.device)
+            return buf, wgroup.broadcast_async(pg, buf)
+
+        step = "receive bucket 0"
+        try:
+            pending = post(0)
+            for b in range(len(sizes)):
+                step = f"receive bucket {b}/{len(sizes)}"
+                buf, work = pending
+                work.wait(timeout)
+                if b + 1 < len(sizes):
+                    pending = post(b + 1)  # overlap the next receive with this load
+                step = f"load bucket {b}/{len(sizes)}"
+                crcs.append(bucket_crc(buf))
+                load(unpack_bucket(buf, plan, b))
+        except Exception as e:
+            self.leave()  # the publisher and other receivers see the group fail at once
+            raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
+        self.last_checksum = combine_crcs(crcs)
+        return self.last_checksum
+
+
+def group_from_msg(g: m.GroupMsg) -> GroupInfo:
+    return GroupInfo(master_addr=g.master_addr, master_port=g.master_port, rank_offset=g.rank_offset,
+                     world_size=g.world_size, backend=g.backend, group_epoch=g.group_epoch)
+
+
+def plan_from_msg(p: m.PlanMsg) -> WeightPlan:
+    return WeightPlan(plan_id=p.plan_id, names=list(p.names), shapes=[list(s) for s in p.shapes],
+                      dtypes=list(p.dtypes), buckets=[list(b) for b in p.buckets])
+
+
+class ReceiverState:
+    """A model as a dict of tensors behind the standalone server."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.receiver = WeightReceiver(engine_id)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version = -1
+        self.lock = threading.Lock()  # one weight operation at a time
+
+    def load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in pairs:
+            self.tensors[name] = t.clone()  # views of the bucket buffer must not outlive it
+
+    def load_path(self, path: str) -> None:
+        from safetensors.torch import load_file
+        import pathlib
+
+        p = pathlib.Path(path)
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {path}")
+        for f in files:
+            self.tensors.update(load_file(str(f)))
+
+
+def _handler(state: ReceiverState):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *args):  # route http.server's access log to logging
+            log.debug("receiver http: " + fmt, *args)
+
+        def _reply(self, reply: m.Reply, code: int = 200) -> None:
+            body = msgspec.json.encode(reply)
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._reply(m.Reply(ok=True, version=state.version))
+            else:
+                self._reply(m.Reply(ok=False, error=f"unknown path {self.path}"), 404)
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            routes = {"/init_weight_transfer": m.InitTransfer, "/update_weights": m.UpdateWeights,
+                      "/load_weights_from_path": m.LoadFromPath, "/dump": m.DumpState}
+            if self.path not in routes:
+                return self._reply(m.Reply(ok=False, error=f"unknown path {self.path}"), 404)
+            try:
+                msg = msgspec.json.decode(raw, type=routes[self.path])
+            except msgspec.ValidationError as e:
+                return self._reply(m.Reply(ok=False, error=f"bad {self.path} message: {e}"), 400)
+            try:
+                with state.lock:
+                    reply = self._dispatch(msg)
+            except Exception as e:  # noqa: BLE001 - reported to the caller, who names this engine
+                log.exception("receiver %s: %s failed", state.receiver.engine_id, self.path)
+                return self._reply(m.Reply(ok=False, error=str(e)), 500)
+            self._reply(reply)
+
+        def _dispatch(self, msg) -> m.Reply:
+            if isinstance(msg, m.InitTransfer):
+                group = group_from_msg(msg.group)
+                state.receiver.join(group, plan_from_msg(msg.plan), group.rank_offset, msg.timeout_s)
+                return m.Reply(ok=True, version=state.version)
+            if isinstance(msg, m.UpdateWeights):
+                checksum = state.receiver.receive(msg.version, msg.plan_id, state.load)
+                state.version = msg.version
+                return m.Reply(ok=True, checksum=checksum, version=msg.version)
+            if isinstance(msg, m.LoadFromPath):
+                state.load_path(msg.path)
+                state.version = msg.version
+                return m.Reply(ok=True, version=msg.version)
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.tensors.items()}, msg.path)
+            return m.Reply(ok=True, version=state.version)
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="fleetrl standalone weight receiver (a dict of tensors)")
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--port-file", help="write the bound port here once serving")
+    ap.add_argument("--init", help="safetensors file or HF folder to load first")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s receiver[{args.engine_id}] %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    state = ReceiverState(args.engine_id)
+    if args.init:
+        state.load_path(args.init)
+        state.version = 0
+    server = ThreadingHTTPServer((args.host, args.port), _handler(state))
+    server.daemon_threads = True
+    if args.port_file:
+        with open(args.port_file + ".tmp", "w") as f:
+            f.write(str(server.server_address[1]))
+        import os
+
+        os.replace(args.port_file + ".tmp", args.port_file)
+    log.info("serving on %s:%d", args.host, server.server_address[1])
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""EngineClient of the standalone receiver (:mod:`weight_sync.receiver`): weight methods only.
+
+The standalone receiver holds tensors, not a generating model, so generation
+calls raise :class:`EngineError`; it exists to test and benchmark weight sync
+with real processes and sockets, and as the control-channel shape fleetrl's
+local engine follows.
+
+Example::
+
+    client = ReceiverClient("r0", "http://127.0.0.1:8123")
+    await client.init_weight_transfer(group, plan)
+    checksum = await client.update_weights(3, plan.plan_id)
+"""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+
+from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from weight_sync import messages as m
+
+
+class ReceiverClient(EngineClient):
+    def __init__(self, engine_id: str, url: str, timeout_s: float = 60.0) -> None:
+        self.engine_id = engine_id
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._version = -1
+        self._join_timeout_s = timeout_s
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        # Created lazily so the client binds to the event loop that first uses it.
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.timeout_s)
+        return self._http
+
+    async def _post(self, path: str, msg: msgspec.Struct, timeout_s: float) -> m.Reply:
+        try:
+            r = await self.http.post(self.url + path, content=msgspec.json.encode(msg),
+                                     headers={"Content-Type": "application/json"}, timeout=timeout_s)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"engine {self.engine_id}: {path} got no answer within {timeout_s:.0f}s") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {type(e).__name__}: {e}") from e
+        try:
+            reply = msgspec.json.decode(r.content, type=m.Reply)
+        except msgspec.DecodeError as e:
+            raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {r.status_code} with a malformed reply") from e
+        if not reply.ok:
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.error}")
+        return reply
+
+    async def health(self) -> bool:
+        try:
+            r = await self.http.get(self.url + "/health", timeout=min(self.timeout_s, 5.0))
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
+        msg = m.InitTransfer(
+            group=m.GroupMsg(master_addr=group.master_addr, master_port=group.master_port, rank_offset=group.rank_offset,
+                             world_size=group.world_size, backend=group.backend, group_epoch=group.group_epoch),
+            plan=m.PlanMsg(plan_id=plan.plan_id, names=plan.names, shapes=plan.shapes, dtypes=plan.dtypes,
+                           buckets=plan.buckets),
+            timeout_s=self._join_timeout_s,
+        )
+        await self._post("/init_weight_transfer", msg, self._join_timeout_s + 5)
+
+    async def update_weights(self, version: int, plan_id: str) -> str:
+        # The server's own group timeout bounds each bucket; this bounds the whole call.
+        reply = await self._post("/update_weights", m.UpdateWeights(version=version, plan_id=plan_id), 10 * self.timeout_s)
+        self._version = version
+        return reply.checksum
+
+    async def load_weights_from_path(self, path: str, version: int) -> None:
+        await self._post("/load_weights_from_path", m.LoadFromPath(path=path, version=version), self.timeout_s)
+        self._version = version
+
+    async def dump(self, path: str) -> None:
+        """Save the held tensors to ``path`` (safetensors); for tests."""
+        await self._post("/dump", m.DumpState(path=path), self.timeout_s)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        raise EngineError(f"engine {self.engine_id} is a standalone weight receiver: it holds tensors, not a generating model")
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Nothing generates here, so there is nothing to pause."""
+
+    async def resume(self) -> None:
+        """See :meth:`pause`."""
+
+    async def reset_prefix_cache(self) -> None:
+        """No KV cache here."""
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None

