@@ -81,7 +81,6 @@ def _receiver_main(conn, device: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    from weight_sync.group import broadcast_async
     from weight_sync.receiver import WeightReceiver
 
     rx = WeightReceiver("bench-rx", device=device)
@@ -119,7 +118,7 @@ def _receiver_main(conn, device: str) -> None:
                 raw_bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in arg]
                 conn.send(("ok", None))
             elif cmd == "raw":
-                works = [broadcast_async(rx.pg, b) for b in raw_bufs]
+                works = [_bcast(rx.pg, b) for b in raw_bufs]
                 for w in works:
                     w.wait()
                 _sync()
@@ -137,6 +136,15 @@ def _receiver_main(conn, device: str) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the publisher side, which names us
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _bcast(group, buf: torch.Tensor):
+    """A broadcast from rank 0 over the publish's own group object (a wrapper or a bare ProcessGroup)."""
+    if hasattr(group, "broadcast_async"):
+        return group.broadcast_async(buf)
+    from weight_sync.group import broadcast_async
+
+    return broadcast_async(group, buf)
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -214,15 +222,15 @@ def _sync_time(fn) -> float:
 
 def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0") -> dict:
     from weight_sync.config import WeightSyncConfig
-    from weight_sync.group import broadcast_async
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
 
     state = random_model(model, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], int(bucket_mb * (1 << 20)))
+    # nccl_impl="torch": fleetrl's own receivers join a ProcessGroupNCCL (vLLM engines use "vllm")
     cfg = WeightSyncConfig(backend="nccl" if device.startswith("cuda") else "gloo", bucket_mb=bucket_mb,
-                           timeout_s=120.0)
+                           timeout_s=120.0, nccl_impl="torch")
     pub = Publisher(cfg, plan, rank=0, engines=[engine], device=device)
     try:
         first = _sync_time(lambda: pub.publish(1, iter(state.items())))  # rebuild + NCCL communicator warm-up
@@ -232,7 +240,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
 
         def raw():
             engine._conn.send(("raw", None))
-            works = [broadcast_async(pub.pg, b) for b in bufs]
+            works = [_bcast(pub.pg, b) for b in bufs]
             for w in works:
                 w.wait()
             _sync()

@@ -269,6 +269,8 @@ class _LoopThread:
         try:
             return fut.result(timeout)
         except TimeoutError:
+            if fut.done():
+                raise  # the client's own BrokerTimeout (a TimeoutError), with its message
             fut.cancel()
             raise BrokerTimeout(f"broker client call did not finish within {timeout:.1f}s") from None
 

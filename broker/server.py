@@ -59,8 +59,9 @@ Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step)
   protocol version, a batch failing ``broker.schema.validate_batch``, or any
   other refusal gets an ``ErrorReply`` with a code from
   :class:`broker.protocol.ErrorCode` and a counter ``errors{code}``; the loop
-  goes on serving everyone else. Garbage at the TCP level (not ZMTP) is dropped
-  by libzmq before it reaches us.
+  goes on serving everyone else. Garbage at the TCP level either fails the ZMTP
+  handshake (libzmq closes that connection) or is read by libzmq as legacy ZMTP
+  1.0 frames, which then get ``bad_frame`` replies like any other bad frame.
 * **Security.** Binds to 127.0.0.1 unless another address is configured. With
   ``curve_keys_dir`` the socket is a CurveZMQ server (keys from
   ``python -m broker keys DIR``) and only client public keys in ``DIR/clients``

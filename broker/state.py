@@ -280,11 +280,13 @@ class BrokerState:
         self.set_version(step - 1)
         picked: list[Group] = []
         stale: list[Group] = []
+        taken: set[str] = set()
         while self._queue and len(picked) < self.G:
             label, seq, gid = heapq.heappop(self._queue)
             g = self.pending.get(gid)
-            if g is None or g.lease_id is not None or g.seq != seq:
-                continue  # acked, dropped or leased since it was queued
+            if g is None or g.lease_id is not None or g.seq != seq or gid in taken:
+                continue  # acked, dropped, leased since it was queued, or a second entry of one group
+            taken.add(gid)
             if int(((step - 1) - g.versions).max()) > self.k:
                 stale.append(g)
                 continue
@@ -411,13 +413,16 @@ class BrokerState:
         try:
             done: set[str] = set()
             leases: dict[str, tuple[int, str, list[str]]] = {}
+            expired: dict[str, tuple[int, str, list[str]]] = {}  # kept so a late ack is judged as before
             for rec in records:
                 if rec.kind == "lease":
                     leases[rec.lease_id] = (rec.step, rec.consumer_id, rec.group_ids)
                 elif rec.kind == "expire":
-                    leases.pop(rec.lease_id, None)
+                    if (lease := leases.pop(rec.lease_id, None)) is not None:
+                        expired[rec.lease_id] = lease
                 elif rec.kind == "ack":
                     leases.pop(rec.lease_id, None)
+                    expired.pop(rec.lease_id, None)
                     done.update(rec.group_ids)
                     self._acked_leases.add(rec.lease_id)
                 elif rec.kind == "drop":
@@ -440,6 +445,8 @@ class BrokerState:
                         g.lease_id = lid
                     self._leases[lid] = lease
                     self._lease_by_key[(consumer_id, step)] = lid
+            for lid, (step, consumer_id, gids) in list(expired.items())[-self._max_expired:]:
+                self._expired[lid] = Lease(lid, step, consumer_id, gids, [], np.zeros(0, np.int32), 0.0)
             log.info("restored %d pending groups (%d leased) and %d done; version %d",
                      len(self.pending), self.leased_groups, len(self._done), self.version)
         finally:

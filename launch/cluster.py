@@ -39,8 +39,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--learner-gpus", type=int, default=0, help="GPUs for the learner (0: CPU)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--ray-auth", choices=("token", "disabled"), default=None,
-                   help="Ray token auth (default: 'disabled' for a local cluster bound to 127.0.0.1, "
-                   "'token' when joining with --address)")
+                   help="Ray token auth (default 'token': a fresh per-job token for a local cluster, "
+                   "the cluster's token when joining with --address)")
     p.add_argument("--run-dir", default=None, help="run directory (default: run.run_dir of the recipe)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: run.max_steps)")
     p.add_argument("--summary", default=None, metavar="PATH", help="write a JSON summary here at the end")

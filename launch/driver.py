@@ -60,34 +60,55 @@ class Job:
         self.monitor: Monitor | None = None
         self.snapshot: dict[str, Any] = {}
         self.eval_before: float | None = None
+        self.eval_after: float | None = None
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
+        self._ray_env()  # before `import ray`: Ray reads its auth mode when it is imported
         import ray
 
-        self._init_ray(ray)
-        self._place(ray)
-        self._start_broker()
-        self._start_fleet(ray)
-        self._start_learner(ray)
+        for name, fn in (("ray", lambda: self._init_ray(ray)), ("placement", lambda: self._place(ray)),
+                         ("broker", self._start_broker), ("fleet", lambda: self._start_fleet(ray)),
+                         ("learner", lambda: self._start_learner(ray))):
+            t = time.monotonic()
+            fn()
+            log.info("started %s in %.1f s", name, time.monotonic() - t)
         self.control = ControlServer(self.run_dir, self.handle)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
                                live=not self.args.no_live)
 
     def _init_ray(self, ray) -> None:
+        """Start a local Ray head, or join ``--address``; token auth is chosen, never inherited.
+
+        A local head listens on every interface (Ray binds ``*``), so it gets token auth
+        with a fresh per-job token passed in the environment (``RAY_AUTH_TOKEN``): nothing
+        is written to ``~/.ray`` and a stale token there cannot break a later ``--address``
+        join. Joining a cluster uses ``--ray-auth`` (default ``token``: the cluster's own
+        token from ``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``).
+        """
         local = self.args.address is None
-        os.environ["RAY_AUTH_MODE"] = self.args.ray_auth or ("disabled" if local else "token")
-        env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+        mode = os.environ["RAY_AUTH_MODE"]
+        pypath = os.environ["PYTHONPATH"]
+        kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False)
         if local:
             gpus = self.args.rollout_gpus + self.args.learner_gpus if self.simulated else None
-            # a local head binds loopback only: with auth disabled nothing else may reach it
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, _node_ip_address="127.0.0.1", **kw)
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, **kw)
             self.started_ray = True
         else:
-            ray.init(address=self.args.address, **kw)
-        log.info("Ray up (%s); resources %s", "local" if local else self.args.address, ray.cluster_resources())
+            ray.init(address=self.args.address, runtime_env={"env_vars": {"PYTHONPATH": pypath}}, **kw)
+        log.info("Ray up (%s, auth %s); resources %s", "local" if local else self.args.address, mode,
+                 ray.cluster_resources())
+
+    def _ray_env(self) -> None:
+        import secrets
+
+        mode = self.args.ray_auth or "token"
+        os.environ["RAY_AUTH_MODE"] = mode
+        if self.args.address is None and mode == "token":
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        # a local head's workers inherit the driver's environment: the repo must be importable
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     def _nodes(self, ray) -> tuple[list[NodeGPUs], dict[str, str]]:
         nodes, pin = [], {}
@@ -135,9 +156,11 @@ class Job:
                             f"the cluster lacks the resources ({ray.available_resources()})")
 
     def _start_broker(self) -> None:
-        from broker.client import BrokerProcess
+        from broker.process import BrokerProcess
 
-        self.broker = BrokerProcess(self.cfg.broker, run_dir=self.run_dir)
+        # the broker reads its own part of the resolved config (written by write_subconfigs)
+        self.broker = BrokerProcess(address=self.cfg.broker.address,
+                                    config=str(self.run_dir / "config" / "broker.yaml"))
         self.broker.start()
         log.info("broker at %s", self.broker.address)
 
@@ -188,8 +211,13 @@ class Job:
                 pass
             if done:
                 self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
+                if not self.simulated:
+                    self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
+                    self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
+                                                "eval after")
+                    log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
                 return
-            if self.broker is not None and not self.broker.alive():
+            if self.broker is not None and self.broker.proc.poll() is not None:
                 raise JobFailed("the broker process exited")
 
     def collect(self) -> dict[str, Any]:
@@ -201,8 +229,6 @@ class Job:
                 "wall_s": time.monotonic() - self.t0, "eval_accuracy_before": self.eval_before,
                 "queue_groups": broker.get("queued_groups"), "groups_produced": fleet.get("groups_pushed"),
                 "groups_dropped": broker.get("drops", {}), "fleet_servers": fleet.get("servers", [])}
-        for s in snap["servers"]:
-            s["tok_per_s"] = None
         return snap
 
     def _broker_status(self) -> dict[str, Any]:
@@ -288,8 +314,10 @@ class Job:
             ("broker", lambda: self.broker and self._broker_status()),
         ]
         for name, fn in steps:
+            t = time.monotonic()
             try:
                 final[name] = fn() or {}
+                log.info("stopped %s in %.1f s", name, time.monotonic() - t)
             except Exception as exc:
                 log.error("shutdown: %s: %s", name, exc)
         for actor in (self.learner, self.fleet):
@@ -313,7 +341,9 @@ class Job:
                     ray.util.remove_placement_group(pg)
                 except Exception:
                     pass
+            t = time.monotonic()
             ray.shutdown()
+            log.info("Ray shut down in %.1f s", time.monotonic() - t)
         return final
 
     def _stop_learner(self) -> dict[str, Any]:
@@ -326,6 +356,8 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     run_dir = Path(cfg.run.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    # every process gets the absolute run directory (Ray workers do not share our cwd)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
     setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)
@@ -345,8 +377,11 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
         rc, error = 1, f"{type(exc).__name__}: {exc}"
         log.exception("job failed")
     finally:
+        # a second Ctrl-C must not cut the shutdown short (that is how orphans are made)
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
         final = job.shutdown()
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
     summary = build_summary(cfg, job, final, error=error)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.summary:

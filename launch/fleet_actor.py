@@ -55,6 +55,7 @@ class FleetRunner:
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
         from broker.client import ProducerClient
 
+        log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
         factory, prompts, rewards = self._components()
         self.fleet = FleetController(self.cfg.rollout, factory)
         for i in indices if indices is not None else range(n_servers):
@@ -62,20 +63,46 @@ class FleetRunner:
         await self.fleet.start(0)  # servers are in; start the health loop
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
         self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
-                                    max_inflight_groups=self.cfg.rollout.max_inflight_groups, seed=self.cfg.run.seed)
+                                    max_inflight_groups=self.cfg.rollout.max_inflight_groups,
+                                    max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed)
         self._task = asyncio.create_task(self.worker.run(self._stop), name="rollout-worker")
         self._versions_task = asyncio.create_task(self._report_versions(), name="engine-versions")
         return self.status_now()
 
+    async def evaluate(self, n: int) -> float | None:
+        """Greedy test accuracy through the fleet (None for SIMULATED engines: there is no model)."""
+        if self.simulated:
+            return None
+        from launch.real_fleet import evaluate
+
+        return await evaluate(self.cfg, self.fleet, n)
+
+    async def stop_workers(self) -> None:
+        """Stop taking tickets (before the final evaluation); servers stay up."""
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=30.0)
+
+    async def server_urls(self) -> dict[str, str]:
+        """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet)."""
+        return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
+                if s.state == "healthy" and hasattr(s.engine, "url")}
+
     async def _report_versions(self) -> None:
-        """Tell the broker each server's version so it can show per-engine lag."""
-        while not self._stop.is_set():
+        """Learn each server's version (vLLM: from the server) and tell the broker, for per-engine lag."""
+        while True:
             for s in list(self.fleet.servers.values()):
+                refresh = getattr(s.engine, "refresh_version", None)
+                if refresh is not None and s.state == "healthy":
+                    try:
+                        await asyncio.wait_for(refresh(), timeout=5.0)
+                    except Exception as exc:  # a dead server is the health loop's business
+                        log.debug("version refresh of %s failed: %s", s.engine_id, exc)
                 try:
                     await self.producer.report_engine_version(s.engine_id, s.engine.weight_version)
                 except Exception as exc:  # lag reporting must never stop the fleet
                     log.debug("engine version report failed: %s", exc)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
 
     async def update_weights(self, version: int, export_path: str | None = None) -> float:
         """Fleet-side choreography of one publish (the SIMULATED publisher calls this)."""
@@ -128,5 +155,5 @@ class FleetRunner:
             self._versions_task.cancel()
         final = self.status_now()
         await self.fleet.close()
-        self.producer.close()
+        await self.producer.close()
         return final

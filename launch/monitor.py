@@ -50,6 +50,26 @@ def format_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _ScalarWriter:
+    """TensorBoard event files through the ``tensorboard`` package alone (no torch import:
+    the driver stays light; torch's SummaryWriter writes the same records)."""
+
+    def __init__(self, logdir: Path) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._Event, self._Summary = Event, Summary
+        self._w = EventFileWriter(str(logdir))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._Summary(value=[self._Summary.Value(tag=tag, simple_value=value)])
+        self._w.add_event(self._Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def close(self) -> None:
+        self._w.close()
+
+
 class Monitor:
     def __init__(self, run_dir: Path, *, simulated: bool, tensorboard: bool, live: bool,
                  prometheus: bool = True) -> None:
@@ -62,11 +82,7 @@ class Monitor:
         self._last_log = 0.0
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-                if simulated:
-                    self._tb.add_text("run", "SIMULATED run: no model; engines, rewards and learner are simulated")
+                self._tb = _ScalarWriter(self.run_dir / "tensorboard")
             except ImportError as exc:
                 log.warning("TensorBoard disabled: %s", exc)
         if prometheus:
@@ -113,8 +129,8 @@ class Monitor:
             self._live.update(self.render(snap))
         elif time.monotonic() - self._last_log > 5.0:
             self._last_log = time.monotonic()
-            log.info("%sstep %s reward %s eval %s tok/s %s fleet idle %s learner idle %s queue %s staleness %s",
-                     "[SIMULATED] " if self.simulated else "", step, _fmt(snap.get("reward")),
+            log.info("step %s reward %s eval %s tok/s %s fleet idle %s learner idle %s queue %s staleness %s",
+                     step, _fmt(snap.get("reward")),
                      _fmt(snap.get("eval_accuracy")), _fmt(snap.get("tok_per_s"), ".0f"),
                      _fmt(snap.get("fleet_idle_fraction")), _fmt(snap.get("learner_idle_fraction")),
                      snap.get("queue_groups"), snap.get("staleness_hist"))
@@ -151,7 +167,15 @@ class Monitor:
 
 class _Prefixed(logging.Formatter):
     def __init__(self, prefix: str) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: " + prefix + "%(message)s")
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        if self.prefix and self.prefix.strip() not in record.getMessage():
+            head, sep, msg = line.partition(f"{record.name}: ")
+            line = f"{head}{sep}{self.prefix}{msg}"
+        return line
 
 
 def setup_logging(run_dir: Path, name: str, *, simulated: bool, level: str = "INFO", stderr: bool = False) -> None:
@@ -164,9 +188,10 @@ def setup_logging(run_dir: Path, name: str, *, simulated: bool, level: str = "IN
     for h in list(root.handlers):
         if getattr(h, "_fleetrl", False):
             root.removeHandler(h)
-    handlers: list[logging.Handler] = [logging.FileHandler(logs / f"{name}.log")]
+    handlers: list[logging.Handler] = [logging.FileHandler(logs / f"{name}.log", mode="w")]
     if stderr:
         handlers.append(logging.StreamHandler())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request drowns everything else
     for h in handlers:
         h.setFormatter(fmt)
         h._fleetrl = True  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ to the live view).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,13 @@ import ray
 from launch.fleet_actor import FleetRunner
 from launch.monitor import setup_logging
 from launch.sim_learner import SimLearner
+
+try:  # the actors' event loops are created after this module is imported: make them uvloop
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+except ImportError:  # uvloop is optional (not on Windows)
+    pass
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -2,9 +2,9 @@
 
 Per step it does what the real training loop does at the boundaries, and sleeps instead
 of computing: lease the batch of step ``v + 1`` from the broker, record its staleness and
-rewards, "train" for ``rollout.simulated.learner_step_s`` seconds, ack the lease, publish
-the new version to the fleet (simulated transfer time), and report the version to the
-broker so admission moves on. The lag view, the staleness bound and the accounting of
+rewards, "train" for ``rollout.simulated.learner_step_s`` seconds, publish the new version to the
+fleet (simulated transfer time), report the version to the broker so admission moves
+on, and ack the lease (the order of :mod:`learner.loop`). The lag view, the staleness bound and the accounting of
 groups are therefore exercised exactly as in a real run; learning is not.
 """
 
@@ -66,13 +66,14 @@ class SimLearner:
                     break
                 self._record(lease)
                 await asyncio.sleep(self.step_s)  # SIMULATED optimizer step
-                await _maybe_await(consumer.ack(lease.lease_id))
+                # the real loop's order: publish, report the version, then ack
                 if self.publish is not None:
                     t1 = time.monotonic()
                     await self.publish(step)
                     self.publish_s += time.monotonic() - t1
                 self.version = step
                 await _maybe_await(consumer.report_version(step))
+                await _maybe_await(consumer.ack(lease.lease_id))
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("[SIMULATED] learner failed at version %d", self.version)
@@ -82,7 +83,7 @@ class SimLearner:
             close = getattr(consumer, "close", None)
             if close is not None:
                 await _maybe_await(close())
-        return self.status()
+        return SimLearner.status(self)
 
     def _record(self, lease: Any) -> None:
         table = lease_table(lease)

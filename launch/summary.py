@@ -42,7 +42,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "staleness_hist": learner.get("staleness_hist", {}),
         "bound_violations": learner.get("bound_violations", 0),
         "eval_accuracy_before": job.eval_before,
-        "eval_accuracy_after": learner.get("eval_accuracy_after", learner.get("eval_accuracy") if not job.simulated else None),
+        "eval_accuracy_after": job.eval_after,
         "reward_per_step": rewards,
         "groups_produced": produced,
         "groups_consumed": consumed,
@@ -53,6 +53,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "groups_cancelled_at_shutdown": fleet.get("groups_cancelled", 0),
         "server_deaths": fleet.get("server_deaths", 0),
         "servers_at_end": len(fleet.get("servers", [])),
+        "server_states_at_end": [{k: s.get(k) for k in ("engine_id", "state", "version", "restarts", "groups_done")}
+                                 for s in fleet.get("servers", [])],
         "weight_updates": fleet.get("weight_updates", 0),
         "learner_idle_fraction": learner.get("learner_idle_fraction"),
         "fleet_idle_fraction": fleet.get("fleet_idle_fraction"),

@@ -182,7 +182,7 @@ class Learner:
         self.history.append(metrics)
         if self.engine.rank == 0:
             logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e grad_norm %.3f (%.2fs)",
-                        step, metrics["learner/loss/total"], metrics["learner/batch_reward_mean"],
+                        step, metrics["learner/loss_total"], metrics["learner/batch_reward_mean"],
                         metrics["learner/clip_frac"], metrics["learner/mismatch_kl_k3"],
                         metrics["learner/grad_norm"], metrics["learner/total_step_seconds"])
         if self.on_metrics is not None:

@@ -168,8 +168,8 @@ def policy_loss(
         # Tokens come from mu, so KL(mu || pi) = E_mu[log mu - log pi]; k3 is its non-negative estimator.
         d = lp - behaviour_logp
         metrics = {
-            "loss/total": loss.detach(),
-            "loss/policy": (wd * pg.detach()).sum(),
+            "loss_total": loss.detach(),
+            "loss_policy": (wd * pg.detach()).sum(),
             "clip_frac": (wd * clip_active).sum(),
             "ratio_mean": (wd * ratio.detach()).sum(),
             "is_weight_mean": (wd * is_w).sum(),
@@ -179,7 +179,7 @@ def policy_loss(
             "mismatch_logp_diff": (wd * (behaviour_logp - lp)).sum(),
         }
         if kl is not None:
-            metrics["loss/kl"] = (wd * kl.detach()).sum()
+            metrics["loss_kl"] = (wd * kl.detach()).sum()
         if entropy is not None:
             metrics["entropy"] = (wd * entropy.detach().to(wd.dtype)).sum()
     return loss, metrics

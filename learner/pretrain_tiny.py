@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -152,12 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--max-steps", type=int, default=6000)
-    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--target-acc", type=float, default=0.35, help="stop once validation accuracy reaches this")
     args = ap.parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     torch.manual_seed(args.seed)
@@ -226,7 +228,7 @@ def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: 
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     ).save_pretrained(args.out)
     save_tokenizer(tok, args.out)
-    cmd = "python -m learner.pretrain_tiny --out " + str(args.out)
+    cmd = "python -m learner.pretrain_tiny " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
     (args.out / "README.md").write_text(
         f"""# tiny-adder
 
@@ -242,7 +244,8 @@ plus `<pad> <bos> <eos> <unk>`); the chat template renders the user message only
 - stopped at step {step} when greedy validation accuracy reached {val_acc:.3f}
   (target {args.target_acc})
 - greedy exact-match accuracy on `data/addition/test.parquet` ({args.test} problems): **{test_acc:.3f}**
-- wall time: {wall:.0f} s on this 2-core CPU machine
+- wall time: {wall:.0f} s ({args.threads} thread(s) on the shared 2-core CPU machine, data generation and
+  evaluations included; slower when other jobs load the machine)
 """
     )
     logger.info("saved to %s", args.out)

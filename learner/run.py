@@ -39,10 +39,13 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
         raise RuntimeError(f"learner process needs the torch.distributed environment; missing {missing}")
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kw = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        kw["device_id"] = torch.device("cuda", local)  # binds the communicator to this GPU (barrier, eager init)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     return dist.get_rank(), dist.get_world_size()
 
 

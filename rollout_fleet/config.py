@@ -14,12 +14,18 @@ class DataConfig(ConfigModel):
     test_files: list[str] = Field(default_factory=list)
     shuffle: bool = True
     max_prompt_tokens: int = Field(1024, ge=1)
+    on_bad_row: Literal["raise", "skip"] = Field(
+        "raise", description="a malformed row: stop at load naming file/row/column, or skip it and count it"
+    )
 
 
 class RewardConfig(ConfigModel):
     function: str = Field("exact_match", description="'exact_match', 'math', or 'package.module:function'")
     workers: int = Field(2, ge=1, description="reward worker pool size")
-    timeout_s: float = Field(30.0, gt=0)
+    timeout_s: float = Field(30.0, gt=0, description="per-call limit; a call past it is a RewardTimeout")
+    mode: Literal["thread", "process"] = Field(
+        "thread", description="thread for cheap rewards; process for CPU-heavy ones (math) or ones that may hang"
+    )
 
 
 class SamplingConfig(ConfigModel):
@@ -60,7 +66,8 @@ class RolloutConfig(ConfigModel):
     request_timeout_s: float = Field(600.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0)
     startup_timeout_s: float = Field(600.0, gt=0)
-    batch_groups: int = Field(1, ge=1, description="groups per pushed Arrow batch")
+    max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len (prompt + response)")
+    enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no torch.compile (faster start on small CPUs)")
     restart_dead_servers: bool = Field(True, description="restart a server that died; False drops it")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
 

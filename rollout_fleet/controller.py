@@ -25,6 +25,9 @@ Invariants and delivery semantics:
 * A server's ``version`` is what it holds; a server that (re)joins loads the latest
   export first (late-joiner path) and only then receives work, so it never samples with
   weights older than those of the fleet when it joined.
+* Admission meets versions: a group admitted for learner step ``s`` (bound ``k``) only
+  starts on a server holding version ``>= s - k - 1``, so a server that is behind the
+  learner (its publish not yet loaded) never produces a group that is stale on arrival.
 * Draining: a draining server takes no new group; it leaves once its in-flight groups end.
 * Every engine call has a timeout (``request_timeout_s`` for generation, the health
   interval for health checks); a timeout is treated as a failure of that server.
@@ -164,35 +167,41 @@ class FleetController:
         self.servers.clear()
 
     # -- work -------------------------------------------------------------------------------
-    def _eligible(self) -> list[Server]:
-        return [s for s in self.servers.values() if s.state == "healthy"]
+    def _eligible(self, min_version: int = 0) -> list[Server]:
+        return [s for s in self.servers.values() if s.state == "healthy" and s.engine.weight_version >= min_version]
 
     async def _wake(self) -> None:
         async with self._capacity:
             self._capacity.notify_all()
 
-    async def pick(self, cost: int, wait_s: float) -> Server:
-        """The healthy server with the fewest outstanding tokens (waits for one to exist)."""
+    async def pick(self, cost: int, wait_s: float, min_version: int = 0) -> Server:
+        """The healthy server holding ``min_version`` or newer with the fewest outstanding tokens.
+
+        Waits (up to ``wait_s``) while none qualifies: a server that has not loaded the
+        weights a ticket needs yet must not start that group, or it would be stale on arrival.
+        """
         deadline = time.monotonic() + wait_s
         while True:
-            eligible = self._eligible()
+            eligible = self._eligible(min_version)
             if eligible:
                 return min(eligible, key=lambda s: (s.outstanding_tokens, s.index))
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NoServerError(f"fleet: no healthy server for {wait_s:.0f} s (servers: {self.states()})")
+                raise NoServerError(f"fleet: no healthy server at version >= {min_version} for {wait_s:.0f} s "
+                                    f"(servers: {self.states()})")
             async with self._capacity:
                 try:
                     await asyncio.wait_for(self._capacity.wait(), timeout=min(left, 0.5))
                 except TimeoutError:
                     pass
 
-    async def run_group(self, group_id: str, prompt_ids: list[int], params: SamplingParams) -> tuple[str, list[Sample]]:
-        """Generate one GRPO group, retrying on another server if its server dies."""
+    async def run_group(self, group_id: str, prompt_ids: list[int], params: SamplingParams,
+                        min_version: int = 0) -> tuple[str, list[Sample]]:
+        """Generate one GRPO group on a server at ``min_version`` or newer; retried elsewhere if it dies."""
         cost = params.n * params.max_tokens
         last_error: Exception | None = None
         for _attempt in range(self.max_attempts):
-            server = await self.pick(cost, self.cfg.startup_timeout_s)
+            server = await self.pick(cost, self.cfg.startup_timeout_s, min_version)
             server.outstanding_tokens += cost
             server.inflight.add(group_id)
             try:
@@ -256,6 +265,7 @@ class FleetController:
             return
         self.servers.pop(server.engine_id, None)
         server.engine, server.state, server.restarts = engine, "healthy", server.restarts + 1
+        server.started_at = time.monotonic()
         self.servers[engine.engine_id] = server
         log.info("fleet: server %s is back at version %d", engine.engine_id, engine.weight_version)
         await self._wake()
@@ -290,6 +300,7 @@ class FleetController:
                 if isinstance(res, BaseException):
                     log.warning("fleet: weight update of %s to v%d failed (%s)", server.engine_id, version, res)
                     await self._suspect(server)
+        await self._wake()  # groups waiting for this version may start now
         dt = time.monotonic() - t0
         self.weight_updates += 1
         self.weight_update_s += dt
@@ -316,7 +327,8 @@ class FleetController:
                 {"engine_id": s.engine_id, "index": s.index, "state": s.state, "version": s.engine.weight_version,
                  "simulated": s.engine.simulated, "outstanding_tokens": s.outstanding_tokens,
                  "inflight_groups": len(s.inflight), "groups_done": s.groups_done,
-                 "tokens_done": s.tokens_done, "restarts": s.restarts}
+                 "tokens_done": s.tokens_done, "restarts": s.restarts, "pid": getattr(s.engine, "pid", None),
+                 "tok_per_s": s.tokens_done / max(1e-9, time.monotonic() - s.started_at)}
                 for s in sorted(self.servers.values(), key=lambda s: s.index)
             ],
             "groups_requeued": self.groups_requeued,

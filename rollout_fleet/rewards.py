@@ -49,7 +49,9 @@ class RewardConfigError(ValueError):
 class RewardError(RuntimeError):
     """A reward function failed on one row or trajectory; names the function and where."""
 
-    def __init__(self, message: str, *, function: str, where: str) -> None:
+    # Defaults let the error unpickle when it comes back from a worker process
+    # (pickle rebuilds it from the message, then restores the attributes).
+    def __init__(self, message: str, *, function: str = "", where: str = "") -> None:
         super().__init__(message)
         self.function = function
         self.where = where

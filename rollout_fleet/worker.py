@@ -78,7 +78,12 @@ class AsyncProducer:
     async def report_engine_version(self, engine_id: str, version: int) -> Any:
         return await self._call("report_engine_version", engine_id, version)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            res = close()
+            if inspect.isawaitable(res):
+                await res
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -92,13 +97,14 @@ class RolloutWorker:
 
     def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
                  rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
-                 seed: int = 0, push_retries: int = 3) -> None:
+                 max_staleness: int, seed: int = 0, push_retries: int = 3) -> None:
         self.fleet = fleet
         self.producer = producer
         self.prompts = prompts
         self.rewards = rewards
         self.sampling = sampling
         self.max_inflight_groups = max_inflight_groups
+        self.max_staleness = max_staleness
         self.seed = seed
         self.push_retries = push_retries
         self._tasks: dict[asyncio.Task, Prompt] = {}
@@ -180,7 +186,9 @@ class RolloutWorker:
                                 temperature=self.sampling.temperature, top_p=self.sampling.top_p)
         t_start = time.time()
         try:
-            engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params)
+            # the oldest weights that may start a group for this step within the bound
+            min_version = max(0, int(ticket.step) - self.max_staleness - 1)
+            engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params, min_version)
             rewards = await self.rewards.score(prompt, samples)
         except EngineError as exc:
             self.groups_failed += 1

@@ -73,18 +73,39 @@ def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float)
     raise ValueError(f"unknown weight-sync backend {group.backend!r}; expected 'gloo' or 'nccl'")
 
 
-def broadcast_async(pg: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    return pg.broadcast([buf], opts)
+class TorchGroup:
+    """A torch ProcessGroup (gloo or NCCL) behind the two calls a publish needs."""
+
+    def __init__(self, pg: dist.ProcessGroup) -> None:
+        self.pg = pg
+
+    def broadcast_async(self, buf: torch.Tensor):
+        """Start broadcasting ``buf`` from rank 0; the returned work has ``wait(timedelta)``."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return self.pg.broadcast([buf], opts)
+
+    def close(self) -> None:
+        close_group(self.pg)
 
 
-def close_group(pg: dist.ProcessGroup | None) -> None:
+def broadcast_async(pg, buf: torch.Tensor):
+    """Start broadcasting ``buf`` from rank 0 over a ProcessGroup or a group adapter; returns a ``wait(timedelta)`` handle."""
+    if isinstance(pg, dist.ProcessGroup):
+        return TorchGroup(pg).broadcast_async(buf)
+    if hasattr(pg, "broadcast_async"):  # TorchGroup, weight_sync.vllm_nccl.VllmNcclGroup
+        return pg.broadcast_async(buf)
+    return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
+
+
+def close_group(pg) -> None:
     """Tear a group down so peers blocked in it fail at once instead of waiting for their timeout."""
     if pg is None:
         return
-    for how in ("abort", "shutdown"):
+    for how in ("close", "abort", "shutdown"):
+        if not hasattr(pg, how):
+            continue
         try:
             getattr(pg, how)()
             return

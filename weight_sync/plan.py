@@ -93,10 +93,11 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
 def packed_buffer_bytes(plan: WeightPlan) -> int:
     """The ``packed_buffer_size_bytes`` under which vLLM's packed NCCL format cuts exactly ``plan.buckets``."""
     sizes = [[nbytes(plan.shapes[i], plan.dtypes[i]) for i in b] for b in plan.buckets]
-    limit = max(sum(b[:-1]) for b in sizes)
-    if any(sum(b) <= limit for b in sizes[:-1]):
+    lo = max(sum(b[:-1]) for b in sizes)  # no bucket may cross the limit before its last tensor
+    hi = min(sum(b) for b in sizes[:-1]) - 1 if len(sizes) > 1 else max(lo, sum(sizes[0]))  # every cut must cross it
+    if hi < lo:
         raise ValueError(f"plan {plan.plan_id}: buckets were not cut by the packed rule; vLLM's NCCL backend cannot follow them")
-    return max(limit, 1)
+    return max(hi, 1)  # the largest consistent limit: closest to the bucket size the plan was built with
 
 
 def validate_plan(plan: WeightPlan) -> None:

@@ -31,8 +31,9 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -69,10 +70,21 @@ class Publisher:
     """Weight publisher; construct on every learner rank, with ``engines`` on rank 0 only."""
 
     def __init__(self, cfg: WeightSyncConfig, plan: WeightPlan, *, rank: int = 0,
-                 engines: Iterable[EngineClient] = (), device: str = "cpu") -> None:
+                 engines: Iterable[EngineClient] = (), device: str = "cpu",
+                 group_factory: Callable[[GroupInfo], Any] | None = None) -> None:
+        """``group_factory(info)`` opens rank 0 of a group that hosts its own rendezvous on ``info.master_port``
+        (a fresh port each epoch), e.g. vLLM's NCCL group; by default gloo/NCCL groups use our TCP store and
+        ``nccl_impl='vllm'`` uses :class:`weight_sync.vllm_nccl.VllmNcclGroup`."""
         self.cfg, self.plan, self.rank = cfg, plan, rank
         self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device(device)
+        self._vllm_nccl = self.backend == "nccl" and cfg.nccl_impl == "vllm"
+        self._factory = group_factory
+        if self._factory is None and self._vllm_nccl:
+            from weight_sync.vllm_nccl import VllmNcclGroup
+
+            self._factory = lambda g: VllmNcclGroup.open(g.master_addr, g.master_port, g.world_size, cfg.timeout_s,
+                                                          self.device)
         self.engines: dict[str, EngineClient] = {}
         self.members: list[str] = []  # engine ids in the current epoch's group
         self.epoch = 0
@@ -84,7 +96,7 @@ class Publisher:
             return
         for e in engines:
             self._add(e)
-        self._store = wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
+        self._store = None if self._factory else wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
@@ -132,14 +144,16 @@ class Publisher:
             for eid in ids:
                 offsets[eid] = world
                 world += self.engines[eid].group_ranks
-            infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=self._store.port,
+            # vLLM's NCCL workers rendezvous through a store that rank 0 hosts itself: a fresh port per epoch.
+            port = wgroup.free_port(self.cfg.master_addr) if self._factory else self._store.port
+            infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=port,
                                     rank_offset=offsets[eid], world_size=world, backend=self.backend,
                                     group_epoch=self.epoch) for eid in ids}
             futs = {eid: self._submit(self.engines[eid].init_weight_transfer(infos[eid], self.plan)) for eid in ids}
-            own = GroupInfo(master_addr=self.cfg.master_addr, master_port=self._store.port, rank_offset=0,
-                            world_size=world, backend=self.backend, group_epoch=self.epoch)
+            own = GroupInfo(master_addr=self.cfg.master_addr, master_port=infos[ids[0]].master_port if ids else 0,
+                            rank_offset=0, world_size=world, backend=self.backend, group_epoch=self.epoch)
             try:
-                pg = wgroup.make_group(self._store, own, 0, self.cfg.timeout_s) if ids else None
+                pg = self._open_group(own) if ids else None
                 failed = self._collect(futs, self.cfg.timeout_s)
             except Exception as e:  # noqa: BLE001 - the join failed; find who did not come
                 failed = self._collect(futs, 1.0) or {eid: f"did not join: {e}" for eid, f in futs.items() if not f.done()}
@@ -154,6 +168,11 @@ class Publisher:
                 log.error("weight-sync epoch %d: dropping engine %s: %s", self.epoch, eid, why)
                 self.engines.pop(eid, None)
         raise PublishError(f"weight-sync group could not be rebuilt after 3 epochs (last {self.epoch})", [])
+
+    def _open_group(self, own: GroupInfo):
+        if self._factory is not None:
+            return self._factory(own)
+        return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
 
     def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]:
         """Wait (bounded) for RPC futures; map engine id -> reason for those that failed or timed out."""

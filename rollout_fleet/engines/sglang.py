@@ -97,7 +97,7 @@ def sglang_group_name(group_epoch: int) -> str:
     return f"fleetrl_ws_epoch{group_epoch}"
 
 
-def sglang_store_prefixes(group_epoch: int) -> list[str]:
+def sglang_store_prefixes(group_epoch: int, device_type: str = "cuda") -> list[str]:
     """The key prefixes SGLang's side of the group uses, outermost first.
 
     SGLang's ``init_custom_process_group`` wraps the TCP store in ``PrefixStore(G)``,
@@ -105,7 +105,7 @@ def sglang_store_prefixes(group_epoch: int) -> list[str]:
     type, ``PrefixStore("cuda/")``. The publisher's rank 0 must see the same keys.
     """
     g = sglang_group_name(group_epoch)
-    return [g, g + "/", "cuda/"]
+    return [g, g + "/", device_type + "/"]
 
 
 def publisher_group(store, group: GroupInfo, timeout_s: float):
@@ -118,13 +118,19 @@ def publisher_group(store, group: GroupInfo, timeout_s: float):
 
     import torch.distributed as dist
 
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if group.backend == "gloo":  # no SGLang build runs on CPU; this path checks the key layout in CPU tests
+        s = store
+        for p in sglang_store_prefixes(group.group_epoch, "cpu"):
+            s = dist.PrefixStore(p, s)
+        return dist.ProcessGroupGloo(s, 0, group.world_size, timeout)
     if group.backend != "nccl":
-        raise ValueError(f"SGLang receives weights over NCCL only, not {group.backend!r}")
+        raise ValueError(f"SGLang receives weights over NCCL, not {group.backend!r}")
     s = store
     for p in sglang_store_prefixes(group.group_epoch):
         s = dist.PrefixStore(p, s)
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._timeout = timeout
     return dist.ProcessGroupNCCL(s, 0, group.world_size, opts)
 
 

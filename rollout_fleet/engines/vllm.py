@@ -64,15 +64,21 @@ class VLLMClient(EngineClient):
 
     def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl_gloo",
                  timeout_s: float = 60.0, request_timeout_s: float = 600.0, group_ranks: int = 1,
-                 initial_version: int = 0) -> None:
+                 initial_version: int = 0, api: str = "completions") -> None:
+        """``api``: ``completions`` (``/v1/completions``, every supported vLLM) or ``generate``
+        (``/inference/v1/generate``, vLLM >= 0.32: also reports per-sample ``weight_versions`` spans)."""
         if weight_backend not in ("fleetrl_gloo", "nccl"):
             raise ValueError(f"weight_backend must be 'fleetrl_gloo' (CPU) or 'nccl' (GPU), got {weight_backend!r}")
+        if api not in ("completions", "generate"):
+            raise ValueError(f"api must be 'completions' or 'generate', got {api!r}")
+        self.api = api
         self.engine_id, self.url, self.model = engine_id, url.rstrip("/"), model
         self.weight_backend = weight_backend
         self.timeout_s, self.request_timeout_s = timeout_s, request_timeout_s
         self.group_ranks = group_ranks
         self._version = initial_version
-        self._paused = False
+        self._stuck = False  # paused by a failed update of ours
+        self._paused = False  # last pause/resume through this instance (the server's /is_paused is authoritative)
         self._plan: WeightPlan | None = None
         self._join_timeout_s = timeout_s
         self._http: httpx.AsyncClient | None = None
@@ -97,26 +103,34 @@ class VLLMClient(EngineClient):
 
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        body = {"model": self.model, "prompt": list(prompt_ids), "n": params.n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
-                "return_token_ids": True, "stop_token_ids": params.stop_token_ids}
+        sp = {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
+              "top_p": params.top_p, "logprobs": 0, "stop_token_ids": params.stop_token_ids}
         if params.seed is not None:
-            body["seed"] = params.seed
-        r = await self._req("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-        out = []
-        for c in choices:
-            ids = c.get("token_ids")
-            lp = (c.get("logprobs") or {}).get("token_logprobs")
-            if ids is None or lp is None or len(ids) != len(lp):
-                raise EngineError(f"engine {self.engine_id}: completion choice {c['index']} lacks token ids or "
-                                  f"per-token log-probs (token_ids={ids is not None}, logprobs={lp is not None})")
-            seg = _segments(c.get("weight_versions"), self._version)
-            out.append(Sample(token_ids=np.asarray(ids, dtype=np.int32),
-                              logprobs=np.asarray([-np.inf if x is None else x for x in lp], dtype=np.float32),
-                              finish_reason=c.get("finish_reason") or "abort",
-                              segment_starts=seg.starts, segment_versions=seg.versions))
-        return out
+            sp["seed"] = params.seed
+        if self.api == "generate":
+            body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sp}
+            r = await self._req("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)
+        else:
+            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sp}
+            r = await self._req("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
+        return [self._sample(c) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def _sample(self, c: dict) -> Sample:
+        ids = c.get("token_ids")
+        lp_field = c.get("logprobs") or {}
+        if self.api == "generate":  # [{token_id, logprob, ...}] per generated token
+            content = lp_field.get("content")
+            lp = None if content is None else [e["logprob"] for e in content]
+        else:
+            lp = lp_field.get("token_logprobs")
+        if ids is None or lp is None or len(ids) != len(lp):
+            raise EngineError(f"engine {self.engine_id}: choice {c.get('index')} lacks token ids or per-token "
+                              f"log-probs (token_ids={ids is not None}, logprobs={lp is not None})")
+        seg = _segments(c.get("weight_versions"), self._version)
+        return Sample(token_ids=np.asarray(ids, dtype=np.int32),
+                      logprobs=np.asarray([-np.inf if x is None else x for x in lp], dtype=np.float32),
+                      finish_reason=c.get("finish_reason") or "abort",
+                      segment_starts=seg.starts, segment_versions=seg.versions)
 
     async def health(self) -> bool:
         try:
@@ -178,8 +192,9 @@ class VLLMClient(EngineClient):
 
     async def update_weights(self, version: int, plan_id: str) -> str:
         info = self._update_info(version, plan_id)
-        paused_here = not self._paused
-        if paused_here:
+        # Ask the server, not this instance: the fleet may have paused it through another client.
+        pause_here = self._stuck or not await self.is_paused()
+        if pause_here:
             await self.pause("keep")
         try:
             await self._req("POST", "/start_weight_update")
@@ -188,9 +203,10 @@ class VLLMClient(EngineClient):
             await self.reset_prefix_cache()  # KV computed with the old weights must not be reused
             checksum = await self._checksum(version)
         except EngineError as e:
+            self._stuck = pause_here  # we paused it; the next successful load resumes it
             raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
-        self._version = version
-        if paused_here:
+        self._version, self._stuck = version, False
+        if pause_here:
             await self.resume()
         return checksum
 
@@ -205,15 +221,16 @@ class VLLMClient(EngineClient):
         return sums.pop()
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
-        paused_here = not self._paused
-        if paused_here:
+        """Reload every weight from an HF export on disk (vLLM's ``reload_weights``), labelled ``version``."""
+        pause_here = self._stuck or not await self.is_paused()
+        if pause_here:
             await self.pause("keep")
         await self._req("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
                         timeout_s=self.request_timeout_s)
         await self._req("POST", "/update_weight_version", json={"new_version": str(version)})
         await self.reset_prefix_cache()
-        self._version = version
-        if paused_here:
+        self._version, self._stuck = version, False
+        if pause_here:
             await self.resume()
 
     @property

@@ -77,6 +77,7 @@ class VLLMServerArgs:
     port: int = 0
     seed: int = 0
     cpu_kvcache_gb: int = 1
+    enforce_eager: bool = False  # skip torch.compile: a much faster start on small CPU machines (tests)
     served_model_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -120,6 +121,8 @@ class VLLMServer:
                "--worker-extension-cls", "weight_sync.vllm_plugin.FleetrlWorkerExtension"]
         if self.cuda:
             cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+        if a.enforce_eager:
+            cmd.append("--enforce-eager")
         if a.served_model_name:
             cmd += ["--served-model-name", a.served_model_name]
         return cmd + list(a.extra_args)

@@ -70,7 +70,7 @@ def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path):
     state = _state(bench)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 128 << 20)
     assert len(plan.buckets) > 3, "several buckets, so the overlap of gather and broadcast is exercised"
-    pub = Publisher(WeightSyncConfig(backend="nccl", bucket_mb=128, timeout_s=120), plan, rank=0,
+    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=128, timeout_s=120), plan, rank=0,
                     engines=[engine], device="cuda:0")
     try:
         for version in (1, 2):

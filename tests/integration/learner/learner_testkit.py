@@ -89,20 +89,21 @@ def _rank_main(rank: int, world_size: int, port: int, kw: dict) -> None:
     os._exit(0)
 
 
-def run_ranks(world_size: int, timeout: float = 120.0, **kw) -> list[dict]:
+def run_ranks(world_size: int, timeout: float = 120.0, start_method: str = "fork", **kw) -> list[dict]:
     """Run ``world_size`` learner ranks as real processes (gloo) and return each rank's result.
 
     The processes are forked from the test process, which has torch and
     transformers imported already (a fresh interpreter spends 10-20 s importing
     them on a loaded 2-core machine); each is still a separate process with its
     own process group, model and optimizer, and state crosses only through disk.
+    GPU tests pass ``start_method="spawn"`` (CUDA does not survive a fork).
     """
     import multiprocessing as mp
 
     import torch
 
     torch.set_num_threads(1)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, kw), daemon=True) for r in range(world_size)]
     try:
@@ -126,7 +127,8 @@ def run_ranks(world_size: int, timeout: float = 120.0, **kw) -> list[dict]:
 def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_steps: int | None = None,
            correction: str = "decoupled", aggregation: str = "token", micro_tokens: int = 64, kl_coef: float = 0.0,
            ckpt: str | None = None, checkpoint_every: int = 0, export: str | None = None,
-           dump_at: tuple[int, ...] = (), dump_path: str | None = None) -> None:
+           dump_at: tuple[int, ...] = (), dump_path: str | None = None, activation_checkpointing: bool = False,
+           backend: str = "gloo") -> None:
     """One learner rank: FSDP2 engine + loop on an in-process source; writes ``out.rank{r}`` (JSON).
 
     ``dump_at``: versions whose full weights rank 0 writes to ``dump_path.format(version=v)``
@@ -141,13 +143,29 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
     from learner.run import init_distributed
     from learner.source import InProcessSource
 
-    init_distributed("gloo", timeout_s=60)
+    init_distributed(backend, timeout_s=120)
     cfg = LearnerConfig.model_validate({
         "loss": {"correction": correction, "aggregation": aggregation, "kl_coef": kl_coef},
-        "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine", "grad_clip": 1.0, "weight_decay": 0.01},
+        "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine", "grad_clip": 1.0, "weight_decay": 0.01,
+                  # Adam's first step is ~lr * g / (|g| + eps): with the default 1e-8 a gradient that is zero up
+                  # to rounding (contributions cancelling inside a GRPO group) becomes a step of random sign.
+                  # 1e-5 (far below the typical |g| ~ 1e-3 here) keeps the update a smooth function of the
+                  # gradient, so weights of 1-rank and 2-rank runs can be compared.
+                  "eps": 1e-5},
         "micro_batch_tokens": micro_tokens, "checkpoint_every": checkpoint_every,
+        "activation_checkpointing": activation_checkpointing,
     })
     engine = FSDPEngine(cfg, model, total_steps=total_steps or steps, seed=0)
+    # Count executions of one MLP (forward hooks do not fire in checkpoint recomputes, a wrapper does).
+    mlp_calls = [0]
+    mlp = engine.model.model.layers[0].mlp
+    inner = mlp.forward
+
+    def counted(*a, **k):
+        mlp_calls[0] += 1
+        return inner(*a, **k)
+
+    mlp.forward = counted
     source = None
     if rank == 0:
         with pa.ipc.open_file(data) as f:
@@ -169,6 +187,6 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
     resumed = learner.resume()
     history = learner.run()
     result = {"history": history, "version": learner.version, "resumed": resumed, "published": published,
-              "acked": source.acked_step if source else None, "reported": source.versions if source else None}
+              "mlp_calls": mlp_calls[0], "acked": source.acked_step if source else None, "reported": source.versions if source else None}
     Path(f"{out}.rank{rank}").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()

@@ -1,0 +1,164 @@
+"""The fleet's real parts: vLLM servers, the Parquet dataset, the reward pool, and evaluation.
+
+Adapters between the fleet (rollout_fleet.controller / worker) and the pieces other
+packages own: :class:`VLLMFactory` starts :class:`VLLMServer` processes and hands out
+:class:`FleetVLLMClient` (a VLLMClient that also learns the version its server holds,
+because with vLLM the weights arrive from the learner's publisher, not through the
+fleet); :class:`DatasetPrompts` and :class:`PoolRewards` wrap PromptDataset and RewardPool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from launch.config import REPO_ROOT
+from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
+from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
+from rollout_fleet.worker import Prompt
+
+log = logging.getLogger(__name__)
+
+
+class FleetVLLMClient(VLLMClient):
+    """The fleet's client of one server: generation, health, and the version the server holds."""
+
+    server: VLLMServer | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid if self.server is not None else None
+
+    async def refresh_version(self) -> int:
+        """Ask the server which weights it holds (the publisher loads them, not this client)."""
+        v = await self.server_weight_version()
+        try:
+            self._version = max(self._version, int(v)) if v is not None else self._version
+        except ValueError:
+            pass  # the initial label (e.g. the model path) means version 0
+        return self._version
+
+    async def health(self) -> bool:
+        if self.server is not None and self.server.proc is not None and self.server.proc.poll() is not None:
+            return False  # the process is gone: no need to wait for an HTTP timeout
+        return await super().health()
+
+    def kill(self) -> None:
+        """Fault injection: SIGKILL the server process (as ``kill -9`` would)."""
+        if self.server is not None and self.server.pid is not None:
+            log.warning("killing vLLM server %s (pid %d) with SIGKILL", self.engine_id, self.server.pid)
+            os.kill(self.server.pid, signal.SIGKILL)
+
+
+class VLLMFactory:
+    def __init__(self, cfg, run_dir: Path, slots: dict[int, Any]) -> None:
+        self.cfg, self.run_dir, self.slots = cfg, Path(run_dir), slots
+        self.cache_dir = Path(os.environ.get("FLEETRL_CACHE_DIR", REPO_ROOT / ".cache"))  # warm compiles across runs
+
+    def _server(self, index: int) -> VLLMServer:
+        r = self.cfg.rollout
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        if index in self.slots:  # GPU: the slot's devices (CPU runs have no slots)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.slots[index][1])
+        args = VLLMServerArgs(model=self.cfg.model.path, dtype=self.cfg.model.dtype,
+                              max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
+                              gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
+                              seed=self.cfg.run.seed + index, enforce_eager=r.enforce_eager,
+                              startup_timeout_s=r.startup_timeout_s, env=env)
+        return VLLMServer(args, self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
+
+    async def start(self, index: int) -> FleetVLLMClient:
+        server = self._server(index)
+        await asyncio.to_thread(server.start)  # blocks until /health answers (40-80 s on CPU)
+        client = FleetVLLMClient(f"vllm-{index}", server.url, model=server.model_name,
+                                 weight_backend=server.weight_backend,
+                                 request_timeout_s=self.cfg.rollout.request_timeout_s)
+        client.server = server
+        return client
+
+    async def restart(self, engine: FleetVLLMClient) -> FleetVLLMClient:
+        index = int(engine.engine_id.rsplit("-", 1)[1])
+        await self.stop(engine)
+        return await self.start(index)
+
+    async def stop(self, engine: FleetVLLMClient) -> None:
+        await engine.close()
+        if engine.server is not None:
+            await asyncio.to_thread(engine.server.stop)
+
+
+class DatasetPrompts:
+    """PromptDataset (shuffled epochs, checkpointable position) as the worker's PromptSource."""
+
+    def __init__(self, dataset) -> None:
+        self.ds = dataset
+
+    def next(self) -> Prompt:
+        row = self.ds.next()
+        return Prompt(prompt_ids=row.prompt_ids.tolist(), ground_truth=row.ground_truth, data_source=row.data_source)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.ds.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ds.load_state_dict(state)
+
+
+class PoolRewards:
+    """Decodes responses and scores them in the RewardPool (threads/processes off the event loop)."""
+
+    def __init__(self, pool, tokenizer) -> None:
+        self.pool, self.tok = pool, tokenizer
+
+    def text(self, s: Sample) -> str:
+        return self.tok.decode(s.token_ids.tolist(), skip_special_tokens=True)
+
+    async def score(self, prompt: Prompt, samples: list[Sample]) -> list[float]:
+        items = [(self.text(s), prompt.ground_truth, f"sample {i}", None) for i, s in enumerate(samples)]
+        out = await self.pool.score_many(items)
+        bad = [r for r in out if not isinstance(r, float | int)]
+        if bad:
+            # never train on a made-up reward: the group is dropped and counted by the worker
+            raise EngineError(f"reward failed for {len(bad)} of {len(out)} samples: {bad[0]}")
+        return [float(r) for r in out]
+
+
+def real_components(cfg, slots: dict[int, Any], run_dir: str | None):
+    from rollout_fleet import data as rdata
+    from rollout_fleet.rewards import RewardPool
+
+    if cfg.rollout.engine != "vllm":
+        raise ValueError(f"launch/cluster.py runs rollout.engine 'vllm' or 'simulated'; got {cfg.rollout.engine!r}")
+    tok = rdata.load_tokenizer(cfg.model.path)
+    prompts = DatasetPrompts(rdata.from_config(cfg.data, tok, seed=cfg.run.seed))
+    pool = RewardPool(cfg.reward.function, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+    return VLLMFactory(cfg, Path(run_dir or cfg.run.run_dir), slots), prompts, PoolRewards(pool, tok)
+
+
+async def evaluate(cfg, fleet, n: int) -> float:
+    """Greedy exact-match accuracy on the first ``n`` test prompts, spread over the fleet."""
+    from rollout_fleet import data as rdata
+    from rollout_fleet.rewards import RewardPool
+
+    tok = rdata.load_tokenizer(cfg.model.path)
+    ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, split="test")
+    rows = [ds.next() for _ in range(min(n, len(ds)))]
+    params = SamplingParams(n=1, max_tokens=cfg.rollout.sampling.max_tokens, temperature=0.0)
+    scorer = PoolRewards(RewardPool(cfg.reward.function, workers=1, timeout_s=cfg.reward.timeout_s), tok)
+    sem = asyncio.Semaphore(64)
+
+    async def one(i: int, row) -> float:
+        async with sem:
+            _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params)
+        p = Prompt(prompt_ids=[], ground_truth=row.ground_truth, data_source=row.data_source)
+        return (await scorer.score(p, samples))[0]
+
+    try:
+        scores = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+    finally:
+        scorer.pool.close()
+    return sum(scores) / len(scores)

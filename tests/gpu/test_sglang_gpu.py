@@ -1,0 +1,156 @@
+"""SGLang (TP=1, GPU 1) through fleetrl's SGLangClient: log-probs vs the learner's forward, before and
+after an NCCL publish from this process (the learner, GPU 0).
+
+One server for the module. The publish uses fleetrl's plan and bucket packing, and
+the SGLang side of the group from rollout_fleet.engines.sglang (the store prefixes
+SGLang's workers use); every bucket is one /update_weights_from_distributed call
+with load_format='flattened_bucket'. Timings go to $FLEETRL_GPU_RESULTS (jsonl) when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import time
+
+import pytest
+
+from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+
+def _record(what: str, **kw) -> None:
+    path = os.environ.get("FLEETRL_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": "sglang", "what": what, **kw}) + "\n")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def server(qwen_checkpoints, loop, tmp_path_factory):
+    import torch
+
+    from rollout_fleet.engines.sglang import SGLangServer, SGLangServerArgs
+
+    if torch.cuda.device_count() < 2:
+        pytest.fail("the SGLang GPU test needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
+    v0, _, _, _ = qwen_checkpoints
+    log_path = os.environ.get("FLEETRL_SGLANG_LOG") or str(tmp_path_factory.mktemp("sglang") / "server.log")
+    srv = SGLangServer(SGLangServerArgs(model=str(v0), gpus=[1], port=_port(), mem_fraction_static=0.5,
+                                        max_running_requests=128, log_path=log_path))
+    t0 = time.monotonic()
+    loop.run_until_complete(srv.start(timeout_s=600))
+    _record("startup", seconds=time.monotonic() - t0, version=str(srv.version), command=srv.command(srv.version))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server, loop):
+    c = server.client("sglang-0")
+    yield c
+    loop.run_until_complete(c.close())
+
+
+def _group(client, loop, prompt):
+    from rollout_fleet.engines.base import SamplingParams
+
+    return loop.run_until_complete(client.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0)))
+
+
+def _check(samples, prompt, ref_same, ref_other, label):
+    d_same = compare(samples, prompt, ref_same)
+    d_other = compare(samples, prompt, ref_other)
+    _record(label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
+            other_mean_abs=float(d_other.mean()))
+    assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
+    assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
+
+
+def test_generate_logprobs_match_learner(client, loop, qwen_checkpoints):
+    _, _, s0, s1 = qwen_checkpoints
+    prompt = random.Random(0).sample(range(1000, 100000), 16)
+    samples = _group(client, loop, prompt)
+    assert len(samples) == 4
+    assert all(s.finish_reason in ("length", "stop") for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) > 1, "n samples of a group must differ at temperature 1"
+    ref0, ref1 = Reference(s0), Reference(s1)
+    _check(samples, prompt, ref0, ref1, "generate_v0")
+
+
+def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop, qwen_checkpoints):
+    import torch
+
+    from rollout_fleet.engines.base import GroupInfo
+    from rollout_fleet.engines.sglang import publisher_group, publisher_nccl_env
+    from weight_sync import group as wgroup
+    from weight_sync.plan import build_plan, pack_bucket
+
+    for k, v in publisher_nccl_env().items():  # must match the server's before our first NCCL call
+        os.environ[k] = v
+    _, _, s0, s1 = qwen_checkpoints
+    torch.cuda.set_device(0)
+    learner = {k: v.to("cuda:0") for k, v in s1.items()}
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in learner.items()], 256 << 20)
+    store = wgroup.host_store("127.0.0.1", 0, 60)
+    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
+                      backend="nccl", group_epoch=1)
+
+    async def join():
+        fut = asyncio.ensure_future(client.init_weight_transfer(group, plan))
+        pg = await asyncio.to_thread(publisher_group, store, group, 60)
+        await fut
+        return pg
+
+    pg = loop.run_until_complete(join())
+
+    def broadcast_all():
+        for idx in plan.buckets:
+            buf = pack_bucket([learner[plan.names[i]] for i in idx])
+            wgroup.broadcast_async(pg, buf).wait()
+        torch.cuda.synchronize()
+
+    async def update(version: int, mode: str):
+        t0 = time.perf_counter()
+        await client.pause(mode)
+        t_paused = time.perf_counter()
+        bcast = asyncio.ensure_future(asyncio.to_thread(broadcast_all))
+        await client.update_weights(version, plan.plan_id)
+        await bcast
+        await client.reset_prefix_cache()
+        await client.resume()
+        t1 = time.perf_counter()
+        return t1 - t0, t1 - t_paused
+
+    try:
+        first, _ = loop.run_until_complete(update(1, "abort"))  # includes NCCL communicator creation
+        learner = {k: v.to("cuda:0") for k, v in s0.items()}  # publish back to v0, then to v1 again: timed
+        times = [loop.run_until_complete(update(2, "wait"))]
+        learner = {k: v.to("cuda:0") for k, v in s1.items()}
+        times.append(loop.run_until_complete(update(3, "wait")))
+        _record("nccl_update", bytes=sum(t.numel() * t.element_size() for t in learner.values()),
+                buckets=len(plan.buckets), first_s=first, pause_to_resume_s=[t[0] for t in times],
+                after_pause_s=[t[1] for t in times])
+        assert client.weight_version == 3
+        prompt = random.Random(1).sample(range(1000, 100000), 16)
+        samples = _group(client, loop, prompt)
+        _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_publish_v1")
+    finally:
+        wgroup.close_group(pg)

@@ -1,0 +1,130 @@
+"""vLLM TP=1 on GPU 1 through fleetrl's VLLMServer / VLLMClient: log-probs vs the learner's forward,
+then an NCCL publish from this process (the learner, GPU 0) into vLLM's built-in NCCL backend.
+
+One server for the module. The publish is fleetrl's Publisher (nccl_impl="vllm": the
+PyNccl group vLLM's workers join) feeding fleetrl's VLLMClient (VLLMNcclClient: the
+per-version placement of the packed settings, rollout_fleet/engines/vllm_nccl.py).
+Timings go to $FLEETRL_GPU_RESULTS (jsonl) when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import pytest
+
+from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+# Every process of the weight group must agree on it (see rollout_fleet/engines/sglang.py); the
+# server inherits this environment.
+os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+
+
+def _record(what: str, **kw) -> None:
+    path = os.environ.get("FLEETRL_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": "vllm_tp1", "what": what, **kw}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def server(qwen_checkpoints, tmp_path_factory):
+    import torch
+
+    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+
+    if torch.cuda.device_count() < 2:
+        pytest.fail("the vLLM GPU test needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
+    v0 = qwen_checkpoints[0]
+    run_dir = os.environ.get("FLEETRL_VLLM_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-tp1"))
+    srv = VLLMServer(VLLMServerArgs(model=str(v0), dtype="bfloat16", max_model_len=2048, tensor_parallel_size=1,
+                                    gpu_memory_utilization=0.5, max_num_seqs=256, weight_backend="nccl",
+                                    env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
+    t0 = time.monotonic()
+    srv.start()
+    _record("startup", seconds=time.monotonic() - t0, command=srv.command())
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server, loop):
+    from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+
+    c = VLLMNcclClient("vllm-0", server.url, model=server.model_name)
+    yield c
+    loop.run_until_complete(c.close())
+
+
+def _group(client, loop, prompt):
+    from rollout_fleet.engines.base import SamplingParams
+
+    return loop.run_until_complete(client.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0)))
+
+
+def _check(samples, prompt, ref_same, ref_other, label):
+    d_same = compare(samples, prompt, ref_same)
+    d_other = compare(samples, prompt, ref_other)
+    _record(label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
+            other_mean_abs=float(d_other.mean()))
+    assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
+    assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
+
+
+def test_generate_logprobs_match_learner(client, loop, qwen_checkpoints):
+    _, _, s0, s1 = qwen_checkpoints
+    prompt = random.Random(0).sample(range(1000, 100000), 16)
+    samples = _group(client, loop, prompt)
+    assert len(samples) == 4 and all(s.finish_reason in ("length", "stop") for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) > 1, "n samples of a group must differ at temperature 1"
+    _check(samples, prompt, Reference(s0), Reference(s1), "generate_v0")
+
+
+def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, client, loop, qwen_checkpoints):
+    """fleetrl's Publisher (learner rank 0, GPU 0) -> vLLM's NCCL backend, through VLLMNcclClient."""
+    import torch
+
+    from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    _, _, s0, s1 = qwen_checkpoints
+    torch.cuda.set_device(0)
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
+    # The publisher drives its engines from its own event loop: it gets its own client of the server.
+    engine = VLLMNcclClient("vllm-0", server.url, model=server.model_name)
+    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="vllm", bucket_mb=256, timeout_s=120), plan,
+                    rank=0, engines=[engine], device="cuda:0")
+    try:
+        reports, walls = [], []
+        for version, state in ((1, s1), (2, s0), (3, s1)):  # v1 includes the group's creation
+            learner = {k: v.to("cuda:0") for k, v in state.items()}
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            reports.append(pub.publish(version, iter(learner.items())))
+            walls.append(time.perf_counter() - t0)
+        # VLLMClient.update_weights pauses (keep), loads, resets the prefix cache and resumes: the
+        # publish's wall time is the engine's unavailability per update.
+        _record("nccl_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), first_s=walls[0],
+                rebuild_s=reports[0].rebuild_seconds, pause_to_resume_s=walls[1:],
+                broadcast_s=[r.broadcast_seconds for r in reports[1:]])
+        assert engine.weight_version == 3
+        prompt = random.Random(1).sample(range(1000, 100000), 16)
+        samples = _group(client, loop, prompt)
+        _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_publish_v1")
+    finally:
+        pub.close()

@@ -1,0 +1,40 @@
+"""Shared integration fixtures: ONE vLLM CPU server on models/tiny-adder for the whole session.
+
+Starting vLLM costs 40-170 s on a 2-core machine, so every test that needs a
+real vLLM server shares this one (session scope). It runs fp32 with
+``--enforce-eager`` (no torch.compile: a far quicker start, same numerics
+class as transformers' eager fp32), block size 32 so prompts of 32+ tokens
+hit the prefix cache, and ``--enable-prompt-tokens-details`` so responses
+report cached prompt tokens (the prefix-cache-reset test reads them).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "models" / "tiny-adder"
+
+log = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl_gloo weights)."""
+    if not (TINY_MODEL / "config.json").exists():
+        pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m learner.pretrain_tiny`")
+    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+
+    run_dir = tmp_path_factory.mktemp("vllm_server")
+    args = VLLMServerArgs(model=str(TINY_MODEL), dtype="float32", max_model_len=64, max_num_seqs=16,
+                          cpu_kvcache_gb=1, enforce_eager=True, startup_timeout_s=480, served_model_name="tiny-adder",
+                          extra_args=["--block-size", "32", "--enable-prompt-tokens-details"])
+    server = VLLMServer(args, run_dir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,275 @@
+"""The broker process over real sockets: flow, metrics, hostile frames, kill -9 with spool, Curve, backpressure."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import msgspec
+import pyarrow as pa
+import pytest
+import zmq
+
+from broker import protocol as P
+from broker.client import (BrokerError, BrokerTimeout, ConsumerClient, ProducerClient, SyncConsumer, SyncProducer,
+                           get_status, new_event_loop, ping)
+from broker.process import BrokerProcess, make_curve_keys
+from broker.testing import make_groups
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def run(coro):
+    with asyncio.Runner(loop_factory=new_event_loop) as r:
+        return r.run(coro)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    procs = []
+
+    def start(**opts):
+        bp = BrokerProcess(**opts).start()
+        procs.append(bp)
+        return bp
+
+    yield start
+    for bp in procs:
+        bp.stop()
+
+
+def test_flow_status_and_prometheus_metrics(broker):
+    bp = broker(groups_per_step=2, max_staleness=1, metrics_port=0)
+
+    async def flow():
+        prod = ProducerClient(bp.address, producer_id="w0", timeout_s=10)
+        cons = ConsumerClient(bp.address, consumer_id="learner", timeout_s=10)
+        tickets = await prod.acquire_tickets(8, wait_s=1.0)
+        assert [t.step for t in tickets] == [1, 1, 2, 2]
+        await prod.report_engine_version("sim-0", 0)
+        assert (await prod.push(make_groups(["a", "b"], step=1, version=0))).groups == 2
+        assert (await prod.push(make_groups(["a"], step=1, version=0))).duplicates == 1
+        lease = await cons.next_batch(1, wait_s=2.0)
+        assert lease.batch.num_rows == 4 and lease.staleness.tolist() == [0, 0, 0, 0]
+        assert set(lease.batch.column("group_id").to_pylist()) == {"a", "b"}
+        assert not (await cons.ack(lease.lease_id)).duplicate
+        assert (await cons.ack(lease.lease_id)).duplicate
+        await prod.push(make_groups(["old"], step=2, version=0))  # will be too stale for step 4
+        await prod.push(make_groups(["c", "d"], step=2, version=2))
+        await cons.report_version(3)
+        t0 = time.monotonic()
+        assert await cons.next_batch(5, wait_s=0.3) is None  # only one fresh group... wait, then none
+        assert time.monotonic() - t0 >= 0.25
+        status = await cons.status()
+        await prod.close()
+        await cons.close()
+        return status
+
+    s = run(flow())
+    st = s["status"]
+    assert st["broker/produced_groups_total"] == 5 and st["broker/acked_groups_total"] == 2
+    assert st["broker/version"] == 4  # next_batch(5) means training at version 4
+    assert s["drops"] == {"duplicate": 1, "stale": 3}  # at version 4, k=1: everything left is too old
+    assert s["staleness_hist"] == {"0": 4}
+    assert s["engine_lag"] == {"sim-0": 4}
+    assert st["broker/ticket_wait_seconds_count"] == 1 and st["broker/learner_wait_seconds_count"] == 1
+    assert st["broker/queue_depth_groups"] == 0 and st["broker/queue_depth_bytes"] == 0
+    time.sleep(0.6)  # the Prometheus view is refreshed twice a second
+    text = urllib.request.urlopen(f"http://127.0.0.1:{bp.metrics_port}/metrics", timeout=5).read().decode()
+    assert "broker_produced_groups_total 5.0" in text
+    assert 'broker_drops_total{reason="stale"} 3.0' in text
+    assert 'broker_engine_version_lag{engine="sim-0"} 4.0' in text
+    assert 'broker_staleness_versions_bucket{le="0"} 4.0' in text
+    out = subprocess.run([sys.executable, "-m", "broker", "status", bp.address], capture_output=True, text=True,
+                         timeout=30)
+    assert json.loads(out.stdout)["status"]["broker/produced_groups_total"] == 5
+
+
+def _raw(address):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    return ctx, s
+
+
+def _ask(sock, frames):
+    sock.send_multipart(frames)
+    assert sock.poll(5000), "the broker did not answer a malformed request"
+    return P.decode_reply(sock.recv_multipart()[0])
+
+
+def test_hostile_frames_get_error_replies_and_the_broker_keeps_serving(broker):
+    bp = broker(groups_per_step=1, max_staleness=1, max_message_mb=4)
+    ctx, s = _raw(bp.address)
+    good = P.batch_to_ipc(make_groups(["x"], step=1, version=0)).to_pybytes()
+    push = P.encode(P.Push(producer_id="evil"))
+    huge_prefix = b"\xff\xff\xff\xff" + (2**31 - 1).to_bytes(4, "little") + b"\x00" * 64
+    wrong_schema = P.batch_to_ipc(pa.RecordBatch.from_pydict({"traj_id": ["a"]})).to_pybytes()
+    cases = {
+        "bad_frame": [[b"\x00garbage\xff"], [push, good[: len(good) // 2]], [push, b"\x93garbage" * 10],
+                      [push, huge_prefix], [push], [push, good, good]],
+        "unknown_type": [[msgspec.msgpack.encode({"proto": 1, "type": "launch_missiles", "req": 5})]],
+        "old_protocol": [[msgspec.msgpack.encode({"proto": 0, "type": "push", "req": 6})]],
+        "bad_request": [[msgspec.msgpack.encode({"proto": 1, "type": "next_batch", "req": 7, "step": "one"})]],
+        "bad_schema": [[push, wrong_schema]],
+    }
+    for code, frames_list in cases.items():
+        for frames in frames_list:
+            reply = _ask(s, frames)
+            assert isinstance(reply, P.ErrorReply) and reply.code == code, (code, reply)
+    # TCP garbage that is not even ZMTP, and an oversized message, just lose their connection
+    host, port = bp.address.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 40)
+    s.send_multipart([push, b"\x00" * (5 << 20)])
+    s.close(0)
+    ctx.term()
+    prod = SyncProducer(bp.address, producer_id="good", timeout_s=10)
+    cons = SyncConsumer(bp.address, consumer_id="learner", timeout_s=10)
+    try:
+        assert prod.push(make_groups(["ok"], step=1, version=0)).groups == 1
+        lease = cons.next_batch(1, wait_s=2)
+        assert lease.batch.column("group_id").to_pylist() == ["ok", "ok"]
+        errors = cons.status()["errors"]
+        assert errors["bad_frame"] >= 6 and errors["unknown_type"] == 1 and errors["old_protocol"] == 1
+        assert errors["bad_schema"] == 1 and errors["bad_request"] == 1
+    finally:
+        prod.close()
+        cons.close()
+    assert bp.proc.poll() is None
+
+
+def test_kill_9_with_spool_loses_nothing_and_returns_nothing_acked(broker, tmp_path):
+    spool = tmp_path / "spool"
+    bp = broker(groups_per_step=2, max_staleness=4, spool_dir=spool, fsync="never")
+    prod = SyncProducer(bp.address, producer_id="w0", timeout_s=10)
+    cons = SyncConsumer(bp.address, consumer_id="learner", timeout_s=20)
+    try:
+        for i in range(5):
+            prod.push(make_groups([f"g{2 * i}", f"g{2 * i + 1}"], step=1, version=0))
+        acked = cons.next_batch(1, wait_s=2)
+        cons.ack(acked.lease_id)
+        live = cons.next_batch(2, wait_s=2)  # leased, not acked when the broker dies
+        bp.kill()
+        bp2 = broker(address=bp.address, groups_per_step=2, max_staleness=4, spool_dir=spool, fsync="never")
+        st = get_status(bp2.address)["status"]
+        assert st["broker/queue_depth_groups"] == 6 and st["broker/leased_groups"] == 2
+        assert not cons.ack(live.lease_id).duplicate  # the ack that races the crash is honoured
+        assert cons.ack(acked.lease_id).duplicate
+        seen = set(acked.batch.column("group_id").to_pylist()) | set(live.batch.column("group_id").to_pylist())
+        for step in (3, 4, 5):
+            lease = cons.next_batch(step, wait_s=2)
+            gids = set(lease.batch.column("group_id").to_pylist())
+            assert not gids & seen
+            seen |= gids
+            cons.ack(lease.lease_id)
+        assert seen == {f"g{i}" for i in range(10)}
+        assert cons.next_batch(6, wait_s=0.2) is None
+    finally:
+        prod.close()
+        cons.close()
+    bp2.stop()
+    out = tmp_path / "all.parquet"
+    subprocess.run([sys.executable, "-m", "broker", "export", str(spool), "--out", str(out)], check=True,
+                   timeout=60, capture_output=True)
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(out)
+    assert t.num_rows == 20 and set(t.column("status").to_pylist()) == {"acked"}
+
+
+def test_backpressure_slows_producers_and_drops_nothing(broker):
+    bp = broker(groups_per_step=1, max_staleness=1000, byte_budget_mb=0.25)
+    batches = [make_groups([f"g{i}"], step=1, version=0, resp_len=1000, group_size=8) for i in range(12)]
+    assert batches[0].nbytes > 60_000  # so 12 of them are > 3x the budget
+
+    async def produce():
+        prod = ProducerClient(bp.address, producer_id="w0", timeout_s=3)
+        try:
+            for b in batches:
+                await prod.push(b)
+        finally:
+            await prod.close()
+
+    with pytest.raises(BrokerError) as e:  # nobody consumes: the producer is held, then told why
+        run(produce())
+    assert e.value.code == P.ErrorCode.BUSY
+    held = get_status(bp.address)["status"]["broker/produced_groups_total"]
+    assert 1 <= held < 12
+
+    async def both():
+        cons = ConsumerClient(bp.address, consumer_id="learner", timeout_s=10)
+        got = []
+
+        async def consume():
+            step = 1
+            while len(got) < 12:
+                lease = await cons.next_batch(step, wait_s=1)
+                if lease is not None:
+                    got.extend(lease.batch.column("group_id").to_pylist()[::8])
+                    await cons.ack(lease.lease_id)
+                    step += 1
+
+        prod = ProducerClient(bp.address, producer_id="w0", timeout_s=20)
+        await asyncio.gather(consume(), *(prod.push(b) for b in batches))
+        await prod.close()
+        await cons.close()
+        return got
+
+    got = run(both())
+    assert sorted(got) == sorted(f"g{i}" for i in range(12))
+
+
+def test_curve_keys_admit_known_clients_only(broker, tmp_path):
+    keys = make_curve_keys(tmp_path / "keys")
+    bp = broker(groups_per_step=1, curve_keys_dir=keys)
+    assert ping(bp.address, timeout_s=5, curve_keys_dir=str(keys))
+    assert not ping(bp.address, timeout_s=1)  # plain text client: no answer
+    other = make_curve_keys(tmp_path / "stranger")  # a valid keypair the broker does not know
+    (other / "server.key").unlink()
+    (other / "server.key").write_bytes((keys / "server.key").read_bytes())
+    assert not ping(bp.address, timeout_s=1, curve_keys_dir=str(other))
+    prod = SyncProducer(bp.address, producer_id="w0", timeout_s=5, curve_keys_dir=str(keys))
+    try:
+        assert prod.push(make_groups(["a"], step=1, version=0)).groups == 1
+    finally:
+        prod.close()
+
+
+def test_learner_source_and_lease_renewal(broker):
+    from broker.learner_source import BrokerSource
+
+    bp = broker(groups_per_step=1, max_staleness=2, lease_timeout_s=1.5)
+    prod = SyncProducer(bp.address, producer_id="w0", timeout_s=5)
+    src = BrokerSource(bp.address, consumer_id="learner", timeout_s=5, lease_timeout_s=1.5, poll_s=0.2)
+    try:
+        with pytest.raises(TimeoutError, match="no batch for learner step 1"):
+            src.next_batch(1, timeout_s=0.5)
+        prod.push(make_groups(["a", "b"], step=1, version=0))
+        sb = src.next_batch(1, timeout_s=5)
+        time.sleep(2.5)  # longer than the lease timeout: renewal keeps it
+        src.report_version(1)
+        src.ack(sb.lease_id)
+        st = src.status()
+        assert st["status"]["broker/redelivered_groups_total"] == 0 and st["status"]["broker/version"] == 1
+        assert src.next_batch(2, timeout_s=5).batch.column("group_id").to_pylist()[0] == "b"
+    finally:
+        prod.close()
+        src.close()
+
+
+def test_client_timeout_names_the_broker():
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    addr = f"tcp://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    cons = SyncConsumer(addr, consumer_id="x", timeout_s=0.5)
+    try:
+        with pytest.raises(BrokerTimeout, match=f"broker {addr}: no reply to StatusRequest"):
+            cons.status()
+    finally:
+        cons.close()

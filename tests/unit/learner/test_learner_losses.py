@@ -1,0 +1,155 @@
+"""Losses against numbers worked out by hand (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.engine import lr_lambda
+from learner.losses import (
+    LossSettings,
+    aggregation_weights,
+    combine_metrics,
+    group_advantages,
+    kl_estimate,
+    policy_loss,
+)
+
+# Three response tokens. logp - behaviour = [0.5, 0, -1].
+LOGP = [-1.0, -0.5, -2.0]
+BEHAV = [-1.5, -0.5, -1.0]
+ADV = [1.0, -1.0, -2.0]
+THIRD = [1 / 3] * 3
+
+
+def t(x, grad=False):
+    return torch.tensor(x, dtype=torch.float64, requires_grad=grad)
+
+
+def run(correction, prox=None, ref=None, weights=THIRD, **kw):
+    logp = t(LOGP, grad=True)
+    s = LossSettings(correction=correction, clip_low=0.2, clip_high=0.28, **kw)
+    loss, m = policy_loss(logp, t(BEHAV), t(ADV), t(weights), s, prox_logp=None if prox is None else t(prox),
+                          ref_logp=None if ref is None else t(ref), entropy=t([1.0, 2.0, 3.0]))
+    loss.backward()
+    return loss.item(), {k: v.item() for k, v in m.items()}, logp.grad.tolist()
+
+
+def test_group_advantages_mean_std_and_drop():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 5.0])
+    groups = torch.tensor([7, 7, 7, 7, 3, 3, 9])
+    adv, keep = group_advantages(rewards, groups, "mean_std", drop_uniform=True)
+    # group 7: mean 0.5, centred +-0.5, Bessel std sqrt(4 * 0.25 / 3) = 0.5773503; 0.5 / (0.5773503 + 1e-6) = 0.8660239
+    # group 3: all equal -> 0 and dropped; group 9 (one sample): std 0 -> 0 and dropped (uniform)
+    assert adv.tolist() == pytest.approx([0.8660239, -0.8660239, 0.8660239, -0.8660239, 0, 0, 0], abs=1e-6)
+    assert keep.tolist() == [True, True, True, True, False, False, False]
+    adv, keep = group_advantages(rewards, groups, "mean", drop_uniform=False)
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, 0, 0, 0])
+    assert keep.all()
+    with pytest.raises(ValueError, match="mean_std"):
+        group_advantages(rewards, groups, "median", drop_uniform=False)
+
+
+def test_correction_none_clips_against_behaviour():
+    loss, m, grad = run("none")
+    # ratio = exp([0.5, 0, -1]) = [1.6487213, 1, 0.3678794]; clip range [0.8, 1.28]
+    # tok1 A=+1: min(1.6487, 1.28) = 1.28 (clipped)       -> -1.28
+    # tok2 A=-1: ratio 1                                   -> +1
+    # tok3 A=-2: min(-0.7357589, 0.8 * -2 = -1.6) = -1.6 (clipped) -> +1.6
+    assert loss == pytest.approx((-1.28 + 1 + 1.6) / 3)  # 0.44
+    assert m["clip_frac"] == pytest.approx(2 / 3)
+    assert m["ratio_mean"] == pytest.approx((1.6487213 + 1 + 0.3678794) / 3)
+    assert m["is_weight_mean"] == pytest.approx(1.0) and m["is_weight_max"] == 1.0
+    # mismatch k3 = exp(d) - d - 1 for d = [0.5, 0, -1]: [0.1487213, 0, 0.3678794]
+    assert m["mismatch_kl_k3"] == pytest.approx((0.1487213 + 0.3678794) / 3)
+    assert m["mismatch_logp_diff"] == pytest.approx((-0.5 + 0 + 1) / 3)
+    assert m["entropy"] == pytest.approx(2.0)
+    # clipped tokens carry no gradient; tok2: d/dlogp(-ratio * A) = -1 * -1 = 1, over 3
+    assert grad == pytest.approx([0.0, 1 / 3, 0.0])
+
+
+def test_correction_tis_truncates_weight():
+    loss, m, grad = run("tis", tis_cap=2.0)
+    # no prox given: old = logp (ratio 1, never clipped); w = min(exp([0.5, 0, -1]), 2) = [1.6487213, 1, 0.3678794]
+    # per token -w * A = [-1.6487213, 1, 0.7357589]
+    assert loss == pytest.approx((-1.6487213 + 1 + 0.7357589) / 3, abs=1e-7)
+    assert m["clip_frac"] == 0.0
+    assert m["is_weight_mean"] == pytest.approx((1.6487213 + 1 + 0.3678794) / 3)
+    assert m["is_weight_max"] == pytest.approx(1.6487213)
+    assert grad == pytest.approx([-1.6487213 / 3, 1 / 3, 0.7357589 / 3])
+    loss, m, _ = run("tis", tis_cap=1.5)
+    # cap 1.5: w = [1.5, 1, 0.3678794] -> [-1.5, 1, 0.7357589]
+    assert loss == pytest.approx((-1.5 + 1 + 0.7357589) / 3, abs=1e-7)
+    assert m["is_weight_max"] == pytest.approx(1.5)
+
+
+def test_correction_decoupled_clips_against_proximal():
+    prox = [-1.4, -0.5, -1.8]
+    loss, m, grad = run("decoupled", prox=prox, tis_cap=2.0)
+    # ratio = exp(logp - prox) = exp([0.4, 0, -0.2]) = [1.4918247, 1, 0.8187308]
+    # w = min(exp(prox - behav), 2) = exp([0.1, 0, -0.8]) = [1.1051709, 1, 0.4493290]
+    # tok1 A=+1: clipped at 1.28 -> -1.1051709 * 1.28 = -1.4146188
+    # tok2 A=-1: +1;  tok3 A=-2: ratio inside [0.8, 1.28] -> -0.4493290 * (0.8187308 * -2) = +0.7357589
+    assert loss == pytest.approx((-1.4146188 + 1 + 0.7357589) / 3, abs=1e-7)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    assert m["is_weight_mean"] == pytest.approx((1.1051709 + 1 + 0.4493290) / 3)
+    assert m["ratio_mean"] == pytest.approx((1.4918247 + 1 + 0.8187308) / 3)
+    # gradient: 0 on the clipped token; else -w * ratio * A / 3
+    assert grad == pytest.approx([0.0, 1 / 3, 0.7357589 / 3])
+    with pytest.raises(ValueError, match="prox_logp"):
+        run("decoupled")
+
+
+def test_kl_k1_k3_and_total():
+    ref = [-1.1, -0.7, -2.0]
+    assert kl_estimate(t(LOGP), t(ref), "k1").tolist() == pytest.approx([0.1, 0.2, 0.0])
+    # k3: d = ref - logp = [-0.1, -0.2, 0]; exp(d) - d - 1 = [0.0048374, 0.0187308, 0]
+    assert kl_estimate(t(LOGP), t(ref), "k3").tolist() == pytest.approx([0.0048374, 0.0187308, 0.0], abs=1e-7)
+    loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k1")
+    assert m["loss_kl"] == pytest.approx(0.1) and m["loss_policy"] == pytest.approx(0.44)
+    assert loss == pytest.approx(0.44 + 0.5 * 0.1)
+    loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k3")
+    assert loss == pytest.approx(0.44 + 0.5 * (0.0048374 + 0.0187308) / 3, abs=1e-7)
+    with pytest.raises(ValueError, match="ref_logp"):
+        run("none", kl_coef=0.5)
+
+
+def test_aggregation_weights_token_and_sequence():
+    lens = torch.tensor([2, 1])
+    # token: 1 / total tokens of the whole step (here 6, the rest lives in other micro-batches)
+    assert aggregation_weights(lens, "token", total_tokens=6, total_seqs=4).tolist() == pytest.approx([1 / 6] * 3)
+    # sequence: 1 / (len * total sequences): [1/(2*2), 1/(2*2), 1/(1*2)]
+    w = aggregation_weights(lens, "sequence", total_tokens=3, total_seqs=2)
+    assert w.tolist() == pytest.approx([0.25, 0.25, 0.5])
+    loss, _, _ = run("none", weights=w.tolist())
+    assert loss == pytest.approx(0.25 * -1.28 + 0.25 * 1 + 0.5 * 1.6)  # 0.73
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregation_weights(lens, "batch", 3, 2)
+
+
+def test_split_micro_batches_sum_to_the_whole():
+    # The loss of a batch split into micro-batches sums to the loss of the whole batch.
+    whole, mw, _ = run("none")
+    s = LossSettings(correction="none")
+    parts = []
+    for idx in ([0, 1], [2]):
+        _, m = policy_loss(t(LOGP)[idx], t(BEHAV)[idx], t(ADV)[idx], t(THIRD)[idx], s)
+        parts.append(m)
+    c = combine_metrics(parts)
+    assert c["loss_total"].item() == pytest.approx(whole)
+    assert c["clip_frac"].item() == pytest.approx(2 / 3)
+    assert c["is_weight_max"].item() == 1.0
+
+
+def test_settings_require_a_known_correction():
+    with pytest.raises(ValueError, match="correction"):
+        LossSettings(correction="ppo")
+
+
+def test_lr_schedule_by_hand():
+    cos = lr_lambda("cosine", warmup_steps=2, total_steps=6)
+    # warm-up: (s + 1) / 2; then cosine over 4 steps: 0.5 * (1 + cos(pi * (s - 2) / 4))
+    assert [cos(s) for s in range(7)] == pytest.approx([0.5, 1.0, 1.0, 0.8535534, 0.5, 0.1464466, 0.0])
+    lin = lr_lambda("linear", warmup_steps=0, total_steps=4, min_lr_ratio=0.2)
+    assert [lin(s) for s in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    assert lr_lambda("constant", 0, 10)(7) == 1.0

@@ -1,0 +1,203 @@
+"""Reward functions, name resolution, and the reward pool's errors and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import time
+
+import pytest
+
+from rollout_fleet.rewards import (
+    RewardConfigError,
+    RewardError,
+    RewardPool,
+    RewardTimeout,
+    exact_match,
+    math_answer,
+    resolve,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+CUSTOM = textwrap.dedent(
+    """
+    import time
+
+    def length_bonus(response_text, ground_truth, **extra):
+        return 0.5 * extra.get("scale", 1.0) if response_text.strip() == ground_truth else 0.0
+
+    def explodes(response_text, ground_truth, **extra):
+        raise KeyError("no such field")
+
+    def says_yes(response_text, ground_truth, **extra):
+        return "yes"
+
+    def slow(response_text, ground_truth, **extra):
+        time.sleep(float(extra.get("sleep", 30)))
+        return 1.0
+
+    NOT_A_FUNCTION = 3
+    """
+)
+
+
+@pytest.fixture()
+def custom_module(tmp_path, monkeypatch):
+    (tmp_path / "fleetrl_test_custom_rewards.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fleetrl_test_custom_rewards"
+
+
+def test_exact_match_strips_whitespace():
+    assert exact_match("432", "432") == 1.0
+    assert exact_match(" 432\n", "432 ") == 1.0
+    assert exact_match("431", "432") == 0.0
+    assert exact_match("4320", "432") == 0.0
+    assert exact_match("", "432") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "want"),
+    [
+        ("She sold 48 in April and 24 in May, 72 in all.\n#### 72", "72", 1.0),
+        ("The answer is 72.", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),
+        ("#### 1,000", "1000", 1.0),
+        ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("#### 71", "72", 0.0),
+        ("I do not know", "72", 0.0),
+    ],
+)
+def test_math_answer_gsm8k_style(response, truth, want):
+    assert math_answer(response, truth) == want
+
+
+def test_math_answer_rejects_unparsable_ground_truth():
+    with pytest.raises(ValueError, match="no parsable answer"):
+        math_answer("72", "#### ")
+
+
+def test_resolve_builtins_and_custom(custom_module):
+    assert resolve("exact_match") is exact_match
+    assert resolve("math") is math_answer
+    fn = resolve(f"{custom_module}:length_bonus")
+    assert fn("7", "7", scale=2.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("exact-match", "neither a built-in"),
+        ("no_such_module_fleetrl:fn", "cannot import module 'no_such_module_fleetrl'"),
+        ("json:no_such_function", "has no attribute 'no_such_function'"),
+        ("json:", "neither a built-in"),
+    ],
+)
+def test_resolve_bad_names_fail_naming_the_function(name, fragment):
+    with pytest.raises(RewardConfigError) as err:
+        resolve(name)
+    assert repr(name) in str(err.value) and fragment in str(err.value)
+
+
+def test_resolve_non_callable(custom_module):
+    with pytest.raises(RewardConfigError, match="not callable"):
+        resolve(f"{custom_module}:NOT_A_FUNCTION")
+
+
+def test_pool_fails_at_construction_for_a_bad_name():
+    with pytest.raises(RewardConfigError, match="nope.module:fn"):
+        RewardPool("nope.module:fn")
+
+
+def test_pool_scores_and_passes_extra(custom_module):
+    async def go():
+        with RewardPool(f"{custom_module}:length_bonus", workers=2, timeout_s=10) as pool:
+            a = await pool.score("5", "5", where="row 0", extra={"scale": 4.0})
+            b = await pool.score("6", "5", where="row 1")
+            return a, b
+
+    assert asyncio.run(go()) == (2.0, 0.0)
+
+
+def test_raising_reward_names_function_and_row(custom_module):
+    name = f"{custom_module}:explodes"
+
+    async def go():
+        with RewardPool(name, workers=1, timeout_s=10) as pool:
+            await pool.score("1", "1", where="train.parquet row 12, sample 3")
+
+    with pytest.raises(RewardError) as err:
+        asyncio.run(go())
+    msg = str(err.value)
+    assert name in msg and "train.parquet row 12, sample 3" in msg and "KeyError" in msg
+    assert err.value.function == name and err.value.where == "train.parquet row 12, sample 3"
+
+
+def test_non_numeric_reward_is_an_error(custom_module):
+    async def go():
+        with RewardPool(f"{custom_module}:says_yes", workers=1) as pool:
+            await pool.score("1", "1", where="trajectory abc")
+
+    with pytest.raises(RewardError, match=r"returned 'yes' on trajectory abc; expected a finite float"):
+        asyncio.run(go())
+
+
+def test_score_many_returns_errors_in_place(custom_module):
+    async def go():
+        with RewardPool("exact_match", workers=2) as pool:
+            ok = await pool.score_many([("12", "12", "s0", None), ("13", "12", "s1", None)])
+        with RewardPool(f"{custom_module}:explodes", workers=2) as pool:
+            bad = await pool.score_many([("12", "12", "s0", None)])
+            return ok, bad, pool.errors
+
+    ok, bad, errors = asyncio.run(go())
+    assert ok == [1.0, 0.0]
+    assert isinstance(bad[0], RewardError) and "s0" in str(bad[0]) and errors == 1
+
+
+def test_thread_pool_timeout_names_function_and_limit(custom_module):
+    name = f"{custom_module}:slow"
+
+    async def go():
+        pool = RewardPool(name, workers=1, timeout_s=0.2)
+        t0 = time.monotonic()
+        try:
+            await pool.score("1", "1", where="sample 9", extra={"sleep": 1.0})
+        finally:
+            elapsed = time.monotonic() - t0
+            pool.close()
+        return elapsed
+
+    with pytest.raises(RewardTimeout) as err:
+        asyncio.run(go())
+    assert name in str(err.value) and "0.2 s" in str(err.value) and "sample 9" in str(err.value)
+
+
+def test_process_pool_timeout_replaces_stuck_workers(custom_module):
+    """A hung reward in process mode is stopped; the pool keeps scoring afterwards."""
+    name = f"{custom_module}:slow"
+
+    async def go():
+        with RewardPool(name, workers=1, timeout_s=8.0, mode="process") as pool:
+            # The first call pays for spawning the worker: let it finish.
+            assert await pool.score("1", "1", where="warm-up", extra={"sleep": 0}) == 1.0
+            t0 = time.monotonic()
+            with pytest.raises(RewardTimeout, match="timed out after 8 s on stuck sample"):
+                await pool.score("1", "1", where="stuck sample", extra={"sleep": 600})
+            assert time.monotonic() - t0 < 20
+            assert await pool.score("1", "1", where="after", extra={"sleep": 0}) == 1.0
+            return pool.timeouts
+
+    assert asyncio.run(go()) == 1
+
+
+def test_process_pool_error_crosses_the_process_boundary(custom_module):
+    name = f"{custom_module}:explodes"
+
+    async def go():
+        with RewardPool(name, workers=1, timeout_s=60, mode="process") as pool:
+            await pool.score("1", "1", where="row 4 sample 0")
+
+    with pytest.raises(RewardError) as err:
+        asyncio.run(go())
+    assert err.value.function == name and err.value.where == "row 4 sample 0" and "KeyError" in str(err.value)

@@ -1,0 +1,113 @@
+"""Weight-sync plan, packing, checksums and timeouts (fast, CPU)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rollout_fleet.engines.base import GroupInfo
+from weight_sync.plan import (
+    bucket_crc,
+    build_plan,
+    combine_crcs,
+    pack_bucket,
+    packed_buffer_bytes,
+    plan_from_dict,
+    plan_to_dict,
+    unpack_bucket,
+)
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(100, 16, generator=g).to(torch.bfloat16),
+        "layers.0.w": torch.randn(64, 64, generator=g),
+        "layers.0.b": torch.randn(64, generator=g),
+        "layers.1.w": torch.randn(64, 64, generator=g),
+        "layers.1.b": torch.randn(64, generator=g).to(torch.float16),
+        "norm.weight": torch.randn(16, generator=g),
+        "lm_head.weight": torch.randn(100, 16, generator=g),
+    }
+
+
+def test_buckets_equal_vllm_packed_chunks_byte_for_byte():
+    """Our buckets are exactly the chunks vLLM's packed NCCL format cuts (so one publisher feeds both)."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    sd = _state()
+    plan = build_plan([(k, v.shape, v.dtype) for k, v in sd.items()], bucket_bytes=8_000)
+    assert len(plan.buckets) >= 3
+    limit = packed_buffer_bytes(plan)
+    it = iter(sd.items())
+    for b, idx in enumerate(plan.buckets):
+        chunk = pack_tensors(it, lambda item: item[1], limit)
+        assert chunk.names == [plan.names[i] for i in idx], f"bucket {b}"
+        assert torch.equal(chunk.packed_tensor, pack_bucket([sd[plan.names[i]] for i in idx]))
+    assert pack_tensors(it, lambda item: item[1], limit) is None
+
+
+def test_pack_unpack_round_trip_is_bit_identical_and_checksum_sees_one_bit():
+    sd = _state()
+    plan = build_plan([(k, v.shape, v.dtype) for k, v in sd.items()], bucket_bytes=10_000)
+    crcs = []
+    for b, idx in enumerate(plan.buckets):
+        buf = pack_bucket([sd[plan.names[i]] for i in idx])
+        assert buf.numel() == plan.bucket_bytes()[b]
+        crcs.append(bucket_crc(buf))
+        for name, t in unpack_bucket(buf.clone(), plan, b):
+            assert t.dtype == sd[name].dtype and torch.equal(t.view(torch.uint8), sd[name].view(torch.uint8))
+    flipped = pack_bucket([sd[plan.names[i]] for i in plan.buckets[0]])
+    flipped[5] ^= 1
+    assert bucket_crc(flipped) != crcs[0]
+    assert combine_crcs(crcs) != combine_crcs([bucket_crc(flipped), *crcs[1:]])
+
+
+def test_plan_id_is_stable_and_wire_round_trip_validates():
+    meta = [(k, v.shape, v.dtype) for k, v in _state().items()]
+    a, b = build_plan(meta, 10_000), build_plan(meta, 10_000)
+    assert a.plan_id == b.plan_id and build_plan(meta, 20_000).plan_id != a.plan_id
+    assert plan_from_dict(plan_to_dict(a)) == a
+    bad = plan_to_dict(a)
+    bad["buckets"] = bad["buckets"][1:]
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_from_dict(bad)
+    with pytest.raises(TypeError, match="complex64"):
+        build_plan([("x", [2], torch.complex64)], 10)
+    with pytest.raises(ValueError, match="duplicate"):
+        build_plan([("x", [2], torch.float32), ("x", [2], torch.float32)], 10)
+
+
+def test_receiver_join_times_out_naming_engine_and_epoch():
+    """A publisher that never comes: the join fails within its limit, naming who and where; no hang."""
+    from weight_sync.group import host_store
+    from weight_sync.receiver import WeightReceiver
+
+    store = host_store("127.0.0.1", 0, 5)
+    plan = build_plan([("w", [4], torch.float32)], 1024)
+    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
+                      backend="gloo", group_epoch=7)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"engine r9: joining weight-sync epoch 7 as rank 1"):
+        WeightReceiver("r9").join(group, plan, 1, timeout_s=2)
+    assert time.monotonic() - t0 < 15
+
+
+def test_vllm_weight_version_spans_become_segments():
+    from rollout_fleet.engines.vllm import _segments
+
+    seg = _segments([{"version": "3", "start": 0, "end": 5}, {"version": "4", "start": 5, "end": 9}], 0)
+    assert (seg.starts, seg.versions) == ([0, 5], [3, 4])
+    seg = _segments(None, 2)
+    assert (seg.starts, seg.versions) == ([0], [2])
+    seg = _segments([{"version": "default", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 3}], 0)
+    assert (seg.starts, seg.versions) == ([0, 2], [0, 1])
+
+
+def test_vllm_version_check_accepts_installed_build():
+    from rollout_fleet.engines.vllm_server import SUPPORTED, check_vllm_version
+    from packaging.version import Version
+
+    assert SUPPORTED[0] <= Version(check_vllm_version()) < SUPPORTED[1]
