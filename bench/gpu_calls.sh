@@ -55,10 +55,10 @@ for step in "$@"; do
             with_site "" $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
             ;;
         torch)
-            with_site "" $PY bench/weight_sync.py --reps 3 --json "$OUT/weight_sync.json"
+            with_site "" timeout 300 $PY bench/weight_sync.py --reps 3 --json "$OUT/weight_sync.json"
             tests="tests/gpu/test_weight_sync_gpu.py"
             [ -f tests/gpu/test_fsdp_gpu.py ] && tests="$tests tests/gpu/test_fsdp_gpu.py"
-            with_site "" $PY -m pytest -v -rA -p no:cacheprovider $tests
+            with_site "" timeout 240 $PY -m pytest -v -rA -p no:cacheprovider $tests
             ;;
         vllm-install)
             TARGET=/tmp/site-vllm bash /tmp/stage/vllm/install-bundle.sh /tmp/stage/vllm 2>&1 | tail -15

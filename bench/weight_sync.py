@@ -142,9 +142,11 @@ def _bcast(group, buf: torch.Tensor):
     """A broadcast from rank 0 over the publish's own group object (a wrapper or a bare ProcessGroup)."""
     if hasattr(group, "broadcast_async"):
         return group.broadcast_async(buf)
-    from weight_sync.group import broadcast_async
+    import torch.distributed as dist
 
-    return broadcast_async(group, buf)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    return group.broadcast([buf], opts)
 
 
 def _digest(t: torch.Tensor) -> int:

@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from broker import protocol as P
 from broker.protocol import Ticket
+from broker.schema import TRAJECTORY_SCHEMA
 from broker.state import BrokerError
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,11 @@ def _curve_setup(sock: zmq.Socket, keys_dir: str | None) -> None:
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = server_public
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 class _Client:
@@ -133,16 +139,23 @@ class _Client:
             fut = asyncio.get_running_loop().create_future()
             self._pending[msg.req] = fut
             attempt = remaining if not retry else min(remaining, self.attempt_s + wait_s)
+            # One timer per request instead of asyncio.wait_for (a task each): this path
+            # runs for every batch, and small batches are dominated by per-call overhead.
+            timer = asyncio.get_running_loop().call_later(attempt, _expire, fut)
             try:
                 frames = [P.encode(msg)] + ([payload] if payload is not None else [])
-                await asyncio.wait_for(sock.send_multipart(frames, copy=False), attempt)
-                reply, rest = await asyncio.wait_for(fut, attempt)
+                sent = sock.send_multipart(frames, copy=False)
+                if not sent.done():
+                    await asyncio.wait_for(sent, attempt)
+                sent.result()
+                reply, rest = await fut
             except (TimeoutError, asyncio.TimeoutError):
                 if not retry:
                     raise BrokerTimeout(f"broker {self.address}: no reply to {op} within {attempt:.1f}s") from None
                 log.warning("broker %s: no reply to %s within %.1fs; retrying", self.address, op, attempt)
                 continue
             finally:
+                timer.cancel()
                 self._pending.pop(msg.req, None)
             if isinstance(reply, P.ErrorReply):
                 raise BrokerError(reply.code, reply.message, reply.retry_after_s)
@@ -225,7 +238,11 @@ class ConsumerClient(_Client):
                                        wait_s=wait_s)
         if isinstance(reply, P.NoBatch):
             return None
-        batches = P.ipc_to_batches(rest[0].buffer)
+        batches = []
+        for frame in rest:  # one Arrow IPC stream per frame (see broker.server._lease_frames)
+            for b in P.ipc_to_batches(frame.buffer):
+                batches.append(b if b.schema.equals(TRAJECTORY_SCHEMA)
+                               else pa.RecordBatch.from_arrays(b.columns, schema=TRAJECTORY_SCHEMA))
         batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
         if renew_every_s and reply.lease_id not in self._renewers:
             self._renewers[reply.lease_id] = asyncio.get_running_loop().create_task(
@@ -308,10 +325,13 @@ class SyncConsumer:
         return self._lt.run(self.client.status(), self._slack)
 
     def close(self) -> None:
+        if self._lt is None:
+            return
         try:
             self._lt.run(self.client.close(), 5.0)
         finally:
             self._lt.stop()
+            self._lt = None
 
 
 class SyncProducer:
@@ -334,10 +354,13 @@ class SyncProducer:
         return self._lt.run(self.client.report_engine_version(engine_id, version), self._slack)
 
     def close(self) -> None:
+        if self._lt is None:
+            return
         try:
             self._lt.run(self.client.close(), 5.0)
         finally:
             self._lt.stop()
+            self._lt = None
 
 
 def _sync_request(address: str, msg, timeout_s: float, curve_keys_dir: str | None = None):

@@ -63,23 +63,24 @@ class BrokerProcess:
                 cmd += ["--" + k.replace("_", "-"), str(v)]
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = self.cwd + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=self.cwd, env=env, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=self.cwd, env=env)
         deadline = time.monotonic() + self.startup_timeout_s
-        buf = ""
+        buf = b""  # raw reads: a buffered readline could hide a second line from select()
+        fd = self.proc.stdout.fileno()
         while self.address is None or ("metrics_port" in self.options and self.metrics_port is None):
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
                 self.kill()
                 raise RuntimeError(f"broker did not start within {self.startup_timeout_s:.0f}s "
                                    f"(exit code {self.proc.returncode}); command: {' '.join(cmd)}")
-            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
+            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
             if ready:
-                line = self.proc.stdout.readline()
-                buf += line
-                if line.startswith("BROKER_ADDRESS "):
-                    self.address = line.split()[1]
-                elif line.startswith("BROKER_METRICS_PORT "):
-                    self.metrics_port = int(line.split()[1])
+                buf += os.read(fd, 4096)
+                for line in buf.decode(errors="replace").splitlines():
+                    if line.startswith("BROKER_ADDRESS "):
+                        self.address = line.split()[1]
+                    elif line.startswith("BROKER_METRICS_PORT "):
+                        self.metrics_port = int(line.split()[1])
         if not ping(self.address, timeout_s=max(1.0, deadline - time.monotonic()),
                     curve_keys_dir=self.options.get("curve_keys_dir")):
             self.kill()

@@ -8,9 +8,10 @@ and the broker (ROUTER, which prepends and strips the peer identity) answers::
 
     [header, *payload]           header: msgpack of one Reply struct below
 
-``Push`` carries one payload frame and ``LeaseReply`` one: an Arrow IPC *stream*
-(schema message, one or more record batches, end marker) in the trajectory
-schema of :mod:`broker.schema`. Frames are sent and received with ``copy=False``,
+``Push`` carries one payload frame and ``LeaseReply`` one or more, each an Arrow
+IPC *stream* (schema message, one or more record batches, end marker) in the
+trajectory schema of :mod:`broker.schema`; the lease's rows are the
+concatenation of all of them, in order. Frames are sent and received with ``copy=False``,
 so Arrow reads the batch straight out of the ZMQ frame. No pickle anywhere.
 
 Every header carries ``proto`` (:data:`PROTOCOL_VERSION`), ``type`` (the tag
@@ -139,7 +140,8 @@ class PushReply(_Msg, tag="pushed"):
 
 
 class LeaseReply(_Msg, tag="lease"):
-    """One payload frame: the batch (Arrow IPC stream). ``staleness``: int32 per row, little endian."""
+    """Payload frames: Arrow IPC streams whose rows, in order, form the batch.
+    ``staleness``: int32 per row, little endian."""
 
     lease_id: str
     step: int

@@ -150,9 +150,12 @@ def _list_parts(col: pa.ListArray) -> tuple[np.ndarray, np.ndarray, pa.Array]:
     re-based here (row numbers in errors then refer to the slice, as the caller sees it).
     """
     off = col.offsets.to_numpy()
-    values = col.values.slice(int(off[0]), int(off[-1] - off[0]))
-    off = off - off[0]
-    return off, np.diff(off), values
+    values = col.values
+    first, last = int(off[0]), int(off[-1])
+    if first != 0 or last != len(values):
+        values = values.slice(first, last - first)
+        off = off - first
+    return off, off[1:] - off[:-1], values
 
 
 def _first_elements(off: np.ndarray, lengths: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -160,7 +163,16 @@ def _first_elements(off: np.ndarray, lengths: np.ndarray, values: np.ndarray) ->
     return values[off[:-1]] if len(values) else np.zeros(len(lengths), values.dtype)
 
 
+_LIST_FIELDS = tuple(f.name for f in TRAJECTORY_SCHEMA if pa.types.is_list(f.type))
+_SCALAR_FIELDS = tuple(f.name for f in TRAJECTORY_SCHEMA if not pa.types.is_list(f.type))
+
+
+_SCHEMAS_SEEN_OK: set[pa.Schema] = set()  # producers send one schema again and again
+
+
 def _check_schema(batch: pa.RecordBatch) -> None:
+    if batch.schema.equals(TRAJECTORY_SCHEMA) or batch.schema in _SCHEMAS_SEEN_OK:
+        return
     got = [(f.name, f.type) for f in batch.schema]
     want = [(f.name, f.type) for f in TRAJECTORY_SCHEMA]
     if got != want:
@@ -173,6 +185,8 @@ def _check_schema(batch: pa.RecordBatch) -> None:
             f"trajectory batch has the wrong schema{order}: missing {missing or 'none'}, "
             f"unexpected {extra or 'none'}, wrong types {wrong or 'none'}"
         )
+    if len(_SCHEMAS_SEEN_OK) < 64:
+        _SCHEMAS_SEEN_OK.add(batch.schema)
 
 
 def validate_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -197,17 +211,22 @@ def validate_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
         raise SchemaError(f"trajectory batch is not valid Arrow data: {e}") from None
     n = batch.num_rows
     lists = {}
-    for f in TRAJECTORY_SCHEMA:
-        col = batch.column(f.name)
+    for name in _SCALAR_FIELDS:
+        col = batch.column(name)
         if col.null_count:
-            raise SchemaError(f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{f.name}' is null")
-        if pa.types.is_list(f.type):
-            off, lengths, values = _list_parts(col)
-            if values.null_count:
-                bad = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0]
-                r = int(np.searchsorted(off, bad, side="right") - 1)
-                raise SchemaError(f"row {r}: field '{f.name}' holds a null element")
-            lists[f.name] = (off, lengths, values.to_numpy())
+            raise SchemaError(f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{name}' is null")
+    for name in _LIST_FIELDS:
+        col = batch.column(name)
+        if col.null_count:
+            raise SchemaError(f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{name}' is null")
+        if name == "prompt_ids" and not col.values.null_count:
+            continue  # nothing else to check
+        off, lengths, values = _list_parts(col)
+        if values.null_count:
+            bad = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0]
+            r = int(np.searchsorted(off, bad, side="right") - 1)
+            raise SchemaError(f"row {r}: field '{name}' holds a null element")
+        lists[name] = (off, lengths, values.to_numpy())
     if n == 0:
         return batch
 

@@ -33,8 +33,9 @@ Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step)
 * **Exactly once into optimizer steps.** A group leaves the broker only by one
   ack or one ``stale`` drop. Acking a live lease consumes its groups and sets
   ``v = max(v, s)``; acking it again returns ``duplicate``. Acking an *expired*
-  lease succeeds (``late``) only if none of its groups has been handed out again
-  or dropped since; otherwise it is refused with ``lease_expired`` and the caller
+  lease succeeds (``late``) only if all its groups are still queued (in no live
+  lease, not acked, not dropped; also after a restart); otherwise it is refused
+  with ``lease_expired`` and the caller
   must not count that step (the learner treats it as fatal and resumes from its
   checkpoint). So no trajectory is ever part of two acked leases. Consumers that
   may hold a lease longer than the timeout call ``renew``.
@@ -84,6 +85,7 @@ import zmq
 from broker import protocol as P
 from broker.config import BrokerConfig
 from broker.metrics import Hist, Rates, snapshot, start_metrics_server
+from broker.schema import TRAJECTORY_SCHEMA
 from broker.spool import Spool
 from broker.state import BrokerError, BrokerState
 
@@ -220,8 +222,8 @@ class BrokerServer:
             self._sock = None
         self._ctx.term()
 
-    def _reply(self, ident: bytes, msg, payload=None) -> None:
-        self._out.append([ident, P.encode(msg)] + ([payload] if payload is not None else []))
+    def _reply(self, ident: bytes, msg, *payload) -> None:
+        self._out.append([ident, P.encode(msg), *payload])
 
     def _error(self, ident: bytes, req: int, code: str, message: str, retry_after_s: float = 0.0) -> None:
         self.errors[code] += 1
@@ -247,7 +249,7 @@ class BrokerServer:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "message has no header frame")
             msg = P.decode_request(frames[1].buffer)
             req = msg.req
-            expect = 3 if isinstance(msg, P.Push) else 2
+            expect = 3 if isinstance(msg, P.Push) else 2  # header (+ one Arrow IPC frame for a push)
             if len(frames) != expect:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME,
                                       f"{type(msg).__name__} takes {expect - 1} frame(s), got {len(frames) - 1}")
@@ -269,7 +271,8 @@ class BrokerServer:
             if not batches:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "Arrow IPC stream holds no record batch")
             batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
-            groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer))
+            groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer),
+                                           payload=payload.buffer if len(batches) == 1 else None)
             self._reply(ident, P.PushReply(req=msg.req, groups=groups, rows=rows, duplicates=dups))
         elif isinstance(msg, P.AcquireTickets):
             self._ticket_waiters.append(_Waiter(ident, msg, now, now + max(0.0, msg.wait_s)))
@@ -326,15 +329,33 @@ class BrokerServer:
                 continue
             if lease is not None:
                 self.learner_wait.observe(now - w.t0)
-                payload = P.batch_to_ipc(lease.batches, lease.batches[0].schema)
                 self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
                                                   groups=len(lease.group_ids),
-                                                  staleness=lease.staleness.astype("<i4").tobytes()), payload)
+                                                  staleness=lease.staleness.astype("<i4").tobytes()),
+                            *_lease_frames(lease))
             elif now >= w.deadline:
                 self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups))
             else:
                 keep.append(w)
         self._lease_waiters = keep
+
+
+def _lease_frames(lease) -> list:
+    """One IPC stream frame per run of groups: a group pushed alone goes out as the very
+    frame it came in (zero copy); other groups (slices of bigger pushes, or recovered
+    from the spool) are serialised together."""
+    frames, run = [], []
+    for batch, payload in zip(lease.batches, lease.payloads):
+        if payload is None:
+            run.append(batch)
+            continue
+        if run:
+            frames.append(P.batch_to_ipc(run, TRAJECTORY_SCHEMA))
+            run = []
+        frames.append(payload)
+    if run:
+        frames.append(P.batch_to_ipc(run, TRAJECTORY_SCHEMA))
+    return frames
 
 
 def run_server(cfg: BrokerConfig, *, on_bound=None) -> None:

@@ -177,7 +177,7 @@ class Spool:
     def on_accept(self, batch: pa.RecordBatch) -> None:
         if self._writer is None or self._seg_bytes > self.segment_max_bytes:
             self._open_segment()
-        if batch.schema.metadata != TRAJECTORY_SCHEMA.metadata:
+        if not batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True):
             batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
         before = self._sink.tell()
         self._writer.write_batch(batch)

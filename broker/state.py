@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from broker.protocol import ErrorCode, Ticket
-from broker.schema import SchemaError, oldest_versions, validate_batch
+from broker.schema import TRAJECTORY_SCHEMA, SchemaError, oldest_versions, validate_batch
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class Group:
     nbytes: int
     versions: np.ndarray  # oldest policy version of each row
     lease_id: str | None = None
+    payload: object = None  # the pushed IPC frame when it held exactly this group: re-sent as is
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ class Lease:
     batches: list[pa.RecordBatch]
     staleness: np.ndarray  # int32 per row, in batch order
     deadline: float
+    payloads: list = field(default_factory=list)  # per group: its pushed IPC frame, or None
 
 
 @dataclass(slots=True)
@@ -210,12 +212,17 @@ class BrokerState:
         return out
 
     def accept(self, producer_id: str, batch: pa.RecordBatch, now: float,
-               payload_bytes: int | None = None) -> tuple[int, int, int]:
-        """Take a pushed batch. Returns (groups, rows, duplicate groups); all or nothing."""
+               payload_bytes: int | None = None, payload=None) -> tuple[int, int, int]:
+        """Take a pushed batch. Returns (groups, rows, duplicate groups); all or nothing.
+
+        ``payload`` (the IPC frame the batch was read from) is kept with a group that is
+        the whole batch, so a lease can hand the same bytes on without serialising again."""
         try:
             validate_batch(batch)
         except SchemaError as e:
             raise BrokerError(ErrorCode.BAD_SCHEMA, str(e)) from None
+        if not batch.schema.equals(TRAJECTORY_SCHEMA):  # e.g. nullable fields: same data, our schema
+            batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
         groups = split_groups(batch, payload_bytes)
         fresh = [g for g in groups if g.group_id not in self.pending and g.group_id not in self._done]
         dups = len(groups) - len(fresh)
@@ -249,6 +256,8 @@ class BrokerState:
             self.journal.on_accept(batch if not dups else pa.concat_batches([g.batch for g in fresh]))
         for tid in used:
             del self._tickets[tid]
+        if payload is not None and len(groups) == 1 and not dups:
+            fresh[0].payload = payload
         rows = 0
         for g in fresh:
             self._add(g)
@@ -304,7 +313,7 @@ class BrokerState:
             self.journal.on_lease(lid, step, consumer_id, gids)
         staleness = np.concatenate([(step - 1) - g.versions for g in picked]).astype(np.int32)
         lease = Lease(lid, step, consumer_id, gids, [g.batch for g in picked], staleness,
-                      now + self.lease_timeout_s)
+                      now + self.lease_timeout_s, [g.payload for g in picked])
         for g in picked:
             g.lease_id = lid
         self._leases[lid] = lease
@@ -440,7 +449,7 @@ class BrokerState:
                 if all(g is not None and g.lease_id is None for g in gs):
                     staleness = np.concatenate([(step - 1) - g.versions for g in gs]).astype(np.int32)
                     lease = Lease(lid, step, consumer_id, gids, [g.batch for g in gs], staleness,
-                                  now + self.lease_timeout_s)
+                                  now + self.lease_timeout_s, [None] * len(gs))
                     for g in gs:
                         g.lease_id = lid
                     self._leases[lid] = lease

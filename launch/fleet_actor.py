@@ -40,26 +40,27 @@ class FleetRunner:
         self._tok_hist: list[tuple[float, int]] = []
 
     def _components(self):
+        """(engine factory, a loader of (prompts, rewards)); the loader runs while servers start."""
         r, seed = self.cfg.rollout, self.cfg.run.seed
         if self.simulated:
             from rollout_fleet.engines.simulated import SimulatedFactory
             from rollout_fleet.simulation import SimulatedRewards, SyntheticPrompts
 
-            return (SimulatedFactory(r.simulated, seed=seed),
-                    SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size),
-                    SimulatedRewards(seed=seed))
-        from launch.real_fleet import real_components
+            return SimulatedFactory(r.simulated, seed=seed), lambda: (
+                SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
+        from launch.real_fleet import VLLMFactory, load_data
 
-        return real_components(self.cfg, self.slots, self.run_dir)
+        return VLLMFactory(self.cfg, self.run_dir or self.cfg.run.run_dir, self.slots), lambda: load_data(self.cfg)
 
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
         from broker.client import ProducerClient
 
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
-        factory, prompts, rewards = self._components()
+        factory, loader = self._components()
+        data = asyncio.create_task(asyncio.to_thread(loader))  # tokenizing overlaps the servers' start
         self.fleet = FleetController(self.cfg.rollout, factory)
-        for i in indices if indices is not None else range(n_servers):
-            await self.fleet.add_server(i)
+        await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
+        prompts, rewards = await data
         await self.fleet.start(0)  # servers are in; start the health loop
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
         self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,

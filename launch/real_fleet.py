@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import REPO_ROOT
-from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import Sample, SamplingParams
 from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
-from rollout_fleet.worker import Prompt
+from rollout_fleet.worker import Prompt, RewardFailed
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,10 @@ class FleetVLLMClient(VLLMClient):
             pass  # the initial label (e.g. the model path) means version 0
         return self._version
 
-    async def health(self) -> bool:
-        if self.server is not None and self.server.proc is not None and self.server.proc.poll() is not None:
-            return False  # the process is gone: no need to wait for an HTTP timeout
-        return await super().health()
+    @property
+    def alive(self) -> bool:
+        """False once the server process has exited (no need to wait for an HTTP timeout)."""
+        return self.server is None or self.server.proc is None or self.server.proc.poll() is None
 
     def kill(self) -> None:
         """Fault injection: SIGKILL the server process (as ``kill -9`` would)."""
@@ -123,11 +123,12 @@ class PoolRewards:
         bad = [r for r in out if not isinstance(r, float | int)]
         if bad:
             # never train on a made-up reward: the group is dropped and counted by the worker
-            raise EngineError(f"reward failed for {len(bad)} of {len(out)} samples: {bad[0]}")
+            raise RewardFailed(f"reward failed for {len(bad)} of {len(out)} samples: {bad[0]}")
         return [float(r) for r in out]
 
 
-def real_components(cfg, slots: dict[int, Any], run_dir: str | None):
+def load_data(cfg) -> tuple[DatasetPrompts, PoolRewards]:
+    """The training prompts (tokenized) and the reward pool."""
     from rollout_fleet import data as rdata
     from rollout_fleet.rewards import RewardPool
 
@@ -136,7 +137,7 @@ def real_components(cfg, slots: dict[int, Any], run_dir: str | None):
     tok = rdata.load_tokenizer(cfg.model.path)
     prompts = DatasetPrompts(rdata.from_config(cfg.data, tok, seed=cfg.run.seed))
     pool = RewardPool(cfg.reward.function, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
-    return VLLMFactory(cfg, Path(run_dir or cfg.run.run_dir), slots), prompts, PoolRewards(pool, tok)
+    return prompts, PoolRewards(pool, tok)
 
 
 async def evaluate(cfg, fleet, n: int) -> float:

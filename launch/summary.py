@@ -9,6 +9,9 @@ Group accounting, from the three places a group can be at the end of a run::
     lost      = produced - consumed - dropped - queued      (must be 0)
               + groups the fleet gave up on after retries (``groups_failed``)
 
+Groups whose reward could not be computed are dropped by the fleet before the broker
+(``groups_dropped["reward_error"]``): dropped with a reason, not lost.
+
 Groups whose generation was still running at shutdown never reached the broker; they
 are reported as ``groups_cancelled_at_shutdown`` and are not a loss (their tickets were
 simply never used).
@@ -25,6 +28,9 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     fleet = final.get("fleet") or job.snapshot or {}
     broker = final.get("broker") or (job.snapshot or {}).get("broker", {})
     drops = {k: int(v) for k, v in (broker.get("drops") or {}).items() if v}
+    broker_dropped = sum(drops.values())
+    if fleet.get("groups_reward_failed"):  # never pushed: the fleet dropped them (no made-up rewards)
+        drops["reward_error"] = int(fleet["groups_reward_failed"])
     produced = broker.get("groups_accepted")
     if produced is None:
         produced = fleet.get("groups_pushed", 0)
@@ -32,7 +38,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     consumed = int(learner.get("groups_consumed", 0))
     queued = int(broker.get("queued_groups", 0) or 0) + int(broker.get("leased_groups", 0) or 0)
     failed = int(fleet.get("groups_failed", 0))
-    lost = produced - consumed - sum(drops.values()) - queued + failed
+    lost = produced - consumed - broker_dropped - queued + failed
     rewards = [None if (r is None or (isinstance(r, float) and math.isnan(r))) else round(r, 4)
                for r in learner.get("reward_per_step", [])]
     summary = {

@@ -13,7 +13,9 @@ A checkpoint folder holds:
 
 An HF export is a plain folder (config.json, model.safetensors, the tokenizer
 files copied from the source model) that ``AutoModelForCausalLM.from_pretrained``
-and the inference engines load.
+and the inference engines load. The learner writes ``export/step_XXXXXXXX`` and
+then swaps the symlink ``export/latest`` to it (:func:`publish_export`); each
+export holds ``fleetrl_version.json`` with its policy version.
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ def latest(root: Path) -> Path | None:
         return None
     done = sorted(p for p in root.glob("step_*") if (p / META).exists())
     return done[-1] if done else None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (incomplete ones newer than those stay)."""
+    done = sorted(p for p in Path(root).glob("step_*") if (p / META).exists())
+    old = done[:-keep] if keep > 0 else done
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
 
 
 def _rng_state(device_is_cuda: bool) -> dict[str, torch.Tensor]:
@@ -104,6 +115,26 @@ def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int) ->
     return meta["extra"]
 
 
+EXPORT_VERSION_FILE = "fleetrl_version.json"
+
+
+def publish_export(root: Path, version: int, keep: int = 2) -> Path:
+    """Point ``root/latest`` at ``root/step_XXXXXXXX`` atomically and drop older exports (rank 0 only).
+
+    A reader (a late-joining engine) that resolved ``latest`` before the swap keeps
+    a complete folder: the previous export is kept until ``keep`` newer ones exist.
+    """
+    target = step_dir(root, version)
+    (target / EXPORT_VERSION_FILE).write_text(json.dumps({"version": version}))
+    tmp = root / f".latest-{version}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)
+    tmp.replace(root / "latest")
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return root / "latest"
+
+
 def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype | None = None) -> None:
     """Collective: gather the full state dict to rank 0 and write an HF folder there.
 
@@ -125,9 +156,10 @@ def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype |
                 t = t.to(dtype)
             tensors[name] = t
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        cfg = model.config.to_dict()
+        cfg = json.loads(model.config.to_json_string(use_diff=True))  # what save_pretrained writes
         cfg["dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
         cfg.pop("torch_dtype", None)
+        cfg.pop("_name_or_path", None)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         src = Path(source_dir)
         for name in TOKENIZER_FILES:

@@ -54,6 +54,7 @@ class LearnerConfig(ConfigModel):
         False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 disables")
     checkpoint_dir: str | None = Field(None, description="None: RUN_DIR/checkpoints")
+    keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept; older ones are deleted")
     resume: bool = Field(True, description="resume from the newest complete checkpoint in checkpoint_dir if any")
     export_every: int = Field(0, ge=0, description="steps between HF exports (RUN_DIR/export/latest); 0: only at the end")
     export_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of HF exports (lossless by default)")

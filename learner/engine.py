@@ -50,16 +50,33 @@ class TrainingEngine(ABC):
         """
 
     @abstractmethod
-    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) tensors in a fixed order, grouped into buckets of about ``bucket_bytes``.
+    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) one by one in :meth:`param_plan` order; floating tensors cast to ``dtype``.
 
         Collective: every rank must drain the iterator in lockstep (each tensor is
         gathered from the shards); the tensors are only meaningful on rank 0.
+        This is what ``weight_sync.publisher.Publisher.publish(version, tensors)`` takes.
         """
 
+    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """:meth:`full_tensors` grouped into buckets, cut after the tensor that crosses ``bucket_bytes``
+        (weight_sync/plan.py's rule, so buckets match a plan built with the same size)."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in self.full_tensors(dtype):
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
     @abstractmethod
-    def param_plan(self) -> list[tuple[str, list[int], torch.dtype]]:
-        """(name, full shape, dtype) of every tensor :meth:`iter_full_params` yields, in order (no communication)."""
+    def param_plan(self, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], torch.dtype]]:
+        """(name, full shape, dtype) of every tensor :meth:`full_tensors` yields, in order (no communication)."""
 
     @abstractmethod
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:

@@ -36,9 +36,20 @@ from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_los
 logger = logging.getLogger(__name__)
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _load_model(path: str, attn_implementation: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    import transformers.masking_utils as mu
+
+    # Packed rows rely on transformers deriving the block-diagonal mask from restarting position_ids.
+    if not hasattr(mu, "find_packed_sequence_indices"):
+        raise RuntimeError(f"transformers {transformers_version()} cannot keep packed sequences apart; need >= 4.56")
     p = Path(path)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"model folder {path!r} has no config.json (expected a Hugging Face model folder)")
@@ -145,15 +156,18 @@ class FSDPEngine(TrainingEngine):
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(grad_norm))
-        if finite:
+        # Nothing to learn from (every group uniform): AdamW would still move weights through momentum and
+        # decay, so the step is skipped; the version still advances because the data was consumed.
+        empty = plan.stats.get("samples_trained", 1.0) == 0
+        if finite and not empty:
             self.optimizer.step()
-        else:
+        elif not finite:
             logger.error("non-finite gradient norm (%s): optimizer step skipped", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         metrics = self._reduce(combine_metrics(parts))
-        metrics.update(grad_norm=float(grad_norm), lr=lr, step_skipped=float(not finite),
+        metrics.update(grad_norm=float(grad_norm), lr=lr, step_skipped=float(not finite or empty),
                        step_seconds=time.perf_counter() - t0)
         return metrics
 
@@ -171,26 +185,18 @@ class FSDPEngine(TrainingEngine):
         return out
 
     # ---- weights out -----------------------------------------------------------------------
-    def param_plan(self) -> list[tuple[str, list[int], torch.dtype]]:
-        return [(n, list(t.shape), t.dtype) for n, t in self.model.state_dict().items()]
+    def param_plan(self, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], torch.dtype]]:
+        return [(n, list(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                for n, t in self.model.state_dict().items()]
 
-    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
+    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        # One all-gather per tensor, issued only when the consumer asks for it, so a publisher can
+        # broadcast one bucket while the next is being gathered.
         for name, t in self.model.state_dict().items():
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            full = full.detach()
+            full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
-            bucket.append((name, full))
-            size += full.numel() * full.element_size()
-            if size > bucket_bytes:  # cut after the tensor that crosses the limit (weight_sync/plan.py's rule)
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+            yield name, full
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:

@@ -47,6 +47,19 @@ logger = logging.getLogger(__name__)
 PublishHook = Callable[[int, TrainingEngine], None]
 MetricsHook = Callable[[int, dict[str, float]], None]
 
+
+def publisher_hook(publisher, dtype: torch.dtype | None = None) -> PublishHook:
+    """Adapt ``weight_sync.publisher.Publisher`` (built on every rank) to the loop's hook.
+
+    Build its plan with ``weight_sync.plan.build_plan(engine.param_plan(dtype), bucket_bytes)``
+    so names, shapes and dtypes match what :meth:`TrainingEngine.full_tensors` yields.
+    """
+
+    def publish(version: int, engine: TrainingEngine) -> None:
+        publisher.publish(version, engine.full_tensors(dtype))
+
+    return publish
+
 _STOP = -1
 
 
@@ -85,7 +98,7 @@ class Learner:
     """Runs steps ``version + 1 .. max_steps`` on one rank (every rank runs one)."""
 
     def __init__(self, engine: TrainingEngine, cfg: LearnerConfig, *, source: BatchSource | None, max_steps: int,
-                 checkpoint_dir: Path | None = None, export_dir: Path | None = None,
+                 checkpoint_dir: Path | None = None, export_root: Path | None = None,
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
                  batch_timeout_s: float | None = None) -> None:
         if engine.rank == 0 and source is None:
@@ -93,7 +106,7 @@ class Learner:
         self.engine, self.cfg, self.source = engine, cfg, source
         self.max_steps = max_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.export_dir = Path(export_dir) if export_dir else None
+        self.export_root = Path(export_root) if export_root else None
         self.publish = publish
         self.on_metrics = on_metrics
         self.batch_timeout_s = batch_timeout_s
@@ -104,17 +117,18 @@ class Learner:
         """Load the newest complete checkpoint (if any); every rank must call it."""
         if self.checkpoint_dir is None:
             return False
-        # Rank 0 decides, so all ranks load the same folder even if one is being written.
+        # Rank 0 decides (by version number), so all ranks load the same folder even if one is being written.
         path = ckpt.latest(self.checkpoint_dir) if self.engine.rank == 0 else None
-        found = [str(path) if path else ""]
-        dist.broadcast_object_list(found, src=0)  # one short string among our own trusted ranks
-        if not found[0]:
+        found = torch.tensor([int(path.name.removeprefix("step_")) if path else -1], device=self.engine.device)
+        dist.broadcast(found, src=0)
+        if int(found) < 0:
             return False
-        extra = self.engine.load_checkpoint(Path(found[0]))
+        path = ckpt.step_dir(self.checkpoint_dir, int(found))
+        extra = self.engine.load_checkpoint(path)
         self.version = int(extra["version"])
         if self.engine.rank == 0 and extra.get("source_position") is not None and hasattr(self.source, "restore"):
             self.source.restore(extra["source_position"])
-        logger.info("resumed at policy version %d from %s", self.version, found[0])
+        logger.info("resumed at policy version %d from %s", self.version, path)
         return True
 
     def _pull(self, step: int):
@@ -136,11 +150,19 @@ class Learner:
         pos = self.source.position() if self.engine.rank == 0 and hasattr(self.source, "position") else None
         self.engine.save_checkpoint(ckpt.step_dir(self.checkpoint_dir, self.version),
                                     {"version": self.version, "source_position": pos})
+        if self.engine.rank == 0:
+            ckpt.prune(self.checkpoint_dir, self.cfg.keep_checkpoints)
 
-    def export(self) -> None:
-        if self.export_dir is not None:
-            dtype = torch.bfloat16 if self.cfg.export_dtype == "bfloat16" else torch.float32
-            self.engine.export_hf(self.export_dir, dtype=dtype)
+    def export(self) -> Path | None:
+        """Write ``export_root/step_XXXXXXXX`` and point ``export_root/latest`` at it; returns ``latest``."""
+        if self.export_root is None:
+            return None
+        dtype = torch.bfloat16 if self.cfg.export_dtype == "bfloat16" else torch.float32
+        self.engine.export_hf(ckpt.step_dir(self.export_root, self.version), dtype=dtype)
+        if self.engine.rank == 0:
+            ckpt.publish_export(self.export_root, self.version)
+        dist.barrier()
+        return self.export_root / "latest"
 
     def step(self) -> dict[str, float]:
         step = self.version + 1

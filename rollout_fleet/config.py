@@ -65,6 +65,8 @@ class RolloutConfig(ConfigModel):
     max_inflight_groups: int = Field(16, ge=1, description="groups a worker keeps in flight per server")
     request_timeout_s: float = Field(600.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(10.0, gt=0, description="limit of one health probe (a loaded CPU server is slow)")
+    health_failures: int = Field(3, ge=1, description="consecutive failed probes before a live process counts as dead")
     startup_timeout_s: float = Field(600.0, gt=0)
     max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len (prompt + response)")
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no torch.compile (faster start on small CPUs)")

@@ -29,8 +29,9 @@ Invariants and delivery semantics:
   starts on a server holding version ``>= s - k - 1``, so a server that is behind the
   learner (its publish not yet loaded) never produces a group that is stale on arrival.
 * Draining: a draining server takes no new group; it leaves once its in-flight groups end.
-* Every engine call has a timeout (``request_timeout_s`` for generation, the health
-  interval for health checks); a timeout is treated as a failure of that server.
+* Every engine call has a timeout (``request_timeout_s`` for generation,
+  ``health_timeout_s`` for a probe). A server is dead when its process is gone, or after
+  ``health_failures`` consecutive failed probes: one slow answer is not a death.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Server:
     groups_done: int = 0
     tokens_done: int = 0
     restarts: int = 0
+    failed_probes: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -235,19 +237,34 @@ class FleetController:
                     await self._suspect(server)
 
     async def _suspect(self, server: Server) -> None:
+        """Probe a server; it is dead when its process is gone, or after ``health_failures``
+        consecutive failed probes (one slow answer from a busy server is not a death)."""
         if server.state != "healthy":
             return
-        try:
-            ok = await asyncio.wait_for(server.engine.health(), timeout=self.cfg.health_interval_s)
-        except (EngineError, TimeoutError, OSError):
-            ok = False
-        if not ok and server.state == "healthy":
-            server.state = "dead"
-            self.server_deaths += 1
-            log.error("fleet: server %s is dead (%d groups in flight are re-queued)", server.engine_id, len(server.inflight))
-            task = asyncio.create_task(self._recover(server), name=f"recover-{server.engine_id}")
-            self._recovering.add(task)
-            task.add_done_callback(self._recovering.discard)
+        if getattr(server.engine, "alive", True) is False:  # the process is known to be gone
+            ok, why = False, "process exited"
+            server.failed_probes = self.cfg.health_failures
+        else:
+            try:
+                ok = await asyncio.wait_for(server.engine.health(), timeout=self.cfg.health_timeout_s)
+                why = "health probe failed"
+            except (EngineError, TimeoutError, OSError) as exc:
+                ok, why = False, f"health probe: {type(exc).__name__}: {exc}"
+        if ok:
+            server.failed_probes = 0
+            return
+        server.failed_probes += 1
+        if server.failed_probes < self.cfg.health_failures or server.state != "healthy":
+            log.warning("fleet: %s failed a health probe (%d of %d): %s", server.engine_id,
+                        server.failed_probes, self.cfg.health_failures, why)
+            return
+        server.state = "dead"
+        self.server_deaths += 1
+        log.error("fleet: server %s is dead (%s; %d groups in flight are re-queued)",
+                  server.engine_id, why, len(server.inflight))
+        task = asyncio.create_task(self._recover(server), name=f"recover-{server.engine_id}")
+        self._recovering.add(task)
+        task.add_done_callback(self._recovering.discard)
 
     async def _recover(self, server: Server) -> None:
         if not self.cfg.restart_dead_servers:
@@ -265,7 +282,7 @@ class FleetController:
             return
         self.servers.pop(server.engine_id, None)
         server.engine, server.state, server.restarts = engine, "healthy", server.restarts + 1
-        server.started_at = time.monotonic()
+        server.started_at, server.failed_probes = time.monotonic(), 0
         self.servers[engine.engine_id] = server
         log.info("fleet: server %s is back at version %d", engine.engine_id, engine.weight_version)
         await self._wake()

@@ -35,6 +35,7 @@ import multiprocessing
 import re
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -66,15 +67,19 @@ def exact_match(response_text: str, ground_truth: str, **extra: Any) -> float:
     return 1.0 if response_text.strip() == str(ground_truth).strip() else 0.0
 
 
-_HASH_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+_HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 
 
 def _final_answer(text: str) -> str:
-    """The part after the last ``####`` (GSM8K's answer marker), or the whole text."""
+    """The line after the last ``####`` (GSM8K's answer marker), or the whole text.
+
+    Only that line: a model that keeps writing after its answer must not have the
+    rest read as the answer.
+    """
     if "####" in text:
         m = _HASH_ANSWER.search(text[text.rindex("####") :])
         if m:
-            return m.group(1).replace(",", "")
+            return m.group(1).strip().replace(",", "")
     return text
 
 
@@ -169,7 +174,9 @@ class RewardPool:
         self.workers, self.timeout_s, self.mode = workers, timeout_s, mode
         self.timeouts = 0
         self.errors = 0
+        self.reruns = 0  # calls re-run because another call's timeout ended their process
         self._executor = self._new_executor()
+        self._slots = asyncio.Semaphore(workers)
 
     def _new_executor(self) -> cf.Executor:
         if self.mode == "thread":
@@ -177,36 +184,49 @@ class RewardPool:
         # spawn: rollout workers hold sockets and threads that a fork would copy half-alive.
         return cf.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
 
-    def _submit(self, response_text: str, ground_truth: Any, where: str, extra: dict[str, Any]) -> cf.Future:
+    def _submit(self, executor: cf.Executor, args: tuple[str, Any, str, dict[str, Any]]) -> cf.Future:
         if self.mode == "thread":
-            return self._executor.submit(call_reward, self.fn, self.name, response_text, ground_truth, where, extra)
-        return self._executor.submit(_score_in_process, self.name, response_text, ground_truth, where, extra)
+            return executor.submit(call_reward, self.fn, self.name, *args)
+        return executor.submit(_score_in_process, self.name, *args)
 
     async def score(self, response_text: str, ground_truth: Any, *, where: str, extra: dict[str, Any] | None = None) -> float:
-        """The reward of one response; raises :class:`RewardError` (or :class:`RewardTimeout`)."""
-        fut = self._submit(response_text, ground_truth, where, extra or {})
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
-        except TimeoutError:
-            self.timeouts += 1
-            if self.mode == "process":
-                self._replace_processes()
-            raise RewardTimeout(
-                f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
-                function=self.name,
-                where=where,
-            ) from None
-        except RewardError:
-            self.errors += 1
-            raise
-        except cf.process.BrokenProcessPool as exc:
-            self.errors += 1
-            self._executor = self._new_executor()
-            raise RewardError(
-                f"reward function {self.name!r} crashed its worker process on {where}: {exc}",
-                function=self.name,
-                where=where,
-            ) from exc
+        """The reward of one response; raises :class:`RewardError` (or :class:`RewardTimeout`).
+
+        The time limit starts when a worker is free, not when the call is queued, so a
+        busy pool does not turn waiting into timeouts.
+        """
+        args = (response_text, ground_truth, where, extra or {})
+        async with self._slots:
+            for attempt in range(2):
+                executor = self._executor
+                fut = self._submit(executor, args)
+                try:
+                    return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+                except TimeoutError:
+                    self.timeouts += 1
+                    if self.mode == "process" and executor is self._executor:
+                        self._replace_processes()
+                    raise RewardTimeout(
+                        f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
+                        function=self.name,
+                        where=where,
+                    ) from None
+                except RewardError:
+                    self.errors += 1
+                    raise
+                except BrokenProcessPool as exc:
+                    if executor is not self._executor and attempt == 0:
+                        self.reruns += 1
+                        continue  # ended by another call's timeout, not by this one: run it again
+                    self.errors += 1
+                    if executor is self._executor:
+                        self._executor = self._new_executor()
+                    raise RewardError(
+                        f"reward function {self.name!r} crashed its worker process on {where}: {exc}",
+                        function=self.name,
+                        where=where,
+                    ) from exc
+        raise AssertionError("unreachable")
 
     async def score_many(
         self, items: Sequence[tuple[str, Any, str, dict[str, Any] | None]]

@@ -48,6 +48,10 @@ class PromptSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class RewardFailed(RuntimeError):
+    """The reward of a sample could not be computed; its group is dropped (never a made-up reward)."""
+
+
 class RewardScorer(Protocol):
     async def score(self, prompt: Prompt, samples: list[Sample]) -> list[float]: ...
 
@@ -113,6 +117,7 @@ class RolloutWorker:
         self.groups_pushed = 0
         self.groups_failed = 0
         self.groups_cancelled = 0  # in flight at shutdown: their tickets were never used
+        self.groups_reward_failed = 0
         self.samples_pushed = 0
         self.tokens_pushed = 0
         self.reward_sum = 0.0
@@ -194,6 +199,10 @@ class RolloutWorker:
             self.groups_failed += 1
             log.error("rollout: group %s failed for good: %s", group_id, exc)
             return
+        except RewardFailed as exc:
+            self.groups_reward_failed += 1
+            log.error("rollout: group %s dropped: %s", group_id, exc)
+            return
         if len(rewards) != len(samples):
             raise ValueError(f"reward pool returned {len(rewards)} rewards for {len(samples)} samples of {group_id}")
         t_end = time.time()
@@ -228,7 +237,7 @@ class RolloutWorker:
         return {
             "groups_started": self.groups_started, "groups_pushed": self.groups_pushed,
             "groups_failed": self.groups_failed, "groups_inflight": self.inflight,
-            "groups_cancelled": self.groups_cancelled,
+            "groups_cancelled": self.groups_cancelled, "groups_reward_failed": self.groups_reward_failed,
             "samples_pushed": self.samples_pushed, "tokens_pushed": self.tokens_pushed,
             "mean_reward": self.reward_sum / self.samples_pushed if self.samples_pushed else None,
             "idle_s": round(self.idle_s, 3),

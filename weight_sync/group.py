@@ -22,6 +22,7 @@ import torch.distributed as dist
 from rollout_fleet.engines.base import GroupInfo
 
 log = logging.getLogger(__name__)
+_Backend = torch._C._distributed_c10d.Backend
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,7 +77,7 @@ def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float)
 class TorchGroup:
     """A torch ProcessGroup (gloo or NCCL) behind the two calls a publish needs."""
 
-    def __init__(self, pg: dist.ProcessGroup) -> None:
+    def __init__(self, pg) -> None:
         self.pg = pg
 
     def broadcast_async(self, buf: torch.Tensor):
@@ -92,10 +93,10 @@ class TorchGroup:
 
 def broadcast_async(pg, buf: torch.Tensor):
     """Start broadcasting ``buf`` from rank 0 over a ProcessGroup or a group adapter; returns a ``wait(timedelta)`` handle."""
-    if isinstance(pg, dist.ProcessGroup):
-        return TorchGroup(pg).broadcast_async(buf)
     if hasattr(pg, "broadcast_async"):  # TorchGroup, weight_sync.vllm_nccl.VllmNcclGroup
         return pg.broadcast_async(buf)
+    if isinstance(pg, (dist.ProcessGroup, _Backend)):  # ProcessGroupGloo/NCCL are Backends, not ProcessGroups
+        return TorchGroup(pg).broadcast_async(buf)
     return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
 
 

@@ -154,7 +154,11 @@ class VLLMServer:
                                      start_new_session=True)
         logf.close()
         log.info("vLLM server pid %d starting on %s (log %s)", self.proc.pid, self.url, self.log_path)
-        self.wait_healthy(self.args.startup_timeout_s)
+        try:
+            self.wait_healthy(self.args.startup_timeout_s)
+        except BaseException:  # interrupted or failed: never leave a half-started server behind
+            self.stop()
+            raise
 
     def log_tail(self, n: int = 40) -> str:
         try:

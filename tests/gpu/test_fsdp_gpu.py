@@ -64,6 +64,6 @@ def test_fsdp2_two_gpus_nccl_bf16_matches_one_gpu(tmp_path):
     # The HF export (gathered from the two GPUs' shards) loads and runs.
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "latest", dtype=torch.float32)
     with torch.no_grad():
         assert torch.isfinite(m(torch.tensor([[5, 9, 17]])).logits).all()

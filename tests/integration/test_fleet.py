@@ -197,4 +197,6 @@ def test_fleet_with_real_broker_kill_and_scale(tmp_path):
     # every group the broker accepted was consumed or is still held: none lost
     assert b["groups_accepted"] == b["groups_acked"] + b["queued_groups"] + b["leased_groups"] + sum(b["drops"].values())
     assert b["groups_acked"] == 30 * 4
-    assert final["groups_pushed"] == b["groups_accepted"] and final["groups_failed"] == 0
+    # a push cancelled at shutdown may still have reached the broker: accepted, not counted as pushed
+    assert final["groups_pushed"] <= b["groups_accepted"] <= final["groups_pushed"] + final["groups_cancelled"]
+    assert final["groups_failed"] == 0

@@ -65,6 +65,8 @@ def test_exact_match_strips_whitespace():
         ("#### 1,000", "1000", 1.0),
         ("so \\boxed{\\frac{1}{2}}", "0.5", 1.0),
         ("#### 71", "72", 0.0),
+        ("#### 72\nQuestion: what is 5+5? It is 10.", "72", 1.0),
+        ("#### 10\nNext: 72", "72", 0.0),
         ("I do not know", "72", 0.0),
     ],
 )
@@ -174,21 +176,26 @@ def test_thread_pool_timeout_names_function_and_limit(custom_module):
 
 
 def test_process_pool_timeout_replaces_stuck_workers(custom_module):
-    """A hung reward in process mode is stopped; the pool keeps scoring afterwards."""
+    """A hung reward in process mode is stopped; a call that shared its pool is re-run; scoring goes on."""
     name = f"{custom_module}:slow"
 
     async def go():
-        with RewardPool(name, workers=1, timeout_s=8.0, mode="process") as pool:
-            # The first call pays for spawning the worker: let it finish.
-            assert await pool.score("1", "1", where="warm-up", extra={"sleep": 0}) == 1.0
+        with RewardPool(name, workers=2, timeout_s=8.0, mode="process") as pool:
+            # The first calls pay for spawning the workers: let them finish.
+            warm = [("1", "1", f"warm-up {i}", {"sleep": 0.5}) for i in range(2)]
+            assert await pool.score_many(warm) == [1.0, 1.0]
             t0 = time.monotonic()
+            stuck = asyncio.create_task(pool.score("1", "1", where="stuck sample", extra={"sleep": 600}))
+            await asyncio.sleep(6.0)
+            # Still running when the stuck call's processes are ended: it must be re-run, not failed.
+            innocent = await pool.score("1", "1", where="innocent sample", extra={"sleep": 3.0})
             with pytest.raises(RewardTimeout, match="timed out after 8 s on stuck sample"):
-                await pool.score("1", "1", where="stuck sample", extra={"sleep": 600})
-            assert time.monotonic() - t0 < 20
+                await stuck
+            assert time.monotonic() - t0 < 30
             assert await pool.score("1", "1", where="after", extra={"sleep": 0}) == 1.0
-            return pool.timeouts
+            return innocent, pool.timeouts, pool.errors, pool.reruns
 
-    assert asyncio.run(go()) == 1
+    assert asyncio.run(go()) == (1.0, 1, 0, 1)
 
 
 def test_process_pool_error_crosses_the_process_boundary(custom_module):

@@ -175,6 +175,9 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
     def publish(version: int, eng) -> None:
         # Every rank drains the gathers, as a real publisher must; rank 0 keeps the tensors.
         full = {n: t.clone() for b in eng.iter_full_params(1 << 16) for n, t in b}
+        plan = [(n, list(t.shape), t.dtype) for n, t in full.items()]
+        if plan != eng.param_plan():
+            raise AssertionError("full tensors do not follow param_plan()")
         published.append(version)
         if version in dump_at and rank == 0:
             from safetensors.torch import save_file
@@ -183,7 +186,7 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
 
     learner = Learner(engine, cfg, source=source, max_steps=steps,
                       checkpoint_dir=Path(ckpt) if ckpt else None,
-                      export_dir=Path(export) if export else None, publish=publish)
+                      export_root=Path(export) if export else None, publish=publish)
     resumed = learner.resume()
     history = learner.run()
     result = {"history": history, "version": learner.version, "resumed": resumed, "published": published,

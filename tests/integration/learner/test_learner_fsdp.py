@@ -6,6 +6,7 @@ each, same data and seed); the tests compare them and start further runs.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -94,7 +95,9 @@ def test_hf_export_loads_and_matches(runs, which):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = runs["dir"]
-    export = d / f"export{which}"
+    export = d / f"export{which}" / "latest"
+    assert export.resolve().name == f"step_{STEPS:08d}"
+    assert json.loads((export / "fleetrl_version.json").read_text()) == {"version": STEPS}
     final = load_file(str(d / f"w{which}_v{STEPS}.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     sd = model.state_dict()

@@ -91,3 +91,13 @@ def test_plan_rejects_a_sample_without_prompt():
     with pytest.raises(ValueError, match="prompt token"):
         plan_step(to_record_batch([t]), rank=0, world_size=1, micro_batch_tokens=16, advantage="mean",
                   drop_uniform=False, aggregation="token")
+
+
+def test_plan_of_only_uniform_groups_has_nothing_to_train():
+    trajs = [Trajectory(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=2, step=1, prompt_ids=[4, 5],
+                        response_ids=[6, 7], behaviour_logprobs=[-1.0, -1.0], reward=1.0) for i in range(2)]
+    plan = plan_step(to_record_batch(trajs), rank=0, world_size=2, micro_batch_tokens=16, advantage="mean_std",
+                     drop_uniform=True, aggregation="token")
+    assert plan.stats["samples_trained"] == 0 and plan.stats["samples_dropped_uniform"] == 2
+    (mb,) = plan.micro_batches  # one filler so collectives stay in step
+    assert mb.rows == [] and float(mb.weights.sum()) == 0.0

@@ -1,0 +1,228 @@
+"""Broker throughput and latency against raw pyzmq PUSH/PULL moving the same bytes, in one run.
+
+    python bench/broker.py --quick --json bench/results/broker.json     # < 60 s
+    python bench/broker.py --json out.json                              # full sweep
+
+For each batch size (one prompt group of realistic rows per batch: ~1,000 response
+token ids and log-probs, 100 prompt ids) it runs, in separate processes:
+
+* broker: producer (tickets in bulk, pushes with 8 in flight) -> ``python -m broker``
+  -> consumer (next_batch with the next step prefetched, acks in the background),
+  spool off and on (fsync=never: the kill -9 guarantee; see broker/spool.py);
+* raw: PUSH -> PULL of the same Arrow IPC bytes (same per-message serialise and parse).
+
+Both paths hold at most ~64 batches in flight (broker: max_staleness=63 with one
+group per step; raw: HWM 32 at each end), so latency (send to receipt, p50/p99)
+is measured under the same bounded queueing. Throughput is counted at the
+consumer from its first to its last batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from broker.schema import TRAJECTORY_SCHEMA  # noqa: E402
+from broker.testing import make_groups  # noqa: E402
+
+RESP_LEN, PROMPT_LEN = 1000, 100
+WINDOW = 8
+K = 63
+
+
+def base_batch(batch_bytes: int) -> pa.RecordBatch:
+    row = make_groups(["probe"], step=1, version=0, group_size=1, resp_len=RESP_LEN, prompt_len=PROMPT_LEN)
+    rows = max(1, round(batch_bytes / row.nbytes))
+    return make_groups(["g"], step=1, version=0, group_size=rows, resp_len=RESP_LEN, prompt_len=PROMPT_LEN)
+
+
+def stamp(base: pa.RecordBatch, gid: str, step: int) -> pa.RecordBatch:
+    """Per-message columns: a fresh group id, the ticket's step, its version, the send time."""
+    n = base.num_rows
+    cols = base.columns
+    cols[0] = pa.array([f"{gid}/{i}" for i in range(n)])
+    cols[1] = pa.array([gid] * n)
+    cols[4] = pa.array(np.full(n, step, np.int64))
+    cols[9] = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)),
+                                       pa.array(np.full(n, max(0, step - 1), np.int64)))
+    cols[14] = pa.array(np.full(n, time.time()))
+    return pa.RecordBatch.from_arrays(cols, schema=TRAJECTORY_SCHEMA)
+
+
+# -- raw PUSH/PULL -------------------------------------------------------------------------------
+
+def raw_producer(addr: str, batch_bytes: int, n: int) -> None:
+    import zmq
+
+    from broker.protocol import batch_to_ipc
+
+    base = base_batch(batch_bytes)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 32)
+    s.connect(addr)
+    for i in range(n):
+        s.send(batch_to_ipc(stamp(base, f"g{i}", 1)), copy=False)
+    s.close(linger=10_000)
+    ctx.term()
+
+
+def raw_run(batch_bytes: int, n: int) -> dict:
+    import zmq
+
+    from broker.protocol import ipc_to_batches
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 32)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    p = mp.get_context("fork").Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", batch_bytes, n))
+    p.start()
+    lat, rows, t0, nbytes = [], 0, None, 0
+    for _ in range(n):
+        if not s.poll(30_000):
+            raise TimeoutError("raw PUSH/PULL: no message within 30 s")
+        f = s.recv(copy=False)
+        now = time.time()
+        t0 = t0 or time.perf_counter()
+        b = ipc_to_batches(f.buffer)[0]
+        lat.append(now - b.column("t_start")[0].as_py())
+        rows += b.num_rows
+        nbytes += len(f.buffer)
+    dt = time.perf_counter() - t0
+    p.join(30)
+    s.close(0)
+    ctx.term()
+    first = rows // n
+    return {"rows_per_s": (rows - first) / dt, "bytes_per_s": nbytes * (n - 1) / n / dt, "lat": lat}
+
+
+# -- through the broker --------------------------------------------------------------------------
+
+def broker_producer(addr: str, batch_bytes: int, n: int) -> None:
+    from broker.client import ProducerClient, new_event_loop
+
+    async def go():
+        base = base_batch(batch_bytes)
+        prod = ProducerClient(addr, producer_id="bench", timeout_s=60)
+        tickets: list = []
+        inflight: set = set()
+        for i in range(n):
+            while not tickets:
+                tickets = await prod.acquire_tickets(64, wait_s=5.0)
+            t = tickets.pop(0)
+            if len(inflight) >= WINDOW:
+                done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    d.result()
+            inflight.add(asyncio.ensure_future(prod.push(stamp(base, f"g{i}", t.step))))
+        if inflight:
+            for d in (await asyncio.wait(inflight))[0]:
+                d.result()
+        await prod.close()
+
+    with asyncio.Runner(loop_factory=new_event_loop) as r:
+        r.run(go())
+
+
+def broker_run(batch_bytes: int, n: int, spool: bool) -> dict:
+    from broker.client import ConsumerClient, new_event_loop
+    from broker.process import BrokerProcess
+
+    tmp = tempfile.TemporaryDirectory(prefix="bench-spool-")
+    opts = dict(groups_per_step=1, max_staleness=K, byte_budget_mb=4096, max_message_mb=1024,
+                spool_dir=tmp.name if spool else None, fsync="never")
+    bp = BrokerProcess(**opts).start()
+    p = mp.get_context("fork").Process(target=broker_producer, args=(bp.address, batch_bytes, n))
+    p.start()
+
+    async def consume():
+        cons = ConsumerClient(bp.address, consumer_id="bench", timeout_s=60)
+        lat, rows, t0, acks = [], 0, None, []
+        nxt = asyncio.ensure_future(cons.next_batch(1, wait_s=30))
+        for step in range(1, n + 1):
+            lease = await nxt
+            if lease is None:
+                raise TimeoutError(f"broker bench: no batch for step {step} within 30 s")
+            if step < n:
+                nxt = asyncio.ensure_future(cons.next_batch(step + 1, wait_s=30))
+            now = time.time()
+            t0 = t0 or time.perf_counter()
+            lat.append(now - lease.batch.column("t_start")[0].as_py())
+            rows += lease.batch.num_rows
+            acks.append(asyncio.ensure_future(cons.ack(lease.lease_id)))
+        dt = time.perf_counter() - t0
+        await asyncio.gather(*acks)
+        await cons.close()
+        return rows, dt, lat
+
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as r:
+            rows, dt, lat = r.run(consume())
+        p.join(60)
+    finally:
+        bp.stop()
+        tmp.cleanup()
+    first = rows // n
+    return {"rows_per_s": (rows - first) / dt, "lat": lat}
+
+
+def case(batch_bytes: int, n: int, spool: bool, raw: dict) -> dict:
+    b = broker_run(batch_bytes, n, spool)
+    lat = np.array(b["lat"]) * 1000
+    rlat = np.array(raw["lat"]) * 1000
+    row_bytes = raw["bytes_per_s"] / raw["rows_per_s"]
+    out = {
+        "batch_bytes": batch_bytes, "spool": spool, "batches": n,
+        "rows_per_s": b["rows_per_s"], "raw_rows_per_s": raw["rows_per_s"],
+        "ratio_vs_raw": b["rows_per_s"] / raw["rows_per_s"],
+        "gb_per_s": b["rows_per_s"] * row_bytes / 1e9, "raw_gb_per_s": raw["bytes_per_s"] / 1e9,
+        "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+        "raw_p50_ms": float(np.percentile(rlat, 50)), "raw_p99_ms": float(np.percentile(rlat, 99)),
+    }
+    print(f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
+          f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
+          f"ratio {out['ratio_vs_raw']:.2f} | p50 {out['p50_ms']:.1f} ms p99 {out['p99_ms']:.1f} ms "
+          f"(raw {out['raw_p50_ms']:.1f}/{out['raw_p99_ms']:.1f})", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two batch sizes, short runs (< 60 s)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    sizes = [64 << 10, 1 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    volume = (48 << 20) if args.quick else (512 << 20)
+    t_start = time.time()
+    cases = []
+    for size in sizes:
+        n = int(min(2000 if args.quick else 10_000, max(100, volume // size)))
+        raw = raw_run(size, n)  # measured in the same run, right before the broker cases
+        for spool in (False, True):
+            cases.append(case(size, n, spool, raw))
+    result = {"cases": cases, "quick": args.quick, "seconds": time.time() - t_start,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]}}
+    print(f"done in {result['seconds']:.1f} s (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
