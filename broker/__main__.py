@@ -20,7 +20,8 @@ from broker.config import BrokerConfig
 
 
 def _serve(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m broker", description="Run the trajectory broker.")
+    ap = argparse.ArgumentParser(prog="python -m broker", description="Run the trajectory broker.",
+                                 allow_abbrev=False)  # a misspelt option is an error, not a guess
     ap.add_argument("--config", help="JSON or YAML file with the broker part of a run config")
     fields = BrokerConfig.model_fields
     for name, f in fields.items():
@@ -35,9 +36,13 @@ def _serve(argv: list[str]) -> int:
     for name in fields:
         if (v := getattr(args, name)) is not None:
             data[name] = None if v.lower() == "none" else v
-    from launch.configbase import build
+    from launch.configbase import ConfigError, build
 
-    cfg = build(BrokerConfig, data, prefix="broker.")
+    try:
+        cfg = build(BrokerConfig, data, prefix="broker.")
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
     from broker.server import run_server
 
     def announce(server, address):
@@ -64,7 +69,11 @@ def _export(argv: list[str]) -> int:
         steps = (a, b)
     from broker.spool import export_parquet
 
-    n = export_parquet(args.spool, args.out, steps)
+    try:
+        n = export_parquet(args.spool, args.out, steps)
+    except FileNotFoundError as e:
+        print(str(e), file=sys.stderr)
+        return 2
     print(f"wrote {n} rows to {args.out}")
     return 0
 

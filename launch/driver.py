@@ -92,7 +92,15 @@ class Job:
         kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False)
         if local:
             gpus = self.args.rollout_gpus + self.args.learner_gpus if self.simulated else None
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, **kw)
+            for attempt in (1, 2, 3):
+                try:
+                    ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, **kw)
+                    break
+                except Exception as exc:  # Ray waits only 30 s (fixed) for its raylet: a loaded host misses it
+                    ray.shutdown()
+                    if attempt == 3 or "timed out during startup" not in str(exc):
+                        raise
+                    log.warning("Ray start attempt %d failed (%s); retrying", attempt, exc)
             self.started_ray = True
         else:
             ray.init(address=self.args.address, runtime_env={"env_vars": {"PYTHONPATH": pypath}}, **kw)
@@ -204,7 +212,7 @@ class Job:
         import ray
 
         while True:
-            done, _ = ray.wait([self.run_ref], timeout=0.25)
+            done, _ = ray.wait([self.run_ref], timeout=0.25 if self.simulated else 0.5)
             self.snapshot = self.collect()
             self.monitor.update(self.snapshot)
             while self.control.poll(0):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from launch.configbase import ConfigModel
 
@@ -26,6 +27,15 @@ class RewardConfig(ConfigModel):
     mode: Literal["thread", "process"] = Field(
         "thread", description="thread for cheap rewards; process for CPU-heavy ones (math) or ones that may hang"
     )
+
+    @field_validator("function")
+    @classmethod
+    def _function_form(cls, v: str) -> str:
+        # Only the form here: importing a user's module belongs to the process that scores
+        # (rollout_fleet.rewards.resolve, called when its RewardPool is built).
+        if v in ("exact_match", "math") or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
+            return v
+        raise ValueError(f"reward function {v!r} is neither 'exact_match', 'math' nor 'package.module:function'")
 
 
 class SamplingConfig(ConfigModel):

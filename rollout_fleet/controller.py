@@ -12,7 +12,9 @@ Dataflow::
                            server restarted (or dropped), loads the latest export,
                            joins weight sync, takes new work again
 
-    publisher / simulated publisher --update_fleet(v)--> pause -> load v -> reset prefix -> resume
+    simulated publisher --update_fleet(v)--> pause -> load v -> reset prefix -> resume   (each server)
+    vLLM: the learner's weight_sync Publisher drives the same steps per server over HTTP and
+    the fleet learns each server's version by polling it (launch/real_fleet.py)
 
 Invariants and delivery semantics:
 

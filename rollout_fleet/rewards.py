@@ -12,9 +12,9 @@ Three kinds are named in ``RewardConfig.function``:
 The name is resolved once, at config time (:func:`resolve`): a bad name is a
 :class:`RewardConfigError` that names it. At scoring time a function that raises,
 returns a non-number, or runs past the limit gives a :class:`RewardError` naming the
-function and the row or trajectory. The caller decides what to do with it: the
-rollout worker counts it (``rollout/reward_errors``) and drops the sample's group
-rather than training on a made-up reward; nothing is swallowed here.
+function and the row or trajectory. The caller decides what to do with it (the
+rollout worker should count it as ``rollout/reward_errors`` and drop the sample's
+group rather than train on a made-up reward); nothing is swallowed here.
 
 :class:`RewardPool` runs the scoring in worker threads or processes with a timeout
 per call, so a slow reward never stalls generation::
@@ -177,6 +177,11 @@ class RewardPool:
         self.reruns = 0  # calls re-run because another call's timeout ended their process
         self._executor = self._new_executor()
         self._slots = asyncio.Semaphore(workers)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RewardPool:
+        """A pool from a :class:`rollout_fleet.config.RewardConfig`."""
+        return cls(cfg.function, workers=cfg.workers, timeout_s=cfg.timeout_s, mode=cfg.mode)
 
     def _new_executor(self) -> cf.Executor:
         if self.mode == "thread":

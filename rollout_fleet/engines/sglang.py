@@ -162,7 +162,12 @@ class SGLangServerArgs:
 
 
 def compat_args(version: Version) -> list[str]:
-    """Serving flags a given SGLang needs on our GPUs (measured, see bench/results/engines_gpu.md)."""
+    """Serving flags a given SGLang needs on H200.
+
+    0.5.16: the combination FACTS.md saw serve (its scheduler died on the first forward with fa3,
+    and with triton + no CUDA graph, until both flags were added). Which flag matters is what
+    bench/sglang_flags.py measures; it has not run yet, so all are kept.
+    """
     if version < Version("0.5.17"):
         return ["--disable-overlap-schedule", "--skip-server-warmup", "--attention-backend", "triton",
                 "--sampling-backend", "pytorch", "--disable-cuda-graph"]

@@ -66,7 +66,8 @@ class VLLMClient(EngineClient):
                  timeout_s: float = 60.0, request_timeout_s: float = 600.0, group_ranks: int = 1,
                  initial_version: int = 0, api: str = "completions") -> None:
         """``api``: ``completions`` (``/v1/completions``, every supported vLLM) or ``generate``
-        (``/inference/v1/generate``, vLLM >= 0.32: also reports per-sample ``weight_versions`` spans)."""
+        (``/inference/v1/generate``, vLLM >= 0.32 started with ``--enable-scale-out``: also reports
+        per-sample ``weight_versions`` spans)."""
         if weight_backend not in ("fleetrl_gloo", "nccl"):
             raise ValueError(f"weight_backend must be 'fleetrl_gloo' (CPU) or 'nccl' (GPU), got {weight_backend!r}")
         if api not in ("completions", "generate"):

@@ -5,7 +5,9 @@ real vLLM server shares this one (session scope). It runs fp32 with
 ``--enforce-eager`` (no torch.compile: a far quicker start, same numerics
 class as transformers' eager fp32), block size 32 so prompts of 32+ tokens
 hit the prefix cache, and ``--enable-prompt-tokens-details`` so responses
-report cached prompt tokens (the prefix-cache-reset test reads them).
+report cached prompt tokens (the prefix-cache-reset test reads them), and
+``--enable-scale-out`` for the token-in/token-out ``/inference/v1/generate``
+API (the one that reports per-sample ``weight_versions``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def vllm_server(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("vllm_server")
     args = VLLMServerArgs(model=str(TINY_MODEL), dtype="float32", max_model_len=64, max_num_seqs=16,
                           cpu_kvcache_gb=1, enforce_eager=True, startup_timeout_s=480, served_model_name="tiny-adder",
-                          extra_args=["--block-size", "32", "--enable-prompt-tokens-details"])
+                          extra_args=["--block-size", "32", "--enable-prompt-tokens-details", "--enable-scale-out"])
     server = VLLMServer(args, run_dir)
     server.start()
     try:

@@ -273,3 +273,15 @@ def test_client_timeout_names_the_broker():
             cons.status()
     finally:
         cons.close()
+
+
+def test_cli_rejects_bad_options_with_a_clear_message(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "broker", *args], capture_output=True, text=True, timeout=60)
+
+    out = cli("--max-stalenes", "2")  # misspelt: an error, never a prefix guess
+    assert out.returncode == 2 and "unrecognized arguments: --max-stalenes" in out.stderr
+    out = cli("--max-staleness", "-1")
+    assert out.returncode == 2 and "broker.max_staleness" in out.stderr and "greater than or equal to 0" in out.stderr
+    out = cli("export", str(tmp_path), "--out", str(tmp_path / "x.parquet"))
+    assert out.returncode == 2 and "is not a broker spool" in out.stderr

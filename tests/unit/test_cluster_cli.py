@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,17 +17,26 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a CLI; returns the result and the CPU seconds it used (user + sys).
+
+    CPU time, not wall time: on a machine shared with other jobs the wall clock measures
+    the neighbours; the CPU the command needs is what "answers in under a second" is about.
+    """
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    t0 = time.monotonic()
-    p = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
-    return p, time.monotonic() - t0
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+    return res, usage.ru_utime + usage.ru_stime
 
 
 def test_help_is_fast_and_imports_nothing_heavy():
     p, dt = _run("launch/cluster.py", "--help")
     assert p.returncode == 0, p.stderr
     assert "--rollout-gpus" in p.stdout and "--simulate" in p.stdout and "scale" in p.stdout
-    assert dt < 1.0, f"--help took {dt:.2f} s"
+    assert dt < 1.0, f"--help took {dt:.2f} s of CPU"
     # the module itself must not pull torch, vllm or ray in
     code = ("import sys, launch.cluster; heavy = [m for m in ('torch', 'vllm', 'ray') if m in sys.modules]; "
             "print(heavy)")
@@ -38,14 +47,14 @@ def test_help_is_fast_and_imports_nothing_heavy():
 def test_module_form_help():
     p, dt = _run("-m", "launch.cluster", "--help")
     assert p.returncode == 0 and "--learner-gpus" in p.stdout
-    assert dt < 1.0, f"-m launch.cluster --help took {dt:.2f} s"
+    assert dt < 1.0, f"-m launch.cluster --help took {dt:.2f} s of CPU"
 
 
 def test_bad_recipe_key_fails_fast_naming_it():
     p, dt = _run("launch/cluster.py", "--recipe", "tiny", "rollout.sampling.nn=4")
     assert p.returncode == 2
     assert "rollout.sampling.nn" in p.stderr and "Did you mean 'n'" in p.stderr
-    assert dt < 1.5, f"config error took {dt:.2f} s"  # < 1 s on an idle machine; margin for a loaded one
+    assert dt < 1.0, f"config error took {dt:.2f} s of CPU"
     p, _ = _run("launch/cluster.py", "--recipe", "no-such-recipe")
     assert p.returncode == 2 and "unknown recipe 'no-such-recipe'" in p.stderr
 

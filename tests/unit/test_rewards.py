@@ -111,6 +111,19 @@ def test_pool_fails_at_construction_for_a_bad_name():
         RewardPool("nope.module:fn")
 
 
+def test_config_checks_the_form_and_the_pool_resolves_it(custom_module):
+    from launch.configbase import ConfigError, build
+    from rollout_fleet.config import RewardConfig
+
+    with pytest.raises(ConfigError, match="'reward.function': 'exact-match'"):
+        build(RewardConfig, {"function": "exact-match"}, "reward.")
+    cfg = build(RewardConfig, {"function": f"{custom_module}:length_bonus", "workers": 1, "timeout_s": 5})
+    with RewardPool.from_config(cfg) as pool:
+        assert (pool.name, pool.workers, pool.timeout_s, pool.mode) == (cfg.function, 1, 5.0, "thread")
+    with pytest.raises(RewardConfigError, match="no_such_fn"):
+        RewardPool.from_config(build(RewardConfig, {"function": f"{custom_module}:no_such_fn"}))
+
+
 def test_pool_scores_and_passes_extra(custom_module):
     async def go():
         with RewardPool(f"{custom_module}:length_bonus", workers=2, timeout_s=10) as pool:

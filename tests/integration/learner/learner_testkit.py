@@ -190,6 +190,7 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
     resumed = learner.resume()
     history = learner.run()
     result = {"history": history, "version": learner.version, "resumed": resumed, "published": published,
-              "mlp_calls": mlp_calls[0], "acked": source.acked_step if source else None, "reported": source.versions if source else None}
+              "mlp_calls": mlp_calls[0], "acked": source.acked_step if source else None,
+              "reported": source.versions if source else None}
     Path(f"{out}.rank{rank}").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()

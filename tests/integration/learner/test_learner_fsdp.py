@@ -11,7 +11,6 @@ import math
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
