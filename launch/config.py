@@ -63,6 +63,13 @@ class RunConfig(ConfigModel):
                 f"learner.loss.correction='none' is only legal with broker.max_staleness=0 "
                 f"(got {self.broker.max_staleness}); choose 'tis' or 'decoupled' for asynchronous training"
             )
+        t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
+        if t_fleet > 0 and t_fleet != t_learner:
+            # The learner's log-probs must be of the distribution the fleet sampled from.
+            raise ValueError(
+                f"learner.temperature={t_learner} differs from rollout.sampling.temperature={t_fleet}; "
+                "set both to the same value"
+            )
         return self
 
 

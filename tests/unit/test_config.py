@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -84,13 +83,19 @@ def test_write_subconfigs_round_trip(tmp_path):
 
 
 def test_config_modules_import_neither_torch_nor_vllm():
+    # What keeps `--help` and config errors fast is what the config modules import; the
+    # time itself is measured in bench, not asserted here (a loaded CI machine varies).
     code = (
-        "import sys, time; t = time.time(); import launch.config; "
-        "bad = [m for m in ('torch', 'vllm', 'ray') if m in sys.modules]; "
-        "print(time.time() - t); sys.exit(1 if bad else 0)"
+        "import sys; import launch.config; "
+        "bad = [m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
     )
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    assert time.time() - t0 < 5  # interpreter start included; the import itself is printed
-    assert float(out.stdout.strip()) < 1.0
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_learner_temperature_must_match_sampling():
+    with pytest.raises(ConfigError, match="learner.temperature=1.0 differs from rollout.sampling.temperature=0.7"):
+        load_run_config("tiny", ["rollout.sampling.temperature=0.7"])
+    cfg = load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=0.7"])
+    assert cfg.learner.temperature == 0.7

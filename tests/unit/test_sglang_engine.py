@@ -68,6 +68,7 @@ def _sglang_like_worker(port: int, group_name: str, q) -> None:
         q.put(f"{type(e).__name__}: {e}")
 
 
+@pytest.mark.slow  # spawns a torch process (tens of seconds on a loaded 2-core machine)
 def test_publisher_group_meets_sglangs_own_group_construction():
     import torch
 
