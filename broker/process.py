@@ -25,6 +25,13 @@ from broker.client import ping
 log = logging.getLogger(__name__)
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def make_curve_keys(directory: str | os.PathLike) -> Path:
     """server.key(_secret), client.key(_secret), and clients/client.key (the allowed list)."""
     import zmq.auth
@@ -40,8 +47,13 @@ def make_curve_keys(directory: str | os.PathLike) -> Path:
 class BrokerProcess:
     def __init__(self, *, address: str = "tcp://127.0.0.1:0", startup_timeout_s: float = 30.0,
                  stop_timeout_s: float = 10.0, env: dict | None = None, cwd: str | None = None,
-                 **options) -> None:
-        """``options`` are BrokerConfig fields (``spool_dir=..., max_staleness=...``)."""
+                 die_with_parent: bool = True, **options) -> None:
+        """``options`` are BrokerConfig fields (``spool_dir=..., max_staleness=...``).
+
+        ``die_with_parent``: the broker gets SIGTERM when the process that started it dies
+        (Linux), so a crashed test or launcher never leaves a broker behind. Linux ties this
+        to the *thread* that called start(): start it from a long-lived thread, or pass False."""
+        self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
         self.requested_address = address
         self.options = options
         self.startup_timeout_s = startup_timeout_s
@@ -63,7 +75,8 @@ class BrokerProcess:
                 cmd += ["--" + k.replace("_", "-"), str(v)]
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = self.cwd + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=self.cwd, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=self.cwd, env=env,
+                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + self.startup_timeout_s
         buf = b""  # raw reads: a buffered readline could hide a second line from select()
         fd = self.proc.stdout.fileno()

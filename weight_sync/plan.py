@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -137,14 +136,41 @@ def unpack_bucket(buf: torch.Tensor, plan: WeightPlan, b: int) -> list[tuple[str
     return [(n, p.view(d).view(s)) for n, s, d, p in zip(names, shapes, dtypes, parts)]
 
 
-def bucket_crc(buf: torch.Tensor) -> int:
-    """CRC32 of a bucket's bytes (zlib's is SIMD-accelerated: several GB/s on one core)."""
-    return zlib.crc32(np.asarray(buf.detach().cpu().numpy()).data)
+_FOLD = 512  # int64 words (4 KiB) per row of the fingerprint
 
 
-def combine_crcs(crcs: Sequence[int]) -> str:
-    """One checksum for a publish: CRC32 over the per-bucket CRCs, as hex."""
-    return f"{zlib.crc32(np.asarray(crcs, dtype=np.uint32).tobytes()):08x}-{len(crcs)}"
+def bucket_fingerprint(buf: torch.Tensor) -> torch.Tensor:
+    """Fingerprint of a bucket's bytes, computed where the bytes are (no copy to the host).
+
+    The bytes are read once as rows of 4 KiB of int64 words; each row's wrapping
+    sum is kept, and the fingerprint is the plain and the row-index-weighted sum of
+    those. Integer addition modulo 2**64 is associative, so CPU and GPU and any
+    reduction order give the same value. Any flipped bit changes it; so does a row
+    sent to the wrong place (a reordering inside one 4 KiB row does not). A CRC on
+    the host cost a device-to-host copy and a core's time per bucket (1.1 s for a
+    0.99 GB publish on H200, 300x the broadcast); this is one pass over HBM.
+    Returns a 2-element int64 tensor on ``buf``'s device; stays asynchronous until
+    :func:`combine_fingerprints`.
+    """
+    flat = buf.detach().reshape(-1).view(torch.uint8)
+    row_bytes = 8 * _FOLD
+    whole = flat.numel() - flat.numel() % row_bytes
+    sums = [flat[:whole].view(torch.int64).view(-1, _FOLD).sum(dim=1)] if whole else []
+    if whole < flat.numel():  # the ragged tail, zero-padded to one row
+        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=flat.device)
+        tail[: flat.numel() - whole] = flat[whole:]
+        sums.append(tail.view(torch.int64).sum().reshape(1))
+    per_row = torch.cat(sums) if len(sums) > 1 else sums[0]
+    row_w = torch.arange(1, per_row.numel() + 1, dtype=torch.int64, device=flat.device)
+    return torch.stack([per_row.sum(), (per_row * row_w).sum()])
+
+
+def combine_fingerprints(prints: Sequence[torch.Tensor]) -> str:
+    """One checksum for a publish from the per-bucket fingerprints (one host sync, at the end)."""
+    if not prints:
+        return "0-0"
+    values = torch.stack([p.to("cpu", non_blocking=False) for p in prints]).numpy().astype("<i8")
+    return f"{hashlib.blake2b(values.tobytes(), digest_size=8).hexdigest()}-{len(prints)}"
 
 
 def plan_to_dict(plan: WeightPlan) -> dict:

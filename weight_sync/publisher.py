@@ -40,7 +40,7 @@ import torch
 from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
-from weight_sync.plan import bucket_crc, combine_crcs, pack_bucket
+from weight_sync.plan import bucket_fingerprint, combine_fingerprints, pack_bucket
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Publisher:
     def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
         plan, timeout = self.plan, datetime.timedelta(seconds=self.cfg.timeout_s)
         futs = {eid: self._submit(self.engines[eid].update_weights(version, plan.plan_id)) for eid in self.members}
-        crcs, sent, step = [], 0, "start"
+        prints, sent, step = [], 0, "start"
         pending = None  # (work, buffer) in flight: the buffer must live until the wait returns
         tb = time.perf_counter()
         try:
@@ -218,7 +218,6 @@ class Publisher:
                                          f"expects {plan.names[i]} {plan.shapes[i]} (index {i})")
                     parts.append(t.to(self.device))
                 buf = pack_bucket(parts)
-                crcs.append(bucket_crc(buf))
                 if pending is not None:
                     step = f"broadcast bucket {b - 1}/{len(plan.buckets)}"
                     pending[0].wait(timeout)
@@ -226,6 +225,7 @@ class Publisher:
                 step = f"broadcast bucket {b}/{len(plan.buckets)}"
                 if self.pg is not None:
                     pending = (wgroup.broadcast_async(self.pg, buf), buf)
+                prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
                 sent += buf.numel()
             if pending is not None:
                 pending[0].wait(timeout)
@@ -236,7 +236,7 @@ class Publisher:
                 raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
         except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
             self._fail(version, step, e, futs)
-        checksum = combine_crcs(crcs)
+        checksum = combine_fingerprints(prints)
         acks = {eid: f.result() for eid, f in futs.items()}
         bad = {eid: c for eid, c in acks.items() if c and c != checksum}
         if bad:

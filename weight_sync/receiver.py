@@ -37,7 +37,7 @@ import torch
 from rollout_fleet.engines.base import GroupInfo, WeightPlan
 from weight_sync import group as wgroup
 from weight_sync import messages as m
-from weight_sync.plan import bucket_crc, combine_crcs, unpack_bucket, validate_plan
+from weight_sync.plan import bucket_fingerprint, combine_fingerprints, unpack_bucket, validate_plan
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class WeightReceiver:
         plan, pg = self.plan, self.pg
         sizes = plan.bucket_bytes()
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        crcs: list[int] = []
+        prints: list[torch.Tensor] = []
 
         def post(b: int):
             buf = torch.empty(sizes[b], dtype=torch.uint8, device=self.device)
@@ -101,12 +101,12 @@ class WeightReceiver:
                 if b + 1 < len(sizes):
                     pending = post(b + 1)  # overlap the next receive with this load
                 step = f"load bucket {b}/{len(sizes)}"
-                crcs.append(bucket_crc(buf))
+                prints.append(bucket_fingerprint(buf))
                 load(unpack_bucket(buf, plan, b))
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
             raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
-        self.last_checksum = combine_crcs(crcs)
+        self.last_checksum = combine_fingerprints(prints)
         return self.last_checksum
 
 

@@ -98,10 +98,10 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
         st_ = cons.status()["status"]
         assert st_["broker/queue_depth_groups"] == 0 and st_["broker/leased_groups"] == 0
     finally:
+        bp.stop()  # first: a failing close below must not leave the broker running
         for c in consumers:
             c.close()
         prod.close()
-        bp.stop()
     out = spool / "export.parquet"
     export_parquet(spool, out)
     t = pq.read_table(out)

@@ -9,9 +9,9 @@ import torch
 
 from rollout_fleet.engines.base import GroupInfo
 from weight_sync.plan import (
-    bucket_crc,
+    bucket_fingerprint,
     build_plan,
-    combine_crcs,
+    combine_fingerprints,
     pack_bucket,
     packed_buffer_bytes,
     plan_from_dict,
@@ -56,13 +56,19 @@ def test_pack_unpack_round_trip_is_bit_identical_and_checksum_sees_one_bit():
     for b, idx in enumerate(plan.buckets):
         buf = pack_bucket([sd[plan.names[i]] for i in idx])
         assert buf.numel() == plan.bucket_bytes()[b]
-        crcs.append(bucket_crc(buf))
+        crcs.append(bucket_fingerprint(buf))
         for name, t in unpack_bucket(buf.clone(), plan, b):
             assert t.dtype == sd[name].dtype and torch.equal(t.view(torch.uint8), sd[name].view(torch.uint8))
     flipped = pack_bucket([sd[plan.names[i]] for i in plan.buckets[0]])
     flipped[5] ^= 1
-    assert bucket_crc(flipped) != crcs[0]
-    assert combine_crcs(crcs) != combine_crcs([bucket_crc(flipped), *crcs[1:]])
+    assert not torch.equal(bucket_fingerprint(flipped), crcs[0])
+    assert combine_fingerprints(crcs) != combine_fingerprints([bucket_fingerprint(flipped), *crcs[1:]])
+    # moving bytes to another 4 KiB row (changing none) is seen too
+    buf = torch.randint(0, 256, (3 * 4096 + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    swapped = buf.clone()
+    swapped[0:8], swapped[4096:4104] = buf[4096:4104].clone(), buf[0:8].clone()
+    assert not torch.equal(swapped, buf)
+    assert not torch.equal(bucket_fingerprint(swapped), bucket_fingerprint(buf))
 
 
 def test_plan_id_is_stable_and_wire_round_trip_validates():
