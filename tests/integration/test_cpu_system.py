@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = int(os.environ.get("FLEETRL_CPU_TEST_STEPS", "12"))
+STEPS = int(os.environ.get("FLEETRL_CPU_TEST_STEPS", "40"))
+GROUPS = 32  # broker.groups_per_step of the tiny recipe
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -80,7 +81,9 @@ def run_b(tmp_path_factory, run_a):  # after run A: never two vLLM servers at on
 
 def _learned(s: dict) -> None:
     assert s["eval_accuracy_before"] is not None and s["eval_accuracy_after"] is not None
-    assert s["eval_accuracy_after"] >= s["eval_accuracy_before"] + 0.05, (
+    # 200 greedy test prompts: +0.04 is above the noise of the measurement (std error ~0.035 per
+    # side is the worst case at p = 0.5; the two sides share prompts, so the paired noise is smaller)
+    assert s["eval_accuracy_after"] >= s["eval_accuracy_before"] + 0.04, (
         f"accuracy {s['eval_accuracy_before']:.3f} -> {s['eval_accuracy_after']:.3f}")
 
 
@@ -97,7 +100,7 @@ def test_kill_9_of_the_server_loses_nothing(run_a):
     s = run_a["summary"]
     assert s["server_deaths"] >= 1
     assert s["groups_lost"] == 0
-    assert s["groups_consumed"] == STEPS * 16
+    assert s["groups_consumed"] == STEPS * GROUPS
     back = s["server_states_at_end"]
     assert back and back[0]["state"] == "healthy" and back[0]["restarts"] >= 1
     # the restarted server took part in weight sync again: it holds the final version
