@@ -121,19 +121,31 @@ def broker_producer(addr: str, batch_bytes: int, n: int) -> None:
         base = base_batch(batch_bytes)
         prod = ProducerClient(addr, producer_id="bench", timeout_s=60)
         tickets: list = []
-        inflight: set = set()
+        window = asyncio.Semaphore(WINDOW)  # pushes in flight; cheaper than asyncio.wait per batch
+        errors: list = []
+
+        def done(fut: asyncio.Future) -> None:
+            window.release()
+            if not fut.cancelled() and fut.exception() is not None:
+                errors.append(fut.exception())
+
+        inflight = []
         for i in range(n):
             while not tickets:
                 tickets = await prod.acquire_tickets(64, wait_s=5.0)
             t = tickets.pop(0)
-            if len(inflight) >= WINDOW:
-                done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                for d in done:
-                    d.result()
-            inflight.add(asyncio.ensure_future(prod.push(stamp(base, f"g{i}", t.step))))
-        if inflight:
-            for d in (await asyncio.wait(inflight))[0]:
-                d.result()
+            await window.acquire()
+            if errors:
+                raise errors[0]
+            fut = asyncio.ensure_future(prod.push(stamp(base, f"g{i}", t.step)))
+            fut.add_done_callback(done)
+            inflight.append(fut)
+            if len(inflight) > 4 * WINDOW:
+                inflight = [f for f in inflight if not f.done()]
+        for f in inflight:
+            await f
+        if errors:
+            raise errors[0]
         await prod.close()
 
     with asyncio.Runner(loop_factory=new_event_loop) as r:

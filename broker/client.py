@@ -36,7 +36,6 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 import zmq
-import zmq.asyncio
 
 from broker import protocol as P
 from broker.protocol import Ticket
@@ -90,6 +89,9 @@ def _expire(fut: asyncio.Future) -> None:
 
 
 class _Client:
+    # Plain (blocking-API) zmq socket driven by the event loop's reader on its FD, not
+    # zmq.asyncio: zmq.asyncio wraps every send and recv in futures and poller callbacks,
+    # which cost more CPU than the work itself for a batch path that runs per message.
     def __init__(self, address: str, *, timeout_s: float, curve_keys_dir: str | None = None,
                  attempt_s: float | None = None) -> None:
         if timeout_s <= 0:
@@ -100,24 +102,40 @@ class _Client:
         self._curve = curve_keys_dir
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+        self._drain_scheduled = False
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _socket(self) -> zmq.Socket:
         if self._sock is None:  # created lazily inside the running loop
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = zmq.Context()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             _curve_setup(sock, self._curve)
             sock.connect(self.address)
             self._sock = sock
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            self._loop = asyncio.get_running_loop()
+            self._fd = sock.getsockopt(zmq.FD)
+            self._loop.add_reader(self._fd, self._drain)
         return self._sock
 
-    async def _read_loop(self) -> None:
+    def _drain(self) -> None:
+        """Read every reply queued on the socket. The ZMQ FD is edge-triggered: it signals
+        only on a transition, so reads go on until EAGAIN, and sends re-check (_after_send)."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None:
+            return
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                log.error("broker %s: receive failed: %s", self.address, e)
+                return
             try:
                 reply = P.decode_reply(frames[0].buffer)
             except msgspec.DecodeError:
@@ -127,27 +145,46 @@ class _Client:
             if fut is not None and not fut.done():
                 fut.set_result((reply, frames[1:]))
 
+    def _after_send(self) -> None:
+        # A send may consume the FD's edge for a reply that arrived meanwhile.
+        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    async def _send(self, frames: list, attempt: float) -> None:
+        """Non-blocking send; while the DEALER's send queue is at its HWM, poll briefly."""
+        deadline = time.monotonic() + attempt
+        pause = 0.001
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self._after_send()
+                return
+            except zmq.Again:
+                if time.monotonic() + pause > deadline:
+                    raise TimeoutError() from None
+                await asyncio.sleep(pause)
+                pause = min(0.05, pause * 2)
+
     async def _call(self, msg, payload=None, *, wait_s: float = 0.0, retry: bool = True):
         deadline = time.monotonic() + self.timeout_s + wait_s
         op = type(msg).__name__
-        sock = self._socket()
+        self._socket()
+        loop = self._loop
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise BrokerTimeout(f"broker {self.address}: no reply to {op} within {self.timeout_s + wait_s:.1f}s")
             msg.req = next(self._ids)
-            fut = asyncio.get_running_loop().create_future()
+            fut = loop.create_future()
             self._pending[msg.req] = fut
             attempt = remaining if not retry else min(remaining, self.attempt_s + wait_s)
             # One timer per request instead of asyncio.wait_for (a task each): this path
             # runs for every batch, and small batches are dominated by per-call overhead.
-            timer = asyncio.get_running_loop().call_later(attempt, _expire, fut)
+            timer = loop.call_later(attempt, _expire, fut)
             try:
                 frames = [P.encode(msg)] + ([payload] if payload is not None else [])
-                sent = sock.send_multipart(frames, copy=False)
-                if not sent.done():
-                    await asyncio.wait_for(sent, attempt)
-                sent.result()
+                await self._send(frames, attempt)
                 reply, rest = await fut
             except (TimeoutError, asyncio.TimeoutError):
                 if not retry:
@@ -173,17 +210,17 @@ class _Client:
     async def close(self) -> None:
         for task in getattr(self, "_renewers", {}).values():
             task.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
         if self._sock is not None:
+            try:
+                self._loop.remove_reader(self._fd)
+            except (ValueError, OSError, RuntimeError):
+                pass  # the loop is closing or the FD is gone already
             self._sock.close(0)
             self._ctx.term()
             self._sock = self._ctx = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
 
 
 class ProducerClient(_Client):

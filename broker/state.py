@@ -114,14 +114,20 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None) -> lis
     if n == 0:
         return []
     gids = batch.column("group_id").to_pylist()
-    rows_of: dict[str, list[int]] = {}
-    for i, g in enumerate(gids):
-        rows_of.setdefault(g, []).append(i)
     si = batch.column("sample_index").to_numpy()
     gs = batch.column("group_size").to_numpy()
     step = batch.column("step").to_numpy()
     ver = oldest_versions(batch)
     total = payload_bytes if payload_bytes is not None else batch.nbytes
+    if gids.count(gids[0]) == n and n == int(gs[0]) and (gs == n).all() and (step == step[0]).all():
+        # One whole group per push (the usual case): the same checks as below, without the
+        # per-group index arrays. Validated rows have 0 <= sample_index < group_size, so
+        # the indices are all of 0..n-1 exactly when the count of each is one.
+        if int(si.min()) >= 0 and (np.bincount(si, minlength=n) == 1).all():
+            return [Group(gids[0], int(step[0]), 0, batch, max(1, total), ver)]
+    rows_of: dict[str, list[int]] = {}
+    for i, g in enumerate(gids):
+        rows_of.setdefault(g, []).append(i)
     out = []
     for gid, rows in rows_of.items():
         idx = np.asarray(rows)
@@ -319,8 +325,12 @@ class BrokerState:
         self._leases[lid] = lease
         self._lease_by_key[(consumer_id, step)] = lid
         self.counters.leased_groups += len(picked)
-        for s, n in zip(*np.unique(staleness, return_counts=True)):
-            self.counters.staleness_hist[int(s)] += int(n)
+        lo, hi = int(staleness.min()), int(staleness.max())
+        if lo == hi:  # the usual case: one version for the whole batch
+            self.counters.staleness_hist[lo] += len(staleness)
+        else:
+            for s, n in zip(*np.unique(staleness, return_counts=True)):
+                self.counters.staleness_hist[int(s)] += int(n)
         return lease
 
     def _drop(self, groups: list[Group], reason: str) -> None:
