@@ -8,7 +8,6 @@ STAMP  := $(VENV)/.fleetrl-installed
 # Keep every cache the tests and the demo write inside the checkout.
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
-export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: demo test install lock

@@ -7,13 +7,18 @@ For each batch size (one prompt group of realistic rows per batch: ~1,000 respon
 token ids and log-probs, 100 prompt ids) it runs, in separate processes:
 
 * broker: producer (tickets in bulk, pushes with 8 in flight) -> ``python -m broker``
-  -> consumer (next_batch with the next step prefetched, acks in the background),
+  -> consumer (next_batch of ``--groups-per-step`` groups, default 1, with the next step
+  prefetched, acks in the background),
   spool off and on (fsync=never: the kill -9 guarantee; see broker/spool.py);
 * raw: PUSH -> PULL of the same Arrow IPC bytes (same per-message serialise and parse).
 
-Each case runs ``--repeat`` times (default 1 with --quick, else 2) and keeps the best run, for raw and
-broker alike, because the machine is shared. Both paths hold at most ~64 batches in flight (broker: max_staleness=63 with one
-group per step; raw: HWM 32 at each end), so latency (send to receipt, p50/p99)
+Each case (batch size x spool) runs raw and broker alternately ``--repeat`` times (default 1
+with --quick, else 2) and keeps the best run of each, because the machine is shared; every
+run's rows/s and the load average are in the JSON. On a 2-core machine all processes share
+the same cores, so the ratio is roughly raw's CPU per batch over the broker path's (three
+processes and their ZMQ I/O threads, validation, bookkeeping, up to eight messages per
+batch). Both paths hold at most ~64 batches in flight (broker: G * (k + 1) = 64 groups;
+raw: HWM 32 at each end), so latency (send to receipt, p50/p99)
 is measured under the same bounded queueing. Throughput is counted at the
 consumer from its first to its last batch.
 """
@@ -41,7 +46,7 @@ from broker.testing import make_groups  # noqa: E402
 
 RESP_LEN, PROMPT_LEN = 1000, 100
 WINDOW = 8
-K = 63
+IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
 
 
 def base_batch(batch_bytes: int) -> pa.RecordBatch:
@@ -152,12 +157,14 @@ def broker_producer(addr: str, batch_bytes: int, n: int) -> None:
         r.run(go())
 
 
-def broker_run(batch_bytes: int, n: int, spool: bool) -> dict:
+def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> dict:
     from broker.client import ConsumerClient, new_event_loop
     from broker.process import BrokerProcess
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-spool-")
-    opts = dict(groups_per_step=1, max_staleness=K, byte_budget_mb=4096, max_message_mb=1024,
+    g = groups_per_step
+    steps = n // g
+    opts = dict(groups_per_step=g, max_staleness=IN_FLIGHT // g - 1, byte_budget_mb=4096, max_message_mb=1024,
                 spool_dir=tmp.name if spool else None, fsync="never")
     bp = BrokerProcess(**opts).start()
     p = mp.get_context("fork").Process(target=broker_producer, args=(bp.address, batch_bytes, n))
@@ -167,16 +174,19 @@ def broker_run(batch_bytes: int, n: int, spool: bool) -> dict:
         cons = ConsumerClient(bp.address, consumer_id="bench", timeout_s=60)
         lat, rows, t0, acks = [], 0, None, []
         nxt = asyncio.ensure_future(cons.next_batch(1, wait_s=30))
-        for step in range(1, n + 1):
+        for step in range(1, steps + 1):
             lease = await nxt
             if lease is None:
                 raise TimeoutError(f"broker bench: no batch for step {step} within 30 s")
-            if step < n:
+            if step < steps:
                 nxt = asyncio.ensure_future(cons.next_batch(step + 1, wait_s=30))
             now = time.time()
-            t0 = t0 or time.perf_counter()
-            lat.append(now - lease.batch.column("t_start")[0].as_py())
-            rows += lease.batch.num_rows
+            if t0 is None:  # like raw: count from the first receipt, rows after it
+                t0 = time.perf_counter()
+            else:
+                rows += lease.batch.num_rows
+            # one send time per pushed batch (each push is stamped once)
+            lat.extend(now - np.unique(lease.batch.column("t_start").to_numpy()))
             acks.append(asyncio.ensure_future(cons.ack(lease.lease_id)))
         dt = time.perf_counter() - t0
         await asyncio.gather(*acks)
@@ -190,26 +200,33 @@ def broker_run(batch_bytes: int, n: int, spool: bool) -> dict:
     finally:
         bp.stop()
         tmp.cleanup()
-    first = rows // n
-    return {"rows_per_s": (rows - first) / dt, "lat": lat}
+    return {"rows_per_s": rows / dt, "lat": lat}
 
 
 def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["rows_per_s"])
 
 
-def case(batch_bytes: int, n: int, spool: bool, raw: dict, repeat: int) -> dict:
-    b = best([broker_run(batch_bytes, n, spool) for _ in range(repeat)])
+def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: int) -> dict:
+    # Raw and broker alternate, so a burst of load from other processes on this shared
+    # machine hits both sides alike rather than one whole side.
+    raws, brokers = [], []
+    for _ in range(repeat):
+        raws.append(raw_run(batch_bytes, n))
+        brokers.append(broker_run(batch_bytes, n, spool, groups_per_step))
+    raw, b = best(raws), best(brokers)
     lat = np.array(b["lat"]) * 1000
     rlat = np.array(raw["lat"]) * 1000
     row_bytes = raw["bytes_per_s"] / raw["rows_per_s"]
     out = {
-        "batch_bytes": batch_bytes, "spool": spool, "batches": n, "rows_per_batch": raw["rows_per_batch"],
+        "batch_bytes": batch_bytes, "spool": spool, "batches": n, "groups_per_step": groups_per_step, "rows_per_batch": raw["rows_per_batch"],
         "rows_per_s": b["rows_per_s"], "raw_rows_per_s": raw["rows_per_s"],
         "ratio_vs_raw": b["rows_per_s"] / raw["rows_per_s"],
         "gb_per_s": b["rows_per_s"] * row_bytes / 1e9, "raw_gb_per_s": raw["bytes_per_s"] / 1e9,
         "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
         "raw_p50_ms": float(np.percentile(rlat, 50)), "raw_p99_ms": float(np.percentile(rlat, 99)),
+        "runs_rows_per_s": [r["rows_per_s"] for r in brokers], "raw_runs_rows_per_s": [r["rows_per_s"] for r in raws],
+        "load_avg_1m": os.getloadavg()[0],
     }
     print(f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
           f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
@@ -224,20 +241,26 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeat", type=int, default=None,
                     help="runs per case, best kept, for raw and broker alike (default: 1 quick, 2 full)")
+    ap.add_argument("--groups-per-step", type=int, default=1,
+                    help="groups (= pushed batches) per learner step (k = 64 // G - 1)")
     args = ap.parse_args()
+    if not 1 <= args.groups_per_step <= IN_FLIGHT:
+        ap.error(f"--groups-per-step must be in 1..{IN_FLIGHT}")
     args.repeat = args.repeat or (1 if args.quick else 2)
     sizes = [64 << 10, 1 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
     volume = (48 << 20) if args.quick else (512 << 20)
     t_start = time.time()
+    load_start = os.getloadavg()[0]
     cases = []
     for size in sizes:
         n = int(min(2000 if args.quick else 10_000, max(100, volume // size)))
-        raw = best([raw_run(size, n) for _ in range(args.repeat)])  # same run, right before the broker cases
+        n -= n % args.groups_per_step
         for spool in (False, True):
-            cases.append(case(size, n, spool, raw, args.repeat))
-    result = {"cases": cases, "quick": args.quick, "repeat": args.repeat, "seconds": time.time() - t_start,
+            cases.append(case(size, n, spool, args.repeat, args.groups_per_step))
+    result = {"cases": cases, "quick": args.quick, "repeat": args.repeat, "groups_per_step": args.groups_per_step, "seconds": time.time() - t_start,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]}}
+                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
+                          "load_avg_1m_at_start": load_start}}
     print(f"done in {result['seconds']:.1f} s (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,8 @@ class LearnerActor:
             if eid in self.pub.engines:
                 continue
             client = VLLMClient(eid, url, model=self.cfg.model.path, weight_backend=backend,
-                                timeout_s=self.cfg.weight_sync.timeout_s)
+                                timeout_s=self.cfg.weight_sync.timeout_s,
+                                update_pause_mode="wait" if self.cfg.rollout.weight_update == "pause" else "keep")
             if self.exported_version > 0 and export.exists():
                 log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
                 self.pub.add_engine(client, str(export), self.exported_version)

@@ -7,7 +7,7 @@ built-in ``nccl`` on GPU. The client generates through ``/v1/completions``
 with token-id prompts and takes weights through the layer-wise reload
 choreography (FACTS: writing parameters directly is ignored on CPU)::
 
-    pause(keep) -> start_weight_update -> update_weights (the broadcast) ->
+    pause(wait|keep) -> start_weight_update -> update_weights (the broadcast) ->
     finish_weight_update(version) -> reset_prefix_cache -> [checksum] -> resume
 
 A failed update leaves the engine paused: its model may be half loaded, so it
@@ -64,15 +64,22 @@ class VLLMClient(EngineClient):
 
     def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl_gloo",
                  timeout_s: float = 60.0, request_timeout_s: float = 600.0, group_ranks: int = 1,
-                 initial_version: int = 0, api: str = "completions") -> None:
-        """``api``: ``completions`` (``/v1/completions``, every supported vLLM) or ``generate``
+                 initial_version: int = 0, api: str = "completions", update_pause_mode: str = "keep") -> None:
+        """``update_pause_mode``: how a weight update pauses the server: ``wait`` lets running
+        requests finish under the old weights first (``rollout.weight_update: pause``), ``keep``
+        freezes them and lets them continue under the new weights (``inflight``).
+
+        ``api``: ``completions`` (``/v1/completions``, every supported vLLM) or ``generate``
         (``/inference/v1/generate``, vLLM >= 0.32 started with ``--enable-scale-out``: also reports
         per-sample ``weight_versions`` spans)."""
         if weight_backend not in ("fleetrl_gloo", "nccl"):
             raise ValueError(f"weight_backend must be 'fleetrl_gloo' (CPU) or 'nccl' (GPU), got {weight_backend!r}")
         if api not in ("completions", "generate"):
             raise ValueError(f"api must be 'completions' or 'generate', got {api!r}")
+        if update_pause_mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"update_pause_mode must be 'keep', 'wait' or 'abort', got {update_pause_mode!r}")
         self.api = api
+        self.update_pause_mode = update_pause_mode
         self.engine_id, self.url, self.model = engine_id, url.rstrip("/"), model
         self.weight_backend = weight_backend
         self.timeout_s, self.request_timeout_s = timeout_s, request_timeout_s
@@ -196,7 +203,7 @@ class VLLMClient(EngineClient):
         # Ask the server, not this instance: the fleet may have paused it through another client.
         pause_here = self._stuck or not await self.is_paused()
         if pause_here:
-            await self.pause("keep")
+            await self.pause(self.update_pause_mode)
         try:
             await self._req("POST", "/start_weight_update")
             await self._req("POST", "/update_weights", json={"update_info": info}, timeout_s=self.request_timeout_s)
@@ -225,7 +232,7 @@ class VLLMClient(EngineClient):
         """Reload every weight from an HF export on disk (vLLM's ``reload_weights``), labelled ``version``."""
         pause_here = self._stuck or not await self.is_paused()
         if pause_here:
-            await self.pause("keep")
+            await self.pause(self.update_pause_mode)
         await self._req("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
                         timeout_s=self.request_timeout_s)
         await self._req("POST", "/update_weight_version", json={"new_version": str(version)})
