@@ -39,7 +39,7 @@ class ModelConfig(ConfigModel):
 class RunSection(ConfigModel):
     seed: int = 0
     max_steps: int = Field(20, ge=0)
-    eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files; 0: only before and after")
+    eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
     eval_samples: int = Field(256, ge=1, description="test prompts per evaluation")
     run_dir: str = "runs/latest"
     tensorboard: bool = True

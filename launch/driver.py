@@ -61,6 +61,9 @@ class Job:
         self.snapshot: dict[str, Any] = {}
         self.eval_before: float | None = None
         self.eval_after: float | None = None
+        self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
+        self._eval_ref = None  # the evaluation in flight, if any
+        self._eval_step = 0  # learner step at which the last evaluation started
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -214,6 +217,7 @@ class Job:
         while True:
             done, _ = ray.wait([self.run_ref], timeout=0.25 if self.simulated else 0.5)
             self.snapshot = self.collect()
+            self._evaluate_every()
             self.monitor.update(self.snapshot)
             while self.control.poll(0):
                 pass
@@ -227,6 +231,34 @@ class Job:
                 return
             if self.broker is not None and self.broker.proc.poll() is not None:
                 raise JobFailed("the broker process exited")
+
+    def _evaluate_every(self) -> None:
+        """Every ``run.eval_every`` learner steps, evaluate on the test set without stopping the run.
+
+        The evaluation shares the fleet with rollouts (greedy, one sample per prompt) and reads
+        whatever weights the servers hold while it runs; it is labelled with the learner step
+        at which it started. One evaluation at a time: a slow one delays the next, never the run.
+        """
+        import ray
+
+        every = self.cfg.run.eval_every
+        if self.simulated or not every:
+            return
+        if self._eval_ref is not None:
+            done, _ = ray.wait([self._eval_ref], timeout=0)
+            if not done:
+                return
+            acc = self._get(self._eval_ref, CALL_TIMEOUT_S, "periodic eval")
+            self._eval_ref = None
+            if acc is not None:
+                self.eval_history.append({"step": self._eval_step, "accuracy": acc})
+                log.info("eval accuracy at step %d: %.3f", self._eval_step, acc)
+        step = int(self.snapshot.get("step") or 0)
+        if step >= self._eval_step + every and step < self.cfg.run.max_steps:
+            self._eval_step = step
+            self._eval_ref = self.fleet.evaluate.remote(self.cfg.run.eval_samples)
+        if self.eval_history:
+            self.snapshot["eval_accuracy"] = self.eval_history[-1]["accuracy"]
 
     def collect(self) -> dict[str, Any]:
         learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")

@@ -49,6 +49,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "bound_violations": learner.get("bound_violations", 0),
         "eval_accuracy_before": job.eval_before,
         "eval_accuracy_after": job.eval_after,
+        "eval_history": job.eval_history,
         "reward_per_step": rewards,
         "groups_produced": produced,
         "groups_consumed": consumed,

@@ -76,7 +76,7 @@ def run_a(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_b(tmp_path_factory, run_a):  # after run A: never two vLLM servers at once on this machine
-    return _run(tmp_path_factory.mktemp("cpu-k0"), ["broker.max_staleness=0"])
+    return _run(tmp_path_factory.mktemp("cpu-k0"), ["broker.max_staleness=0", "run.eval_every=15"])
 
 
 def _learned(s: dict) -> None:
@@ -117,3 +117,11 @@ def test_synchronous_run_learns_too(run_b):
     s = run_b["summary"]
     assert s["max_staleness"] == 0 and s["max_staleness_seen"] == 0
     _learned(s)
+
+
+def test_periodic_evaluation_runs_while_training(run_b):
+    history = run_b["summary"]["eval_history"]
+    assert history, "run.eval_every=15 over 40 steps gave no evaluation during the run"
+    steps = [h["step"] for h in history]
+    assert steps == sorted(steps) and all(15 <= st < STEPS for st in steps)
+    assert all(0.0 <= h["accuracy"] <= 1.0 for h in history)
