@@ -335,69 +335,67 @@ class _LoopThread:
             self.loop.close()
 
 
-class SyncConsumer:
+class _SyncClient:
+    """Runs an asyncio client on a private loop thread, so synchronous code can call it."""
+
+    def __init__(self, client, timeout_s: float) -> None:
+        self._lt = _LoopThread()
+        self.client = client
+        self._slack = timeout_s + 5.0  # the client's own timeout fires first and names the broker
+
+    def _call(self, coro, extra_s: float = 0.0):
+        return self._lt.run(coro, self._slack + extra_s)
+
+    def close(self) -> None:
+        if self._lt is None:
+            return
+        try:
+            self._lt.run(self.client.close(), 5.0)
+        finally:
+            self._lt.stop()
+            self._lt = None
+
+
+class SyncConsumer(_SyncClient):
     """ConsumerClient for synchronous code (the learner's torch loop): same methods, blocking."""
 
     def __init__(self, address: str, *, consumer_id: str, timeout_s: float = 30.0,
                  curve_keys_dir: str | None = None) -> None:
-        self._lt = _LoopThread()
-        self.client = ConsumerClient(address, consumer_id=consumer_id, timeout_s=timeout_s,
-                                     curve_keys_dir=curve_keys_dir)
-        self._slack = timeout_s + 5.0
+        super().__init__(ConsumerClient(address, consumer_id=consumer_id, timeout_s=timeout_s,
+                                        curve_keys_dir=curve_keys_dir), timeout_s)
 
     def next_batch(self, step: int, wait_s: float, *, renew_every_s: float | None = None) -> Lease | None:
-        return self._lt.run(self.client.next_batch(step, wait_s, renew_every_s=renew_every_s),
-                            self._slack + wait_s)
+        return self._call(self.client.next_batch(step, wait_s, renew_every_s=renew_every_s), wait_s)
 
     def ack(self, lease_id: str) -> P.AckReply:
-        return self._lt.run(self.client.ack(lease_id), self._slack)
+        return self._call(self.client.ack(lease_id))
 
     def renew(self, lease_id: str) -> None:
-        return self._lt.run(self.client.renew(lease_id), self._slack)
+        return self._call(self.client.renew(lease_id))
 
     def report_version(self, v: int) -> None:
-        return self._lt.run(self.client.report_version(v), self._slack)
+        return self._call(self.client.report_version(v))
 
     def status(self) -> dict:
-        return self._lt.run(self.client.status(), self._slack)
-
-    def close(self) -> None:
-        if self._lt is None:
-            return
-        try:
-            self._lt.run(self.client.close(), 5.0)
-        finally:
-            self._lt.stop()
-            self._lt = None
+        return self._call(self.client.status())
 
 
-class SyncProducer:
+class SyncProducer(_SyncClient):
     """ProducerClient for synchronous code (tests, scripts): same methods, blocking."""
 
     def __init__(self, address: str, *, producer_id: str, timeout_s: float = 30.0,
                  curve_keys_dir: str | None = None) -> None:
-        self._lt = _LoopThread()
-        self.client = ProducerClient(address, producer_id=producer_id, timeout_s=timeout_s,
-                                     curve_keys_dir=curve_keys_dir)
-        self._slack = timeout_s + 5.0
+        super().__init__(ProducerClient(address, producer_id=producer_id, timeout_s=timeout_s,
+                                        curve_keys_dir=curve_keys_dir), timeout_s)
 
     def acquire_tickets(self, max_groups: int, wait_s: float) -> list[Ticket]:
-        return self._lt.run(self.client.acquire_tickets(max_groups, wait_s), self._slack + wait_s)
+        return self._call(self.client.acquire_tickets(max_groups, wait_s), wait_s)
 
     def push(self, batch: pa.RecordBatch) -> P.PushReply:
-        return self._lt.run(self.client.push(batch), self._slack)
+        return self._call(self.client.push(batch))
 
     def report_engine_version(self, engine_id: str, version: int) -> None:
-        return self._lt.run(self.client.report_engine_version(engine_id, version), self._slack)
-
-    def close(self) -> None:
-        if self._lt is None:
-            return
-        try:
-            self._lt.run(self.client.close(), 5.0)
-        finally:
-            self._lt.stop()
-            self._lt = None
+        return self._call(self.client.report_engine_version(engine_id, version))
 
 
 def _sync_request(address: str, msg, timeout_s: float, curve_keys_dir: str | None = None):
