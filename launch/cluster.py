@@ -123,6 +123,13 @@ def resolve_config(args: argparse.Namespace):
     cfg = load_run_config(args.recipe, overrides)
     if cfg.rollout.engine == "simulated" and not args.simulate:
         raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")
+    if cfg.learner.engine == "megatron" and not args.simulate:
+        model_json = Path(cfg.model.path) / "config.json"
+        if not model_json.exists():
+            raise ConfigError(f"model.path {cfg.model.path!r} has no config.json")
+        cfg.learner.megatron.check_layout(args.learner_gpus, json.loads(model_json.read_text()))
+        raise ConfigError("learner.engine=megatron: the Megatron-core backend is not available in this "
+                          "version of fleetrl yet; use learner.engine=fsdp")
     return cfg
 
 

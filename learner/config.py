@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from launch.configbase import ConfigModel
+from launch.configbase import ConfigError, ConfigModel
 
 
 class OptimConfig(ConfigModel):
@@ -39,6 +39,33 @@ class MegatronConfig(ConfigModel):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+
+    def check_layout(self, learner_gpus: int, hf_config: dict) -> None:
+        """Raise ConfigError, before any process starts, if the parallel layout cannot split
+        ``learner_gpus`` GPUs or the model described by ``hf_config`` (its config.json)."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        heads = hf_config["num_attention_heads"]
+        kv_heads = hf_config.get("num_key_value_heads") or heads
+        layers = hf_config["num_hidden_layers"]
+        problems = []
+        if learner_gpus < 1:
+            problems.append("learner.engine=megatron needs GPUs, but --learner-gpus is 0")
+        elif learner_gpus % (tp * pp):
+            problems.append(f"learner.megatron.tensor_model_parallel_size x pipeline_model_parallel_size = "
+                            f"{tp} x {pp} = {tp * pp} does not divide --learner-gpus {learner_gpus}")
+        if heads % tp:
+            problems.append(f"learner.megatron.tensor_model_parallel_size={tp} does not divide the model's "
+                            f"{heads} attention heads")
+        if kv_heads % tp:
+            problems.append(f"learner.megatron.tensor_model_parallel_size={tp} does not divide the model's "
+                            f"{kv_heads} key/value heads")
+        if layers % pp:
+            problems.append(f"learner.megatron.pipeline_model_parallel_size={pp} does not divide the model's "
+                            f"{layers} layers")
+        if self.sequence_parallel and tp == 1:
+            problems.append("learner.megatron.sequence_parallel=true needs tensor_model_parallel_size > 1")
+        if problems:
+            raise ConfigError("invalid Megatron layout:\n  " + "\n  ".join(problems))
 
 
 class LearnerConfig(ConfigModel):
