@@ -12,11 +12,15 @@ from launch.configbase import ConfigModel
 class WeightSyncConfig(ConfigModel):
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl with CUDA, gloo otherwise")
     bucket_mb: float = Field(256.0, gt=0, description="bytes per broadcast bucket")
+    inflight_buckets: int = Field(
+        2, ge=1, le=8, description="buckets on the wire at once (each costs bucket_mb on both sides); "
+        "2 keeps the wire busy while the next bucket is packed or the last one loaded")
     timeout_s: float = Field(60.0, gt=0, description="limit of every step of a publish; a timeout aborts it and names the peer")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="TCP store port; 0 picks a free one")
-    nccl_impl: Literal["vllm", "torch"] = Field(
+    nccl_impl: Literal["vllm", "sglang", "torch"] = Field(
         "vllm",
         description="with nccl: 'vllm' = vLLM's PyNccl group, what vLLM's built-in nccl backend joins; "
-        "'torch' = a ProcessGroupNCCL for fleetrl's own receivers",
+        "'sglang' = a ProcessGroupNCCL under the store prefixes SGLang's workers use (no join barrier); "
+        "'torch' = a ProcessGroupNCCL for fleetrl's own receivers. launch/cluster.py sets it from rollout.engine",
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,25 @@ def broadcast_async(pg, buf: torch.Tensor):
     if isinstance(pg, (dist.ProcessGroup, _Backend)):  # ProcessGroupGloo/NCCL are Backends, not ProcessGroups
         return TorchGroup(pg).broadcast_async(buf)
     return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
+
+
+def wait_work(work, deadline: float, what: str) -> None:
+    """Wait for an asynchronous collective until ``deadline`` (a ``time.monotonic()`` value).
+
+    Why not ``work.wait(timeout)``: on NCCL a wait with a timeout blocks the thread
+    in 1 ms sleeps, so waiting bucket by bucket cost about 1 ms per bucket (64 ms of
+    a 90 ms publish of an 8B model on H200). Polling ``is_completed()`` with a
+    back-off from 10 us reacts within microseconds. Once complete, ``wait()`` without
+    a timeout re-raises the collective's error, if any, and on CUDA orders the
+    current stream after it (no host wait).
+    """
+    delay = 1e-5
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done within the weight-sync timeout (a peer is gone or stuck)")
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-4)
+    work.wait()
 
 
 def close_group(pg) -> None:

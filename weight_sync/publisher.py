@@ -6,6 +6,8 @@ all-gather, and only rank 0 sends)::
 
     rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs)
              gather b0 -> bcast b0 || gather b1 -> bcast b1 || gather b2 ... -> acks
+             (at most ``inflight_buckets`` broadcasts on the wire; completion is polled,
+             see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own
     rank>0:  gather b0, b1, ... (drain the iterator; keeps FSDP collectives aligned)
 
@@ -26,8 +28,8 @@ Invariants and what happens when a peer dies:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
-import datetime
 import logging
 import threading
 import time
@@ -172,6 +174,11 @@ class Publisher:
     def _open_group(self, own: GroupInfo):
         if self._factory is not None:
             return self._factory(own)
+        if self.backend == "nccl" and self.cfg.nccl_impl == "sglang":
+            # SGLang's workers join our store under their own key prefixes and run no collective at join
+            from rollout_fleet.engines.sglang import publisher_group
+
+            return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
 
     def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]:
@@ -202,11 +209,17 @@ class Publisher:
                 pass
 
     def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
-        plan, timeout = self.plan, datetime.timedelta(seconds=self.cfg.timeout_s)
+        plan, depth = self.plan, self.cfg.inflight_buckets
         futs = {eid: self._submit(self.engines[eid].update_weights(version, plan.plan_id)) for eid in self.members}
         prints, sent, step = [], 0, "start"
-        pending = None  # (work, buffer) in flight: the buffer must live until the wait returns
+        inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
         tb = time.perf_counter()
+
+        def retire() -> None:
+            b, work, _buf = inflight.popleft()
+            wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, f"broadcast bucket {b}/{len(plan.buckets)}")
+            self._check_acks(futs, f"broadcast bucket {b}/{len(plan.buckets)}")
+
         try:
             for b, idx in enumerate(plan.buckets):
                 step = f"gather bucket {b}/{len(plan.buckets)}"
@@ -218,17 +231,19 @@ class Publisher:
                                          f"expects {plan.names[i]} {plan.shapes[i]} (index {i})")
                     parts.append(t.to(self.device))
                 buf = pack_bucket(parts)
-                if pending is not None:
-                    step = f"broadcast bucket {b - 1}/{len(plan.buckets)}"
-                    pending[0].wait(timeout)
-                    self._check_acks(futs, step)
+                # Bounded memory: at most `depth` buckets are on the wire; the packing of this one
+                # (already queued on the device) overlaps with them.
+                while len(inflight) >= depth:
+                    step = f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}"
+                    retire()
                 step = f"broadcast bucket {b}/{len(plan.buckets)}"
                 if self.pg is not None:
-                    pending = (wgroup.broadcast_async(self.pg, buf), buf)
+                    inflight.append((b, wgroup.broadcast_async(self.pg, buf), buf))
                 prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
                 sent += buf.numel()
-            if pending is not None:
-                pending[0].wait(timeout)
+            while inflight:
+                step = f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}"
+                retire()
             broadcast_s = time.perf_counter() - tb
             step = "acknowledge"
             failed = self._collect(futs, self.cfg.timeout_s)

@@ -4,12 +4,12 @@
 gloo backend, the local engine, this module's standalone server): join the
 group of an epoch with the announced plan, then per publish receive each
 bucket into a fresh contiguous buffer, hand its tensors to ``load`` while the
-next bucket is already being received, and return the checksum of the bytes.
+next buckets are already being received, and return the checksum of the bytes.
 
 Dataflow of one publish, receiver side::
 
-    recv(bucket 0) -> [recv(bucket 1) || load(bucket 0)] -> ... -> checksum
-                      ^ posted before loading, so the wire never idles
+    post recv(0), recv(1) -> [recv(1) || load(0)], post recv(2) -> [recv(2) || load(1)] ... -> checksum
+                             ^ two receives stay posted, so the wire never idles while we load
 
 Guarantees: every wait is bounded by the group timeout; on any failure the
 group is torn down (so the publisher learns at once) and the error names the
@@ -24,7 +24,7 @@ Standalone process (tests, CPU): ``python -m weight_sync.receiver --engine-id r0
 from __future__ import annotations
 
 import argparse
-import datetime
+import collections
 import logging
 import threading
 import time
@@ -54,6 +54,7 @@ class WeightReceiver:
         self.plan: WeightPlan | None = None
         self.group: GroupInfo | None = None
         self.timeout_s = 60.0
+        self.depth = 2  # receives posted ahead: the wire stays busy while one bucket loads
         self.last_checksum = ""
 
     def join(self, group: GroupInfo, plan: WeightPlan, rank: int, timeout_s: float) -> None:
@@ -84,22 +85,25 @@ class WeightReceiver:
             raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
         plan, pg = self.plan, self.pg
         sizes = plan.bucket_bytes()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         prints: list[torch.Tensor] = []
+        posted: collections.deque = collections.deque()  # (buffer, work) of receives on the wire
 
-        def post(b: int):
+        def post(b: int) -> None:
             buf = torch.empty(sizes[b], dtype=torch.uint8, device=self.device)
-            return buf, wgroup.broadcast_async(pg, buf)
+            posted.append((buf, wgroup.broadcast_async(pg, buf)))
 
         step = "receive bucket 0"
         try:
-            pending = post(0)
+            for b in range(min(self.depth, len(sizes))):
+                post(b)
+            deadline = time.monotonic() + self.timeout_s
             for b in range(len(sizes)):
                 step = f"receive bucket {b}/{len(sizes)}"
-                buf, work = pending
-                work.wait(timeout)
-                if b + 1 < len(sizes):
-                    pending = post(b + 1)  # overlap the next receive with this load
+                buf, work = posted.popleft()
+                wgroup.wait_work(work, deadline, f"engine {self.engine_id}: {step}")
+                deadline = time.monotonic() + self.timeout_s  # the limit is per step, not per publish
+                if b + self.depth < len(sizes):
+                    post(b + self.depth)  # keep `depth` receives posted while this bucket loads
                 step = f"load bucket {b}/{len(sizes)}"
                 prints.append(bucket_fingerprint(buf))
                 load(unpack_bucket(buf, plan, b))

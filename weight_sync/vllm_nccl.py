@@ -8,8 +8,9 @@ as rank 0. With ``packed=True`` and ``packed_buffer_size_bytes`` from
 vLLM's packed chunks (``packed_nccl_broadcast_consumer``), byte for byte.
 
 NCCL calls are asynchronous on a CUDA stream and have no timeout of their own,
-so :class:`_EventWork` polls a CUDA event against a deadline: a dead peer turns
-into a ``TimeoutError`` naming the step instead of a silent hang.
+so :class:`_EventWork` exposes a CUDA event that the publisher polls against a
+deadline (:func:`weight_sync.group.wait_work`): a dead peer turns into a
+``TimeoutError`` naming the step instead of a silent hang.
 
 Not exercised on CPU; the GPU test (tests/gpu) runs it against vLLM 0.26.
 """
@@ -26,18 +27,22 @@ log = logging.getLogger(__name__)
 
 
 class _EventWork:
+    """The ``is_completed``/``wait`` pair of a torch ``Work`` for a broadcast on our own stream."""
+
     def __init__(self, event: "torch.cuda.Event", buf: torch.Tensor) -> None:
         self.event, self.buf = event, buf  # keep the buffer alive until the broadcast has run
 
-    def wait(self, timeout: datetime.timedelta) -> bool:
-        deadline = time.monotonic() + timeout.total_seconds()
-        delay = 1e-5
-        while not self.event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NCCL broadcast of {self.buf.numel()} bytes not done within "
-                                   f"{timeout.total_seconds():.0f}s (a receiver is gone or stuck)")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Order the current stream after the broadcast; with ``timeout``, also wait on the host, bounded."""
+        if timeout is not None:
+            from weight_sync.group import wait_work
+
+            wait_work(self, time.monotonic() + timeout.total_seconds(),
+                      f"NCCL broadcast of {self.buf.numel()} bytes")
+        torch.cuda.current_stream(self.buf.device).wait_event(self.event)
         return True
 
 

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -86,6 +87,7 @@ class VLLMClient(EngineClient):
         self.group_ranks = group_ranks
         self._version = initial_version
         self._stuck = False  # paused by a failed update of ours
+        self.last_update_steps: dict[str, float] = {}  # seconds per HTTP call of the last update_weights
         self._paused = False  # last pause/resume through this instance (the server's /is_paused is authoritative)
         self._plan: WeightPlan | None = None
         self._join_timeout_s = timeout_s
@@ -200,22 +202,39 @@ class VLLMClient(EngineClient):
 
     async def update_weights(self, version: int, plan_id: str) -> str:
         info = self._update_info(version, plan_id)
+        steps: dict[str, float] = {}  # seconds per call: where an update's unavailability goes
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name], t = now - t, now
+
         # Ask the server, not this instance: the fleet may have paused it through another client.
         pause_here = self._stuck or not await self.is_paused()
+        lap("is_paused")
         if pause_here:
             await self.pause(self.update_pause_mode)
+            lap("pause")
         try:
             await self._req("POST", "/start_weight_update")
+            lap("start_weight_update")
             await self._req("POST", "/update_weights", json={"update_info": info}, timeout_s=self.request_timeout_s)
+            lap("update_weights")
             await self._req("POST", "/finish_weight_update", json={"weight_version": str(version)})
+            lap("finish_weight_update")
             await self.reset_prefix_cache()  # KV computed with the old weights must not be reused
+            lap("reset_prefix_cache")
             checksum = await self._checksum(version)
+            lap("checksum")
         except EngineError as e:
             self._stuck = pause_here  # we paused it; the next successful load resumes it
             raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
         self._version, self._stuck = version, False
         if pause_here:
             await self.resume()
+            lap("resume")
+        self.last_update_steps = steps
         return checksum
 
     async def _checksum(self, version: int) -> str:

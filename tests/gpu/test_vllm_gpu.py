@@ -110,19 +110,23 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
     pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="vllm", bucket_mb=256, timeout_s=120), plan,
                     rank=0, engines=[engine], device="cuda:0")
     try:
-        reports, walls = [], []
-        for version, state in ((1, s1), (2, s0), (3, s1)):  # v1 includes the group's creation
+        reports, walls, steps = [], [], []
+        for version, state in ((1, s1), (2, s0), (3, s1), (4, s0), (5, s1)):  # v1 includes the group's creation
             learner = {k: v.to("cuda:0") for k, v in state.items()}
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             reports.append(pub.publish(version, iter(learner.items())))
             walls.append(time.perf_counter() - t0)
+            steps.append(dict(engine.last_update_steps))
         # VLLMClient.update_weights pauses (keep), loads, resets the prefix cache and resumes: the
         # publish's wall time is the engine's unavailability per update.
         _record("nccl_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), first_s=walls[0],
                 rebuild_s=reports[0].rebuild_seconds, pause_to_resume_s=walls[1:],
-                broadcast_s=[r.broadcast_seconds for r in reports[1:]])
-        assert engine.weight_version == 3
+                broadcast_s=[r.broadcast_seconds for r in reports[1:]], http_steps_s=steps[1:])
+        print("pause-to-resume per update:", [round(w, 4) for w in walls[1:]])
+        for st in steps[1:]:
+            print("  steps:", {k: round(v, 4) for k, v in st.items()})
+        assert engine.weight_version == 5
         prompt = random.Random(1).sample(range(1000, 100000), 16)
         samples = _group(client, loop, prompt)
         _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_publish_v1")
