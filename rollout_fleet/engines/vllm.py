@@ -63,7 +63,7 @@ def _segments(spans: list[dict] | None, default_version: int) -> _Segments:
 class VLLMClient(EngineClient):
     """Client of one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
 
-    def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl_gloo",
+    def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl",
                  timeout_s: float = 60.0, request_timeout_s: float = 600.0, group_ranks: int = 1,
                  initial_version: int = 0, api: str = "completions", update_pause_mode: str = "keep") -> None:
         """``update_pause_mode``: how a weight update pauses the server: ``wait`` lets running
@@ -73,8 +73,9 @@ class VLLMClient(EngineClient):
         ``api``: ``completions`` (``/v1/completions``, every supported vLLM) or ``generate``
         (``/inference/v1/generate``, vLLM >= 0.32 started with ``--enable-scale-out``: also reports
         per-sample ``weight_versions`` spans)."""
-        if weight_backend not in ("fleetrl_gloo", "nccl"):
-            raise ValueError(f"weight_backend must be 'fleetrl_gloo' (CPU) or 'nccl' (GPU), got {weight_backend!r}")
+        if weight_backend not in ("fleetrl", "fleetrl_gloo", "nccl"):
+            raise ValueError("weight_backend must be 'fleetrl' (fleetrl's receiver, gloo or NCCL; 'fleetrl_gloo' is "
+                             f"its older name) or 'nccl' (vLLM's built-in, GPU), got {weight_backend!r}")
         if api not in ("completions", "generate"):
             raise ValueError(f"api must be 'completions' or 'generate', got {api!r}")
         if update_pause_mode not in ("keep", "wait", "abort"):
@@ -238,7 +239,7 @@ class VLLMClient(EngineClient):
         return checksum
 
     async def _checksum(self, version: int) -> str:
-        if self.weight_backend != "fleetrl_gloo":
+        if self.weight_backend == "nccl":
             return ""  # vLLM's NCCL backend reports none; the publisher accepts an empty ack
         r = await self._req("POST", "/collective_rpc", json={"method": "fleetrl_weight_sync_status"})
         states = r.json()["results"]

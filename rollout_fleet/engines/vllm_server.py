@@ -72,7 +72,7 @@ class VLLMServerArgs:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
-    weight_backend: str = "auto"  # auto: nccl with CUDA, fleetrl_gloo otherwise
+    weight_backend: str = "auto"  # auto: nccl with CUDA, fleetrl (gloo) otherwise
     host: str = "127.0.0.1"
     port: int = 0
     seed: int = 0
@@ -98,7 +98,7 @@ class VLLMServer:
 
         self.cuda = torch.cuda.is_available()
         wb = args.weight_backend
-        self.weight_backend = ("nccl" if self.cuda else "fleetrl_gloo") if wb == "auto" else wb
+        self.weight_backend = ("nccl" if self.cuda else "fleetrl") if wb == "auto" else wb
 
     @property
     def pid(self) -> int | None:

@@ -1,0 +1,110 @@
+"""vLLM TP=1 on GPU 1 taking weights through fleetrl's own backend over NCCL (the ``fleetrl``
+weight-transfer plugin), against the learner's forward; unavailability per update.
+
+The other vLLM test (test_vllm_gpu.py) feeds vLLM's built-in ``nccl`` backend. This one
+starts the server with ``--weight-transfer-config {"backend": "fleetrl"}``: the workers
+join a ProcessGroupNCCL from fleetrl's TCP store (publisher ``nccl_impl="torch"``),
+receive with two buckets posted ahead, load an unquantized model in place (no
+layer-wise reload), and acknowledge with the checksum of the bytes they received,
+which the publisher compares with its own. The plugin is found through the
+``vllm.general_plugins`` entry point, so fleetrl must be installed (or have its
+dist-info on the path: bench/gpu_calls.sh ``base``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import pytest
+
+from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # every process of the weight group must agree
+
+
+def _record(what: str, **kw) -> None:
+    path = os.environ.get("FLEETRL_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": "vllm_fleetrl_nccl", "what": what, **kw}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def server(qwen_checkpoints, tmp_path_factory):
+    import torch
+
+    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
+    run_dir = os.environ.get("FLEETRL_VLLM_FLEETRL_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-fleetrl"))
+    srv = VLLMServer(VLLMServerArgs(model=str(qwen_checkpoints[0]), dtype="bfloat16", max_model_len=2048,
+                                    tensor_parallel_size=1, gpu_memory_utilization=0.5, max_num_seqs=256,
+                                    weight_backend="fleetrl", env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
+    t0 = time.monotonic()
+    srv.start()
+    _record("startup", seconds=time.monotonic() - t0, command=srv.command())
+    yield srv
+    srv.stop()
+
+
+def test_fleetrl_nccl_publish_checked_and_logprobs_match(server, loop, qwen_checkpoints):
+    import torch
+
+    from rollout_fleet.engines.base import SamplingParams
+    from rollout_fleet.engines.vllm import VLLMClient
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    _, _, s0, s1 = qwen_checkpoints
+    torch.cuda.set_device(0)
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
+    engine = VLLMClient("vllm-f", server.url, model=server.model_name, weight_backend="fleetrl")
+    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120), plan,
+                    rank=0, engines=[engine], device="cuda:0")
+    sampler = VLLMClient("vllm-f-gen", server.url, model=server.model_name, weight_backend="fleetrl")
+    try:
+        reports, walls, steps = [], [], []
+        for version, state in ((1, s1), (2, s0), (3, s1), (4, s0), (5, s1)):  # v1 includes the group's creation
+            learner = {k: v.to("cuda:0") for k, v in state.items()}
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            reports.append(pub.publish(version, iter(learner.items())))
+            walls.append(time.perf_counter() - t0)
+            steps.append(dict(engine.last_update_steps))
+        for r in reports:  # the engine acknowledged exactly the bytes we sent
+            assert r.per_engine_checksums == {"vllm-f": r.checksum}, r
+        _record("update", bytes=reports[-1].bytes, buckets=len(plan.buckets), first_s=walls[0],
+                pause_to_resume_s=walls[1:], broadcast_s=[r.broadcast_seconds for r in reports[1:]],
+                http_steps_s=steps[1:])
+        print("pause-to-resume per update:", [round(w, 4) for w in walls[1:]])
+        for st in steps[1:]:
+            print("  steps:", {k: round(v, 4) for k, v in st.items()})
+        prompt = random.Random(1).sample(range(1000, 100000), 16)
+        samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32,
+                                                                                   temperature=1.0)))
+        d_same = compare(samples, prompt, Reference(s1))
+        d_other = compare(samples, prompt, Reference(s0))
+        _record("generate_after_publish", tokens=int(d_same.size), mean_abs=float(d_same.mean()),
+                max_abs=float(d_same.max()), other_mean_abs=float(d_other.mean()))
+        print(f"log-prob |diff| vs new weights: mean {d_same.mean():.4f} max {d_same.max():.4f}; "
+              f"vs old: mean {d_other.mean():.3f}")
+        assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL
+        assert d_other.mean() > OTHER_MIN, "the old weights fit as well: the check is blind"
+    finally:
+        pub.close()
+        loop.run_until_complete(sampler.close())
