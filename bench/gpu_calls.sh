@@ -13,6 +13,10 @@
 #   rollout         bench/rollout.py (fleet vs LLM.generate)
 #   sglang-install  install the SGLang 0.5.16 bundle into /tmp/site-sglang
 #   sglang          bench/sglang_flags.py alongside tests/gpu/test_sglang_gpu.py
+#   ray-install     pip-install .whl-ray/*.whl (Ray 2.60 without its Java jar, jsonschema, math-verify)
+#                   into /tmp/site-ray
+#   system-vllm     tests/gpu/test_full_system_gpu.py[vllm]: launch/cluster.py on 2 GPUs, vLLM fleet
+#   system-sglang   tests/gpu/test_full_system_gpu.py[sglang]: the same with the SGLang fleet
 set -uo pipefail
 REPO="$(pwd)"
 OUT="${OUT:-$REPO/gpu-out}"
@@ -25,6 +29,31 @@ PY=python3
 
 stamp() { echo "=== $(date -u +%FT%TZ) $*"; }
 
+system() {  # system ENGINE SITE: the full-system test with ENGINE's install target, Ray and the base wheels
+    local engine="$1" site="$2" out="$OUT/system-$1"
+    rm -rf "$out" && mkdir -p "$out"
+    # every process of a weight-sync group must agree on NCCL_CUMEM_ENABLE (fleetrl sets it too)
+    NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_SYSTEM_OUT="$out" \
+        with_site "$site:/tmp/site-ray" timeout 540 $PY -m pytest -v -s -rA -p no:cacheprovider \
+        "tests/gpu/test_full_system_gpu.py::test_full_system_two_gpus[$engine]"
+    local rc=$?
+    # $OUT returns files at most two folders down: flatten the summary and the log tails
+    [ -f "$out/$engine/summary.json" ] && cp "$out/$engine/summary.json" "$OUT/system-$engine-summary.json"
+    {
+        for f in "$out/$engine"/run/logs/*.log "$out/$engine"/run/*/vllm_server.log \
+                 "$out/$engine"/run/*/sglang_server.log "$out/$engine"/cluster.log; do
+            [ -f "$f" ] || continue
+            echo "--- tail of $f"
+            grep -v "GET /health\|POST /v1/completions\|POST /generate" "$f" | tail -60
+        done
+        for f in /tmp/ray/session_latest/logs/raylet.err /tmp/ray/session_latest/logs/gcs_server.err; do
+            [ -f "$f" ] && { echo "--- tail of $f"; tail -20 "$f"; }
+        done
+    } > "$OUT/system-$engine-logs.txt" 2>&1
+    tail -40 "$OUT/system-$engine-logs.txt"
+    return $rc
+}
+
 stage() {  # stage BUNDLE PART
     mkdir -p "/tmp/stage/$1" && cp -r "$REPO/.device-bundle/$1/$2/." "/tmp/stage/$1/" && ls /tmp/stage/$1 | wc -l
 }
@@ -32,7 +61,13 @@ stage() {  # stage BUNDLE PART
 base() {
     [ -f /tmp/site-base/.done ] && return 0
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base \
-        "$REPO"/.whl/*.whl && touch /tmp/site-base/.done
+        "$REPO"/.whl/*.whl
+    # fleetrl runs from the checkout (PYTHONPATH); its vllm.general_plugins entry point (the `fleetrl`
+    # weight-transfer backend) needs a dist-info on the path for vLLM's processes to find it.
+    local di=/tmp/site-base/fleetrl_checkout-0.dist-info
+    mkdir -p $di && printf 'Metadata-Version: 2.1\nName: fleetrl-checkout\nVersion: 0\n' > $di/METADATA
+    printf '[vllm.general_plugins]\nfleetrl_weight_sync = weight_sync.vllm_plugin:register\n' > $di/entry_points.txt
+    touch /tmp/site-base/.done
 }
 
 with_site() {  # with_site SITE CMD...: run CMD with fleetrl, SITE and the base wheels importable
@@ -65,9 +100,10 @@ for step in "$@"; do
             ;;
         vllm-tests)
             export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_VLLM_RUN_DIR=/tmp/vllm-tp1 FLEETRL_VLLM_TP2_RUN_DIR=/tmp/vllm-tp2
-            with_site /tmp/site-vllm $PY -m pytest -v -rA -p no:cacheprovider tests/gpu/test_vllm_gpu.py \
-                tests/gpu/test_vllm_tp2_gpu.py
-            for d in /tmp/vllm-tp1 /tmp/vllm-tp2; do
+            export FLEETRL_VLLM_FLEETRL_RUN_DIR=/tmp/vllm-fleetrl
+            with_site /tmp/site-vllm $PY -m pytest -v -s -rA -p no:cacheprovider tests/gpu/test_vllm_gpu.py \
+                tests/gpu/test_vllm_fleetrl_gpu.py tests/gpu/test_vllm_tp2_gpu.py
+            for d in /tmp/vllm-tp1 /tmp/vllm-fleetrl /tmp/vllm-tp2; do
                 [ -f $d/vllm_server.log ] && { echo "--- tail of $d/vllm_server.log"; grep -v "GET /health\|POST /v1/completions" $d/vllm_server.log | tail -25; }
             done
             ;;
@@ -87,6 +123,14 @@ for step in "$@"; do
             wait $flags
             tail -12 "$OUT/sglang_flags.log"
             ;;
+        ray-install)
+            [ -f /tmp/site-ray/.done ] || { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --target /tmp/site-ray "$REPO"/.whl-ray/*.whl && touch /tmp/site-ray/.done; }
+            with_site /tmp/site-ray $PY -c "import ray, jsonschema, math_verify; print('ray', ray.__version__)" \
+                2>&1 | tail -3
+            ;;
+        system-vllm) system vllm /tmp/site-vllm ;;
+        system-sglang) system sglang /tmp/site-sglang ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     stamp "$step done (rc=$?)"

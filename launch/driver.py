@@ -51,13 +51,15 @@ class Job:
         self.started_ray = False
         self.broker = None
         self.fleet = None
-        self.learner = None
-        self.run_ref = None
+        self.learner = None  # the simulated learner, or rank 0 of the real one (status, stop)
+        self.learner_ranks = None  # launch.real_learner.LearnerRanks: every rank of the real learner
+        self.run_ref = None  # the simulated learner's run
         self.pgs: dict[str, Any] = {}  # "learner" / "server-<i>" -> placement group
         self.server_slots: dict[int, Slot] = {}
         self.placement = Placement()
         self.control: ControlServer | None = None
         self.monitor: Monitor | None = None
+        self.wandb = None  # launch.monitor.WandbWriter until the monitor takes it over
         self.snapshot: dict[str, Any] = {}
         self.eval_before: float | None = None
         self.eval_after: float | None = None
@@ -70,6 +72,12 @@ class Job:
         self._ray_env()  # before `import ray`: Ray reads its auth mode when it is imported
         import ray
 
+        if self.cfg.run.wandb is not None:  # first: a W&B login problem ends the job before anything starts
+            from launch.monitor import WandbWriter
+
+            self.wandb = WandbWriter(self.cfg.run.wandb, self.run_dir, simulated=self.simulated,
+                                     run_config=self.cfg.model_dump(mode="json"))
+
         for name, fn in (("ray", lambda: self._init_ray(ray)), ("placement", lambda: self._place(ray)),
                          ("broker", self._start_broker), ("fleet", lambda: self._start_fleet(ray)),
                          ("learner", lambda: self._start_learner(ray))):
@@ -78,7 +86,8 @@ class Job:
             log.info("started %s in %.1f s", name, time.monotonic() - t)
         self.control = ControlServer(self.run_dir, self.handle)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
-                               live=not self.args.no_live)
+                               live=not self.args.no_live, wandb=self.wandb)
+        self.wandb = None  # the monitor owns it now (and finishes it)
 
     def _init_ray(self, ray) -> None:
         """Start a local Ray head, or join ``--address``; token auth is chosen, never inherited.
@@ -142,11 +151,15 @@ class Job:
                                         rollout_tp=self.cfg.rollout.tensor_parallel_size,
                                         learner_mp=self.cfg.learner.megatron.tensor_model_parallel_size
                                         if self.cfg.learner.engine == "megatron" else 1)
-        self.pgs["learner"] = placement_group(bundles(self.placement.learner, self._pin), strategy="PACK",
+        # one bundle per learner GPU: one rank actor each (simulated runs keep one bundle per node)
+        learner_slots = self.placement.learner if self.simulated else [
+            Slot(s.node_id, (g,)) for s in self.placement.learner for g in s.gpu_ids]
+        self.pgs["learner"] = placement_group(bundles(learner_slots, self._pin), strategy="PACK",
                                               name="fleetrl-learner")
         for i, slot in enumerate(self.placement.servers):
             self._add_server_pg(i, slot)
         self._wait_pgs(ray, list(self.pgs.values()))
+        self._pin_server_gpus(ray, list(self.server_slots))
         log.info("placed learner on %d GPUs (%d nodes), fleet on %d servers x TP %d",
                  self.placement.learner_gpus(), len(self.placement.learner), len(self.placement.servers),
                  self.cfg.rollout.tensor_parallel_size)
@@ -191,7 +204,8 @@ class Job:
         if not self.simulated:
             from launch.real_learner import start_learner
 
-            self.learner, self.run_ref, self.eval_before = start_learner(self)
+            self.learner_ranks, self.eval_before = start_learner(self)
+            self.learner = self.learner_ranks.rank0
             return
         from launch.ray_actors import SimLearnerActor
 
@@ -215,14 +229,18 @@ class Job:
         import ray
 
         while True:
-            done, _ = ray.wait([self.run_ref], timeout=0.25 if self.simulated else 0.5)
+            if self.learner_ranks is not None:  # raises RankFailed naming a rank that failed or died
+                done = self.learner_ranks.poll(0.5)
+            else:
+                done = bool(ray.wait([self.run_ref], timeout=0.25)[0])
             self.snapshot = self.collect()
             self._evaluate_every()
             self.monitor.update(self.snapshot)
             while self.control.poll(0):
                 pass
             if done:
-                self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
+                if self.run_ref is not None:
+                    self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
                 if not self.simulated:
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
                     self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
@@ -332,7 +350,35 @@ class Job:
                 self._release([i])
             raise ValueError(f"cannot add {k} servers of TP {tp}: only {len(new)} fit on the free GPUs")
         self._wait_pgs(ray, [self.pgs[f"server-{i}"] for i in new])
+        self._pin_server_gpus(ray, new)
         return new
+
+    def _pin_server_gpus(self, ray, indices: list[int]) -> None:
+        """Replace each server slot's planned GPU ids by the ids Ray reserved for its bundle.
+
+        The plan numbers GPUs 0..n-1 per node, but Ray picks which physical GPUs a placement
+        group's bundle holds; the learner's rank actors get theirs from Ray. A server process is
+        not a Ray worker, so a zero-CPU task in its bundle asks Ray which GPUs those are, and the
+        server is started with exactly them (CUDA_VISIBLE_DEVICES): never on a learner GPU.
+        """
+        if self.simulated or not indices:
+            return
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        @ray.remote(num_cpus=0)
+        def bundle_gpus() -> list:
+            return [str(g) for g in ray.get_gpu_ids()]
+
+        refs = {i: bundle_gpus.options(
+            num_gpus=len(self.server_slots[i].gpu_ids),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[f"server-{i}"],
+                                                                 placement_group_bundle_index=0),
+        ).remote() for i in indices}
+        for i, ref in refs.items():
+            ids = self._get(ref, CALL_TIMEOUT_S * 2, f"GPU ids of server {i}'s bundle")
+            slot = self.server_slots[i]
+            self.server_slots[i] = Slot(slot.node_id, tuple(int(g) if g.isdigit() else g for g in ids))
+            log.info("server %d: Ray bundle GPUs %s (planned %s)", i, ids, list(slot.gpu_ids))
 
     def _release(self, indices: list[int]) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -360,6 +406,8 @@ class Job:
                 log.info("stopped %s in %.1f s", name, time.monotonic() - t)
             except Exception as exc:
                 log.error("shutdown: %s: %s", name, exc)
+        if self.learner_ranks is not None:
+            self.learner_ranks.kill()  # every rank: one may sit in a collective with a dead peer
         for actor in (self.learner, self.fleet):
             if actor is not None and not isinstance(actor, (str, int)):
                 try:
@@ -375,6 +423,11 @@ class Job:
             self.control.close()
         if self.monitor is not None:
             self.monitor.close()
+        if self.wandb is not None:  # the job failed before the monitor existed
+            try:
+                self.wandb.close()
+            except Exception as exc:
+                log.error("shutdown: W&B finish: %s", exc)
         if ray.is_initialized():
             for pg in self.pgs.values():
                 try:
@@ -387,6 +440,8 @@ class Job:
         return final
 
     def _stop_learner(self) -> dict[str, Any]:
+        if self.learner_ranks is not None:
+            return self.learner_ranks.stop(CALL_TIMEOUT_S)
         self._get(self.learner.stop.remote(), CALL_TIMEOUT_S, "learner stop")
         return self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
 

@@ -50,7 +50,12 @@ class FleetRunner:
                 SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
         from launch.real_fleet import VLLMFactory, load_data
 
-        return VLLMFactory(self.cfg, self.run_dir or self.cfg.run.run_dir, self.slots), lambda: load_data(self.cfg)
+        run_dir = self.run_dir or self.cfg.run.run_dir
+        if r.engine == "sglang":
+            from launch.real_sglang import SGLangFactory
+
+            return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
+        return VLLMFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
 
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
         from broker.client import ProducerClient
@@ -108,6 +113,13 @@ class FleetRunner:
     async def update_weights(self, version: int, export_path: str | None = None) -> float:
         """Fleet-side choreography of one publish (the SIMULATED publisher calls this)."""
         return await self.fleet.update_fleet(version, export_path)
+
+    async def engines_updated(self, engine_ids: list[str], version: int) -> None:
+        """The learner's publisher loaded ``version`` into these servers (vLLM 0.26 cannot report it itself)."""
+        for eid in engine_ids:
+            s = self.fleet.servers.get(eid)
+            if s is not None and hasattr(s.engine, "_version"):
+                s.engine._version = max(s.engine._version, int(version))
 
     async def set_latest_export(self, version: int, path: str) -> None:
         self.fleet.set_latest_export(version, path)

@@ -64,11 +64,13 @@ class VLLMFactory:
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         if index in self.slots:  # GPU: the slot's devices (CPU runs have no slots)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.slots[index][1])
+            # every process of the weight-sync group must agree (the learner sets the same)
+            env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
         args = VLLMServerArgs(model=self.cfg.model.path, dtype=self.cfg.model.dtype,
                               max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
                               gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
                               seed=self.cfg.run.seed + index, enforce_eager=r.enforce_eager,
-                              startup_timeout_s=r.startup_timeout_s, env=env)
+                              startup_timeout_s=r.startup_timeout_s, extra_args=list(r.vllm_server_args), env=env)
         return VLLMServer(args, self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
 
     async def start(self, index: int) -> FleetVLLMClient:
@@ -132,8 +134,9 @@ def load_data(cfg) -> tuple[DatasetPrompts, PoolRewards]:
     from rollout_fleet import data as rdata
     from rollout_fleet.rewards import RewardPool
 
-    if cfg.rollout.engine != "vllm":
-        raise ValueError(f"launch/cluster.py runs rollout.engine 'vllm' or 'simulated'; got {cfg.rollout.engine!r}")
+    if cfg.rollout.engine not in ("vllm", "sglang"):
+        raise ValueError(f"launch/cluster.py runs rollout.engine 'vllm', 'sglang' or 'simulated'; "
+                         f"got {cfg.rollout.engine!r}")
     tok = rdata.load_tokenizer(cfg.model.path)
     prompts = DatasetPrompts(rdata.from_config(cfg.data, tok, seed=cfg.run.seed))
     pool = RewardPool(cfg.reward.function, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)

@@ -63,11 +63,16 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "server_states_at_end": [{k: s.get(k) for k in ("engine_id", "state", "version", "restarts", "groups_done")}
                                  for s in fleet.get("servers", [])],
         "weight_updates": fleet.get("weight_updates", 0),
+        "publishes": learner.get("publishes", 0),  # real learner: publishes that reached >= 1 engine
+        "last_published_version": learner.get("last_published_version", 0),
+        "publish_errors": learner.get("publish_errors", 0),
         "learner_idle_fraction": learner.get("learner_idle_fraction"),
         "fleet_idle_fraction": fleet.get("fleet_idle_fraction"),
         "tokens_generated": fleet.get("tokens_pushed"),
         "rollout_gpus": job.args.rollout_gpus,
         "learner_gpus": job.args.learner_gpus,
+        "learner_world_size": learner.get("world_size", 1),  # ranks that trained (the simulated learner: 1)
+        "learner_rank_steps": learner.get("rank_steps"),  # steps each rank applied, rank order (real learner)
         "placement": {"learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.learner],
                       "servers": len(job.placement.servers)},
         "wall_s": round(_wall(job), 2),

@@ -81,5 +81,9 @@ class RolloutConfig(ConfigModel):
     max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len (prompt + response)")
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no torch.compile (faster start on small CPUs)")
     restart_dead_servers: bool = Field(True, description="restart a server that died; False drops it")
+    vllm_server_args: list[str] = Field(
+        default_factory=list, description="extra command-line arguments for every vLLM server (rollout.engine=vllm)")
+    sglang_server_args: list[str] = Field(
+        default_factory=list, description="extra command-line arguments for every SGLang server (rollout.engine=sglang)")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
 

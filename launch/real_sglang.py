@@ -1,0 +1,125 @@
+"""The fleet's SGLang parts: servers on the fleet's GPUs, the fleet's client, and the publisher's client.
+
+``rollout.engine: sglang`` swaps these in for the vLLM ones of :mod:`launch.real_fleet`::
+
+    fleet actor:   SGLangFactory.start(i) -> SGLangServer on the slot's GPUs -> FleetSGLangClient
+    learner rank 0: Publisher(nccl_impl="sglang") -> SGLangPublishClient (one per server)
+
+Weight updates without a pause: SGLang's ``/update_weights_from_distributed``, called
+while generation is not paused, takes the server's model-update writer lock, which
+waits for running requests to finish and holds new ones back (a writer-preferring lock,
+``sglang/srt/utils/aio_rwlock.py``): the same "finish under the old weights, then load"
+as vLLM's ``pause(wait)``. A plan of several buckets is several calls, and requests
+could start between two of them on half-new weights, so then the client pauses with
+``abort`` first (the fleet re-runs aborted groups). The fleet's servers run without the
+radix cache: with it, KV computed under old weights would be reused after an update, and
+SGLang refuses ``/flush_cache`` while requests are queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+from rollout_fleet.engines.sglang import SGLangClient, SGLangServer, SGLangServerArgs
+
+log = logging.getLogger(__name__)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class FleetSGLangClient(SGLangClient):
+    """The fleet's client of one SGLang server: generation, health, the server process."""
+
+    server: SGLangServer | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.proc.pid if self.server is not None and self.server.proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.server is None or self.server.proc is None or self.server.proc.poll() is None
+
+    async def refresh_version(self) -> int:
+        """The version label the last update left on the server (``/model_info``)."""
+        r = await self.http.get(self.url + "/model_info", timeout=5.0)
+        v = r.json().get("weight_version") if r.status_code == 200 else None
+        try:
+            self._version = max(self._version, int(v))
+        except (TypeError, ValueError):
+            pass  # the initial label ("default") means version 0
+        return self._version
+
+    def kill(self) -> None:
+        """Fault injection: SIGKILL the server's process group (as ``kill -9`` would)."""
+        if self.pid is not None:
+            log.warning("killing SGLang server %s (pid %d) with SIGKILL", self.engine_id, self.pid)
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+class SGLangPublishClient(SGLangClient):
+    """The learner's client of one SGLang server: update choreography around the bucket calls."""
+
+    async def update_weights(self, version: int, plan_id: str) -> str:
+        several = self._plan is not None and len(self._plan.buckets) > 1
+        if several:  # no request may run on half-new weights between two bucket calls
+            await self.pause("abort")
+        try:
+            return await super().update_weights(version, plan_id)
+        finally:
+            if several:
+                await self.resume()
+
+
+class SGLangFactory:
+    """Starts one SGLang server per fleet slot (GPU ids from the slot) and hands out its client."""
+
+    def __init__(self, cfg, run_dir: str | Path, slots: dict[int, Any]) -> None:
+        self.cfg, self.run_dir, self.slots = cfg, Path(run_dir), slots
+
+    def _args(self, index: int) -> SGLangServerArgs:
+        r = self.cfg.rollout
+        if index not in self.slots:
+            raise ValueError("rollout.engine=sglang needs GPUs: SGLang has no CPU build "
+                             "(run with --rollout-gpus N --learner-gpus M)")
+        gpus = [int(g) for g in self.slots[index][1]]
+        dtype = self.cfg.model.dtype if self.cfg.model.dtype != "auto" else "bfloat16"
+        log_dir = self.run_dir / f"sglang-{index}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return SGLangServerArgs(
+            model=str(Path(self.cfg.model.path).resolve()), gpus=gpus, port=_free_port(),
+            tensor_parallel_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
+            max_running_requests=r.max_num_seqs, dtype=dtype, seed=self.cfg.run.seed + index, radix_cache=False,
+            extra_args=["--context-length", str(r.max_model_len), *r.sglang_server_args],
+            env={"NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0"),
+                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+            log_path=str(log_dir / "sglang_server.log"))
+
+    async def start(self, index: int) -> FleetSGLangClient:
+        server = SGLangServer(self._args(index))
+        await server.start(timeout_s=self.cfg.rollout.startup_timeout_s)
+        client = FleetSGLangClient(f"sglang-{index}", server.url, tp_size=server.args.tensor_parallel_size,
+                                   version=str(server.version), radix_cache=False,
+                                   timeout_s=self.cfg.rollout.request_timeout_s)
+        client.server = server
+        return client
+
+    async def restart(self, engine: FleetSGLangClient) -> FleetSGLangClient:
+        index = int(engine.engine_id.rsplit("-", 1)[1])
+        await self.stop(engine)
+        return await self.start(index)
+
+    async def stop(self, engine: FleetSGLangClient) -> None:
+        await engine.close()
+        if engine.server is not None:
+            await asyncio.to_thread(engine.server.stop)
