@@ -123,13 +123,24 @@ def resolve_config(args: argparse.Namespace):
     cfg = load_run_config(args.recipe, overrides)
     if cfg.rollout.engine == "simulated" and not args.simulate:
         raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")
+    if cfg.learner.cpu_processes != 1 and args.learner_gpus > 0 and not args.simulate:
+        raise ConfigError(f"learner.cpu_processes={cfg.learner.cpu_processes} is for --learner-gpus 0; with "
+                          f"--learner-gpus {args.learner_gpus} the learner runs one rank per GPU (leave it at 1)")
+    if cfg.run.wandb is not None and cfg.run.wandb.mode != "disabled":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("run.wandb is set but the wandb package is not installed: pip install 'fleetrl[wandb]'")
     if cfg.learner.engine == "megatron" and not args.simulate:
         model_json = Path(cfg.model.path) / "config.json"
         if not model_json.exists():
             raise ConfigError(f"model.path {cfg.model.path!r} has no config.json")
         cfg.learner.megatron.check_layout(args.learner_gpus, json.loads(model_json.read_text()))
-        raise ConfigError("learner.engine=megatron: the Megatron-core backend is not available in this "
-                          "version of fleetrl yet; use learner.engine=fsdp")
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            raise ConfigError("learner.engine=megatron needs megatron-core (Python >= 3.12), which is not "
+                              "installed: pip install 'fleetrl[megatron]'")
     return cfg
 
 

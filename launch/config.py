@@ -23,6 +23,7 @@ from pydantic import Field, model_validator
 
 from broker.config import BrokerConfig
 from launch.configbase import ConfigError, ConfigModel, build, suggest
+from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from weight_sync.config import WeightSyncConfig
@@ -43,7 +44,7 @@ class RunSection(ConfigModel):
     eval_samples: int = Field(256, ge=1, description="test prompts per evaluation")
     run_dir: str = "runs/latest"
     tensorboard: bool = True
-    wandb_project: str | None = None
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging from the driver; None: off")
 
 
 class RunConfig(ConfigModel):

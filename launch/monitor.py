@@ -1,8 +1,11 @@
-"""What a run shows while it runs: a rich live view, TensorBoard scalars and Prometheus gauges.
+"""What a run shows while it runs: a rich live view, TensorBoard scalars, Prometheus gauges, and W&B.
 
 The driver builds one snapshot dict per tick (:func:`launch.driver` collects it from the
 learner, the fleet and the broker) and hands it to :class:`Monitor`. Simulated runs say
-so in the view title, in a TensorBoard text entry and in a Prometheus label.
+so in the view title, in the scalar names (``simulated/...``), in a Prometheus label and
+in the W&B run's tags. Weights & Biases is optional (``run.wandb``, off by default): one
+W&B run per job, opened by the driver alone (never by the learner or fleet processes),
+logging the same scalars at the same steps as TensorBoard, finished at shutdown.
 """
 
 from __future__ import annotations
@@ -11,9 +14,25 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
+
+from launch.configbase import ConfigModel
 
 log = logging.getLogger(__name__)
+
+
+class WandbConfig(ConfigModel):
+    """``run.wandb``: where the driver logs to Weights & Biases (``run.wandb.project=NAME`` turns it on)."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = Field(None, description="run name; None: the run directory's name")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="None: wandb's own choice (WANDB_MODE, else online)")
+    tags: list[str] = []
+    init_timeout_s: float = Field(90.0, gt=0, description="wandb.init gives up after this")
 
 GAUGES = {
     "learner_step": "learner/step: optimizer steps applied (the policy version)",
@@ -70,11 +89,40 @@ class _ScalarWriter:
         self._w.close()
 
 
+class WandbWriter:
+    """One W&B run (files under ``<run_dir>/wandb``); scalars as :class:`_ScalarWriter` writes them."""
+
+    def __init__(self, cfg: WandbConfig, run_dir: Path, *, simulated: bool, run_config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError("run.wandb is set but the wandb package is not installed: "
+                               "pip install 'fleetrl[wandb]'") from None
+        self._wandb = wandb
+        settings = wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", quiet=True)
+        tags = list(cfg.tags) + (["SIMULATED"] if simulated else [])
+        try:
+            self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or Path(run_dir).name,
+                                  mode=cfg.mode, dir=str(run_dir), tags=tags, settings=settings,
+                                  config={**run_config, "simulated": simulated})
+        except Exception as exc:  # no API key, no network, a bad entity: say so before the job starts
+            raise RuntimeError(f"W&B: wandb.init(project={cfg.project!r}) failed: {exc} "
+                               f"(log in with `wandb login`, or set run.wandb.mode=offline)") from None
+        log.info("W&B run %s (%s) in %s", self.run.name, self.run.settings.mode, self.run.dir)
+
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class Monitor:
     def __init__(self, run_dir: Path, *, simulated: bool, tensorboard: bool, live: bool,
-                 prometheus: bool = True) -> None:
+                 prometheus: bool = True, wandb: WandbWriter | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.simulated = simulated
+        self._wandb = wandb
         self._tb = None
         self._live = None
         self._gauges: dict[str, Any] = {}
@@ -119,12 +167,15 @@ class Monitor:
             if v is not None and k in self._gauges:
                 self._gauges[k].set(float(v))
         step = snap.get("step") or 0
-        if self._tb is not None and step != self._last_tb_step:
+        if step != self._last_tb_step and (self._tb is not None or self._wandb is not None):
             self._last_tb_step = step
             prefix = "simulated/" if self.simulated else ""
-            for k, v in values.items():
-                if v is not None:
-                    self._tb.add_scalar(prefix + k.replace("_", "/", 1), float(v), step)
+            scalars = {prefix + k.replace("_", "/", 1): float(v) for k, v in values.items() if v is not None}
+            if self._tb is not None:
+                for tag, v in scalars.items():
+                    self._tb.add_scalar(tag, v, step)
+            if self._wandb is not None:
+                self._wandb.add_scalars(scalars, step)
         if self._live is not None:
             self._live.update(self.render(snap))
         elif time.monotonic() - self._last_log > 5.0:
@@ -160,6 +211,12 @@ class Monitor:
             self._live.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.close()
+            except Exception as exc:  # the run's files are on disk; a failed upload must not block shutdown
+                log.error("W&B finish failed: %s", exc)
+            self._wandb = None
         if getattr(self, "_http", None) is not None:
             self._http.shutdown()
             self._http.server_close()

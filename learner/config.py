@@ -70,6 +70,8 @@ class MegatronConfig(ConfigModel):
 
 class LearnerConfig(ConfigModel):
     engine: Literal["fsdp", "megatron"] = "fsdp"
+    cpu_processes: int = Field(1, ge=1, le=64, description="learner ranks (gloo) with --learner-gpus 0; "
+                               "with GPUs the learner has one rank per GPU and this must stay 1")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig
     micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")

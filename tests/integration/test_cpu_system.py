@@ -5,7 +5,9 @@ Two runs on the same seed share every assertion (each costs a vLLM start, 40-80 
 * run A, ``max_staleness=2``: accuracy rises, no consumed sample past the bound, and a
   ``kill -9`` of the vLLM server mid-run: the run goes on, no group is lost, and the
   server comes back holding the current weights;
-* run B, ``max_staleness=0`` (synchronous): it learns too.
+* run B, ``max_staleness=0`` (synchronous), with a learner of two gloo ranks
+  (``learner.cpu_processes=2``, FSDP over both): it learns too, and both ranks trained
+  every step.
 
 Ctrl-C's path (SIGINT -> the same shutdown as a finished run) is checked on a SIMULATED
 run in test_simulated_cluster.py; here a finished run must leave no process behind.
@@ -76,7 +78,8 @@ def run_a(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_b(tmp_path_factory, run_a):  # after run A: never two vLLM servers at once on this machine
-    return _run(tmp_path_factory.mktemp("cpu-k0"), ["broker.max_staleness=0", "run.eval_every=15"])
+    return _run(tmp_path_factory.mktemp("cpu-k0"), ["broker.max_staleness=0", "run.eval_every=15",
+                                                    "learner.cpu_processes=2"])
 
 
 def _learned(s: dict) -> None:
@@ -117,6 +120,14 @@ def test_synchronous_run_learns_too(run_b):
     s = run_b["summary"]
     assert s["max_staleness"] == 0 and s["max_staleness_seen"] == 0
     _learned(s)
+
+
+def test_two_learner_ranks_trained_every_step(run_a, run_b):
+    assert run_a["summary"]["learner_world_size"] == 1 and run_a["summary"]["learner_rank_steps"] == [STEPS]
+    s = run_b["summary"]
+    assert s["learner_world_size"] == 2, s.get("learner_world_size")
+    assert s["learner_rank_steps"] == [STEPS, STEPS]
+    assert s["steps"] == STEPS and s["groups_consumed"] == STEPS * GROUPS
 
 
 def test_periodic_evaluation_runs_while_training(run_b):
