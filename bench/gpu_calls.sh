@@ -4,17 +4,19 @@
 # ./gpu-out). The engine wheels travel as part folders (.device-bundle/, see
 # ../shared/device/README.md) and the few pure-Python deps of fleetrl as wheels in .whl/.
 #
-#   stage-vllm-1 stage-vllm-2 stage-sglang-1..3   copy a transported part folder into /tmp/stage
+#   stage-vllm-1 stage-vllm-2 stage-sglang-1..4   copy a transported part folder into /tmp/stage
 #   base            pip-install .whl/*.whl into /tmp/site-base (pydantic, msgspec, megatron-core)
 #   info            GPUs, torch, NCCL
 #   torch           bench/weight_sync.py + tests/gpu/test_weight_sync_gpu.py + tests/gpu/test_fsdp_gpu.py
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
-#   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, NCCL publish) and test_vllm_tp2_gpu.py (TP=2)
+#   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
+#   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
 #   rollout         bench/rollout.py (fleet vs LLM.generate)
 #   sglang-install  install the SGLang 0.5.16 bundle into /tmp/site-sglang
 #   sglang          bench/sglang_flags.py alongside tests/gpu/test_sglang_gpu.py
 #   ray-install     pip-install .whl-ray/*.whl (Ray 2.60 without its Java jar, jsonschema, math-verify)
 #                   into /tmp/site-ray
+#   ranks           tests/gpu/test_learner_ranks_gpu.py: 2 learner ranks as Ray actors, NCCL
 #   system-vllm     tests/gpu/test_full_system_gpu.py[vllm]: launch/cluster.py on 2 GPUs, vLLM fleet
 #   system-sglang   tests/gpu/test_full_system_gpu.py[sglang]: the same with the SGLang fleet
 set -uo pipefail
@@ -83,6 +85,7 @@ for step in "$@"; do
         stage-sglang-1) stage sglang part1 ;;
         stage-sglang-2) stage sglang part2 ;;
         stage-sglang-3) stage sglang part3 ;;
+        stage-sglang-4) stage sglang part4 ;;
         base) base ;;
         info)
             nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
@@ -102,10 +105,14 @@ for step in "$@"; do
             export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_VLLM_RUN_DIR=/tmp/vllm-tp1 FLEETRL_VLLM_TP2_RUN_DIR=/tmp/vllm-tp2
             export FLEETRL_VLLM_FLEETRL_RUN_DIR=/tmp/vllm-fleetrl
             with_site /tmp/site-vllm $PY -m pytest -v -s -rA -p no:cacheprovider tests/gpu/test_vllm_gpu.py \
-                tests/gpu/test_vllm_fleetrl_gpu.py tests/gpu/test_vllm_tp2_gpu.py
-            for d in /tmp/vllm-tp1 /tmp/vllm-fleetrl /tmp/vllm-tp2; do
+                tests/gpu/test_vllm_fleetrl_gpu.py
+            for d in /tmp/vllm-tp1 /tmp/vllm-fleetrl; do
                 [ -f $d/vllm_server.log ] && { echo "--- tail of $d/vllm_server.log"; grep -v "GET /health\|POST /v1/completions" $d/vllm_server.log | tail -25; }
             done
+            ;;
+        vllm-tp2)
+            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_VLLM_TP2_RUN_DIR=/tmp/vllm-tp2
+            with_site /tmp/site-vllm $PY -m pytest -v -s -rA -p no:cacheprovider tests/gpu/test_vllm_tp2_gpu.py
             ;;
         rollout)
             VLLM_USE_FLASHINFER_SAMPLER=0 with_site /tmp/site-vllm $PY bench/rollout.py --json "$OUT/rollout.json"
@@ -128,6 +135,10 @@ for step in "$@"; do
                 --target /tmp/site-ray "$REPO"/.whl-ray/*.whl && touch /tmp/site-ray/.done; }
             with_site /tmp/site-ray $PY -c "import ray, jsonschema, math_verify; print('ray', ray.__version__)" \
                 2>&1 | tail -3
+            ;;
+        ranks)  # 2 learner ranks under Ray on both GPUs (needs ray and pyzmq: after ray-install, vllm-install)
+            with_site /tmp/site-vllm:/tmp/site-ray timeout 300 $PY -m pytest -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_learner_ranks_gpu.py
             ;;
         system-vllm) system vllm /tmp/site-vllm ;;
         system-sglang) system sglang /tmp/site-sglang ;;
