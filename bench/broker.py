@@ -6,18 +6,19 @@
 For each batch size (one prompt group of realistic rows per batch: ~1,000 response
 token ids and log-probs, 100 prompt ids) it runs, in separate processes:
 
-* broker: producer (tickets in bulk, pushes with 8 in flight) -> ``python -m broker``
-  -> consumer (next_batch of ``--groups-per-step`` groups, default 1, with the next step
-  prefetched, acks in the background),
-  spool off and on (fsync=never: the kill -9 guarantee; see broker/spool.py);
+* broker: producer (pushes with 8 in flight; new tickets come back with the push replies,
+  or in bulk of at least 8 when it runs out) -> ``python -m broker`` -> consumer (next_batch
+  of ``--groups-per-step`` groups, default 1, with the next step prefetched; each step's ack
+  rides on that prefetch request), spool off and on (fsync=never: the kill -9 guarantee; see
+  broker/spool.py);
 * raw: PUSH -> PULL of the same Arrow IPC bytes (same per-message serialise and parse).
 
 Each case (batch size x spool) runs raw and broker alternately ``--repeat`` times (default 1
 with --quick, else 2) and keeps the best run of each, because the machine is shared; every
 run's rows/s and the load average are in the JSON. On a 2-core machine all processes share
 the same cores, so the ratio is roughly raw's CPU per batch over the broker path's (three
-processes and their ZMQ I/O threads, validation, bookkeeping, up to eight messages per
-batch). Both paths hold at most ~64 batches in flight (broker: G * (k + 1) = 64 groups;
+processes and their ZMQ I/O threads, validation, bookkeeping, four messages per batch); the JSON has each process's CPU per batch (``cpu_ms_per_batch``) to show where it
+goes. Both paths hold at most ~64 batches in flight (broker: G * (k + 1) = 64 groups;
 raw: HWM 32 at each end), so latency (send to receipt, p50/p99)
 is measured under the same bounded queueing. Throughput is counted at the
 consumer from its first to its last batch.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -56,11 +58,14 @@ def base_batch(batch_bytes: int) -> pa.RecordBatch:
 
 
 def stamp(base: pa.RecordBatch, gid: str, step: int) -> pa.RecordBatch:
-    """Per-message columns: a fresh group id, the ticket's step, its version, the send time."""
+    """Per-message columns: a fresh group id, the ticket's step, its version, the send time.
+
+    Types are given: pyarrow's type inference tries an import on every call (a file-system
+    search of sys.path), which would dominate the producers of both paths."""
     n = base.num_rows
     cols = base.columns
-    cols[0] = pa.array([f"{gid}/{i}" for i in range(n)])
-    cols[1] = pa.array([gid] * n)
+    cols[0] = pa.array([f"{gid}/{i}" for i in range(n)], pa.string())
+    cols[1] = pa.array([gid] * n, pa.string())
     cols[4] = pa.array(np.full(n, step, np.int64))
     cols[9] = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)),
                                        pa.array(np.full(n, max(0, step - 1), np.int64)))
@@ -70,7 +75,14 @@ def stamp(base: pa.RecordBatch, gid: str, step: int) -> pa.RecordBatch:
 
 # -- raw PUSH/PULL -------------------------------------------------------------------------------
 
-def raw_producer(addr: str, batch_bytes: int, n: int) -> None:
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def raw_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
     import zmq
 
     from broker.protocol import batch_to_ipc
@@ -80,10 +92,13 @@ def raw_producer(addr: str, batch_bytes: int, n: int) -> None:
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.SNDHWM, 32)
     s.connect(addr)
+    c0 = time.process_time()
     for i in range(n):
         s.send(batch_to_ipc(stamp(base, f"g{i}", 1)), copy=False)
     s.close(linger=10_000)
     ctx.term()
+    if cpu is not None:
+        cpu.value = time.process_time() - c0
 
 
 def raw_run(batch_bytes: int, n: int) -> dict:
@@ -95,8 +110,11 @@ def raw_run(batch_bytes: int, n: int) -> dict:
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 32)
     port = s.bind_to_random_port("tcp://127.0.0.1")
-    p = mp.get_context("fork").Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", batch_bytes, n))
+    fork = mp.get_context("fork")
+    prod_cpu = fork.Value("d", 0.0)
+    p = fork.Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", batch_bytes, n, prod_cpu))
     p.start()
+    c0 = time.process_time()
     lat, rows, t0, nbytes = [], 0, None, 0
     for _ in range(n):
         if not s.poll(30_000):
@@ -109,40 +127,46 @@ def raw_run(batch_bytes: int, n: int) -> dict:
         rows += b.num_rows
         nbytes += len(f.buffer)
     dt = time.perf_counter() - t0
+    cons_cpu = time.process_time() - c0
     p.join(30)
     s.close(0)
     ctx.term()
     first = rows // n
     return {"rows_per_s": (rows - first) / dt, "bytes_per_s": nbytes * (n - 1) / n / dt, "lat": lat,
-            "rows_per_batch": first}
+            "rows_per_batch": first,
+            "cpu_ms_per_batch": {"producer": prod_cpu.value / n * 1e3, "consumer": cons_cpu / n * 1e3}}
 
 
 # -- through the broker --------------------------------------------------------------------------
 
-def broker_producer(addr: str, batch_bytes: int, n: int) -> None:
+def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
     from broker.client import ProducerClient, new_event_loop
 
     async def go():
         base = base_batch(batch_bytes)
         prod = ProducerClient(addr, producer_id="bench", timeout_s=60)
-        tickets: list = []
+        tickets: collections.deque = collections.deque()
         window = asyncio.Semaphore(WINDOW)  # pushes in flight; cheaper than asyncio.wait per batch
         errors: list = []
 
         def done(fut: asyncio.Future) -> None:
             window.release()
-            if not fut.cancelled() and fut.exception() is not None:
+            if fut.cancelled():
+                return
+            if fut.exception() is not None:
                 errors.append(fut.exception())
+            else:
+                tickets.extend(fut.result().tickets)
 
         inflight = []
         for i in range(n):
             while not tickets:
-                tickets = await prod.acquire_tickets(64, wait_s=5.0)
-            t = tickets.pop(0)
+                tickets.extend(await prod.acquire_tickets(IN_FLIGHT, wait_s=5.0, min_groups=WINDOW))
+            t = tickets.popleft()
             await window.acquire()
             if errors:
                 raise errors[0]
-            fut = asyncio.ensure_future(prod.push(stamp(base, f"g{i}", t.step)))
+            fut = asyncio.ensure_future(prod.push(stamp(base, f"g{i}", t.step), want_tickets=WINDOW))
             fut.add_done_callback(done)
             inflight.append(fut)
             if len(inflight) > 4 * WINDOW:
@@ -153,8 +177,11 @@ def broker_producer(addr: str, batch_bytes: int, n: int) -> None:
             raise errors[0]
         await prod.close()
 
+    c0 = time.process_time()
     with asyncio.Runner(loop_factory=new_event_loop) as r:
         r.run(go())
+    if cpu is not None:
+        cpu.value = time.process_time() - c0
 
 
 def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> dict:
@@ -164,20 +191,27 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
     tmp = tempfile.TemporaryDirectory(prefix="bench-spool-")
     g = groups_per_step
     steps = n // g
-    opts = dict(groups_per_step=g, max_staleness=IN_FLIGHT // g - 1, byte_budget_mb=4096, max_message_mb=1024,
+    k = IN_FLIGHT // g - 1
+    opts = dict(groups_per_step=g, max_staleness=k, byte_budget_mb=4096, max_message_mb=1024,
                 spool_dir=tmp.name if spool else None, fsync="never")
     bp = BrokerProcess(**opts).start()
-    p = mp.get_context("fork").Process(target=broker_producer, args=(bp.address, batch_bytes, n))
+    fork = mp.get_context("fork")
+    prod_cpu = fork.Value("d", 0.0)
+    broker_cpu0 = proc_cpu_s(bp.pid)
+    p = fork.Process(target=broker_producer, args=(bp.address, batch_bytes, n, prod_cpu))
     p.start()
 
     async def consume():
         cons = ConsumerClient(bp.address, consumer_id="bench", timeout_s=60)
-        lat, rows, t0, acks = [], 0, None, []
+        lat, rows, t0 = [], 0, None
         nxt = asyncio.ensure_future(cons.next_batch(1, wait_s=30))
         for step in range(1, steps + 1):
             lease = await nxt
             if lease is None:
                 raise TimeoutError(f"broker bench: no batch for step {step} within 30 s")
+            # The ack of this step rides on the next step's request, sent right away
+            # (the prefetch): no round trip of its own.
+            await cons.ack(lease.lease_id, defer=True)
             if step < steps:
                 nxt = asyncio.ensure_future(cons.next_batch(step + 1, wait_s=30))
             now = time.time()
@@ -187,20 +221,23 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
                 rows += lease.batch.num_rows
             # one send time per pushed batch (each push is stamped once)
             lat.extend(now - np.unique(lease.batch.column("t_start").to_numpy()))
-            acks.append(asyncio.ensure_future(cons.ack(lease.lease_id)))
         dt = time.perf_counter() - t0
-        await asyncio.gather(*acks)
-        await cons.close()
+        await cons.close()  # sends the last deferred acks
         return rows, dt, lat
 
     try:
+        c0 = time.process_time()
         with asyncio.Runner(loop_factory=new_event_loop) as r:
             rows, dt, lat = r.run(consume())
+        cons_cpu = time.process_time() - c0
         p.join(60)
+        broker_cpu = proc_cpu_s(bp.pid) - broker_cpu0
     finally:
         bp.stop()
         tmp.cleanup()
-    return {"rows_per_s": rows / dt, "lat": lat}
+    return {"rows_per_s": rows / dt, "lat": lat,
+            "cpu_ms_per_batch": {"producer": prod_cpu.value / n * 1e3, "broker": broker_cpu / n * 1e3,
+                                 "consumer": cons_cpu / n * 1e3}}
 
 
 def best(runs: list[dict]) -> dict:
@@ -226,12 +263,16 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
         "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
         "raw_p50_ms": float(np.percentile(rlat, 50)), "raw_p99_ms": float(np.percentile(rlat, 99)),
         "runs_rows_per_s": [r["rows_per_s"] for r in brokers], "raw_runs_rows_per_s": [r["rows_per_s"] for r in raws],
+        "cpu_ms_per_batch": {k: round(v, 3) for k, v in b["cpu_ms_per_batch"].items()},
+        "raw_cpu_ms_per_batch": {k: round(v, 3) for k, v in raw["cpu_ms_per_batch"].items()},
         "load_avg_1m": os.getloadavg()[0],
     }
     print(f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
           f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
           f"ratio {out['ratio_vs_raw']:.2f} | p50 {out['p50_ms']:.1f} ms p99 {out['p99_ms']:.1f} ms "
-          f"(raw {out['raw_p50_ms']:.1f}/{out['raw_p99_ms']:.1f})", flush=True)
+          f"(raw {out['raw_p50_ms']:.1f}/{out['raw_p99_ms']:.1f}) | CPU ms/batch "
+          f"{sum(out['cpu_ms_per_batch'].values()):.2f} (raw {sum(out['raw_cpu_ms_per_batch'].values()):.2f})",
+          flush=True)
     return out
 
 

@@ -5,14 +5,21 @@ to replies by ``req``. Every wait has a timeout that names the broker, the
 operation and the time waited. Requests that are idempotent on the broker side
 (push, next_batch, ack, renew, status, versions) are re-sent after a silent
 attempt, so a broker restart on the same address is ridden out within
-``timeout_s``; ``acquire_tickets`` is sent once (a lost grant expires on its own).
+``timeout_s``; ``acquire_tickets`` is sent once (a lost grant expires on its own,
+after ``ticket_timeout_s``; so do tickets of a push reply that was lost).
+
+Round trips on the batch path: ``push(batch, want_tickets=n)`` brings back new
+tickets with the push reply, and ``ack(lease_id, defer=True)`` sends the ack with
+the consumer's next ``next_batch`` (or at ``flush_acks``/``close``), so a step
+costs one round trip per side.
 
 Example (producer)::
 
     prod = ProducerClient("tcp://127.0.0.1:5555", producer_id="worker-0")
     for t in await prod.acquire_tickets(max_groups=4, wait_s=5.0):
         ...                                   # run one prompt group with rows' step = t.step
-    await prod.push(batch)                    # rows of complete groups; waits while the broker is full
+    reply = await prod.push(batch, want_tickets=1)   # rows of complete groups; waits while the broker is full
+    reply.tickets                             # granted with the reply (maybe none)
 
 Example (consumer, from a synchronous torch loop)::
 
@@ -138,12 +145,17 @@ class _Client:
                 return
             try:
                 reply = P.decode_reply(frames[0].buffer)
-            except msgspec.DecodeError:
+                if isinstance(reply, P.LeaseReply):
+                    replies = [(reply, frames[1:])]
+                else:  # the broker coalesces replies without payload (see broker.protocol)
+                    replies = [(reply, [])] + [(P.decode_reply(f.buffer), []) for f in frames[1:]]
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 log.error("undecodable reply from broker %s; ignored", self.address)
                 continue
-            fut = self._pending.get(reply.req)
-            if fut is not None and not fut.done():
-                fut.set_result((reply, frames[1:]))
+            for reply, rest in replies:
+                fut = self._pending.get(reply.req)
+                if fut is not None and not fut.done():
+                    fut.set_result((reply, rest))
 
     def _after_send(self) -> None:
         # A send may consume the FD's edge for a reply that arrived meanwhile.
@@ -195,7 +207,7 @@ class _Client:
                 timer.cancel()
                 self._pending.pop(msg.req, None)
             if isinstance(reply, P.ErrorReply):
-                raise BrokerError(reply.code, reply.message, reply.retry_after_s)
+                raise BrokerError(reply.code, reply.message, reply.retry_after_s, reply.lease_id)
             return reply, rest
 
     async def ping(self) -> None:
@@ -231,21 +243,26 @@ class ProducerClient(_Client):
         super().__init__(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir)
         self.producer_id = producer_id
 
-    async def acquire_tickets(self, max_groups: int, wait_s: float) -> list[Ticket]:
-        """Up to ``max_groups`` tickets; waits up to ``wait_s`` for the first; [] if none came."""
+    async def acquire_tickets(self, max_groups: int, wait_s: float, *, min_groups: int = 1) -> list[Ticket]:
+        """Up to ``max_groups`` tickets; waits up to ``wait_s`` until ``min(min_groups, max_groups)``
+        can be granted at once (fewer round trips), then returns what there is; [] if none came."""
         reply, _ = await self._call(P.AcquireTickets(producer_id=self.producer_id, max_groups=max_groups,
-                                                     wait_s=wait_s), wait_s=wait_s, retry=False)
+                                                     wait_s=wait_s, min_groups=min_groups),
+                                    wait_s=wait_s, retry=False)
         return reply.tickets
 
-    async def push(self, batch: pa.RecordBatch) -> P.PushReply:
+    async def push(self, batch: pa.RecordBatch, *, want_tickets: int = 0) -> P.PushReply:
         """Send rows of complete groups. While the broker's byte budget is full this waits and
-        retries (backpressure) until ``timeout_s``; any refusal raises BrokerError(code, reason)."""
+        retries (backpressure) until ``timeout_s``; any refusal raises BrokerError(code, reason).
+
+        ``want_tickets``: also take up to that many tickets that are free right now; they come
+        back in ``reply.tickets`` (none while other producers are waiting in acquire_tickets)."""
         payload = P.batch_to_ipc(batch)
         deadline = time.monotonic() + self.timeout_s
         backoff = 0.01
         while True:
             try:
-                reply, _ = await self._call(P.Push(producer_id=self.producer_id), payload)
+                reply, _ = await self._call(P.Push(producer_id=self.producer_id, want_tickets=want_tickets), payload)
                 return reply
             except BrokerError as e:
                 if e.code != P.ErrorCode.BUSY or time.monotonic() + backoff > deadline:
@@ -265,14 +282,28 @@ class ConsumerClient(_Client):
         super().__init__(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir)
         self.consumer_id = consumer_id
         self._renewers: dict[str, asyncio.Task] = {}
+        self._deferred: list[str] = []  # acks to send with the next next_batch
 
     async def next_batch(self, step: int, wait_s: float, *, renew_every_s: float | None = None) -> Lease | None:
         """The batch of learner step ``step``, or None if ``wait_s`` passed without one.
 
+        Deferred acks (``ack(..., defer=True)``) travel with this request and are applied
+        before the lookup; if the broker refuses one this raises its BrokerError
+        (``lease_expired``: that step used data handed out again; do not count it).
         With ``renew_every_s`` the lease is renewed in the background until it is acked, so
         only the death of this process (or its event loop) lets it expire."""
-        reply, rest = await self._call(P.NextBatch(consumer_id=self.consumer_id, step=step, wait_s=wait_s),
-                                       wait_s=wait_s)
+        acks = list(self._deferred)
+        try:
+            reply, rest = await self._call(P.NextBatch(consumer_id=self.consumer_id, step=step, wait_s=wait_s,
+                                                       acks=acks), wait_s=wait_s)
+        except BrokerError as e:
+            if e.lease_id in acks:  # applied up to the refused one, which is refused for good
+                self._acks_sent(acks[:acks.index(e.lease_id) + 1])
+            raise
+        self._acks_sent(acks)
+        for lease_id in reply.acks_late:
+            log.warning("lease %s had expired but was acked late (its groups were not handed out again)",
+                        lease_id)
         if isinstance(reply, P.NoBatch):
             return None
         batches = []
@@ -286,6 +317,13 @@ class ConsumerClient(_Client):
                 self._keep_renewing(reply.lease_id, renew_every_s))
         return Lease(reply.lease_id, reply.step, batch, np.frombuffer(reply.staleness, dtype="<i4"))
 
+    def _acks_sent(self, acks: list[str]) -> None:
+        for lease_id in acks:
+            if (task := self._renewers.pop(lease_id, None)) is not None:
+                task.cancel()
+        sent = set(acks)
+        self._deferred = [a for a in self._deferred if a not in sent]
+
     async def _keep_renewing(self, lease_id: str, every_s: float) -> None:
         while True:
             await asyncio.sleep(every_s)
@@ -296,12 +334,35 @@ class ConsumerClient(_Client):
                 if isinstance(e, BrokerError):
                     return
 
-    async def ack(self, lease_id: str) -> P.AckReply:
-        """Raises BrokerError(lease_expired) if the lease's groups went to someone else."""
-        if (task := self._renewers.pop(lease_id, None)) is not None:
-            task.cancel()
-        reply, _ = await self._call(P.Ack(consumer_id=self.consumer_id, lease_id=lease_id))
+    async def ack(self, lease_id: str, *, defer: bool = False) -> P.AckReply | None:
+        """Raises BrokerError(lease_expired) if the lease's groups went to someone else.
+
+        ``defer=True`` saves a round trip: the ack goes with the next ``next_batch`` (or
+        ``flush_acks``/``close``) and returns None now; the lease is kept renewed meanwhile,
+        and an ack that never arrives (this process died) is handled by lease expiry."""
+        if defer:
+            if lease_id not in self._deferred:
+                self._deferred.append(lease_id)
+            return None
+        try:
+            reply, _ = await self._call(P.Ack(consumer_id=self.consumer_id, lease_id=lease_id))
+        finally:
+            self._acks_sent([lease_id])  # stop renewing: acked, refused, or the broker is gone
         return reply
+
+    async def flush_acks(self) -> None:
+        """Send every deferred ack now."""
+        for lease_id in list(self._deferred):
+            await self.ack(lease_id)
+
+    async def close(self, *, flush_acks: bool = True) -> None:
+        """``flush_acks=False`` drops deferred acks (as a crash would: their leases expire)."""
+        try:
+            if flush_acks and self._deferred and self._sock is not None:
+                await self.flush_acks()
+        finally:
+            self._deferred.clear()
+            await super().close()
 
     async def renew(self, lease_id: str) -> None:
         await self._call(P.Renew(lease_id=lease_id))
@@ -367,8 +428,20 @@ class SyncConsumer(_SyncClient):
     def next_batch(self, step: int, wait_s: float, *, renew_every_s: float | None = None) -> Lease | None:
         return self._call(self.client.next_batch(step, wait_s, renew_every_s=renew_every_s), wait_s)
 
-    def ack(self, lease_id: str) -> P.AckReply:
-        return self._call(self.client.ack(lease_id))
+    def ack(self, lease_id: str, *, defer: bool = False) -> P.AckReply | None:
+        return self._call(self.client.ack(lease_id, defer=defer))
+
+    def flush_acks(self) -> None:
+        return self._call(self.client.flush_acks())
+
+    def close(self, *, flush_acks: bool = True) -> None:
+        if self._lt is None:
+            return
+        try:
+            self._lt.run(self.client.close(flush_acks=flush_acks), self._slack)
+        finally:
+            self._lt.stop()
+            self._lt = None
 
     def renew(self, lease_id: str) -> None:
         return self._call(self.client.renew(lease_id))
@@ -388,11 +461,11 @@ class SyncProducer(_SyncClient):
         super().__init__(ProducerClient(address, producer_id=producer_id, timeout_s=timeout_s,
                                         curve_keys_dir=curve_keys_dir), timeout_s)
 
-    def acquire_tickets(self, max_groups: int, wait_s: float) -> list[Ticket]:
-        return self._call(self.client.acquire_tickets(max_groups, wait_s), wait_s)
+    def acquire_tickets(self, max_groups: int, wait_s: float, *, min_groups: int = 1) -> list[Ticket]:
+        return self._call(self.client.acquire_tickets(max_groups, wait_s, min_groups=min_groups), wait_s)
 
-    def push(self, batch: pa.RecordBatch) -> P.PushReply:
-        return self._call(self.client.push(batch))
+    def push(self, batch: pa.RecordBatch, *, want_tickets: int = 0) -> P.PushReply:
+        return self._call(self.client.push(batch, want_tickets=want_tickets))
 
     def report_engine_version(self, engine_id: str, version: int) -> None:
         return self._call(self.client.report_engine_version(engine_id, version))

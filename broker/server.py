@@ -3,23 +3,32 @@
 Dataflow::
 
     rollout workers (DEALER)                                        learner (DEALER)
-      acquire(max, wait) --> tickets for step s <= v+k+1
-      push(Arrow IPC) -----> validate -> whole groups -> [spool] -> queue
-                                                 next_batch(s, wait) <-- lease: G groups, oldest first
-                                                 ack(lease)          <-- after the optimizer step
-                                                 report_version(v)   <-- after each step
+      acquire(max, wait, min) --> tickets for step s <= v+k+1
+      push(Arrow IPC, want) ----> validate -> whole groups -> [spool] -> queue
+                   <-- reply + up to `want` new tickets
+                                  next_batch(s, wait, acks) <-- acks applied, then lease: G groups, oldest first
+                                  ack(lease)                <-- after the optimizer step (or with the next next_batch)
+                                  report_version(v)         <-- after each step
+
+On the batch path a step costs one round trip per side: a push reply carries new
+tickets, a next_batch carries the acks of earlier leases, and replies without
+payload to one peer in one loop iteration go out as one message.
 
 Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step):
 
 * **Admission.** A ticket is granted while supply (outstanding tickets + groups
   held) is below ``G * (k + 1)``, labelled with step ``v + 1 + supply // G``: each
   step gets exactly ``G`` tickets and only steps ``s <= v + k + 1`` get any. With
-  ``k = 0`` this is the synchronous baseline. A ticket not fulfilled within
+  ``k = 0`` this is the synchronous baseline. Tickets come from ``acquire`` (which
+  may wait for ``min_groups`` free slots at once) or with a push reply
+  (``want_tickets``; only while no producer waits in ``acquire``, so those go first).
+  A ticket not fulfilled within
   ``ticket_timeout_s`` (its producer died) expires and its slot is granted again,
   so a run never stalls on a dead worker. A push is matched to the pushing
   producer's tickets by step; a group whose ticket expired (or that was granted by
   a previous broker incarnation) is still accepted while there is a free slot,
   otherwise refused with ``no_ticket`` (an error reply, never a silent drop).
+  Tickets whose grant never reached the producer (a lost reply) also just expire.
 * **Consumption.** ``next_batch(s)`` sets ``v = s - 1`` and hands out ``G``
   complete groups (pushes hold whole groups only: ``incomplete_group``), oldest
   first (by admission step, then arrival). A group with any row whose staleness
@@ -39,6 +48,15 @@ Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step)
   must not count that step (the learner treats it as fatal and resumes from its
   checkpoint). So no trajectory is ever part of two acked leases. Consumers that
   may hold a lease longer than the timeout call ``renew``.
+* **Piggybacked acks.** ``next_batch(s, acks=[...])`` applies each ack exactly as an
+  ``Ack`` message would, in order, when the request arrives (before it waits), and
+  reports duplicates and late acks in its reply. If one is refused the whole reply
+  is that ``ErrorReply`` (acks before it stay applied; the batch is not looked up).
+  A deferred ack is only an ack that is sent later: until it arrives the lease is
+  live (the client keeps renewing it), and if it never arrives (the consumer died)
+  the lease expires and its groups are handed out again, as for any unacked lease.
+  Between the optimizer step and the next request a crash therefore redelivers the
+  step's data, which the learner's checkpoint-then-ack order already allows for.
 * **Durability** (``spool_dir``). Accepted batches, leases, acks, expiries, drops and
   version changes are written before the state changes and before any reply
   (see :mod:`broker.spool` for fsync). After ``kill -9`` and a restart on the same
@@ -76,7 +94,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -100,6 +118,8 @@ class _Waiter:
     msg: object
     t0: float
     deadline: float
+    acks_duplicate: list = field(default_factory=list)  # results of a NextBatch's piggybacked acks
+    acks_late: list = field(default_factory=list)
 
 
 def _ms(seconds: float) -> int:
@@ -225,20 +245,34 @@ class BrokerServer:
     def _reply(self, ident: bytes, msg, *payload) -> None:
         self._out.append([ident, P.encode(msg), *payload])
 
-    def _error(self, ident: bytes, req: int, code: str, message: str, retry_after_s: float = 0.0) -> None:
+    def _error(self, ident: bytes, req: int, code: str, message: str, retry_after_s: float = 0.0,
+               lease_id: str = "") -> None:
         self.errors[code] += 1
         if code != P.ErrorCode.BUSY:
             log.warning("refused request %d: %s: %s", req, code, message[:300])
-        self._reply(ident, P.ErrorReply(req=req, code=code, message=message, retry_after_s=retry_after_s))
+        self._reply(ident, P.ErrorReply(req=req, code=code, message=message, retry_after_s=retry_after_s,
+                                        lease_id=lease_id))
 
     def _flush(self) -> None:
+        # Replies without payload to one peer go out as one message of several headers:
+        # every message sent wakes libzmq's I/O thread, which on a busy machine costs more
+        # than the work of a small reply.
+        grouped: dict[bytes, list] = {}
         for frames in self._out:
-            try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except (zmq.Again, zmq.ZMQError) as e:
-                self.errors["reply_undeliverable"] += 1
-                log.debug("reply undeliverable: %s", e)
+            if len(frames) == 2:
+                grouped.setdefault(frames[0], [frames[0]]).append(frames[1])
+            else:
+                self._send(frames)
+        for frames in grouped.values():
+            self._send(frames)
         self._out.clear()
+
+    def _send(self, frames: list) -> None:
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except (zmq.Again, zmq.ZMQError) as e:
+            self.errors["reply_undeliverable"] += 1
+            log.debug("reply undeliverable: %s", e)
 
     # -- requests --------------------------------------------------------------------------------
     def _handle(self, frames: list[zmq.Frame]) -> None:
@@ -257,7 +291,7 @@ class BrokerServer:
         except P.ProtocolError as e:
             self._error(ident, req, e.code, e.message)
         except BrokerError as e:
-            self._error(ident, req, e.code, e.message, e.retry_after_s)
+            self._error(ident, req, e.code, e.message, e.retry_after_s, e.lease_id)
         except Exception as e:  # a bug must not take the broker down for everyone
             log.exception("internal error handling a request")
             self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
@@ -266,23 +300,37 @@ class BrokerServer:
         now = time.monotonic()
         st = self.state
         if isinstance(msg, P.Push):
+            if msg.want_tickets < 0:
+                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"want_tickets must be >= 0, got {msg.want_tickets}")
             payload = frames[2]
             batches = P.ipc_to_batches(payload.buffer)
             if not batches:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "Arrow IPC stream holds no record batch")
             batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+            # The frame itself (not a view of it) is kept: sending a zmq.Frame again shares
+            # its buffer by reference count, with no copy and no zero-copy bookkeeping.
             groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer),
-                                           payload=payload.buffer if len(batches) == 1 else None)
-            self._reply(ident, P.PushReply(req=msg.req, groups=groups, rows=rows, duplicates=dups))
+                                           payload=payload if len(batches) == 1 else None)
+            tickets = []
+            if msg.want_tickets and not self._ticket_waiters:  # producers waiting for tickets go first
+                tickets = st.acquire(msg.producer_id, msg.want_tickets, now)
+            self._reply(ident, P.PushReply(req=msg.req, groups=groups, rows=rows, duplicates=dups, tickets=tickets))
         elif isinstance(msg, P.AcquireTickets):
+            if msg.max_groups < 1 or msg.min_groups < 1:
+                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"max_groups and min_groups must be >= 1, got "
+                                  f"{msg.max_groups} and {msg.min_groups}")
             self._ticket_waiters.append(_Waiter(ident, msg, now, now + max(0.0, msg.wait_s)))
-            if msg.max_groups < 1:
-                self._ticket_waiters.pop()
-                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"max_groups must be >= 1, got {msg.max_groups}")
         elif isinstance(msg, P.NextBatch):
             if msg.step < 1:
                 raise BrokerError(P.ErrorCode.BAD_REQUEST, f"step must be >= 1, got {msg.step}")
-            self._lease_waiters.append(_Waiter(ident, msg, now, now + max(0.0, msg.wait_s)))
+            w = _Waiter(ident, msg, now, now + max(0.0, msg.wait_s))
+            for lease_id in msg.acks:  # before the lookup: acked groups free their slots at once
+                dup, late = st.ack(lease_id, now)
+                if dup:
+                    w.acks_duplicate.append(lease_id)
+                elif late:
+                    w.acks_late.append(lease_id)
+            self._lease_waiters.append(w)
         elif isinstance(msg, P.Ack):
             dup, late = st.ack(msg.lease_id, now)
             self._reply(ident, P.AckReply(req=msg.req, duplicate=dup, late=late))
@@ -308,6 +356,9 @@ class BrokerServer:
     def _serve_waiters(self, now: float) -> None:
         keep = []
         for w in self._ticket_waiters:
+            if now < w.deadline and self.state.free_slots() < min(w.msg.min_groups, w.msg.max_groups):
+                keep.append(w)
+                continue
             try:
                 tickets = self.state.acquire(w.msg.producer_id, w.msg.max_groups, now)
             except BrokerError as e:
@@ -331,10 +382,12 @@ class BrokerServer:
                 self.learner_wait.observe(now - w.t0)
                 self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
                                                   groups=len(lease.group_ids),
-                                                  staleness=lease.staleness.astype("<i4").tobytes()),
+                                                  staleness=lease.staleness.astype("<i4").tobytes(),
+                                                  acks_duplicate=w.acks_duplicate, acks_late=w.acks_late),
                             *_lease_frames(lease))
             elif now >= w.deadline:
-                self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups))
+                self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups,
+                                               acks_duplicate=w.acks_duplicate, acks_late=w.acks_late))
             else:
                 keep.append(w)
         self._lease_waiters = keep

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from broker.protocol import ErrorCode, Ticket
-from broker.schema import TRAJECTORY_SCHEMA, SchemaError, oldest_versions, validate_batch
+from broker.schema import TRAJECTORY_SCHEMA, BatchView, SchemaError, batch_view, inspect_batch
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 class BrokerError(Exception):
     """A request the broker refuses; ``code`` is an ErrorCode, sent back in the error reply."""
 
-    def __init__(self, code: str, message: str, retry_after_s: float = 0.0) -> None:
+    def __init__(self, code: str, message: str, retry_after_s: float = 0.0, lease_id: str = "") -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.lease_id = lease_id  # the lease a refused ack or renew is about
 
 
 class Journal(Protocol):
@@ -104,27 +105,27 @@ class Counters:
     staleness_hist: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
 
-def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None) -> list[Group]:
+def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
+                 view: BatchView | None = None) -> list[Group]:
     """Cut a validated batch into whole groups; raise BrokerError if any group is partial.
 
     Rows of one group that sit together become a zero-copy slice; scattered rows are
     gathered with ``take`` (one copy). ``seq`` and ``lease_id`` are filled in by the caller.
+    ``view``: the batch's :class:`broker.schema.BatchView` if the caller has it already.
     """
     n = batch.num_rows
     if n == 0:
         return []
-    gids = batch.column("group_id").to_pylist()
-    si = batch.column("sample_index").to_numpy()
-    gs = batch.column("group_size").to_numpy()
-    step = batch.column("step").to_numpy()
-    ver = oldest_versions(batch)
+    view = view if view is not None else batch_view(batch)
+    si, gs, step, ver = view.sample_index, view.group_size, view.step, view.oldest_version
     total = payload_bytes if payload_bytes is not None else batch.nbytes
-    if gids.count(gids[0]) == n and n == int(gs[0]) and (gs == n).all() and (step == step[0]).all():
+    if view.single_group is not None and n == int(gs[0]) and (gs == n).all() and (step == step[0]).all():
         # One whole group per push (the usual case): the same checks as below, without the
         # per-group index arrays. Validated rows have 0 <= sample_index < group_size, so
         # the indices are all of 0..n-1 exactly when the count of each is one.
-        if int(si.min()) >= 0 and (np.bincount(si, minlength=n) == 1).all():
-            return [Group(gids[0], int(step[0]), 0, batch, max(1, total), ver)]
+        if (np.bincount(si, minlength=n) == 1).all():
+            return [Group(view.single_group, int(step[0]), 0, batch, max(1, total), ver)]
+    gids = view.group_ids if view.group_ids is not None else batch.column("group_id").to_pylist()
     rows_of: dict[str, list[int]] = {}
     for i, g in enumerate(gids):
         rows_of.setdefault(g, []).append(i)
@@ -183,6 +184,9 @@ class BrokerState:
         self._next_ticket = int.from_bytes(os.urandom(3), "little") << 20
         self._next_lease = 0
         self._seq = 0
+        # A lower bound of every lease and ticket deadline, so tick() (once per server loop
+        # iteration) scans them only when one may have passed.
+        self._min_deadline = float("inf")
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -203,6 +207,10 @@ class BrokerState:
     def _demand(self) -> int:
         return self.G * (self.k + 1)
 
+    def free_slots(self) -> int:
+        """Tickets that acquire() would grant now."""
+        return max(0, self._demand() - self._supply())
+
     # -- admission -------------------------------------------------------------------------------
     def acquire(self, producer_id: str, max_groups: int, now: float) -> list[Ticket]:
         if max_groups < 1:
@@ -214,6 +222,8 @@ class BrokerState:
             self._next_ticket += 1
             self._tickets[tid] = _TicketRec(producer_id, step, now + self.ticket_timeout_s)
             out.append(Ticket(tid, step))
+        if out:
+            self._min_deadline = min(self._min_deadline, now + self.ticket_timeout_s)
         self.counters.tickets_granted += len(out)
         return out
 
@@ -224,12 +234,12 @@ class BrokerState:
         ``payload`` (the IPC frame the batch was read from) is kept with a group that is
         the whole batch, so a lease can hand the same bytes on without serialising again."""
         try:
-            validate_batch(batch)
+            view = inspect_batch(batch)
         except SchemaError as e:
             raise BrokerError(ErrorCode.BAD_SCHEMA, str(e)) from None
         if not batch.schema.equals(TRAJECTORY_SCHEMA):  # e.g. nullable fields: same data, our schema
             batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
-        groups = split_groups(batch, payload_bytes)
+        groups = split_groups(batch, payload_bytes, view)
         fresh = [g for g in groups if g.group_id not in self.pending and g.group_id not in self._done]
         dups = len(groups) - len(fresh)
         if not fresh:
@@ -322,6 +332,7 @@ class BrokerState:
                       now + self.lease_timeout_s, [g.payload for g in picked])
         for g in picked:
             g.lease_id = lid
+        self._min_deadline = min(self._min_deadline, lease.deadline)
         self._leases[lid] = lease
         self._lease_by_key[(consumer_id, step)] = lid
         self.counters.leased_groups += len(picked)
@@ -356,10 +367,12 @@ class BrokerState:
                 return True, False
             lease = self._expired.get(lease_id)
             if lease is None:
-                raise BrokerError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown to this broker")
+                raise BrokerError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown to this broker",
+                                  lease_id=lease_id)
             if not all((g := self.pending.get(gid)) is not None and g.lease_id is None for gid in lease.group_ids):
                 raise BrokerError(ErrorCode.LEASE_EXPIRED, f"lease {lease_id!r} (step {lease.step}) expired and "
-                                  "some of its groups were handed out again or dropped; do not count this step")
+                                  "some of its groups were handed out again or dropped; do not count this step",
+                                  lease_id=lease_id)
             del self._expired[lease_id]
             late = True
             self.counters.late_acks += 1
@@ -381,7 +394,7 @@ class BrokerState:
         lease = self._leases.get(lease_id)
         if lease is None:
             code = ErrorCode.LEASE_EXPIRED if lease_id in self._expired else ErrorCode.UNKNOWN_LEASE
-            raise BrokerError(code, f"lease {lease_id!r} is not live; it cannot be renewed")
+            raise BrokerError(code, f"lease {lease_id!r} is not live; it cannot be renewed", lease_id=lease_id)
         lease.deadline = now + self.lease_timeout_s
 
     def set_version(self, version: int) -> None:
@@ -401,6 +414,8 @@ class BrokerState:
     # -- time ------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         """Expire leases (their groups are queued again) and unfulfilled tickets."""
+        if now < self._min_deadline:
+            return
         for lid in [lid for lid, lease in self._leases.items() if lease.deadline <= now]:
             lease = self._leases.pop(lid)
             self._lease_by_key.pop((lease.consumer_id, lease.step), None)
@@ -420,10 +435,12 @@ class BrokerState:
         for tid in dead:
             del self._tickets[tid]
         self.counters.tickets_expired += len(dead)
+        ds = [lease.deadline for lease in self._leases.values()] + [t.deadline for t in self._tickets.values()]
+        self._min_deadline = min(ds) if ds else float("inf")
 
     def next_deadline(self) -> float | None:
-        ds = [lease.deadline for lease in self._leases.values()] + [t.deadline for t in self._tickets.values()]
-        return min(ds) if ds else None
+        """No lease or ticket expires before this (it may be earlier than the first that does)."""
+        return self._min_deadline if self._min_deadline != float("inf") else None
 
     # -- recovery --------------------------------------------------------------------------------
     def restore(self, batches: list[pa.RecordBatch], records: list, now: float) -> None:
@@ -462,6 +479,7 @@ class BrokerState:
                                   now + self.lease_timeout_s, [None] * len(gs))
                     for g in gs:
                         g.lease_id = lid
+                    self._min_deadline = min(self._min_deadline, lease.deadline)
                     self._leases[lid] = lease
                     self._lease_by_key[(consumer_id, step)] = lid
             for lid, (step, consumer_id, gids) in list(expired.items())[-self._max_expired:]:

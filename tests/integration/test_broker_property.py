@@ -1,7 +1,8 @@
 """Property test against the real broker process over real sockets, with kill -9 restarts on a spool.
 
-Random sequences of produce, consume, ack, version bumps, consumer crash (its lease
-expires) and broker kill -9 + restart. At the end the queue is drained and the spool
+Random sequences of produce, consume, ack (sent at once, or deferred to ride on the next
+next_batch), version bumps, consumer crash (its leases expire, deferred acks are lost) and
+broker kill -9 + restart. At the end the queue is drained and the spool
 exported; then (a) no consumed group violated the bound, (b) every accepted group was
 acked exactly once or dropped with reason ``stale``, (c) no group was in two acked leases.
 Few examples: each starts processes (the pure state machine in tests/unit runs many more).
@@ -21,7 +22,7 @@ from broker.testing import make_groups
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
-OPS = st.lists(st.sampled_from(["produce", "produce", "produce", "consume", "consume", "ack", "bump",
+OPS = st.lists(st.sampled_from(["produce", "produce", "produce", "consume", "consume", "ack", "defer", "bump",
                                 "crash", "restart"]), min_size=6, max_size=14)
 K, G, LEASE_S = 1, 2, 1.0
 
@@ -37,7 +38,16 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
     versions: dict[str, int] = {}
     acked: dict[str, str] = {}
     held: dict[str, list[str]] = {}
+    deferred: list[tuple[str, list[str]]] = []  # acks that ride on the next next_batch
     v, n = 0, 0
+
+    def count_acked(lid, gids):
+        nonlocal v
+        for g in gids:
+            assert g not in acked, "(c) consumed by two steps"
+            acked[g] = lid
+        v += 1
+
     try:
         for i, op in enumerate(ops):
             cons = consumers[-1]
@@ -52,7 +62,16 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
                 except BrokerError as e:
                     assert e.code == "no_ticket"
             elif op == "consume":
-                lease = cons.next_batch(v + 1, wait_s=0.1)
+                sent, deferred[:] = list(deferred), []
+                try:
+                    lease = cons.next_batch(v + 1, wait_s=0.1)
+                except BrokerError as e:  # a deferred ack was refused: those before it were applied
+                    assert e.code in ("lease_expired", "unknown_lease")
+                    refused = [lid for lid, _ in sent].index(e.lease_id)
+                    for g in sent[refused][1]:  # counted when deferred: take that back
+                        del acked[g]
+                    deferred[:] = sent[refused + 1:]  # not applied yet: the client sends them again
+                    continue
                 if lease is not None:
                     gids = sorted(set(lease.batch.column("group_id").to_pylist()))
                     assert len(gids) == G
@@ -68,17 +87,20 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
                     assert e.code in ("lease_expired", "unknown_lease")
                     continue
                 if not reply.duplicate:
-                    for g in gids:
-                        assert g not in acked, "(c) consumed by two steps"
-                        acked[g] = lid
-                    v += 1
+                    count_acked(lid, gids)
                     cons.report_version(v)
+            elif op == "defer" and held:  # the learner counts its step now; the ack goes later
+                lid, gids = held.popitem()
+                assert cons.ack(lid, defer=True) is None
+                count_acked(lid, gids)
+                deferred.append((lid, gids))
             elif op == "bump":
                 v += 1
                 cons.report_version(v)
             elif op == "crash":  # the learner dies holding its leases; a new one takes over
-                cons.close()
+                cons.close(flush_acks=False)
                 held.clear()
+                deferred.clear()
                 time.sleep(LEASE_S + 0.3)
                 consumers.append(SyncConsumer(bp.address, consumer_id=f"learner-{len(consumers)}", timeout_s=10))
             elif op == "restart":
@@ -86,14 +108,18 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
                 bp = BrokerProcess(address=bp.address, **opts).start()
         # drain: everything left is either consumed (acked once) or too stale and dropped
         cons = consumers[-1]
+        for lid, gids in deferred:  # sent now, explicitly
+            try:
+                cons.ack(lid)
+            except BrokerError as e:
+                assert e.code in ("lease_expired", "unknown_lease")
+                for g in gids:
+                    del acked[g]
         time.sleep(LEASE_S + 0.3)
         while (lease := cons.next_batch(v + 1, wait_s=0.2)) is not None:
             gids = sorted(set(lease.batch.column("group_id").to_pylist()))
             assert cons.ack(lease.lease_id).duplicate is False
-            for g in gids:
-                assert g not in acked, "(c) consumed by two steps"
-                acked[g] = lease.lease_id
-            v += 1
+            count_acked(lease.lease_id, gids)
         assert cons.next_batch(v + K + 10 + max(versions.values(), default=0), wait_s=0.0) is None
         st_ = cons.status()["status"]
         assert st_["broker/queue_depth_groups"] == 0 and st_["broker/leased_groups"] == 0

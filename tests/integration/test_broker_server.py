@@ -109,18 +109,26 @@ def test_hostile_frames_get_error_replies_and_the_broker_keeps_serving(broker):
     push = P.encode(P.Push(producer_id="evil"))
     huge_prefix = b"\xff\xff\xff\xff" + (2**31 - 1).to_bytes(4, "little") + b"\x00" * 64
     wrong_schema = P.batch_to_ipc(pa.RecordBatch.from_pydict({"traj_id": ["a"]})).to_pybytes()
+    dictionary = P.batch_to_ipc(pa.RecordBatch.from_pydict({"traj_id": pa.array(["a"]).dictionary_encode()}))
+    v = P.PROTOCOL_VERSION
     cases = {
         "bad_frame": [[b"\x00garbage\xff"], [push, good[: len(good) // 2]], [push, b"\x93garbage" * 10],
-                      [push, huge_prefix], [push], [push, good, good]],
-        "unknown_type": [[msgspec.msgpack.encode({"proto": 1, "type": "launch_missiles", "req": 5})]],
-        "old_protocol": [[msgspec.msgpack.encode({"proto": 0, "type": "push", "req": 6})]],
-        "bad_request": [[msgspec.msgpack.encode({"proto": 1, "type": "next_batch", "req": 7, "step": "one"})]],
+                      [push, huge_prefix], [push], [push, good, good], [push, dictionary.to_pybytes()],
+                      [push, good[good.index(b"\xff\xff\xff\xff", 8):]]],  # a batch message, no schema
+        "unknown_type": [[msgspec.msgpack.encode({"proto": v, "type": "launch_missiles", "req": 5})]],
+        "old_protocol": [[msgspec.msgpack.encode({"proto": 0, "type": "push", "req": 6})],
+                         [msgspec.msgpack.encode({"proto": 1, "type": "ack", "req": 6, "consumer_id": "c",
+                                                  "lease_id": "x"})]],  # a version-1 client
+        "bad_request": [[msgspec.msgpack.encode({"proto": v, "type": "next_batch", "req": 7, "step": "one"})],
+                        [P.encode(P.Push(producer_id="evil", want_tickets=-1)), good]],
         "bad_schema": [[push, wrong_schema]],
     }
     for code, frames_list in cases.items():
         for frames in frames_list:
             reply = _ask(s, frames)
             assert isinstance(reply, P.ErrorReply) and reply.code == code, (code, reply)
+            if code == "old_protocol":
+                assert f"this broker speaks {v}" in reply.message
     # TCP garbage that is not even ZMTP, and an oversized message, just lose their connection
     host, port = bp.address.rsplit("/", 1)[1].split(":")
     with socket.create_connection((host, int(port)), timeout=5) as raw:
@@ -135,8 +143,8 @@ def test_hostile_frames_get_error_replies_and_the_broker_keeps_serving(broker):
         lease = cons.next_batch(1, wait_s=2)
         assert lease.batch.column("group_id").to_pylist() == ["ok", "ok"]
         errors = cons.status()["errors"]
-        assert errors["bad_frame"] >= 6 and errors["unknown_type"] == 1 and errors["old_protocol"] == 1
-        assert errors["bad_schema"] == 1 and errors["bad_request"] == 1
+        assert errors["bad_frame"] >= 8 and errors["unknown_type"] == 1 and errors["old_protocol"] == 2
+        assert errors["bad_schema"] == 1 and errors["bad_request"] == 2
     finally:
         prod.close()
         cons.close()
@@ -285,3 +293,96 @@ def test_cli_rejects_bad_options_with_a_clear_message(tmp_path):
     assert out.returncode == 2 and "broker.max_staleness" in out.stderr and "greater than or equal to 0" in out.stderr
     out = cli("export", str(tmp_path), "--out", str(tmp_path / "x.parquet"))
     assert out.returncode == 2 and "is not a broker spool" in out.stderr
+
+
+def test_tickets_come_back_with_push_replies_and_waiting_producers_go_first(broker):
+    bp = broker(groups_per_step=1, max_staleness=3)  # 4 slots: steps 1..4
+
+    async def go():
+        prod = ProducerClient(bp.address, producer_id="w0", timeout_s=5)
+        other = ProducerClient(bp.address, producer_id="w1", timeout_s=5)
+        cons = ConsumerClient(bp.address, consumer_id="learner", timeout_s=5)
+        try:
+            [t1] = await prod.acquire_tickets(1, wait_s=0.0)
+            reply = await prod.push(make_groups(["a"], step=t1.step, version=0), want_tickets=8)
+            assert [t.step for t in reply.tickets] == [2, 3, 4]  # what was free, no more
+            # all 4 slots taken: a producer waiting for 2 at once gets nothing until 2 are free
+            t0 = time.monotonic()
+            assert len(await other.acquire_tickets(4, wait_s=0.3, min_groups=2)) == 0
+            assert time.monotonic() - t0 >= 0.25
+            waiting = asyncio.ensure_future(other.acquire_tickets(4, wait_s=5.0, min_groups=2))
+            lease = await cons.next_batch(1, wait_s=1.0)
+            await cons.ack(lease.lease_id)  # one slot free: not enough for the waiter
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            for t in reply.tickets[:1]:  # a push frees none: its group takes its ticket's slot
+                r = await prod.push(make_groups(["b"], step=t.step, version=0), want_tickets=8)
+                assert r.tickets == []  # w1 waits in acquire: it goes first
+            lease = await cons.next_batch(2, wait_s=1.0)
+            await cons.ack(lease.lease_id)
+            assert [t.step for t in await waiting] == [5, 6]  # two at once (w0 still holds steps 3 and 4)
+        finally:
+            for c in (prod, other, cons):
+                await c.close()
+
+    run(go())
+
+
+def test_acks_ride_on_next_batch_and_an_ack_that_never_comes_lets_the_lease_expire(broker):
+    bp = broker(groups_per_step=1, max_staleness=3, lease_timeout_s=1.0)
+    prod = SyncProducer(bp.address, producer_id="w0", timeout_s=5)
+    cons = SyncConsumer(bp.address, consumer_id="learner", timeout_s=5)
+    try:
+        for i, t in enumerate(prod.acquire_tickets(4, wait_s=0.0)):
+            prod.push(make_groups([f"g{i}"], step=t.step, version=0))
+        l1 = cons.next_batch(1, wait_s=1.0)
+        assert cons.ack(l1.lease_id, defer=True) is None
+        assert cons.status()["status"]["broker/acked_groups_total"] == 0  # not sent yet
+        l2 = cons.next_batch(2, wait_s=1.0)  # carries the ack of l1
+        st = cons.status()["status"]
+        assert st["broker/acked_groups_total"] == 1 and st["broker/version"] == 1
+        assert l2.batch.column("group_id")[0].as_py() == "g1"
+        # l2's ack is deferred and the consumer "dies" before sending it: the lease expires
+        cons.ack(l2.lease_id, defer=True)
+        cons.close(flush_acks=False)
+        cons = SyncConsumer(bp.address, consumer_id="learner-2", timeout_s=5)
+        time.sleep(1.3)
+        again = cons.next_batch(2, wait_s=1.0)  # g1 again, under a new lease; nothing lost
+        assert again.lease_id != l2.lease_id and again.batch.column("group_id")[0].as_py() == "g1"
+        # the old ack arriving now (piggybacked) is refused by name; later acks in the list are kept
+        l3 = cons.next_batch(3, wait_s=1.0)
+        cons.ack(l2.lease_id, defer=True)
+        cons.ack(l3.lease_id, defer=True)
+        with pytest.raises(BrokerError) as err:
+            cons.next_batch(4, wait_s=1.0)
+        assert err.value.code == "lease_expired" and err.value.lease_id == l2.lease_id
+        cons.ack(again.lease_id, defer=True)
+        l4 = cons.next_batch(4, wait_s=1.0)  # carries l3 (kept) and `again`
+        cons.ack(l4.lease_id, defer=True)
+        cons.close()  # flushes the deferred ack of l4
+        st = get_status(bp.address)["status"]
+        assert st["broker/acked_groups_total"] == 4 and st["broker/redelivered_groups_total"] == 1
+        assert st["broker/queue_depth_groups"] == 0 and st["broker/leased_groups"] == 0
+        assert l4.batch.column("group_id")[0].as_py() == "g3"
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_replies_to_one_peer_are_coalesced_and_all_matched(broker):
+    bp = broker(groups_per_step=1, max_staleness=1)
+    ctx, s = _raw(bp.address)
+    try:
+        s.send_multipart([P.encode(P.Ping(req=1))])
+        s.send_multipart([P.encode(P.Ping(req=2))])
+        s.send_multipart([P.encode(P.Ping(req=3))])
+        seen, messages = [], 0
+        while len(seen) < 3:
+            assert s.poll(5000)
+            frames = s.recv_multipart()
+            messages += 1
+            seen += [P.decode_reply(f).req for f in frames]
+        assert sorted(seen) == [1, 2, 3] and messages <= 3
+    finally:
+        s.close(0)
+        ctx.term()

@@ -1,0 +1,140 @@
+"""The broker's fast batch validation agrees with the row-by-row checks, and IPC framing round-trips.
+
+``broker.schema.inspect_batch`` accepts a batch on whole-batch reductions and only looks
+row by row when one fails. The property here: whenever the fast path accepts, the
+row-wise checks (which name the bad row) accept too, and the view it returns is the
+same as the one read column by column; for the usual single-segment rows it does accept.
+Batches are built unchecked, from random rows with random defects, and also sliced
+(a non-zero array offset is where buffer arithmetic goes wrong).
+"""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker import protocol as P
+from broker.schema import (TRAJECTORY_SCHEMA, SchemaError, _fast_view, _find_error, batch_view, inspect_batch,
+                           validate_batch)
+from broker.testing import make_groups
+
+pytestmark = pytest.mark.timeout(120)
+
+DEFECTS = ["none", "none", "none", "lp_nan", "lp_inf", "lp_neg_inf", "lp_positive", "lp_tiny_positive",
+           "lp_short", "dup_traj", "seg_two_ok", "seg_two_unordered", "seg_two_past_end", "seg_versions_down",
+           "seg_not_zero", "seg_empty", "version_negative", "reward_nan", "reward_inf", "finish_unknown",
+           "sample_index_high", "sample_index_negative", "group_size_zero", "empty_response", "null_reward",
+           "null_logprob"]
+
+
+def _rows(n, defects, resp_len, draw_int):
+    rows = []
+    for i in range(n):
+        d = defects[i]
+        r = resp_len if d != "empty_response" else 0
+        lp = [-0.5] * r
+        starts, vers = [0], [3]
+        if d == "lp_nan" and r:
+            lp[draw_int(r)] = float("nan")
+        elif d == "lp_inf" and r:
+            lp[draw_int(r)] = float("inf")
+        elif d == "lp_neg_inf" and r:
+            lp[draw_int(r)] = float("-inf")
+        elif d == "lp_positive" and r:
+            lp[draw_int(r)] = 0.5
+        elif d == "lp_tiny_positive" and r:
+            lp[draw_int(r)] = 5e-5  # rounding noise of a sampler: allowed
+        elif d == "lp_short" and r:
+            lp = lp[:-1]
+        elif d == "null_logprob" and r:
+            lp[draw_int(r)] = None
+        elif d == "seg_two_ok" and r > 1:
+            starts, vers = [0, r - 1], [3, 4]
+        elif d == "seg_two_unordered" and r > 1:
+            starts, vers = [0, 0], [3, 4]
+        elif d == "seg_two_past_end":
+            starts, vers = [0, r + 1], [3, 4]
+        elif d == "seg_versions_down" and r > 1:
+            starts, vers = [0, 1], [3, 2]
+        elif d == "seg_not_zero":
+            starts = [1]
+        elif d == "seg_empty":
+            starts, vers = [], []
+        elif d == "version_negative":
+            vers = [-1]
+        rows.append(dict(
+            traj_id=f"g/{i}" if d != "dup_traj" else "g/0", group_id="g" if i % 3 else "h",
+            sample_index={"sample_index_high": 9, "sample_index_negative": -1}.get(d, i % 4),
+            group_size=0 if d == "group_size_zero" else 4, step=2, prompt_ids=[1, 2],
+            response_ids=list(range(r)), behaviour_logprobs=lp, segment_starts=starts, segment_versions=vers,
+            reward={"reward_nan": float("nan"), "reward_inf": float("inf"), "null_reward": None}.get(d, 0.5),
+            finish_reason="exploded" if d == "finish_unknown" else ["stop", "length", "abort"][i % 3],
+            engine_id="e", data_source="d", t_start=0.0, t_end=1.0))
+    return rows
+
+
+def _unchecked(rows):
+    return pa.RecordBatch.from_pydict({f.name: pa.array([r[f.name] for r in rows], f.type) for f in TRAJECTORY_SCHEMA},
+                                      schema=TRAJECTORY_SCHEMA)
+
+
+def _row_wise_ok(batch):
+    try:
+        _find_error(batch)
+        return True
+    except SchemaError:
+        return False
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), n=st.integers(1, 12), resp_len=st.integers(0, 6))
+def test_fast_path_accepts_only_what_the_row_wise_checks_accept(data, n, resp_len):
+    defects = data.draw(st.lists(st.sampled_from(DEFECTS), min_size=n, max_size=n))
+    batch = _unchecked(_rows(n, defects, resp_len, lambda k: data.draw(st.integers(0, k - 1))))
+    start = data.draw(st.integers(0, n - 1))
+    for b in (batch, batch.slice(start, data.draw(st.integers(1, n - start)))):
+        b.validate(full=True)
+        view = _fast_view(b)
+        if view is not None:
+            assert _row_wise_ok(b), defects
+            ref = batch_view(b)
+            assert view.single_group == ref.single_group
+            assert view.group_ids in (None, ref.group_ids)
+            for name in ("sample_index", "group_size", "step", "oldest_version"):
+                assert np.array_equal(getattr(view, name), getattr(ref, name)), name
+        clean = all(d in ("none", "lp_tiny_positive", "empty_response") for d in defects)
+        if clean and b is batch:
+            assert view is not None, "a clean single-segment batch left the fast path"
+        # the public entry point raises exactly when the row-wise checks do
+        try:
+            inspect_batch(b)
+            accepted = True
+        except SchemaError:
+            accepted = False
+        assert accepted == _row_wise_ok(b)
+
+
+def test_ipc_round_trip_of_one_and_several_batches_is_byte_identical_to_a_stream_writer():
+    for rows in (1, 8, 300):  # 300 rows of 1,000 tokens: over the small-batch threshold
+        b = make_groups(["g"], step=1, version=0, group_size=rows, resp_len=1000)
+        for batches in ([b], [b, b.slice(1)]):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, b.schema) as w:
+                for x in batches:
+                    w.write_batch(x)
+            wire = P.batch_to_ipc(batches)
+            assert wire.to_pybytes() == sink.getvalue().to_pybytes()
+            back = P.ipc_to_batches(wire)
+            assert [x.num_rows for x in back] == [x.num_rows for x in batches]
+            assert all(x.equals(y) for x, y in zip(back, batches))
+            validate_batch(back[0])
+
+
+def test_ipc_reader_refuses_streams_that_are_not_record_batches():
+    good = P.batch_to_ipc(make_groups(["g"], step=1, version=0)).to_pybytes()
+    dictionary = P.batch_to_ipc(pa.RecordBatch.from_pydict({"x": pa.array(["a", "b"]).dictionary_encode()}))
+    for bad in (b"", good[:40], good[: len(good) - 30], b"\x00" * 64, dictionary.to_pybytes()):
+        with pytest.raises(P.ProtocolError) as e:
+            P.ipc_to_batches(bad)
+        assert e.value.code == P.ErrorCode.BAD_FRAME
