@@ -16,6 +16,7 @@
 #   sglang          bench/sglang_flags.py alongside tests/gpu/test_sglang_gpu.py
 #   ray-install     pip-install .whl-ray/*.whl (Ray 2.60 without its Java jar, jsonschema, math-verify)
 #                   into /tmp/site-ray
+#   megatron        tests/gpu/test_megatron_gpu.py + bench/learner.py (FSDP vs Megatron tokens/s, MFU)
 #   ranks           tests/gpu/test_learner_ranks_gpu.py: 2 learner ranks as Ray actors, NCCL
 #   system-vllm     tests/gpu/test_full_system_gpu.py[vllm]: launch/cluster.py on 2 GPUs, vLLM fleet
 #   system-sglang   tests/gpu/test_full_system_gpu.py[sglang]: the same with the SGLang fleet
@@ -139,6 +140,11 @@ for step in "$@"; do
         ranks)  # 2 learner ranks under Ray on both GPUs (needs ray and pyzmq: after ray-install, vllm-install)
             with_site /tmp/site-vllm:/tmp/site-ray timeout 300 $PY -m pytest -v -s -rA -p no:cacheprovider \
                 tests/gpu/test_learner_ranks_gpu.py
+            ;;
+        megatron)  # megatron-core comes with the base wheels (.whl/)
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout 400 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_megatron_gpu.py
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout 300 $PY bench/learner.py --json "$OUT/learner.json"
             ;;
         system-vllm) system vllm /tmp/site-vllm ;;
         system-sglang) system sglang /tmp/site-sglang ;;

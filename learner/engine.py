@@ -34,6 +34,16 @@ class TrainingEngine(ABC):
     world_size: int
     device: torch.device
 
+    # The step batch is split over data-parallel replicas: every rank for FSDP; for Megatron the ranks of
+    # one TP x PP replica share a split (they must run the same micro-batches).
+    @property
+    def data_rank(self) -> int:
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.world_size
+
     @abstractmethod
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-response-token log-probs and entropies ([n] each) of one packed micro-batch."""
@@ -114,11 +124,17 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 def logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Select the response positions first (the full-vocab softmax of prompt tokens is never built)."""
-    sel = logits[0, mb.target_index].float()
+    return logprobs_from_selected(logits[0, mb.target_index], mb.targets, temperature)
+
+
+def logprobs_from_selected(sel: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and entropies from the [n, vocab] logits of the response positions
+    (shared by every backend, so FSDP and Megatron compute them identically)."""
+    sel = sel.float()
     if temperature != 1.0:
         sel = sel / temperature
     logp_all = torch.log_softmax(sel, dim=-1)
-    logp = logp_all.gather(-1, mb.targets.view(-1, 1)).squeeze(-1)
+    logp = logp_all.gather(-1, targets.view(-1, 1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

@@ -169,7 +169,7 @@ class Learner:
         t0 = time.perf_counter()
         lease, batch = self._pull(step)
         t_pull = time.perf_counter() - t0
-        plan = plan_step(batch, rank=self.engine.rank, world_size=self.engine.world_size,
+        plan = plan_step(batch, rank=self.engine.data_rank, world_size=self.engine.data_world_size,
                          micro_batch_tokens=self.cfg.micro_batch_tokens, advantage=self.cfg.loss.advantage,
                          drop_uniform=self.cfg.loss.drop_uniform_groups, aggregation=self.cfg.loss.aggregation)
         t1 = time.perf_counter()

@@ -49,6 +49,20 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[i
     return dist.get_rank(), dist.get_world_size()
 
 
+def make_engine(lc, model_path: str, *, total_steps: int, seed: int):
+    """The training engine ``learner.engine`` names (fsdp | megatron), on this rank."""
+    if lc.engine == "fsdp":
+        from learner.fsdp import FSDPEngine
+
+        return FSDPEngine(lc, model_path, total_steps=total_steps, seed=seed)
+    if lc.engine == "megatron":
+        from learner.megatron.engine import MegatronEngine, import_megatron
+
+        import_megatron()  # a clear "pip install fleetrl[megatron]" before anything else happens
+        return MegatronEngine(lc, model_path, total_steps=total_steps, seed=seed)
+    raise ValueError(f"unknown learner.engine {lc.engine!r}; expected 'fsdp' or 'megatron'")
+
+
 def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None = None,
                 on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None) -> list[dict]:
     """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
@@ -59,13 +73,9 @@ def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None 
     HF exports to ``RUN_DIR/export/step_XXXXXXXX`` with the symlink ``RUN_DIR/export/latest``. Returns the per-step metrics.
     """
     lc = cfg.learner
-    if lc.engine != "fsdp":
-        raise NotImplementedError(f"learner.engine={lc.engine!r} is not implemented yet; use 'fsdp'")
-    from learner.fsdp import FSDPEngine
-
     torch.manual_seed(cfg.run.seed)
     run_dir = Path(cfg.run.run_dir)
-    engine = FSDPEngine(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
+    engine = make_engine(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,

@@ -1,0 +1,232 @@
+"""Learner benchmark (GPU): tokens/s and MFU of one training step, FSDP2 vs Megatron-core, same model and batch.
+
+The model is a random Qwen2-0.5B-shaped checkpoint built from a config dict (no download), saved once
+in bf16; every case loads it. The step batch is the same synthetic trajectory batch for every case
+(``--seqs`` sequences of ``--prompt`` + ``--response`` tokens, packed into ``--micro-tokens`` rows).
+A training step is ``engine.train_step`` (forward, backward, gradient reduction, clip, AdamW) with
+correction ``tis`` and no proximal pass. Each case runs in fresh processes (one per GPU, NCCL):
+one warm-up step, then ``--steps`` timed steps.
+
+MFU = model FLOPs per second / (measured bf16 matmul peak of one GPU x GPUs used). Model FLOPs of a
+step (PaLM appendix B): 6 x tokens x (non-embedding parameters + LM head) + 12 x layers x heads x
+head_dim x sum(sequence length^2) (attention scores and values, forward + backward, no causal halving).
+Tokens/s counts the whole step batch (all data-parallel ranks together) over the step time.
+
+    python bench/learner.py --json bench/results/learner.json            # 2-GPU machine, ~2-3 min
+    python bench/learner.py --cases fsdp:1:1,megatron:1:1 --steps 2
+
+Output: ``{"cases": [{"engine", "tp", "gpus", "model", "tokens_per_s", "mfu", "step_s", ...}], "device",
+"date", "peak_bf16_tflops"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+log = logging.getLogger("bench.learner")
+
+QWEN2_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                 use_sliding_window=False, bos_token_id=151643, eos_token_id=151643)
+
+
+def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def make_model(out: Path, cfg: dict) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    conf = Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("cuda:0"):
+        model = Qwen2ForCausalLM(conf).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def make_batch(seqs: int, prompt: int, response: int, vocab: int, group: int = 8):
+    import numpy as np
+
+    from broker.schema import Trajectory, to_record_batch
+
+    rng = np.random.default_rng(0)
+    trajs = []
+    for i in range(seqs):
+        g = i // group
+        trajs.append(Trajectory(
+            traj_id=f"b{i}", group_id=f"g{g}", sample_index=i % group, group_size=group, step=1,
+            prompt_ids=rng.integers(0, vocab, size=prompt).tolist(),
+            response_ids=rng.integers(0, vocab, size=response).tolist(),
+            behaviour_logprobs=(-12.0 + rng.normal(0, 0.3, size=response)).clip(max=0).tolist(),
+            segment_starts=[0], segment_versions=[0], reward=float(i % group), finish_reason="stop",
+            engine_id="bench", data_source="synthetic"))
+    return to_record_batch(trajs)
+
+
+def model_flops(cfg: dict, seq_lens: list[int]) -> float:
+    h, f, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // nh
+    per_layer = h * (nh * hd + 2 * kv * hd) + nh * hd * h + 3 * h * f  # qkv, o, gate/up/down (biases ignored)
+    n = L * per_layer + v * h  # + LM head (tied or not, it is a matmul per token)
+    tokens = sum(seq_lens)
+    return 6 * tokens * n + 12 * L * nh * hd * sum(s * s for s in seq_lens)
+
+
+def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0", NCCL_CUMEM_ENABLE="0", OMP_NUM_THREADS="4")
+        logging.basicConfig(level=logging.WARNING)
+        import pyarrow as pa
+        import torch.distributed as dist
+
+        from learner.batch import plan_step
+        from learner.config import LearnerConfig
+        from learner.run import init_distributed, make_engine
+
+        init_distributed("nccl", timeout_s=300)
+        lc = LearnerConfig.model_validate({
+            "engine": kw["engine"], "loss": {"correction": "tis"}, "optim": {"lr": 1e-6},
+            "micro_batch_tokens": kw["micro_tokens"],
+            "megatron": {"tensor_model_parallel_size": kw["tp"]}})
+        engine = make_engine(lc, kw["model"], total_steps=100, seed=0)
+        with pa.ipc.open_file(kw["batch"]) as f:
+            batch = f.get_batch(0)
+        plan = plan_step(batch, rank=engine.data_rank, world_size=engine.data_world_size,
+                         micro_batch_tokens=kw["micro_tokens"], advantage="mean_std", drop_uniform=True,
+                         aggregation="token")
+        times = []
+        for i in range(1 + kw["steps"]):
+            torch.cuda.synchronize()
+            dist.barrier()
+            t = time.perf_counter()
+            m = engine.train_step(plan)
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t)
+        t = torch.tensor([max(times) if times else 0.0, torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            Path(kw["out"]).write_text(json.dumps({"step_times": times, "peak_mem_gib": float(t[1]),
+                                                   "loss": m.get("loss_total"), "grad_norm": m.get("grad_norm")}))
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def run_case(engine: str, tp: int, gpus: int, kw: dict, timeout: float) -> dict:
+    import socket
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kw = dict(kw, engine=engine, tp=tp, out=f"{kw['tmp']}/case_{engine}_{tp}_{gpus}.json")
+    procs = [ctx.Process(target=_case_main, args=(r, gpus, port, kw), daemon=True) for r in range(gpus)]
+    t0 = time.time()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(1.0, timeout - (time.time() - t0)))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    codes = [p.exitcode for p in procs]
+    if codes != [0] * gpus:
+        return {"error": f"ranks exited with {codes}"}
+    return json.loads(Path(kw["out"]).read_text()) | {"wall_s": time.time() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--cases", default="fsdp:1:1,megatron:1:1,fsdp:1:2,megatron:2:2",
+                    help="engine:tp:gpus, comma separated")
+    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--response", type=int, default=768)
+    ap.add_argument("--micro-tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--case-timeout", type=float, default=150.0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not torch.cuda.is_available():
+        print("bench/learner.py needs CUDA GPUs", file=sys.stderr)
+        return 2
+    import pyarrow as pa
+
+    peak = matmul_peak_tflops()
+    log.info("measured bf16 matmul peak: %.0f TFLOP/s per GPU", peak)
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="fleetrl_bench_learner_") as tmp:
+        t = time.time()
+        model = make_model(Path(tmp) / "qwen2-0.5b-random", QWEN2_05B)
+        batch = make_batch(args.seqs, args.prompt, args.response, QWEN2_05B["vocab_size"])
+        with pa.ipc.new_file(f"{tmp}/batch.arrow", batch.schema) as w:
+            w.write_batch(batch)
+        log.info("model and batch ready in %.1fs", time.time() - t)
+        seq_lens = [args.prompt + args.response - 1] * args.seqs  # the last token is never an input
+        flops = model_flops(QWEN2_05B, seq_lens)
+        kw = dict(model=str(model), batch=f"{tmp}/batch.arrow", micro_tokens=args.micro_tokens, steps=args.steps,
+                  tmp=tmp)
+        for spec in args.cases.split(","):
+            engine, tp, gpus = spec.split(":")
+            tp, gpus = int(tp), int(gpus)
+            if gpus > torch.cuda.device_count():
+                log.warning("skipping %s: needs %d GPUs", spec, gpus)
+                continue
+            r = run_case(engine, tp, gpus, kw, args.case_timeout)
+            case = {"engine": engine, "tp": tp, "gpus": gpus, "model": "qwen2-0.5B-shaped (random, bf16)"}
+            if "error" in r:
+                case.update(error=r["error"], tokens_per_s=None, mfu=None)
+            else:
+                step = sum(r["step_times"]) / len(r["step_times"])
+                case.update(tokens_per_s=sum(seq_lens) / step, mfu=flops / step / (peak * 1e12 * gpus), step_s=step,
+                            step_times=r["step_times"], peak_mem_gib=r["peak_mem_gib"], loss=r["loss"],
+                            grad_norm=r["grad_norm"], wall_s=r["wall_s"])
+            log.info("%s", json.dumps(case))
+            cases.append(case)
+    out = {"cases": cases, "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "peak_bf16_tflops": peak, "batch_tokens": sum(seq_lens), "micro_batch_tokens": args.micro_tokens,
+           "command": "python bench/learner.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if all("error" not in c for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

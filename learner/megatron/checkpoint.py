@@ -1,0 +1,102 @@
+"""Checkpoint and resume of the Megatron engine with Megatron's distributed checkpointing.
+
+A checkpoint folder holds the same completion marker and RNG files as the FSDP engine's
+(learner/checkpoint.py), so ``learner.checkpoint.latest`` and the loop's resume logic apply unchanged:
+
+* ``mcore/``: ``megatron.core.dist_checkpointing`` of ``{"model": GPTModel.sharded_state_dict(),
+  "optimizer": optimizer.sharded_state_dict(...)}`` (every rank writes its shards; Megatron can
+  reshard it on load);
+* ``meta.json``: extra (policy version, data position), the LR schedule position, TP/PP/world size,
+  written by rank 0 last;
+* ``rng/rank{r}.pt``: torch, CUDA and Megatron's tensor-parallel RNG tracker states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner.checkpoint import META
+
+logger = logging.getLogger(__name__)
+
+
+# megatron-core 0.19's default layout for the distributed optimizer ('fully_sharded_model_space',
+# deprecated) builds ShardedTensors with flattened_range, which its own dist_checkpointing then
+# rejects (seen on 2 H200s, DP=2). 'dp_reshardable' saves each rank's buffers in parallel and
+# reshards along DP only, which is what a resumed learner of the same TP x PP needs.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded(engine, is_loading: bool) -> dict:
+    model_sd = engine.gpt.sharded_state_dict()
+    return {"model": model_sd, "optimizer": engine.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)}
+
+
+def _rng(engine) -> dict:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if engine.device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def save(engine, path: Path, extra: dict[str, Any]) -> None:
+    """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all are on disk."""
+    from megatron.core import dist_checkpointing
+
+    if engine.rank == 0:
+        (path / "mcore").mkdir(parents=True, exist_ok=True)
+        (path / "rng").mkdir(exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(engine, is_loading=False), str(path / "mcore"))
+    torch.save(_rng(engine), path / "rng" / f"rank{engine.rank}.pt")
+    dist.barrier()
+    if engine.rank == 0:
+        meta = {"extra": extra, "steps_taken": engine.steps_taken, "world_size": engine.world_size,
+                "tp": engine.tp, "pp": engine.pp, "engine": "megatron"}
+        tmp = path / (META + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.rename(path / META)
+        logger.info("Megatron checkpoint saved: %s", path)
+    dist.barrier()
+
+
+def load(engine, path: Path) -> dict[str, Any]:
+    """Collective: restore model, optimizer (incl. fp32 main weights), schedule position and RNG."""
+    from megatron.core import dist_checkpointing
+
+    meta_path = path / META
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META}); it was interrupted while saving")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("engine") != "megatron":
+        raise ValueError(f"{path} was written by learner.engine={meta.get('engine', 'fsdp')!r}, not megatron; "
+                         "FSDP and Megatron checkpoints are not interchangeable (start from its HF export)")
+    loaded = dist_checkpointing.load(_sharded(engine, is_loading=True), str(path / "mcore"))
+    engine.gpt.load_state_dict(loaded["model"], strict=False)
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    engine.steps_taken = int(meta["steps_taken"])
+    rng_file = path / "rng" / f"rank{engine.rank}.pt"
+    same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (engine.world_size, engine.tp, engine.pp)
+    if same_layout and rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and engine.device.type == "cuda":
+            from megatron.core import tensor_parallel
+
+            torch.cuda.set_rng_state(rng["cuda"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    else:
+        logger.warning("checkpoint %s has another layout (world %s tp %s pp %s): RNG states not restored",
+                       path, meta["world_size"], meta["tp"], meta["pp"])
+    logger.info("Megatron checkpoint loaded: %s (version %s)", path, meta["extra"].get("version"))
+    return meta["extra"]

@@ -1,0 +1,243 @@
+"""Process entry points of tests/gpu/test_megatron_gpu.py (spawned: one process per GPU rank, NCCL).
+
+Each rank writes what it measured to ``{out}.rank{r}.pt`` (tensors and numbers); the test compares.
+``MEGATRON_TEST_BACKEND=gloo`` runs the same code over gloo/CPU (a development aid: megatron-core
+itself assumes CUDA in places, so that only works with its CUDA calls redirected).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for p in (str(REPO), str(REPO / "tests" / "integration" / "learner")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+BACKEND = os.environ.get("MEGATRON_TEST_BACKEND", "nccl")
+
+
+def bf16_model(src: Path, out: Path) -> Path:
+    """A copy of an HF folder with bf16 weights: Megatron holds bf16 parameters on GPU, so only a bf16
+    source can round-trip bit for bit (and FSDP and Megatron then start from identical values)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
+    sd = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True):
+    from learner.config import LearnerConfig
+
+    return LearnerConfig.model_validate({
+        "loss": {"correction": "decoupled"},
+        # eps 1e-5: as in the CPU learner tests, Adam's first step of a near-zero gradient stays smooth.
+        "optim": {"lr": 1e-3, "eps": 1e-5, "grad_clip": 1.0},
+        "micro_batch_tokens": 64,
+        "megatron": {"tensor_model_parallel_size": tp, "sequence_parallel": sp, "use_distributed_optimizer": dist_opt},
+    })
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0", NCCL_CUMEM_ENABLE="0")
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
+    from learner.run import init_distributed
+
+    init_distributed(BACKEND, timeout_s=120)
+
+
+def _plan(engine, seed: int = 0):
+    from learner.batch import plan_step
+    from learner_testkit import make_batches
+
+    return plan_step(make_batches(1, seed=seed)[0], rank=engine.data_rank, world_size=engine.data_world_size,
+                     micro_batch_tokens=64, advantage="mean_std", drop_uniform=True, aggregation="token")
+
+
+def megatron_grads(engine, plan) -> dict:
+    """One forward/backward through Megatron's schedule; the reduced fp32 main grads in HF names (rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from learner.losses import policy_loss
+    from learner.megatron import convert as cv
+    from learner.megatron.weights import global_name
+
+    engine.model.train()
+    engine.model.zero_grad_buffer()
+
+    def loss_of(logp, ent, mb):
+        return policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss,
+                           prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+
+    engine._run(plan.micro_batches, loss_of, forward_only=False)
+    params = {global_name(n, engine.layers[0]): p for n, p in engine.gpt.named_parameters()}
+    out = {}
+    for mname in cv.megatron_names(engine.shape):
+        g = params[mname].main_grad.detach().float()
+        shards = [g]
+        if engine.tp > 1 and cv.tp_dim(mname) is not None:
+            shards = [torch.empty_like(g) for _ in range(engine.tp)]
+            dist.all_gather(shards, g.contiguous(), group=ps.get_tensor_model_parallel_group())
+        for n, t in cv.to_hf(mname, shards, engine.shape):
+            out[n] = t.detach().cpu().clone()  # clone: on CPU .cpu() would alias the grad buffer
+    engine.model.zero_grad_buffer()
+    return out
+
+
+def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
+    try:
+        _megatron_rank(rank, world, port, kw)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from learner.megatron.engine import MegatronEngine
+
+    t0 = time.time()
+    _init(rank, world, port)
+    res: dict = {}
+    for i, model in enumerate(kw["models"]):
+        engine = MegatronEngine(learner_cfg(kw["tp"], kw.get("sp", False), kw.get("dist_opt", True)), model,
+                                total_steps=3, seed=0)
+        res[f"build_s_{i}"] = time.time() - t0
+        if kw.get("roundtrip"):
+            full = {n: t.detach().cpu().clone() for n, t in engine.full_tensors()}
+            engine.export_hf(Path(kw["out"] + f".export{i}"))
+            if rank == 0:
+                res[f"hf_{i}"] = load_file(str(Path(model) / "model.safetensors"))
+                res[f"full_{i}"] = full
+                res[f"export_{i}"] = load_file(str(Path(kw["out"] + f".export{i}") / "model.safetensors"))
+        if kw.get("grads") or kw.get("step"):
+            plan = _plan(engine)
+            engine.prepare_logprobs(plan)
+            if kw.get("grads"):  # needs DP=1 or no distributed optimizer (else main_grad is reduce-scattered)
+                res["grads"] = megatron_grads(engine, plan)
+            res["metrics"] = engine.train_step(plan)
+            res["after"] = {n: t.detach().float().cpu().clone() for n, t in engine.full_tensors()}
+        if kw.get("ckpt"):
+            res["ckpt"] = _checkpoint_resume(engine, Path(kw["out"] + ".ckpt"))
+        if kw.get("publish"):
+            res.update(_publish(engine, kw, rank))
+    res["total_s"] = time.time() - t0
+    torch.save(res, kw["out"] + f".rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _checkpoint_resume(engine, path: Path) -> dict:
+    """Save, take step 2, load, take step 2 again: the resumed step must equal the straight one."""
+    engine.save_checkpoint(path, {"version": 1})
+
+    def step2():
+        plan = _plan(engine, seed=1)
+        engine.prepare_logprobs(plan)
+        return engine.train_step(plan)
+
+    straight = step2()
+    extra = engine.load_checkpoint(path)
+    resumed = step2()
+    return {"straight": straight, "resumed": resumed, "extra": extra}
+
+
+def _publish(engine, kw: dict, rank: int) -> dict:
+    """Rank 0 publishes the TP-gathered HF state to the pipe-driven receiver; every rank drains in lockstep."""
+    import torch
+
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    bench = __import__("bench.weight_sync", fromlist=["PipeEngine"])
+    out: dict = {}
+    pub = None
+    if rank == 0:
+        rx = bench.PipeEngine("megatron-rx", kw["conn"])
+        plan = build_plan(engine.param_plan(torch.bfloat16), 1 << 20)  # small buckets: several per publish
+        pub = Publisher(WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=1, timeout_s=120), plan,
+                        rank=0, engines=[rx], device=str(engine.device))
+    try:
+        for version in (1, 2):
+            if version == 2:
+                plan_ = _plan(engine, seed=1)
+                engine.prepare_logprobs(plan_)
+                engine.train_step(plan_)
+            t = time.perf_counter()
+            if rank == 0:
+                report = pub.publish(version, engine.full_tensors(torch.bfloat16))
+                out[f"publish_s_{version}"] = time.perf_counter() - t
+                out[f"report_{version}"] = (report.bytes, report.checksum, report.per_engine_checksums)
+                path = kw["out"] + f".rx_v{version}.safetensors"
+                rx.call("dump", path)
+                out[f"dump_{version}"] = path
+                out[f"want_{version}"] = {n: x.detach().cpu().clone() for n, x in engine.full_tensors(torch.bfloat16)}
+            else:
+                for _ in engine.full_tensors(torch.bfloat16):  # the TP all-gathers are collectives
+                    pass
+                for _ in engine.full_tensors(torch.bfloat16):
+                    pass
+    finally:
+        if pub is not None:
+            pub.close()
+    return out
+
+
+def fsdp_rank(rank: int, world: int, port: int, kw: dict) -> None:
+    """The FSDP2 reference on one GPU: the same plan, its gradients (before the step), metrics, weights after."""
+    try:
+        import torch
+
+        from learner.fsdp import FSDPEngine
+        from learner.losses import policy_loss
+
+        _init(rank, world, port)
+        engine = FSDPEngine(learner_cfg(), kw["models"][0], total_steps=3, seed=0)
+        plan = _plan(engine)
+        engine.prepare_logprobs(plan)
+        engine.model.train()
+        for mb in plan.micro_batches:
+            logp, ent = engine.forward_logprobs(mb, grad=True)
+            loss, _ = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss,
+                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+            (loss * engine.world_size).backward()
+        grads = {n: p.grad.full_tensor().float().cpu() for n, p in engine.model.named_parameters()}
+        engine.optimizer.zero_grad(set_to_none=True)
+        metrics = engine.train_step(plan)
+        after = {n: t.detach().float().cpu().clone() for n, t in engine.full_tensors()}
+        torch.save({"grads": grads, "metrics": metrics, "after": after}, kw["out"] + f".rank{rank}.pt")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
