@@ -149,6 +149,11 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         if self.receiver is not None:
             self.receiver.leave()
 
+    @staticmethod
+    def trainer_send_weights(*args, **kwargs) -> None:
+        """Abstract in vLLM 0.26's base class (the trainer side); fleetrl's publisher is that side."""
+        raise NotImplementedError("fleetrl sends weights with weight_sync.publisher.Publisher")
+
 
 # The engine of this worker process, for the worker extension to report on.
 _STATUS: dict[str, GlooWeightTransferEngine] = {}

@@ -62,7 +62,9 @@ def save_checkpoint(state: dict, out: Path) -> Path:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    qwen2_05b_config().save_pretrained(str(out))
+    cfg = qwen2_05b_config()
+    cfg.architectures = ["Qwen2ForCausalLM"]  # SGLang picks the model class from this (vLLM infers it)
+    cfg.save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     if not (out / "tokenizer.json").exists():
