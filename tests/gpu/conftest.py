@@ -26,3 +26,13 @@ def qwen_checkpoints(tmp_path_factory):
     return save_checkpoint(s0, root / "v0"), save_checkpoint(s1, root / "v1"), s0, s1
 
 
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per test module for the async engine clients."""
+    import asyncio
+
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()

@@ -9,6 +9,8 @@ id the engines sample can be detokenized.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 VOCAB = 151936
@@ -121,3 +123,25 @@ def compare(samples, prompt: list[int], ref: Reference):
 # mean < 0.1 and every token < 0.35, and check that the same comparison against the OTHER version's
 # weights is far outside (measured 8.4-9.1 nats; required > 1), so the test can fail.
 MEAN_TOL, MAX_TOL, OTHER_MIN = 0.1, 0.35, 1.0
+
+
+def record(test: str, what: str, **kw) -> None:
+    """Append one result line to $FLEETRL_GPU_RESULTS (jsonl), when set: what bench/results/ is written from."""
+    path = os.environ.get("FLEETRL_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "what": what, **kw}) + "\n")
+
+
+def check_logprobs(test: str, samples, prompt: list[int], ref_same: "Reference", ref_other: "Reference",
+                   label: str) -> None:
+    """Engine log-probs must fit the weights they were sampled with, and must not fit the other version's
+    (otherwise the check could not fail)."""
+    d_same = compare(samples, prompt, ref_same)
+    d_other = compare(samples, prompt, ref_other)
+    record(test, label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
+           other_mean_abs=float(d_other.mean()))
+    print(f"{label}: log-prob |diff| mean {d_same.mean():.4f} max {d_same.max():.4f}; "
+          f"other weights mean {d_other.mean():.3f}")
+    assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
+    assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"

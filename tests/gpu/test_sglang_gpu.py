@@ -10,7 +10,6 @@ with load_format='flattened_bucket'. Timings go to $FLEETRL_GPU_RESULTS (jsonl) 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import socket
@@ -18,29 +17,19 @@ import time
 
 import pytest
 
-from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+from gpu_helpers import Reference, check_logprobs, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
 def _record(what: str, **kw) -> None:
-    path = os.environ.get("FLEETRL_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "sglang", "what": what, **kw}) + "\n")
+    record("sglang", what, **kw)
 
 
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +65,7 @@ def _group(client, loop, prompt):
 
 
 def _check(samples, prompt, ref_same, ref_other, label):
-    d_same = compare(samples, prompt, ref_same)
-    d_other = compare(samples, prompt, ref_other)
-    _record(label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
-            other_mean_abs=float(d_other.mean()))
-    assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
-    assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
+    check_logprobs("sglang", samples, prompt, ref_same, ref_other, label)
 
 
 def test_generate_logprobs_match_learner(client, loop, qwen_checkpoints):

@@ -13,15 +13,13 @@ dist-info on the path: bench/gpu_calls.sh ``base``).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import random
 import time
 
 import pytest
 
-from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -29,17 +27,7 @@ os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # every process of the weight g
 
 
 def _record(what: str, **kw) -> None:
-    path = os.environ.get("FLEETRL_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "vllm_fleetrl_nccl", "what": what, **kw}) + "\n")
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
+    record("vllm_fleetrl_nccl", what, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,13 @@ Timings go to $FLEETRL_GPU_RESULTS (jsonl) when set.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import random
 import time
 
 import pytest
 
-from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+from gpu_helpers import Reference, check_logprobs, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -27,17 +25,7 @@ os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 
 def _record(what: str, **kw) -> None:
-    path = os.environ.get("FLEETRL_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "vllm_tp1", "what": what, **kw}) + "\n")
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
+    record("vllm_tp1", what, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +64,7 @@ def _group(client, loop, prompt):
 
 
 def _check(samples, prompt, ref_same, ref_other, label):
-    d_same = compare(samples, prompt, ref_same)
-    d_other = compare(samples, prompt, ref_other)
-    _record(label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
-            other_mean_abs=float(d_other.mean()))
-    assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
-    assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
+    check_logprobs("vllm_tp1", samples, prompt, ref_same, ref_other, label)
 
 
 def test_generate_logprobs_match_learner(client, loop, qwen_checkpoints):

@@ -9,31 +9,19 @@ its own shard. The NCCL publish is tested at TP=1 (test_vllm_gpu.py).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import random
 import time
 
 import pytest
 
-from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare
+from gpu_helpers import Reference, check_logprobs, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
 def _record(what: str, **kw) -> None:
-    path = os.environ.get("FLEETRL_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "vllm_tp2", "what": what, **kw}) + "\n")
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
+    record("vllm_tp2", what, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +49,7 @@ def client(qwen_checkpoints, tmp_path_factory, loop):
 
 
 def _check(samples, prompt, ref_same, ref_other, label):
-    d_same = compare(samples, prompt, ref_same)
-    d_other = compare(samples, prompt, ref_other)
-    _record(label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
-            other_mean_abs=float(d_other.mean()))
-    assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
-    assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
+    check_logprobs("vllm_tp2", samples, prompt, ref_same, ref_other, label)
 
 
 def test_tp2_generate_then_load_new_weights(client, loop, qwen_checkpoints):
