@@ -145,3 +145,22 @@ def check_logprobs(test: str, samples, prompt: list[int], ref_same: "Reference",
           f"other weights mean {d_other.mean():.3f}")
     assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
     assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
+
+
+def vllm_server_on_gpu1(test: str, model: str, run_dir: str, weight_backend: str):
+    """Start a TP=1 vLLM server on GPU 1 (the learner side of a test keeps GPU 0); records its start-up time."""
+    import time
+
+    import torch
+
+    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+
+    if torch.cuda.device_count() < 2:
+        raise RuntimeError("the vLLM GPU tests need 2 GPUs (engine on GPU 1, learner on GPU 0)")
+    srv = VLLMServer(VLLMServerArgs(model=model, dtype="bfloat16", max_model_len=2048, tensor_parallel_size=1,
+                                    gpu_memory_utilization=0.5, max_num_seqs=256, weight_backend=weight_backend,
+                                    env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
+    t0 = time.monotonic()
+    srv.start()
+    record(test, "startup", seconds=time.monotonic() - t0, command=srv.command())
+    return srv

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare, record
+from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare, record, vllm_server_on_gpu1
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -32,19 +32,8 @@ def _record(what: str, **kw) -> None:
 
 @pytest.fixture(scope="module")
 def server(qwen_checkpoints, tmp_path_factory):
-    import torch
-
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-
-    if torch.cuda.device_count() < 2:
-        pytest.fail("needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
     run_dir = os.environ.get("FLEETRL_VLLM_FLEETRL_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-fleetrl"))
-    srv = VLLMServer(VLLMServerArgs(model=str(qwen_checkpoints[0]), dtype="bfloat16", max_model_len=2048,
-                                    tensor_parallel_size=1, gpu_memory_utilization=0.5, max_num_seqs=256,
-                                    weight_backend="fleetrl", env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
-    t0 = time.monotonic()
-    srv.start()
-    _record("startup", seconds=time.monotonic() - t0, command=srv.command())
+    srv = vllm_server_on_gpu1("vllm_fleetrl_nccl", str(qwen_checkpoints[0]), run_dir, weight_backend="fleetrl")
     yield srv
     srv.stop()
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from gpu_helpers import Reference, check_logprobs, record
+from gpu_helpers import Reference, check_logprobs, record, vllm_server_on_gpu1
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -30,20 +30,8 @@ def _record(what: str, **kw) -> None:
 
 @pytest.fixture(scope="module")
 def server(qwen_checkpoints, tmp_path_factory):
-    import torch
-
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-
-    if torch.cuda.device_count() < 2:
-        pytest.fail("the vLLM GPU test needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
-    v0 = qwen_checkpoints[0]
     run_dir = os.environ.get("FLEETRL_VLLM_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-tp1"))
-    srv = VLLMServer(VLLMServerArgs(model=str(v0), dtype="bfloat16", max_model_len=2048, tensor_parallel_size=1,
-                                    gpu_memory_utilization=0.5, max_num_seqs=256, weight_backend="nccl",
-                                    env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
-    t0 = time.monotonic()
-    srv.start()
-    _record("startup", seconds=time.monotonic() - t0, command=srv.command())
+    srv = vllm_server_on_gpu1("vllm_tp1", str(qwen_checkpoints[0]), run_dir, weight_backend="nccl")
     yield srv
     srv.stop()
 
