@@ -21,7 +21,6 @@ import hashlib
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from rollout_fleet.engines.base import WeightPlan

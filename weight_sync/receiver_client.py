@@ -17,34 +17,23 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.http import HttpEngineClient
 from weight_sync import messages as m
 
 
-class ReceiverClient(EngineClient):
+class ReceiverClient(HttpEngineClient):
     def __init__(self, engine_id: str, url: str, timeout_s: float = 60.0) -> None:
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._version = -1
         self._join_timeout_s = timeout_s
-        self._http: httpx.AsyncClient | None = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        # Created lazily so the client binds to the event loop that first uses it.
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.timeout_s)
-        return self._http
 
     async def _post(self, path: str, msg: msgspec.Struct, timeout_s: float) -> m.Reply:
-        try:
-            r = await self.http.post(self.url + path, content=msgspec.json.encode(msg),
-                                     headers={"Content-Type": "application/json"}, timeout=timeout_s)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"engine {self.engine_id}: {path} got no answer within {timeout_s:.0f}s") from e
-        except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.engine_id}: {path} failed: {type(e).__name__}: {e}") from e
+        # Errors come back as a Reply with ok=False and a 4xx/5xx status: read the body, not the status.
+        r = await self._request("POST", path, timeout_s=timeout_s, check_status=False,
+                                content=msgspec.json.encode(msg), headers={"Content-Type": "application/json"})
         try:
             reply = msgspec.json.decode(r.content, type=m.Reply)
         except msgspec.DecodeError as e:
@@ -100,7 +89,3 @@ class ReceiverClient(EngineClient):
     async def reset_prefix_cache(self) -> None:
         """No KV cache here."""
 
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None

@@ -47,7 +47,8 @@ import msgspec
 import numpy as np
 from packaging.version import Version
 
-from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.http import HttpEngineClient
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ _decode_one = msgspec.json.Decoder(_Out)
 _decode_many = msgspec.json.Decoder(list[_Out])
 
 
-class SGLangClient(EngineClient):
+class SGLangClient(HttpEngineClient):
     """EngineClient of one SGLang server (any TP size)."""
 
     def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
@@ -307,26 +308,11 @@ class SGLangClient(EngineClient):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http: httpx.AsyncClient | None = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        if self._http is None:  # lazily, so it binds to the loop that uses it
-            self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=self._limits)
-        return self._http
+        self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
 
     async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
-        t = timeout_s or self.control_timeout_s
-        try:
-            r = await self.http.post(self.url + path, content=msgspec.json.encode(body),
-                                     headers={"Content-Type": "application/json"}, timeout=t)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"engine {self.engine_id}: {path} got no answer within {t:.0f}s") from e
-        except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.engine_id}: {path} failed: {type(e).__name__}: {e}") from e
-        if r.status_code != 200:
-            raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {r.status_code}: {r.text[:500]}")
+        r = await self._request("POST", path, timeout_s=timeout_s or self.control_timeout_s,
+                                content=msgspec.json.encode(body), headers={"Content-Type": "application/json"})
         return r.content
 
     async def _control(self, path: str, body: dict, timeout_s: float | None = None) -> None:
@@ -473,7 +459,3 @@ class SGLangClient(EngineClient):
     def weight_version(self) -> int:
         return self._version
 
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.http import HttpEngineClient
 from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs, check_vllm_version  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def _segments(spans: list[dict] | None, default_version: int) -> _Segments:
     return seg
 
 
-class VLLMClient(EngineClient):
+class VLLMClient(HttpEngineClient):
     """Client of one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
 
     def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl",
@@ -92,25 +93,6 @@ class VLLMClient(EngineClient):
         self._paused = False  # last pause/resume through this instance (the server's /is_paused is authoritative)
         self._plan: WeightPlan | None = None
         self._join_timeout_s = timeout_s
-        self._http: httpx.AsyncClient | None = None
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.timeout_s)
-        return self._http
-
-    async def _req(self, method: str, path: str, *, timeout_s: float | None = None, **kw) -> httpx.Response:
-        limit = timeout_s or self.timeout_s
-        try:
-            r = await self.http.request(method, self.url + path, timeout=limit, **kw)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s") from e
-        except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}") from e
-        if r.status_code != 200:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}")
-        return r
 
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
@@ -120,10 +102,10 @@ class VLLMClient(EngineClient):
             sp["seed"] = params.seed
         if self.api == "generate":
             body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sp}
-            r = await self._req("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)
+            r = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)
         else:
             body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sp}
-            r = await self._req("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
+            r = await self._request("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
         return [self._sample(c) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
     def _sample(self, c: dict) -> Sample:
@@ -153,25 +135,25 @@ class VLLMClient(EngineClient):
     async def pause(self, mode: str = "keep") -> None:
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
-        await self._req("POST", "/pause", params={"mode": mode}, timeout_s=self.request_timeout_s)
+        await self._request("POST", "/pause", params={"mode": mode}, timeout_s=self.request_timeout_s)
         self._paused = True
 
     async def resume(self) -> None:
-        await self._req("POST", "/resume")
+        await self._request("POST", "/resume")
         self._paused = False
 
     async def is_paused(self) -> bool:
-        return bool((await self._req("GET", "/is_paused")).json()["is_paused"])
+        return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
 
     async def reset_prefix_cache(self) -> None:
-        await self._req("POST", "/reset_prefix_cache")
+        await self._request("POST", "/reset_prefix_cache")
 
     async def abort(self) -> int:
         """Abort every in-flight request; returns how many."""
-        return int((await self._req("POST", "/abort_requests", json={})).json().get("aborted", 0))
+        return int((await self._request("POST", "/abort_requests", json={})).json().get("aborted", 0))
 
     async def server_weight_version(self) -> str | None:
-        return (await self._req("GET", "/weight_info")).json().get("weight_version")
+        return (await self._request("GET", "/weight_info")).json().get("weight_version")
 
     # ---- weights ------------------------------------------------------------------
     def _init_info(self, group: GroupInfo, plan: WeightPlan) -> dict:
@@ -189,7 +171,7 @@ class VLLMClient(EngineClient):
 
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         self._plan = plan
-        await self._req("POST", "/init_weight_transfer_engine", json={"init_info": self._init_info(group, plan)},
+        await self._request("POST", "/init_weight_transfer_engine", json={"init_info": self._init_info(group, plan)},
                         timeout_s=self._join_timeout_s + 10)
 
     def _update_info(self, version: int, plan_id: str) -> dict:
@@ -218,11 +200,11 @@ class VLLMClient(EngineClient):
             await self.pause(self.update_pause_mode)
             lap("pause")
         try:
-            await self._req("POST", "/start_weight_update")
+            await self._request("POST", "/start_weight_update")
             lap("start_weight_update")
-            await self._req("POST", "/update_weights", json={"update_info": info}, timeout_s=self.request_timeout_s)
+            await self._request("POST", "/update_weights", json={"update_info": info}, timeout_s=self.request_timeout_s)
             lap("update_weights")
-            await self._req("POST", "/finish_weight_update", json={"weight_version": str(version)})
+            await self._request("POST", "/finish_weight_update", json={"weight_version": str(version)})
             lap("finish_weight_update")
             await self.reset_prefix_cache()  # KV computed with the old weights must not be reused
             lap("reset_prefix_cache")
@@ -241,7 +223,7 @@ class VLLMClient(EngineClient):
     async def _checksum(self, version: int) -> str:
         if self.weight_backend == "nccl":
             return ""  # vLLM's NCCL backend reports none; the publisher accepts an empty ack
-        r = await self._req("POST", "/collective_rpc", json={"method": "fleetrl_weight_sync_status"})
+        r = await self._request("POST", "/collective_rpc", json={"method": "fleetrl_weight_sync_status"})
         states = r.json()["results"]
         sums = {s["checksum"] for s in states}
         if len(sums) != 1 or any(s["version"] != version for s in states):
@@ -253,9 +235,9 @@ class VLLMClient(EngineClient):
         pause_here = self._stuck or not await self.is_paused()
         if pause_here:
             await self.pause(self.update_pause_mode)
-        await self._req("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+        await self._request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
                         timeout_s=self.request_timeout_s)
-        await self._req("POST", "/update_weight_version", json={"new_version": str(version)})
+        await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
         await self.reset_prefix_cache()
         self._version, self._stuck = version, False
         if pause_here:
@@ -265,7 +247,3 @@ class VLLMClient(EngineClient):
     def weight_version(self) -> int:
         return self._version
 
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None

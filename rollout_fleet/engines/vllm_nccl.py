@@ -67,7 +67,7 @@ class VLLMNcclClient(VLLMClient):
         paused_here = not self._paused
         if paused_here:
             await self.pause("keep")
-        await self._req("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+        await self._request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
                         timeout_s=self.request_timeout_s)
         await self.reset_prefix_cache()
         self._version = version

@@ -1,0 +1,55 @@
+"""HTTP plumbing shared by the engine clients that talk to a server: vLLM, SGLang and fleetrl's
+standalone weight receiver.
+
+Every call is bounded by a timeout, and every transport failure (refused connection, reset,
+timeout) or unexpected status becomes an :class:`EngineError` that names the engine and the
+call, which is what the fleet's health logic and the publisher's blame logic act on.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from rollout_fleet.engines.base import EngineClient, EngineError
+
+
+class HttpEngineClient(EngineClient):
+    """Base of the engine clients whose engine answers over HTTP at ``self.url``.
+
+    Subclasses set ``engine_id``, ``url`` and ``timeout_s`` (the default limit of a call), and may
+    set ``_http_limits`` (connection-pool limits) before the first call.
+    """
+
+    engine_id: str
+    url: str
+    timeout_s: float
+    _http: httpx.AsyncClient | None = None
+    _http_limits: httpx.Limits | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        # Created on first use, so the client binds to the event loop that uses it.
+        if self._http is None:
+            kw = {"limits": self._http_limits} if self._http_limits is not None else {}
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, **kw)
+        return self._http
+
+    async def _request(self, method: str, path: str, *, timeout_s: float | None = None, check_status: bool = True,
+                       **kw) -> httpx.Response:
+        """One call, at most ``timeout_s`` (default ``self.timeout_s``); with ``check_status`` a non-200
+        answer raises too (without it the caller reads the error the body carries)."""
+        limit = timeout_s or self.timeout_s
+        try:
+            r = await self.http.request(method, self.url + path, timeout=limit, **kw)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}") from e
+        if check_status and r.status_code != 200:
+            raise EngineError(f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}")
+        return r
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
