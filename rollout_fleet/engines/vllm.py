@@ -135,7 +135,10 @@ class VLLMClient(HttpEngineClient):
     async def pause(self, mode: str = "keep") -> None:
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
-        await self._request("POST", "/pause", params={"mode": mode}, timeout_s=self.request_timeout_s)
+        # clear_cache (vLLM's default, stated so the update path can rely on it): a 'wait' or 'abort'
+        # pause ends with an empty prefix cache; 'keep' ignores it (its frozen requests keep their KV).
+        await self._request("POST", "/pause", params={"mode": mode, "clear_cache": "true"},
+                            timeout_s=self.request_timeout_s)
         self._paused = True
 
     async def resume(self) -> None:
@@ -206,8 +209,12 @@ class VLLMClient(HttpEngineClient):
             lap("update_weights")
             await self._request("POST", "/finish_weight_update", json={"weight_version": str(version)})
             lap("finish_weight_update")
-            await self.reset_prefix_cache()  # KV computed with the old weights must not be reused
-            lap("reset_prefix_cache")
+            # KV computed with the old weights must not be reused. A 'wait'/'abort' pause of ours already
+            # emptied the prefix cache and nothing has been scheduled since: a second reset only costs
+            # time (0.02-0.03 s measured on H200).
+            if not (pause_here and self.update_pause_mode in ("wait", "abort")):
+                await self.reset_prefix_cache()
+                lap("reset_prefix_cache")
             checksum = await self._checksum(version)
             lap("checksum")
         except EngineError as e:

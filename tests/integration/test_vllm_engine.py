@@ -197,3 +197,27 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
     assert len(samples) == 2
     assert all(s.segment_starts == [0] and s.segment_versions == [2] for s in samples), samples
     assert _max_err(new_model, prompt, samples) < TOL
+
+
+def test_wait_pause_update_relies_on_the_pause_to_empty_the_prefix_cache(vllm_server):
+    """With update_pause_mode='wait' the client skips its own prefix-cache reset (vLLM's pause already
+    cleared it): the prompt cached before the update must still be recomputed after it."""
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    prompt = _tokenizer()(LONG_PROMPT)["input_ids"]
+    _cached_tokens(vllm_server, prompt)
+    assert _cached_tokens(vllm_server, prompt) >= 32, "prefix caching is not active; the check would be vacuous"
+    base = load_file(str(TINY_MODEL / "model.safetensors"))
+    client = VLLMClient("vllm-wait", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
+                        request_timeout_s=120, update_pause_mode="wait")
+    plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
+    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[client])
+    try:
+        rep = pub.publish(3, base.items())
+    finally:
+        pub.close()
+    assert rep.per_engine_checksums == {"vllm-wait": rep.checksum}
+    assert "pause" in client.last_update_steps and "reset_prefix_cache" not in client.last_update_steps
+    assert _cached_tokens(vllm_server, prompt) == 0, "the 'wait' pause left stale prefix KV behind"
