@@ -20,6 +20,7 @@ from launch.config import REPO_ROOT
 from rollout_fleet.engines.base import Sample, SamplingParams
 from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
 from rollout_fleet.worker import Prompt, RewardFailed
+from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,27 @@ class FleetVLLMClient(VLLMClient):
             os.kill(self.server.pid, signal.SIGKILL)
 
 
-class VLLMFactory:
+class ServerFactory:
+    """What the fleet asks of an engine factory besides ``start(index)``: restart and stop a server.
+
+    Clients are named ``<engine>-<index>`` and hold their server process in ``.server``.
+    """
+
+    async def start(self, index: int):
+        raise NotImplementedError
+
+    async def restart(self, engine):
+        index = int(engine.engine_id.rsplit("-", 1)[1])
+        await self.stop(engine)
+        return await self.start(index)
+
+    async def stop(self, engine) -> None:
+        await engine.close()
+        if engine.server is not None:
+            await asyncio.to_thread(engine.server.stop)
+
+
+class VLLMFactory(ServerFactory):
     def __init__(self, cfg, run_dir: Path, slots: dict[int, Any]) -> None:
         self.cfg, self.run_dir, self.slots = cfg, Path(run_dir), slots
         self.cache_dir = Path(os.environ.get("FLEETRL_CACHE_DIR", REPO_ROOT / ".cache"))  # warm compiles across runs
@@ -65,7 +86,7 @@ class VLLMFactory:
         if index in self.slots:  # GPU: the slot's devices (CPU runs have no slots)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.slots[index][1])
             # every process of the weight-sync group must agree (the learner sets the same)
-            env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
+            env.update({k: os.environ.get(k, v) for k, v in NCCL_ENV.items()})
         args = VLLMServerArgs(model=self.cfg.model.path, dtype=self.cfg.model.dtype,
                               max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
                               gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
@@ -81,16 +102,6 @@ class VLLMFactory:
                                  request_timeout_s=self.cfg.rollout.request_timeout_s)
         client.server = server
         return client
-
-    async def restart(self, engine: FleetVLLMClient) -> FleetVLLMClient:
-        index = int(engine.engine_id.rsplit("-", 1)[1])
-        await self.stop(engine)
-        return await self.start(index)
-
-    async def stop(self, engine: FleetVLLMClient) -> None:
-        await engine.close()
-        if engine.server is not None:
-            await asyncio.to_thread(engine.server.stop)
 
 
 class DatasetPrompts:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -57,21 +56,11 @@ class RankFailed(RuntimeError):
     """A learner rank raised or its process died; the message names the rank."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))  # every interface: ranks on other nodes connect to it
-        return s.getsockname()[1]
-
-
 def _nccl_env(cfg) -> dict[str, str]:
-    """NCCL settings every process of the weight-sync group shares (learner and engine servers).
+    """The NCCL settings the learner shares with every engine server of the weight-sync group."""
+    from weight_sync.config import NCCL_ENV
 
-    ``NCCL_CUMEM_ENABLE=0``: SGLang sets it in its own server; peers that disagree fail in the
-    first broadcast (FACTS.md), so the learner and every server fleetrl starts use 0.
-    """
-    if cfg.weight_sync.backend == "gloo":
-        return {}
-    return {"NCCL_CUMEM_ENABLE": "0"}
+    return {} if cfg.weight_sync.backend == "gloo" else dict(NCCL_ENV)
 
 
 def publish_client(cfg, backend: str, eid: str, url: str):
@@ -95,7 +84,7 @@ def publish_client(cfg, backend: str, eid: str, url: str):
         return VLLMNcclClient(eid, url, **kw)
     from rollout_fleet.engines.vllm import VLLMClient
 
-    return VLLMClient(eid, url, weight_backend="fleetrl_gloo", **kw)
+    return VLLMClient(eid, url, weight_backend="fleetrl", **kw)
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
@@ -137,7 +126,9 @@ class LearnerActor:
         return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
     def free_port(self) -> int:
-        return _free_port()
+        from rollout_fleet.engines.http import free_port
+
+        return free_port("")  # every interface: ranks on other nodes connect to it
 
     # -- weights out -------------------------------------------------------------------------------
     def _bucket_bytes(self) -> int:

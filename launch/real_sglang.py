@@ -18,23 +18,18 @@ SGLang refuses ``/flush_cache`` while requests are queued.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
+from launch.real_fleet import ServerFactory
+from rollout_fleet.engines.http import free_port
 from rollout_fleet.engines.sglang import SGLangClient, SGLangServer, SGLangServerArgs
+from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class FleetSGLangClient(SGLangClient):
@@ -81,7 +76,7 @@ class SGLangPublishClient(SGLangClient):
                 await self.resume()
 
 
-class SGLangFactory:
+class SGLangFactory(ServerFactory):
     """Starts one SGLang server per fleet slot (GPU ids from the slot) and hands out its client."""
 
     def __init__(self, cfg, run_dir: str | Path, slots: dict[int, Any]) -> None:
@@ -97,11 +92,11 @@ class SGLangFactory:
         log_dir = self.run_dir / f"sglang-{index}"
         log_dir.mkdir(parents=True, exist_ok=True)
         return SGLangServerArgs(
-            model=str(Path(self.cfg.model.path).resolve()), gpus=gpus, port=_free_port(),
+            model=str(Path(self.cfg.model.path).resolve()), gpus=gpus, port=free_port(),
             tensor_parallel_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
             max_running_requests=r.max_num_seqs, dtype=dtype, seed=self.cfg.run.seed + index, radix_cache=False,
             extra_args=["--context-length", str(r.max_model_len), *r.sglang_server_args],
-            env={"NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0"),
+            env={**{k: os.environ.get(k, v) for k, v in NCCL_ENV.items()},
                  "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
             log_path=str(log_dir / "sglang_server.log"))
 
@@ -113,13 +108,3 @@ class SGLangFactory:
                                    timeout_s=self.cfg.rollout.request_timeout_s)
         client.server = server
         return client
-
-    async def restart(self, engine: FleetSGLangClient) -> FleetSGLangClient:
-        index = int(engine.engine_id.rsplit("-", 1)[1])
-        await self.stop(engine)
-        return await self.start(index)
-
-    async def stop(self, engine: FleetSGLangClient) -> None:
-        await engine.close()
-        if engine.server is not None:
-            await asyncio.to_thread(engine.server.stop)

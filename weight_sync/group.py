@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import time
 
 import torch
@@ -24,12 +23,6 @@ from rollout_fleet.engines.base import GroupInfo
 
 log = logging.getLogger(__name__)
 _Backend = torch._C._distributed_c10d.Backend
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _td(seconds: float) -> datetime.timedelta:

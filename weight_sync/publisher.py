@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
+from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import bucket_fingerprint, combine_fingerprints, pack_bucket
@@ -147,7 +148,7 @@ class Publisher:
                 offsets[eid] = world
                 world += self.engines[eid].group_ranks
             # vLLM's NCCL workers rendezvous through a store that rank 0 hosts itself: a fresh port per epoch.
-            port = wgroup.free_port(self.cfg.master_addr) if self._factory else self._store.port
+            port = free_port(self.cfg.master_addr) if self._factory else self._store.port
             infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=port,
                                     rank_offset=offsets[eid], world_size=world, backend=self.backend,
                                     group_epoch=self.epoch) for eid in ids}

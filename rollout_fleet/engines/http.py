@@ -8,9 +8,18 @@ call, which is what the fleet's health logic and the publisher's blame logic act
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 
 from rollout_fleet.engines.base import EngineClient, EngineError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (``""``: every interface), for a server or store about to bind it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class HttpEngineClient(EngineClient):

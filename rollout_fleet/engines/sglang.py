@@ -49,16 +49,13 @@ from packaging.version import Version
 
 from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
 from rollout_fleet.engines.http import HttpEngineClient
+from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
 
 SGLANG_MIN = Version("0.5.16")  # first release built for torch 2.11; has pause modes and flattened buckets
 SGLANG_MAX_TESTED = Version("0.5.23")
 _SESSION_API = Version("0.5.23")  # update_weights_from_distributed must sit inside begin/end_weight_update
-
-#: What a learner that publishes to SGLang servers must have in its environment before any NCCL call.
-NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
-
 
 def publisher_nccl_env() -> dict[str, str]:
     """The NCCL settings the publishing process must share with SGLang (see module docstring)."""

@@ -2,13 +2,15 @@
 
 The server runs with vLLM's RL endpoints (``VLLM_SERVER_DEV_MODE=1``, bound to
 127.0.0.1 or a private network: they are unauthenticated) and a weight-transfer
-backend: fleetrl's ``fleetrl_gloo`` on CPU (weight_sync/vllm_plugin.py), vLLM's
-built-in ``nccl`` on GPU. The client generates through ``/v1/completions``
-with token-id prompts and takes weights through the layer-wise reload
-choreography (FACTS: writing parameters directly is ignored on CPU)::
+backend: fleetrl's ``fleetrl`` (weight_sync/vllm_plugin.py; gloo on CPU, NCCL on
+GPU) or vLLM's built-in ``nccl`` (GPU). The client generates through
+``/v1/completions`` with token-id prompts and takes weights through vLLM's
+weight-update choreography::
 
     pause(wait|keep) -> start_weight_update -> update_weights (the broadcast) ->
-    finish_weight_update(version) -> reset_prefix_cache -> [checksum] -> resume
+    finish_weight_update(version) -> [reset_prefix_cache] -> [checksum] -> resume
+
+(the reset is skipped after a ``wait`` pause, which already emptied the cache)
 
 A failed update leaves the engine paused: its model may be half loaded, so it
 must not generate until a later update or load succeeds.

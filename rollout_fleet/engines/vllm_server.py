@@ -25,6 +25,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from rollout_fleet.engines.base import EngineError
+from rollout_fleet.engines.http import free_port
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,6 @@ def check_vllm_version() -> str:
         )
     return ver
 
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -148,7 +142,7 @@ class VLLMServer:
             raise RuntimeError(f"vLLM server already started (pid {self.proc.pid})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.port == 0:
-            self.port = _free_port(self.args.host)
+            self.port = free_port(self.args.host)
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
                                      start_new_session=True)

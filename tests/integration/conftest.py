@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
-    """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl_gloo weights)."""
+    """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl weight backend over gloo)."""
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m learner.pretrain_tiny`")
     from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
