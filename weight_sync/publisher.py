@@ -216,10 +216,12 @@ class Publisher:
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
         tb = time.perf_counter()
 
-        def retire() -> None:
+        def retire() -> None:  # wait (bounded) for the oldest broadcast on the wire
+            nonlocal step
             b, work, _buf = inflight.popleft()
-            wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, f"broadcast bucket {b}/{len(plan.buckets)}")
-            self._check_acks(futs, f"broadcast bucket {b}/{len(plan.buckets)}")
+            step = f"broadcast bucket {b}/{len(plan.buckets)}"
+            wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step)
+            self._check_acks(futs, step)
 
         try:
             for b, idx in enumerate(plan.buckets):
@@ -235,7 +237,6 @@ class Publisher:
                 # Bounded memory: at most `depth` buckets are on the wire; the packing of this one
                 # (already queued on the device) overlaps with them.
                 while len(inflight) >= depth:
-                    step = f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}"
                     retire()
                 step = f"broadcast bucket {b}/{len(plan.buckets)}"
                 if self.pg is not None:
@@ -243,7 +244,6 @@ class Publisher:
                 prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
                 sent += buf.numel()
             while inflight:
-                step = f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}"
                 retire()
             broadcast_s = time.perf_counter() - tb
             step = "acknowledge"
