@@ -17,9 +17,7 @@ Not exercised on CPU; the GPU test (tests/gpu) runs it against vLLM 0.26.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import time
 
 import torch
 
@@ -35,13 +33,8 @@ class _EventWork:
     def is_completed(self) -> bool:
         return bool(self.event.query())
 
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Order the current stream after the broadcast; with ``timeout``, also wait on the host, bounded."""
-        if timeout is not None:
-            from weight_sync.group import wait_work
-
-            wait_work(self, time.monotonic() + timeout.total_seconds(),
-                      f"NCCL broadcast of {self.buf.numel()} bytes")
+    def wait(self) -> bool:
+        """Order the current stream after the broadcast (the host waits in ``wait_work``, bounded)."""
         torch.cuda.current_stream(self.buf.device).wait_event(self.event)
         return True
 
