@@ -23,7 +23,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests" / "integration" / "learner"))
 import megatron_worker as mw  # noqa: E402
-from learner_testkit import free_port, make_tiny_model  # noqa: E402
+from learner_testkit import make_tiny_model, run_procs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(150)]
 
@@ -40,24 +40,8 @@ def _two_gpus():
 
 
 def spawn(target, world: int, kw: dict, timeout: float = 120.0, extra=()) -> list[dict]:
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, kw), daemon=True) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-            if p.exitcode is None:
-                raise AssertionError(f"rank pid {p.pid} did not finish within {timeout}s")
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        assert not bad, f"ranks failed (rank, exit code): {bad}; see the output above"
-        return [torch.load(kw["out"] + f".rank{r}.pt", weights_only=False) for r in range(world)]
-    finally:
-        for p in list(procs) + list(extra):
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_procs(target, world, kw, timeout, "spawn", extra)  # CUDA does not survive a fork
+    return [torch.load(kw["out"] + f".rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
+
+from rollout_fleet.engines.http import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -71,12 +72,6 @@ def write_batches(path: Path, batches) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world_size: int, port: int, kw: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
@@ -98,27 +93,34 @@ def run_ranks(world_size: int, timeout: float = 120.0, start_method: str = "fork
     own process group, model and optimizer, and state crosses only through disk.
     GPU tests pass ``start_method="spawn"`` (CUDA does not survive a fork).
     """
-    import multiprocessing as mp
-
     import torch
 
     torch.set_num_threads(1)
+    run_procs(_rank_main, world_size, kw, timeout, start_method)
+    return [json.loads(Path(f"{kw['out']}.rank{r}").read_text()) for r in range(world_size)]
+
+
+def run_procs(target, world_size: int, kw: dict, timeout: float, start_method: str, extra=()) -> None:
+    """Run ``target(rank, world_size, port, kw)`` in ``world_size`` processes that rendezvous on one free
+    port; fail naming the ranks that did not finish or exited non-zero. Leftovers (and ``extra``
+    processes) are killed on the way out."""
+    import multiprocessing as mp
+
     ctx = mp.get_context(start_method)
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, kw), daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=target, args=(r, world_size, port, kw), daemon=True) for r in range(world_size)]
     try:
         for p in procs:
             p.start()
         for p in procs:
             p.join(timeout)
             if p.exitcode is None:
-                raise AssertionError(f"learner rank pid {p.pid} did not finish within {timeout}s")
+                raise AssertionError(f"rank pid {p.pid} did not finish within {timeout}s")
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
-            raise AssertionError(f"learner ranks failed (rank, exit code): {bad}; see the captured log")
-        return [json.loads(Path(f"{kw['out']}.rank{r}").read_text()) for r in range(world_size)]
+            raise AssertionError(f"ranks failed (rank, exit code): {bad}; see the captured log")
     finally:
-        for p in procs:
+        for p in list(procs) + list(extra):
             if p.is_alive():
                 p.kill()
                 p.join(5)
