@@ -8,9 +8,10 @@ token ids and log-probs, 100 prompt ids) it runs, in separate processes:
 
 * broker: producer (pushes with 8 in flight; new tickets come back with the push replies,
   or in bulk of at least 8 when it runs out) -> ``python -m broker`` -> consumer (next_batch
-  of ``--groups-per-step`` groups, default 1, with the next step prefetched; each step's ack
-  rides on that prefetch request), spool off and on (fsync=never: the kill -9 guarantee; see
-  broker/spool.py);
+  of ``--groups-per-step`` groups, default 1, with the next 8 steps requested ahead; each
+  step's ack rides on the next request), spool off and on (fsync=never: the kill -9
+  guarantee; see broker/spool.py). Both clients send the requests made in one event-loop
+  turn as one message, and the broker its replies to one peer (see broker/protocol.py);
 * raw: PUSH -> PULL of the same Arrow IPC bytes (same per-message serialise and parse).
 
 Each case (batch size x spool) runs raw and broker alternately ``--repeat`` times (default 1
@@ -48,6 +49,7 @@ from broker.testing import make_groups  # noqa: E402
 
 RESP_LEN, PROMPT_LEN = 1000, 100
 WINDOW = 8
+PREFETCH = 8  # learner steps the bench consumer requests ahead
 IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
 
 
@@ -204,16 +206,17 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
     async def consume():
         cons = ConsumerClient(bp.address, consumer_id="bench", timeout_s=60)
         lat, rows, t0 = [], 0, None
-        nxt = asyncio.ensure_future(cons.next_batch(1, wait_s=30))
+        ahead = collections.deque(asyncio.ensure_future(cons.next_batch(s, wait_s=30))
+                                  for s in range(1, min(PREFETCH, steps) + 1))
         for step in range(1, steps + 1):
-            lease = await nxt
+            lease = await ahead.popleft()
             if lease is None:
                 raise TimeoutError(f"broker bench: no batch for step {step} within 30 s")
-            # The ack of this step rides on the next step's request, sent right away
-            # (the prefetch): no round trip of its own.
+            # The ack of this step rides on the next request, sent right away (the
+            # prefetch): no round trip of its own.
             await cons.ack(lease.lease_id, defer=True)
-            if step < steps:
-                nxt = asyncio.ensure_future(cons.next_batch(step + 1, wait_s=30))
+            if step + PREFETCH <= steps:
+                ahead.append(asyncio.ensure_future(cons.next_batch(step + PREFETCH, wait_s=30)))
             now = time.time()
             if t0 is None:  # like raw: count from the first receipt, rows after it
                 t0 = time.perf_counter()

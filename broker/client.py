@@ -114,6 +114,8 @@ class _Client:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
         self._drain_scheduled = False
+        self._outbox: list[tuple[int, list]] = []  # (req, frames) to send at the end of this loop turn
+        self._flush_handle: asyncio.Handle | None = None
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:  # created lazily inside the running loop
@@ -144,16 +146,13 @@ class _Client:
                 log.error("broker %s: receive failed: %s", self.address, e)
                 return
             try:
-                reply = P.decode_reply(frames[0].buffer)
-                if isinstance(reply, P.LeaseReply):
-                    replies = [(reply, frames[1:])]
-                else:  # the broker coalesces replies without payload (see broker.protocol)
-                    replies = [(reply, [])] + [(P.decode_reply(f.buffer), []) for f in frames[1:]]
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.error("undecodable reply from broker %s; ignored", self.address)
+                replies = P.split_replies(frames)  # the broker coalesces replies (see broker.protocol)
+            except (msgspec.DecodeError, msgspec.ValidationError, P.ProtocolError) as e:
+                log.error("undecodable reply from broker %s; ignored: %s", self.address, e)
                 continue
+            pending = self._pending
             for reply, rest in replies:
-                fut = self._pending.get(reply.req)
+                fut = pending.get(reply.req)
                 if fut is not None and not fut.done():
                     fut.set_result((reply, rest))
 
@@ -163,20 +162,39 @@ class _Client:
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)
 
-    async def _send(self, frames: list, attempt: float) -> None:
-        """Non-blocking send; while the DEALER's send queue is at its HWM, poll briefly."""
-        deadline = time.monotonic() + attempt
-        pause = 0.001
-        while True:
-            try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                self._after_send()
-                return
-            except zmq.Again:
-                if time.monotonic() + pause > deadline:
-                    raise TimeoutError() from None
-                await asyncio.sleep(pause)
-                pause = min(0.05, pause * 2)
+    def _enqueue(self, req: int, frames: list) -> None:
+        """Send at the end of this loop turn, with every other request made in it, as one
+        message (a ``Multi`` when there are several; see broker.protocol)."""
+        self._outbox.append((req, frames))
+        if self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self._flush, 0.001)
+
+    def _flush(self, pause: float) -> None:
+        """Non-blocking send of the outbox; while the DEALER's send queue is at its HWM, try
+        again after a pause. A request whose attempt timed out meanwhile is not sent (its
+        caller retries under a new ``req``, or gives up)."""
+        self._flush_handle = None
+        if self._sock is None:
+            self._outbox.clear()
+            return
+        pending = self._pending
+        units = [(req, f) for req, f in self._outbox if (fut := pending.get(req)) is not None and not fut.done()]
+        self._outbox = []
+        if not units:
+            return
+        if len(units) == 1:
+            frames = units[0][1]
+        else:
+            frames = [P.encode(P.Multi(frames=[len(f) for _, f in units]))]
+            for _, f in units:
+                frames += f
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._outbox = units + self._outbox
+            self._flush_handle = self._loop.call_later(pause, self._flush, min(0.05, pause * 2))
+            return
+        self._after_send()
 
     async def _call(self, msg, payload=None, *, wait_s: float = 0.0, retry: bool = True):
         deadline = time.monotonic() + self.timeout_s + wait_s
@@ -195,8 +213,7 @@ class _Client:
             # runs for every batch, and small batches are dominated by per-call overhead.
             timer = loop.call_later(attempt, _expire, fut)
             try:
-                frames = [P.encode(msg)] + ([payload] if payload is not None else [])
-                await self._send(frames, attempt)
+                self._enqueue(msg.req, [P.encode(msg)] + ([payload] if payload is not None else []))
                 reply, rest = await fut
             except (TimeoutError, asyncio.TimeoutError):
                 if not retry:
@@ -222,6 +239,10 @@ class _Client:
     async def close(self) -> None:
         for task in getattr(self, "_renewers", {}).values():
             task.cancel()
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._outbox.clear()
         if self._sock is not None:
             try:
                 self._loop.remove_reader(self._fd)
@@ -292,13 +313,20 @@ class ConsumerClient(_Client):
         (``lease_expired``: that step used data handed out again; do not count it).
         With ``renew_every_s`` the lease is renewed in the background until it is acked, so
         only the death of this process (or its event loop) lets it expire."""
-        acks = list(self._deferred)
+        # The acks travel with this request only: another next_batch sent meanwhile (several
+        # steps requested ahead) does not repeat them. If this one fails they are deferred again.
+        acks, self._deferred = self._deferred, []
         try:
             reply, rest = await self._call(P.NextBatch(consumer_id=self.consumer_id, step=step, wait_s=wait_s,
                                                        acks=acks), wait_s=wait_s)
         except BrokerError as e:
-            if e.lease_id in acks:  # applied up to the refused one, which is refused for good
-                self._acks_sent(acks[:acks.index(e.lease_id) + 1])
+            done = acks.index(e.lease_id) + 1 if e.lease_id in acks else 0
+            # applied up to the refused one, which is refused for good
+            self._acks_sent(acks[:done])
+            self._deferred[:0] = [a for a in acks[done:] if a not in self._deferred]
+            raise
+        except BaseException:
+            self._deferred[:0] = [a for a in acks if a not in self._deferred]
             raise
         self._acks_sent(acks)
         for lease_id in reply.acks_late:
@@ -321,8 +349,9 @@ class ConsumerClient(_Client):
         for lease_id in acks:
             if (task := self._renewers.pop(lease_id, None)) is not None:
                 task.cancel()
-        sent = set(acks)
-        self._deferred = [a for a in self._deferred if a not in sent]
+        if self._deferred and acks:
+            sent = set(acks)
+            self._deferred = [a for a in self._deferred if a not in sent]
 
     async def _keep_renewing(self, lease_id: str, every_s: float) -> None:
         while True:

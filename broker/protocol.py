@@ -3,17 +3,25 @@
 Every message is a ZMQ multipart message. A client (DEALER) sends::
 
     [header, *payload]           header: msgpack of one Request struct below
+    [multi, header, *payload, header, *payload, ...]
+                                 several requests in one message: ``Multi.frames`` gives
+                                 each one's frame count (header included)
 
 and the broker (ROUTER, which prepends and strips the peer identity) answers::
 
-    [header, *payload]           header: msgpack of one Reply struct below
-    [header, header, ...]        several replies without payload to one peer, coalesced
+    [header, *payload, header, *payload, ...]   one or more replies (Reply structs below)
 
-Only ``LeaseReply`` has payload frames (so a message whose first header is another
-reply holds headers only). ``Push`` carries one payload frame and ``LeaseReply`` one or more, each an Arrow
+Replies to one peer that are ready in one loop iteration of the broker go out as one
+message. Only ``LeaseReply`` has payload frames (``LeaseReply.frames`` of them), so a
+reader splits a message by decoding each header in turn. ``Push`` carries one payload
+frame and ``LeaseReply`` one or more, each an Arrow
 IPC *stream* (schema message, one or more record batches, end marker) in the
 trajectory schema of :mod:`broker.schema`; the lease's rows are the
-concatenation of all of them, in order. Frames are sent and received with ``copy=False``,
+concatenation of all of them, in order. Every message wakes libzmq's I/O threads on
+both sides, which on a busy machine costs more than handling a small request: that is
+why clients coalesce the requests of one event-loop turn into one ``Multi``, and the
+broker its replies. Each request in a ``Multi`` is handled and answered exactly as if
+it had come alone. Frames are sent and received with ``copy=False``,
 so Arrow reads the batch straight out of the ZMQ frame. No pickle anywhere.
 
 Every header carries ``proto`` (:data:`PROTOCOL_VERSION`), ``type`` (the tag
@@ -28,7 +36,8 @@ Example::
     env = decode_envelope(wire)          # Envelope(proto=2, type='acquire', req=7)
     msg = decode_request(wire)           # AcquireTickets(...)
 
-Version 2 (versus 1) saves round trips on the batch path: a ``Push`` may ask for
+Version 3 (versus 2) adds ``Multi`` and ``LeaseReply.frames``, and replies with payload
+are coalesced too. Version 2 (versus 1) saves round trips on the batch path: a ``Push`` may ask for
 tickets (``want_tickets``) and its ``PushReply`` carries those granted;
 ``NextBatch`` carries the consumer's acks of earlier leases (``acks``), applied
 before the batch is looked up, and its reply reports them; ``AcquireTickets``
@@ -42,7 +51,7 @@ from typing import Union
 import msgspec
 import pyarrow as pa
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ErrorCode:
@@ -136,7 +145,19 @@ class Ping(_Msg, tag="ping"):
     pass
 
 
-Request = Union[AcquireTickets, Push, EngineVersion, NextBatch, Ack, Renew, ReportVersion, StatusRequest, Ping]
+class Multi(_Msg, tag="multi"):
+    """Several requests in one message: ``frames[i]`` frames (header + payload) for the i-th.
+    Each is answered on its own (its own ``req``); a ``Multi`` itself gets a reply only when
+    its framing is wrong (``bad_frame``, and none of its requests is handled)."""
+
+    frames: list[int]
+
+
+MAX_MULTI = 4096  # requests in one Multi
+
+
+Request = Union[AcquireTickets, Push, EngineVersion, NextBatch, Ack, Renew, ReportVersion, StatusRequest, Ping,
+                Multi]
 REQUEST_TYPES = {c.__struct_config__.tag: c for c in Request.__args__}
 
 
@@ -161,13 +182,14 @@ class PushReply(_Msg, tag="pushed"):
 
 
 class LeaseReply(_Msg, tag="lease"):
-    """Payload frames: Arrow IPC streams whose rows, in order, form the batch.
+    """``frames`` payload frames follow: Arrow IPC streams whose rows, in order, form the batch.
     ``staleness``: int32 per row, little endian."""
 
     lease_id: str
     step: int
     groups: int
     staleness: bytes
+    frames: int
     acks_duplicate: list[str] = []  # of the request's acks: those acked before
     acks_late: list[str] = []  # of the request's acks: expired, acked late (see AckReply.late)
 
@@ -253,6 +275,24 @@ def decode_request(header: bytes | memoryview) -> Request:
 
 def decode_reply(header: bytes | memoryview) -> Reply:
     return _reply_decoder.decode(header)
+
+
+def split_replies(frames: list) -> list[tuple[Reply, list]]:
+    """The replies of one message from the broker, each with its payload frames.
+
+    ``frames``: ``zmq.Frame`` objects or bytes. Raises msgspec.DecodeError or
+    ValidationError if a header does not decode, ProtocolError if frames are missing."""
+    out, i, n = [], 0, len(frames)
+    while i < n:
+        f = frames[i]
+        reply = _reply_decoder.decode(f if isinstance(f, bytes) else f.buffer)
+        k = reply.frames if type(reply) is LeaseReply else 0
+        if i + 1 + k > n:
+            raise ProtocolError(ErrorCode.BAD_FRAME, f"reply {reply.req} announces {k} payload frames, "
+                                f"the message has {n - i - 1} left")
+        out.append((reply, frames[i + 1: i + 1 + k]))
+        i += 1 + k
+    return out
 
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker of the IPC stream format

@@ -29,7 +29,9 @@ Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step)
   a previous broker incarnation) is still accepted while there is a free slot,
   otherwise refused with ``no_ticket`` (an error reply, never a silent drop).
   Tickets whose grant never reached the producer (a lost reply) also just expire.
-* **Consumption.** ``next_batch(s)`` sets ``v = s - 1`` and hands out ``G``
+* **Consumption.** ``next_batch(s)`` raises ``v`` to ``s - 1`` (never lowers it, so
+  several requests outstanding from one consumer cannot move it back and forth; only
+  ``report_version`` sets it back, e.g. after a checkpoint restore) and hands out ``G``
   complete groups (pushes hold whole groups only: ``incomplete_group``), oldest
   first (by admission step, then arrival). A group with any row whose staleness
   ``(s - 1) - segment_versions[0]`` exceeds ``k`` is dropped with reason ``stale``
@@ -254,18 +256,22 @@ class BrokerServer:
                                         lease_id=lease_id))
 
     def _flush(self) -> None:
-        # Replies without payload to one peer go out as one message of several headers:
-        # every message sent wakes libzmq's I/O thread, which on a busy machine costs more
+        # The replies to one peer go out as one message, in order (see broker.protocol):
+        # every message sent wakes libzmq's I/O threads, which on a busy machine costs more
         # than the work of a small reply.
-        grouped: dict[bytes, list] = {}
-        for frames in self._out:
-            if len(frames) == 2:
-                grouped.setdefault(frames[0], [frames[0]]).append(frames[1])
-            else:
+        out = self._out
+        if len(out) == 1:
+            self._send(out[0])
+        elif out:
+            grouped: dict[bytes, list] = {}
+            for frames in out:
+                if (g := grouped.get(frames[0])) is None:
+                    grouped[frames[0]] = frames
+                else:
+                    g.extend(frames[1:])
+            for frames in grouped.values():
                 self._send(frames)
-        for frames in grouped.values():
-            self._send(frames)
-        self._out.clear()
+        self._out = []
 
     def _send(self, frames: list) -> None:
         try:
@@ -277,16 +283,49 @@ class BrokerServer:
     # -- requests --------------------------------------------------------------------------------
     def _handle(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        req = 0
+        if len(frames) < 2:
+            self._error(ident, 0, P.ErrorCode.BAD_FRAME, "message has no header frame")
+            return
+        msg = self._decode(ident, frames[1])
+        if msg is None:
+            return
+        if type(msg) is not P.Multi:
+            self._handle_one(ident, msg, frames[1:])
+            return
+        counts = msg.frames
+        if (not 1 <= len(counts) <= P.MAX_MULTI or min(counts) < 1 or sum(counts) != len(frames) - 2):
+            self._error(ident, msg.req, P.ErrorCode.BAD_FRAME,
+                        f"multi announces {len(counts)} requests in {sum(counts)} frames (each >= 1, at most "
+                        f"{P.MAX_MULTI} requests); the message has {len(frames) - 2}")
+            return
+        i = 2
+        for n in counts:
+            part = frames[i:i + n]
+            i += n
+            sub = self._decode(ident, part[0])
+            if sub is None:
+                continue
+            if type(sub) is P.Multi:
+                self._error(ident, sub.req, P.ErrorCode.BAD_REQUEST, "a multi cannot hold another multi")
+                continue
+            self._handle_one(ident, sub, part)
+
+    def _decode(self, ident: bytes, header: zmq.Frame):
         try:
-            if len(frames) < 2:
-                raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "message has no header frame")
-            msg = P.decode_request(frames[1].buffer)
-            req = msg.req
-            expect = 3 if isinstance(msg, P.Push) else 2  # header (+ one Arrow IPC frame for a push)
+            return P.decode_request(header.buffer)
+        except P.ProtocolError as e:
+            self._error(ident, 0, e.code, e.message)
+            return None
+
+    def _handle_one(self, ident: bytes, msg, frames: list) -> None:
+        """One request: ``frames`` is its header and payload frames."""
+        req = msg.req
+        try:
+            expect = 2 if type(msg) is P.Push else 1  # header (+ one Arrow IPC frame for a push)
             if len(frames) != expect:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME,
-                                      f"{type(msg).__name__} takes {expect - 1} frame(s), got {len(frames) - 1}")
+                                      f"{type(msg).__name__} takes {expect - 1} payload frame(s), "
+                                      f"got {len(frames) - 1}")
             self._dispatch(ident, msg, frames)
         except P.ProtocolError as e:
             self._error(ident, req, e.code, e.message)
@@ -302,7 +341,7 @@ class BrokerServer:
         if isinstance(msg, P.Push):
             if msg.want_tickets < 0:
                 raise BrokerError(P.ErrorCode.BAD_REQUEST, f"want_tickets must be >= 0, got {msg.want_tickets}")
-            payload = frames[2]
+            payload = frames[1]
             batches = P.ipc_to_batches(payload.buffer)
             if not batches:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "Arrow IPC stream holds no record batch")
@@ -380,11 +419,13 @@ class BrokerServer:
                 continue
             if lease is not None:
                 self.learner_wait.observe(now - w.t0)
+                payload = _lease_frames(lease)
                 self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
                                                   groups=len(lease.group_ids),
                                                   staleness=lease.staleness.astype("<i4").tobytes(),
+                                                  frames=len(payload),
                                                   acks_duplicate=w.acks_duplicate, acks_late=w.acks_late),
-                            *_lease_frames(lease))
+                            *payload)
             elif now >= w.deadline:
                 self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups,
                                                acks_duplicate=w.acks_duplicate, acks_late=w.acks_late))

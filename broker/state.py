@@ -302,7 +302,10 @@ class BrokerState:
             raise BrokerError(ErrorCode.BAD_REQUEST, f"step must be >= 1, got {step}")
         if (lid := self._lease_by_key.get((consumer_id, step))) is not None:
             return self._leases[lid]  # a retried request: the same lease again
-        self.set_version(step - 1)
+        if step - 1 > self.version:
+            # Only forward: a consumer with several requests outstanding (steps s, s+1, ...)
+            # would otherwise move v back and forth on every retry of the lower one.
+            self.set_version(step - 1)
         picked: list[Group] = []
         stale: list[Group] = []
         taken: set[str] = set()

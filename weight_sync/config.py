@@ -21,6 +21,10 @@ class WeightSyncConfig(ConfigModel):
     inflight_buckets: int = Field(
         2, ge=1, le=8, description="buckets on the wire at once (each costs bucket_mb on both sides); "
         "2 keeps the wire busy while the next bucket is packed or the last one loaded")
+    staging: bool = Field(
+        False, description="receive into a standing copy of the weights while the engine keeps generating, "
+        "and pause it only to copy that into the model (vLLM with fleetrl's backend; costs the model's size "
+        "in engine memory, so leave room under rollout.gpu_memory_utilization)")
     timeout_s: float = Field(60.0, gt=0, description="limit of every step of a publish; a timeout aborts it and names the peer")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="TCP store port; 0 picks a free one")

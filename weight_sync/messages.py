@@ -33,6 +33,19 @@ class UpdateWeights(msgspec.Struct, frozen=True):
     plan_id: str
 
 
+class StageWeights(msgspec.Struct, frozen=True):
+    """Post the receives of a staged publish and return at once (see WeightReceiver.stage)."""
+
+    version: int
+    plan_id: str
+
+
+class CommitWeights(msgspec.Struct, frozen=True):
+    """Load a staged publish once the broadcast is done; the reply carries the checksum."""
+
+    version: int
+
+
 class LoadFromPath(msgspec.Struct, frozen=True):
     path: str
     version: int

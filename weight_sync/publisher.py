@@ -9,6 +9,9 @@ all-gather, and only rank 0 sends)::
              (at most ``inflight_buckets`` broadcasts on the wire; completion is polled,
              see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own
+             staged (``cfg.staging``): engines.begin_update(v) instead, and after the last
+             bucket engines.commit_update(v), whose answers are the acks: an engine
+             generates through the whole broadcast and pauses only for its commit
     rank>0:  gather b0, b1, ... (drain the iterator; keeps FSDP collectives aligned)
 
 Invariants and what happens when a peer dies:
@@ -107,6 +110,9 @@ class Publisher:
     def _add(self, client: EngineClient) -> None:
         if client.engine_id in self.engines:
             raise ValueError(f"engine id {client.engine_id!r} is already a weight-sync member")
+        if self.cfg.staging and not client.supports_staging:
+            raise ValueError(f"weight_sync.staging is on but engine {client.engine_id} ({type(client).__name__}) "
+                             "takes no staged publish (vLLM with fleetrl's backend and the standalone receiver do)")
         self.engines[client.engine_id] = client
         self._dirty = True
 
@@ -210,8 +216,11 @@ class Publisher:
                 pass
 
     def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
-        plan, depth = self.plan, self.cfg.inflight_buckets
-        futs = {eid: self._submit(self.engines[eid].update_weights(version, plan.plan_id)) for eid in self.members}
+        plan, depth, staged = self.plan, self.cfg.inflight_buckets, self.cfg.staging
+        # Staged: the engines post their receives and go on generating; they load at the commit below.
+        start = (lambda e: e.begin_update(version, plan.plan_id)) if staged else \
+            (lambda e: e.update_weights(version, plan.plan_id))
+        futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
         prints, sent, step = [], 0, "start"
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
         tb = time.perf_counter()
@@ -248,6 +257,10 @@ class Publisher:
             broadcast_s = time.perf_counter() - tb
             step = "acknowledge"
             failed = self._collect(futs, self.cfg.timeout_s)
+            if not failed and staged:
+                step = "commit"
+                futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
+                failed = self._collect(futs, self.cfg.timeout_s)
             if failed:
                 raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
         except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer

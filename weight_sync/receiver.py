@@ -11,10 +11,21 @@ Dataflow of one publish, receiver side::
     post recv(0), recv(1) -> [recv(1) || load(0)], post recv(2) -> [recv(2) || load(1)] ... -> checksum
                              ^ two receives stay posted, so the wire never idles while we load
 
+Staged publish (``weight_sync.staging``): the receives go into a standing
+copy of the model's bytes while the engine keeps generating; only the copy into
+the model waits for a gap between engine steps::
+
+    stage(v):  post recv(0..n-1) into the staging buffers, return at once   (engine keeps serving)
+    ...        the publisher broadcasts; the receives complete in the background
+    commit(v): wait for them (bounded) -> checksum -> load bucket by bucket  (the only pause)
+
+The staging buffers (the model's size on the engine's device) are allocated at
+the first stage of a plan and reused; the plan is fixed, so that is once.
+
 Guarantees: every wait is bounded by the group timeout; on any failure the
 group is torn down (so the publisher learns at once) and the error names the
 engine, the step and the bucket. A receiver never holds a half-joined group: a
-new ``join`` always replaces the old one.
+new ``join`` always replaces the old one, and drops a staged publish with it.
 
 Standalone process (tests, CPU): ``python -m weight_sync.receiver --engine-id r0
 --port 0 --port-file F [--init PATH]`` serves the typed HTTP control channel of
@@ -56,6 +67,9 @@ class WeightReceiver:
         self.timeout_s = 60.0
         self.depth = 2  # receives posted ahead: the wire stays busy while one bucket loads
         self.last_checksum = ""
+        self._staging: tuple[str, list[torch.Tensor]] | None = None  # (plan id, one buffer per bucket)
+        self._staged: tuple[int, list] | None = None  # (version, receive works) of the posted stage
+        self._abandoned: list[tuple[object, list]] = []  # groups left with receives still posted
 
     def join(self, group: GroupInfo, plan: WeightPlan, rank: int, timeout_s: float) -> None:
         validate_plan(plan)
@@ -75,14 +89,23 @@ class WeightReceiver:
 
     def leave(self) -> None:
         wgroup.close_group(self.pg)
+        if self._staged is not None:
+            # Receives still posted in an aborted gloo group end only at its timeout, and dropping the
+            # group joins its worker threads: keep it until they are done, so leaving never waits.
+            self._abandoned.append((self.pg, self._staged[1]))
+        self._abandoned = [(pg, works) for pg, works in self._abandoned if not all(w.is_completed() for w in works)]
         self.pg = None
+        self._staged = None
+
+    def _check(self, what: str, version: int, plan_id: str) -> None:
+        if self.pg is None or self.plan is None:
+            raise RuntimeError(f"engine {self.engine_id}: {what}(v{version}) before joining a weight-sync group")
+        if plan_id != self.plan.plan_id:
+            raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
 
     def receive(self, version: int, plan_id: str, load: LoadFn) -> str:
         """Receive one publish and load it bucket by bucket; return the checksum of the bytes."""
-        if self.pg is None or self.plan is None:
-            raise RuntimeError(f"engine {self.engine_id}: update_weights(v{version}) before joining a weight-sync group")
-        if plan_id != self.plan.plan_id:
-            raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
+        self._check("update_weights", version, plan_id)
         plan, pg = self.plan, self.pg
         sizes = plan.bucket_bytes()
         prints: list[torch.Tensor] = []
@@ -111,6 +134,50 @@ class WeightReceiver:
             self.leave()  # the publisher and other receivers see the group fail at once
             raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
         self.last_checksum = combine_fingerprints(prints)
+        return self.last_checksum
+
+    # ---- staged publish -------------------------------------------------------------
+    def stage(self, version: int, plan_id: str) -> None:
+        """Post every bucket's receive into the staging buffers and return; :meth:`commit` loads them."""
+        self._check("stage", version, plan_id)
+        plan = self.plan
+        if self._staging is None or self._staging[0] != plan.plan_id:
+            self._staging = (plan.plan_id, [torch.empty(n, dtype=torch.uint8, device=self.device)
+                                            for n in plan.bucket_bytes()])
+        if self._staged is not None:
+            # A stage that was never committed (its publish failed on the learner side) left receives posted
+            # in a group that was torn down; a live group would have matched them with this publish's sends.
+            raise RuntimeError(f"engine {self.engine_id}: stage(v{version}) while v{self._staged[0]} is staged "
+                               "and not committed")
+        try:
+            works = [wgroup.broadcast_async(self.pg, buf) for buf in self._staging[1]]
+        except Exception as e:
+            self.leave()
+            raise RuntimeError(f"engine {self.engine_id}: posting the receives of v{version} failed: {e}") from e
+        self._staged = (version, works)
+
+    def commit(self, version: int, load: LoadFn) -> str:
+        """Wait (bounded) for the staged receives of ``version``, then load them; returns the checksum."""
+        if self._staged is None or self._staged[0] != version:
+            have = None if self._staged is None else self._staged[0]
+            raise RuntimeError(f"engine {self.engine_id}: commit(v{version}) but the staged version is {have}")
+        _, works = self._staged
+        self._staged = None
+        plan, bufs = self.plan, self._staging[1]
+        step = "receive bucket 0"
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            for b, work in enumerate(works):
+                step = f"receive bucket {b}/{len(works)}"
+                wgroup.wait_work(work, deadline, f"engine {self.engine_id}: {step}")
+            step = "checksum"
+            self.last_checksum = combine_fingerprints([bucket_fingerprint(buf) for buf in bufs])
+            for b, buf in enumerate(bufs):
+                step = f"load bucket {b}/{len(bufs)}"
+                load(unpack_bucket(buf, plan, b))
+        except Exception as e:
+            self.leave()
+            raise RuntimeError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}") from e
         return self.last_checksum
 
 
@@ -171,6 +238,7 @@ def _handler(state: ReceiverState):
         def do_POST(self):
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             routes = {"/init_weight_transfer": m.InitTransfer, "/update_weights": m.UpdateWeights,
+                      "/stage_weights": m.StageWeights, "/commit_weights": m.CommitWeights,
                       "/load_weights_from_path": m.LoadFromPath, "/dump": m.DumpState}
             if self.path not in routes:
                 return self._reply(m.Reply(ok=False, error=f"unknown path {self.path}"), 404)
@@ -193,6 +261,13 @@ def _handler(state: ReceiverState):
                 return m.Reply(ok=True, version=state.version)
             if isinstance(msg, m.UpdateWeights):
                 checksum = state.receiver.receive(msg.version, msg.plan_id, state.load)
+                state.version = msg.version
+                return m.Reply(ok=True, checksum=checksum, version=msg.version)
+            if isinstance(msg, m.StageWeights):
+                state.receiver.stage(msg.version, msg.plan_id)
+                return m.Reply(ok=True, version=state.version)
+            if isinstance(msg, m.CommitWeights):
+                checksum = state.receiver.commit(msg.version, state.load)
                 state.version = msg.version
                 return m.Reply(ok=True, checksum=checksum, version=msg.version)
             if isinstance(msg, m.LoadFromPath):

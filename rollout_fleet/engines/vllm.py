@@ -12,6 +12,13 @@ weight-update choreography::
 
 (the reset is skipped after a ``wait`` pause, which already emptied the cache)
 
+or, with ``weight_sync.staging`` (fleetrl's backend), a staged update that
+leaves the server generating while the bytes arrive::
+
+    begin_update: /collective_rpc fleetrl_stage_begin (post the receives) ... broadcast ...
+    commit_update: [pause(wait)] -> /collective_rpc fleetrl_stage_commit (load) -> [reset_prefix_cache]
+                   -> label the version -> [resume]
+
 A failed update leaves the engine paused: its model may be half loaded, so it
 must not generate until a later update or load succeeds.
 
@@ -95,6 +102,7 @@ class VLLMClient(HttpEngineClient):
         self._paused = False  # last pause/resume through this instance (the server's /is_paused is authoritative)
         self._plan: WeightPlan | None = None
         self._join_timeout_s = timeout_s
+        self._stage_steps: dict[str, float] = {}
 
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
@@ -228,6 +236,63 @@ class VLLMClient(HttpEngineClient):
             lap("resume")
         self.last_update_steps = steps
         return checksum
+
+    # ---- staged publish (weight_sync.staging; fleetrl's backend only) ------------------
+    @property
+    def supports_staging(self) -> bool:
+        return self.weight_backend != "nccl"
+
+    async def begin_update(self, version: int, plan_id: str) -> None:
+        """Post the receives of ``version`` (workers' staging copies); the server keeps generating."""
+        self._update_info(version, plan_id)  # the plan check
+        t = time.perf_counter()
+        await self._request("POST", "/collective_rpc", timeout_s=self._join_timeout_s,
+                            json={"method": "fleetrl_stage_begin", "kwargs": {"version": version, "plan_id": plan_id}})
+        self._stage_steps = {"stage_begin": time.perf_counter() - t}
+
+    async def commit_update(self, version: int) -> str:
+        """Load the staged ``version``. ``inflight`` (pause mode ``keep``): no pause at all, the engine core
+        runs the commit between two steps; ``pause`` (``wait``): running requests finish first."""
+        steps, t = dict(self._stage_steps), time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name], t = now - t, now
+
+        pause_here = self._stuck or (self.update_pause_mode != "keep" and not await self.is_paused())
+        if pause_here:
+            await self.pause(self.update_pause_mode)
+            lap("pause")
+        try:
+            r = await self._request("POST", "/collective_rpc", timeout_s=self.request_timeout_s,
+                                    json={"method": "fleetrl_stage_commit", "kwargs": {"version": version}})
+            lap("commit")
+            states = r.json()["results"]
+            sums = {st["checksum"] for st in states}
+            if len(sums) != 1 or any(st["version"] != version for st in states):
+                raise EngineError(f"engine {self.engine_id}: workers disagree after v{version}: {states}")
+            steps["commit_in_engine"] = max(st["commit_s"] for st in states)
+            if not (pause_here and self.update_pause_mode in ("wait", "abort")):  # see update_weights
+                await self.reset_prefix_cache()
+                lap("reset_prefix_cache")
+            await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
+            lap("label_version")
+        except EngineError as e:
+            # Unpaused, a half-loaded model would go on generating: stop it until a load succeeds.
+            if not pause_here:
+                try:
+                    await self.pause("keep")
+                except EngineError as pe:
+                    log.error("engine %s: could not pause after a failed commit: %s", self.engine_id, pe)
+            self._stuck = True
+            raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
+        self._version, self._stuck = version, False
+        if pause_here:
+            await self.resume()
+            lap("resume")
+        self.last_update_steps = steps
+        return sums.pop()
 
     async def _checksum(self, version: int) -> str:
         if self.weight_backend == "nccl":

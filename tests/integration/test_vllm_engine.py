@@ -221,3 +221,70 @@ def test_wait_pause_update_relies_on_the_pause_to_empty_the_prefix_cache(vllm_se
     assert rep.per_engine_checksums == {"vllm-wait": rep.checksum}
     assert "pause" in client.last_update_steps and "reset_prefix_cache" not in client.last_update_steps
     assert _cached_tokens(vllm_server, prompt) == 0, "the 'wait' pause left stale prefix KV behind"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_staged_update_keeps_serving_during_the_broadcast(vllm_server):
+    """weight_sync.staging: the server generates while a publish is on the wire, and loads at the commit.
+
+    The publisher posts the engine's receives (begin_update) before it reads the first weight;
+    the weight source below generates a request at that point. A direct update pauses the
+    engine and blocks its core in the receive, so that request would hang (the test fails on
+    the request timeout); staged, it completes, and after the commit the server's log-probs
+    are those of the new weights."""
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    tok = _tokenizer()
+    prompt = tok(LONG_PROMPT)["input_ids"]
+    base = load_file(str(TINY_MODEL / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
+           for k, v in base.items()}
+    client = VLLMClient("vllm-staged", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
+                        request_timeout_s=120, update_pause_mode="keep")
+    plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
+    pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, timeout_s=60), plan, engines=[client])
+    during: dict = {}
+
+    async def generate_now():
+        c = VLLMClient("vllm-staged-gen", vllm_server.url, model=vllm_server.model_name, request_timeout_s=30)
+        try:
+            return await c.is_paused(), await c.generate(prompt, SamplingParams(n=2, max_tokens=4, seed=1))
+        finally:
+            await c.close()
+
+    def source(state):
+        time.sleep(1.0)  # let begin_update reach the workers: their receives are posted, nothing sent yet
+        t0 = time.perf_counter()
+        during["paused"], during["samples"] = asyncio.run(generate_now())
+        during["generate_s"] = time.perf_counter() - t0
+        yield from state.items()
+
+    try:
+        rep = pub.publish(7, source(new))
+        steps = dict(client.last_update_steps)
+        after = asyncio.run(_generate(vllm_server, prompt))
+        back = pub.publish(8, base.items())  # the staging buffers are reused; the server gets its weights back
+    finally:
+        pub.close()
+    log.info("staged update: generate during the broadcast %.2fs, steps %s", during["generate_s"], steps)
+    assert during["paused"] is False and len(during["samples"]) == 2
+    assert rep.per_engine_checksums == {"vllm-staged": rep.checksum}
+    assert back.per_engine_checksums == {"vllm-staged": back.checksum} and back.checksum != rep.checksum
+    assert "pause" not in steps and {"stage_begin", "commit", "commit_in_engine"} <= set(steps), steps
+    err_new, err_old = _max_err(_hf_model(new), prompt, after), _max_err(_hf_model(), prompt, after)
+    assert err_new < TOL, f"after the staged commit log-probs differ from the new weights by {err_new:.2e} nats"
+    assert err_old > 10 * TOL, f"the perturbation was too small to tell old from new weights ({err_old:.2e})"
+    assert httpx.get(vllm_server.url + "/weight_info", timeout=10).json()["weight_version"] == "8"
+    assert _max_err(_hf_model(), prompt, asyncio.run(_generate(vllm_server, prompt))) < TOL
+
+
+async def _generate(server, prompt):
+    c = VLLMClient("vllm-staged-check", server.url, model=server.model_name, request_timeout_s=60)
+    try:
+        return await c.generate(prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=11))
+    finally:
+        await c.close()

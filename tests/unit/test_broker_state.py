@@ -109,6 +109,30 @@ def test_lease_expiry_redelivery_and_late_acks():
     assert e.value.code == ErrorCode.UNKNOWN_LEASE
 
 
+def test_outstanding_requests_never_move_the_version_back(tmp_path):
+    """A consumer waiting for steps 3 and 4 at once: the server retries both on every loop
+    iteration (lower step first); the version must go 0 -> 3 and stay, in memory and in the
+    spool's log, and a later request for an old step must not lower it either."""
+    from broker.spool import read_log
+
+    sp = Spool(tmp_path, fsync="never")
+    s = new_state(k=4, G=1, journal=sp)
+    seen = []
+    for _ in range(3):  # three loop iterations with nothing to serve
+        assert s.lease("L", 3, now=0) is None
+        seen.append(s.version)
+        assert s.lease("L", 4, now=0) is None
+        seen.append(s.version)
+    assert seen == [2, 3, 3, 3, 3, 3]
+    s.accept("w", make_groups(["a"], step=1, version=2), now=0)
+    assert s.lease("L", 2, now=0) is not None and s.version == 3  # served, still not lowered
+    s.set_version(1)  # the explicit report (a restored checkpoint) may set it back
+    assert s.version == 1
+    sp.close()
+    versions = [r.step for r in read_log(tmp_path / "log.bin")[0] if r.kind == "version"]
+    assert versions == [2, 3, 1]
+
+
 def test_spool_restart_restores_pending_and_live_leases(tmp_path):
     sp = Spool(tmp_path, fsync="always")
     s = new_state(k=2, G=1, journal=sp)
