@@ -48,8 +48,9 @@ from broker.schema import TRAJECTORY_SCHEMA  # noqa: E402
 from broker.testing import make_groups  # noqa: E402
 
 RESP_LEN, PROMPT_LEN = 1000, 100
-WINDOW = 8
-PREFETCH = 8  # learner steps the bench consumer requests ahead
+WINDOW = int(os.environ.get("BW", 8))
+BURST = int(os.environ.get("BB", 8))
+PREFETCH = int(os.environ.get("BP", 8))  # learner steps the bench consumer requests ahead
 IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
 
 
@@ -171,6 +172,8 @@ def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
             fut = asyncio.ensure_future(prod.push(stamp(base, f"g{i}", t.step), want_tickets=WINDOW))
             fut.add_done_callback(done)
             inflight.append(fut)
+            if i % BURST == BURST - 1:
+                await asyncio.sleep(0)  # let this burst go out (as one message) while we go on
             if len(inflight) > 4 * WINDOW:
                 inflight = [f for f in inflight if not f.done()]
         for f in inflight:

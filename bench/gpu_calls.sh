@@ -10,6 +10,7 @@
 #   torch           bench/weight_sync.py + tests/gpu/test_weight_sync_gpu.py + tests/gpu/test_fsdp_gpu.py
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
+#   engine-update   bench/engine_update.py: a vLLM engine's unavailability per update, direct vs staged
 #   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
 #   rollout         bench/rollout.py (fleet vs LLM.generate)
 #   sglang-install  install the SGLang 0.5.16 bundle into /tmp/site-sglang
@@ -110,6 +111,11 @@ for step in "$@"; do
             for d in /tmp/vllm-tp1 /tmp/vllm-fleetrl; do
                 [ -f $d/vllm_server.log ] && { echo "--- tail of $d/vllm_server.log"; grep -v "GET /health\|POST /v1/completions" $d/vllm_server.log | tail -25; }
             done
+            ;;
+        engine-update)  # unavailability per update under load: direct vs staged, pause vs inflight
+            VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 420 $PY \
+                bench/engine_update.py --json "$OUT/engine_update.json" --run-dir /tmp/engine-update
+            grep -v "GET /health\|POST /v1/completions" /tmp/engine-update/server/vllm_server.log | tail -15
             ;;
         vllm-tp2)
             export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_VLLM_TP2_RUN_DIR=/tmp/vllm-tp2

@@ -239,6 +239,50 @@ def inspect_batch(batch: pa.RecordBatch) -> BatchView:
     return view
 
 
+_JOINT_MAX_BYTES = 8 << 20  # batches validated together are copied into one: cap that copy
+
+
+def inspect_batches(batches: list[pa.RecordBatch]) -> list[BatchView] | None:
+    """The views of several batches that each pass :func:`validate_batch`, checked together.
+
+    Validation costs mostly per call (a few dozen numpy and Arrow calls per batch, whatever
+    its size), so the broker checks the pushes of one message at once: each batch gets
+    Arrow's full structural validation on its own (so no hostile offsets reach the copy),
+    then their concatenation goes through the whole-batch checks once. Every check is per
+    row or implied by its counterpart over the union (unique ``traj_id`` over all of them
+    implies it within each), so passing together implies passing alone. None: one of them
+    failed (or the checks do not apply); call :func:`inspect_batch` on each for the precise
+    error. The views refer to each batch's own rows.
+    """
+    if len(batches) < 2 or sum(b.nbytes for b in batches) > _JOINT_MAX_BYTES:
+        return None
+    schema = batches[0].schema
+    if not schema.equals(TRAJECTORY_SCHEMA):
+        return None
+    for b in batches:
+        if not b.schema.equals(schema, check_metadata=True):
+            return None
+        try:
+            b.validate(full=True)
+        except pa.ArrowException:
+            return None
+    view = _fast_view(pa.concat_batches(batches))
+    if view is None:
+        return None
+    out, a = [], 0
+    for b in batches:
+        z = a + b.num_rows
+        if view.group_ids is None:  # one group id in all of them
+            gids, single = None, view.single_group
+        else:
+            gids = view.group_ids[a:z]
+            single = gids[0] if gids and gids.count(gids[0]) == len(gids) else None
+        out.append(BatchView(gids, single, view.sample_index[a:z], view.group_size[a:z], view.step[a:z],
+                             view.oldest_version[a:z]))
+        a = z
+    return out
+
+
 _COL = {f.name: i for i, f in enumerate(TRAJECTORY_SCHEMA)}
 _FINISH_SET = frozenset(FINISH_REASONS)
 _SMALL = 64  # rows up to which Python sets beat Arrow hash kernels

@@ -105,7 +105,7 @@ import zmq
 from broker import protocol as P
 from broker.config import BrokerConfig
 from broker.metrics import Hist, Rates, snapshot, start_metrics_server
-from broker.schema import TRAJECTORY_SCHEMA
+from broker.schema import TRAJECTORY_SCHEMA, inspect_batches
 from broker.spool import Spool
 from broker.state import BrokerError, BrokerState
 
@@ -298,17 +298,46 @@ class BrokerServer:
                         f"multi announces {len(counts)} requests in {sum(counts)} frames (each >= 1, at most "
                         f"{P.MAX_MULTI} requests); the message has {len(frames) - 2}")
             return
-        i = 2
+        subs, i = [], 2
         for n in counts:
             part = frames[i:i + n]
             i += n
-            sub = self._decode(ident, part[0])
+            subs.append((self._decode(ident, part[0]), part))
+        prepared = self._prepare_pushes(subs)
+        for j, (sub, part) in enumerate(subs):
             if sub is None:
                 continue
             if type(sub) is P.Multi:
                 self._error(ident, sub.req, P.ErrorCode.BAD_REQUEST, "a multi cannot hold another multi")
                 continue
-            self._handle_one(ident, sub, part)
+            self._handle_one(ident, sub, part, prepared.get(j))
+
+    @staticmethod
+    def _prepare_pushes(subs: list) -> dict:
+        """Parse the pushes of one message and validate their batches together (see
+        broker.schema.inspect_batches): index -> (batches, view or None) or the parse error."""
+        prepared, joint = {}, []
+        for j, (sub, part) in enumerate(subs):
+            if type(sub) is not P.Push or len(part) != 2:
+                continue
+            try:
+                batches = P.ipc_to_batches(part[1].buffer)
+            except P.ProtocolError as e:
+                prepared[j] = e
+                continue
+            prepared[j] = (batches, None)
+            if len(batches) == 1:
+                joint.append(j)
+        if len(joint) > 1:
+            try:
+                views = inspect_batches([prepared[j][0][0] for j in joint])
+            except Exception:  # each push is then validated on its own, with its own error
+                log.exception("joint validation failed; validating pushes one by one")
+                views = None
+            if views is not None:
+                for j, view in zip(joint, views):
+                    prepared[j] = (prepared[j][0], view)
+        return prepared
 
     def _decode(self, ident: bytes, header: zmq.Frame):
         try:
@@ -317,8 +346,9 @@ class BrokerServer:
             self._error(ident, 0, e.code, e.message)
             return None
 
-    def _handle_one(self, ident: bytes, msg, frames: list) -> None:
-        """One request: ``frames`` is its header and payload frames."""
+    def _handle_one(self, ident: bytes, msg, frames: list, prepared=None) -> None:
+        """One request: ``frames`` is its header and payload frames; ``prepared``: see
+        _prepare_pushes."""
         req = msg.req
         try:
             expect = 2 if type(msg) is P.Push else 1  # header (+ one Arrow IPC frame for a push)
@@ -326,7 +356,7 @@ class BrokerServer:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME,
                                       f"{type(msg).__name__} takes {expect - 1} payload frame(s), "
                                       f"got {len(frames) - 1}")
-            self._dispatch(ident, msg, frames)
+            self._dispatch(ident, msg, frames, prepared)
         except P.ProtocolError as e:
             self._error(ident, req, e.code, e.message)
         except BrokerError as e:
@@ -335,21 +365,23 @@ class BrokerServer:
             log.exception("internal error handling a request")
             self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, ident: bytes, msg, frames) -> None:
+    def _dispatch(self, ident: bytes, msg, frames, prepared=None) -> None:
         now = time.monotonic()
         st = self.state
         if isinstance(msg, P.Push):
             if msg.want_tickets < 0:
                 raise BrokerError(P.ErrorCode.BAD_REQUEST, f"want_tickets must be >= 0, got {msg.want_tickets}")
             payload = frames[1]
-            batches = P.ipc_to_batches(payload.buffer)
+            if isinstance(prepared, Exception):
+                raise prepared
+            batches, view = prepared if prepared is not None else (P.ipc_to_batches(payload.buffer), None)
             if not batches:
                 raise P.ProtocolError(P.ErrorCode.BAD_FRAME, "Arrow IPC stream holds no record batch")
             batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
             # The frame itself (not a view of it) is kept: sending a zmq.Frame again shares
             # its buffer by reference count, with no copy and no zero-copy bookkeeping.
             groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer),
-                                           payload=payload if len(batches) == 1 else None)
+                                           payload=payload if len(batches) == 1 else None, view=view)
             tickets = []
             if msg.want_tickets and not self._ticket_waiters:  # producers waiting for tickets go first
                 tickets = st.acquire(msg.producer_id, msg.want_tickets, now)

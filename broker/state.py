@@ -175,6 +175,9 @@ class BrokerState:
         self._queue: list[tuple[int, int, str]] = []  # heap of (label, seq, group_id); lazily pruned
         self._done: set[str] = set()  # acked or dropped group ids
         self._tickets: dict[int, _TicketRec] = {}
+        # (producer, step) -> its ticket ids, oldest first: a push finds its tickets without
+        # a scan of all outstanding ones (up to G * (k + 1)) per push
+        self._tickets_of: dict[tuple[str, int], list[int]] = {}
         self._leases: dict[str, Lease] = {}
         self._lease_by_key: dict[tuple[str, int], str] = {}
         self._acked_leases: set[str] = set()
@@ -221,6 +224,7 @@ class BrokerState:
             tid = self._next_ticket
             self._next_ticket += 1
             self._tickets[tid] = _TicketRec(producer_id, step, now + self.ticket_timeout_s)
+            self._tickets_of.setdefault((producer_id, step), []).append(tid)
             out.append(Ticket(tid, step))
         if out:
             self._min_deadline = min(self._min_deadline, now + self.ticket_timeout_s)
@@ -228,15 +232,18 @@ class BrokerState:
         return out
 
     def accept(self, producer_id: str, batch: pa.RecordBatch, now: float,
-               payload_bytes: int | None = None, payload=None) -> tuple[int, int, int]:
+               payload_bytes: int | None = None, payload=None, view: BatchView | None = None) -> tuple[int, int, int]:
         """Take a pushed batch. Returns (groups, rows, duplicate groups); all or nothing.
 
         ``payload`` (the IPC frame the batch was read from) is kept with a group that is
-        the whole batch, so a lease can hand the same bytes on without serialising again."""
-        try:
-            view = inspect_batch(batch)
-        except SchemaError as e:
-            raise BrokerError(ErrorCode.BAD_SCHEMA, str(e)) from None
+        the whole batch, so a lease can hand the same bytes on without serialising again.
+        ``view``: the batch's view from :func:`broker.schema.inspect_batches` when the
+        caller validated it already (with other batches); otherwise it is validated here."""
+        if view is None:
+            try:
+                view = inspect_batch(batch)
+            except SchemaError as e:
+                raise BrokerError(ErrorCode.BAD_SCHEMA, str(e)) from None
         if not batch.schema.equals(TRAJECTORY_SCHEMA):  # e.g. nullable fields: same data, our schema
             batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
         groups = split_groups(batch, payload_bytes, view)
@@ -253,14 +260,14 @@ class BrokerState:
             raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
                               "bytes held); retry later", retry_after_s=0.05)
         # Plan tickets before changing anything, so a refused push leaves no trace.
-        mine = defaultdict(list)
-        for tid, t in self._tickets.items():
-            if t.producer_id == producer_id:
-                mine[t.step].append(tid)
+        taken: dict[int, int] = {}
         used, unticketed, supply = [], 0, self._supply()
         for g in fresh:
-            if mine[g.label]:
-                used.append(mine[g.label].pop())
+            tids = self._tickets_of.get((producer_id, g.label))
+            k = taken.get(g.label, 0)
+            if tids is not None and k < len(tids):
+                used.append(tids[-1 - k])  # the newest first, as before
+                taken[g.label] = k + 1
             elif supply < self._demand():
                 unticketed += 1
                 supply += 1
@@ -271,7 +278,7 @@ class BrokerState:
         if self.journal is not None:
             self.journal.on_accept(batch if not dups else pa.concat_batches([g.batch for g in fresh]))
         for tid in used:
-            del self._tickets[tid]
+            self._drop_ticket(tid)
         if payload is not None and len(groups) == 1 and not dups:
             fresh[0].payload = payload
         rows = 0
@@ -436,10 +443,21 @@ class BrokerState:
                         lid, lease.step, lease.consumer_id, len(lease.group_ids))
         dead = [tid for tid, t in self._tickets.items() if t.deadline <= now]
         for tid in dead:
-            del self._tickets[tid]
+            self._drop_ticket(tid)
         self.counters.tickets_expired += len(dead)
         ds = [lease.deadline for lease in self._leases.values()] + [t.deadline for t in self._tickets.values()]
         self._min_deadline = min(ds) if ds else float("inf")
+
+    def _drop_ticket(self, tid: int) -> None:
+        t = self._tickets.pop(tid)
+        key = (t.producer_id, t.step)
+        tids = self._tickets_of[key]
+        if tids[-1] == tid:  # the usual case: accept() uses the newest first
+            tids.pop()
+        else:
+            tids.remove(tid)
+        if not tids:
+            del self._tickets_of[key]
 
     def next_deadline(self) -> float | None:
         """No lease or ticket expires before this (it may be earlier than the first that does)."""

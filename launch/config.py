@@ -64,6 +64,15 @@ class RunConfig(ConfigModel):
                 f"learner.loss.correction='none' is only legal with broker.max_staleness=0 "
                 f"(got {self.broker.max_staleness}); choose 'tis' or 'decoupled' for asynchronous training"
             )
+        ws, engine = self.weight_sync, self.rollout.engine
+        impl = ws.resolved_nccl_impl(engine)
+        if engine in ("vllm", "sglang") and (impl == "sglang") != (engine == "sglang"):
+            raise ValueError(f"weight_sync.nccl_impl={ws.nccl_impl!r} does not fit rollout.engine={engine!r}: "
+                             "an SGLang fleet takes 'sglang', a vLLM fleet 'torch' (fleetrl's backend) or 'vllm'")
+        if ws.staging and (engine != "vllm" or impl == "vllm"):
+            raise ValueError("weight_sync.staging needs rollout.engine='vllm' with fleetrl's weight-transfer "
+                             f"backend (weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
+                             f"nccl_impl={ws.nccl_impl!r}")
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet > 0 and t_fleet != t_learner:
             # The learner's log-probs must be of the distribution the fleet sampled from.

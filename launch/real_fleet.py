@@ -91,7 +91,9 @@ class VLLMFactory(ServerFactory):
                               max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
                               gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
                               seed=self.cfg.run.seed + index, enforce_eager=r.enforce_eager,
-                              startup_timeout_s=r.startup_timeout_s, extra_args=list(r.vllm_server_args), env=env)
+                              startup_timeout_s=r.startup_timeout_s, extra_args=list(r.vllm_server_args), env=env,
+                              # vLLM's own nccl backend only when asked for (and on GPU); else fleetrl's
+                              weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl")
         return VLLMServer(args, self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
 
     async def start(self, index: int) -> FleetVLLMClient:

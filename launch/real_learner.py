@@ -66,8 +66,9 @@ def _nccl_env(cfg) -> dict[str, str]:
 def publish_client(cfg, backend: str, eid: str, url: str):
     """The publisher's client of one server: its class follows rollout.engine and the weight backend.
 
-    vllm + nccl: vLLM's built-in NCCL backend (VLLMNcclClient: the packed settings where the installed
-    vLLM wants them); vllm + gloo: fleetrl's gloo backend; sglang: SGLang's distributed update (NCCL).
+    vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU), or with nccl_impl 'vllm'
+    vLLM's built-in NCCL backend (VLLMNcclClient: the packed settings where the installed vLLM wants
+    them); sglang: SGLang's distributed update (NCCL).
     """
     engine, ws = cfg.rollout.engine, cfg.weight_sync
     if engine == "sglang":
@@ -78,7 +79,7 @@ def publish_client(cfg, backend: str, eid: str, url: str):
         raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
     kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,
               update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep")
-    if backend == "nccl":
+    if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":
         from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
 
         return VLLMNcclClient(eid, url, **kw)
@@ -167,8 +168,7 @@ class LearnerActor:
         from weight_sync.publisher import Publisher
 
         ws = self.cfg.weight_sync
-        if self.cfg.rollout.engine in ("vllm", "sglang"):
-            ws = ws.model_copy(update={"nccl_impl": self.cfg.rollout.engine})
+        ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
         nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
         device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
         plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes())

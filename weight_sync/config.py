@@ -28,9 +28,16 @@ class WeightSyncConfig(ConfigModel):
     timeout_s: float = Field(60.0, gt=0, description="limit of every step of a publish; a timeout aborts it and names the peer")
     master_addr: str = "127.0.0.1"
     master_port: int = Field(0, ge=0, le=65535, description="TCP store port; 0 picks a free one")
-    nccl_impl: Literal["vllm", "sglang", "torch"] = Field(
-        "vllm",
-        description="with nccl: 'vllm' = vLLM's PyNccl group, what vLLM's built-in nccl backend joins; "
-        "'sglang' = a ProcessGroupNCCL under the store prefixes SGLang's workers use (no join barrier); "
-        "'torch' = a ProcessGroupNCCL for fleetrl's own receivers. launch/cluster.py sets it from rollout.engine",
+    nccl_impl: Literal["auto", "vllm", "sglang", "torch"] = Field(
+        "auto",
+        description="with nccl, how the group is made and what the engines run: 'torch' = a ProcessGroupNCCL "
+        "for fleetrl's own receivers (vLLM started with fleetrl's weight-transfer backend: checked loads, "
+        "staging); 'vllm' = vLLM's PyNccl group and its built-in nccl backend; 'sglang' = a ProcessGroupNCCL "
+        "under the store prefixes SGLang's workers use. auto: 'sglang' for an SGLang fleet, else 'torch'",
     )
+
+    def resolved_nccl_impl(self, engine: str) -> str:
+        """``nccl_impl`` with ``auto`` resolved for a fleet of ``engine`` (rollout.engine)."""
+        if self.nccl_impl != "auto":
+            return self.nccl_impl
+        return "sglang" if engine == "sglang" else "torch"

@@ -20,7 +20,11 @@ Loss scaling: Megatron's schedule divides each micro-batch loss by the number of
 DDP averages gradients over the data-parallel ranks; our losses are already normalised by the step's
 global token count, so the loss handed to Megatron is multiplied by both to get the plain sum.
 
-Limits: PP > 1 pads micro-batches to one length per step (p2p shapes) and is untested on hardware;
+KL (``learner.loss.kl_coef > 0``): a frozen reference GPTModel of the same layout, built from the same HF
+weights, gives ``ref_logp`` in ``prepare_logprobs`` through the same schedule (forward only, no grad);
+``learner.reference_offload`` keeps its weights on the CPU between steps.
+
+Limits: PP > 1 pads micro-batches to one length per step (p2p shapes);
 weight decay skips biases and norms (Megatron's rule; FSDP decays all). Checkpoints: Megatron's
 ``dist_checkpointing`` (model + optimizer) under ``mcore/``, plus fleetrl's ``meta.json``/RNG files.
 """
@@ -141,15 +145,11 @@ class MegatronEngine(TrainingEngine):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronEngine needs torch.distributed initialised (nccl on GPU)")
-        if cfg.loss.kl_coef > 0:
-            raise NotImplementedError("learner.engine=megatron does not hold a KL reference model yet; "
-                                      "use kl_coef=0 or engine=fsdp")
         self.cfg, self.mcfg, self.model_path = cfg, cfg.megatron, model_path
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.loss = LossSettings.from_config(cfg.loss)
@@ -176,18 +176,22 @@ class MegatronEngine(TrainingEngine):
         per_stage = self.shape.num_layers // pp
         self.layers = list(range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage))
         self.pre, self.post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        model = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(mc.sequence_parallel, per_stage),
-                         vocab_size=self.shape.padded_vocab,
-                         max_sequence_length=int(self.hf_config.get("max_position_embeddings", 4096)),
-                         pre_process=self.pre, post_process=self.post, parallel_output=True,
-                         share_embeddings_and_output_weights=self.shape.tied, position_embedding_type="rope",
-                         rotary_base=rope_theta(self.hf_config))
+        model = self._build_gpt()
         self.gpt = model  # unwrapped: parameter names without the wrappers' prefixes
-        with HFWeights(model_path) as hf:
-            copy_hf_into(model, hf, self.shape, tp=tp, tp_rank=self.tp_rank, layer_offset=self.layers[0])
         model.to(self.device)
         if on_gpu:
             model = Float16Module(self.tcfg, model)
+        # KL reference: a second GPTModel of the same TP/PP layout from the same HF weights, frozen, run
+        # through the same schedule and log-prob code (forward only). No DDP wrapper, no optimizer. With
+        # reference_offload its weights live on the CPU between steps (like FSDP's CPUOffloadPolicy).
+        self.ref: torch.nn.Module | None = None
+        self.ref_offload = on_gpu and cfg.reference_offload
+        if cfg.loss.kl_coef > 0:
+            ref = self._build_gpt()
+            ref.requires_grad_(False)
+            if on_gpu:
+                ref = Float16Module(self.tcfg, ref)  # the policy's bf16 compute path: equal weights, equal log-probs
+            self.ref = ref.eval().to("cpu" if self.ref_offload else self.device)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=mc.use_distributed_optimizer)
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model)
@@ -205,6 +209,22 @@ class MegatronEngine(TrainingEngine):
         logger.info("Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, model %s",
                     self.rank, self.world_size, self.tp_rank, tp, self.pp_rank, pp, self.data_rank,
                     self.data_world_size, self.device, n_local, model_path)
+
+    def _build_gpt(self) -> torch.nn.Module:
+        """This rank's stage of the GPTModel (layers ``self.layers``, embedding on the first stage, final norm
+        and output layer on the last), its parameters overwritten with their shards of the HF weights."""
+        from megatron.core.models.gpt import GPTModel
+
+        model = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(self.mcfg.sequence_parallel,
+                                                                              len(self.layers)),
+                         vocab_size=self.shape.padded_vocab,
+                         max_sequence_length=int(self.hf_config.get("max_position_embeddings", 4096)),
+                         pre_process=self.pre, post_process=self.post, parallel_output=True,
+                         share_embeddings_and_output_weights=self.shape.tied, position_embedding_type="rope",
+                         rotary_base=rope_theta(self.hf_config))
+        with HFWeights(self.model_path) as hf:
+            copy_hf_into(model, hf, self.shape, tp=self.tp, tp_rank=self.tp_rank, layer_offset=self.layers[0])
+        return model
 
     @property
     def data_rank(self) -> int:
@@ -250,8 +270,11 @@ class MegatronEngine(TrainingEngine):
             logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask)
             return self._logprobs(logits, mb)
 
-    def _run(self, mbs: list[MicroBatch], loss_of, forward_only: bool) -> list[dict[str, torch.Tensor]]:
-        """Megatron's forward/backward schedule over the micro-batches; ``loss_of(logp, ent, mb)`` on the last stage."""
+    def _run(self, mbs: list[MicroBatch], loss_of, forward_only: bool,
+             model: torch.nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
+        """Megatron's forward/backward schedule over the micro-batches; ``loss_of(logp, ent, mb)`` on the last stage.
+
+        ``model``: the policy (default) or the frozen KL reference (forward only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         length = self._row_length(mbs)
@@ -272,7 +295,8 @@ class MegatronEngine(TrainingEngine):
             return out, loss_func
 
         seq = length or max(mb.n_tokens for mb in mbs)
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs),
+                                    model=[self.model if model is None else model],
                                     num_microbatches=len(mbs), seq_length=seq, micro_batch_size=1,
                                     forward_only=forward_only)
         return parts
@@ -281,16 +305,28 @@ class MegatronEngine(TrainingEngine):
         return self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
-        if not self.needs_proximal():
-            return
-        self.model.eval()
+        if self.needs_proximal():
+            self.model.eval()
 
-        def keep(logp, ent, mb):
-            mb.prox_logp = logp.detach()
-            return logp.sum() * 0.0, {}
+            def keep(logp, ent, mb):
+                mb.prox_logp = logp.detach()
+                return logp.sum() * 0.0, {}
 
-        with torch.no_grad():
-            self._run(plan.micro_batches, keep, forward_only=True)
+            with torch.no_grad():
+                self._run(plan.micro_batches, keep, forward_only=True)
+        if self.ref is not None:
+            def keep_ref(logp, ent, mb):
+                mb.ref_logp = logp.detach()
+                return logp.sum() * 0.0, {}
+
+            if self.ref_offload:
+                self.ref.to(self.device)
+            try:
+                with torch.no_grad():
+                    self._run(plan.micro_batches, keep_ref, forward_only=True, model=self.ref)
+            finally:
+                if self.ref_offload:
+                    self.ref.to("cpu")
 
     # ---- step ------------------------------------------------------------------------------
     def _grads_finite(self) -> bool:

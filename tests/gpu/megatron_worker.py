@@ -46,15 +46,18 @@ def bf16_model(src: Path, out: Path) -> Path:
     return out
 
 
-def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True):
+def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True, pp: int = 1, kl_coef: float = 0.0,
+                reference_offload: bool = True):
     from learner.config import LearnerConfig
 
     return LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled"},
+        "loss": {"correction": "decoupled", "kl_coef": kl_coef},
         # eps 1e-5: as in the CPU learner tests, Adam's first step of a near-zero gradient stays smooth.
         "optim": {"lr": 1e-3, "eps": 1e-5, "grad_clip": 1.0},
         "micro_batch_tokens": 64,
-        "megatron": {"tensor_model_parallel_size": tp, "sequence_parallel": sp, "use_distributed_optimizer": dist_opt},
+        "reference_offload": reference_offload,
+        "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
+                     "use_distributed_optimizer": dist_opt},
     })
 
 
@@ -76,7 +79,8 @@ def _plan(engine, seed: int = 0):
 
 
 def megatron_grads(engine, plan) -> dict:
-    """One forward/backward through Megatron's schedule; the reduced fp32 main grads in HF names (rank 0)."""
+    """One forward/backward through Megatron's schedule; the reduced fp32 main grads in HF names of this rank's
+    pipeline stage (full over TP): with PP > 1 the test merges the stages' dicts."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -95,7 +99,8 @@ def megatron_grads(engine, plan) -> dict:
     engine._run(plan.micro_batches, loss_of, forward_only=False)
     params = {global_name(n, engine.layers[0]): p for n, p in engine.gpt.named_parameters()}
     out = {}
-    for mname in cv.megatron_names(engine.shape):
+    for mname in cv.megatron_names(engine.shape, layers=engine.layers, pre_process=engine.pre,
+                                   post_process=engine.post):
         g = params[mname].main_grad.detach().float()
         shards = [g]
         if engine.tp > 1 and cv.tp_dim(mname) is not None:
@@ -128,7 +133,8 @@ def _megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
     _init(rank, world, port)
     res: dict = {}
     for i, model in enumerate(kw["models"]):
-        engine = MegatronEngine(learner_cfg(kw["tp"], kw.get("sp", False), kw.get("dist_opt", True)), model,
+        engine = MegatronEngine(learner_cfg(kw["tp"], kw.get("sp", False), kw.get("dist_opt", True), kw.get("pp", 1),
+                                            kw.get("kl_coef", 0.0), kw.get("reference_offload", True)), model,
                                 total_steps=3, seed=0)
         res[f"build_s_{i}"] = time.time() - t0
         if kw.get("roundtrip"):
@@ -145,6 +151,8 @@ def _megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
                 res["grads"] = megatron_grads(engine, plan)
             res["metrics"] = engine.train_step(plan)
             res["after"] = {n: t.detach().float().cpu().clone() for n, t in engine.full_tensors()}
+        if kw.get("kl"):
+            res["kl"] = _kl_steps(engine)
         if kw.get("ckpt"):
             res["ckpt"] = _checkpoint_resume(engine, Path(kw["out"] + ".ckpt"))
         if kw.get("publish"):
@@ -168,6 +176,37 @@ def _checkpoint_resume(engine, path: Path) -> dict:
     extra = engine.load_checkpoint(path)
     resumed = step2()
     return {"straight": straight, "resumed": resumed, "extra": extra}
+
+
+def _kl_steps(engine) -> dict:
+    """KL against the frozen reference: step 1 (policy == reference) and step 2 (after an optimizer step).
+
+    Plan B's reference and proximal log-probs are taken before step 1 and again before step 2: the
+    reference's must not move (frozen), the policy's must (the step changed the weights). Log-prob
+    tensors exist on the last pipeline stage only (elsewhere the lists stay empty)."""
+    import torch
+
+    def logps(plan, attr):
+        return [getattr(mb, attr).detach().float().cpu().clone() for mb in plan.micro_batches
+                if getattr(mb, attr) is not None]
+
+    plan_a, plan_b = _plan(engine, seed=0), _plan(engine, seed=1)
+    engine.prepare_logprobs(plan_b)
+    ref_b0, prox_b0 = logps(plan_b, "ref_logp"), logps(plan_b, "prox_logp")
+    engine.prepare_logprobs(plan_a)
+    ref_a, prox_a = logps(plan_a, "ref_logp"), logps(plan_a, "prox_logp")
+    m1 = engine.train_step(plan_a)
+    engine.prepare_logprobs(plan_b)
+    ref_b1, prox_b1 = logps(plan_b, "ref_logp"), logps(plan_b, "prox_logp")
+    m2 = engine.train_step(plan_b)
+
+    def max_diff(xs, ys):
+        return max(((x - y).abs().max().item() for x, y in zip(xs, ys)), default=None)
+
+    return {"m1": m1, "m2": m2, "last_stage": engine.post, "n_logp": sum(x.numel() for x in ref_a),
+            "ref_vs_policy_step1": max_diff(ref_a, prox_a), "ref_moved": max_diff(ref_b0, ref_b1),
+            "policy_moved": max_diff(prox_b0, prox_b1), "ref_on": str(next(engine.ref.parameters()).device),
+            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
 
 
 def _publish(engine, kw: dict, rank: int) -> dict:

@@ -39,15 +39,51 @@ def test_publisher_client_follows_engine_and_backend():
     from rollout_fleet.engines.vllm import VLLMClient
     from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
 
-    vllm = load_run_config("gpu-tiny", [])
+    # by default a vLLM fleet takes fleetrl's backend over NCCL; vLLM's own nccl backend on request
+    c = publish_client(load_run_config("gpu-tiny", []), "nccl", "vllm-0", "http://127.0.0.1:1")
+    assert type(c) is VLLMClient and c.weight_backend == "fleetrl" and c.supports_staging
+    vllm = load_run_config("gpu-tiny", ["weight_sync.nccl_impl=vllm"])
     c = publish_client(vllm, "nccl", "vllm-0", "http://127.0.0.1:1")
     assert isinstance(c, VLLMNcclClient) and c.weight_backend == "nccl" and c.update_pause_mode == "wait"
+    assert not c.supports_staging
     c = publish_client(load_run_config("tiny", []), "gloo", "vllm-0", "http://127.0.0.1:1")
     assert type(c) is VLLMClient and c.weight_backend != "nccl"
     c = publish_client(load_run_config("gpu-tiny", ["rollout.engine=sglang"]), "nccl", "sglang-0", "http://127.0.0.1:1")
     assert isinstance(c, SGLangPublishClient) and c.group_ranks == 1
     with pytest.raises(ValueError, match="'vllm' or 'sglang'"):
         publish_client(load_run_config("tiny", ["rollout.engine=local"]), "gloo", "x", "http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("impl, backend", [("auto", "fleetrl"), ("torch", "fleetrl"), ("vllm", "nccl")])
+def test_vllm_server_weight_backend_follows_nccl_impl(tmp_path, monkeypatch, impl, backend):
+    import torch
+
+    from launch.real_fleet import VLLMFactory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU choice, decided without a GPU
+    cfg = load_run_config("gpu-tiny", [f"weight_sync.nccl_impl={impl}"])
+    server = VLLMFactory(cfg, tmp_path, {0: ("node", [1])})._server(0)
+    assert server.weight_backend == backend
+    i = server.command().index("--weight-transfer-config")
+    assert f'"backend": "{backend}"' in server.command()[i + 1]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.engine=sglang", "weight_sync.nccl_impl=torch"], "does not fit"),
+    (["weight_sync.nccl_impl=sglang"], "does not fit"),
+    (["weight_sync.staging=true", "weight_sync.nccl_impl=vllm"], "staging needs"),
+    (["weight_sync.staging=true", "rollout.engine=sglang"], "staging needs"),
+])
+def test_weight_sync_choices_that_do_not_fit_the_fleet_are_refused(overrides, match):
+    from launch.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load_run_config("gpu-tiny", overrides)
+
+
+def test_staging_on_a_vllm_fleet_loads():
+    cfg = load_run_config("gpu-tiny", ["weight_sync.staging=true"])
+    assert cfg.weight_sync.staging and cfg.weight_sync.resolved_nccl_impl("vllm") == "torch"
 
 
 def test_sglang_factory_server_args(tmp_path):
