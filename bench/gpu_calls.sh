@@ -10,6 +10,7 @@
 #   torch           bench/weight_sync.py + tests/gpu/test_weight_sync_gpu.py + tests/gpu/test_fsdp_gpu.py
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
+#   vllm-fleetrl    tests/gpu/test_vllm_fleetrl_gpu.py alone (fleetrl's backend: direct and staged updates)
 #   engine-update   bench/engine_update.py: a vLLM engine's unavailability per update, direct vs staged
 #   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
 #   rollout         bench/rollout.py (fleet vs LLM.generate)
@@ -111,6 +112,11 @@ for step in "$@"; do
             for d in /tmp/vllm-tp1 /tmp/vllm-fleetrl; do
                 [ -f $d/vllm_server.log ] && { echo "--- tail of $d/vllm_server.log"; grep -v "GET /health\|POST /v1/completions" $d/vllm_server.log | tail -25; }
             done
+            ;;
+        vllm-fleetrl)  # only fleetrl's backend over NCCL: direct and staged updates
+            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_VLLM_FLEETRL_RUN_DIR=/tmp/vllm-fleetrl
+            with_site /tmp/site-vllm timeout 400 $PY -m pytest -v -s -rA -p no:cacheprovider tests/gpu/test_vllm_fleetrl_gpu.py
+            grep -v "GET /health\|POST /v1/completions" /tmp/vllm-fleetrl/vllm_server.log | tail -15
             ;;
         engine-update)  # unavailability per update under load: direct vs staged, pause vs inflight
             VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 420 $PY \
