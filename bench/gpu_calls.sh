@@ -18,10 +18,18 @@
 #   sglang          bench/sglang_flags.py alongside tests/gpu/test_sglang_gpu.py
 #   ray-install     pip-install .whl-ray/*.whl (Ray 2.60 without its Java jar, jsonschema, math-verify)
 #                   into /tmp/site-ray
-#   megatron        tests/gpu/test_megatron_gpu.py + bench/learner.py (FSDP vs Megatron tokens/s, MFU)
+#   megatron        tests/gpu/test_megatron_gpu.py (round trip, TP parity with FSDP, SP/DP/checkpoint, publish)
+#   megatron-pp     tests/gpu/test_megatron_pp_kl_gpu.py (PP=2 parity, round trip and publish; KL reference)
+#   megatron-resume test_megatron_gpu.py -k checkpoint_resume only (SP, DP=2 + distributed optimizer, resume)
+#   megatron-bench  bench/learner.py (FSDP vs Megatron tokens/s and MFU) -> $OUT/learner.json
+#   megatron-all    megatron, megatron-pp, megatron-bench in one call (~9 min: only with a 10-min limit)
+#   megatron-vllm   tests/gpu/test_megatron_vllm_gpu.py: publish from Megatron TP=2 into vLLM, log-probs
+#                   (after vllm-install)
 #   ranks           tests/gpu/test_learner_ranks_gpu.py: 2 learner ranks as Ray actors, NCCL
 #   system-vllm     tests/gpu/test_full_system_gpu.py[vllm]: launch/cluster.py on 2 GPUs, vLLM fleet
 #   system-sglang   tests/gpu/test_full_system_gpu.py[sglang]: the same with the SGLang fleet
+#   system-vllm-megatron  tests/gpu/test_full_system_gpu.py[vllm-megatron]: the same with a Megatron learner
+#                   (after vllm-install and ray-install)
 set -uo pipefail
 REPO="$(pwd)"
 OUT="${OUT:-$REPO/gpu-out}"
@@ -73,6 +81,20 @@ base() {
     mkdir -p $di && printf 'Metadata-Version: 2.1\nName: fleetrl-checkout\nVersion: 0\n' > $di/METADATA
     printf '[vllm.general_plugins]\nfleetrl_weight_sync = weight_sync.vllm_plugin:register\n' > $di/entry_points.txt
     touch /tmp/site-base/.done
+}
+
+# Megatron's INFO logs list every parameter of every gradient bucket: kept in the log file, not on stdout.
+quiet() { grep -v "^[[:space:]]*\(module\.\|decoder\.\|embedding\.\|output_layer\.\)"; }
+
+megatron_tests() {  # megatron_tests TESTFILE LOGNAME [PYTEST ARGS]: megatron-core comes with the base wheels
+    local file="$1" log="$2"; shift 2
+    NCCL_CUMEM_ENABLE=0 with_site "" timeout 290 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider "$file" "$@" \
+        2>&1 | tee "$OUT/$log.log" | quiet
+}
+
+megatron_bench() {
+    NCCL_CUMEM_ENABLE=0 with_site "" timeout 200 $PY bench/learner.py --json "$OUT/learner.json" 2>&1 \
+        | tee "$OUT/learner_bench.log" | tail -60
 }
 
 with_site() {  # with_site SITE CMD...: run CMD with fleetrl, SITE and the base wheels importable
@@ -153,13 +175,28 @@ for step in "$@"; do
             with_site /tmp/site-vllm:/tmp/site-ray timeout 300 $PY -m pytest -v -s -rA -p no:cacheprovider \
                 tests/gpu/test_learner_ranks_gpu.py
             ;;
-        megatron)  # megatron-core comes with the base wheels (.whl/)
-            NCCL_CUMEM_ENABLE=0 with_site "" timeout 400 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
-                tests/gpu/test_megatron_gpu.py
-            NCCL_CUMEM_ENABLE=0 with_site "" timeout 300 $PY bench/learner.py --json "$OUT/learner.json"
+        megatron) megatron_tests tests/gpu/test_megatron_gpu.py megatron_tests ;;
+        megatron-pp) megatron_tests tests/gpu/test_megatron_pp_kl_gpu.py megatron_pp_kl_tests ;;
+        megatron-resume)  # the one test of test_megatron_gpu.py that failed last session (DP=2 checkpoint)
+            megatron_tests tests/gpu/test_megatron_gpu.py megatron_resume_tests -k checkpoint_resume ;;
+        megatron-bench) megatron_bench ;;
+        megatron-all)
+            megatron_tests tests/gpu/test_megatron_gpu.py megatron_tests; r1=$?
+            megatron_tests tests/gpu/test_megatron_pp_kl_gpu.py megatron_pp_kl_tests; r2=$?
+            megatron_bench; r3=$?
+            (exit $((r1 | r2 | r3)))
+            ;;
+        megatron-vllm)  # vLLM from /tmp/site-vllm (vllm-install), megatron-core from the base wheels
+            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_MEGATRON_VLLM_RUN_DIR=/tmp/vllm-megatron
+            NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 290 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_megatron_vllm_gpu.py 2>&1 | tee "$OUT/megatron_vllm_tests.log" | quiet
+            rc=$?
+            [ -f /tmp/vllm-megatron/vllm_server.log ] && { echo "--- tail of /tmp/vllm-megatron/vllm_server.log"; grep -v "GET /health\|POST /v1/completions" /tmp/vllm-megatron/vllm_server.log | tail -25; }
+            (exit $rc)
             ;;
         system-vllm) system vllm /tmp/site-vllm ;;
         system-sglang) system sglang /tmp/site-sglang ;;
+        system-vllm-megatron) system vllm-megatron /tmp/site-vllm ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     stamp "$step done (rc=$?)"

@@ -7,12 +7,17 @@ A training step is ``engine.train_step`` (forward, backward, gradient reduction,
 correction ``tis`` and no proximal pass. Each case runs in fresh processes (one per GPU, NCCL):
 one warm-up step, then ``--steps`` timed steps.
 
+Time: each case costs ~20-30 s of process start, imports, NCCL set-up and model load, and a few
+seconds of steps (16 x 1024 tokens a step). A case that hangs is killed after ``--case-timeout``
+and recorded with its error; cases that would start past ``--budget-s`` are recorded as skipped;
+the JSON is rewritten after every case, so an outer timeout still leaves the finished cases.
+
 MFU = model FLOPs per second / (measured bf16 matmul peak of one GPU x GPUs used). Model FLOPs of a
 step (PaLM appendix B): 6 x tokens x (non-embedding parameters + LM head) + 12 x layers x heads x
 head_dim x sum(sequence length^2) (attention scores and values, forward + backward, no causal halving).
 Tokens/s counts the whole step batch (all data-parallel ranks together) over the step time.
 
-    python bench/learner.py --json bench/results/learner.json            # 2-GPU machine, ~2-3 min
+    python bench/learner.py --json bench/results/learner.json            # 2-GPU machine, ~2 min
     python bench/learner.py --cases fsdp:1:1,megatron:1:1 --steps 2
 
 Output: ``{"cases": [{"engine", "tp", "gpus", "model", "tokens_per_s", "mfu", "step_s", ...}], "device",
@@ -100,6 +105,7 @@ def model_flops(cfg: dict, seq_lens: list[int]) -> float:
 
 
 def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
+    t_start = time.perf_counter()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0", NCCL_CUMEM_ENABLE="0", OMP_NUM_THREADS="4")
@@ -122,6 +128,7 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
         plan = plan_step(batch, rank=engine.data_rank, world_size=engine.data_world_size,
                          micro_batch_tokens=kw["micro_tokens"], advantage="mean_std", drop_uniform=True,
                          aggregation="token")
+        build_s = time.perf_counter() - t_start
         times = []
         for i in range(1 + kw["steps"]):
             torch.cuda.synchronize()
@@ -131,11 +138,14 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
             torch.cuda.synchronize()
             if i:
                 times.append(time.perf_counter() - t)
+            else:
+                warmup_s = time.perf_counter() - t
         t = torch.tensor([max(times) if times else 0.0, torch.cuda.max_memory_allocated() / 2**30], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if rank == 0:
             Path(kw["out"]).write_text(json.dumps({"step_times": times, "peak_mem_gib": float(t[1]),
-                                                   "loss": m.get("loss_total"), "grad_norm": m.get("grad_norm")}))
+                                                   "loss": m.get("loss_total"), "grad_norm": m.get("grad_norm"),
+                                                   "start_to_engine_s": build_s, "warmup_step_s": warmup_s}))
         dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
@@ -171,14 +181,16 @@ def run_case(engine: str, tp: int, gpus: int, kw: dict, timeout: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--cases", default="fsdp:1:1,megatron:1:1,fsdp:1:2,megatron:2:2",
-                    help="engine:tp:gpus, comma separated")
-    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--cases", default="fsdp:1:1,megatron:1:1,megatron:2:2,fsdp:1:2",
+                    help="engine:tp:gpus, comma separated, most important first (the budget may cut the tail)")
+    ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=768)
     ap.add_argument("--micro-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--case-timeout", type=float, default=150.0)
+    ap.add_argument("--case-timeout", type=float, default=70.0)
+    ap.add_argument("--budget-s", type=float, default=175.0,
+                    help="no case starts after this many seconds minus --case-timeout (it is recorded as skipped)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
@@ -186,9 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import pyarrow as pa
 
+    t_begin = time.time()
     peak = matmul_peak_tflops()
     log.info("measured bf16 matmul peak: %.0f TFLOP/s per GPU", peak)
     cases = []
+    out = {"cases": cases, "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "peak_bf16_tflops": peak, "micro_batch_tokens": args.micro_tokens,
+           "command": "python bench/learner.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+    def write() -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="fleetrl_bench_learner_") as tmp:
         t = time.time()
         model = make_model(Path(tmp) / "qwen2-0.5b-random", QWEN2_05B)
@@ -198,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("model and batch ready in %.1fs", time.time() - t)
         seq_lens = [args.prompt + args.response - 1] * args.seqs  # the last token is never an input
         flops = model_flops(QWEN2_05B, seq_lens)
+        out["batch_tokens"] = sum(seq_lens)
         kw = dict(model=str(model), batch=f"{tmp}/batch.arrow", micro_tokens=args.micro_tokens, steps=args.steps,
                   tmp=tmp)
         for spec in args.cases.split(","):
@@ -206,25 +230,29 @@ def main(argv: list[str] | None = None) -> int:
             if gpus > torch.cuda.device_count():
                 log.warning("skipping %s: needs %d GPUs", spec, gpus)
                 continue
-            r = run_case(engine, tp, gpus, kw, args.case_timeout)
             case = {"engine": engine, "tp": tp, "gpus": gpus, "model": "qwen2-0.5B-shaped (random, bf16)"}
+            if time.time() - t_begin > args.budget_s - args.case_timeout:
+                case.update(error=f"skipped: --budget-s {args.budget_s:.0f} s would be exceeded", tokens_per_s=None,
+                            mfu=None)
+                log.warning("%s", json.dumps(case))
+                cases.append(case)
+                write()
+                continue
+            r = run_case(engine, tp, gpus, kw, args.case_timeout)
             if "error" in r:
                 case.update(error=r["error"], tokens_per_s=None, mfu=None)
             else:
                 step = sum(r["step_times"]) / len(r["step_times"])
                 case.update(tokens_per_s=sum(seq_lens) / step, mfu=flops / step / (peak * 1e12 * gpus), step_s=step,
                             step_times=r["step_times"], peak_mem_gib=r["peak_mem_gib"], loss=r["loss"],
-                            grad_norm=r["grad_norm"], wall_s=r["wall_s"])
+                            grad_norm=r["grad_norm"], wall_s=r["wall_s"], start_to_engine_s=r["start_to_engine_s"],
+                            warmup_step_s=r["warmup_step_s"])
             log.info("%s", json.dumps(case))
             cases.append(case)
-    out = {"cases": cases, "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "peak_bf16_tflops": peak, "batch_tokens": sum(seq_lens), "micro_batch_tokens": args.micro_tokens,
-           "command": "python bench/learner.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            write()
+    out["wall_s"] = time.time() - t_begin
     print(json.dumps(out, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    write()
     return 0 if all("error" not in c for c in cases) else 1
 
 

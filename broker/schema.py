@@ -239,10 +239,10 @@ def inspect_batch(batch: pa.RecordBatch) -> BatchView:
     return view
 
 
-_JOINT_MAX_BYTES = 8 << 20  # batches validated together are copied into one: cap that copy
+JOINT_MAX_BYTES = 8 << 20  # batches validated together are copied into one: cap that copy
 
 
-def inspect_batches(batches: list[pa.RecordBatch]) -> list[BatchView] | None:
+def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) -> list[BatchView] | None:
     """The views of several batches that each pass :func:`validate_batch`, checked together.
 
     Validation costs mostly per call (a few dozen numpy and Arrow calls per batch, whatever
@@ -252,9 +252,12 @@ def inspect_batches(batches: list[pa.RecordBatch]) -> list[BatchView] | None:
     row or implied by its counterpart over the union (unique ``traj_id`` over all of them
     implies it within each), so passing together implies passing alone. None: one of them
     failed (or the checks do not apply); call :func:`inspect_batch` on each for the precise
-    error. The views refer to each batch's own rows.
+    error. The views refer to each batch's own rows. ``nbytes``: their size if the caller
+    knows it (e.g. the frames' lengths; ``RecordBatch.nbytes`` walks every buffer).
     """
-    if len(batches) < 2 or sum(b.nbytes for b in batches) > _JOINT_MAX_BYTES:
+    if len(batches) < 2:
+        return None
+    if (nbytes if nbytes is not None else sum(b.nbytes for b in batches)) > JOINT_MAX_BYTES:
         return None
     schema = batches[0].schema
     if not schema.equals(TRAJECTORY_SCHEMA):

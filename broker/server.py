@@ -105,13 +105,16 @@ import zmq
 from broker import protocol as P
 from broker.config import BrokerConfig
 from broker.metrics import Hist, Rates, snapshot, start_metrics_server
-from broker.schema import TRAJECTORY_SCHEMA, inspect_batches
+from broker.schema import JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, inspect_batches
 from broker.spool import Spool
 from broker.state import BrokerError, BrokerState
 
 log = logging.getLogger(__name__)
 
 MAX_READS_PER_ITERATION = 256
+# Pushes validated together (broker.schema.inspect_batches) are copied into one batch: worth
+# it while the fixed cost per batch exceeds the copy, i.e. for pushes up to about a megabyte.
+_JOINT_MAX_PUSH = 3 << 19
 
 
 @dataclass
@@ -316,7 +319,7 @@ class BrokerServer:
     def _prepare_pushes(subs: list) -> dict:
         """Parse the pushes of one message and validate their batches together (see
         broker.schema.inspect_batches): index -> (batches, view or None) or the parse error."""
-        prepared, joint = {}, []
+        prepared, chunks, chunk_bytes = {}, [[]], 0
         for j, (sub, part) in enumerate(subs):
             if type(sub) is not P.Push or len(part) != 2:
                 continue
@@ -326,11 +329,19 @@ class BrokerServer:
                 prepared[j] = e
                 continue
             prepared[j] = (batches, None)
-            if len(batches) == 1:
-                joint.append(j)
-        if len(joint) > 1:
+            size = len(part[1])
+            if len(batches) == 1 and size <= _JOINT_MAX_PUSH:
+                if chunk_bytes + size > JOINT_MAX_BYTES:
+                    chunks.append([])
+                    chunk_bytes = 0
+                chunks[-1].append(j)
+                chunk_bytes += size
+        for joint in chunks:
+            if len(joint) < 2:
+                continue
             try:
-                views = inspect_batches([prepared[j][0][0] for j in joint])
+                views = inspect_batches([prepared[j][0][0] for j in joint],
+                                        sum(len(subs[j][1][1]) for j in joint))
             except Exception:  # each push is then validated on its own, with its own error
                 log.exception("joint validation failed; validating pushes one by one")
                 views = None

@@ -63,6 +63,8 @@ class Group:
     batch: pa.RecordBatch
     nbytes: int
     versions: np.ndarray  # oldest policy version of each row
+    vmin: int = 0  # min and max of versions, read once (a lease checks them as plain ints)
+    vmax: int = 0
     lease_id: str | None = None
     payload: object = None  # the pushed IPC frame when it held exactly this group: re-sent as is
 
@@ -124,7 +126,8 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
         # per-group index arrays. Validated rows have 0 <= sample_index < group_size, so
         # the indices are all of 0..n-1 exactly when the count of each is one.
         if (np.bincount(si, minlength=n) == 1).all():
-            return [Group(view.single_group, int(step[0]), 0, batch, max(1, total), ver)]
+            return [Group(view.single_group, int(step[0]), 0, batch, max(1, total), ver, int(ver.min()),
+                          int(ver.max()))]
     gids = view.group_ids if view.group_ids is not None else batch.column("group_id").to_pylist()
     rows_of: dict[str, list[int]] = {}
     for i, g in enumerate(gids):
@@ -143,7 +146,9 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
             )
         contiguous = idx[-1] - idx[0] + 1 == len(idx)
         rows_batch = batch.slice(int(idx[0]), len(idx)) if contiguous else batch.take(pa.array(idx))
-        out.append(Group(gid, int(step[idx[0]]), 0, rows_batch, max(1, total * len(idx) // n), ver[idx]))
+        v = ver[idx]
+        out.append(Group(gid, int(step[idx[0]]), 0, rows_batch, max(1, total * len(idx) // n), v, int(v.min()),
+                         int(v.max())))
     return out
 
 
@@ -322,7 +327,7 @@ class BrokerState:
             if g is None or g.lease_id is not None or g.seq != seq or gid in taken:
                 continue  # acked, dropped, leased since it was queued, or a second entry of one group
             taken.add(gid)
-            if int(((step - 1) - g.versions).max()) > self.k:
+            if (step - 1) - g.vmin > self.k:
                 stale.append(g)
                 continue
             picked.append(g)
@@ -337,7 +342,18 @@ class BrokerState:
         gids = [g.group_id for g in picked]
         if self.journal is not None:
             self.journal.on_lease(lid, step, consumer_id, gids)
-        staleness = np.concatenate([(step - 1) - g.versions for g in picked]).astype(np.int32)
+        hist = self.counters.staleness_hist
+        if all(g.vmin == g.vmax for g in picked):  # the usual case: one version per group
+            rows = [g.batch.num_rows for g in picked]
+            per_group = [(step - 1) - g.vmin for g in picked]
+            staleness = (np.full(rows[0], per_group[0], np.int32) if len(picked) == 1
+                         else np.repeat(np.array(per_group, np.int32), rows))
+            for s_, n in zip(per_group, rows):
+                hist[s_] += n
+        else:
+            staleness = np.concatenate([(step - 1) - g.versions for g in picked]).astype(np.int32)
+            for s_, n in zip(*np.unique(staleness, return_counts=True)):
+                hist[int(s_)] += int(n)
         lease = Lease(lid, step, consumer_id, gids, [g.batch for g in picked], staleness,
                       now + self.lease_timeout_s, [g.payload for g in picked])
         for g in picked:
@@ -346,12 +362,6 @@ class BrokerState:
         self._leases[lid] = lease
         self._lease_by_key[(consumer_id, step)] = lid
         self.counters.leased_groups += len(picked)
-        lo, hi = int(staleness.min()), int(staleness.max())
-        if lo == hi:  # the usual case: one version for the whole batch
-            self.counters.staleness_hist[lo] += len(staleness)
-        else:
-            for s, n in zip(*np.unique(staleness, return_counts=True)):
-                self.counters.staleness_hist[int(s)] += int(n)
         return lease
 
     def _drop(self, groups: list[Group], reason: str) -> None:

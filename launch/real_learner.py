@@ -1,4 +1,8 @@
-"""The learner as Ray actors, one per rank: the FSDP training loop on the broker, publishing to the fleet.
+"""The learner as Ray actors, one per rank: the training loop on the broker, publishing to the fleet.
+
+The engine is whatever ``learner.engine`` names (FSDP2 or Megatron-core), built by
+``learner.run.make_engine`` inside ``run_learner``; publishing goes through the engine interface
+(``param_plan`` / ``iter_full_params``), so both engines publish the same HF-named tensors.
 
 Ranks and placement::
 

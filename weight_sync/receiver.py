@@ -70,6 +70,7 @@ class WeightReceiver:
         self._staging: tuple[str, list[torch.Tensor]] | None = None  # (plan id, one buffer per bucket)
         self._staged: tuple[int, list] | None = None  # (version, receive works) of the posted stage
         self._abandoned: list[tuple[object, list]] = []  # groups left with receives still posted
+        self.last_commit_parts: dict[str, float] = {}
 
     def join(self, group: GroupInfo, plan: WeightPlan, rank: int, timeout_s: float) -> None:
         validate_plan(plan)
@@ -164,17 +165,20 @@ class WeightReceiver:
         _, works = self._staged
         self._staged = None
         plan, bufs = self.plan, self._staging[1]
-        step = "receive bucket 0"
+        step, t0 = "receive bucket 0", time.perf_counter()
         try:
             deadline = time.monotonic() + self.timeout_s
             for b, work in enumerate(works):
                 step = f"receive bucket {b}/{len(works)}"
                 wgroup.wait_work(work, deadline, f"engine {self.engine_id}: {step}")
-            step = "checksum"
+            t1, step = time.perf_counter(), "checksum"
             self.last_checksum = combine_fingerprints([bucket_fingerprint(buf) for buf in bufs])
+            t2 = time.perf_counter()
             for b, buf in enumerate(bufs):
                 step = f"load bucket {b}/{len(bufs)}"
                 load(unpack_bucket(buf, plan, b))
+            # where a commit's time goes (the engine is held still for all of it)
+            self.last_commit_parts = {"wait_s": t1 - t0, "checksum_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except Exception as e:
             self.leave()
             raise RuntimeError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}") from e

@@ -202,8 +202,10 @@ class FleetrlWorkerExtension:
     def fleetrl_stage_commit(self, version: int) -> dict[str, Any]:
         """Load the staged publish; the seconds it took are how long this worker held the engine still."""
         t0 = time.perf_counter()
-        _engine().commit(version)
-        return {**self.fleetrl_weight_sync_status(), "commit_s": time.perf_counter() - t0}
+        engine = _engine()
+        engine.commit(version)
+        return {**self.fleetrl_weight_sync_status(), "commit_s": time.perf_counter() - t0,
+                "commit_parts": engine.receiver.last_commit_parts}
 
 
 def _engine() -> GlooWeightTransferEngine:

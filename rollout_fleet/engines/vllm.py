@@ -103,6 +103,7 @@ class VLLMClient(HttpEngineClient):
         self._plan: WeightPlan | None = None
         self._join_timeout_s = timeout_s
         self._stage_steps: dict[str, float] = {}
+        self._label_api = True  # /update_weight_version exists (vLLM >= 0.32)
 
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
@@ -273,11 +274,19 @@ class VLLMClient(HttpEngineClient):
             if len(sums) != 1 or any(st["version"] != version for st in states):
                 raise EngineError(f"engine {self.engine_id}: workers disagree after v{version}: {states}")
             steps["commit_in_engine"] = max(st["commit_s"] for st in states)
+            for part, sec in (states[0].get("commit_parts") or {}).items():  # wait / checksum / load
+                steps[f"commit_{part}"] = sec
             if not (pause_here and self.update_pause_mode in ("wait", "abort")):  # see update_weights
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")
-            await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
-            lap("label_version")
+            if self._label_api:  # the label of per-token versions (api="generate"); vLLM < 0.32 has neither
+                r = await self._request("POST", "/update_weight_version", json={"new_version": str(version)},
+                                        check_status=False)
+                if r.status_code == 404:
+                    self._label_api = False
+                elif r.status_code != 200:
+                    raise EngineError(f"engine {self.engine_id}: POST /update_weight_version -> HTTP {r.status_code}")
+                lap("label_version")
         except EngineError as e:
             # Unpaused, a half-loaded model would go on generating: stop it until a load succeeds.
             if not pause_here:

@@ -147,8 +147,11 @@ def check_logprobs(test: str, samples, prompt: list[int], ref_same: "Reference",
     assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
 
 
-def vllm_server_on_gpu1(test: str, model: str, run_dir: str, weight_backend: str):
-    """Start a TP=1 vLLM server on GPU 1 (the learner side of a test keeps GPU 0); records its start-up time."""
+def vllm_server_on_gpu1(test: str, model: str, run_dir: str, weight_backend: str, **overrides):
+    """Start a TP=1 vLLM server on GPU 1 (the learner side of a test keeps GPU 0); records its start-up time.
+
+    ``overrides``: other VLLMServerArgs fields (e.g. a smaller gpu_memory_utilization when a learner rank
+    shares GPU 1, enforce_eager for a faster start)."""
     import time
 
     import torch
@@ -158,8 +161,8 @@ def vllm_server_on_gpu1(test: str, model: str, run_dir: str, weight_backend: str
     if torch.cuda.device_count() < 2:
         raise RuntimeError("the vLLM GPU tests need 2 GPUs (engine on GPU 1, learner on GPU 0)")
     srv = VLLMServer(VLLMServerArgs(model=model, dtype="bfloat16", max_model_len=2048, tensor_parallel_size=1,
-                                    gpu_memory_utilization=0.5, max_num_seqs=256, weight_backend=weight_backend,
-                                    env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
+                                    **{"gpu_memory_utilization": 0.5, "max_num_seqs": 256, **overrides},
+                                    weight_backend=weight_backend, env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
     t0 = time.monotonic()
     srv.start()
     record(test, "startup", seconds=time.monotonic() - t0, command=srv.command())

@@ -251,6 +251,99 @@ def _publish(engine, kw: dict, rank: int) -> dict:
     return out
 
 
+def one_sequence(prompt: list[int], response: list[int]):
+    """A micro-batch of one prompt + response (the learner's packed layout with a single sequence)."""
+    import torch
+
+    from learner.batch import MicroBatch
+
+    n = len(response)
+    z = torch.zeros(n)
+    return MicroBatch(input_ids=torch.tensor([prompt + response]),
+                      position_ids=torch.arange(len(prompt) + n).view(1, -1),
+                      target_index=torch.arange(len(prompt) - 1, len(prompt) + n - 1),
+                      targets=torch.tensor(response), behaviour_logp=z, advantages=z, weights=z,
+                      seq_lens=torch.tensor([n]))
+
+
+def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
+    try:
+        _megatron_vllm_rank(rank, world, port, kw)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
+    """Megatron TP=2 takes one optimizer step, publishes (version 1) into the vLLM server at ``kw["url"]`` over
+    NCCL (fleetrl's backend), rank 0 samples from the server, and both ranks compute the learner's forward
+    log-probs of the sampled tokens. Rank 0 writes the engine's and the learner's log-probs."""
+    import asyncio
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from learner.megatron.engine import MegatronEngine
+    from rollout_fleet.engines.base import SamplingParams
+
+    _init(rank, world, port)
+    engine = MegatronEngine(learner_cfg(tp=world), kw["model"], total_steps=3, seed=0)
+    wire = getattr(torch, kw.get("dtype", "bfloat16"))  # the server's dtype
+    out: dict = {}
+    pub = sampler = loop = None
+    if rank == 0:
+        from rollout_fleet.engines.vllm import VLLMClient
+        from weight_sync.config import WeightSyncConfig
+        from weight_sync.plan import build_plan
+        from weight_sync.publisher import Publisher
+
+        plan = build_plan(engine.param_plan(wire), 256 << 20)
+        target = VLLMClient("vllm-megatron", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
+        pub = Publisher(WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=256, timeout_s=120), plan,
+                        rank=0, engines=[target], device=str(engine.device))
+        sampler = VLLMClient("vllm-megatron-gen", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
+        loop = asyncio.new_event_loop()
+    try:
+        # the learner's own weights, not the checkpoint's: one optimizer step before the publish
+        step_plan = _plan(engine)
+        engine.prepare_logprobs(step_plan)
+        out["metrics"] = engine.train_step(step_plan)
+        tensors = engine.full_tensors(wire)
+        if rank == 0:
+            t = time.perf_counter()
+            rep = pub.publish(1, tensors)
+            out["publish_s"] = time.perf_counter() - t
+            out["checksums"] = (rep.checksum, dict(rep.per_engine_checksums))
+            hi = min(100000, engine.shape.vocab)
+            prompt = random.Random(1).sample(range(min(1000, hi // 4), hi), 16)
+            samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32,
+                                                                                       temperature=1.0)))
+            box = [(prompt, [(s.token_ids.tolist(), s.logprobs.tolist()) for s in samples])]
+        else:
+            for _ in tensors:  # the TP all-gathers are collectives
+                pass
+            box = [None]
+        dist.broadcast_object_list(box, src=0)
+        prompt, gen = box[0]
+        learner_logp = []
+        for tokens, _ in gen:  # TP collectives: every rank runs the same forwards
+            logp, _ = engine.forward_logprobs(one_sequence(prompt, tokens))
+            learner_logp.append(logp.float().cpu().numpy())
+        out.update(prompt=prompt, samples=gen, learner_logp=learner_logp)
+    finally:
+        if pub is not None:
+            pub.close()
+        if sampler is not None:
+            loop.run_until_complete(sampler.close())
+            loop.close()
+    torch.save(out, kw["out"] + f".rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def fsdp_rank(rank: int, world: int, port: int, kw: dict) -> None:
     """The FSDP2 reference on one GPU: the same plan, its gradients (before the step), metrics, weights after."""
     try:

@@ -1,4 +1,4 @@
-"""The whole system on 2 GPUs (1 learner, 1 rollout server) for a few steps, once per engine.
+"""The whole system on 2 GPUs (1 learner, 1 rollout server) for a few steps, once per engine and learner.
 
 ``python launch/cluster.py --rollout-gpus 1 --learner-gpus 1 --recipe gpu-tiny --max-steps 3``
 as a subprocess with a limit, then its JSON summary: every step done, no group lost, the
@@ -7,7 +7,9 @@ publisher's count and the version the fleet saw on the server).
 
 vLLM and SGLang live in separate install targets on the GPU machine (see
 notes/full-system-gpu-runbook.md), so each case is skipped unless its engine is importable.
-Output (summary, logs) stays under $FLEETRL_SYSTEM_OUT/<engine> when set.
+The learner is FSDP2 (``learner.engine=fsdp``, the recipe's) or Megatron-core TP=1
+(``learner.engine=megatron``, case ``vllm-megatron``; needs megatron-core). Output (summary,
+logs) stays under $FLEETRL_SYSTEM_OUT/<case> when set (case = engine, or engine-learner).
 """
 
 from __future__ import annotations
@@ -30,21 +32,21 @@ STEPS = 3
 LIMIT_S = 360  # measured parts: vLLM eager start ~30-60 s, SGLang ~113 s (FACTS.md), steps seconds each
 
 
-def _need(engine: str) -> None:
+def _need(engine: str, learner: str) -> None:
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (1 learner, 1 rollout server)")
-    for mod in ("ray", engine):
+    for mod in ("ray", engine) + (("megatron", "megatron.core") if learner == "megatron" else ()):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not importable here (engines are installed in separate targets)")
 
 
-def _run_cluster(engine: str, out: Path) -> tuple[int, str, dict | None]:
+def _run_cluster(engine: str, learner: str, out: Path) -> tuple[int, str, dict | None]:
     summary = out / "summary.json"
     cmd = [sys.executable, str(REPO / "launch" / "cluster.py"), "--rollout-gpus", "1", "--learner-gpus", "1",
            "--recipe", "gpu-tiny", "--max-steps", str(STEPS), "--summary", str(summary), "--no-live",
-           "--run-dir", str(out / "run"), f"rollout.engine={engine}"]
+           "--run-dir", str(out / "run"), f"rollout.engine={engine}", f"learner.engine={learner}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_path = out / "cluster.log"
     with open(log_path, "wb") as logf:
@@ -65,19 +67,24 @@ def _run_cluster(engine: str, out: Path) -> tuple[int, str, dict | None]:
     return rc, text, json.loads(summary.read_text()) if summary.exists() else None
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_full_system_two_gpus(engine, tmp_path):
-    _need(engine)
+@pytest.mark.parametrize("engine,learner", [
+    pytest.param("vllm", "fsdp", id="vllm"),
+    pytest.param("sglang", "fsdp", id="sglang"),
+    pytest.param("vllm", "megatron", id="vllm-megatron"),  # Megatron-core TP=1 learner on GPU 0
+])
+def test_full_system_two_gpus(engine, learner, tmp_path):
+    _need(engine, learner)
     base = os.environ.get("FLEETRL_SYSTEM_OUT")
-    out = Path(base) / engine if base else tmp_path
+    case = engine if learner == "fsdp" else f"{engine}-{learner}"
+    out = Path(base) / case if base else tmp_path
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    rc, text, s = _run_cluster(engine, out)
+    rc, text, s = _run_cluster(engine, learner, out)
     wall = time.monotonic() - t0
-    print(f"--- {engine}: rc {rc} in {wall:.0f} s; tail of the driver's output:")
+    print(f"--- {case}: rc {rc} in {wall:.0f} s; tail of the driver's output:")
     print("\n".join(text.splitlines()[-30:]))
-    print(f"--- {engine} summary:\n{json.dumps(s, indent=2)}")
-    assert rc == 0 and s is not None, f"{engine}: cluster.py rc={rc} (limit {LIMIT_S} s); logs in {out / 'run'}"
+    print(f"--- {case} summary:\n{json.dumps(s, indent=2)}")
+    assert rc == 0 and s is not None, f"{case}: cluster.py rc={rc} (limit {LIMIT_S} s); logs in {out / 'run'}"
     assert s["error"] is None, s["error"]
     assert s["steps"] == STEPS, s["steps"]
     assert s["learner_gpus"] == 1 and s["rollout_gpus"] == 1 and s["servers_at_end"] == 1

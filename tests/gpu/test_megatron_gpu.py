@@ -57,11 +57,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def test_hf_megatron_hf_round_trip_tp2_bit_identical(models, tmp_path):
-    """tiny-adder (untied, Qwen2 qkv bias, vocab 128 padded to 256) and a tied model: HF -> TP=2 shards -> HF."""
+def check_round_trip(models: dict, names: list[str], tmp_path: Path, label: str, **layout) -> None:
+    """HF -> Megatron shards (``layout``: tp, pp) -> HF, through ``full_tensors`` and ``export_hf``: bitwise."""
     _two_gpus()
-    names = ["tiny", "tied"]
-    res = spawn(mw.megatron_rank, 2, {"models": [str(models[n]) for n in names], "tp": 2, "roundtrip": True,
+    res = spawn(mw.megatron_rank, 2, {"models": [str(models[n]) for n in names], **layout, "roundtrip": True,
                                       "out": str(tmp_path / "rt")})[0]
     for i, name in enumerate(names):
         hf, full, export = res[f"hf_{i}"], res[f"full_{i}"], res[f"export_{i}"]
@@ -69,10 +68,15 @@ def test_hf_megatron_hf_round_trip_tp2_bit_identical(models, tmp_path):
         assert sorted(full) == sorted(want), (name, sorted(set(full) ^ set(want)))
         bad = [k for k in want if full[k].dtype != want[k].dtype or not torch.equal(_bits(full[k]), _bits(want[k]))]
         bad_export = [k for k in want if not torch.equal(_bits(export[k]), _bits(want[k]))]
-        print(f"round trip {name}: {len(full)} tensors, mismatched {bad}, export mismatched {bad_export}, "
+        print(f"{label} round trip {name}: {len(full)} tensors, mismatched {bad}, export mismatched {bad_export}, "
               f"build {res[f'build_s_{i}']:.1f}s")
         assert not bad and not bad_export
-    print(f"round trip total {res['total_s']:.1f}s")
+    print(f"{label} round trip total {res['total_s']:.1f}s")
+
+
+def test_hf_megatron_hf_round_trip_tp2_bit_identical(models, tmp_path):
+    """tiny-adder (untied, Qwen2 qkv bias, vocab 128 padded to 256) and a tied model: HF -> TP=2 shards -> HF."""
+    check_round_trip(models, ["tiny", "tied"], tmp_path, "TP=2", tp=2)
 
 
 def _compare(ref: dict, got: dict, label: str) -> dict:
@@ -151,9 +155,10 @@ def test_sequence_parallel_data_parallel_and_checkpoint_resume(models, tmp_path)
     assert c["resumed"]["grad_norm"] == pytest.approx(c["straight"]["grad_norm"], rel=1e-5)
 
 
-def test_publish_from_megatron_tp2_into_receiver(models, tmp_path):
-    """Megatron TP=2 on GPUs 0+1 publishes (NCCL) to a WeightReceiver process on GPU 1: the receiver's tensors
-    equal the HF checkpoint bit for bit (version 1) and the learner's gathered state after a step (version 2)."""
+def check_publish_into_receiver(model: Path, tmp_path: Path, label: str, **layout) -> None:
+    """Megatron (``layout``: tp, pp) on GPUs 0+1 publishes (NCCL) to a WeightReceiver process on GPU 1: the
+    receiver's tensors equal the HF checkpoint bit for bit (version 1) and the learner's gathered state after
+    a step (version 2), and its checksum equals the publisher's."""
     _two_gpus()
     from safetensors.torch import load_file
 
@@ -165,7 +170,7 @@ def test_publish_from_megatron_tp2_into_receiver(models, tmp_path):
     rx = ctx.Process(target=bws._receiver_main, args=(child, "cuda:1"), daemon=True)
     rx.start()
     try:
-        res = spawn(mw.megatron_rank, 2, {"models": [str(models["tiny"])], "tp": 2, "publish": True, "conn": parent,
+        res = spawn(mw.megatron_rank, 2, {"models": [str(model)], **layout, "publish": True, "conn": parent,
                                           "out": str(tmp_path / "pub")}, extra=[rx])[0]
     finally:
         try:
@@ -176,14 +181,20 @@ def test_publish_from_megatron_tp2_into_receiver(models, tmp_path):
         rx.join(10)
         if rx.is_alive():
             rx.kill()
-    hf = load_file(str(models["tiny"] / "model.safetensors"))
+    hf = load_file(str(model / "model.safetensors"))
     for version in (1, 2):
         got = load_file(res[f"dump_{version}"])
         want = hf if version == 1 else res["want_2"]
         nbytes, checksum, per_engine = res[f"report_{version}"]
         assert sorted(got) == sorted(want)
         bad = [k for k in want if not torch.equal(_bits(got[k]), _bits(want[k].to(got[k].dtype)))]
-        print(f"publish v{version}: {len(got)} tensors, {nbytes} bytes in {res[f'publish_s_{version}']:.3f}s, "
+        print(f"{label} publish v{version}: {len(got)} tensors, {nbytes} bytes in {res[f'publish_s_{version}']:.3f}s, "
               f"checksum {checksum} receiver {per_engine}, mismatched {bad}")
         assert not bad and per_engine["megatron-rx"] == checksum
     assert any(not torch.equal(res["want_2"][k], hf[k]) for k in hf), "the training step changed no weight"
+
+
+def test_publish_from_megatron_tp2_into_receiver(models, tmp_path):
+    """Megatron TP=2 on GPUs 0+1 publishes (NCCL) to a WeightReceiver process on GPU 1: the receiver's tensors
+    equal the HF checkpoint bit for bit (version 1) and the learner's gathered state after a step (version 2)."""
+    check_publish_into_receiver(models["tiny"], tmp_path, "megatron TP=2", tp=2)

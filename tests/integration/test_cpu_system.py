@@ -2,7 +2,8 @@
 
 Two runs on the same seed share every assertion (each costs a vLLM start, 40-80 s):
 
-* run A, ``max_staleness=2``: accuracy rises, no consumed sample past the bound, and a
+* run A, ``max_staleness=2`` with staged weight updates (``weight_sync.staging``):
+  accuracy rises, no consumed sample past the bound, and a
   ``kill -9`` of the vLLM server mid-run: the run goes on, no group is lost, and the
   server comes back holding the current weights;
 * run B, ``max_staleness=0`` (synchronous), with a learner of two gloo ranks
@@ -73,7 +74,9 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("cpu-k2"), ["broker.max_staleness=2"], kill_at_step=3)
+    # staged weight updates: the server keeps generating while each publish is on the wire
+    return _run(tmp_path_factory.mktemp("cpu-k2"), ["broker.max_staleness=2", "weight_sync.staging=true"],
+                kill_at_step=3)
 
 
 @pytest.fixture(scope="module")
