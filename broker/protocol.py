@@ -297,13 +297,13 @@ def split_replies(frames: list) -> list[tuple[Reply, list]]:
     return out
 
 
-_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker of the IPC stream format
+EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker of the IPC stream format
 _WRITE_OPTIONS = pa.ipc.IpcWriteOptions()  # given explicitly: the default reads two env variables per call
 _SMALL_IPC = 1 << 20
 _schema_messages: dict[pa.Schema, bytes | None] = {}
 
 
-def _schema_message(schema: pa.Schema) -> bytes | None:
+def schema_message(schema: pa.Schema) -> bytes | None:
     """The stream's schema message, or None if the schema needs dictionary messages."""
     try:
         return _schema_messages[schema]
@@ -326,9 +326,9 @@ def batch_to_ipc(batches: pa.RecordBatch | list[pa.RecordBatch], schema: pa.Sche
         batches = [batches]
     schema = schema if schema is not None else batches[0].schema
     if sum(b.nbytes for b in batches) < _SMALL_IPC and all(b.schema.equals(schema) for b in batches):
-        head = _schema_message(schema)
+        head = schema_message(schema)
         if head is not None:
-            return pa.py_buffer(b"".join([head, *(b.serialize() for b in batches), _EOS]))
+            return pa.py_buffer(b"".join([head, *(b.serialize() for b in batches), EOS]))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, schema, options=_WRITE_OPTIONS) as writer:
         for b in batches:
@@ -337,8 +337,26 @@ def batch_to_ipc(batches: pa.RecordBatch | list[pa.RecordBatch], schema: pa.Sche
 
 
 _schemas: dict[bytes, pa.Schema] = {}  # schema message -> schema: producers send one again and again
-_TRAJ_HEAD = pa.py_buffer(_schema_message(TRAJECTORY_SCHEMA))
-_EOS_BUF = pa.py_buffer(_EOS)
+_TRAJ_HEAD = pa.py_buffer(schema_message(TRAJECTORY_SCHEMA))
+_EOS_BUF = pa.py_buffer(EOS)
+
+
+def batch_message(buf) -> memoryview | None:
+    """The one record batch message of a payload in the usual form (see ipc_to_batches),
+    as a view of ``buf``; None for any other payload. The spool appends it to a segment
+    as is: the same bytes a stream writer would write for that batch."""
+    pb = pa.py_buffer(buf)
+    n, h = pb.size, _TRAJ_HEAD.size
+    if n > h + 16 and pb.slice(0, h).equals(_TRAJ_HEAD) and pb.slice(n - 8).equals(_EOS_BUF):
+        try:
+            msg = pa.ipc.read_message(pb.slice(h, n - h - 8))
+        except (pa.ArrowException, OSError, ValueError):
+            return None
+        meta, body = msg.metadata.size, msg.body.size
+        # 8-byte aligned parts, so a segment made of such messages stays aligned for readers
+        if msg.type == "record batch" and 8 + meta + body == n - h - 8 and meta % 8 == 0 and body % 8 == 0:
+            return memoryview(buf)[h:n - 8]
+    return None
 
 
 def ipc_to_batches(buf) -> list[pa.RecordBatch]:

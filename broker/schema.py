@@ -239,7 +239,7 @@ def inspect_batch(batch: pa.RecordBatch) -> BatchView:
     return view
 
 
-JOINT_MAX_BYTES = 8 << 20  # batches validated together are copied into one: cap that copy
+JOINT_MAX_BYTES = 64 << 20  # only their small columns are copied, but cap the batches' size anyway
 
 
 def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) -> list[BatchView] | None:
@@ -247,8 +247,10 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
 
     Validation costs mostly per call (a few dozen numpy and Arrow calls per batch, whatever
     its size), so the broker checks the pushes of one message at once: each batch gets
-    Arrow's full structural validation on its own (so no hostile offsets reach the copy),
-    then their concatenation goes through the whole-batch checks once. Every check is per
+    Arrow's full structural validation on its own (so no hostile offsets reach the copy)
+    and the checks of its token lists (prompt, response, log-probs: nearly all its bytes,
+    never copied); then the concatenation of their other, per-row columns goes through the
+    remaining whole-batch checks once. Every check is per
     row or implied by its counterpart over the union (unique ``traj_id`` over all of them
     implies it within each), so passing together implies passing alone. None: one of them
     failed (or the checks do not apply); call :func:`inspect_batch` on each for the precise
@@ -269,7 +271,13 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
             b.validate(full=True)
         except pa.ArrowException:
             return None
-    view = _fast_view(pa.concat_batches(batches))
+        if not _tokens_ok(b.columns, b.num_rows):
+            return None
+    small = pa.concat_batches([b.select(_ROW_IDX) for b in batches])
+    cols: list = [None] * len(TRAJECTORY_SCHEMA)
+    for i, c in zip(_ROW_IDX, small.columns):
+        cols[i] = c
+    view = _fast_view_cols(cols, small.num_rows, tokens_checked=True)
     if view is None:
         return None
     out, a = [], 0
@@ -287,6 +295,8 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
 
 
 _COL = {f.name: i for i, f in enumerate(TRAJECTORY_SCHEMA)}
+_TOKEN_IDX = (_COL["prompt_ids"], _COL["response_ids"], _COL["behaviour_logprobs"])
+_ROW_IDX = [i for i in range(len(TRAJECTORY_SCHEMA)) if i not in _TOKEN_IDX]
 _FINISH_SET = frozenset(FINISH_REASONS)
 _SMALL = 64  # rows up to which Python sets beat Arrow hash kernels
 
@@ -318,21 +328,33 @@ def _fast_view(batch: pa.RecordBatch) -> BatchView | None:
     Rows with more than one policy segment take the row-wise path. Needs
     ``batch.validate(full=True)`` first: offsets monotonic and inside their buffers.
     """
-    n = batch.num_rows
-    cols = batch.columns
-    for c in cols:
-        if c.null_count:
-            return None
-    for i in _LIST_IDX:
-        if cols[i].values.null_count:
+    return _fast_view_cols(batch.columns, batch.num_rows)
+
+
+def _tokens_ok(cols: list, n: int) -> bool:
+    """The checks of the token list columns: no nulls, as many log-probs as response
+    tokens in each row, log-probs finite and <= 0."""
+    for i in _TOKEN_IDX:
+        if cols[i].null_count or cols[i].values.null_count:
+            return False
+    if n == 0:
+        return True
+    resp_off, _ = _list_np(cols[_COL["response_ids"]], n, np.int32)
+    lp_off, lp = _list_np(cols[_COL["behaviour_logprobs"]], n, np.float32)
+    return bool(np.array_equal(resp_off, lp_off) and (not len(lp) or (lp.max() <= 1e-4 and lp.min() > -np.inf)))
+
+
+def _fast_view_cols(cols: list, n: int, tokens_checked: bool = False) -> BatchView | None:
+    """_fast_view over columns in schema order; with ``tokens_checked`` the token list
+    columns (None then) passed :func:`_tokens_ok` already."""
+    if not tokens_checked and not _tokens_ok(cols, n):
+        return None
+    for i, c in enumerate(cols):
+        if c is not None and (c.null_count or (i in _LIST_IDX and c.values.null_count)):
             return None
     if n == 0:
         return BatchView([], None, *(np.zeros(0, t) for t in (np.int32, np.int32, np.int64, np.int64)))
     if _distinct(cols[_COL["traj_id"]], n) != n:
-        return None
-    resp_off, _ = _list_np(cols[_COL["response_ids"]], n, np.int32)
-    lp_off, lp = _list_np(cols[_COL["behaviour_logprobs"]], n, np.float32)
-    if not np.array_equal(resp_off, lp_off) or (len(lp) and not (lp.max() <= 1e-4 and lp.min() > -np.inf)):
         return None
     s_off, starts = _list_np(cols[_COL["segment_starts"]], n, np.int32)
     v_off, versions = _list_np(cols[_COL["segment_versions"]], n, np.int64)

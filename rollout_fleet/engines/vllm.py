@@ -276,6 +276,7 @@ class VLLMClient(HttpEngineClient):
             steps["commit_in_engine"] = max(st["commit_s"] for st in states)
             for part, sec in (states[0].get("commit_parts") or {}).items():  # wait / checksum / load
                 steps[f"commit_{part}"] = sec
+            steps["commit_replayed"] = float(states[0].get("replayed_buckets", 0))  # a count, not seconds
             if not (pause_here and self.update_pause_mode in ("wait", "abort")):  # see update_weights
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")

@@ -98,3 +98,11 @@ def test_kl_reference(models, tmp_path, layout):
     assert m2["loss_kl"] > 1e-5, m2
     assert k["ref_on"].startswith("cpu" if layout["reference_offload"] else "cuda"), k["ref_on"]
     assert m1["step_skipped"] == 0.0 and m2["step_skipped"] == 0.0
+
+
+def test_megatron_core_patches_apply():
+    """learner/megatron/patches.py: each patch still finds its target in the installed megatron-core."""
+    from learner.megatron import patches
+
+    assert patches.check() == [], patches.check()
+    assert patches.in_process_checkpoint_results_queue()

@@ -116,9 +116,12 @@ def test_staged_publish_keeps_serving_and_logprobs_match(server, loop, qwen_chec
         for r in reports:
             assert r.per_engine_checksums == {"vllm-s": r.checksum}, r
         assert all("pause" not in st for st in steps), steps
+        replayed = [st.get("commit_replayed", 0) for st in steps]
         _record("staged_update", bytes=reports[-1].bytes, publish_s=[r.seconds for r in reports[1:]],
-                commit_in_engine_s=[st["commit_in_engine"] for st in steps[1:]], http_steps_s=steps[1:])
-        print("staged: commit inside the engine per update:", [round(st["commit_in_engine"], 4) for st in steps[1:]])
+                commit_in_engine_s=[st["commit_in_engine"] for st in steps[1:]], http_steps_s=steps[1:],
+                replayed_buckets=replayed)
+        print("staged: commit inside the engine per update:", [round(st["commit_in_engine"], 4) for st in steps[1:]],
+              "buckets replayed so far:", replayed)
         prompt = random.Random(2).sample(range(1000, 100000), 16)
         samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32,
                                                                                    temperature=1.0)))
