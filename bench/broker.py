@@ -6,20 +6,23 @@
 For each batch size (one prompt group of realistic rows per batch: ~1,000 response
 token ids and log-probs, 100 prompt ids) it runs, in separate processes:
 
-* broker: producer (pushes with 8 in flight; new tickets come back with the push replies,
-  or in bulk of at least 8 when it runs out) -> ``python -m broker`` -> consumer (next_batch
-  of ``--groups-per-step`` groups, default 1, with the next 8 steps requested ahead; each
-  step's ack rides on the next request), spool off and on (fsync=never: the kill -9
-  guarantee; see broker/spool.py). Both clients send the requests made in one event-loop
-  turn as one message, and the broker its replies to one peer (see broker/protocol.py);
+* broker: producer (pushes with 16 in flight, stamped 8 per event-loop turn; new tickets
+  come back with the push replies, or in bulk of at least 16 when it runs out and no push
+  is in flight) -> ``python -m broker`` -> consumer (next_batch of ``--groups-per-step``
+  groups, default 1, with the next 16 steps requested ahead; each step's ack rides on the
+  next request), spool off and on (fsync=never: the kill -9 guarantee; see
+  broker/spool.py). Both clients send the requests made in one event-loop turn as one
+  message (a ``Multi``), and the broker its replies to one peer (see broker/protocol.py);
+  every batch is still its own push: validated (the pushes of one message together),
+  leased, sent on and acked on its own;
 * raw: PUSH -> PULL of the same Arrow IPC bytes (same per-message serialise and parse).
 
 Each case (batch size x spool) runs raw and broker alternately ``--repeat`` times (default 1
 with --quick, else 2) and keeps the best run of each, because the machine is shared; every
 run's rows/s and the load average are in the JSON. On a 2-core machine all processes share
 the same cores, so the ratio is roughly raw's CPU per batch over the broker path's (three
-processes and their ZMQ I/O threads, validation, bookkeeping, four messages per batch); the JSON has each process's CPU per batch (``cpu_ms_per_batch``) to show where it
-goes. Both paths hold at most ~64 batches in flight (broker: G * (k + 1) = 64 groups;
+processes and their ZMQ I/O threads, validation, bookkeeping, two hops); the JSON has each
+process's CPU per batch (``cpu_ms_per_batch``) to show where it goes. Both paths hold at most ~64 batches in flight (broker: G * (k + 1) = 64 groups;
 raw: HWM 32 at each end), so latency (send to receipt, p50/p99)
 is measured under the same bounded queueing. Throughput is counted at the
 consumer from its first to its last batch.
@@ -48,9 +51,9 @@ from broker.schema import TRAJECTORY_SCHEMA  # noqa: E402
 from broker.testing import make_groups  # noqa: E402
 
 RESP_LEN, PROMPT_LEN = 1000, 100
-WINDOW = int(os.environ.get("BW", 8))
-BURST = int(os.environ.get("BB", 8))
-PREFETCH = int(os.environ.get("BP", 8))  # learner steps the bench consumer requests ahead
+WINDOW = 16  # pushes in flight
+BURST = 8  # pushes stamped per event-loop turn (they go out as one message)
+PREFETCH = 16  # learner steps the bench consumer requests ahead
 IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
 
 
@@ -164,7 +167,15 @@ def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
         inflight = []
         for i in range(n):
             while not tickets:
-                tickets.extend(await prod.acquire_tickets(IN_FLIGHT, wait_s=5.0, min_groups=WINDOW))
+                # Replies of pushes in flight bring tickets: wait for those first. Waiting in
+                # acquire meanwhile (for WINDOW free slots) would stall while the tickets
+                # they bring sit unused here and keep those slots taken.
+                if busy := [f for f in inflight if not f.done()]:
+                    await asyncio.wait(busy, return_when=asyncio.FIRST_COMPLETED)
+                    if errors:
+                        raise errors[0]
+                else:
+                    tickets.extend(await prod.acquire_tickets(IN_FLIGHT, wait_s=5.0, min_groups=WINDOW))
             t = tickets.popleft()
             await window.acquire()
             if errors:

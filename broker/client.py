@@ -11,7 +11,11 @@ after ``ticket_timeout_s``; so do tickets of a push reply that was lost).
 Round trips on the batch path: ``push(batch, want_tickets=n)`` brings back new
 tickets with the push reply, and ``ack(lease_id, defer=True)`` sends the ack with
 the consumer's next ``next_batch`` (or at ``flush_acks``/``close``), so a step
-costs one round trip per side.
+costs one round trip per side. Requests made in one turn of the event loop leave
+together at its end, as one message (a ``Multi``, see broker.protocol): several pushes
+started at once, or a consumer asking several steps ahead (``next_batch(s)``,
+``next_batch(s + 1)``, ... outstanding together; each deferred ack rides on exactly one
+of them), cost one message instead of one each.
 
 Example (producer)::
 

@@ -86,6 +86,7 @@ def snapshot(server) -> dict:
         "broker/acked_rows_total": c.acked_rows,
         "broker/redelivered_groups_total": c.redelivered_groups,
         "broker/late_acks_total": c.late_acks,
+        "broker/duplicate_acks_total": c.duplicate_acks,
         "broker/tickets_granted_total": c.tickets_granted,
         "broker/tickets_fulfilled_total": c.tickets_fulfilled,
         "broker/tickets_expired_total": c.tickets_expired,

@@ -239,7 +239,10 @@ def inspect_batch(batch: pa.RecordBatch) -> BatchView:
     return view
 
 
-JOINT_MAX_BYTES = 64 << 20  # only their small columns are copied, but cap the batches' size anyway
+JOINT_MAX_BYTES = 64 << 20  # batches checked together at most (bytes)
+# Up to this size (bytes per batch, on average) a copy of the whole batches costs less than
+# the per-batch calls it saves (measured: 30 vs 61 us per 64 KiB batch; 290 vs 141 at 1 MiB).
+_JOINT_COPY_MAX = 128 << 10
 
 
 def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) -> list[BatchView] | None:
@@ -247,10 +250,11 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
 
     Validation costs mostly per call (a few dozen numpy and Arrow calls per batch, whatever
     its size), so the broker checks the pushes of one message at once: each batch gets
-    Arrow's full structural validation on its own (so no hostile offsets reach the copy)
-    and the checks of its token lists (prompt, response, log-probs: nearly all its bytes,
-    never copied); then the concatenation of their other, per-row columns goes through the
-    remaining whole-batch checks once. Every check is per
+    Arrow's full structural validation on its own (so no hostile offsets reach the copy),
+    then their concatenation goes through the whole-batch checks once. Batches larger than
+    ``_JOINT_COPY_MAX`` are not copied whole: each gets the checks of its token lists
+    (prompt, response, log-probs: nearly all its bytes) on its own, and only their other,
+    per-row columns are concatenated for the remaining checks. Every check is per
     row or implied by its counterpart over the union (unique ``traj_id`` over all of them
     implies it within each), so passing together implies passing alone. None: one of them
     failed (or the checks do not apply); call :func:`inspect_batch` on each for the precise
@@ -259,7 +263,8 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
     """
     if len(batches) < 2:
         return None
-    if (nbytes if nbytes is not None else sum(b.nbytes for b in batches)) > JOINT_MAX_BYTES:
+    nbytes = nbytes if nbytes is not None else sum(b.nbytes for b in batches)
+    if nbytes > JOINT_MAX_BYTES:
         return None
     schema = batches[0].schema
     if not schema.equals(TRAJECTORY_SCHEMA):
@@ -271,13 +276,17 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
             b.validate(full=True)
         except pa.ArrowException:
             return None
-        if not _tokens_ok(b.columns, b.num_rows):
-            return None
-    small = pa.concat_batches([b.select(_ROW_IDX) for b in batches])
-    cols: list = [None] * len(TRAJECTORY_SCHEMA)
-    for i, c in zip(_ROW_IDX, small.columns):
-        cols[i] = c
-    view = _fast_view_cols(cols, small.num_rows, tokens_checked=True)
+    if nbytes <= _JOINT_COPY_MAX * len(batches):
+        view = _fast_view(pa.concat_batches(batches))
+    else:
+        for b in batches:
+            if not _tokens_ok(b.column, b.num_rows):  # b.columns would wrap all 16
+                return None
+        small = pa.concat_batches([b.select(_ROW_IDX) for b in batches])
+        cols: list = [None] * len(TRAJECTORY_SCHEMA)
+        for i, c in zip(_ROW_IDX, small.columns):
+            cols[i] = c
+        view = _fast_view_cols(cols, small.num_rows, tokens_checked=True)
     if view is None:
         return None
     out, a = [], 0
@@ -331,23 +340,24 @@ def _fast_view(batch: pa.RecordBatch) -> BatchView | None:
     return _fast_view_cols(batch.columns, batch.num_rows)
 
 
-def _tokens_ok(cols: list, n: int) -> bool:
-    """The checks of the token list columns: no nulls, as many log-probs as response
-    tokens in each row, log-probs finite and <= 0."""
-    for i in _TOKEN_IDX:
-        if cols[i].null_count or cols[i].values.null_count:
+def _tokens_ok(column, n: int) -> bool:
+    """The checks of the token list columns (``column(i)``: the i-th column): no nulls, as
+    many log-probs as response tokens in each row, log-probs finite and <= 0."""
+    prompt, resp, lps = (column(i) for i in _TOKEN_IDX)
+    for c in (prompt, resp, lps):
+        if c.null_count or c.values.null_count:
             return False
     if n == 0:
         return True
-    resp_off, _ = _list_np(cols[_COL["response_ids"]], n, np.int32)
-    lp_off, lp = _list_np(cols[_COL["behaviour_logprobs"]], n, np.float32)
+    resp_off, _ = _list_np(resp, n, np.int32)
+    lp_off, lp = _list_np(lps, n, np.float32)
     return bool(np.array_equal(resp_off, lp_off) and (not len(lp) or (lp.max() <= 1e-4 and lp.min() > -np.inf)))
 
 
 def _fast_view_cols(cols: list, n: int, tokens_checked: bool = False) -> BatchView | None:
     """_fast_view over columns in schema order; with ``tokens_checked`` the token list
     columns (None then) passed :func:`_tokens_ok` already."""
-    if not tokens_checked and not _tokens_ok(cols, n):
+    if not tokens_checked and not _tokens_ok(cols.__getitem__, n):
         return None
     for i, c in enumerate(cols):
         if c is not None and (c.null_count or (i in _LIST_IDX and c.values.null_count)):

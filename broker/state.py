@@ -102,6 +102,7 @@ class Counters:
     tickets_expired: int = 0
     unticketed_groups: int = 0
     late_acks: int = 0
+    duplicate_acks: int = 0
     drops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     drops_rows: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     staleness_hist: dict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -387,6 +388,7 @@ class BrokerState:
         late = False
         if lease is None:
             if lease_id in self._acked_leases:
+                self.counters.duplicate_acks += 1
                 return True, False
             lease = self._expired.get(lease_id)
             if lease is None:

@@ -1,5 +1,6 @@
 """Megatron-core learner backend (``learner.engine: megatron``).
 
-``convert`` (HF <-> Megatron weights) is pure torch; ``engine`` needs megatron-core
-(``pip install fleetrl[megatron]``, Python >= 3.12) and CUDA.
+``convert`` (HF <-> Megatron weights) and ``weights``' loading helpers are pure torch; ``engine``,
+the gathers of ``weights``, ``checkpoint`` and ``patches`` (version-checked megatron-core patches)
+need megatron-core (``pip install fleetrl[megatron]``, Python >= 3.12) and CUDA.
 """

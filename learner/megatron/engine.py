@@ -183,15 +183,20 @@ class MegatronEngine(TrainingEngine):
             model = Float16Module(self.tcfg, model)
         # KL reference: a second GPTModel of the same TP/PP layout from the same HF weights, frozen, run
         # through the same schedule and log-prob code (forward only). No DDP wrapper, no optimizer. With
-        # reference_offload its weights live on the CPU between steps (like FSDP's CPUOffloadPolicy).
+        # reference_offload its weights live in pinned CPU memory and are copied in for each prepare
+        # (like FSDP's CPUOffloadPolicy); being frozen, nothing is copied back.
         self.ref: torch.nn.Module | None = None
         self.ref_offload = on_gpu and cfg.reference_offload
+        self._ref_cpu: list[torch.Tensor] = []
         if cfg.loss.kl_coef > 0:
             ref = self._build_gpt()
             ref.requires_grad_(False)
             if on_gpu:
                 ref = Float16Module(self.tcfg, ref)  # the policy's bf16 compute path: equal weights, equal log-probs
             self.ref = ref.eval().to("cpu" if self.ref_offload else self.device)
+            if self.ref_offload:
+                self._ref_cpu = [p.data.pin_memory() for p in self.ref.parameters()]
+                self._reference_on_gpu(False)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=mc.use_distributed_optimizer)
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model)
@@ -209,6 +214,11 @@ class MegatronEngine(TrainingEngine):
         logger.info("Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, model %s",
                     self.rank, self.world_size, self.tp_rank, tp, self.pp_rank, pp, self.data_rank,
                     self.data_world_size, self.device, n_local, model_path)
+
+    def _reference_on_gpu(self, on: bool) -> None:
+        """Offloaded reference: point its parameters at GPU copies of the pinned CPU weights, or back."""
+        for p, cpu in zip(self.ref.parameters(), self._ref_cpu):
+            p.data = cpu.to(self.device, non_blocking=True) if on else cpu
 
     def _build_gpt(self) -> torch.nn.Module:
         """This rank's stage of the GPTModel (layers ``self.layers``, embedding on the first stage, final norm
@@ -320,13 +330,13 @@ class MegatronEngine(TrainingEngine):
                 return logp.sum() * 0.0, {}
 
             if self.ref_offload:
-                self.ref.to(self.device)
+                self._reference_on_gpu(True)
             try:
                 with torch.no_grad():
                     self._run(plan.micro_batches, keep_ref, forward_only=True, model=self.ref)
             finally:
                 if self.ref_offload:
-                    self.ref.to("cpu")
+                    self._reference_on_gpu(False)
 
     # ---- step ------------------------------------------------------------------------------
     def _grads_finite(self) -> bool:

@@ -203,9 +203,13 @@ def _kl_steps(engine) -> dict:
     def max_diff(xs, ys):
         return max(((x - y).abs().max().item() for x, y in zip(xs, ys)), default=None)
 
+    def mean_diff(xs, ys):
+        return torch.cat([(x - y).abs() for x, y in zip(xs, ys)]).mean().item() if xs else None
+
     return {"m1": m1, "m2": m2, "last_stage": engine.post, "n_logp": sum(x.numel() for x in ref_a),
             "ref_vs_policy_step1": max_diff(ref_a, prox_a), "ref_moved": max_diff(ref_b0, ref_b1),
-            "policy_moved": max_diff(prox_b0, prox_b1), "ref_on": str(next(engine.ref.parameters()).device),
+            "policy_moved": max_diff(prox_b0, prox_b1), "ref_moved_mean": mean_diff(ref_b0, ref_b1),
+            "policy_moved_mean": mean_diff(prox_b0, prox_b1), "ref_on": str(next(engine.ref.parameters()).device),
             "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
 
 

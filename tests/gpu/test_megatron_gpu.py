@@ -60,6 +60,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def check_round_trip(models: dict, names: list[str], tmp_path: Path, label: str, **layout) -> None:
     """HF -> Megatron shards (``layout``: tp, pp) -> HF, through ``full_tensors`` and ``export_hf``: bitwise."""
     _two_gpus()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     res = spawn(mw.megatron_rank, 2, {"models": [str(models[n]) for n in names], **layout, "roundtrip": True,
                                       "out": str(tmp_path / "rt")})[0]
     for i, name in enumerate(names):
@@ -160,6 +161,7 @@ def check_publish_into_receiver(model: Path, tmp_path: Path, label: str, **layou
     receiver's tensors equal the HF checkpoint bit for bit (version 1) and the learner's gathered state after
     a step (version 2), and its checksum equals the publisher's."""
     _two_gpus()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(REPO))

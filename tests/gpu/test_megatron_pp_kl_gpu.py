@@ -79,7 +79,12 @@ def test_pp2_round_trip_and_publish_into_receiver(models, tmp_path):
 def test_kl_reference(models, tmp_path, layout):
     """kl_coef > 0: the frozen reference's log-probs equal the policy's before the first step (KL = 0), the
     policy moves after one AdamW step (lr 1e-3: log-probs change by ~0.1 nats, KL > 0) while the reference
-    does not. 'Moves' is measured on a second batch evaluated before and after the step."""
+    does not. 'Moves' is measured on a second batch evaluated before and after the step.
+
+    "Equal" within bf16 noise: reference and policy are separate tensors (the policy's are views into DDP's
+    parameter buffer), so a kernel may round a logit differently, by one bf16 ulp (~0.03 at |logit| ~ 4;
+    on CPU in fp32 we saw 0 and 5e-7). Hence per-token |ref - policy| < 0.05 and KL (k3 ~ d^2 / 2, a
+    weighted mean) < 1e-4 at step 1, against ~1e-3 after the step (6e-4 to 1.3e-3 on CPU)."""
     _two_gpus()
     model = models["tied"] if layout["tp"] == 2 else models["untied"]
     ranks = spawn(mw.megatron_rank, 2, {"models": [str(model)], **layout, "kl": True, "kl_coef": 0.1,
@@ -89,13 +94,15 @@ def test_kl_reference(models, tmp_path, layout):
     k = last[0]
     m1, m2 = k["m1"], k["m2"]
     print(f"KL {layout}: step 1 loss_kl {m1['loss_kl']:.3e} (ref vs policy max |diff| {k['ref_vs_policy_step1']}), "
-          f"step 2 loss_kl {m2['loss_kl']:.3e}; on batch B the policy moved {k['policy_moved']:.4f}, the reference "
-          f"{k['ref_moved']}; reference kept on {k['ref_on']}; {k['n_logp']} tokens; peak GPU {k['gpu_mem_gib']:.2f} GiB")
+          f"step 2 loss_kl {m2['loss_kl']:.3e}; on batch B the policy moved max {k['policy_moved']:.4f} mean "
+          f"{k['policy_moved_mean']:.4f}, the reference max {k['ref_moved']} mean {k['ref_moved_mean']}; reference "
+          f"kept on {k['ref_on']}; {k['n_logp']} tokens; peak GPU {k['gpu_mem_gib']:.2f} GiB")
     assert k["n_logp"] > 0
-    assert k["ref_vs_policy_step1"] < 1e-3 and abs(m1["loss_kl"]) < 1e-6, "policy == reference must give KL 0"
+    assert k["ref_vs_policy_step1"] < 5e-2 and abs(m1["loss_kl"]) < 1e-4, "policy == reference must give KL 0"
     assert k["policy_moved"] > 1e-2, "the optimizer step did not change the policy's log-probs"
-    assert k["ref_moved"] < 1e-2 * k["policy_moved"], "the reference moved with the policy: it is not frozen"
-    assert m2["loss_kl"] > 1e-5, m2
+    # a reference that trained with the policy would move as much; bf16 noise is a rare one-ulp flip
+    assert k["ref_moved_mean"] < 0.1 * k["policy_moved_mean"], "the reference moved with the policy: not frozen"
+    assert m2["loss_kl"] > 5 * max(abs(m1["loss_kl"]), 1e-5), (m1["loss_kl"], m2["loss_kl"])
     assert k["ref_on"].startswith("cpu" if layout["reference_offload"] else "cuda"), k["ref_on"]
     assert m1["step_skipped"] == 0.0 and m2["step_skipped"] == 0.0
 

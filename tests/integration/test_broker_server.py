@@ -386,3 +386,93 @@ def test_replies_to_one_peer_are_coalesced_and_all_matched(broker):
     finally:
         s.close(0)
         ctx.term()
+
+
+def _replies(sock, want: int) -> tuple[dict, int]:
+    """Read until ``want`` replies came (however the broker coalesced them): req -> (reply, payload)."""
+    got, messages = {}, 0
+    while len(got) < want:
+        assert sock.poll(5000), f"only {len(got)} of {want} replies came"
+        messages += 1
+        for reply, payload in P.split_replies(sock.recv_multipart()):
+            got[reply.req] = (reply, payload)
+    return got, messages
+
+
+def test_a_multi_is_answered_request_by_request_and_its_pushes_are_checked_together(broker):
+    bp = broker(groups_per_step=1, max_staleness=3)
+    ctx, s = _raw(bp.address)
+    try:
+        good = [P.batch_to_ipc(make_groups([g], step=1, version=0)).to_pybytes() for g in ("a", "b", "c")]
+        wrong = P.batch_to_ipc(pa.RecordBatch.from_pydict({"traj_id": ["x"]})).to_pybytes()
+        dup = P.batch_to_ipc(make_groups(["b"], step=1, version=0)).to_pybytes()  # b again, same rows
+        units = [[P.encode(P.Push(req=1, producer_id="w")), good[0]],
+                 [P.encode(P.Push(req=2, producer_id="w")), wrong],
+                 [P.encode(P.Push(req=3, producer_id="w", want_tickets=1)), good[1]],
+                 [P.encode(P.Push(req=4, producer_id="w")), dup],
+                 [P.encode(P.Push(req=5, producer_id="w")), good[2]],
+                 [P.encode(P.Ping(req=6))],
+                 [P.encode(P.NextBatch(req=7, consumer_id="c", step=1, wait_s=1.0))],
+                 [P.encode(P.NextBatch(req=8, consumer_id="c", step=2, wait_s=1.0))]]
+        s.send_multipart([P.encode(P.Multi(req=99, frames=[len(u) for u in units]))] + [f for u in units for f in u])
+        got, messages = _replies(s, 8)
+        assert messages <= 2 and 99 not in got
+        assert got[1][0].groups == 1 and got[3][0].groups == 1 and got[5][0].groups == 1
+        assert got[2][0].code == P.ErrorCode.BAD_SCHEMA  # refused alone; its neighbours accepted
+        assert got[4][0].duplicates == 1 and got[4][0].groups == 0
+        assert len(got[3][0].tickets) == 1 and isinstance(got[6][0], P.OkReply)
+        leased = []
+        for req in (7, 8):  # leases with payload frames, in one message with the others
+            reply, payload = got[req]
+            assert isinstance(reply, P.LeaseReply) and reply.frames == len(payload) == 1
+            leased += P.ipc_to_batches(payload[0])[0].column("group_id").unique().to_pylist()
+        assert leased == ["a", "b"]
+        # framing errors: counts that do not add up, and a multi inside a multi
+        s.send_multipart([P.encode(P.Multi(req=10, frames=[1, 3])), P.encode(P.Ping(req=11)), good[0]])
+        assert _replies(s, 1)[0][10][0].code == P.ErrorCode.BAD_FRAME
+        inner = P.encode(P.Multi(req=12, frames=[1]))
+        s.send_multipart([P.encode(P.Multi(req=13, frames=[1, 1])), inner, P.encode(P.Ping(req=14))])
+        got, _ = _replies(s, 2)
+        assert got[12][0].code == P.ErrorCode.BAD_REQUEST and isinstance(got[14][0], P.OkReply)
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def test_clients_coalesce_and_a_consumer_may_ask_several_steps_ahead(broker, tmp_path):
+    bp = broker(groups_per_step=1, max_staleness=7, spool_dir=tmp_path, fsync="never")
+
+    async def go():
+        prod = ProducerClient(bp.address, producer_id="w0", timeout_s=10)
+        cons = ConsumerClient(bp.address, consumer_id="learner", timeout_s=10)
+        try:
+            ahead = [asyncio.ensure_future(cons.next_batch(s, wait_s=5.0)) for s in range(1, 5)]
+            await asyncio.sleep(0.2)  # all four wait in the broker: the version must only move up
+            assert (await cons.status())["status"]["broker/version"] == 3
+            tickets = await prod.acquire_tickets(8, wait_s=1.0)
+            replies = await asyncio.gather(*(prod.push(make_groups([f"g{i}"], step=t.step, version=0))
+                                             for i, t in enumerate(tickets[:6])))
+            assert [r.groups for r in replies] == [1] * 6
+            leases = []
+            for fut in ahead:
+                leases.append(await fut)
+                await cons.ack(leases[-1].lease_id, defer=True)  # each rides on a later request
+            more = [asyncio.ensure_future(cons.next_batch(s, wait_s=5.0)) for s in (5, 6)]
+            leases += [await f for f in more]
+            groups = [x.batch.column("group_id")[0].as_py() for x in leases]
+            assert groups == [f"g{i}" for i in range(6)]  # oldest first, each once
+            for x in leases[4:]:
+                await cons.ack(x.lease_id, defer=True)
+            await cons.close()  # sends what is deferred; no ack was sent twice
+            st = get_status(bp.address)
+            assert st["status"]["broker/acked_groups_total"] == 6 and st["status"]["broker/version"] == 6
+            assert st["status"]["broker/duplicate_acks_total"] == 0 and not st["errors"]
+        finally:
+            await prod.close()
+            await cons.close()
+
+    run(go())
+    from broker.spool import read_log
+
+    versions = [r.step for r in read_log(tmp_path / "log.bin")[0] if r.kind == "version"]
+    assert versions == sorted(versions) and versions[-1] == 6  # never back, while four requests waited

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import protocol as P
-from broker.schema import (TRAJECTORY_SCHEMA, SchemaError, _fast_view, _find_error, batch_view, inspect_batch,
-                           validate_batch)
+from broker.schema import (JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, SchemaError, _fast_view, _find_error, batch_view,
+                           inspect_batch, inspect_batches, validate_batch)
 from broker.testing import make_groups
 
 pytestmark = pytest.mark.timeout(120)
@@ -113,6 +113,41 @@ def test_fast_path_accepts_only_what_the_row_wise_checks_accept(data, n, resp_le
         except SchemaError:
             accepted = False
         assert accepted == _row_wise_ok(b)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), k=st.integers(2, 4), resp_len=st.integers(0, 4), whole_copy=st.booleans(),
+       shared_traj=st.booleans())
+def test_batches_checked_together_pass_only_if_each_passes_alone(data, k, resp_len, whole_copy, shared_traj):
+    """inspect_batches (the pushes of one message, checked at once, by either of its two
+    paths) accepts only when inspect_batch accepts every batch, and then gives each the
+    same view; clean batches are accepted."""
+    batches = []
+    for j in range(k):
+        n = data.draw(st.integers(1, 6))
+        defects = data.draw(st.lists(st.sampled_from(DEFECTS[:3] * 6 + DEFECTS), min_size=n, max_size=n))
+        rows = _rows(n, defects, resp_len, lambda m: data.draw(st.integers(0, m - 1)))
+        for r in rows:  # distinct across batches, unless the draw shares them
+            r["traj_id"] = r["traj_id"] if shared_traj else f"b{j}/{r['traj_id']}"
+        b = _unchecked(rows)
+        batches.append(b.slice(1) if n > 1 and data.draw(st.booleans()) else b)
+    nbytes = 1 if whole_copy else JOINT_MAX_BYTES  # which path: copy all, or the per-row columns only
+    views = inspect_batches(batches, nbytes)
+    alone = []
+    for b in batches:
+        try:
+            alone.append(inspect_batch(b))
+        except SchemaError:
+            alone.append(None)
+    if views is not None:
+        assert all(v is not None for v in alone)
+        for b, v in zip(batches, views):
+            ref = batch_view(b)
+            assert v.single_group == ref.single_group and v.group_ids in (None, ref.group_ids)
+            for name in ("sample_index", "group_size", "step", "oldest_version"):
+                assert np.array_equal(getattr(v, name), getattr(ref, name)), name
+    clean = [make_groups([f"c{j}"], step=1, version=0, group_size=3, resp_len=5) for j in range(k)]
+    assert inspect_batches(clean, nbytes) is not None
 
 
 def test_ipc_round_trip_of_one_and_several_batches_is_byte_identical_to_a_stream_writer():
