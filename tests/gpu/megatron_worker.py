@@ -306,8 +306,21 @@ def _megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
 
         plan = build_plan(engine.param_plan(wire), 256 << 20)
         target = VLLMClient("vllm-megatron", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
-        pub = Publisher(WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=256, timeout_s=120), plan,
-                        rank=0, engines=[target], device=str(engine.device))
+        # staged publishes: the first (the server's own v0 weights again) records the engine's copy plan,
+        # the second (Megatron's) is replayed from it (weight_sync/copy_plan.py), so the comparison below
+        # also checks that a replayed commit loads every weight
+        pub = Publisher(WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=256, timeout_s=120,
+                                         staging=True), plan, rank=0, engines=[target], device=str(engine.device))
+        if kw.get("v0"):
+            from safetensors.torch import load_file
+
+            v0 = load_file(str(Path(kw["v0"]) / "model.safetensors"))
+            missing = [n for n in plan.names if n not in v0]
+            if missing:
+                raise KeyError(f"the v0 checkpoint lacks {missing[:3]} of Megatron's plan")
+            pub.publish(1, ((n, v0[n].to(engine.device, wire)) for n in plan.names))
+            out["replayed_after_v0"] = target.last_update_steps.get("commit_replayed", -1.0)
+            del v0
         sampler = VLLMClient("vllm-megatron-gen", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
         loop = asyncio.new_event_loop()
     try:
@@ -318,8 +331,10 @@ def _megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
         tensors = engine.full_tensors(wire)
         if rank == 0:
             t = time.perf_counter()
-            rep = pub.publish(1, tensors)
+            rep = pub.publish(2, tensors)
             out["publish_s"] = time.perf_counter() - t
+            out["replayed"] = target.last_update_steps.get("commit_replayed", -1.0)
+            out["update_steps"] = dict(target.last_update_steps)
             out["checksums"] = (rep.checksum, dict(rep.per_engine_checksums))
             hi = min(100000, engine.shape.vocab)
             prompt = random.Random(1).sample(range(min(1000, hi // 4), hi), 16)

@@ -65,7 +65,8 @@ def test_publish_from_megatron_tp2_matches_engine_logprobs(server, qwen_checkpoi
     from learner_testkit import run_procs
 
     _, v1_dir, s0, s1 = qwen_checkpoints
-    kw = {"model": str(v1_dir), "url": server.url, "model_name": server.model_name, "out": str(tmp_path / "mv")}
+    kw = {"model": str(v1_dir), "url": server.url, "model_name": server.model_name, "out": str(tmp_path / "mv"),
+          "v0": str(qwen_checkpoints[0])}
     run_procs(mw.megatron_vllm_rank, 2, kw, 300, "spawn")
     res = torch.load(kw["out"] + ".rank0.pt", weights_only=False)
     checksum, per_engine = res["checksums"]
@@ -87,3 +88,10 @@ def test_publish_from_megatron_tp2_matches_engine_logprobs(server, qwen_checkpoi
           f"learner's weights before its step (v1, transformers) mean {d_v1.mean():.3f}")
     assert d_learner.mean() < MEAN_TOL and d_learner.max() < MAX_TOL, (d_learner.mean(), d_learner.max())
     assert d_v0.mean() > OTHER_MIN, "the server's original weights fit as well: the check is blind"
+    # the engine held v0 again just before Megatron's publish, which was a staged commit replayed from the
+    # copies recorded at the v0 publish: the match above is the replay's doing
+    print(f"staged commits: buckets replayed {res['replayed_after_v0']:.0f} after v0, {res['replayed']:.0f} after "
+          f"Megatron's publish; steps {res['update_steps']}")
+    record("megatron_vllm", "staged_replay", replayed_after_v0=res["replayed_after_v0"], replayed=res["replayed"],
+           steps=res["update_steps"])
+    assert res["replayed"] > res["replayed_after_v0"], "Megatron's publish was not replayed from the copy plan"
