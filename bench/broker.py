@@ -236,8 +236,9 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
                 t0 = time.perf_counter()
             else:
                 rows += lease.batch.num_rows
-            # one send time per pushed batch (each push is stamped once)
-            lat.extend(now - np.unique(lease.batch.column("t_start").to_numpy()))
+            # one send time per pushed batch (each push is stamped once); a set of a few
+            # floats costs about what raw's one as_py() does, np.unique five times that
+            lat.extend(now - t for t in set(lease.batch.column("t_start").to_pylist()))
         dt = time.perf_counter() - t0
         await cons.close()  # sends the last deferred acks
         return rows, dt, lat

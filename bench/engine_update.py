@@ -140,9 +140,12 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
                 steps = dict(client.last_update_steps)
                 assert rep.per_engine_checksums == {client.engine_id: rep.checksum}, rep
                 rows.append({"version": v, "publish_s": t1 - t0, "broadcast_s": rep.broadcast_seconds,
-                             "unavailable_s": unavailable(mode, steps), "probe_stall_s": probe.stall(t0, t1),
-                             "steps": steps})
+                             "unavailable_s": unavailable(mode, steps), "steps": steps})
             time.sleep(0.5)
+        # only now: a token held back by an update arrives after the publish returns, so a stall measured
+        # at the end of each publish would miss the very gap it is after
+        for row, (t0, t1) in zip(rows, windows):
+            row["probe_stall_s"] = probe.stall(t0, t1)
         base = probe.baseline(windows)
         errors = list(probe.errors)
     finally:

@@ -70,6 +70,12 @@ class Lease:
     batch: pa.RecordBatch  # groups_per_step whole groups, oldest first
     staleness: np.ndarray  # int32 per row: (step - 1) - oldest policy version of the row
 
+    def shards(self, ranks: int) -> list[pa.RecordBatch]:
+        """The batch as ``ranks`` shards of whole groups balanced by token count (broker.shards)."""
+        from broker.shards import shard_by_tokens
+
+        return shard_by_tokens(self.batch, ranks)
+
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop where it is installed, the default loop elsewhere."""
@@ -197,6 +203,9 @@ class _Client:
         except zmq.Again:
             self._outbox = units + self._outbox
             self._flush_handle = self._loop.call_later(pause, self._flush, min(0.05, pause * 2))
+            return
+        except zmq.ZMQError as e:  # their attempts time out and are retried (or given up)
+            log.error("broker %s: send of %d request(s) failed: %s", self.address, len(units), e)
             return
         self._after_send()
 

@@ -7,11 +7,14 @@ Layout of a spool directory::
                                    old one, left by kill -9, is never appended to)
     log.bin                        records: [u32 length][u32 crc32][msgpack LogRecord] ...
 
-Write order is what makes restarts exact: the broker writes a batch (or an ack,
-lease, drop record) *before* it changes its state and before it replies. A
-record cut short by a crash fails its length or crc check and is ignored, and
-the log is truncated there; such a record was never answered, so the client
-sees a timeout and retries (pushes and acks are idempotent).
+Write order is what makes restarts exact: the broker writes a batch *before* it
+changes its state, and every ack, lease, drop, expiry and version record of a server
+loop iteration at that iteration's :meth:`Spool.commit` (one write), *before* any of
+its replies (``fsync=always``: each record at once). A crash before the commit loses
+only records of requests that were never answered (the client times out and retries:
+pushes and acks are idempotent) and of expiries and drops the restarted broker redoes
+itself. A record cut short by a crash fails its length or crc check and is ignored,
+and the log is truncated there; it was never answered either.
 
 fsync policy (``BrokerConfig.fsync``):
 
@@ -138,6 +141,7 @@ class Spool:
         self._sink = None
         self._data_fd: int | None = None
         self._dirty = False
+        self._log_buf: list[bytes] = []  # records not written yet (see commit)
         self.bytes_written = 0
 
     def recover(self) -> Recovered:
@@ -197,10 +201,23 @@ class Spool:
         self._after_write(self._data_fd)
 
     def _append(self, rec: LogRecord) -> None:
+        body = _rec_enc.encode(rec)
+        self._log_buf.append(_HEAD.pack(len(body), zlib.crc32(body)) + body)
+        if self.fsync == "always":
+            self._write_log()
+        else:
+            self._dirty = True
+
+    def _write_log(self) -> None:
+        """Write the records gathered since the last call: one syscall per loop iteration
+        rather than two or three per batch (its lease and ack)."""
+        if not self._log_buf:
+            return
         if self._log_fd is None:
             self._log_fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        body = _rec_enc.encode(rec)
-        os.write(self._log_fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
+        data = b"".join(self._log_buf) if len(self._log_buf) > 1 else self._log_buf[0]
+        self._log_buf.clear()
+        os.write(self._log_fd, data)
         self._after_write(self._log_fd)
 
     def on_lease(self, lease_id: str, step: int, consumer_id: str, group_ids: list[str]) -> None:
@@ -219,7 +236,9 @@ class Spool:
         self._append(LogRecord("version", step=version))
 
     def commit(self) -> None:
-        """Group commit for ``fsync=batch``: call before sending the replies of a loop iteration."""
+        """Write the log records gathered, and for ``fsync=batch`` sync data and log (group
+        commit): call before sending the replies of a loop iteration."""
+        self._write_log()
         if self._dirty and self.fsync == "batch":
             if self._data_fd is not None:
                 os.fsync(self._data_fd)

@@ -166,6 +166,7 @@ def test_torn_spool_tail_is_ignored(tmp_path):
     s.accept("w", make_groups(["a"], step=1, version=0), now=0)
     s.accept("w", make_groups(["b"], step=1, version=0), now=0)
     s.lease("L", 1, now=0)
+    sp.commit()  # as the server does once per loop iteration, before its replies
     sp._close_segment()
     os_fd = sp._log_fd
     sp._log_fd = None
