@@ -111,15 +111,19 @@ class VLLMClient(HttpEngineClient):
               "top_p": params.top_p, "logprobs": 0, "stop_token_ids": params.stop_token_ids}
         if params.seed is not None:
             sp["seed"] = params.seed
+        # Without per-token spans a sample is tagged with the version the server held when it started:
+        # an in-flight update may change the weights mid-sample, and the older version bounds its
+        # staleness from above (the server is never behind what this client knows).
+        start_version = self._version
         if self.api == "generate":
             body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sp}
             r = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)
         else:
             body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sp}
             r = await self._request("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
-        return [self._sample(c) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        return [self._sample(c, start_version) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
-    def _sample(self, c: dict) -> Sample:
+    def _sample(self, c: dict, start_version: int) -> Sample:
         ids = c.get("token_ids")
         lp_field = c.get("logprobs") or {}
         if self.api == "generate":  # [{token_id, logprob, ...}] per generated token
@@ -130,7 +134,7 @@ class VLLMClient(HttpEngineClient):
         if ids is None or lp is None or len(ids) != len(lp):
             raise EngineError(f"engine {self.engine_id}: choice {c.get('index')} lacks token ids or per-token "
                               f"log-probs (token_ids={ids is not None}, logprobs={lp is not None})")
-        seg = _segments(c.get("weight_versions"), self._version)
+        seg = _segments(c.get("weight_versions"), start_version)
         return Sample(token_ids=np.asarray(ids, dtype=np.int32),
                       logprobs=np.asarray([-np.inf if x is None else x for x in lp], dtype=np.float32),
                       finish_reason=c.get("finish_reason") or "abort",

@@ -1,0 +1,70 @@
+"""Which policy version a vLLM sample is tagged with when the server gives no per-token spans.
+
+A tiny HTTP server on a real socket answers ``/v1/completions`` the way vLLM does; while the
+request is in flight the client learns of a newer version (an in-flight weight update). The
+sample must carry the version held when it started: tokens before the update came from the
+older weights, so the older version is the one that bounds its staleness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rollout_fleet.engines.base import SamplingParams
+from rollout_fleet.engines.vllm import VLLMClient
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _server(on_request):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            on_request()
+            choice = {"index": 0, "token_ids": [5, 6, 7], "finish_reason": "length",
+                      "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]}}
+            if self.server.spans is not None:
+                choice["weight_versions"] = self.server.spans
+            body = json.dumps({"choices": [choice]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.spans = None
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize("spans, want_starts, want_versions", [
+    (None, [0], [3]),  # no spans: the version at the start, not the 4 learned meanwhile
+    ([{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}], [0, 1], [3, 4]),
+])
+def test_sample_versions_under_an_update_in_flight(spans, want_starts, want_versions):
+    client = VLLMClient("v", "http://127.0.0.1:1", model="m", initial_version=3)
+    srv = _server(lambda: setattr(client, "_version", 4))  # the update lands while the request runs
+    srv.spans = spans
+    client.url = f"http://127.0.0.1:{srv.server_address[1]}"
+
+    async def run():
+        try:
+            return await client.generate([1, 2], SamplingParams(n=1, max_tokens=3))
+        finally:
+            await client.close()
+
+    try:
+        (s,) = asyncio.run(run())
+    finally:
+        srv.shutdown()
+    assert s.segment_starts == want_starts and s.segment_versions == want_versions
+    assert client.weight_version == 4
