@@ -15,7 +15,9 @@ token ids and log-probs, 100 prompt ids) it runs, in separate processes:
   message (a ``Multi``), and the broker its replies to one peer (see broker/protocol.py);
   every batch is still its own push: validated (the pushes of one message together),
   leased, sent on and acked on its own;
-* raw: PUSH -> PULL of the same Arrow IPC bytes (same per-message serialise and parse).
+* raw: PUSH -> PULL of the same Arrow IPC bytes, serialised, sent and parsed the same way
+  as the broker's clients do it (``trajectory_to_ipc``; frames under ``COPY_BELOW`` copied,
+  larger ones zero-copy), so the ratio is the cost of the broker and nothing else.
 
 Each case (batch size x spool) runs raw and broker alternately ``--repeat`` times (default 1
 with --quick, else 2) and keeps the best run of each, because the machine is shared; every
@@ -91,7 +93,8 @@ def proc_cpu_s(pid: int) -> float:
 def raw_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
     import zmq
 
-    from broker.protocol import batch_to_ipc
+    from broker.client import COPY_BELOW
+    from broker.protocol import trajectory_to_ipc
 
     base = base_batch(batch_bytes)
     ctx = zmq.Context()
@@ -100,7 +103,8 @@ def raw_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
     s.connect(addr)
     c0 = time.process_time()
     for i in range(n):
-        s.send(batch_to_ipc(stamp(base, f"g{i}", 1)), copy=False)
+        buf = trajectory_to_ipc(stamp(base, f"g{i}", 1))
+        s.send(buf, copy=len(buf) < COPY_BELOW)
     s.close(linger=10_000)
     ctx.term()
     if cpu is not None:

@@ -220,7 +220,7 @@ class BrokerServer:
             if poller.poll(_ms(timeout)):
                 for _ in range(MAX_READS_PER_ITERATION):
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = P.recv_frames(self._sock)
                     except zmq.Again:
                         break
                     self._handle(frames)
@@ -281,7 +281,7 @@ class BrokerServer:
 
     def _send(self, frames: list) -> None:
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            P.send_frames(self._sock, frames)
         except (zmq.Again, zmq.ZMQError) as e:
             self.errors["reply_undeliverable"] += 1
             log.debug("reply undeliverable: %s", e)

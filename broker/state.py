@@ -127,7 +127,9 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
         # per-group index arrays. Validated rows have 0 <= sample_index < group_size, so
         # the indices are all of 0..n-1 exactly when the count of each is one.
         if (np.bincount(si, minlength=n) == 1).all():
-            return [Group(view.single_group, int(step[0]), 0, batch, max(1, total), ver, int(ver.min()),
+            # a copy: ``ver`` may be a view of a joint validation's concatenation of several
+            # pushes (broker.schema.inspect_batches), which would otherwise live on with it
+            return [Group(view.single_group, int(step[0]), 0, batch, max(1, total), ver.copy(), int(ver.min()),
                           int(ver.max()))]
     gids = view.group_ids if view.group_ids is not None else batch.column("group_id").to_pylist()
     rows_of: dict[str, list[int]] = {}

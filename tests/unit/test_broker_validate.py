@@ -166,6 +166,18 @@ def test_ipc_round_trip_of_one_and_several_batches_is_byte_identical_to_a_stream
             validate_batch(back[0])
 
 
+def test_producer_serialiser_writes_the_same_bytes_as_batch_to_ipc():
+    """trajectory_to_ipc (the producer client's) is batch_to_ipc of one batch, byte for byte:
+    small and large batches, slices, and batches in other schemas (which it hands over)."""
+    nullable = pa.schema([f.with_nullable(True) for f in TRAJECTORY_SCHEMA], metadata=TRAJECTORY_SCHEMA.metadata)
+    for rows in (1, 8, 300):
+        b = make_groups(["g"], step=1, version=0, group_size=rows, resp_len=1000)
+        other = pa.RecordBatch.from_arrays(b.columns, schema=nullable)
+        for x in (b, b.slice(1), other, b.replace_schema_metadata(None), pa.RecordBatch.from_pydict({"y": [1, 2]})):
+            assert P.trajectory_to_ipc(x).to_pybytes() == P.batch_to_ipc(x).to_pybytes()
+        assert P.ipc_to_batches(P.trajectory_to_ipc(b))[0].equals(b)
+
+
 def test_ipc_reader_refuses_streams_that_are_not_record_batches():
     good = P.batch_to_ipc(make_groups(["g"], step=1, version=0)).to_pybytes()
     dictionary = P.batch_to_ipc(pa.RecordBatch.from_pydict({"x": pa.array(["a", "b"]).dictionary_encode()}))
