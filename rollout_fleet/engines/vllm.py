@@ -70,6 +70,18 @@ def _segments(spans: list[dict] | None, default_version: int) -> _Segments:
     return seg
 
 
+class _Laps:
+    """Seconds per step of a weight update, each since the previous one: where its unavailability goes."""
+
+    def __init__(self, steps: dict[str, float] | None = None) -> None:
+        self.steps = dict(steps or {})
+        self._t = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.steps[name], self._t = now - self._t, now
+
+
 class VLLMClient(HttpEngineClient):
     """Client of one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
 
@@ -203,14 +215,7 @@ class VLLMClient(HttpEngineClient):
 
     async def update_weights(self, version: int, plan_id: str) -> str:
         info = self._update_info(version, plan_id)
-        steps: dict[str, float] = {}  # seconds per call: where an update's unavailability goes
-        t = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            steps[name], t = now - t, now
-
+        lap = _Laps()
         # Ask the server, not this instance: the fleet may have paused it through another client.
         pause_here = self._stuck or not await self.is_paused()
         lap("is_paused")
@@ -227,7 +232,7 @@ class VLLMClient(HttpEngineClient):
             # KV computed with the old weights must not be reused. A 'wait'/'abort' pause of ours already
             # emptied the prefix cache and nothing has been scheduled since: a second reset only costs
             # time (0.02-0.03 s measured on H200).
-            if not (pause_here and self.update_pause_mode in ("wait", "abort")):
+            if not self._pause_emptied_cache(pause_here):
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")
             checksum = await self._checksum(version)
@@ -239,8 +244,12 @@ class VLLMClient(HttpEngineClient):
         if pause_here:
             await self.resume()
             lap("resume")
-        self.last_update_steps = steps
+        self.last_update_steps = lap.steps
         return checksum
+
+    def _pause_emptied_cache(self, pause_here: bool) -> bool:
+        """A 'wait'/'abort' pause of ours emptied the prefix cache, and nothing was scheduled since."""
+        return pause_here and self.update_pause_mode in ("wait", "abort")
 
     # ---- staged publish (weight_sync.staging; fleetrl's backend only) ------------------
     @property
@@ -258,13 +267,8 @@ class VLLMClient(HttpEngineClient):
     async def commit_update(self, version: int) -> str:
         """Load the staged ``version``. ``inflight`` (pause mode ``keep``): no pause at all, the engine core
         runs the commit between two steps; ``pause`` (``wait``): running requests finish first."""
-        steps, t = dict(self._stage_steps), time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            steps[name], t = now - t, now
-
+        lap = _Laps(self._stage_steps)
+        steps = lap.steps
         pause_here = self._stuck or (self.update_pause_mode != "keep" and not await self.is_paused())
         if pause_here:
             await self.pause(self.update_pause_mode)
@@ -274,14 +278,12 @@ class VLLMClient(HttpEngineClient):
                                     json={"method": "fleetrl_stage_commit", "kwargs": {"version": version}})
             lap("commit")
             states = r.json()["results"]
-            sums = {st["checksum"] for st in states}
-            if len(sums) != 1 or any(st["version"] != version for st in states):
-                raise EngineError(f"engine {self.engine_id}: workers disagree after v{version}: {states}")
+            checksum = self._agreed_checksum(states, version)
             steps["commit_in_engine"] = max(st["commit_s"] for st in states)
             for part, sec in (states[0].get("commit_parts") or {}).items():  # wait / checksum / load
                 steps[f"commit_{part}"] = sec
             steps["commit_replayed"] = float(states[0].get("replayed_buckets", 0))  # a count, not seconds
-            if not (pause_here and self.update_pause_mode in ("wait", "abort")):  # see update_weights
+            if not self._pause_emptied_cache(pause_here):
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")
             if self._label_api:  # the label of per-token versions (api="generate"); vLLM < 0.32 has neither
@@ -306,15 +308,18 @@ class VLLMClient(HttpEngineClient):
             await self.resume()
             lap("resume")
         self.last_update_steps = steps
-        return sums.pop()
+        return checksum
 
     async def _checksum(self, version: int) -> str:
         if self.weight_backend == "nccl":
             return ""  # vLLM's NCCL backend reports none; the publisher accepts an empty ack
         r = await self._request("POST", "/collective_rpc", json={"method": "fleetrl_weight_sync_status"})
-        states = r.json()["results"]
-        sums = {s["checksum"] for s in states}
-        if len(sums) != 1 or any(s["version"] != version for s in states):
+        return self._agreed_checksum(r.json()["results"], version)
+
+    def _agreed_checksum(self, states: list[dict], version: int) -> str:
+        """The one checksum every worker reports for ``version``; workers that disagree are an error."""
+        sums = {st["checksum"] for st in states}
+        if len(sums) != 1 or any(st["version"] != version for st in states):
             raise EngineError(f"engine {self.engine_id}: workers disagree after v{version}: {states}")
         return sums.pop()
 
