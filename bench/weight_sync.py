@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
+import contextlib
 import logging
 import os
 import statistics
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench.report import run_info, write_json  # noqa: E402
 from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, WeightPlan  # noqa: E402
 
 log = logging.getLogger("bench.weight_sync")
@@ -136,6 +136,27 @@ def _receiver_main(conn, device: str) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the publisher side, which names us
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+@contextlib.contextmanager
+def receiver_process(device: str):
+    """A :func:`_receiver_main` process on ``device``; yields (its pipe, the process) and stops it at exit."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, device), daemon=True)
+    proc.start()
+    try:
+        yield parent, proc
+    finally:
+        try:
+            parent.send(("stop", None))
+            parent.poll(10)
+        except (BrokenPipeError, OSError):
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def _bcast(group, buf: torch.Tensor):
@@ -297,28 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         devices = ("cuda:0", "cuda:1")
         torch.cuda.set_device(0)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child, devices[1]), daemon=True)
-    proc.start()
     cases = []
-    try:
+    with receiver_process(devices[1]) as (parent, _):
         for i, model in enumerate(args.models):
             # a fresh engine id per model: each model is its own plan, hence its own group epoch
             cases.append(bench_model(model, args.bucket_mb, args.reps, PipeEngine(f"bench-rx-{i}", parent), devices[0]))
-    finally:
-        try:
-            parent.send(("stop", None))
-            parent.poll(10)
-        except (BrokenPipeError, OSError):
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
     device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     out = {"cases": cases, "device": device,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+           **run_info(argv),
            "torch": torch.__version__,
            "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")}}
@@ -326,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c['model']:>18}  {c['bytes'] / 1e9:6.2f} GB  publish {c['publish_s']:.4f}s  "
               f"raw {c['raw_broadcast_s']:.4f}s  ratio {c['ratio_vs_raw']:.3f}  identical={c['bit_identical']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     return 0
 
 

@@ -167,22 +167,9 @@ def check_publish_into_receiver(model: Path, tmp_path: Path, label: str, **layou
     sys.path.insert(0, str(REPO))
     import bench.weight_sync as bws
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    rx = ctx.Process(target=bws._receiver_main, args=(child, "cuda:1"), daemon=True)
-    rx.start()
-    try:
+    with bws.receiver_process("cuda:1") as (parent, rx):
         res = spawn(mw.megatron_rank, 2, {"models": [str(model)], **layout, "publish": True, "conn": parent,
                                           "out": str(tmp_path / "pub")}, extra=[rx])[0]
-    finally:
-        try:
-            parent.send(("stop", None))
-            parent.poll(10)
-        except (BrokenPipeError, OSError):
-            pass
-        rx.join(10)
-        if rx.is_alive():
-            rx.kill()
     hf = load_file(str(model / "model.safetensors"))
     for version in (1, 2):
         got = load_file(res[f"dump_{version}"])

@@ -34,20 +34,8 @@ def receiver():
     if torch.cuda.device_count() < 2:
         pytest.fail(f"the NCCL weight-sync test needs 2 GPUs, found {torch.cuda.device_count()}")
     bench = _bench()
-    ctx = torch.multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=bench._receiver_main, args=(child, "cuda:1"), daemon=True)
-    proc.start()
-    yield bench, parent
-    try:
-        parent.send(("stop", None))
-        parent.poll(10)
-    except (BrokenPipeError, OSError):
-        pass
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
+    with bench.receiver_process("cuda:1") as (parent, _):
+        yield bench, parent
 
 
 def _state(bench) -> dict[str, torch.Tensor]:
