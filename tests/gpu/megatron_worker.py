@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -113,16 +112,6 @@ def megatron_grads(engine, plan) -> dict:
 
 
 def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
-    try:
-        _megatron_rank(rank, world, port, kw)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    os._exit(0)
-
-
-def _megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -271,16 +260,6 @@ def one_sequence(prompt: list[int], response: list[int]):
 
 
 def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
-    try:
-        _megatron_vllm_rank(rank, world, port, kw)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    os._exit(0)
-
-
-def _megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
     """Megatron TP=2 takes one optimizer step, publishes (version 1) into the vLLM server at ``kw["url"]`` over
     NCCL (fleetrl's backend), rank 0 samples from the server, and both ranks compute the learner's forward
     log-probs of the sampled tokens. Rank 0 writes the engine's and the learner's log-probs."""
@@ -365,30 +344,24 @@ def _megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
 
 def fsdp_rank(rank: int, world: int, port: int, kw: dict) -> None:
     """The FSDP2 reference on one GPU: the same plan, its gradients (before the step), metrics, weights after."""
-    try:
-        import torch
+    import torch
 
-        from learner.fsdp import FSDPEngine
-        from learner.losses import policy_loss
+    from learner.fsdp import FSDPEngine
+    from learner.losses import policy_loss
 
-        _init(rank, world, port)
-        engine = FSDPEngine(learner_cfg(), kw["models"][0], total_steps=3, seed=0)
-        plan = _plan(engine)
-        engine.prepare_logprobs(plan)
-        engine.model.train()
-        for mb in plan.micro_batches:
-            logp, ent = engine.forward_logprobs(mb, grad=True)
-            loss, _ = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss,
-                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
-            (loss * engine.world_size).backward()
-        grads = {n: p.grad.full_tensor().float().cpu() for n, p in engine.model.named_parameters()}
-        engine.optimizer.zero_grad(set_to_none=True)
-        metrics = engine.train_step(plan)
-        after = {n: t.detach().float().cpu().clone() for n, t in engine.full_tensors()}
-        torch.save({"grads": grads, "metrics": metrics, "after": after}, kw["out"] + f".rank{rank}.pt")
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    os._exit(0)
+    _init(rank, world, port)
+    engine = FSDPEngine(learner_cfg(), kw["models"][0], total_steps=3, seed=0)
+    plan = _plan(engine)
+    engine.prepare_logprobs(plan)
+    engine.model.train()
+    for mb in plan.micro_batches:
+        logp, ent = engine.forward_logprobs(mb, grad=True)
+        loss, _ = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss,
+                              prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+        (loss * engine.world_size).backward()
+    grads = {n: p.grad.full_tensor().float().cpu() for n, p in engine.model.named_parameters()}
+    engine.optimizer.zero_grad(set_to_none=True)
+    metrics = engine.train_step(plan)
+    after = {n: t.detach().float().cpu().clone() for n, t in engine.full_tensors()}
+    torch.save({"grads": grads, "metrics": metrics, "after": after}, kw["out"] + f".rank{rank}.pt")
+    torch.distributed.destroy_process_group()

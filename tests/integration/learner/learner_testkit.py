@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -76,12 +78,7 @@ def _rank_main(rank: int, world_size: int, port: int, kw: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
-    try:
-        worker(rank=rank, **kw)
-    except BaseException:
-        logging.exception("learner rank %d failed", rank)
-        os._exit(1)
-    os._exit(0)
+    worker(rank=rank, **kw)
 
 
 def run_ranks(world_size: int, timeout: float = 120.0, start_method: str = "fork", **kw) -> list[dict]:
@@ -100,6 +97,19 @@ def run_ranks(world_size: int, timeout: float = 120.0, start_method: str = "fork
     return [json.loads(Path(f"{kw['out']}.rank{r}").read_text()) for r in range(world_size)]
 
 
+def _exit_when_done(target, rank: int, world_size: int, port: int, kw: dict) -> None:
+    """One rank process: run ``target``, print its traceback if it fails, and leave through ``os._exit``
+    (exit code 0 or 1), so no atexit hook or stuck non-daemon thread of a half-torn-down process group
+    can hang the exit."""
+    try:
+        target(rank, world_size, port, kw)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    os._exit(0)
+
+
 def run_procs(target, world_size: int, kw: dict, timeout: float, start_method: str, extra=()) -> None:
     """Run ``target(rank, world_size, port, kw)`` in ``world_size`` processes that rendezvous on one free
     port; fail naming the ranks that did not finish or exited non-zero. Leftovers (and ``extra``
@@ -108,7 +118,8 @@ def run_procs(target, world_size: int, kw: dict, timeout: float, start_method: s
 
     ctx = mp.get_context(start_method)
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, kw), daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_exit_when_done, args=(target, r, world_size, port, kw), daemon=True)
+             for r in range(world_size)]
     try:
         for p in procs:
             p.start()
