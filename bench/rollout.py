@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import logging
 import os
@@ -33,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+from bench.report import run_info, write_json  # noqa: E402
 
 log = logging.getLogger("bench.rollout")
 
@@ -176,12 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                          "max_num_seqs": args.max_num_seqs, "gpu_memory_utilization": args.gpu_memory_utilization}}
     out = {"cases": [case], "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)} "
                                       f"(engine on GPU {args.engine_gpu}, fleet on GPU {args.fleet_gpu}, concurrently)",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["bench/rollout.py"] + (argv if argv is not None else sys.argv[1:]))}
+           **run_info(argv)}
     print(f"fleet {fleet['tok_per_s']:.0f} tok/s, engine {engine['tok_per_s']:.0f} tok/s, ratio {case['ratio']:.3f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     return 0
 
 

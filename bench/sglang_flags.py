@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
 import socket
 import sys
@@ -24,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+from bench.report import run_info, write_json  # noqa: E402
 
 SAFE = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
 CANDIDATES = {
@@ -97,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run(args))
     for r in results:
         print(f"{r['config']:>24}: served={r['served']} {r.get('healthy_s', '')} {r.get('error', '')[:160]}")
-    out = {"results": results, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["bench/sglang_flags.py"] + (argv if argv is not None else sys.argv[1:]))}
+    out = {"results": results, **run_info(argv)}
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.json, out)
     return 0
 
 
