@@ -88,12 +88,13 @@ def _receiver_main(conn, device: str) -> None:
     raw_bufs: list[torch.Tensor] = []
 
     def load(pairs):
+        if all(name in held for name, _ in pairs):
+            # what an engine does: write into the parameters it already has (one launch for the bucket,
+            # as a replayed copy plan does)
+            torch._foreach_copy_([held[name] for name, _ in pairs], [t for _, t in pairs])
+            return
         for name, t in pairs:
-            dst = held.get(name)
-            if dst is None:
-                held[name] = t.clone()
-            else:
-                dst.copy_(t)  # what an engine does: write into the parameter it already has
+            held[name] = t.clone()
 
     while True:
         cmd, arg = conn.recv()
@@ -110,10 +111,12 @@ def _receiver_main(conn, device: str) -> None:
                 rx.join(group, plan, group.rank_offset, timeout_s)
                 conn.send(("ok", None))
             elif cmd == "receive":
+                t_cmd = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the publisher's stamps
                 version, plan_id = arg
                 checksum = rx.receive(version, plan_id, load)
                 _sync()
-                conn.send(("ok", checksum))
+                conn.send(("ok", {"checksum": checksum, "timeline": [("command", t_cmd), *rx.timeline,
+                                                                     ("synced", time.perf_counter())]}))
             elif cmd == "raw_prepare":
                 raw_bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in arg]
                 conn.send(("ok", None))
@@ -185,6 +188,7 @@ class PipeEngine(EngineClient):
         self._conn = conn
         self._lock = asyncio.Lock()
         self._version = 0
+        self.last_timeline: list[tuple[str, float]] = []  # the receiver's stamps of the last publish
 
     def call(self, cmd: str, arg=None, timeout_s: float = 600.0):
         self._conn.send((cmd, arg))
@@ -203,9 +207,9 @@ class PipeEngine(EngineClient):
         await self._acall("join", (group, plan, 120.0))
 
     async def update_weights(self, version: int, plan_id: str) -> str:
-        checksum = await self._acall("receive", (version, plan_id))
-        self._version = version
-        return checksum
+        reply = await self._acall("receive", (version, plan_id))
+        self._version, self.last_timeline = version, reply["timeline"]
+        return reply["checksum"]
 
     async def generate(self, prompt_ids, params):
         raise EngineError("the benchmark receiver does not generate")
@@ -280,6 +284,10 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
             _sync()
             pubs.append(time.perf_counter() - t0)
             raws.append(_sync_time(raw))
+        # Where the last publish's time went: both processes' stamps, in ms from its start.
+        t0 = pub.timeline[0][1]
+        timeline = sorted([(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in pub.timeline]
+                          + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in engine.last_timeline])
         # Bit-identity of the last publish: digests on both GPUs.
         want = {n: _digest(t) for n, t in state.items()}
         got = engine.call("digest")
@@ -290,7 +298,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
                 "raw_gb_per_s": nbytes / raw_s / 1e9, "buckets": len(sizes), "bucket_mb": bucket_mb,
                 "first_publish_s": first, "publish_runs_s": pubs, "raw_runs_s": raws,
                 "publisher_broadcast_s": statistics.median(r.broadcast_seconds for r in reports),
-                "bit_identical": identical, "checksum": reports[-1].checksum}
+                "bit_identical": identical, "checksum": reports[-1].checksum, "timeline_ms": timeline}
         log.info("%s: %.2f GB publish %.4fs raw %.4fs ratio %.3f identical=%s", model, nbytes / 1e9, publish_s,
                  raw_s, raw_s / publish_s, identical)
         return case
@@ -308,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--cpu", action="store_true", help="smoke run of this script over gloo on CPU (not a result)")
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this process (seconds; "
+                    "Python's default is 0.005): how long the publishing thread may keep the GIL from the RPC thread")
     args = ap.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cpu:
         devices = ("cpu", "cpu")
@@ -326,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     out = {"cases": cases, "device": device,
            **run_info(argv),
-           "torch": torch.__version__,
+           "torch": torch.__version__, "switch_interval_s": sys.getswitchinterval(),
            "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")}}
     for c in cases:

@@ -66,12 +66,14 @@ class RunConfig(ConfigModel):
             )
         ws, engine = self.weight_sync, self.rollout.engine
         impl = ws.resolved_nccl_impl(engine)
-        if engine in ("vllm", "sglang") and (impl == "sglang") != (engine == "sglang"):
-            raise ValueError(f"weight_sync.nccl_impl={ws.nccl_impl!r} does not fit rollout.engine={engine!r}: "
-                             "an SGLang fleet takes 'sglang', a vLLM fleet 'torch' (fleetrl's backend) or 'vllm'")
-        if ws.staging and (engine != "vllm" or impl == "vllm"):
-            raise ValueError("weight_sync.staging needs rollout.engine='vllm' with fleetrl's weight-transfer "
-                             f"backend (weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
+        fits = {"vllm": ("torch", "vllm"), "sglang": ("torch",) if ws.staging else ("sglang",)}.get(engine)
+        if fits is not None and impl not in fits:
+            raise ValueError(f"weight_sync.nccl_impl={ws.nccl_impl!r} does not fit rollout.engine={engine!r}"
+                             f"{' with weight_sync.staging' if ws.staging else ''}: it takes {' or '.join(fits)!r} "
+                             "(leave it at 'auto')")
+        if ws.staging and (engine not in ("vllm", "sglang") or impl != "torch"):
+            raise ValueError("weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
+                             f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
                              f"nccl_impl={ws.nccl_impl!r}")
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet > 0 and t_fleet != t_learner:

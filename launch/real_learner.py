@@ -72,13 +72,14 @@ def publish_client(cfg, backend: str, eid: str, url: str):
 
     vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU), or with nccl_impl 'vllm'
     vLLM's built-in NCCL backend (VLLMNcclClient: the packed settings where the installed vLLM wants
-    them); sglang: SGLang's distributed update (NCCL).
+    them); sglang: SGLang's distributed update (NCCL), or with weight_sync.staging fleetrl's loader in
+    SGLang's workers (weight_sync/sglang_ext.py).
     """
     engine, ws = cfg.rollout.engine, cfg.weight_sync
     if engine == "sglang":
         from launch.real_sglang import SGLangPublishClient
 
-        return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s)
+        return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
     if engine != "vllm":
         raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
     kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,

@@ -23,7 +23,8 @@ class WeightSyncConfig(ConfigModel):
         "2 keeps the wire busy while the next bucket is packed or the last one loaded")
     staging: bool = Field(
         False, description="receive into a standing copy of the weights while the engine keeps generating, "
-        "and pause it only to copy that into the model (vLLM with fleetrl's backend; costs the model's size "
+        "and pause it only to copy that into the model (vLLM with fleetrl's backend, or SGLang with fleetrl's "
+        "loader; costs the model's size "
         "in engine memory, so leave room under rollout.gpu_memory_utilization)")
     timeout_s: float = Field(60.0, gt=0, description="limit of every step of a publish; a timeout aborts it and names the peer")
     master_addr: str = "127.0.0.1"
@@ -32,12 +33,13 @@ class WeightSyncConfig(ConfigModel):
         "auto",
         description="with nccl, how the group is made and what the engines run: 'torch' = a ProcessGroupNCCL "
         "for fleetrl's own receivers (vLLM started with fleetrl's weight-transfer backend: checked loads, "
-        "staging); 'vllm' = vLLM's PyNccl group and its built-in nccl backend; 'sglang' = a ProcessGroupNCCL "
-        "under the store prefixes SGLang's workers use. auto: 'sglang' for an SGLang fleet, else 'torch'",
+        "staging; SGLang through fleetrl's loader in its workers when staging); 'vllm' = vLLM's PyNccl group "
+        "and its built-in nccl backend; 'sglang' = a ProcessGroupNCCL under the store prefixes SGLang's own "
+        "update uses. auto: 'sglang' for an SGLang fleet without staging, else 'torch'",
     )
 
     def resolved_nccl_impl(self, engine: str) -> str:
         """``nccl_impl`` with ``auto`` resolved for a fleet of ``engine`` (rollout.engine)."""
         if self.nccl_impl != "auto":
             return self.nccl_impl
-        return "sglang" if engine == "sglang" else "torch"
+        return "sglang" if engine == "sglang" and not self.staging else "torch"

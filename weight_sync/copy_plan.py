@@ -79,7 +79,8 @@ class CopyPlanLoader:
 
     def __init__(self, model: torch.nn.Module, load_weights: Callable[[Pairs], object]) -> None:
         self.model, self.load_weights = model, load_weights
-        self._plans: dict[tuple[str, int], list | None] = {}  # (first name, bucket address) -> copies or None
+        # (first name, bucket address) -> (destinations, sources) of the recorded copies, or None (loader)
+        self._plans: dict[tuple[str, int], tuple[list, list] | None] = {}
         self._layout: tuple[int, ...] = ()
         self.replayed = self.recorded = self.fallbacks = 0  # buckets, for tests and logs
 
@@ -102,8 +103,7 @@ class CopyPlanLoader:
                 self.fallbacks += 1
                 self.load_weights(pairs)
             else:
-                for dst, src in plan:
-                    dst.copy_(src)
+                torch._foreach_copy_(*plan)  # one call for the bucket's copies, not one launch per tensor
                 self.replayed += 1
             return
         params = {_storage(p) for p in self.model.parameters()}
@@ -114,5 +114,5 @@ class CopyPlanLoader:
             self._plans[key] = None
             self.fallbacks += 1
         else:
-            self._plans[key] = rec.copies
+            self._plans[key] = ([d for d, _ in rec.copies], [s for _, s in rec.copies])
             self.recorded += 1

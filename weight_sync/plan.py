@@ -122,8 +122,13 @@ def bucket_layout(plan: WeightPlan, b: int) -> tuple[list[str], list[list[int]],
 
 
 def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate tensors' raw bytes into one contiguous uint8 buffer (vLLM's packed layout)."""
-    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+    """Concatenate tensors' raw bytes into one contiguous uint8 buffer (vLLM's packed layout).
+
+    A bucket of one contiguous tensor (an embedding, an LM head) is sent from that tensor's own
+    memory, without a copy: it must then stay unchanged until its broadcast is done.
+    """
+    flat = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def unpack_bucket(buf: torch.Tensor, plan: WeightPlan, b: int) -> list[tuple[str, torch.Tensor]]:

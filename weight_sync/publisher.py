@@ -91,6 +91,7 @@ class Publisher:
 
             self._factory = lambda g: VllmNcclGroup.open(g.master_addr, g.master_port, g.world_size, cfg.timeout_s,
                                                           self.device)
+        self.timeline: list[tuple[str, float]] = []  # (event, time.perf_counter()) of the last publish
         self.engines: dict[str, EngineClient] = {}
         self.members: list[str] = []  # engine ids in the current epoch's group
         self.epoch = 0
@@ -208,6 +209,7 @@ class Publisher:
                 pass
             return None
         t0 = time.perf_counter()
+        self.timeline = [("start", t0)]
         try:
             rebuild_s = self.rebuild() if self._dirty else 0.0
             return self._publish(version, it, t0, rebuild_s)
@@ -220,7 +222,9 @@ class Publisher:
         # Staged: the engines post their receives and go on generating; they load at the commit below.
         start = (lambda e: e.begin_update(version, plan.plan_id)) if staged else \
             (lambda e: e.update_weights(version, plan.plan_id))
+        mark = self._mark
         futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
+        mark("rpcs_submitted")
         prints, sent, step = [], 0, "start"
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
         tb = time.perf_counter()
@@ -230,6 +234,7 @@ class Publisher:
             b, work, _buf = inflight.popleft()
             step = f"broadcast bucket {b}/{len(plan.buckets)}"
             wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step)
+            mark(f"bucket{b}_sent")
             self._check_acks(futs, step)
 
         try:
@@ -250,6 +255,7 @@ class Publisher:
                 step = f"broadcast bucket {b}/{len(plan.buckets)}"
                 if self.pg is not None:
                     inflight.append((b, wgroup.broadcast_async(self.pg, buf), buf))
+                    mark(f"bucket{b}_issued")
                 prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
                 sent += buf.numel()
             while inflight:
@@ -257,15 +263,18 @@ class Publisher:
             broadcast_s = time.perf_counter() - tb
             step = "acknowledge"
             failed = self._collect(futs, self.cfg.timeout_s)
+            mark("acked")
             if not failed and staged:
                 step = "commit"
                 futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
                 failed = self._collect(futs, self.cfg.timeout_s)
+                mark("committed")
             if failed:
                 raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
         except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
             self._fail(version, step, e, futs)
         checksum = combine_fingerprints(prints)
+        mark("checksum")
         acks = {eid: f.result() for eid, f in futs.items()}
         bad = {eid: c for eid, c in acks.items() if c and c != checksum}
         if bad:
@@ -280,6 +289,9 @@ class Publisher:
         return PublishReport(version=version, bytes=sent, seconds=dt, broadcast_seconds=broadcast_s,
                              engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
                              per_engine_checksums=acks)
+
+    def _mark(self, event: str) -> None:
+        self.timeline.append((event, time.perf_counter()))
 
     def _check_acks(self, futs: dict[str, cf.Future], step: str) -> None:
         """Fail fast if an engine's RPC already died (e.g. its process was killed)."""

@@ -71,6 +71,7 @@ class WeightReceiver:
         self._staged: tuple[int, list] | None = None  # (version, receive works) of the posted stage
         self._abandoned: list[tuple[object, list]] = []  # groups left with receives still posted
         self.last_commit_parts: dict[str, float] = {}
+        self.timeline: list[tuple[str, float]] = []  # (event, time.perf_counter()) of the last receive
 
     def join(self, group: GroupInfo, plan: WeightPlan, rank: int, timeout_s: float) -> None:
         validate_plan(plan)
@@ -117,24 +118,30 @@ class WeightReceiver:
             posted.append((buf, wgroup.broadcast_async(pg, buf)))
 
         step = "receive bucket 0"
+        self.timeline = [("receive", time.perf_counter())]
+        mark = self.timeline.append
         try:
             for b in range(min(self.depth, len(sizes))):
                 post(b)
+            mark(("posted", time.perf_counter()))
             deadline = time.monotonic() + self.timeout_s
             for b in range(len(sizes)):
                 step = f"receive bucket {b}/{len(sizes)}"
                 buf, work = posted.popleft()
                 wgroup.wait_work(work, deadline, f"engine {self.engine_id}: {step}")
+                mark((f"bucket{b}_received", time.perf_counter()))
                 deadline = time.monotonic() + self.timeout_s  # the limit is per step, not per publish
                 if b + self.depth < len(sizes):
                     post(b + self.depth)  # keep `depth` receives posted while this bucket loads
                 step = f"load bucket {b}/{len(sizes)}"
                 prints.append(bucket_fingerprint(buf))
                 load(unpack_bucket(buf, plan, b))
+                mark((f"bucket{b}_loaded", time.perf_counter()))
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
             raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
         self.last_checksum = combine_fingerprints(prints)
+        mark(("checksum", time.perf_counter()))
         return self.last_checksum
 
     # ---- staged publish -------------------------------------------------------------

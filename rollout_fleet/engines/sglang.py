@@ -20,6 +20,16 @@ One weight update, engine side (what the fleet controller drives)::
     pause(mode) -> [begin] -> update bucket 0 .. k-1 (each meets one publisher broadcast)
                 -> [end] -> flush_cache -> continue_generation
 
+With ``staging`` (``weight_sync.staging``), weights go instead through fleetrl's
+loader in SGLang's workers (:mod:`weight_sync.sglang_ext`, registered with
+``--custom-weight-loader``) over fleetrl's own group (publisher ``nccl_impl='torch'``);
+the engine is held only for two brief freezes, and the bytes cross the wire while it
+generates::
+
+    begin_update:  pause(in_place) -> /update_weights_from_tensor [stage: post the receives] -> continue
+    ... the publisher broadcasts; the engine generates ...
+    commit_update: pause(in_place) -> /update_weights_from_tensor [commit: copy into the model] -> continue
+
 Versions: SGLang 0.5.16 (the release built for torch 2.11) to 0.5.23 are
 supported; :func:`check_sglang_version` fails fast otherwise.
 
@@ -149,6 +159,7 @@ class SGLangServerArgs:
     python: str = sys.executable
     # SGLang 0.5.16 on H200 died on its first forward without these (FACTS.md); see compat_args.
     compat: bool = True
+    fleetrl_loader: bool = True  # --custom-weight-loader for staged updates; the server's python must import fleetrl
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: str | None = None
@@ -199,6 +210,10 @@ class SGLangServer:
                "--mem-fraction-static", str(a.mem_fraction_static),
                "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed),
                "--skip-tokenizer-init"]
+        if a.fleetrl_loader:  # staged updates (weight_sync/sglang_ext.py); unused otherwise
+            from weight_sync.sglang_ext import LOADER
+
+            cmd += ["--custom-weight-loader", LOADER]
         if not a.radix_cache:
             cmd.append("--disable-radix-cache")
         if a.compat:
@@ -290,7 +305,10 @@ class SGLangClient(HttpEngineClient):
 
     def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
                  radix_cache: bool = True, timeout_s: float = 600.0, control_timeout_s: float = 120.0,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, staging: bool = False) -> None:
+        """``staging``: weights arrive through fleetrl's loader in the server's workers (the server must run
+        with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
+        :class:`SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``)."""
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.group_ranks = tp_size  # ranks this engine holds in the weight-sync group
@@ -306,6 +324,12 @@ class SGLangClient(HttpEngineClient):
         self._idle = asyncio.Event()
         self._idle.set()
         self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.staging = staging
+        self._store = None  # fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
+        self._store_at: tuple[str, int] | None = None
+        self._seq = 0
+        self._stage_steps: dict[str, float] = {}
+        self.last_update_steps: dict[str, float] = {}
 
     async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
         r = await self._request("POST", path, timeout_s=timeout_s or self.control_timeout_s,
@@ -409,6 +433,8 @@ class SGLangClient(HttpEngineClient):
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         if group.backend != "nccl":
             raise EngineError(f"engine {self.engine_id}: SGLang receives weights over NCCL, not {group.backend!r}")
+        if self.staging:
+            return await self._loader_join(group, plan)
         await self._detect_session_api()
         if self._group is not None:
             try:  # leave the previous epoch's group so its communicator is freed
@@ -428,11 +454,11 @@ class SGLangClient(HttpEngineClient):
         The cache is flushed by :meth:`reset_prefix_cache`, not here: SGLang >= 0.5.23 fails an
         update whose flush is refused (requests queued during an in-flight update).
         """
+        self._check_plan(version, plan_id)
+        if self.staging:  # through fleetrl's loader: stage, then a commit that waits for the bytes in the engine
+            await self.begin_update(version, plan_id)
+            return await self.commit_update(version)
         plan, group = self._plan, self._group
-        if plan is None or group is None:
-            raise EngineError(f"engine {self.engine_id}: update_weights(v{version}) before init_weight_transfer")
-        if plan_id != plan.plan_id:
-            raise EngineError(f"engine {self.engine_id}: publish uses plan {plan_id!r}, announced {plan.plan_id!r}")
         name = sglang_group_name(group.group_epoch)
         if self._session_api:
             await self._control("/begin_weight_update", {})
@@ -445,12 +471,99 @@ class SGLangClient(HttpEngineClient):
         if self._session_api:
             await self._control("/end_weight_update", {})
         self._version = version
-        return ""  # SGLang computes no checksum of what it received; tests compare outputs instead
+        return ""  # SGLang's own update computes no checksum; tests compare outputs instead
+
+    def _check_plan(self, version: int, plan_id: str) -> None:
+        plan = self._plan
+        if plan is None or self._group is None:
+            raise EngineError(f"engine {self.engine_id}: update_weights(v{version}) before init_weight_transfer")
+        if plan_id != plan.plan_id:
+            raise EngineError(f"engine {self.engine_id}: publish uses plan {plan_id!r}, announced {plan.plan_id!r}")
+
+    # -- staged updates: fleetrl's loader in SGLang's workers (weight_sync/sglang_ext.py) ------------------
+    @property
+    def supports_staging(self) -> bool:
+        return self.staging
+
+    async def _loader_join(self, group: GroupInfo, plan: WeightPlan) -> None:
+        from weight_sync import group as wgroup
+        from weight_sync.plan import plan_to_dict
+
+        at = (group.master_addr, group.master_port)
+        if self._store_at != at:  # the publisher's store: the loader leaves its outcomes there
+            self._store = await asyncio.to_thread(wgroup.connect_store, *at, min(self.control_timeout_s, 30.0))
+            self._store_at = at
+        self._group, self._plan = group, plan
+        g = {"master_addr": group.master_addr, "master_port": group.master_port, "rank_offset": group.rank_offset,
+             "world_size": group.world_size, "group_epoch": group.group_epoch}
+        await self._loader_call("join", self.control_timeout_s + 10, group=g, plan=plan_to_dict(plan))
+
+    async def _loader_call(self, cmd: str, timeout_s: float, **args) -> tuple[list[dict], float]:
+        """Run ``cmd`` in every TP worker inside an ``in_place`` pause (the running batch is frozen, not
+        retracted; none if the engine is paused already). Returns the workers' outcomes and how long
+        generation was held. A failed commit leaves the engine paused: its weights may be half loaded."""
+        from weight_sync import sglang_ext
+
+        if self._store is None:
+            raise EngineError(f"engine {self.engine_id}: {cmd} before init_weight_transfer")
+        self._seq += 1
+        caller = f"{self.engine_id}.{id(self):x}"  # a fresh client never reads an old client's outcomes
+        body = {"serialized_named_tensors": [sglang_ext.payload(
+                    cmd, engine_id=caller, seq=self._seq, timeout_s=self.control_timeout_s,
+                    store={"addr": self._store_at[0], "port": self._store_at[1]}, **args)] * self.group_ranks,
+                "load_format": sglang_ext.LOADER, "flush_cache": False}
+        if cmd == "commit":
+            body["weight_version"] = str(args["version"])
+        t0 = time.perf_counter()
+        freeze = not self._paused
+        if freeze:
+            await self._post("/pause_generation", {"mode": "in_place"})
+            self._paused = "frozen"
+        try:
+            await self._control("/update_weights_from_tensor", body, timeout_s)
+            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, self._seq,
+                                           self.group_ranks)
+            bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
+            if bad:
+                raise EngineError(f"engine {self.engine_id}: fleetrl {cmd} failed: {'; '.join(bad)}")
+        except (EngineError, TimeoutError) as e:
+            if cmd == "commit":
+                raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
+            if freeze:
+                await self.resume()
+            raise EngineError(str(e)) from e
+        if freeze or (cmd == "commit" and self._paused == "frozen"):  # a good commit ends an earlier failure's freeze
+            await self.resume()
+        return outs, time.perf_counter() - t0
+
+    async def begin_update(self, version: int, plan_id: str) -> None:
+        """Post the receives of ``version`` into the workers' standing buffers; a brief freeze, then the
+        engine generates while the bytes arrive."""
+        self._check_plan(version, plan_id)
+        outs, held = await self._loader_call("stage", self.control_timeout_s, version=version, plan_id=plan_id)
+        self._stage_steps = {"stage_held": held, "stage_in_engine": max(o["stage_s"] for o in outs)}
+
+    async def commit_update(self, version: int) -> str:
+        """Copy the staged ``version`` into the model (a freeze of the running batch); returns the checksum."""
+        outs, held = await self._loader_call("commit", self.timeout_s, version=version)
+        sums = {o["checksum"] for o in outs}
+        if len(sums) != 1:
+            raise EngineError(f"engine {self.engine_id}: TP workers disagree after v{version}: {outs}")
+        steps = {**self._stage_steps, "commit_held": held, "commit_in_engine": max(o["commit_s"] for o in outs),
+                 "commit_replayed": float(outs[0].get("replayed_buckets", 0))}
+        for part, sec in (outs[0].get("commit_parts") or {}).items():
+            steps[f"commit_{part}"] = sec
+        steps["unavailable_s"] = steps.get("stage_held", 0.0) + held
+        self.last_update_steps, self._stage_steps = steps, {}
+        self._version = version
+        return sums.pop()
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
         await self._control("/update_weights_from_disk", {"model_path": path, "weight_version": str(version),
                                                           "flush_cache": True}, self.timeout_s)
         self._version = version
+        if self._paused == "frozen":  # a failed staged commit froze it; whole new weights end that
+            await self.resume()
 
     @property
     def weight_version(self) -> int:

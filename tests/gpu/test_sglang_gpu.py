@@ -138,3 +138,67 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop,
         _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_publish_v1")
     finally:
         wgroup.close_group(pg)
+
+
+def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints):
+    """weight_sync.staging on SGLang: fleetrl's loader in the server's worker receives while the engine
+    generates; the engine is held only for the stage and commit freezes. Log-probs then match the new weights."""
+    import torch
+
+    from rollout_fleet.engines.base import SamplingParams
+    from rollout_fleet.engines.sglang import publisher_nccl_env
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.plan import build_plan
+    from weight_sync.publisher import Publisher
+
+    for k, v in publisher_nccl_env().items():
+        os.environ[k] = v
+    _, _, s0, s1 = qwen_checkpoints
+    torch.cuda.set_device(0)
+    states = [{k: v.to("cuda:0") for k, v in s.items()} for s in (s0, s1)]
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], 256 << 20)
+    staged = server.client("sglang-staged", staging=True)  # lives on the publisher's RPC loop
+    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", staging=True, timeout_s=120.0), plan,
+                    rank=0, engines=[staged], device="cuda:0")
+    versions = list(range(1, 6))  # v1 (group creation, copy-plan recording) = s1, then s0, s1, s0, s1
+    steps, reports = [], []
+
+    def publish_all():
+        for v in versions:
+            reports.append(pub.publish(v, iter(states[v % 2].items())))
+            steps.append(dict(staged.last_update_steps))
+
+    async def load(done: asyncio.Event):
+        n = 0
+        while not done.is_set():
+            await asyncio.gather(*(client.generate(random.Random(n + i).sample(range(1000, 100000), 16),
+                                                   SamplingParams(n=2, max_tokens=48, temperature=1.0))
+                                   for i in range(4)))
+            n += 4
+        return n
+
+    async def run():
+        done = asyncio.Event()
+        gen = asyncio.ensure_future(load(done))
+        try:
+            await asyncio.to_thread(publish_all)
+        finally:
+            done.set()
+        return await gen
+
+    try:
+        groups = loop.run_until_complete(run())
+        timed = steps[1:]
+        _record("staged_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), generated_groups=groups,
+                publish_s=[r.seconds for r in reports[1:]], unavailable_s=[s["unavailable_s"] for s in timed],
+                stage_held_s=[s["stage_held"] for s in timed], commit_held_s=[s["commit_held"] for s in timed],
+                commit_in_engine_s=[s["commit_in_engine"] for s in timed],
+                replayed=[s["commit_replayed"] for s in timed], first=steps[0])
+        assert all(r.checksum and r.per_engine_checksums["sglang-staged"] == r.checksum for r in reports)
+        assert all(s["commit_replayed"] == len(plan.buckets) for s in timed), timed
+        assert groups > 0
+        prompt = random.Random(7).sample(range(1000, 100000), 16)
+        samples = _group(client, loop, prompt)
+        _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_staged_publish_v5")
+    finally:
+        pub.close()

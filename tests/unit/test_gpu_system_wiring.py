@@ -72,7 +72,7 @@ def test_vllm_server_weight_backend_follows_nccl_impl(tmp_path, monkeypatch, imp
     (["rollout.engine=sglang", "weight_sync.nccl_impl=torch"], "does not fit"),
     (["weight_sync.nccl_impl=sglang"], "does not fit"),
     (["weight_sync.staging=true", "weight_sync.nccl_impl=vllm"], "staging needs"),
-    (["weight_sync.staging=true", "rollout.engine=sglang"], "staging needs"),
+    (["weight_sync.staging=true", "rollout.engine=sglang", "weight_sync.nccl_impl=sglang"], "does not fit"),
 ])
 def test_weight_sync_choices_that_do_not_fit_the_fleet_are_refused(overrides, match):
     from launch.config import ConfigError
@@ -84,6 +84,22 @@ def test_weight_sync_choices_that_do_not_fit_the_fleet_are_refused(overrides, ma
 def test_staging_on_a_vllm_fleet_loads():
     cfg = load_run_config("gpu-tiny", ["weight_sync.staging=true"])
     assert cfg.weight_sync.staging and cfg.weight_sync.resolved_nccl_impl("vllm") == "torch"
+
+
+def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
+    from launch.real_learner import publish_client
+    from rollout_fleet.engines.sglang import SGLangServer, SGLangServerArgs
+    from weight_sync.sglang_ext import LOADER
+    from packaging.version import Version
+
+    cfg = load_run_config("gpu-tiny", ["weight_sync.staging=true", "rollout.engine=sglang"])
+    assert cfg.weight_sync.resolved_nccl_impl("sglang") == "torch"  # fleetrl's group, not SGLang's
+    client = publish_client(cfg, "nccl", "sglang-0", "http://127.0.0.1:1")
+    assert client.supports_staging
+    direct = publish_client(load_run_config("gpu-tiny", ["rollout.engine=sglang"]), "nccl", "s", "http://x:1")
+    assert not direct.supports_staging
+    cmd = SGLangServer(SGLangServerArgs(model="m", gpus=[0], port=1)).command(Version("0.5.16"))
+    assert cmd[cmd.index("--custom-weight-loader") + 1] == LOADER
 
 
 def test_sglang_factory_server_args(tmp_path):

@@ -1,0 +1,156 @@
+"""fleetrl's loader for SGLang's workers (weight_sync/sglang_ext.py), driven as SGLang drives it, on CPU.
+
+SGLang has no CPU build, so the worker here is a plain process that does what SGLang's TP
+worker does with an ``/update_weights_from_tensor`` call: unpickle the payload with an
+allowlist like SGLang's ``SafeUnpickler`` and call the custom loader with its model. The
+group (gloo), the store and the model are real; the publisher side is this process. The
+real server is covered by tests/gpu/test_sglang_gpu.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rollout_fleet.engines.base import GroupInfo
+from weight_sync import group as wgroup
+from weight_sync import sglang_ext
+from weight_sync.plan import bucket_fingerprint, build_plan, combine_fingerprints, pack_bucket, plan_to_dict
+
+pytestmark = pytest.mark.timeout(120)
+
+ALLOWED = ("builtins.", "collections.", "copyreg.", "torch.")  # the prefixes SGLang admits that a payload needs
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if not any((module + ".").startswith(p) for p in ALLOWED):
+            raise RuntimeError(f"blocked {module}.{name}")
+        return super().find_class(module, name)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 8))
+        self.norm = torch.nn.Parameter(torch.zeros(8))
+
+    @torch.no_grad()
+    def load_weights(self, pairs):
+        for name, t in pairs:
+            if name == "norm":
+                self.norm.data.copy_(t)
+            else:
+                start = {"q": 0, "k": 4, "v": 8}[name]
+                self.qkv.data.narrow(0, start, 4).copy_(t)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"q": torch.randn(4, 8, generator=g), "k": torch.randn(4, 8, generator=g),
+            "v": torch.randn(4, 8, generator=g), "norm": torch.randn(8, generator=g)}
+
+
+def _worker(conn) -> None:
+    torch.set_num_threads(1)
+    model = Tiny()
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        if msg == "dump":
+            conn.send({k: v.detach().clone() for k, v in model.state_dict().items()})
+            continue
+        named = _Unpickler(io.BytesIO(base64.b64decode(msg))).load()
+        named = [(n, t.to("cpu")) for n, t in named]  # SGLang's _unwrap_tensor
+        sglang_ext.fleetrl_loader(model, named)  # never raises: outcomes go to the store
+        conn.send("done")
+
+
+@pytest.fixture()
+def worker():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+    proc.start()
+    yield parent
+    parent.send(None)
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def test_payload_passes_an_allowlist_and_names_the_command():
+    named = _Unpickler(io.BytesIO(base64.b64decode(sglang_ext.payload("stage", version=3, plan_id="p")))).load()
+    assert len(named) == 1 and named[0][0].startswith(sglang_ext.PREFIX) and '"version": 3' in named[0][0]
+    with pytest.raises(ValueError, match="unknown fleetrl SGLang command"):
+        sglang_ext.payload("reload")
+
+
+def test_join_stage_commit_over_a_real_group(worker):
+    store = wgroup.host_store("127.0.0.1", 0, 30)
+    state = _state(1)
+    plan = build_plan([(k, list(v.shape), v.dtype) for k, v in state.items()], bucket_bytes=200)
+    assert len(plan.buckets) > 1
+    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
+                      backend="gloo", group_epoch=1)
+    common = {"engine_id": "sgl-test", "timeout_s": 20.0, "store": {"addr": "127.0.0.1", "port": store.port}}
+    seq = 0
+
+    def call(cmd, **args):
+        nonlocal seq
+        seq += 1
+        worker.send(sglang_ext.payload(cmd, seq=seq, **common, **args))
+        return seq
+
+    def outcome(s):
+        assert worker.poll(30), "the worker did not return from the loader"
+        assert worker.recv() == "done"
+        return sglang_ext.read_outcomes(store, "sgl-test", s, 1)[0]
+
+    s = call("join", group={"master_addr": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
+                            "world_size": 2, "group_epoch": 1, "backend": "gloo"}, plan=plan_to_dict(plan))
+    pg = wgroup.make_group(store, group, 0, 20)  # the publisher's side of the join
+    assert outcome(s) == {"ok": True, "rank": 1}
+
+    for version, seed in ((1, 1), (2, 2)):  # the second commit replays the recorded copies
+        state = _state(seed)
+        s = call("stage", version=version, plan_id=plan.plan_id)
+        assert outcome(s)["ok"]
+        prints = []
+        for idx in plan.buckets:
+            buf = pack_bucket([state[plan.names[i]] for i in idx])
+            prints.append(bucket_fingerprint(buf))
+            wgroup.broadcast_async(pg, buf).wait()
+        s = call("commit", version=version)
+        got = outcome(s)
+        assert got["ok"] and got["checksum"] == combine_fingerprints(prints), got
+        worker.send("dump")
+        held = worker.recv()
+        assert torch.equal(held["qkv"], torch.cat([state["q"], state["k"], state["v"]]))
+        assert torch.equal(held["norm"], state["norm"])
+    assert got["replayed_buckets"] == len(plan.buckets)
+
+    # A commit of a version that was never staged is refused and reported, and the worker lives on.
+    s = call("commit", version=7)
+    bad = outcome(s)
+    assert not bad["ok"] and "commit(v7)" in bad["error"]
+    s = call("stage", version=8, plan_id="not-the-plan")
+    bad = outcome(s)
+    assert not bad["ok"] and "not-the-plan" in bad["error"]
+    wgroup.close_group(pg)
+
+
+def test_a_missing_outcome_times_out_with_the_worker_named():
+    store = wgroup.host_store("127.0.0.1", 0, 30)
+    client = wgroup.connect_store("127.0.0.1", store.port, 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="TP worker 0 left no outcome of call 5"):
+        sglang_ext.read_outcomes(client, "sgl-x", 5, 1)
+    assert time.monotonic() - t0 < 10

@@ -1,0 +1,173 @@
+"""fleetrl's weight receiver inside SGLang's TP workers: staged updates through SGLang's custom-loader hook.
+
+SGLang (0.5.16 and newer) runs a function named by ``--custom-weight-loader`` in
+every TP worker when ``/update_weights_from_tensor`` gives its import path as
+``load_format``: ``fn(model, named_tensors)``, called by the scheduler between two
+batches. The SGLang server fleetrl starts registers :func:`fleetrl_loader`, and
+:class:`rollout_fleet.engines.sglang.SGLangClient` uses it as a remote procedure:
+the single named tensor's *name* carries a command (``fleetrl:`` + JSON), the
+tensor is a one-byte placeholder (SGLang unpickles the payload with an allowlist
+that admits torch tensors; nothing else travels that way)::
+
+    join(group, plan)   this worker joins fleetrl's weight group (rank rank_offset + tp_rank)
+                        through a weight_sync.receiver.WeightReceiver, as vLLM's workers do
+    stage(v, plan_id)   post the receives of v into standing buffers; return at once
+    commit(v)           wait (bounded) for them, checksum, copy into the model
+                        (the loader's copies are recorded once, then replayed: weight_sync.copy_plan)
+
+A staged update holds the engine only for the ``stage`` and ``commit`` calls (each
+inside an ``in_place`` pause, which freezes the running batch without retracting
+it); the bytes cross the wire while the engine generates.
+
+Outcomes: SGLang drops the loader's return value and an exception would end its
+scheduler, so every command catches its error and writes its outcome (JSON: ok,
+checksum, timings, or the error) to fleetrl's TCP store, the one the publisher
+hosts for the group, under :func:`outcome_key`; the client reads it after the call.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import pickle
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LOADER = "weight_sync.sglang_ext.fleetrl_loader"  # the --custom-weight-loader / load_format value
+PREFIX = "fleetrl:"
+COMMANDS = ("join", "stage", "commit", "leave")
+
+
+def payload(cmd: str, **args: Any) -> str:
+    """The base64 ``serialized_named_tensors`` entry (one per TP rank) carrying ``cmd`` and ``args``."""
+    if cmd not in COMMANDS:
+        raise ValueError(f"unknown fleetrl SGLang command {cmd!r}; expected one of {COMMANDS}")
+    named = [(PREFIX + json.dumps({"cmd": cmd, **args}), torch.zeros(1, dtype=torch.uint8))]
+    return base64.b64encode(pickle.dumps(named)).decode()
+
+
+def outcome_key(engine_id: str, seq: int, tp_rank: int) -> str:
+    return f"fleetrl/sglang/{engine_id}/call{seq}/tp{tp_rank}"
+
+
+def read_outcomes(store, engine_id: str, seq: int, tp_size: int) -> list[dict]:
+    """Every TP worker's outcome of call ``seq`` (blocking, bounded by the store's timeout)."""
+    out = []
+    for r in range(tp_size):
+        key = outcome_key(engine_id, seq, r)
+        try:
+            raw = store.get(key)
+        except Exception as e:  # noqa: BLE001 - torch raises DistStoreError/RuntimeError on timeout
+            raise TimeoutError(f"SGLang engine {engine_id}: TP worker {r} left no outcome of call {seq}: {e}") from e
+        out.append(json.loads(raw))
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a leftover key of a few bytes is harmless
+            pass
+    return out
+
+
+class _Worker:
+    """The fleetrl side of one SGLang TP worker process."""
+
+    def __init__(self) -> None:
+        from weight_sync.receiver import WeightReceiver
+
+        self.tp_rank = _tp_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.receiver = WeightReceiver("sglang", device=device)
+        self.store, self.store_at = None, None
+        self.copy_loader = None
+        self.model = None
+
+    def run(self, model, cmd: dict) -> dict:
+        what = cmd["cmd"]
+        if what == "join":
+            return self.join(model, cmd)
+        if what == "leave":
+            self.receiver.leave()
+            return {}
+        if what == "stage":
+            t0 = time.perf_counter()
+            self.receiver.stage(int(cmd["version"]), str(cmd["plan_id"]))
+            return {"stage_s": time.perf_counter() - t0}
+        if what == "commit":
+            return self.commit(model, int(cmd["version"]))
+        raise ValueError(f"unknown command {what!r}")
+
+    def join(self, model, cmd: dict) -> dict:
+        from rollout_fleet.engines.base import GroupInfo
+        from weight_sync.plan import plan_from_dict
+
+        g = cmd["group"]
+        group = GroupInfo(master_addr=g["master_addr"], master_port=int(g["master_port"]),
+                          rank_offset=int(g["rank_offset"]), world_size=int(g["world_size"]),
+                          backend=str(g.get("backend", "nccl")),  # gloo: the CPU tests
+                          group_epoch=int(g["group_epoch"]))
+        self.receiver.engine_id = str(cmd["engine_id"])
+        self.receiver.join(group, plan_from_dict(cmd["plan"]), group.rank_offset + self.tp_rank,
+                           float(cmd["timeout_s"]))
+        if self.model is not model:
+            self.copy_loader, self.model = None, model
+        return {"rank": group.rank_offset + self.tp_rank}
+
+    def commit(self, model, version: int) -> dict:
+        t0 = time.perf_counter()
+        if self.copy_loader is None or self.model is not model:
+            from weight_sync.copy_plan import CopyPlanLoader
+
+            self.copy_loader, self.model = CopyPlanLoader(model, model.load_weights), model
+        checksum = self.receiver.commit(version, self.copy_loader.load)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the next batch must see every copy, whatever stream it runs on
+        return {"checksum": checksum, "version": version, "commit_s": time.perf_counter() - t0,
+                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": self.copy_loader.replayed}
+
+
+_WORKER: _Worker | None = None
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+    except ImportError:  # outside SGLang (unit tests drive the loader in a plain process)
+        return 0
+    return int(get_tensor_model_parallel_rank())
+
+
+def _connect(cmd: dict):
+    from weight_sync import group as wgroup
+
+    s = cmd["store"]
+    return wgroup.connect_store(s["addr"], int(s["port"]), float(cmd.get("timeout_s", 60.0)))
+
+
+def fleetrl_loader(model, named_tensors) -> None:
+    """SGLang's ``custom_loader(model, named_tensors)``: run one fleetrl command in this TP worker."""
+    global _WORKER
+    if len(named_tensors) != 1 or not str(named_tensors[0][0]).startswith(PREFIX):
+        # Not a fleetrl call: a plain tensor update routed here by mistake. Load nothing, say so.
+        log.error("fleetrl loader got %d tensors that are not a fleetrl command; nothing loaded", len(named_tensors))
+        return
+    cmd = json.loads(named_tensors[0][0][len(PREFIX):])
+    try:
+        if _WORKER is None:
+            _WORKER = _Worker()
+        worker = _WORKER
+        at = (cmd["store"]["addr"], int(cmd["store"]["port"]))
+        if worker.store_at != at:  # the first call, or a new publisher
+            worker.store, worker.store_at = _connect(cmd), at
+    except Exception as e:  # noqa: BLE001 - without a store there is no way to report: the client times out
+        log.exception("fleetrl loader: cannot reach the weight-sync store for %s: %s", cmd.get("cmd"), e)
+        return
+    try:
+        outcome = {"ok": True, **worker.run(model, cmd)}
+    except Exception as e:  # noqa: BLE001 - an exception here would end SGLang's scheduler: report it instead
+        log.exception("fleetrl loader: %s failed", cmd.get("cmd"))
+        outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    worker.store.set(outcome_key(str(cmd["engine_id"]), int(cmd["seq"]), worker.tp_rank), json.dumps(outcome))
