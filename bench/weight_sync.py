@@ -199,9 +199,25 @@ class PipeEngine(EngineClient):
             raise EngineError(f"engine {self.engine_id}: {cmd} failed: {value}")
         return value
 
-    async def _acall(self, cmd: str, arg=None):
+    async def _acall(self, cmd: str, arg=None, timeout_s: float = 600.0):
+        """Send from the event loop's thread and wake on the pipe's readability, as an HTTP client
+        would on its socket (a thread-pool hop each way cost about 0.2 ms of every publish)."""
         async with self._lock:
-            return await asyncio.to_thread(self.call, cmd, arg)
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+            fd = self._conn.fileno()
+            self._conn.send((cmd, arg))
+            loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await asyncio.wait_for(ready, timeout_s)
+            except asyncio.TimeoutError:
+                raise EngineError(f"engine {self.engine_id}: {cmd} got no answer within {timeout_s:.0f}s") from None
+            finally:
+                loop.remove_reader(fd)
+            status, value = self._conn.recv()
+            if status != "ok":
+                raise EngineError(f"engine {self.engine_id}: {cmd} failed: {value}")
+            return value
 
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         await self._acall("join", (group, plan, 120.0))

@@ -9,7 +9,8 @@ per-tensor Python of the model's loader (vLLM's loaders cost about 15 ms for a
 0.5B model's 290 tensors on an H200; the copies themselves well under 1 ms).
 
 Safety: a bucket is replayed only if, while recording, every write its load made
-into a parameter was a ``copy_`` from a view of the staging buffer. A loader that
+into a parameter was a ``copy_`` from a view of the staging buffer, or a fill with a
+constant (vocabulary padding rows). A loader that
 transforms a tensor first (a dtype cast, a transpose made contiguous), writes a
 parameter any other way, or copies into anything but a parameter, keeps that
 bucket on the model's own loader for good. The whole plan is dropped when any
@@ -54,7 +55,7 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, params: set[int], sources: set[int]) -> None:
         super().__init__()
         self.params, self.sources = params, sources
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ops: list[tuple] = []  # ("copy", dst, src) and ("fill", dst, value), in the order they ran
         self.unsafe: str = ""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -68,10 +69,27 @@ class _Recorder(TorchFunctionMode):
             elif not isinstance(src, torch.Tensor) or _storage(src) not in self.sources:
                 self.unsafe = self.unsafe or "a parameter written from a transformed tensor, not a view of the bytes"
             else:
-                self.copies.append((target, src))
+                self.ops.append(("copy", target, src))
         elif target is not None and _writes(name) and _storage(target) in self.params:
-            self.unsafe = self.unsafe or f"a parameter written by {name}"
+            value = args[1] if name == "fill_" and len(args) > 1 else 0 if name == "zero_" else None
+            if isinstance(value, (int, float, bool)):  # padding rows set to a constant: the same every load
+                self.ops.append(("fill", target, value))
+            else:
+                self.unsafe = self.unsafe or f"a parameter written by {name}"
         return func(*args, **kwargs)
+
+    def steps(self) -> list[tuple]:
+        """The ops as replay steps: runs of copies become one ``("copies", dsts, srcs)`` each."""
+        out: list[tuple] = []
+        for op in self.ops:
+            if op[0] == "copy" and out and out[-1][0] == "copies":
+                out[-1][1].append(op[1])
+                out[-1][2].append(op[2])
+            elif op[0] == "copy":
+                out.append(("copies", [op[1]], [op[2]]))
+            else:
+                out.append(op)
+        return out
 
 
 class CopyPlanLoader:
@@ -79,8 +97,8 @@ class CopyPlanLoader:
 
     def __init__(self, model: torch.nn.Module, load_weights: Callable[[Pairs], object]) -> None:
         self.model, self.load_weights = model, load_weights
-        # (first name, bucket address) -> (destinations, sources) of the recorded copies, or None (loader)
-        self._plans: dict[tuple[str, int], tuple[list, list] | None] = {}
+        # (first name, bucket address) -> the recorded steps (Recorder.steps), or None (the model's loader)
+        self._plans: dict[tuple[str, int], list[tuple] | None] = {}
         self._layout: tuple[int, ...] = ()
         self.replayed = self.recorded = self.fallbacks = 0  # buckets, for tests and logs
 
@@ -103,7 +121,11 @@ class CopyPlanLoader:
                 self.fallbacks += 1
                 self.load_weights(pairs)
             else:
-                torch._foreach_copy_(*plan)  # one call for the bucket's copies, not one launch per tensor
+                for step in plan:
+                    if step[0] == "copies":
+                        torch._foreach_copy_(step[1], step[2])  # one call for a run of copies
+                    else:
+                        step[1].fill_(step[2])
                 self.replayed += 1
             return
         params = {_storage(p) for p in self.model.parameters()}
@@ -114,5 +136,5 @@ class CopyPlanLoader:
             self._plans[key] = None
             self.fallbacks += 1
         else:
-            self._plans[key] = ([d for d, _ in rec.copies], [s for _, s in rec.copies])
+            self._plans[key] = rec.steps()
             self.recorded += 1

@@ -261,6 +261,8 @@ class Publisher:
             while inflight:
                 retire()
             broadcast_s = time.perf_counter() - tb
+            checksum = combine_fingerprints(prints)  # its device-to-host copy overlaps the engines' last load
+            mark("checksum")
             step = "acknowledge"
             failed = self._collect(futs, self.cfg.timeout_s)
             mark("acked")
@@ -273,8 +275,6 @@ class Publisher:
                 raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
         except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
             self._fail(version, step, e, futs)
-        checksum = combine_fingerprints(prints)
-        mark("checksum")
         acks = {eid: f.result() for eid, f in futs.items()}
         bad = {eid: c for eid, c in acks.items() if c and c != checksum}
         if bad:

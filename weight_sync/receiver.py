@@ -67,6 +67,9 @@ class WeightReceiver:
         self.timeout_s = 60.0
         self.depth = 2  # receives posted ahead: the wire stays busy while one bucket loads
         self.last_checksum = ""
+        self._sizes: list[int] = []  # bytes per bucket of the joined plan
+        self._ring: list[torch.Tensor] = []  # depth + 1 standing receive buffers of the joined plan
+        self._views: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}  # (address, bucket) -> tensors
         self._staging: tuple[str, list[torch.Tensor]] | None = None  # (plan id, one buffer per bucket)
         self._staged: tuple[int, list] | None = None  # (version, receive works) of the posted stage
         self._abandoned: list[tuple[object, list]] = []  # groups left with receives still posted
@@ -85,6 +88,8 @@ class WeightReceiver:
                 f"engine {self.engine_id}: joining weight-sync epoch {group.group_epoch} as rank {rank} "
                 f"of {group.world_size} at {group.master_addr}:{group.master_port} failed: {e}"
             ) from e
+        if self.plan is None or self.plan.plan_id != plan.plan_id:
+            self._sizes, self._ring, self._views = plan.bucket_bytes(), [], {}
         self.plan, self.group, self.timeout_s = plan, group, timeout_s
         log.info("engine %s joined weight-sync epoch %d as rank %d/%d in %.2fs", self.engine_id,
                  group.group_epoch, rank, group.world_size, time.perf_counter() - t0)
@@ -105,16 +110,32 @@ class WeightReceiver:
         if plan_id != self.plan.plan_id:
             raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
 
+    def _unpacked(self, buf: torch.Tensor, b: int) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors of bucket ``b`` as views of ``buf``; built once per buffer address (the buffers
+        are standing, so the per-tensor views are not rebuilt every publish)."""
+        key = (buf.data_ptr(), b)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = unpack_bucket(buf, self.plan, b)
+        return views
+
     def receive(self, version: int, plan_id: str, load: LoadFn) -> str:
-        """Receive one publish and load it bucket by bucket; return the checksum of the bytes."""
+        """Receive one publish and load it bucket by bucket; return the checksum of the bytes.
+
+        Buckets land in ``depth + 1`` standing buffers used in turn. Bucket ``b + depth`` is posted into
+        the buffer of bucket ``b - 1`` after that one's load was issued: a CUDA collective waits for the
+        work already queued on the current stream, and gloo's load is done when it returns.
+        """
         self._check("update_weights", version, plan_id)
-        plan, pg = self.plan, self.pg
-        sizes = plan.bucket_bytes()
+        pg, sizes, slots = self.pg, self._sizes, self.depth + 1
+        if not self._ring:
+            self._ring = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device)
+                          for _ in range(min(slots, len(sizes)))]
         prints: list[torch.Tensor] = []
         posted: collections.deque = collections.deque()  # (buffer, work) of receives on the wire
 
         def post(b: int) -> None:
-            buf = torch.empty(sizes[b], dtype=torch.uint8, device=self.device)
+            buf = self._ring[b % slots][: sizes[b]]
             posted.append((buf, wgroup.broadcast_async(pg, buf)))
 
         step = "receive bucket 0"
@@ -135,7 +156,7 @@ class WeightReceiver:
                     post(b + self.depth)  # keep `depth` receives posted while this bucket loads
                 step = f"load bucket {b}/{len(sizes)}"
                 prints.append(bucket_fingerprint(buf))
-                load(unpack_bucket(buf, plan, b))
+                load(self._unpacked(buf, b))
                 mark((f"bucket{b}_loaded", time.perf_counter()))
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
@@ -151,7 +172,7 @@ class WeightReceiver:
         plan = self.plan
         if self._staging is None or self._staging[0] != plan.plan_id:
             self._staging = (plan.plan_id, [torch.empty(n, dtype=torch.uint8, device=self.device)
-                                            for n in plan.bucket_bytes()])
+                                            for n in self._sizes])
         if self._staged is not None:
             # A stage that was never committed (its publish failed on the learner side) left receives posted
             # in a group that was torn down; a live group would have matched them with this publish's sends.
@@ -183,7 +204,7 @@ class WeightReceiver:
             t2 = time.perf_counter()
             for b, buf in enumerate(bufs):
                 step = f"load bucket {b}/{len(bufs)}"
-                load(unpack_bucket(buf, plan, b))
+                load(self._unpacked(buf, b))
             # where a commit's time goes (the engine is held still for all of it)
             self.last_commit_parts = {"wait_s": t1 - t0, "checksum_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except Exception as e:

@@ -11,13 +11,15 @@ that admits torch tensors; nothing else travels that way)::
 
     join(group, plan)   this worker joins fleetrl's weight group (rank rank_offset + tp_rank)
                         through a weight_sync.receiver.WeightReceiver, as vLLM's workers do
-    stage(v, plan_id)   post the receives of v into standing buffers; return at once
-    commit(v)           wait (bounded) for them, checksum, copy into the model
+    commit(v)           wait (bounded) for the staged receives, checksum, copy into the model
                         (the loader's copies are recorded once, then replayed: weight_sync.copy_plan)
 
-A staged update holds the engine only for the ``stage`` and ``commit`` calls (each
-inside an ``in_place`` pause, which freezes the running batch without retracting
-it); the bytes cross the wire while the engine generates.
+The stage (post the receives of v into standing buffers) does not go through SGLang:
+a thread that ``join`` starts in each worker waits for stage requests in fleetrl's
+TCP store (:func:`stage_key`) and posts them while the engine keeps generating. A
+staged update holds the engine only for the ``commit`` call, inside an ``in_place``
+pause, which freezes the running batch without retracting it; the bytes cross the
+wire while the engine generates.
 
 Outcomes: SGLang drops the loader's return value and an exception would end its
 scheduler, so every command catches its error and writes its outcome (JSON: ok,
@@ -28,9 +30,11 @@ hosts for the group, under :func:`outcome_key`; the client reads it after the ca
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import logging
 import pickle
+import threading
 import time
 from typing import Any
 
@@ -55,6 +59,15 @@ def outcome_key(engine_id: str, seq: int, tp_rank: int) -> str:
     return f"fleetrl/sglang/{engine_id}/call{seq}/tp{tp_rank}"
 
 
+def stage_key(group_epoch: int, rank_offset: int, n: int) -> str:
+    """Where the client asks for the ``n``-th stage (from 1) since this engine joined epoch ``group_epoch``."""
+    return f"fleetrl/sglang/epoch{group_epoch}/engine{rank_offset}/stage{n}"
+
+
+def stage_request(**args: Any) -> str:
+    return json.dumps({"cmd": "stage", **args})
+
+
 def read_outcomes(store, engine_id: str, seq: int, tp_size: int) -> list[dict]:
     """Every TP worker's outcome of call ``seq`` (blocking, bounded by the store's timeout)."""
     out = []
@@ -72,6 +85,41 @@ def read_outcomes(store, engine_id: str, seq: int, tp_size: int) -> list[dict]:
     return out
 
 
+class _Stager(threading.Thread):
+    """Posts the receives of each staged publish from a thread of its own, so that a stage does not stop
+    the engine at all: the client sets :func:`stage_key` in the store; this thread waits for it, posts
+    (``WeightReceiver.stage``), and leaves the outcome under :func:`outcome_key`. The scheduler thread
+    touches the receiver only in a commit or a join, which the client never runs during a stage."""
+
+    def __init__(self, worker: _Worker, group, timeout_s: float) -> None:
+        super().__init__(name=f"fleetrl-stager-epoch{group.group_epoch}", daemon=True)
+        self.worker, self.group, self.timeout_s = worker, group, timeout_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        from weight_sync import group as wgroup
+
+        if self.worker.receiver.device.type == "cuda":
+            torch.cuda.set_device(self.worker.receiver.device)
+        store = wgroup.connect_store(self.group.master_addr, self.group.master_port, self.timeout_s)
+        n = 0
+        while not self.stopped.is_set():
+            key = stage_key(self.group.group_epoch, self.group.rank_offset, n + 1)
+            try:
+                store.wait([key], datetime.timedelta(seconds=1))  # a bounded wait, to look at `stopped` again
+                cmd = json.loads(store.get(key))
+            except Exception:  # noqa: BLE001 - not asked yet (timeout), or the store is gone for now
+                self.stopped.wait(0.05)
+                continue
+            n += 1
+            try:
+                outcome = {"ok": True, **self.worker.run(None, cmd)}
+            except Exception as e:  # noqa: BLE001 - reported to the client, which names this engine
+                log.exception("fleetrl stager: stage %d failed", n)
+                outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            store.set(outcome_key(str(cmd["engine_id"]), int(cmd["seq"]), self.worker.tp_rank), json.dumps(outcome))
+
+
 class _Worker:
     """The fleetrl side of one SGLang TP worker process."""
 
@@ -84,6 +132,7 @@ class _Worker:
         self.store, self.store_at = None, None
         self.copy_loader = None
         self.model = None
+        self.stager: _Stager | None = None
 
     def run(self, model, cmd: dict) -> dict:
         what = cmd["cmd"]
@@ -109,11 +158,16 @@ class _Worker:
                           rank_offset=int(g["rank_offset"]), world_size=int(g["world_size"]),
                           backend=str(g.get("backend", "nccl")),  # gloo: the CPU tests
                           group_epoch=int(g["group_epoch"]))
+        if self.stager is not None:  # the previous epoch's
+            self.stager.stopped.set()
+            self.stager = None
         self.receiver.engine_id = str(cmd["engine_id"])
         self.receiver.join(group, plan_from_dict(cmd["plan"]), group.rank_offset + self.tp_rank,
                            float(cmd["timeout_s"]))
         if self.model is not model:
             self.copy_loader, self.model = None, model
+        self.stager = _Stager(self, group, float(cmd["timeout_s"]))
+        self.stager.start()
         return {"rank": group.rank_offset + self.tp_rank}
 
     def commit(self, model, version: int) -> dict:
@@ -122,11 +176,12 @@ class _Worker:
             from weight_sync.copy_plan import CopyPlanLoader
 
             self.copy_loader, self.model = CopyPlanLoader(model, model.load_weights), model
+        replayed = self.copy_loader.replayed
         checksum = self.receiver.commit(version, self.copy_loader.load)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the next batch must see every copy, whatever stream it runs on
         return {"checksum": checksum, "version": version, "commit_s": time.perf_counter() - t0,
-                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": self.copy_loader.replayed}
+                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": self.copy_loader.replayed - replayed}
 
 
 _WORKER: _Worker | None = None

@@ -13,6 +13,7 @@ answer raises :class:`EngineError` naming the engine, the call and the limit.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,7 +64,7 @@ class WeightPlan:
 
     def bucket_bytes(self) -> list[int]:
         sizes = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "int8": 1}
-        return [sum(int(np.prod(self.shapes[i])) * sizes[self.dtypes[i]] for i in b) for b in self.buckets]
+        return [sum(math.prod(self.shapes[i]) * sizes[self.dtypes[i]] for i in b) for b in self.buckets]
 
 
 @dataclass(kw_only=True, slots=True)

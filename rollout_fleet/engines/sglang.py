@@ -23,10 +23,10 @@ One weight update, engine side (what the fleet controller drives)::
 With ``staging`` (``weight_sync.staging``), weights go instead through fleetrl's
 loader in SGLang's workers (:mod:`weight_sync.sglang_ext`, registered with
 ``--custom-weight-loader``) over fleetrl's own group (publisher ``nccl_impl='torch'``);
-the engine is held only for two brief freezes, and the bytes cross the wire while it
-generates::
+the engine is held only for the commit's brief freeze, and the bytes cross the wire
+while it generates::
 
-    begin_update:  pause(in_place) -> /update_weights_from_tensor [stage: post the receives] -> continue
+    begin_update:  a stage request in fleetrl's store -> each worker's stage thread posts the receives
     ... the publisher broadcasts; the engine generates ...
     commit_update: pause(in_place) -> /update_weights_from_tensor [commit: copy into the model] -> continue
 
@@ -328,6 +328,8 @@ class SGLangClient(HttpEngineClient):
         self._store = None  # fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
         self._store_at: tuple[str, int] | None = None
         self._seq = 0
+        self._stage_n = 0
+        self._call_laps: dict[str, float] = {}
         self._stage_steps: dict[str, float] = {}
         self.last_update_steps: dict[str, float] = {}
 
@@ -497,6 +499,7 @@ class SGLangClient(HttpEngineClient):
         g = {"master_addr": group.master_addr, "master_port": group.master_port, "rank_offset": group.rank_offset,
              "world_size": group.world_size, "group_epoch": group.group_epoch}
         await self._loader_call("join", self.control_timeout_s + 10, group=g, plan=plan_to_dict(plan))
+        self._stage_n = 0  # stages are counted per join: the workers' stage threads count alike
 
     async def _loader_call(self, cmd: str, timeout_s: float, **args) -> tuple[list[dict], float]:
         """Run ``cmd`` in every TP worker inside an ``in_place`` pause (the running batch is frozen, not
@@ -507,7 +510,7 @@ class SGLangClient(HttpEngineClient):
         if self._store is None:
             raise EngineError(f"engine {self.engine_id}: {cmd} before init_weight_transfer")
         self._seq += 1
-        caller = f"{self.engine_id}.{id(self):x}"  # a fresh client never reads an old client's outcomes
+        caller = self._caller()
         body = {"serialized_named_tensors": [sglang_ext.payload(
                     cmd, engine_id=caller, seq=self._seq, timeout_s=self.control_timeout_s,
                     store={"addr": self._store_at[0], "port": self._store_at[1]}, **args)] * self.group_ranks,
@@ -515,12 +518,16 @@ class SGLangClient(HttpEngineClient):
         if cmd == "commit":
             body["weight_version"] = str(args["version"])
         t0 = time.perf_counter()
+        laps = self._call_laps = {}
         freeze = not self._paused
         if freeze:
             await self._post("/pause_generation", {"mode": "in_place"})
             self._paused = "frozen"
+            laps["pause"] = time.perf_counter() - t0
         try:
+            t1 = time.perf_counter()
             await self._control("/update_weights_from_tensor", body, timeout_s)
+            laps["call"] = time.perf_counter() - t1
             outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, self._seq,
                                            self.group_ranks)
             bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
@@ -533,15 +540,36 @@ class SGLangClient(HttpEngineClient):
                 await self.resume()
             raise EngineError(str(e)) from e
         if freeze or (cmd == "commit" and self._paused == "frozen"):  # a good commit ends an earlier failure's freeze
+            t1 = time.perf_counter()
             await self.resume()
+            laps["continue"] = time.perf_counter() - t1
         return outs, time.perf_counter() - t0
 
     async def begin_update(self, version: int, plan_id: str) -> None:
-        """Post the receives of ``version`` into the workers' standing buffers; a brief freeze, then the
-        engine generates while the bytes arrive."""
+        """Have the workers post the receives of ``version`` into their standing buffers. This goes
+        through fleetrl's store to a thread in each worker, not through SGLang: the engine is not held."""
+        from weight_sync import sglang_ext
+
         self._check_plan(version, plan_id)
-        outs, held = await self._loader_call("stage", self.control_timeout_s, version=version, plan_id=plan_id)
-        self._stage_steps = {"stage_held": held, "stage_in_engine": max(o["stage_s"] for o in outs)}
+        t0 = time.perf_counter()
+        self._seq += 1
+        self._stage_n += 1
+        caller, group = self._caller(), self._group
+        key = sglang_ext.stage_key(group.group_epoch, group.rank_offset, self._stage_n)
+        request = sglang_ext.stage_request(engine_id=caller, seq=self._seq, version=version, plan_id=plan_id)
+        try:
+            await asyncio.to_thread(self._store.set, key, request)
+            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, self._seq, self.group_ranks)
+            await asyncio.to_thread(self._store.delete_key, key)
+        except Exception as e:  # noqa: BLE001 - the store or a worker's thread is gone: this engine fails
+            raise EngineError(f"engine {self.engine_id}: stage of v{version} failed: {e}") from e
+        bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
+        if bad:
+            raise EngineError(f"engine {self.engine_id}: stage of v{version} failed: {'; '.join(bad)}")
+        self._stage_steps = {"stage": time.perf_counter() - t0, "stage_in_engine": max(o["stage_s"] for o in outs)}
+
+    def _caller(self) -> str:
+        return f"{self.engine_id}.{id(self):x}"  # a fresh client never reads an old client's outcomes
 
     async def commit_update(self, version: int) -> str:
         """Copy the staged ``version`` into the model (a freeze of the running batch); returns the checksum."""
@@ -550,10 +578,11 @@ class SGLangClient(HttpEngineClient):
         if len(sums) != 1:
             raise EngineError(f"engine {self.engine_id}: TP workers disagree after v{version}: {outs}")
         steps = {**self._stage_steps, "commit_held": held, "commit_in_engine": max(o["commit_s"] for o in outs),
-                 "commit_replayed": float(outs[0].get("replayed_buckets", 0))}
+                 "commit_replayed": float(outs[0].get("replayed_buckets", 0)),
+                 **{f"commit_{k}_s": v for k, v in self._call_laps.items()}}
         for part, sec in (outs[0].get("commit_parts") or {}).items():
             steps[f"commit_{part}"] = sec
-        steps["unavailable_s"] = steps.get("stage_held", 0.0) + held
+        steps["unavailable_s"] = held  # the stage held nothing: it ran in the workers' own threads
         self.last_update_steps, self._stage_steps = steps, {}
         self._version = version
         return sums.pop()

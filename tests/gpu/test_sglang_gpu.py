@@ -142,7 +142,8 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop,
 
 def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints):
     """weight_sync.staging on SGLang: fleetrl's loader in the server's worker receives while the engine
-    generates; the engine is held only for the stage and commit freezes. Log-probs then match the new weights."""
+    generates (the stage goes to a thread in the worker); the engine is held only for the commit's freeze.
+    Log-probs then match the new weights."""
     import torch
 
     from rollout_fleet.engines.base import SamplingParams
@@ -191,8 +192,10 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints)
         timed = steps[1:]
         _record("staged_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), generated_groups=groups,
                 publish_s=[r.seconds for r in reports[1:]], unavailable_s=[s["unavailable_s"] for s in timed],
-                stage_held_s=[s["stage_held"] for s in timed], commit_held_s=[s["commit_held"] for s in timed],
+                stage_s=[s["stage"] for s in timed], commit_held_s=[s["commit_held"] for s in timed],
                 commit_in_engine_s=[s["commit_in_engine"] for s in timed],
+                laps={k: [s.get(k) for s in timed] for k in ("commit_pause_s", "commit_call_s", "commit_continue_s",
+                                                             "commit_wait_s", "commit_checksum_s", "commit_load_s")},
                 replayed=[s["commit_replayed"] for s in timed], first=steps[0])
         assert all(r.checksum and r.per_engine_checksums["sglang-staged"] == r.checksum for r in reports)
         assert all(s["commit_replayed"] == len(plan.buckets) for s in timed), timed

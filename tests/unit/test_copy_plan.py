@@ -33,9 +33,13 @@ class Fused(torch.nn.Module):
                  "gate": (self.gate_up, 0, 5), "up": (self.gate_up, 5, 5)}
         for name, t in pairs:
             if name == "norm":
-                if self.transform == "fill":
-                    self.norm.data.fill_(0.0)
+                if self.transform == "pad":  # like a vocabulary embedding: padding rows set to 0
+                    self.norm.data[6:].fill_(0.0)
+                    self.norm.data[:6].copy_(t[:6])
+                    continue
                 self.norm.data.copy_(t)
+                if self.transform == "scale":
+                    self.norm.data.mul_(1.0)  # a write the plan cannot replay
                 continue
             param, start, n = slots[name]
             if self.transform == "cast":
@@ -90,7 +94,20 @@ def test_second_commit_replays_copies_and_matches_the_models_loader():
         assert torch.equal(getattr(model, name), getattr(want, name)), name
 
 
-@pytest.mark.parametrize("transform", ["cast", "fill"])
+def test_constant_fills_are_replayed_in_order():
+    model = Fused("pad")
+    s1, s2 = _state(8), _state(9)
+    plan, bufs = _buckets(s1)
+    loader = CopyPlanLoader(model, model.load_weights)
+    for s in (s1, s2):
+        _receive(plan, bufs, s)
+        model.norm.data.fill_(7.0)  # the replay must write the padding again, not keep whatever was there
+        _commit(loader, plan, bufs)
+    assert loader.replayed == len(bufs) and loader.fallbacks == 0
+    assert torch.equal(model.norm[:6], s2["norm"][:6]) and torch.equal(model.norm[6:], torch.zeros(2))
+
+
+@pytest.mark.parametrize("transform", ["cast", "scale"])
 def test_loads_that_cannot_be_replayed_stay_on_the_models_loader(transform):
     model = Fused(transform)
     s1, s2 = _state(3), _state(4)

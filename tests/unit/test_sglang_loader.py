@@ -109,6 +109,14 @@ def test_join_stage_commit_over_a_real_group(worker):
         worker.send(sglang_ext.payload(cmd, seq=seq, **common, **args))
         return seq
 
+    stages = 0
+
+    def stage(**args):  # as SGLangClient.begin_update: a request in the store, for the worker's stage thread
+        nonlocal seq, stages
+        seq, stages = seq + 1, stages + 1
+        store.set(sglang_ext.stage_key(1, 1, stages), sglang_ext.stage_request(engine_id="sgl-test", seq=seq, **args))
+        return sglang_ext.read_outcomes(store, "sgl-test", seq, 1)[0]
+
     def outcome(s):
         assert worker.poll(30), "the worker did not return from the loader"
         assert worker.recv() == "done"
@@ -121,8 +129,8 @@ def test_join_stage_commit_over_a_real_group(worker):
 
     for version, seed in ((1, 1), (2, 2)):  # the second commit replays the recorded copies
         state = _state(seed)
-        s = call("stage", version=version, plan_id=plan.plan_id)
-        assert outcome(s)["ok"]
+        staged = stage(version=version, plan_id=plan.plan_id)  # the worker's loop is idle meanwhile
+        assert staged["ok"], staged
         prints = []
         for idx in plan.buckets:
             buf = pack_bucket([state[plan.names[i]] for i in idx])
@@ -135,13 +143,15 @@ def test_join_stage_commit_over_a_real_group(worker):
         held = worker.recv()
         assert torch.equal(held["qkv"], torch.cat([state["q"], state["k"], state["v"]]))
         assert torch.equal(held["norm"], state["norm"])
-    assert got["replayed_buckets"] == len(plan.buckets)
+        assert got["replayed_buckets"] == (0 if version == 1 else len(plan.buckets))  # recorded, then replayed
 
     # A commit of a version that was never staged is refused and reported, and the worker lives on.
     s = call("commit", version=7)
     bad = outcome(s)
     assert not bad["ok"] and "commit(v7)" in bad["error"]
-    s = call("stage", version=8, plan_id="not-the-plan")
+    bad = stage(version=8, plan_id="not-the-plan")
+    assert not bad["ok"] and "not-the-plan" in bad["error"]
+    s = call("stage", version=9, plan_id="not-the-plan")  # the same through SGLang's call path
     bad = outcome(s)
     assert not bad["ok"] and "not-the-plan" in bad["error"]
     wgroup.close_group(pg)
