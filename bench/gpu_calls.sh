@@ -31,6 +31,8 @@
 #   system-sglang   tests/gpu/test_full_system_gpu.py[sglang]: the same with the SGLang fleet
 #   system-vllm-megatron  tests/gpu/test_full_system_gpu.py[vllm-megatron]: the same with a Megatron learner
 #                   (after vllm-install and ray-install)
+#   system-vllm-staged, system-sglang-staged  the same with weight_sync.staging=true
+#   sglang-tests    tests/gpu/test_sglang_gpu.py alone (SGLang's own update and fleetrl's staged one)
 set -uo pipefail
 REPO="$(pwd)"
 OUT="${OUT:-$REPO/gpu-out}"
@@ -203,6 +205,12 @@ for step in "$@"; do
         system-vllm) system vllm /tmp/site-vllm ;;
         system-sglang) system sglang /tmp/site-sglang ;;
         system-vllm-megatron) system vllm-megatron /tmp/site-vllm ;;
+        system-vllm-staged) system vllm-staged /tmp/site-vllm ;;
+        system-sglang-staged) system sglang-staged /tmp/site-sglang ;;
+        sglang-tests)  # tests/gpu/test_sglang_gpu.py alone (direct and staged updates), after sglang-install
+            FLEETRL_SGLANG_LOG="$OUT/sglang-test.log" with_site /tmp/site-sglang timeout 500 $PY -m pytest -v -rA \
+                -p no:cacheprovider tests/gpu/test_sglang_gpu.py 2>&1 | tail -30
+            ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     stamp "$step done (rc=$?)"

@@ -100,18 +100,31 @@ class CopyPlanLoader:
         # (first name, bucket address) -> the recorded steps (Recorder.steps), or None (the model's loader)
         self._plans: dict[tuple[str, int], list[tuple] | None] = {}
         self._layout: tuple[int, ...] = ()
+        self._checked_left = 0  # buckets of the current commit left to load under its one layout check
         self.replayed = self.recorded = self.fallbacks = 0  # buckets, for tests and logs
 
     def _param_layout(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters())
 
-    def load(self, pairs: Pairs) -> None:
-        if not pairs:
-            return
+    def start_commit(self, buckets: int) -> None:
+        """Check the parameters' layout once for the next ``buckets`` loads (walking the model's modules
+        costs about as much host time as replaying a bucket); without it every load checks."""
+        self._check_layout()
+        self._checked_left = buckets
+
+    def _check_layout(self) -> None:
         layout = self._param_layout()
         if layout != self._layout:  # parameters moved (or first use): nothing recorded holds
             self._plans.clear()
             self._layout = layout
+
+    def load(self, pairs: Pairs) -> None:
+        if not pairs:
+            return
+        if self._checked_left > 0:
+            self._checked_left -= 1
+        else:
+            self._check_layout()
         key = (pairs[0][0], _storage(pairs[0][1]))
         if key not in self._plans and any(k[0] == key[0] for k in self._plans):
             self._plans.clear()  # new staging buffers: drop the copies (and the old buffers they hold)

@@ -46,7 +46,7 @@ from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
-from weight_sync.plan import bucket_fingerprint, combine_fingerprints, pack_bucket
+from weight_sync.plan import bucket_fingerprint, combine_fingerprints, pack_bucket, torch_dtype, unpack_bucket
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,32 @@ class PublishReport:
     epoch: int
     rebuild_seconds: float = 0.0
     per_engine_checksums: dict[str, str] = field(default_factory=dict)
+
+
+class _SendRing:
+    """Where rank 0 packs buckets: ``slots`` standing buffers used in turn, each bucket's typed views
+    into its slot built once, so packing a bucket is one ``_foreach_copy_`` (a view chain and a cat
+    per tensor cost more host time per bucket than a 256 MB bucket spends on the wire). A bucket of
+    one contiguous tensor is sent from that tensor itself. With ``slots = inflight_buckets + 1`` the
+    slot a bucket is packed into was last used by a broadcast that has already completed."""
+
+    def __init__(self, plan: WeightPlan, slots: int, device: torch.device) -> None:
+        self.plan, self.sizes = plan, plan.bucket_bytes()
+        self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes)]
+        self.bufs = [torch.empty(max(self.sizes), dtype=torch.uint8, device=device)
+                     for _ in range(min(slots, len(self.sizes)))]
+        self.views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    @torch.no_grad()
+    def pack(self, b: int, parts: list[torch.Tensor]) -> torch.Tensor:
+        if len(parts) == 1 and parts[0].is_contiguous():
+            return pack_bucket(parts)  # no copy
+        entry = self.views.get(b)
+        if entry is None:
+            buf = self.bufs[b % len(self.bufs)][: self.sizes[b]]
+            entry = self.views[b] = (buf, [v for _, v in unpack_bucket(buf, self.plan, b)])
+        torch._foreach_copy_(entry[1], parts)
+        return entry[0]
 
 
 class Publisher:
@@ -99,6 +125,7 @@ class Publisher:
         self._dirty = True
         self._store = None
         self._loop = None
+        self._ring: _SendRing | None = None
         if rank != 0:
             return
         for e in engines:
@@ -237,17 +264,21 @@ class Publisher:
             mark(f"bucket{b}_sent")
             self._check_acks(futs, step)
 
+        if self._ring is None:
+            self._ring = _SendRing(plan, depth + 1, self.device)
+        expect, dev = self._ring.expect, self.device
         try:
             for b, idx in enumerate(plan.buckets):
                 step = f"gather bucket {b}/{len(plan.buckets)}"
                 parts = []
                 for i in idx:
                     name, t = next(it)
-                    if name != plan.names[i] or list(t.shape) != plan.shapes[i]:
-                        raise ValueError(f"weight source yielded {name} {list(t.shape)} where plan {plan.plan_id} "
-                                         f"expects {plan.names[i]} {plan.shapes[i]} (index {i})")
-                    parts.append(t.to(self.device))
-                buf = pack_bucket(parts)
+                    if name != expect[i][0] or t.shape != expect[i][1] or t.dtype != expect[i][2]:
+                        raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
+                                         f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
+                                         f"(index {i})")
+                    parts.append(t if t.device == dev else t.to(dev))
+                buf = self._ring.pack(b, parts)
                 # Bounded memory: at most `depth` buckets are on the wire; the packing of this one
                 # (already queued on the device) overlaps with them.
                 while len(inflight) >= depth:

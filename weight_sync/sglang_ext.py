@@ -177,6 +177,7 @@ class _Worker:
 
             self.copy_loader, self.model = CopyPlanLoader(model, model.load_weights), model
         replayed = self.copy_loader.replayed
+        self.copy_loader.start_commit(len(self.receiver.plan.buckets))
         checksum = self.receiver.commit(version, self.copy_loader.load)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the next batch must see every copy, whatever stream it runs on
@@ -209,6 +210,7 @@ def fleetrl_loader(model, named_tensors) -> None:
         # Not a fleetrl call: a plain tensor update routed here by mistake. Load nothing, say so.
         log.error("fleetrl loader got %d tensors that are not a fleetrl command; nothing loaded", len(named_tensors))
         return
+    t_enter = time.perf_counter()  # CLOCK_MONOTONIC: the client on the same host can place it on its timeline
     cmd = json.loads(named_tensors[0][0][len(PREFIX):])
     try:
         if _WORKER is None:
@@ -225,4 +227,5 @@ def fleetrl_loader(model, named_tensors) -> None:
     except Exception as e:  # noqa: BLE001 - an exception here would end SGLang's scheduler: report it instead
         log.exception("fleetrl loader: %s failed", cmd.get("cmd"))
         outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    outcome.update(t_enter=t_enter, t_exit=time.perf_counter())
     worker.store.set(outcome_key(str(cmd["engine_id"]), int(cmd["seq"]), worker.tp_rank), json.dumps(outcome))

@@ -173,6 +173,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
                 from weight_sync.copy_plan import CopyPlanLoader
 
                 self._copy_loader = CopyPlanLoader(self.model, self.model.load_weights)
+            self._copy_loader.start_commit(len(self.receiver.plan.buckets))
             load = self._copy_loader.load
         self.receiver.commit(version, load)
         self.finish_weight_update()

@@ -527,12 +527,16 @@ class SGLangClient(HttpEngineClient):
         try:
             t1 = time.perf_counter()
             await self._control("/update_weights_from_tensor", body, timeout_s)
-            laps["call"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            laps["call"] = t2 - t1
             outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, self._seq,
                                            self.group_ranks)
             bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
             if bad:
                 raise EngineError(f"engine {self.engine_id}: fleetrl {cmd} failed: {'; '.join(bad)}")
+            if "t_enter" in outs[0]:  # same host: how long SGLang took to bring the call to the loader and back
+                laps["to_loader"] = outs[0]["t_enter"] - t1
+                laps["from_loader"] = t2 - outs[0]["t_exit"]
         except (EngineError, TimeoutError) as e:
             if cmd == "commit":
                 raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e

@@ -42,11 +42,11 @@ def _need(engine: str, learner: str) -> None:
             pytest.skip(f"{mod} is not importable here (engines are installed in separate targets)")
 
 
-def _run_cluster(engine: str, learner: str, out: Path) -> tuple[int, str, dict | None]:
+def _run_cluster(engine: str, learner: str, out: Path, extra: tuple[str, ...] = ()) -> tuple[int, str, dict | None]:
     summary = out / "summary.json"
     cmd = [sys.executable, str(REPO / "launch" / "cluster.py"), "--rollout-gpus", "1", "--learner-gpus", "1",
            "--recipe", "gpu-tiny", "--max-steps", str(STEPS), "--summary", str(summary), "--no-live",
-           "--run-dir", str(out / "run"), f"rollout.engine={engine}", f"learner.engine={learner}"]
+           "--run-dir", str(out / "run"), f"rollout.engine={engine}", f"learner.engine={learner}", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_path = out / "cluster.log"
     with open(log_path, "wb") as logf:
@@ -67,19 +67,21 @@ def _run_cluster(engine: str, learner: str, out: Path) -> tuple[int, str, dict |
     return rc, text, json.loads(summary.read_text()) if summary.exists() else None
 
 
-@pytest.mark.parametrize("engine,learner", [
-    pytest.param("vllm", "fsdp", id="vllm"),
-    pytest.param("sglang", "fsdp", id="sglang"),
-    pytest.param("vllm", "megatron", id="vllm-megatron"),  # Megatron-core TP=1 learner on GPU 0
+@pytest.mark.parametrize("engine,learner,staged", [
+    pytest.param("vllm", "fsdp", False, id="vllm"),
+    pytest.param("sglang", "fsdp", False, id="sglang"),
+    pytest.param("vllm", "megatron", False, id="vllm-megatron"),  # Megatron-core TP=1 learner on GPU 0
+    pytest.param("vllm", "fsdp", True, id="vllm-staged"),  # weight_sync.staging: receives while serving
+    pytest.param("sglang", "fsdp", True, id="sglang-staged"),  # through fleetrl's loader in SGLang's worker
 ])
-def test_full_system_two_gpus(engine, learner, tmp_path):
+def test_full_system_two_gpus(engine, learner, staged, tmp_path):
     _need(engine, learner)
     base = os.environ.get("FLEETRL_SYSTEM_OUT")
-    case = engine if learner == "fsdp" else f"{engine}-{learner}"
+    case = (engine if learner == "fsdp" else f"{engine}-{learner}") + ("-staged" if staged else "")
     out = Path(base) / case if base else tmp_path
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    rc, text, s = _run_cluster(engine, learner, out)
+    rc, text, s = _run_cluster(engine, learner, out, ("weight_sync.staging=true",) if staged else ())
     wall = time.monotonic() - t0
     print(f"--- {case}: rc {rc} in {wall:.0f} s; tail of the driver's output:")
     print("\n".join(text.splitlines()[-30:]))

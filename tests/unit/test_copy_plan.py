@@ -139,3 +139,20 @@ def test_moved_parameters_or_new_buffers_are_recorded_again():
     _commit(loader, plan, bufs)
     assert loader.recorded == 3 * len(bufs)
     assert torch.equal(model.gate_up, _expected(s3).gate_up)
+
+
+def test_one_layout_check_per_commit_still_sees_moved_parameters():
+    model = Fused()
+    s1, s2 = _state(10), _state(11)
+    plan, bufs = _buckets(s1)
+    loader = CopyPlanLoader(model, model.load_weights)
+    for s in (s1, s2):
+        _receive(plan, bufs, s)
+        loader.start_commit(len(bufs))
+        _commit(loader, plan, bufs)
+    assert loader.replayed == len(bufs)
+    model.qkv = torch.nn.Parameter(torch.zeros(12, 8))  # moved between commits: the next check sees it
+    _receive(plan, bufs, s1)
+    loader.start_commit(len(bufs))
+    _commit(loader, plan, bufs)
+    assert loader.recorded == 2 * len(bufs) and torch.equal(model.qkv, _expected(s1).qkv)
