@@ -125,7 +125,8 @@ def test_join_stage_commit_over_a_real_group(worker):
     s = call("join", group={"master_addr": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
                             "world_size": 2, "group_epoch": 1, "backend": "gloo"}, plan=plan_to_dict(plan))
     pg = wgroup.make_group(store, group, 0, 20)  # the publisher's side of the join
-    assert outcome(s) == {"ok": True, "rank": 1}
+    joined = outcome(s)
+    assert joined["ok"] and joined["rank"] == 1 and joined["t_exit"] >= joined["t_enter"], joined
 
     for version, seed in ((1, 1), (2, 2)):  # the second commit replays the recorded copies
         state = _state(seed)
