@@ -12,14 +12,17 @@ that admits torch tensors; nothing else travels that way)::
     join(group, plan)   this worker joins fleetrl's weight group (rank rank_offset + tp_rank)
                         through a weight_sync.receiver.WeightReceiver, as vLLM's workers do
     commit(v)           wait (bounded) for the staged receives, checksum, copy into the model
+                        (if the forward hook has not run it already)
                         (the loader's copies are recorded once, then replayed: weight_sync.copy_plan)
 
-The stage (post the receives of v into standing buffers) does not go through SGLang:
-a thread that ``join`` starts in each worker waits for stage requests in fleetrl's
-TCP store (:func:`stage_key`) and posts them while the engine keeps generating. A
-staged update holds the engine only for the ``commit`` call, inside an ``in_place``
-pause, which freezes the running batch without retracting it; the bytes cross the
-wire while the engine generates.
+Neither the stage nor (with TP=1) the commit goes through SGLang's scheduler: ``join``
+starts a thread in each worker that takes requests from fleetrl's TCP store
+(:func:`request_key`). A stage is posted by that thread while the engine generates; a
+commit is left pending and run by the model's forward, which ``join`` wraps, before
+the next batch: between two steps, in the scheduler's own thread, so the engine is
+held for the copy alone. An engine that runs no forward (idle, or decoding from CUDA
+graphs only) gets the commit through the loader inside an ``in_place`` pause instead,
+as do TP > 1 engines, whose ranks must switch weights at the same step.
 
 Outcomes: SGLang drops the loader's return value and an exception would end its
 scheduler, so every command catches its error and writes its outcome (JSON: ok,
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import json
 import logging
 import pickle
@@ -59,13 +63,15 @@ def outcome_key(engine_id: str, seq: int, tp_rank: int) -> str:
     return f"fleetrl/sglang/{engine_id}/call{seq}/tp{tp_rank}"
 
 
-def stage_key(group_epoch: int, rank_offset: int, n: int) -> str:
-    """Where the client asks for the ``n``-th stage (from 1) since this engine joined epoch ``group_epoch``."""
-    return f"fleetrl/sglang/epoch{group_epoch}/engine{rank_offset}/stage{n}"
+def request_key(group_epoch: int, rank_offset: int, n: int) -> str:
+    """Where the client leaves its ``n``-th request (from 1) since this engine joined epoch ``group_epoch``."""
+    return f"fleetrl/sglang/epoch{group_epoch}/engine{rank_offset}/request{n}"
 
 
-def stage_request(**args: Any) -> str:
-    return json.dumps({"cmd": "stage", **args})
+def request(cmd: str, **args: Any) -> str:
+    if cmd not in ("stage", "commit"):
+        raise ValueError(f"only stage and commit go through the store, not {cmd!r}")
+    return json.dumps({"cmd": cmd, **args})
 
 
 def read_outcomes(store, engine_id: str, seq: int, tp_size: int) -> list[dict]:
@@ -85,14 +91,20 @@ def read_outcomes(store, engine_id: str, seq: int, tp_size: int) -> list[dict]:
     return out
 
 
-class _Stager(threading.Thread):
-    """Posts the receives of each staged publish from a thread of its own, so that a stage does not stop
-    the engine at all: the client sets :func:`stage_key` in the store; this thread waits for it, posts
-    (``WeightReceiver.stage``), and leaves the outcome under :func:`outcome_key`. The scheduler thread
-    touches the receiver only in a commit or a join, which the client never runs during a stage."""
+class _Requests(threading.Thread):
+    """Takes the client's stage and commit requests from fleetrl's store (:func:`request_key`), in a thread
+    of its own, so that neither goes through SGLang's scheduler:
+
+    - stage: post the receives (``WeightReceiver.stage``) and leave the outcome under :func:`outcome_key`;
+    - commit: mark it pending; the model's forward, wrapped at join, runs it before the next batch (the
+      scheduler thread, between two steps) and leaves the outcome. With TP > 1 the client never asks
+      this way (each rank would meet it at its own step); it calls the loader inside a pause instead.
+
+    The scheduler thread touches the receiver only in a commit or a join, never during a stage: the
+    client asks for one thing at a time."""
 
     def __init__(self, worker: _Worker, group, timeout_s: float) -> None:
-        super().__init__(name=f"fleetrl-stager-epoch{group.group_epoch}", daemon=True)
+        super().__init__(name=f"fleetrl-requests-epoch{group.group_epoch}", daemon=True)
         self.worker, self.group, self.timeout_s = worker, group, timeout_s
         self.stopped = threading.Event()
 
@@ -104,7 +116,7 @@ class _Stager(threading.Thread):
         store = wgroup.connect_store(self.group.master_addr, self.group.master_port, self.timeout_s)
         n = 0
         while not self.stopped.is_set():
-            key = stage_key(self.group.group_epoch, self.group.rank_offset, n + 1)
+            key = request_key(self.group.group_epoch, self.group.rank_offset, n + 1)
             try:
                 store.wait([key], datetime.timedelta(seconds=1))  # a bounded wait, to look at `stopped` again
                 cmd = json.loads(store.get(key))
@@ -112,10 +124,13 @@ class _Stager(threading.Thread):
                 self.stopped.wait(0.05)
                 continue
             n += 1
+            if cmd["cmd"] == "commit":
+                self.worker.pending = cmd  # the next forward runs it
+                continue
             try:
                 outcome = {"ok": True, **self.worker.run(None, cmd)}
             except Exception as e:  # noqa: BLE001 - reported to the client, which names this engine
-                log.exception("fleetrl stager: stage %d failed", n)
+                log.exception("fleetrl requests: stage %d failed", n)
                 outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             store.set(outcome_key(str(cmd["engine_id"]), int(cmd["seq"]), self.worker.tp_rank), json.dumps(outcome))
 
@@ -132,7 +147,10 @@ class _Worker:
         self.store, self.store_at = None, None
         self.copy_loader = None
         self.model = None
-        self.stager: _Stager | None = None
+        self.requests: _Requests | None = None
+        self.pending: dict | None = None  # a commit request for the next forward
+        self.committed_seq = -1  # the request seq of the last commit run
+        self.lock = threading.Lock()  # one commit at a time: the forward hook or the loader
 
     def run(self, model, cmd: dict) -> dict:
         what = cmd["cmd"]
@@ -146,8 +164,41 @@ class _Worker:
             self.receiver.stage(int(cmd["version"]), str(cmd["plan_id"]))
             return {"stage_s": time.perf_counter() - t0}
         if what == "commit":
-            return self.commit(model, int(cmd["version"]))
+            with self.lock:
+                if int(cmd["seq"]) == self.committed_seq:
+                    return None  # the forward hook ran it and left its outcome
+                self.pending = None
+                self.committed_seq = int(cmd["seq"])
+                return self.commit(model, int(cmd["version"]))
         raise ValueError(f"unknown command {what!r}")
+
+    def hook(self, model) -> None:
+        """Wrap ``model.forward`` so that a pending commit runs before the next batch's forward."""
+        if getattr(model, "_fleetrl_hooked", False):
+            return
+        inner = model.forward
+
+        @functools.wraps(inner)  # SGLang inspects forward's signature (pp_proxy_tensors)
+        def forward(*args, **kwargs):
+            if self.pending is not None:
+                self.commit_pending(model)
+            return inner(*args, **kwargs)
+
+        model.forward = forward
+        model._fleetrl_hooked = True
+
+    def commit_pending(self, model) -> None:
+        with self.lock:
+            cmd, self.pending = self.pending, None
+            if cmd is None or int(cmd["seq"]) == self.committed_seq:
+                return
+            self.committed_seq = int(cmd["seq"])
+            try:
+                outcome = {"ok": True, **self.commit(model, int(cmd["version"])), "between_steps": True}
+            except Exception as e:  # noqa: BLE001 - reported; an exception here would fail SGLang's batch
+                log.exception("fleetrl: commit of v%s before a forward failed", cmd.get("version"))
+                outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        self.store.set(outcome_key(str(cmd["engine_id"]), int(cmd["seq"]), self.tp_rank), json.dumps(outcome))
 
     def join(self, model, cmd: dict) -> dict:
         from rollout_fleet.engines.base import GroupInfo
@@ -158,16 +209,18 @@ class _Worker:
                           rank_offset=int(g["rank_offset"]), world_size=int(g["world_size"]),
                           backend=str(g.get("backend", "nccl")),  # gloo: the CPU tests
                           group_epoch=int(g["group_epoch"]))
-        if self.stager is not None:  # the previous epoch's
-            self.stager.stopped.set()
-            self.stager = None
+        if self.requests is not None:  # the previous epoch's
+            self.requests.stopped.set()
+            self.requests = None
+        self.pending = None
         self.receiver.engine_id = str(cmd["engine_id"])
         self.receiver.join(group, plan_from_dict(cmd["plan"]), group.rank_offset + self.tp_rank,
                            float(cmd["timeout_s"]))
         if self.model is not model:
             self.copy_loader, self.model = None, model
-        self.stager = _Stager(self, group, float(cmd["timeout_s"]))
-        self.stager.start()
+        self.hook(model)
+        self.requests = _Requests(self, group, float(cmd["timeout_s"]))
+        self.requests.start()
         return {"rank": group.rank_offset + self.tp_rank}
 
     def commit(self, model, version: int) -> dict:
@@ -223,7 +276,10 @@ def fleetrl_loader(model, named_tensors) -> None:
         log.exception("fleetrl loader: cannot reach the weight-sync store for %s: %s", cmd.get("cmd"), e)
         return
     try:
-        outcome = {"ok": True, **worker.run(model, cmd)}
+        result = worker.run(model, cmd)
+        if result is None:
+            return  # nothing to do: the outcome is there already
+        outcome = {"ok": True, **result}
     except Exception as e:  # noqa: BLE001 - an exception here would end SGLang's scheduler: report it instead
         log.exception("fleetrl loader: %s failed", cmd.get("cmd"))
         outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -23,12 +23,14 @@ One weight update, engine side (what the fleet controller drives)::
 With ``staging`` (``weight_sync.staging``), weights go instead through fleetrl's
 loader in SGLang's workers (:mod:`weight_sync.sglang_ext`, registered with
 ``--custom-weight-loader``) over fleetrl's own group (publisher ``nccl_impl='torch'``);
-the engine is held only for the commit's brief freeze, and the bytes cross the wire
+the engine is held only for the copy into the model, and the bytes cross the wire
 while it generates::
 
-    begin_update:  a stage request in fleetrl's store -> each worker's stage thread posts the receives
+    begin_update:  a stage request in fleetrl's store -> each worker's request thread posts the receives
     ... the publisher broadcasts; the engine generates ...
-    commit_update: pause(in_place) -> /update_weights_from_tensor [commit: copy into the model] -> continue
+    commit_update: a commit request in the store -> the worker's next forward first copies into the model
+                   (TP=1; otherwise, or on an idle engine: pause(in_place) -> /update_weights_from_tensor
+                   [commit] -> continue)
 
 Versions: SGLang 0.5.16 (the release built for torch 2.11) to 0.5.23 are
 supported; :func:`check_sglang_version` fails fast otherwise.
@@ -44,6 +46,7 @@ what the learner process must set before its first NCCL call.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
 import subprocess
@@ -328,7 +331,9 @@ class SGLangClient(HttpEngineClient):
         self._store = None  # fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
         self._store_at: tuple[str, int] | None = None
         self._seq = 0
-        self._stage_n = 0
+        self._req_n = 0
+        self._req_keys: list[str] = []
+        self.between_steps_wait_s = 0.25  # an engine that generates runs a forward every few milliseconds
         self._call_laps: dict[str, float] = {}
         self._stage_steps: dict[str, float] = {}
         self.last_update_steps: dict[str, float] = {}
@@ -499,7 +504,7 @@ class SGLangClient(HttpEngineClient):
         g = {"master_addr": group.master_addr, "master_port": group.master_port, "rank_offset": group.rank_offset,
              "world_size": group.world_size, "group_epoch": group.group_epoch}
         await self._loader_call("join", self.control_timeout_s + 10, group=g, plan=plan_to_dict(plan))
-        self._stage_n = 0  # stages are counted per join: the workers' stage threads count alike
+        self._req_n, self._req_keys = 0, []  # requests are counted per join: the workers' threads count alike
 
     async def _loader_call(self, cmd: str, timeout_s: float, **args) -> tuple[list[dict], float]:
         """Run ``cmd`` in every TP worker inside an ``in_place`` pause (the running batch is frozen, not
@@ -509,10 +514,13 @@ class SGLangClient(HttpEngineClient):
 
         if self._store is None:
             raise EngineError(f"engine {self.engine_id}: {cmd} before init_weight_transfer")
-        self._seq += 1
+        seq = args.pop("seq", None)
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
         caller = self._caller()
         body = {"serialized_named_tensors": [sglang_ext.payload(
-                    cmd, engine_id=caller, seq=self._seq, timeout_s=self.control_timeout_s,
+                    cmd, engine_id=caller, seq=seq, timeout_s=self.control_timeout_s,
                     store={"addr": self._store_at[0], "port": self._store_at[1]}, **args)] * self.group_ranks,
                 "load_format": sglang_ext.LOADER, "flush_cache": False}
         if cmd == "commit":
@@ -529,8 +537,7 @@ class SGLangClient(HttpEngineClient):
             await self._control("/update_weights_from_tensor", body, timeout_s)
             t2 = time.perf_counter()
             laps["call"] = t2 - t1
-            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, self._seq,
-                                           self.group_ranks)
+            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, seq, self.group_ranks)
             bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
             if bad:
                 raise EngineError(f"engine {self.engine_id}: fleetrl {cmd} failed: {'; '.join(bad)}")
@@ -549,47 +556,87 @@ class SGLangClient(HttpEngineClient):
             laps["continue"] = time.perf_counter() - t1
         return outs, time.perf_counter() - t0
 
+    async def _request(self, cmd: str, **args) -> int:
+        """Leave a stage or commit request in the store for the workers' request threads; returns its seq."""
+        from weight_sync import sglang_ext
+
+        self._seq += 1
+        self._req_n += 1
+        key = sglang_ext.request_key(self._group.group_epoch, self._group.rank_offset, self._req_n)
+        await asyncio.to_thread(self._store.set, key, sglang_ext.request(cmd, engine_id=self._caller(),
+                                                                        seq=self._seq, **args))
+        self._req_keys.append(key)
+        return self._seq
+
+    async def _outcomes(self, seq: int, what: str, wait_s: float | None = None) -> list[dict] | None:
+        """The TP workers' outcomes of request ``seq``; ``None`` if ``wait_s`` passes without them."""
+        from weight_sync import sglang_ext
+
+        try:
+            if wait_s is not None:
+                keys = [sglang_ext.outcome_key(self._caller(), seq, r) for r in range(self.group_ranks)]
+                try:
+                    await asyncio.to_thread(self._store.wait, keys, datetime.timedelta(seconds=wait_s))
+                except Exception:  # noqa: BLE001 - not there within wait_s
+                    return None
+            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, self._caller(), seq, self.group_ranks)
+        except Exception as e:  # noqa: BLE001 - the store or a worker's thread is gone: this engine fails
+            raise EngineError(f"engine {self.engine_id}: {what} failed: {e}") from e
+        bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
+        if bad:
+            raise EngineError(f"engine {self.engine_id}: {what} failed: {'; '.join(bad)}")
+        return outs
+
     async def begin_update(self, version: int, plan_id: str) -> None:
         """Have the workers post the receives of ``version`` into their standing buffers. This goes
         through fleetrl's store to a thread in each worker, not through SGLang: the engine is not held."""
-        from weight_sync import sglang_ext
-
         self._check_plan(version, plan_id)
         t0 = time.perf_counter()
-        self._seq += 1
-        self._stage_n += 1
-        caller, group = self._caller(), self._group
-        key = sglang_ext.stage_key(group.group_epoch, group.rank_offset, self._stage_n)
-        request = sglang_ext.stage_request(engine_id=caller, seq=self._seq, version=version, plan_id=plan_id)
-        try:
-            await asyncio.to_thread(self._store.set, key, request)
-            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, self._seq, self.group_ranks)
-            await asyncio.to_thread(self._store.delete_key, key)
-        except Exception as e:  # noqa: BLE001 - the store or a worker's thread is gone: this engine fails
-            raise EngineError(f"engine {self.engine_id}: stage of v{version} failed: {e}") from e
-        bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
-        if bad:
-            raise EngineError(f"engine {self.engine_id}: stage of v{version} failed: {'; '.join(bad)}")
+        seq = await self._request("stage", version=version, plan_id=plan_id)
+        outs = await self._outcomes(seq, f"stage of v{version}")
         self._stage_steps = {"stage": time.perf_counter() - t0, "stage_in_engine": max(o["stage_s"] for o in outs)}
 
     def _caller(self) -> str:
         return f"{self.engine_id}.{id(self):x}"  # a fresh client never reads an old client's outcomes
 
     async def commit_update(self, version: int) -> str:
-        """Copy the staged ``version`` into the model (a freeze of the running batch); returns the checksum."""
-        outs, held = await self._loader_call("commit", self.timeout_s, version=version)
+        """Copy the staged ``version`` into the model; returns the checksum. With TP=1 the worker runs it
+        before its next forward (no pause, no SGLang call); if no forward comes within
+        ``between_steps_wait_s`` (an idle engine), or with TP > 1, through the loader in a freeze."""
+        t0 = time.perf_counter()
+        outs, held, laps = None, 0.0, {}
+        if self.group_ranks == 1 and not self._paused:
+            seq = await self._request("commit", version=version)
+            outs = await self._outcomes(seq, f"commit of v{version}", self.between_steps_wait_s)
+            if outs is not None:
+                held = max(o["commit_s"] for o in outs)  # the step it ran before was delayed by this
+                laps["commit_between_steps_s"] = time.perf_counter() - t0
+        else:
+            seq = None
+        if outs is None:  # through SGLang: the loader runs it (or finds the forward hook did, and its outcome)
+            outs, held = await self._loader_call("commit", self.timeout_s, version=version, seq=seq)
+            laps = {f"commit_{k}_s": v for k, v in self._call_laps.items()}
         sums = {o["checksum"] for o in outs}
         if len(sums) != 1:
             raise EngineError(f"engine {self.engine_id}: TP workers disagree after v{version}: {outs}")
         steps = {**self._stage_steps, "commit_held": held, "commit_in_engine": max(o["commit_s"] for o in outs),
                  "commit_replayed": float(outs[0].get("replayed_buckets", 0)),
-                 **{f"commit_{k}_s": v for k, v in self._call_laps.items()}}
+                 "commit_between_steps": float(bool(outs[0].get("between_steps"))), **laps}
         for part, sec in (outs[0].get("commit_parts") or {}).items():
             steps[f"commit_{part}"] = sec
         steps["unavailable_s"] = held  # the stage held nothing: it ran in the workers' own threads
         self.last_update_steps, self._stage_steps = steps, {}
         self._version = version
+        await self._forget_requests()
         return sums.pop()
+
+    async def _forget_requests(self) -> None:
+        keys, self._req_keys = self._req_keys, []
+        for key in keys:  # served: a few bytes each, but a long run makes many
+            try:
+                await asyncio.to_thread(self._store.delete_key, key)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
         await self._control("/update_weights_from_disk", {"model_path": path, "weight_version": str(version),

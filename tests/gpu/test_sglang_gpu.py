@@ -194,12 +194,15 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints)
                 publish_s=[r.seconds for r in reports[1:]], unavailable_s=[s["unavailable_s"] for s in timed],
                 stage_s=[s["stage"] for s in timed], commit_held_s=[s["commit_held"] for s in timed],
                 commit_in_engine_s=[s["commit_in_engine"] for s in timed],
-                laps={k: [s.get(k) for s in timed] for k in ("commit_pause_s", "commit_call_s", "commit_to_loader_s", "commit_from_loader_s", "commit_continue_s",
-                                                             "commit_wait_s", "commit_checksum_s", "commit_load_s")},
-                replayed=[s["commit_replayed"] for s in timed], first=steps[0])
+                laps={k: [s.get(k) for s in timed] for k in (
+                    "commit_between_steps_s", "commit_pause_s", "commit_call_s", "commit_to_loader_s",
+                    "commit_from_loader_s", "commit_continue_s", "commit_wait_s", "commit_checksum_s", "commit_load_s")},
+                replayed=[s["commit_replayed"] for s in timed], between_steps=[s["commit_between_steps"] for s in timed],
+                first=steps[0])
         assert all(r.checksum and r.per_engine_checksums["sglang-staged"] == r.checksum for r in reports)
         assert all(s["commit_replayed"] == len(plan.buckets) for s in timed), timed
         assert groups > 0
+        assert all(s["commit_between_steps"] for s in timed), "a generating engine commits before its next forward"
         prompt = random.Random(7).sample(range(1000, 100000), 16)
         samples = _group(client, loop, prompt)
         _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_staged_publish_v5")

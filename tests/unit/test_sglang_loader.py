@@ -41,6 +41,9 @@ class Tiny(torch.nn.Module):
         self.qkv = torch.nn.Parameter(torch.zeros(12, 8))
         self.norm = torch.nn.Parameter(torch.zeros(8))
 
+    def forward(self, x):
+        return self.qkv.sum() + self.norm.sum() + x
+
     @torch.no_grad()
     def load_weights(self, pairs):
         for name, t in pairs:
@@ -66,6 +69,10 @@ def _worker(conn) -> None:
             return
         if msg == "dump":
             conn.send({k: v.detach().clone() for k, v in model.state_dict().items()})
+            continue
+        if msg == "step":  # what SGLang's scheduler does for a batch: call the model's forward
+            model.forward(torch.zeros(()))
+            conn.send("done")
             continue
         named = _Unpickler(io.BytesIO(base64.b64decode(msg))).load()
         named = [(n, t.to("cpu")) for n, t in named]  # SGLang's _unwrap_tensor
@@ -109,13 +116,16 @@ def test_join_stage_commit_over_a_real_group(worker):
         worker.send(sglang_ext.payload(cmd, seq=seq, **common, **args))
         return seq
 
-    stages = 0
+    requests = 0
 
-    def stage(**args):  # as SGLangClient.begin_update: a request in the store, for the worker's stage thread
-        nonlocal seq, stages
-        seq, stages = seq + 1, stages + 1
-        store.set(sglang_ext.stage_key(1, 1, stages), sglang_ext.stage_request(engine_id="sgl-test", seq=seq, **args))
-        return sglang_ext.read_outcomes(store, "sgl-test", seq, 1)[0]
+    def ask(cmd, **args):  # as SGLangClient: a request in the store, for the worker's request thread
+        nonlocal seq, requests
+        seq, requests = seq + 1, requests + 1
+        store.set(sglang_ext.request_key(1, 1, requests), sglang_ext.request(cmd, engine_id="sgl-test", seq=seq, **args))
+        return seq
+
+    def stage(**args):
+        return sglang_ext.read_outcomes(store, "sgl-test", ask("stage", **args), 1)[0]
 
     def outcome(s):
         assert worker.poll(30), "the worker did not return from the loader"
@@ -137,8 +147,21 @@ def test_join_stage_commit_over_a_real_group(worker):
             buf = pack_bucket([state[plan.names[i]] for i in idx])
             prints.append(bucket_fingerprint(buf))
             wgroup.broadcast_async(pg, buf).wait()
-        s = call("commit", version=version)
-        got = outcome(s)
+        s = ask("commit", version=version)
+        if version == 1:  # the worker runs it before its next forward, with no call from SGLang
+            time.sleep(0.5)  # the request thread has seen it
+            worker.send("step")
+            assert worker.poll(30) and worker.recv() == "done"
+            got = sglang_ext.read_outcomes(store, "sgl-test", s, 1)[0]
+            assert got.get("between_steps"), got
+        else:  # no forward comes (an idle engine): the client falls back to the loader, with the same seq
+            worker.send(sglang_ext.payload("commit", seq=s, version=version, **common))
+            got = outcome(s)
+            assert not got.get("between_steps"), got
+            time.sleep(0.5)  # the request thread has seen the request too
+            worker.send("step")  # a later forward must not commit it again (it would leave an outcome)
+            assert worker.poll(30) and worker.recv() == "done"
+            assert not store.check([sglang_ext.outcome_key("sgl-test", s, 0)])
         assert got["ok"] and got["checksum"] == combine_fingerprints(prints), got
         worker.send("dump")
         held = worker.recv()
