@@ -6,11 +6,11 @@
 For each batch size (one prompt group of realistic rows per batch: ~1,000 response
 token ids and log-probs, 100 prompt ids) it runs, in separate processes:
 
-* broker: producer (pushes with 16 in flight, stamped 8 per event-loop turn; new tickets
-  come back with the push replies, or in bulk of at least 16 when it runs out and no push
+* broker: producer (pushes with 32 in flight, stamped 16 per event-loop turn; new tickets
+  come back with the push replies, or in bulk of at least 32 when it runs out and no push
   is in flight) -> ``python -m broker`` -> consumer (next_batch of ``--groups-per-step``
-  groups, default 1, with the next 16 steps requested ahead; each step's ack rides on the
-  next request), spool off and on (fsync=never: the kill -9 guarantee; see
+  groups, default 1, with the next 16 steps requested ahead, at most (k + 1) // 2; each
+  step's ack rides on the next request), spool off and on (fsync=never: the kill -9 guarantee; see
   broker/spool.py). Both clients send the requests made in one event-loop turn as one
   message (a ``Multi``), and the broker its replies to one peer (see broker/protocol.py);
   every batch is still its own push: validated (the pushes of one message together),
@@ -53,8 +53,8 @@ from broker.schema import TRAJECTORY_SCHEMA  # noqa: E402
 from broker.testing import make_groups  # noqa: E402
 
 RESP_LEN, PROMPT_LEN = 1000, 100
-WINDOW = 16  # pushes in flight
-BURST = 8  # pushes stamped per event-loop turn (they go out as one message)
+WINDOW = 32  # pushes in flight (each holds a ticket: with the groups held, at most IN_FLIGHT)
+BURST = 16  # pushes stamped per event-loop turn (they go out as one message)
 PREFETCH = 16  # learner steps the bench consumer requests ahead
 IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
 
@@ -221,11 +221,17 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
     p = fork.Process(target=broker_producer, args=(bp.address, batch_bytes, n, prod_cpu))
     p.start()
 
+    # Steps asked ahead hold their leases (acks are deferred to the next request), so with
+    # G groups a step at most half the broker's IN_FLIGHT groups may be leased ahead: the
+    # producer must still find free slots, or both sides wait for each other (with G = 8 and
+    # 16 steps ahead the leases alone would fill all 64).
+    prefetch = max(1, min(PREFETCH, (k + 1) // 2))
+
     async def consume():
         cons = ConsumerClient(bp.address, consumer_id="bench", timeout_s=60)
         lat, rows, t0 = [], 0, None
         ahead = collections.deque(asyncio.ensure_future(cons.next_batch(s, wait_s=30))
-                                  for s in range(1, min(PREFETCH, steps) + 1))
+                                  for s in range(1, min(prefetch, steps) + 1))
         for step in range(1, steps + 1):
             lease = await ahead.popleft()
             if lease is None:
@@ -233,8 +239,8 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
             # The ack of this step rides on the next request, sent right away (the
             # prefetch): no round trip of its own.
             await cons.ack(lease.lease_id, defer=True)
-            if step + PREFETCH <= steps:
-                ahead.append(asyncio.ensure_future(cons.next_batch(step + PREFETCH, wait_s=30)))
+            if step + prefetch <= steps:
+                ahead.append(asyncio.ensure_future(cons.next_batch(step + prefetch, wait_s=30)))
             now = time.time()
             if t0 is None:  # like raw: count from the first receipt, rows after it
                 t0 = time.perf_counter()

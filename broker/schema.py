@@ -215,6 +215,13 @@ class BatchView:
     group_size: np.ndarray
     step: np.ndarray
     oldest_version: np.ndarray  # segment_versions[0] of each row
+    # Set by inspect_batches, for all its batches at once: the batch is exactly one whole
+    # group (one id, group_size == rows, one step, sample indices 0..n-1 each once), whose
+    # step and oldest versions' min and max are these. False: not known, look at the rows.
+    whole: bool = False
+    label: int = 0
+    vmin: int = 0
+    vmax: int = 0
 
 
 def inspect_batch(batch: pa.RecordBatch) -> BatchView:
@@ -289,25 +296,49 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
         view = _fast_view_cols(cols, small.num_rows, tokens_checked=True)
     if view is None:
         return None
+    counts = np.fromiter((b.num_rows for b in batches), np.int64, len(batches))
+    whole = _whole_groups(view, counts)
     out, a = [], 0
-    for b in batches:
+    for j, b in enumerate(batches):
         z = a + b.num_rows
         if view.group_ids is None:  # one group id in all of them
             gids, single = None, view.single_group
         else:
             gids = view.group_ids[a:z]
             single = gids[0] if gids and gids.count(gids[0]) == len(gids) else None
-        out.append(BatchView(gids, single, view.sample_index[a:z], view.group_size[a:z], view.step[a:z],
-                             view.oldest_version[a:z]))
+        v = BatchView(gids, single, view.sample_index[a:z], view.group_size[a:z], view.step[a:z],
+                      view.oldest_version[a:z])
+        if whole is not None and single is not None and whole[0][j]:
+            v.whole, v.label, v.vmin, v.vmax = True, whole[1][j], whole[2][j], whole[3][j]
+        out.append(v)
         a = z
     return out
+
+
+def _whole_groups(view: BatchView, counts: np.ndarray) -> tuple[list, list, list, list] | None:
+    """For batches of ``counts`` rows each, concatenated in ``view`` (rows valid): whether
+    each one's rows are one whole group apart from its ids (group_size equal to its row
+    count, one step, sample indices 0..n-1 each once), and its step, min and max oldest
+    version. One numpy pass over all of them instead of a dozen calls per batch; None if
+    a batch is empty. A batch whose rows claim a larger group may spill into the next
+    batch's sample-index range below, which can only fail that one, never pass it."""
+    if not len(counts) or counts.min() < 1:
+        return None
+    starts = np.zeros(len(counts), np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    si, gs, step, ver = view.sample_index, view.group_size, view.step, view.oldest_version
+    own = np.repeat(counts, counts)
+    ok = (gs == own) & (step == np.repeat(step[starts], counts))
+    ok &= np.bincount(si + np.repeat(starts, counts), minlength=len(si))[:len(si)] == 1
+    return (np.logical_and.reduceat(ok, starts).tolist(), step[starts].tolist(),
+            np.minimum.reduceat(ver, starts).tolist(), np.maximum.reduceat(ver, starts).tolist())
 
 
 _COL = {f.name: i for i, f in enumerate(TRAJECTORY_SCHEMA)}
 _TOKEN_IDX = (_COL["prompt_ids"], _COL["response_ids"], _COL["behaviour_logprobs"])
 _ROW_IDX = [i for i in range(len(TRAJECTORY_SCHEMA)) if i not in _TOKEN_IDX]
 _FINISH_SET = frozenset(FINISH_REASONS)
-_SMALL = 64  # rows up to which Python sets beat Arrow hash kernels
+_SMALL = 128  # rows up to which Python sets beat Arrow hash kernels (measured: 18 vs 34 us at 128)
 
 
 def _buf(arr: pa.Array, i: int, dtype, count: int, extra: int = 0) -> np.ndarray:

@@ -17,7 +17,9 @@ in one event-loop turn of a client arrive as one ``Multi`` message, and all repl
 to one peer in one loop iteration of the broker leave as one message, leases with
 their frames included (see :mod:`broker.protocol`). Each request in a ``Multi`` is
 handled and answered as if it had come alone, in order; only validation is shared:
-the batches of its pushes are checked together (:func:`broker.schema.inspect_batches`),
+the batches of its pushes are checked together (:func:`broker.schema.inspect_batches`,
+which also finds, for all of them in one numpy pass, each one that is exactly one whole
+group, the usual push, so :func:`broker.state.split_groups` need not look at its rows),
 and a batch that fails is then checked alone, so its push alone gets the error.
 
 Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step):

@@ -114,7 +114,8 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
 
     Rows of one group that sit together become a zero-copy slice; scattered rows are
     gathered with ``take`` (one copy). ``seq`` and ``lease_id`` are filled in by the caller.
-    ``view``: the batch's :class:`broker.schema.BatchView` if the caller has it already.
+    ``view``: the batch's :class:`broker.schema.BatchView` if the caller has it already
+    (with ``view.whole`` set the batch is known to be one whole group and is not re-checked).
     """
     n = batch.num_rows
     if n == 0:
@@ -122,6 +123,9 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
     view = view if view is not None else batch_view(batch)
     si, gs, step, ver = view.sample_index, view.group_size, view.step, view.oldest_version
     total = payload_bytes if payload_bytes is not None else batch.nbytes
+    if view.whole:  # checked already, for all the pushes of a message at once (inspect_batches)
+        # a copy: ``ver`` is a view of that joint check's concatenation, which would live on with it
+        return [Group(view.single_group, view.label, 0, batch, max(1, total), ver.copy(), view.vmin, view.vmax)]
     if view.single_group is not None and n == int(gs[0]) and (gs == n).all() and (step == step[0]).all():
         # One whole group per push (the usual case): the same checks as below, without the
         # per-group index arrays. Validated rows have 0 <= sample_index < group_size, so
@@ -255,6 +259,8 @@ class BrokerState:
         if not batch.schema.equals(TRAJECTORY_SCHEMA):  # e.g. nullable fields: same data, our schema
             batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
         groups = split_groups(batch, payload_bytes, view)
+        if len(groups) == 1:
+            return self._accept_one(producer_id, groups[0], batch, payload)
         fresh = [g for g in groups if g.group_id not in self.pending and g.group_id not in self._done]
         dups = len(groups) - len(fresh)
         if not fresh:
@@ -305,6 +311,40 @@ class BrokerState:
         if dups:
             c.drops["duplicate"] += dups
         return len(fresh), rows, dups
+
+    def _accept_one(self, producer_id: str, g: Group, batch: pa.RecordBatch, payload) -> tuple[int, int, int]:
+        """accept() of a push that is one whole group (the usual case), with the same checks
+        in the same order, without the per-group lists."""
+        c = self.counters
+        if g.group_id in self.pending or g.group_id in self._done:
+            c.drops["duplicate"] += 1
+            return 0, 0, 1
+        nbytes = g.nbytes
+        if nbytes > self.byte_budget:
+            raise BrokerError(ErrorCode.TOO_LARGE, f"push of {nbytes} bytes exceeds the whole byte budget "
+                              f"of {self.byte_budget}; push smaller batches")
+        if self.pending_bytes + nbytes > self.byte_budget:
+            raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
+                              "bytes held); retry later", retry_after_s=0.05)
+        tids = self._tickets_of.get((producer_id, g.label))
+        if not tids and self._supply() >= self._demand():
+            raise BrokerError(ErrorCode.NO_TICKET, f"group {g.group_id!r} for step {g.label}: producer "
+                              f"{producer_id!r} holds no ticket for that step (expired?) and all "
+                              f"{self._demand()} slots are taken; acquire a ticket first")
+        if self.journal is not None:
+            self.journal.on_accept(batch, payload)
+        if tids:
+            self._drop_ticket(tids[-1])  # the newest first, as accept() does
+            c.tickets_fulfilled += 1
+        else:
+            c.unticketed_groups += 1
+        g.payload = payload
+        self._add(g)
+        rows = g.batch.num_rows
+        c.produced_groups += 1
+        c.produced_rows += rows
+        c.produced_bytes += nbytes
+        return 1, rows, 0
 
     def _add(self, g: Group) -> None:
         g.seq = self._seq

@@ -150,6 +150,36 @@ def test_batches_checked_together_pass_only_if_each_passes_alone(data, k, resp_l
     assert inspect_batches(clean, nbytes) is not None
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), k=st.integers(2, 4), whole_copy=st.booleans())
+def test_batches_checked_together_know_which_are_one_whole_group(data, k, whole_copy):
+    """inspect_batches marks a batch ``whole`` (the broker then skips split_groups' own
+    checks) exactly when its rows are one complete group, with that group's step and the
+    min and max of its rows' oldest versions; valid batches only, some of them near misses."""
+    batches, expect = [], []
+    for j in range(k):
+        n = data.draw(st.integers(1, 4))
+        kind = data.draw(st.sampled_from(["whole", "whole", "dup_index", "size_off", "two_steps", "two_groups"]))
+        if n == 1 and kind in ("dup_index", "two_steps", "two_groups"):
+            kind = "whole"
+        si = data.draw(st.permutations(range(n)))
+        if kind == "dup_index":
+            si = [0] + list(si[1:]) if si[0] != 0 else [1] + list(si[1:])  # one index twice, one missing
+        size = n + 1 if kind == "size_off" else n
+        steps = [3] * n if kind != "two_steps" else [3] * (n - 1) + [4]
+        gids = [f"g{j}"] * n if kind != "two_groups" else [f"g{j}"] * (n - 1) + [f"x{j}"]
+        vers = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+        rows = _rows(n, ["none"] * n, 2, lambda m: 0)
+        for row, (r, i, st_, g, v) in enumerate(zip(rows, si, steps, gids, vers)):
+            r.update(traj_id=f"{j}/{row}", group_id=g, sample_index=i, group_size=size, step=st_,
+                     segment_versions=[v])
+        batches.append(_unchecked(rows))
+        expect.append((True, 3, min(vers), max(vers)) if kind == "whole" else (False,))
+    views = inspect_batches(batches, 1 if whole_copy else JOINT_MAX_BYTES)
+    assert views is not None
+    assert [(v.whole, v.label, v.vmin, v.vmax) if v.whole else (False,) for v in views] == expect
+
+
 def test_ipc_round_trip_of_one_and_several_batches_is_byte_identical_to_a_stream_writer():
     for rows in (1, 8, 300):  # 300 rows of 1,000 tokens: over the small-batch threshold
         b = make_groups(["g"], step=1, version=0, group_size=rows, resp_len=1000)
