@@ -15,14 +15,16 @@ that admits torch tensors; nothing else travels that way)::
                         (if the forward hook has not run it already)
                         (the loader's copies are recorded once, then replayed: weight_sync.copy_plan)
 
-Neither the stage nor (with TP=1) the commit goes through SGLang's scheduler: ``join``
-starts a thread in each worker that takes requests from fleetrl's TCP store
-(:func:`request_key`). A stage is posted by that thread while the engine generates; a
-commit is left pending and run by the model's forward, which ``join`` wraps, before
-the next batch: between two steps, in the scheduler's own thread, so the engine is
-held for the copy alone. An engine that runs no forward (idle, or decoding from CUDA
-graphs only) gets the commit through the loader inside an ``in_place`` pause instead,
-as do TP > 1 engines, whose ranks must switch weights at the same step.
+The stage does not go through SGLang's scheduler: ``join`` starts a thread in each
+worker that takes requests from fleetrl's TCP store (:func:`request_key`), and a stage
+is posted by that thread while the engine generates. The commit runs in the loader,
+inside an ``in_place`` pause (SGLang freezes the running batch without retracting it),
+or, when the client asks for it with TP=1 (``SGLangClient(between_steps=True)``: CPU-tested,
+not yet run on a GPU server), without any SGLang call: the request thread leaves it
+pending and the model's forward, which ``join`` wraps, runs it before the next batch,
+in the scheduler's own thread. An engine that runs no forward then (idle, or decoding
+from CUDA graphs only) gets it through the loader after a short wait; TP > 1 engines
+always do, as their ranks must switch weights at the same step.
 
 Outcomes: SGLang drops the loader's return value and an exception would end its
 scheduler, so every command catches its error and writes its outcome (JSON: ok,

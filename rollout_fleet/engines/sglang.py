@@ -23,14 +23,14 @@ One weight update, engine side (what the fleet controller drives)::
 With ``staging`` (``weight_sync.staging``), weights go instead through fleetrl's
 loader in SGLang's workers (:mod:`weight_sync.sglang_ext`, registered with
 ``--custom-weight-loader``) over fleetrl's own group (publisher ``nccl_impl='torch'``);
-the engine is held only for the copy into the model, and the bytes cross the wire
-while it generates::
+the engine is held only for the commit, and the bytes cross the wire while it
+generates::
 
     begin_update:  a stage request in fleetrl's store -> each worker's request thread posts the receives
     ... the publisher broadcasts; the engine generates ...
-    commit_update: a commit request in the store -> the worker's next forward first copies into the model
-                   (TP=1; otherwise, or on an idle engine: pause(in_place) -> /update_weights_from_tensor
-                   [commit] -> continue)
+    commit_update: pause(in_place) -> /update_weights_from_tensor [commit: copy into the model] -> continue
+                   or, with between_steps (TP=1): a commit request in the store -> the worker's next
+                   forward first copies into the model (no pause; an idle engine gets the loader call)
 
 Versions: SGLang 0.5.16 (the release built for torch 2.11) to 0.5.23 are
 supported; :func:`check_sglang_version` fails fast otherwise.
@@ -308,10 +308,12 @@ class SGLangClient(HttpEngineClient):
 
     def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
                  radix_cache: bool = True, timeout_s: float = 600.0, control_timeout_s: float = 120.0,
-                 max_connections: int = 1024, staging: bool = False) -> None:
+                 max_connections: int = 1024, staging: bool = False, between_steps: bool = False) -> None:
         """``staging``: weights arrive through fleetrl's loader in the server's workers (the server must run
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
-        :class:`SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``)."""
+        :class:`SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
+        ``between_steps`` (TP=1): commits run before the worker's next forward instead of in a pause; it
+        passed the CPU tests but has not run on a GPU server yet, so it is off by default."""
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.group_ranks = tp_size  # ranks this engine holds in the weight-sync group
@@ -333,6 +335,7 @@ class SGLangClient(HttpEngineClient):
         self._seq = 0
         self._req_n = 0
         self._req_keys: list[str] = []
+        self.between_steps = between_steps
         self.between_steps_wait_s = 0.25  # an engine that generates runs a forward every few milliseconds
         self._call_laps: dict[str, float] = {}
         self._stage_steps: dict[str, float] = {}
@@ -600,12 +603,13 @@ class SGLangClient(HttpEngineClient):
         return f"{self.engine_id}.{id(self):x}"  # a fresh client never reads an old client's outcomes
 
     async def commit_update(self, version: int) -> str:
-        """Copy the staged ``version`` into the model; returns the checksum. With TP=1 the worker runs it
-        before its next forward (no pause, no SGLang call); if no forward comes within
-        ``between_steps_wait_s`` (an idle engine), or with TP > 1, through the loader in a freeze."""
+        """Copy the staged ``version`` into the model; returns the checksum. Through the loader inside an
+        ``in_place`` freeze; with ``between_steps`` (TP=1) the worker runs it before its next forward (no
+        pause, no SGLang call), and only if no forward comes within ``between_steps_wait_s`` (an idle
+        engine) through the loader."""
         t0 = time.perf_counter()
         outs, held, laps = None, 0.0, {}
-        if self.group_ranks == 1 and not self._paused:
+        if self.between_steps and self.group_ranks == 1 and not self._paused:
             seq = await self._request("commit", version=version)
             outs = await self._outcomes(seq, f"commit of v{version}", self.between_steps_wait_s)
             if outs is not None:

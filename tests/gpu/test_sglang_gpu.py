@@ -140,7 +140,8 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop,
         wgroup.close_group(pg)
 
 
-def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints):
+@pytest.mark.parametrize("between_steps", [False, True], ids=["freeze", "between-steps"])
+def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints, between_steps):
     """weight_sync.staging on SGLang: fleetrl's loader in the server's worker receives while the engine
     generates (the stage goes to a thread in the worker); the engine is held only for the commit's freeze.
     Log-probs then match the new weights."""
@@ -158,7 +159,8 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints)
     torch.cuda.set_device(0)
     states = [{k: v.to("cuda:0") for k, v in s.items()} for s in (s0, s1)]
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], 256 << 20)
-    staged = server.client("sglang-staged", staging=True)  # lives on the publisher's RPC loop
+    staged = server.client(f"sglang-staged-{int(between_steps)}", staging=True,  # on the publisher's RPC loop
+                           between_steps=between_steps)
     pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", staging=True, timeout_s=120.0), plan,
                     rank=0, engines=[staged], device="cuda:0")
     versions = list(range(1, 6))  # v1 (group creation, copy-plan recording) = s1, then s0, s1, s0, s1
@@ -190,7 +192,7 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints)
     try:
         groups = loop.run_until_complete(run())
         timed = steps[1:]
-        _record("staged_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), generated_groups=groups,
+        _record("staged_update", between_steps_asked=between_steps, bytes=reports[-1].bytes, buckets=len(plan.buckets), generated_groups=groups,
                 publish_s=[r.seconds for r in reports[1:]], unavailable_s=[s["unavailable_s"] for s in timed],
                 stage_s=[s["stage"] for s in timed], commit_held_s=[s["commit_held"] for s in timed],
                 commit_in_engine_s=[s["commit_in_engine"] for s in timed],
@@ -199,10 +201,10 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints)
                     "commit_from_loader_s", "commit_continue_s", "commit_wait_s", "commit_checksum_s", "commit_load_s")},
                 replayed=[s["commit_replayed"] for s in timed], between_steps=[s["commit_between_steps"] for s in timed],
                 first=steps[0])
-        assert all(r.checksum and r.per_engine_checksums["sglang-staged"] == r.checksum for r in reports)
+        assert all(r.checksum and r.per_engine_checksums[staged.engine_id] == r.checksum for r in reports)
         assert all(s["commit_replayed"] == len(plan.buckets) for s in timed), timed
         assert groups > 0
-        assert all(s["commit_between_steps"] for s in timed), "a generating engine commits before its next forward"
+        assert all(s["commit_between_steps"] == between_steps for s in timed), timed
         prompt = random.Random(7).sample(range(1000, 100000), 16)
         samples = _group(client, loop, prompt)
         _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_staged_publish_v5")
