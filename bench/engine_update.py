@@ -19,8 +19,9 @@ so the numbers are those of a serving engine. Per update it records:
   side: pause to resume for the paused modes; for ``staged/keep`` the commit as timed
   inside the worker (the engine core runs it between two steps, so that is its stall);
 * ``probe_stall_s``: the longest wait a probe stream saw for its next token (or its first)
-  while the update was in flight, against ``probe_gap_p50_s`` outside updates: the stall as a
-  client sees it;
+  while the update was in flight, against ``probe_stall_quiet_s``, the same measure over
+  windows of the same lengths between updates (a request's first token falls into some
+  windows anyway), and ``probe_gap_p50_s``, the median token gap: the stall as a client sees it;
 * ``publish_s`` and the client's per-call times (``steps``).
 
 Medians over the updates are in the JSON; the first publish of each mode (group creation)
@@ -104,6 +105,20 @@ class Probe:
         """The longest token wait that overlaps [t0, t1]."""
         return max((e - s for s, e in list(self.gaps) if s < t1 and e > t0), default=0.0)
 
+    def quiet_stall(self, windows: list[tuple[float, float]], margin: float = 0.05) -> float:
+        """The same measure over windows of the same lengths where no update was in flight (the middle
+        of the pause before each update): a stream's wait for the first token of its next request
+        falls into some windows whether or not an update runs, so an update's own stall is the
+        difference between the two medians."""
+        stalls, prev_end = [], None
+        for t0, t1 in windows:
+            length = t1 - t0
+            if prev_end is not None and t0 - prev_end - 2 * margin >= length:
+                mid = (prev_end + t0) / 2
+                stalls.append(self.stall(mid - length / 2, mid + length / 2))
+            prev_end = t1
+        return statistics.median(stalls) if stalls else float("nan")
+
     def baseline(self, windows: list[tuple[float, float]]) -> float:
         quiet = [e - s for s, e in list(self.gaps) if all(e < a or s > b for a, b in windows)]
         return statistics.median(quiet) if quiet else 0.0
@@ -132,7 +147,8 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
             pub.publish(v, iter(states[v % 2].items()))  # group creation and staging buffers: not counted
             for _ in range(updates):
                 v += 1
-                time.sleep(0.3)
+                # room before it for a quiet window as long as an update (Probe.quiet_stall)
+                time.sleep(max(0.3, 3 * (windows[-1][1] - windows[-1][0]) if windows else 0.3))
                 t0 = time.perf_counter()
                 rep = pub.publish(v, iter(states[v % 2].items()))
                 t1 = time.perf_counter()
@@ -146,7 +162,7 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
         # at the end of each publish would miss the very gap it is after
         for row, (t0, t1) in zip(rows, windows):
             row["probe_stall_s"] = probe.stall(t0, t1)
-        base = probe.baseline(windows)
+        base, quiet = probe.baseline(windows), probe.quiet_stall(windows)
         errors = list(probe.errors)
     finally:
         pub.close()
@@ -156,12 +172,13 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
 
     case = {"mode": f"{mode[0]}/{pause}", "bytes": rep.bytes, "updates": len(rows), "publish_s": med("publish_s"),
             "unavailable_s": med("unavailable_s"), "unavailable_max_s": max(r["unavailable_s"] for r in rows),
-            "probe_stall_s": med("probe_stall_s"), "probe_gap_p50_s": base,
+            "probe_stall_s": med("probe_stall_s"), "probe_stall_quiet_s": quiet, "probe_gap_p50_s": base,
             "steps_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in rows) for k in rows[0]["steps"]},
             "probe_errors": errors[:5], "rows": rows}
     print(f"{case['mode']:>12}: unavailable {case['unavailable_s'] * 1e3:7.1f} ms (max "
           f"{case['unavailable_max_s'] * 1e3:.1f})  probe stall {case['probe_stall_s'] * 1e3:7.1f} ms "
-          f"(p50 gap {base * 1e3:.1f})  publish {case['publish_s'] * 1e3:.1f} ms", flush=True)
+          f"(same windows without an update {quiet * 1e3:.1f}; p50 gap {base * 1e3:.1f})  "
+          f"publish {case['publish_s'] * 1e3:.1f} ms", flush=True)
     return case
 
 
