@@ -26,7 +26,8 @@ from typing import Any
 
 from launch.real_fleet import ServerFactory
 from rollout_fleet.engines.http import free_port
-from rollout_fleet.engines.sglang import SGLangClient, SGLangServer, SGLangServerArgs
+from rollout_fleet.engines.sglang import SGLangClient
+from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)

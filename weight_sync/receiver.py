@@ -192,7 +192,7 @@ class WeightReceiver:
             raise RuntimeError(f"engine {self.engine_id}: commit(v{version}) but the staged version is {have}")
         _, works = self._staged
         self._staged = None
-        plan, bufs = self.plan, self._staging[1]
+        bufs = self._staging[1]
         step, t0 = "receive bucket 0", time.perf_counter()
         try:
             deadline = time.monotonic() + self.timeout_s

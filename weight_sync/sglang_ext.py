@@ -11,9 +11,12 @@ that admits torch tensors; nothing else travels that way)::
 
     join(group, plan)   this worker joins fleetrl's weight group (rank rank_offset + tp_rank)
                         through a weight_sync.receiver.WeightReceiver, as vLLM's workers do
+    stage(v, plan_id)   post the receives of v into standing buffers (the client asks for it
+                        through the store instead, see below; this form is for tests and tools)
     commit(v)           wait (bounded) for the staged receives, checksum, copy into the model
-                        (if the forward hook has not run it already)
-                        (the loader's copies are recorded once, then replayed: weight_sync.copy_plan)
+                        unless the forward hook already did (the loader's copies are recorded
+                        once, then replayed: weight_sync.copy_plan)
+    leave()             leave the group
 
 The stage does not go through SGLang's scheduler: ``join`` starts a thread in each
 worker that takes requests from fleetrl's TCP store (:func:`request_key`), and a stage

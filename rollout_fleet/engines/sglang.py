@@ -1,4 +1,4 @@
-"""SGLang engine: the ``python -m sglang.launch_server`` process and its :class:`EngineClient`.
+"""SGLang engine client (:class:`SGLangClient`); the server process is :mod:`rollout_fleet.engines.sglang_server`.
 
 Generation is SGLang's native ``/generate`` with ``input_ids`` (token in, token
 out, no tokenizer in the loop: the server runs with ``--skip-tokenizer-init``),
@@ -33,7 +33,7 @@ generates::
                    forward first copies into the model (no pause; an idle engine gets the loader call)
 
 Versions: SGLang 0.5.16 (the release built for torch 2.11) to 0.5.23 are
-supported; :func:`check_sglang_version` fails fast otherwise.
+supported; :func:`rollout_fleet.engines.sglang_server.check_sglang_version` fails fast otherwise.
 
 NCCL: every process of one weight-sync group must agree on
 ``NCCL_CUMEM_ENABLE``. SGLang sets it to 0 in its own process when unset, a
@@ -48,12 +48,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -66,41 +61,11 @@ from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
 
-SGLANG_MIN = Version("0.5.16")  # first release built for torch 2.11; has pause modes and flattened buckets
-SGLANG_MAX_TESTED = Version("0.5.23")
 _SESSION_API = Version("0.5.23")  # update_weights_from_distributed must sit inside begin/end_weight_update
 
 def publisher_nccl_env() -> dict[str, str]:
     """The NCCL settings the publishing process must share with SGLang (see module docstring)."""
     return dict(NCCL_ENV)
-
-
-def check_sglang_version(version: str) -> Version:
-    """Raise a ValueError naming the supported range unless ``version`` is in it."""
-    v = Version(version)
-    if v < SGLANG_MIN or v.release[:2] != SGLANG_MIN.release[:2]:
-        raise ValueError(
-            f"sglang {version} is not supported: fleetrl needs sglang >= {SGLANG_MIN}, < 0.6 "
-            f"(tested {SGLANG_MIN} with torch 2.11 and the API of {SGLANG_MAX_TESTED}). It relies on "
-            "/pause_generation modes, /update_weights_from_distributed with load_format='flattened_bucket' "
-            "and input_ids in /generate; install e.g. `pip install sglang==0.5.16` for torch 2.11."
-        )
-    if v > SGLANG_MAX_TESTED:
-        log.warning("sglang %s is newer than the newest version fleetrl was tested with (%s)", v, SGLANG_MAX_TESTED)
-    return v
-
-
-def installed_sglang_version(python: str = sys.executable) -> str:
-    """sglang's version in ``python``'s environment, without importing sglang (seconds) there."""
-    code = "import importlib.metadata as m; print(m.version('sglang'))"
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        raise EngineError(f"{python} did not report sglang's version within 60s") from None
-    if out.returncode != 0:
-        raise EngineError(f"sglang is not installed for {python}: install sglang>={SGLANG_MIN} "
-                          f"(`pip install fleetrl[sglang]`); {out.stderr.strip().splitlines()[-1:]}")
-    return out.stdout.strip()
 
 
 def sglang_group_name(group_epoch: int) -> str:
@@ -145,149 +110,6 @@ def publisher_group(store, group: GroupInfo, timeout_s: float):
     return dist.ProcessGroupNCCL(s, 0, group.world_size, opts)
 
 
-@dataclass(kw_only=True, slots=True)
-class SGLangServerArgs:
-    """How to start one SGLang server. ``gpus`` are physical ids (CUDA_VISIBLE_DEVICES)."""
-
-    model: str
-    gpus: list[int]
-    port: int
-    host: str = "127.0.0.1"
-    tensor_parallel_size: int = 1
-    mem_fraction_static: float = 0.85
-    max_running_requests: int = 256
-    dtype: str = "bfloat16"
-    seed: int = 0
-    radix_cache: bool = True  # off for in-flight ('keep') updates: see SGLangClient.pause
-    python: str = sys.executable
-    # SGLang 0.5.16 on H200 died on its first forward without these (FACTS.md); see compat_args.
-    compat: bool = True
-    fleetrl_loader: bool = True  # --custom-weight-loader for staged updates; the server's python must import fleetrl
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    log_path: str | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.gpus) != self.tensor_parallel_size:
-            raise ValueError(f"SGLang server with tensor_parallel_size={self.tensor_parallel_size} "
-                             f"needs that many GPUs, got gpus={self.gpus}")
-
-
-def compat_args(version: Version) -> list[str]:
-    """Serving flags a given SGLang needs on H200.
-
-    0.5.16: the combination FACTS.md saw serve (its scheduler died on the first forward with fa3,
-    and with triton + no CUDA graph, until both flags were added). Which flag matters is what
-    bench/sglang_flags.py measures; it has not run yet, so all are kept.
-    """
-    if version < Version("0.5.17"):
-        return ["--disable-overlap-schedule", "--skip-server-warmup", "--attention-backend", "triton",
-                "--sampling-backend", "pytorch", "--disable-cuda-graph"]
-    return []
-
-
-class SGLangServer:
-    """One SGLang server process. Example::
-
-        server = SGLangServer(SGLangServerArgs(model="models/qwen", gpus=[1], port=30000))
-        await server.start(timeout_s=600)
-        client = server.client("sglang-0")
-        ...
-        server.stop()
-    """
-
-    def __init__(self, args: SGLangServerArgs) -> None:
-        self.args = args
-        self.proc: subprocess.Popen | None = None
-        self.version: Version | None = None
-        self._log = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.args.host}:{self.args.port}"
-
-    def command(self, version: Version) -> list[str]:
-        a = self.args
-        cmd = [a.python, "-m", "sglang.launch_server", "--model-path", a.model, "--host", a.host,
-               "--port", str(a.port), "--tp-size", str(a.tensor_parallel_size), "--dtype", a.dtype,
-               "--mem-fraction-static", str(a.mem_fraction_static),
-               "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed),
-               "--skip-tokenizer-init"]
-        if a.fleetrl_loader:  # staged updates (weight_sync/sglang_ext.py); unused otherwise
-            from weight_sync.sglang_ext import LOADER
-
-            cmd += ["--custom-weight-loader", LOADER]
-        if not a.radix_cache:
-            cmd.append("--disable-radix-cache")
-        if a.compat:
-            cmd += compat_args(version)
-        return cmd + list(a.extra_args)
-
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.args.gpus)
-        for k, v in NCCL_ENV.items():
-            env.setdefault(k, v)
-        env.update(self.args.env)
-        return env
-
-    async def start(self, timeout_s: float = 600.0) -> None:
-        """Check the version, launch, and wait until ``/health`` answers (or raise with the log tail)."""
-        self.version = check_sglang_version(await asyncio.to_thread(installed_sglang_version, self.args.python))
-        cmd = self.command(self.version)
-        log_path = Path(self.args.log_path or f"sglang-{self.args.port}.log")
-        self._log = open(log_path, "ab")
-        log.info("starting sglang %s on GPUs %s: %s", self.version, self.args.gpus, " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        t0 = time.monotonic()
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            while time.monotonic() - t0 < timeout_s:
-                if self.proc.poll() is not None:
-                    raise EngineError(f"sglang server on port {self.args.port} exited with {self.proc.returncode} "
-                                      f"during start; log tail:\n{_tail(log_path)}")
-                try:
-                    if (await http.get(self.url + "/health")).status_code == 200:
-                        log.info("sglang on port %d healthy after %.0fs", self.args.port, time.monotonic() - t0)
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(1.0)
-        self.stop()
-        raise EngineError(f"sglang server on port {self.args.port} not healthy within {timeout_s:.0f}s; "
-                          f"log tail:\n{_tail(log_path)}")
-
-    def client(self, engine_id: str, **kw) -> "SGLangClient":
-        return SGLangClient(engine_id, self.url, tp_size=self.args.tensor_parallel_size,
-                            version=str(self.version) if self.version else None,
-                            radix_cache=self.args.radix_cache, **kw)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Terminate the server's process group (it forks schedulers and detokenizers)."""
-        if self.proc is not None and self.proc.poll() is None:
-            import signal
-
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except ProcessLookupError:
-                pass
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
 class _Meta(msgspec.Struct):
     output_token_logprobs: list = []
     finish_reason: dict | None = None
@@ -311,7 +133,7 @@ class SGLangClient(HttpEngineClient):
                  max_connections: int = 1024, staging: bool = False, between_steps: bool = False) -> None:
         """``staging``: weights arrive through fleetrl's loader in the server's workers (the server must run
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
-        :class:`SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
+        :class:`~rollout_fleet.engines.sglang_server.SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
         ``between_steps`` (TP=1): commits run before the worker's next forward instead of in a pause; it
         passed the CPU tests but has not run on a GPU server yet, so it is off by default."""
         self.engine_id = engine_id
@@ -540,19 +362,16 @@ class SGLangClient(HttpEngineClient):
             await self._control("/update_weights_from_tensor", body, timeout_s)
             t2 = time.perf_counter()
             laps["call"] = t2 - t1
-            outs = await asyncio.to_thread(sglang_ext.read_outcomes, self._store, caller, seq, self.group_ranks)
-            bad = [f"TP worker {r}: {o.get('error')}" for r, o in enumerate(outs) if not o.get("ok")]
-            if bad:
-                raise EngineError(f"engine {self.engine_id}: fleetrl {cmd} failed: {'; '.join(bad)}")
+            outs = await self._outcomes(seq, f"fleetrl {cmd}")
             if "t_enter" in outs[0]:  # same host: how long SGLang took to bring the call to the loader and back
                 laps["to_loader"] = outs[0]["t_enter"] - t1
                 laps["from_loader"] = t2 - outs[0]["t_exit"]
-        except (EngineError, TimeoutError) as e:
+        except EngineError as e:
             if cmd == "commit":
                 raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
             if freeze:
                 await self.resume()
-            raise EngineError(str(e)) from e
+            raise
         if freeze or (cmd == "commit" and self._paused == "frozen"):  # a good commit ends an earlier failure's freeze
             t1 = time.perf_counter()
             await self.resume()

@@ -36,7 +36,7 @@ def _port() -> int:
 def server(qwen_checkpoints, loop, tmp_path_factory):
     import torch
 
-    from rollout_fleet.engines.sglang import SGLangServer, SGLangServerArgs
+    from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
 
     if torch.cuda.device_count() < 2:
         pytest.fail("the SGLang GPU test needs 2 GPUs (engine on GPU 1, learner on GPU 0)")

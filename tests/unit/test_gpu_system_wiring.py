@@ -88,7 +88,7 @@ def test_staging_on_a_vllm_fleet_loads():
 
 def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
     from launch.real_learner import publish_client
-    from rollout_fleet.engines.sglang import SGLangServer, SGLangServerArgs
+    from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
     from weight_sync.sglang_ext import LOADER
     from packaging.version import Version
 
@@ -104,7 +104,7 @@ def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
 
 def test_sglang_factory_server_args(tmp_path):
     from launch.real_sglang import SGLangFactory
-    from rollout_fleet.engines.sglang import compat_args
+    from rollout_fleet.engines.sglang_server import compat_args
     from packaging.version import Version
 
     cfg = load_run_config("gpu-tiny", ["rollout.engine=sglang", "rollout.sglang_server_args=[--log-level, debug]"])
@@ -113,7 +113,7 @@ def test_sglang_factory_server_args(tmp_path):
     assert args.env["NCCL_CUMEM_ENABLE"] == "0"
     assert args.extra_args[-2:] == ["--log-level", "debug"]
     assert args.mem_fraction_static == cfg.rollout.gpu_memory_utilization
-    from rollout_fleet.engines.sglang import SGLangServer
+    from rollout_fleet.engines.sglang_server import SGLangServer
 
     cmd = SGLangServer(args).command(Version("0.5.16"))
     assert "--disable-radix-cache" in cmd and all(a in cmd for a in compat_args(Version("0.5.16")))

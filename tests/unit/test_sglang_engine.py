@@ -14,13 +14,8 @@ import multiprocessing as mp
 
 import pytest
 
-from rollout_fleet.engines.sglang import (
-    SGLangServer,
-    SGLangServerArgs,
-    check_sglang_version,
-    compat_args,
-    sglang_group_name,
-)
+from rollout_fleet.engines.sglang import sglang_group_name
+from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs, check_sglang_version, compat_args
 
 pytestmark = pytest.mark.timeout(300)
 
