@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,9 @@ class Job:
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
         self._eval_ref = None  # the evaluation in flight, if any
         self._eval_step = 0  # learner step at which the last evaluation started
+        # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
+        # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
+        self.interrupted = threading.Event()
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -229,6 +233,8 @@ class Job:
         import ray
 
         while True:
+            if self.interrupted.is_set():
+                raise KeyboardInterrupt
             if self.learner_ranks is not None:  # raises RankFailed naming a rank that failed or died
                 done = self.learner_ranks.poll(0.5)
             else:
@@ -457,10 +463,12 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)
 
-    def _term(signum, frame):  # SIGTERM takes the same clean path as Ctrl-C
+    def _interrupt(signum, frame):  # Ctrl-C, and SIGTERM the same clean way
+        job.interrupted.set()
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, _term)
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    old_int = signal.signal(signal.SIGINT, _interrupt)
     rc, error = 0, None
     try:
         job.start()
@@ -473,9 +481,10 @@ def run(cfg: RunConfig, args: argparse.Namespace) -> int:
         log.exception("job failed")
     finally:
         # a second Ctrl-C must not cut the shutdown short (that is how orphans are made)
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         final = job.shutdown()
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
     summary = build_summary(cfg, job, final, error=error)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
