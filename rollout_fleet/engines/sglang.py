@@ -325,10 +325,11 @@ class SGLangClient(HttpEngineClient):
         if self._store_at != at:  # the publisher's store: the loader leaves its outcomes there
             self._store = await asyncio.to_thread(wgroup.connect_store, *at, min(self.control_timeout_s, 30.0))
             self._store_at = at
-        self._group, self._plan = group, plan
+        self._group = self._plan = None  # until this join succeeds
         g = {"master_addr": group.master_addr, "master_port": group.master_port, "rank_offset": group.rank_offset,
              "world_size": group.world_size, "group_epoch": group.group_epoch}
         await self._loader_call("join", self.control_timeout_s + 10, group=g, plan=plan_to_dict(plan))
+        self._group, self._plan = group, plan
         self._req_n, self._req_keys = 0, []  # requests are counted per join: the workers' threads count alike
 
     async def _loader_call(self, cmd: str, timeout_s: float, **args) -> tuple[list[dict], float]:
