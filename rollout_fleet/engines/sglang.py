@@ -263,10 +263,10 @@ class SGLangClient(HttpEngineClient):
         return self._session_api
 
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
+        if self.staging:  # fleetrl's receivers take gloo too (the CPU tests' stand-in server)
+            return await self._loader_join(group, plan)
         if group.backend != "nccl":
             raise EngineError(f"engine {self.engine_id}: SGLang receives weights over NCCL, not {group.backend!r}")
-        if self.staging:
-            return await self._loader_join(group, plan)
         await self._detect_session_api()
         if self._group is not None:
             try:  # leave the previous epoch's group so its communicator is freed
@@ -327,7 +327,7 @@ class SGLangClient(HttpEngineClient):
             self._store_at = at
         self._group = self._plan = None  # until this join succeeds
         g = {"master_addr": group.master_addr, "master_port": group.master_port, "rank_offset": group.rank_offset,
-             "world_size": group.world_size, "group_epoch": group.group_epoch}
+             "world_size": group.world_size, "group_epoch": group.group_epoch, "backend": group.backend}
         await self._loader_call("join", self.control_timeout_s + 10, group=g, plan=plan_to_dict(plan))
         self._group, self._plan = group, plan
         self._req_n, self._req_keys = 0, []  # requests are counted per join: the workers' threads count alike
@@ -379,7 +379,7 @@ class SGLangClient(HttpEngineClient):
             laps["continue"] = time.perf_counter() - t1
         return outs, time.perf_counter() - t0
 
-    async def _request(self, cmd: str, **args) -> int:
+    async def _ask(self, cmd: str, **args) -> int:
         """Leave a stage or commit request in the store for the workers' request threads; returns its seq."""
         from weight_sync import sglang_ext
 
@@ -415,7 +415,7 @@ class SGLangClient(HttpEngineClient):
         through fleetrl's store to a thread in each worker, not through SGLang: the engine is not held."""
         self._check_plan(version, plan_id)
         t0 = time.perf_counter()
-        seq = await self._request("stage", version=version, plan_id=plan_id)
+        seq = await self._ask("stage", version=version, plan_id=plan_id)
         outs = await self._outcomes(seq, f"stage of v{version}")
         self._stage_steps = {"stage": time.perf_counter() - t0, "stage_in_engine": max(o["stage_s"] for o in outs)}
 
@@ -430,7 +430,7 @@ class SGLangClient(HttpEngineClient):
         t0 = time.perf_counter()
         outs, held, laps = None, 0.0, {}
         if self.between_steps and self.group_ranks == 1 and not self._paused:
-            seq = await self._request("commit", version=version)
+            seq = await self._ask("commit", version=version)
             outs = await self._outcomes(seq, f"commit of v{version}", self.between_steps_wait_s)
             if outs is not None:
                 held = max(o["commit_s"] for o in outs)  # the step it ran before was delayed by this
