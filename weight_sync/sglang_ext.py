@@ -119,15 +119,24 @@ class _Requests(threading.Thread):
         if self.worker.receiver.device.type == "cuda":
             torch.cuda.set_device(self.worker.receiver.device)
         store = wgroup.connect_store(self.group.master_addr, self.group.master_port, self.timeout_s)
-        n = 0
+        n, failing_since = 0, None
         while not self.stopped.is_set():
             key = request_key(self.group.group_epoch, self.group.rank_offset, n + 1)
+            t0 = time.monotonic()
             try:
                 store.wait([key], datetime.timedelta(seconds=1))  # a bounded wait, to look at `stopped` again
                 cmd = json.loads(store.get(key))
-            except Exception:  # noqa: BLE001 - not asked yet (timeout), or the store is gone for now
+            except Exception as e:  # noqa: BLE001 - not asked yet (a timeout), or the store is gone
+                if time.monotonic() - t0 >= 0.9:  # the wait ran out: nobody asked
+                    failing_since = None
+                    continue
+                failing_since = failing_since or t0
+                if time.monotonic() - failing_since > self.timeout_s:  # the publisher is gone; a new join starts anew
+                    log.warning("fleetrl requests: store unreachable for %.0fs, stopping: %s", self.timeout_s, e)
+                    return
                 self.stopped.wait(0.05)
                 continue
+            failing_since = None
             n += 1
             if cmd["cmd"] == "commit":
                 self.worker.pending = cmd  # the next forward runs it
