@@ -267,12 +267,7 @@ class BrokerState:
             self.counters.drops["duplicate"] += dups
             return 0, 0, dups
         nbytes = sum(g.nbytes for g in fresh)
-        if nbytes > self.byte_budget:
-            raise BrokerError(ErrorCode.TOO_LARGE, f"push of {nbytes} bytes exceeds the whole byte budget "
-                              f"of {self.byte_budget}; push smaller batches")
-        if self.pending_bytes + nbytes > self.byte_budget:
-            raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
-                              "bytes held); retry later", retry_after_s=0.05)
+        self._check_room(nbytes)
         # Plan tickets before changing anything, so a refused push leaves no trace.
         taken: dict[int, int] = {}
         used, unticketed, supply = [], 0, self._supply()
@@ -286,9 +281,7 @@ class BrokerState:
                 unticketed += 1
                 supply += 1
             else:
-                raise BrokerError(ErrorCode.NO_TICKET, f"group {g.group_id!r} for step {g.label}: producer "
-                                  f"{producer_id!r} holds no ticket for that step (expired?) and all "
-                                  f"{self._demand()} slots are taken; acquire a ticket first")
+                raise self._no_ticket(producer_id, g)
         if self.journal is not None:
             if dups:
                 self.journal.on_accept(pa.concat_batches([g.batch for g in fresh]))
@@ -296,8 +289,6 @@ class BrokerState:
                 self.journal.on_accept(batch, payload)
         for tid in used:
             self._drop_ticket(tid)
-        if payload is not None and len(groups) == 1 and not dups:
-            fresh[0].payload = payload
         rows = 0
         for g in fresh:
             self._add(g)
@@ -320,17 +311,10 @@ class BrokerState:
             c.drops["duplicate"] += 1
             return 0, 0, 1
         nbytes = g.nbytes
-        if nbytes > self.byte_budget:
-            raise BrokerError(ErrorCode.TOO_LARGE, f"push of {nbytes} bytes exceeds the whole byte budget "
-                              f"of {self.byte_budget}; push smaller batches")
-        if self.pending_bytes + nbytes > self.byte_budget:
-            raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
-                              "bytes held); retry later", retry_after_s=0.05)
+        self._check_room(nbytes)
         tids = self._tickets_of.get((producer_id, g.label))
         if not tids and self._supply() >= self._demand():
-            raise BrokerError(ErrorCode.NO_TICKET, f"group {g.group_id!r} for step {g.label}: producer "
-                              f"{producer_id!r} holds no ticket for that step (expired?) and all "
-                              f"{self._demand()} slots are taken; acquire a ticket first")
+            raise self._no_ticket(producer_id, g)
         if self.journal is not None:
             self.journal.on_accept(batch, payload)
         if tids:
@@ -345,6 +329,20 @@ class BrokerState:
         c.produced_rows += rows
         c.produced_bytes += nbytes
         return 1, rows, 0
+
+    def _check_room(self, nbytes: int) -> None:
+        """Refuse a push of ``nbytes`` that the byte budget cannot hold (ever, or now)."""
+        if nbytes > self.byte_budget:
+            raise BrokerError(ErrorCode.TOO_LARGE, f"push of {nbytes} bytes exceeds the whole byte budget "
+                              f"of {self.byte_budget}; push smaller batches")
+        if self.pending_bytes + nbytes > self.byte_budget:
+            raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
+                              "bytes held); retry later", retry_after_s=0.05)
+
+    def _no_ticket(self, producer_id: str, g: Group) -> BrokerError:
+        return BrokerError(ErrorCode.NO_TICKET, f"group {g.group_id!r} for step {g.label}: producer "
+                           f"{producer_id!r} holds no ticket for that step (expired?) and all "
+                           f"{self._demand()} slots are taken; acquire a ticket first")
 
     def _add(self, g: Group) -> None:
         g.seq = self._seq
