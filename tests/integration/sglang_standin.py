@@ -43,6 +43,18 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def decode_payload(data: str) -> list:
+    """A ``serialized_named_tensors`` entry back to its named tensors, as SGLang unpickles it."""
+    return _Unpickler(io.BytesIO(base64.b64decode(data))).load()
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    """Random HF-style tensors that :class:`Tiny` loads."""
+    g = torch.Generator().manual_seed(seed)
+    return {"q": torch.randn(4, 8, generator=g), "k": torch.randn(4, 8, generator=g),
+            "v": torch.randn(4, 8, generator=g), "norm": torch.randn(8, generator=g)}
+
+
 class Tiny(torch.nn.Module):
     """Fused q/k/v like SGLang's QKVParallelLinear, and a padded row filled with 0 like its embedding."""
 
@@ -82,7 +94,7 @@ class Scheduler:
             time.sleep(0.005)
 
     def update_from_tensor(self, body: dict) -> dict:
-        named = _Unpickler(io.BytesIO(base64.b64decode(body["serialized_named_tensors"][0]))).load()
+        named = decode_payload(body["serialized_named_tensors"][0])
         if body.get("load_format") != sglang_ext.LOADER:
             return {"success": False, "message": f"Unknown load_format={body.get('load_format')}"}
         with self.lock:

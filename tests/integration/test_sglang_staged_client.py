@@ -26,6 +26,8 @@ from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher
 
+from sglang_standin import state  # tests/integration, on sys.path under pytest
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,12 +54,6 @@ def standin(tmp_path):
     proc.wait(10)
 
 
-def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"q": torch.randn(4, 8, generator=g), "k": torch.randn(4, 8, generator=g),
-            "v": torch.randn(4, 8, generator=g), "norm": torch.randn(8, generator=g)}
-
-
 def _held(url: str) -> dict:
     st = httpx.get(url + "/state", timeout=10).json()
     return {"paused": st["paused"], "forwards": st["forwards"],
@@ -72,7 +68,7 @@ def _assert_holds(url: str, state: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("between_steps", [True, False], ids=["between-steps", "freeze"])
 def test_staged_publishes_into_a_serving_engine(standin, between_steps):
-    states = {v: _state(v) for v in range(1, 5)}
+    states = {v: state(v) for v in range(1, 5)}
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], bucket_bytes=200)
     assert len(plan.buckets) > 1
     client = SGLangClient("standin", standin, staging=True, between_steps=between_steps, timeout_s=60,

@@ -9,9 +9,6 @@ real server is covered by tests/gpu/test_sglang_gpu.py.
 
 from __future__ import annotations
 
-import base64
-import io
-import pickle
 import time
 
 import pytest
@@ -23,41 +20,9 @@ from weight_sync import group as wgroup
 from weight_sync import sglang_ext
 from weight_sync.plan import bucket_fingerprint, build_plan, combine_fingerprints, pack_bucket, plan_to_dict
 
+from sglang_standin import Tiny, decode_payload, state as make_state  # the model and unpickling the stand-in server uses
+
 pytestmark = pytest.mark.timeout(120)
-
-ALLOWED = ("builtins.", "collections.", "copyreg.", "torch.")  # the prefixes SGLang admits that a payload needs
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if not any((module + ".").startswith(p) for p in ALLOWED):
-            raise RuntimeError(f"blocked {module}.{name}")
-        return super().find_class(module, name)
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = torch.nn.Parameter(torch.zeros(12, 8))
-        self.norm = torch.nn.Parameter(torch.zeros(8))
-
-    def forward(self, x):
-        return self.qkv.sum() + self.norm.sum() + x
-
-    @torch.no_grad()
-    def load_weights(self, pairs):
-        for name, t in pairs:
-            if name == "norm":
-                self.norm.data.copy_(t)
-            else:
-                start = {"q": 0, "k": 4, "v": 8}[name]
-                self.qkv.data.narrow(0, start, 4).copy_(t)
-
-
-def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"q": torch.randn(4, 8, generator=g), "k": torch.randn(4, 8, generator=g),
-            "v": torch.randn(4, 8, generator=g), "norm": torch.randn(8, generator=g)}
 
 
 def _worker(conn) -> None:
@@ -74,7 +39,7 @@ def _worker(conn) -> None:
             model.forward(torch.zeros(()))
             conn.send("done")
             continue
-        named = _Unpickler(io.BytesIO(base64.b64decode(msg))).load()
+        named = decode_payload(msg)
         named = [(n, t.to("cpu")) for n, t in named]  # SGLang's _unwrap_tensor
         sglang_ext.fleetrl_loader(model, named)  # never raises: outcomes go to the store
         conn.send("done")
@@ -94,7 +59,7 @@ def worker():
 
 
 def test_payload_passes_an_allowlist_and_names_the_command():
-    named = _Unpickler(io.BytesIO(base64.b64decode(sglang_ext.payload("stage", version=3, plan_id="p")))).load()
+    named = decode_payload(sglang_ext.payload("stage", version=3, plan_id="p"))
     assert len(named) == 1 and named[0][0].startswith(sglang_ext.PREFIX) and '"version": 3' in named[0][0]
     with pytest.raises(ValueError, match="unknown fleetrl SGLang command"):
         sglang_ext.payload("reload")
@@ -102,7 +67,7 @@ def test_payload_passes_an_allowlist_and_names_the_command():
 
 def test_join_stage_commit_over_a_real_group(worker):
     store = wgroup.host_store("127.0.0.1", 0, 30)
-    state = _state(1)
+    state = make_state(1)
     plan = build_plan([(k, list(v.shape), v.dtype) for k, v in state.items()], bucket_bytes=200)
     assert len(plan.buckets) > 1
     group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
@@ -139,7 +104,7 @@ def test_join_stage_commit_over_a_real_group(worker):
     assert joined["ok"] and joined["rank"] == 1 and joined["t_exit"] >= joined["t_enter"], joined
 
     for version, seed in ((1, 1), (2, 2)):  # the second commit replays the recorded copies
-        state = _state(seed)
+        state = make_state(seed)
         staged = stage(version=version, plan_id=plan.plan_id)  # the worker's loop is idle meanwhile
         assert staged["ok"], staged
         prints = []
@@ -166,7 +131,7 @@ def test_join_stage_commit_over_a_real_group(worker):
         worker.send("dump")
         held = worker.recv()
         assert torch.equal(held["qkv"], torch.cat([state["q"], state["k"], state["v"]]))
-        assert torch.equal(held["norm"], state["norm"])
+        assert torch.equal(held["norm"][:8], state["norm"]) and held["norm"][8] == 0  # its padding row
         assert got["replayed_buckets"] == (0 if version == 1 else len(plan.buckets))  # recorded, then replayed
 
     # A commit of a version that was never staged is refused and reported, and the worker lives on.
