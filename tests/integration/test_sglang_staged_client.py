@@ -26,7 +26,8 @@ from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher
 
-from sglang_standin import state  # tests/integration, on sys.path under pytest
+from health import wait_healthy  # tests/integration, on sys.path under pytest
+from sglang_standin import state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
@@ -40,15 +41,7 @@ def standin(tmp_path):
                              "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "standin.log").read_text()
-        time.sleep(0.2)
+    wait_healthy(url, proc, tmp_path / "standin.log", "the SGLang stand-in")
     yield url
     proc.kill()
     proc.wait(10)

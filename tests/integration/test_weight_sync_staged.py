@@ -26,6 +26,8 @@ from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError
 from weight_sync.receiver_client import ReceiverClient
 
+from health import wait_healthy  # tests/integration
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -48,18 +50,8 @@ def receivers(tmp_path_factory):  # shared; the kill test, last in this file, en
         procs[eid] = subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", eid,
                                        "--port", str(port)], env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         urls[eid] = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    for eid, url in urls.items():  # wait until each answers /health
-        import httpx
-
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"receiver {eid} did not start: {(tmp_path / f'{eid}.log').read_text()}"
-            time.sleep(0.2)
+    for eid, url in urls.items():
+        wait_healthy(url, procs[eid], tmp_path / f"{eid}.log", f"receiver {eid}")
     yield procs, urls
     for p in procs.values():
         if p.poll() is None:
