@@ -8,7 +8,7 @@
 #   base            pip-install .whl/*.whl into /tmp/site-base (pydantic, msgspec, megatron-core)
 #   info            GPUs, torch, NCCL
 #   torch           bench/weight_sync.py + tests/gpu/test_weight_sync_gpu.py + tests/gpu/test_fsdp_gpu.py
-#   ws-bench        bench/weight_sync.py alone, twice: Python's default GIL switch interval and 50 us
+#   ws-bench        bench/weight_sync.py, then tests/gpu/test_weight_sync_gpu.py
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
 #   vllm-fleetrl    tests/gpu/test_vllm_fleetrl_gpu.py alone (fleetrl's backend: direct and staged updates)
@@ -120,10 +120,10 @@ for step in "$@"; do
             nvidia-smi topo -m || true
             with_site "" $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
             ;;
-        ws-bench)  # bench/weight_sync.py alone, with Python's default GIL switch interval and with 50 us
+        ws-bench)  # bench/weight_sync.py, then the NCCL publish tests (GPU 0 -> GPU 1)
             with_site "" timeout 200 $PY bench/weight_sync.py --reps 5 --json "$OUT/weight_sync.json" 2>&1 | tail -4
-            with_site "" timeout 200 $PY bench/weight_sync.py --reps 5 --switch-interval 5e-5 \
-                --json "$OUT/weight_sync_si50us.json" 2>&1 | tail -4
+            with_site "" timeout 200 $PY -m pytest -v -rA -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py 2>&1 \
+                | tail -15
             ;;
         torch)
             with_site "" timeout 300 $PY bench/weight_sync.py --reps 3 --json "$OUT/weight_sync.json"

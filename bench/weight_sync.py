@@ -189,6 +189,7 @@ class PipeEngine(EngineClient):
         self._lock = asyncio.Lock()
         self._version = 0
         self.last_timeline: list[tuple[str, float]] = []  # the receiver's stamps of the last publish
+        self.rpc_stamps: list[tuple[str, float]] = []  # the RPC thread's: request written, reply read
 
     def call(self, cmd: str, arg=None, timeout_s: float = 600.0):
         self._conn.send((cmd, arg))
@@ -207,14 +208,18 @@ class PipeEngine(EngineClient):
             ready = loop.create_future()
             fd = self._conn.fileno()
             self._conn.send((cmd, arg))
+            self.rpc_stamps = [(f"{cmd} sent", time.perf_counter())]
             loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
             try:
-                await asyncio.wait_for(ready, timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout_s):  # lighter than wait_for: no task of its own
+                    await ready
+            except TimeoutError:
                 raise EngineError(f"engine {self.engine_id}: {cmd} got no answer within {timeout_s:.0f}s") from None
             finally:
                 loop.remove_reader(fd)
+                os.set_blocking(fd, True)  # uvloop makes a watched fd non-blocking; call() and raw() block
             status, value = self._conn.recv()
+            self.rpc_stamps.append((f"{cmd} reply read", time.perf_counter()))
             if status != "ok":
                 raise EngineError(f"engine {self.engine_id}: {cmd} failed: {value}")
             return value
@@ -297,13 +302,18 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
             _sync()
             t0 = time.perf_counter()
             reports.append(pub.publish(2 + r, iter(state.items())))
+            t_ret = time.perf_counter()
             _sync()
-            pubs.append(time.perf_counter() - t0)
+            t_end = time.perf_counter()
+            pubs.append(t_end - t0)
             raws.append(_sync_time(raw))
         # Where the last publish's time went: both processes' stamps, in ms from its start.
         t0 = pub.timeline[0][1]
         timeline = sorted([(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in pub.timeline]
-                          + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in engine.last_timeline])
+                          + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in engine.last_timeline]
+                          + [(round((t - t0) * 1e3, 3), "rpc thread " + e) for e, t in engine.rpc_stamps]
+                          + [(round((t - t0) * 1e3, 3), "bench " + e) for e, t in (("publish returned", t_ret),
+                                                                                  ("synced", t_end))])
         # Bit-identity of the last publish: digests on both GPUs.
         want = {n: _digest(t) for n, t in state.items()}
         got = engine.call("digest")

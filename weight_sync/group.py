@@ -94,7 +94,7 @@ def broadcast_async(pg, buf: torch.Tensor):
     return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
 
 
-def wait_work(work, deadline: float, what: str) -> None:
+def wait_work(work, deadline: float, what: str, max_sleep_s: float = 2e-4) -> None:
     """Wait for an asynchronous collective until ``deadline`` (a ``time.monotonic()`` value).
 
     Why not ``work.wait(timeout)``: on NCCL a wait with a timeout blocks the thread
@@ -102,14 +102,15 @@ def wait_work(work, deadline: float, what: str) -> None:
     a 90 ms publish of an 8B model on H200). Polling ``is_completed()`` with a
     back-off from 10 us reacts within microseconds. Once complete, ``wait()`` without
     a timeout re-raises the collective's error, if any, and on CUDA orders the
-    current stream after it (no host wait).
+    current stream after it (no host wait). ``max_sleep_s`` caps the back-off: lower where the
+    host has nothing else to do and a late reaction is on the critical path.
     """
     delay = 1e-5
     while not work.is_completed():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not done within the weight-sync timeout (a peer is gone or stuck)")
         time.sleep(delay)
-        delay = min(delay * 2, 2e-4)
+        delay = min(delay * 2, max_sleep_s)
     work.wait()
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from broker.client import new_event_loop
 from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
@@ -131,7 +132,9 @@ class Publisher:
         for e in engines:
             self._add(e)
         self._store = None if self._factory else wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
-        self._loop = asyncio.new_event_loop()
+        # uvloop where installed: each publish waits on this loop twice (the engines' start RPCs going out,
+        # their acks coming back), and its wake-ups are cheaper than the default loop's.
+        self._loop = new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
     # ---- membership -------------------------------------------------------------
@@ -158,6 +161,19 @@ class Publisher:
     # ---- async RPCs from sync code ---------------------------------------------------
     def _submit(self, coro) -> cf.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _start(self, make: Callable[[EngineClient], Any]) -> dict[str, cf.Future]:
+        """Submit ``make(engine)`` for every member; return once the loop has run each one's first step.
+
+        A client writes its request in that step. Until then the loop's thread competes for the GIL
+        with this one, which goes on to pack buckets, and a request that leaves late delays the
+        engines' posted receives, hence the first bucket on the wire."""
+        futs = {eid: self._submit(make(self.engines[eid])) for eid in self.members}
+        try:
+            self._submit(asyncio.sleep(0)).result(1.0)  # queued behind those first steps
+        except cf.TimeoutError:
+            pass  # a loop this busy is slow anyway; the RPCs' own timeouts still hold
+        return futs
 
     def call(self, coro, timeout_s: float, what: str):
         """Run an engine coroutine on the publisher's RPC loop (clients are bound to it), bounded."""
@@ -250,7 +266,7 @@ class Publisher:
         start = (lambda e: e.begin_update(version, plan.plan_id)) if staged else \
             (lambda e: e.update_weights(version, plan.plan_id))
         mark = self._mark
-        futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
+        futs = self._start(start)
         mark("rpcs_submitted")
         prints, sent, step = [], 0, "start"
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
@@ -299,7 +315,7 @@ class Publisher:
             mark("acked")
             if not failed and staged:
                 step = "commit"
-                futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
+                futs = self._start(lambda e: e.commit_update(version))
                 failed = self._collect(futs, self.cfg.timeout_s)
                 mark("committed")
             if failed:

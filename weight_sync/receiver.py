@@ -125,18 +125,29 @@ class WeightReceiver:
         Buckets land in ``depth + 1`` standing buffers used in turn. Bucket ``b + depth`` is posted into
         the buffer of bucket ``b - 1`` after that one's load was issued: a CUDA collective waits for the
         work already queued on the current stream, and gloo's load is done when it returns.
+
+        On CUDA the host queues the whole publish without waiting: each bucket's load goes on the current
+        stream behind its receive (``work.wait()`` orders the stream, not the host), so neither the host's
+        reaction to a finished bucket nor the launch of its load sits between the last byte on the wire
+        and the last load. The host then waits, bucket by bucket with the per-step timeout, for the
+        receives. On gloo a receive is host work: wait for it, then load.
         """
         self._check("update_weights", version, plan_id)
         pg, sizes, slots = self.pg, self._sizes, self.depth + 1
         if not self._ring:
             self._ring = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device)
                           for _ in range(min(slots, len(sizes)))]
+        queued = self.device.type == "cuda"
         prints: list[torch.Tensor] = []
-        posted: collections.deque = collections.deque()  # (buffer, work) of receives on the wire
+        works: list = []  # the receive of bucket b is works[b]
 
         def post(b: int) -> None:
-            buf = self._ring[b % slots][: sizes[b]]
-            posted.append((buf, wgroup.broadcast_async(pg, buf)))
+            works.append(wgroup.broadcast_async(pg, self._ring[b % slots][: sizes[b]]))
+
+        def wait(b: int, deadline: float) -> None:
+            wgroup.wait_work(works[b], deadline, f"engine {self.engine_id}: receive bucket {b}/{len(sizes)}",
+                             max_sleep_s=5e-5)
+            mark((f"bucket{b}_received", time.perf_counter()))
 
         step = "receive bucket 0"
         self.timeline = [("receive", time.perf_counter())]
@@ -148,20 +159,29 @@ class WeightReceiver:
             deadline = time.monotonic() + self.timeout_s
             for b in range(len(sizes)):
                 step = f"receive bucket {b}/{len(sizes)}"
-                buf, work = posted.popleft()
-                wgroup.wait_work(work, deadline, f"engine {self.engine_id}: {step}")
-                mark((f"bucket{b}_received", time.perf_counter()))
-                deadline = time.monotonic() + self.timeout_s  # the limit is per step, not per publish
+                if queued:
+                    works[b].wait()  # the stream waits for the bucket; the host goes on
+                else:
+                    wait(b, deadline)
+                    deadline = time.monotonic() + self.timeout_s  # the limit is per step, not per publish
                 if b + self.depth < len(sizes):
                     post(b + self.depth)  # keep `depth` receives posted while this bucket loads
                 step = f"load bucket {b}/{len(sizes)}"
+                buf = self._ring[b % slots][: sizes[b]]
                 prints.append(bucket_fingerprint(buf))
                 load(self._unpacked(buf, b))
-                mark((f"bucket{b}_loaded", time.perf_counter()))
+                if not queued:
+                    mark((f"bucket{b}_loaded", time.perf_counter()))
+            if queued:
+                mark(("queued", time.perf_counter()))
+                for b in range(len(sizes)):
+                    step = f"receive bucket {b}/{len(sizes)}"
+                    wait(b, deadline)
+                    deadline = time.monotonic() + self.timeout_s
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
             raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
-        self.last_checksum = combine_fingerprints(prints)
+        self.last_checksum = combine_fingerprints(prints)  # on CUDA: waits for the queued loads
         mark(("checksum", time.perf_counter()))
         return self.last_checksum
 
