@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from broker.client import new_event_loop
 from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
@@ -134,7 +133,12 @@ class Publisher:
         self._store = None if self._factory else wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
         # uvloop where installed: each publish waits on this loop twice (the engines' start RPCs going out,
         # their acks coming back), and its wake-ups are cheaper than the default loop's.
-        self._loop = new_event_loop()
+        try:
+            import uvloop
+
+            self._loop = uvloop.new_event_loop()
+        except ImportError:
+            self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
     # ---- membership -------------------------------------------------------------
