@@ -22,8 +22,8 @@ The stage does not go through SGLang's scheduler: ``join`` starts a thread in ea
 worker that takes requests from fleetrl's TCP store (:func:`request_key`), and a stage
 is posted by that thread while the engine generates. The commit runs in the loader,
 inside an ``in_place`` pause (SGLang freezes the running batch without retracting it),
-or, when the client asks for it with TP=1 (``SGLangClient(between_steps=True)``: CPU-tested,
-not yet run on a GPU server), without any SGLang call: the request thread leaves it
+or, with TP=1 and an engine that is not paused (``SGLangClient(between_steps=True)``, the
+default; run on 2 H200s with SGLang 0.5.16), without any SGLang call: the request thread leaves it
 pending and the model's forward, which ``join`` wraps, runs it before the next batch,
 in the scheduler's own thread. An engine that runs no forward then (idle, or decoding
 from CUDA graphs only) gets it through the loader after a short wait; TP > 1 engines

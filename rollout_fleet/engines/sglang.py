@@ -130,12 +130,15 @@ class SGLangClient(HttpEngineClient):
 
     def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
                  radix_cache: bool = True, timeout_s: float = 600.0, control_timeout_s: float = 120.0,
-                 max_connections: int = 1024, staging: bool = False, between_steps: bool = False) -> None:
+                 max_connections: int = 1024, staging: bool = False, between_steps: bool = True) -> None:
         """``staging``: weights arrive through fleetrl's loader in the server's workers (the server must run
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
         :class:`~rollout_fleet.engines.sglang_server.SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
-        ``between_steps`` (TP=1): commits run before the worker's next forward instead of in a pause; it
-        passed the CPU tests but has not run on a GPU server yet, so it is off by default."""
+        ``between_steps`` (TP=1, on by default): a commit to an engine that is not paused runs before the
+        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (on 2 H200s,
+        0.5B: the engine held 2.7-3.4 ms per 1 GB update against 21-27 ms for the freeze; see
+        bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
+        engine first, and the commit goes through the loader as without it."""
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.group_ranks = tp_size  # ranks this engine holds in the weight-sync group
