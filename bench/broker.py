@@ -19,6 +19,11 @@ token ids and log-probs, 100 prompt ids) it runs, in separate processes:
   as the broker's clients do it (``trajectory_to_ipc``; frames under ``COPY_BELOW`` copied,
   larger ones zero-copy), so the ratio is the cost of the broker and nothing else.
 
+Both run over loopback TCP (the broker's default address); ``--transport ipc`` runs both over
+Unix sockets instead (ipc://), which costs either path's libzmq I/O threads less per byte
+(measured at 1 MiB: 0.65 ms of the broker's per-batch CPU is its I/O thread over TCP), so it
+moves both sides and hardly the ratio; the JSON records which one ran.
+
 Each case (batch size x spool) runs raw and broker alternately ``--repeat`` times (default 1
 with --quick, else 2) and keeps the best run of each, because the machine is shared; every
 run's rows/s and the load average are in the JSON. On a 2-core machine all processes share
@@ -111,7 +116,7 @@ def raw_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
         cpu.value = time.process_time() - c0
 
 
-def raw_run(batch_bytes: int, n: int) -> dict:
+def raw_run(batch_bytes: int, n: int, transport: str = "tcp") -> dict:
     import zmq
 
     from broker.protocol import ipc_to_batches
@@ -119,10 +124,15 @@ def raw_run(batch_bytes: int, n: int) -> dict:
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.RCVHWM, 32)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
+    sock_dir = tempfile.TemporaryDirectory(prefix="bench-raw-") if transport == "ipc" else None
+    if sock_dir is not None:
+        addr = f"ipc://{sock_dir.name}/raw.sock"
+        s.bind(addr)
+    else:
+        addr = f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}"
     fork = mp.get_context("fork")
     prod_cpu = fork.Value("d", 0.0)
-    p = fork.Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", batch_bytes, n, prod_cpu))
+    p = fork.Process(target=raw_producer, args=(addr, batch_bytes, n, prod_cpu))
     p.start()
     c0 = time.process_time()
     lat, rows, t0, nbytes = [], 0, None, 0
@@ -141,6 +151,8 @@ def raw_run(batch_bytes: int, n: int) -> dict:
     p.join(30)
     s.close(0)
     ctx.term()
+    if sock_dir is not None:
+        sock_dir.cleanup()
     first = rows // n
     return {"rows_per_s": (rows - first) / dt, "bytes_per_s": nbytes * (n - 1) / n / dt, "lat": lat,
             "rows_per_batch": first,
@@ -204,17 +216,19 @@ def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
         cpu.value = time.process_time() - c0
 
 
-def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> dict:
+def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, transport: str = "tcp") -> dict:
     from broker.client import ConsumerClient, new_event_loop
     from broker.process import BrokerProcess
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-spool-")
+    sock_dir = tempfile.TemporaryDirectory(prefix="bench-broker-") if transport == "ipc" else None
     g = groups_per_step
     steps = n // g
     k = IN_FLIGHT // g - 1
     opts = dict(groups_per_step=g, max_staleness=k, byte_budget_mb=4096, max_message_mb=1024,
                 spool_dir=tmp.name if spool else None, fsync="never")
-    bp = BrokerProcess(**opts).start()
+    address = f"ipc://{sock_dir.name}/broker.sock" if sock_dir is not None else "tcp://127.0.0.1:0"
+    bp = BrokerProcess(address=address, **opts).start()
     fork = mp.get_context("fork")
     prod_cpu = fork.Value("d", 0.0)
     broker_cpu0 = proc_cpu_s(bp.pid)
@@ -263,6 +277,8 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int) -> d
     finally:
         bp.stop()
         tmp.cleanup()
+        if sock_dir is not None:
+            sock_dir.cleanup()
     return {"rows_per_s": rows / dt, "lat": lat,
             "cpu_ms_per_batch": {"producer": prod_cpu.value / n * 1e3, "broker": broker_cpu / n * 1e3,
                                  "consumer": cons_cpu / n * 1e3}}
@@ -272,19 +288,19 @@ def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["rows_per_s"])
 
 
-def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: int) -> dict:
+def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: int, transport: str = "tcp") -> dict:
     # Raw and broker alternate, so a burst of load from other processes on this shared
     # machine hits both sides alike rather than one whole side.
     raws, brokers = [], []
     for _ in range(repeat):
-        raws.append(raw_run(batch_bytes, n))
-        brokers.append(broker_run(batch_bytes, n, spool, groups_per_step))
+        raws.append(raw_run(batch_bytes, n, transport))
+        brokers.append(broker_run(batch_bytes, n, spool, groups_per_step, transport))
     raw, b = best(raws), best(brokers)
     lat = np.array(b["lat"]) * 1000
     rlat = np.array(raw["lat"]) * 1000
     row_bytes = raw["bytes_per_s"] / raw["rows_per_s"]
     out = {
-        "batch_bytes": batch_bytes, "spool": spool, "batches": n, "groups_per_step": groups_per_step, "rows_per_batch": raw["rows_per_batch"],
+        "batch_bytes": batch_bytes, "spool": spool, "transport": transport, "batches": n, "groups_per_step": groups_per_step, "rows_per_batch": raw["rows_per_batch"],
         "rows_per_s": b["rows_per_s"], "raw_rows_per_s": raw["rows_per_s"],
         "ratio_vs_raw": b["rows_per_s"] / raw["rows_per_s"],
         "gb_per_s": b["rows_per_s"] * row_bytes / 1e9, "raw_gb_per_s": raw["bytes_per_s"] / 1e9,
@@ -310,6 +326,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--repeat", type=int, default=None,
                     help="runs per case, best kept, for raw and broker alike (default: 1 quick, 2 full)")
+    ap.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
+                    help="tcp (loopback; the default) or ipc (Unix sockets), for raw and broker alike")
     ap.add_argument("--groups-per-step", type=int, default=1,
                     help="groups (= pushed batches) per learner step (k = 64 // G - 1)")
     args = ap.parse_args()
@@ -325,8 +343,9 @@ def main() -> int:
         n = int(min(2000 if args.quick else 10_000, max(100, volume // size)))
         n -= n % args.groups_per_step
         for spool in (False, True):
-            cases.append(case(size, n, spool, args.repeat, args.groups_per_step))
-    result = {"cases": cases, "quick": args.quick, "repeat": args.repeat, "groups_per_step": args.groups_per_step, "seconds": time.time() - t_start,
+            cases.append(case(size, n, spool, args.repeat, args.groups_per_step, args.transport))
+    result = {"cases": cases, "quick": args.quick, "repeat": args.repeat, "groups_per_step": args.groups_per_step,
+              "transport": args.transport, "seconds": time.time() - t_start,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
                           "load_avg_1m_at_start": load_start}}

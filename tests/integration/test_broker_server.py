@@ -476,3 +476,25 @@ def test_clients_coalesce_and_a_consumer_may_ask_several_steps_ahead(broker, tmp
 
     versions = [r.step for r in read_log(tmp_path / "log.bin")[0] if r.kind == "version"]
     assert versions == sorted(versions) and versions[-1] == 6  # never back, while four requests waited
+
+
+def test_broker_serves_over_a_unix_socket(broker, tmp_path):
+    """``bench/broker.py --transport ipc`` runs the broker on an ipc:// address (raw PUSH/PULL
+    too): the same requests, a whole group pushed alone handed on as the frame it came in."""
+    bp = broker(address=f"ipc://{tmp_path}/broker.sock", groups_per_step=1, max_staleness=0)
+    assert bp.address == f"ipc://{tmp_path}/broker.sock"
+
+    async def flow():
+        prod = ProducerClient(bp.address, producer_id="w0", timeout_s=10)
+        cons = ConsumerClient(bp.address, consumer_id="learner", timeout_s=10)
+        [t] = await prod.acquire_tickets(4, wait_s=1.0)
+        sent = make_groups(["u"], step=t.step, version=0, group_size=3, resp_len=50)
+        assert (await prod.push(sent)).groups == 1
+        lease = await cons.next_batch(1, wait_s=2.0)
+        await cons.ack(lease.lease_id)
+        await prod.close()
+        await cons.close()
+        return sent, lease
+
+    sent, lease = run(flow())
+    assert lease.batch.equals(sent)
