@@ -9,6 +9,7 @@
 #   info            GPUs, torch, NCCL
 #   torch           bench/weight_sync.py + tests/gpu/test_weight_sync_gpu.py + tests/gpu/test_fsdp_gpu.py
 #   ws-bench        bench/weight_sync.py, then tests/gpu/test_weight_sync_gpu.py
+#   ws-buckets      bench/weight_sync.py with 64 and 128 MB buckets
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
 #   vllm-fleetrl    tests/gpu/test_vllm_fleetrl_gpu.py alone (fleetrl's backend: direct and staged updates)
@@ -119,6 +120,12 @@ for step in "$@"; do
             nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
             nvidia-smi topo -m || true
             with_site "" $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+            ;;
+        ws-buckets)  # bench/weight_sync.py with 64 and 128 MB buckets (the config's default is 256)
+            for mb in 64 128; do
+                with_site "" timeout 200 $PY bench/weight_sync.py --reps 5 --bucket-mb $mb \
+                    --json "$OUT/weight_sync_bucket${mb}mb.json" 2>&1 | tail -3
+            done
             ;;
         ws-bench)  # bench/weight_sync.py, then the NCCL publish tests (GPU 0 -> GPU 1)
             with_site "" timeout 200 $PY bench/weight_sync.py --reps 5 --json "$OUT/weight_sync.json" 2>&1 | tail -4

@@ -342,11 +342,10 @@ class Publisher:
             raise PublishError(f"publish v{version}: checksum mismatch (ours {checksum}) from "
                                + ", ".join(f"engine {k} ({v})" for k, v in bad.items()), list(bad))
         dt = time.perf_counter() - t0
-        # Written by the RPC thread: a log line's I/O releases the GIL, and getting it back while that
-        # thread finishes the acks' callbacks cost this one 0.2 ms per publish on H200 (a 0.5B publish is 4 ms).
-        self._loop.call_soon_threadsafe(
-            log.info, "published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs, %.0f MB/s)", version,
-            sent / 1e6, len(futs), dt, broadcast_s, sent / 1e6 / max(broadcast_s, 1e-9))
+        # DEBUG: the learner logs each publish itself; a line here cost this thread 0.1-0.2 ms of a 4 ms
+        # publish on H200 (its write releases the GIL, and getting it back waits on the RPC thread).
+        log.debug("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs, %.0f MB/s)", version,
+                  sent / 1e6, len(futs), dt, broadcast_s, sent / 1e6 / max(broadcast_s, 1e-9))
         return PublishReport(version=version, bytes=sent, seconds=dt, broadcast_seconds=broadcast_s,
                              engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
                              per_engine_checksums=acks)
