@@ -168,8 +168,8 @@ class WeightReceiver:
                     post(b + self.depth)  # keep `depth` receives posted while this bucket loads
                 step = f"load bucket {b}/{len(sizes)}"
                 buf = self._ring[b % slots][: sizes[b]]
-                prints.append(bucket_fingerprint(buf))
                 load(self._unpacked(buf, b))
+                prints.append(bucket_fingerprint(buf))  # after the load: the checksum's copy to the host waits for it
                 if not queued:
                     mark((f"bucket{b}_loaded", time.perf_counter()))
             if queued:
@@ -181,7 +181,7 @@ class WeightReceiver:
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
             raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
-        self.last_checksum = combine_fingerprints(prints)  # on CUDA: waits for the queued loads
+        self.last_checksum = combine_fingerprints(prints)  # on CUDA: returns once the queued loads are done
         mark(("checksum", time.perf_counter()))
         return self.last_checksum
 
