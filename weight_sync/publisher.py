@@ -4,8 +4,9 @@ Dataflow of ``publish(v, tensors)`` (``tensors`` yields (name, full tensor) in
 plan order; with FSDP every learner rank iterates it, because each item is an
 all-gather, and only rank 0 sends)::
 
-    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs)
-             gather b0 -> bcast b0 || gather b1 -> bcast b1 || gather b2 ... -> acks
+    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs on
+             the RPC thread's loop) -> gather b0 -> bcast b0 -> [wait until the requests
+             are written] -> gather b1 -> bcast b1 || gather b2 ... -> acks
              (at most ``inflight_buckets`` broadcasts on the wire; completion is polled,
              see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own

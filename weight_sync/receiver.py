@@ -3,13 +3,17 @@
 :class:`WeightReceiver` is the logic every fleetrl receiver shares (the vLLM
 gloo backend, the local engine, this module's standalone server): join the
 group of an epoch with the announced plan, then per publish receive each
-bucket into a fresh contiguous buffer, hand its tensors to ``load`` while the
+bucket into one of a few standing buffers, hand its tensors to ``load`` while the
 next buckets are already being received, and return the checksum of the bytes.
 
 Dataflow of one publish, receiver side::
 
     post recv(0), recv(1) -> [recv(1) || load(0)], post recv(2) -> [recv(2) || load(1)] ... -> checksum
                              ^ two receives stay posted, so the wire never idles while we load
+
+On CUDA the host queues all of that on the device at once (each load waits on the
+stream for its receive) and then waits, bucket by bucket and bounded, for the
+receives; the checksum's copy to the host comes after the last load.
 
 Staged publish (``weight_sync.staging``): the receives go into a standing
 copy of the model's bytes while the engine keeps generating; only the copy into
