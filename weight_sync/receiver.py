@@ -134,7 +134,9 @@ class WeightReceiver:
         stream behind its receive (``work.wait()`` orders the stream, not the host), so neither the host's
         reaction to a finished bucket nor the launch of its load sits between the last byte on the wire
         and the last load. The host then waits, bucket by bucket with the per-step timeout, for the
-        receives. On gloo a receive is host work: wait for it, then load.
+        receives. (A ``load`` that synchronises the host, like a loader reading a value back, waits
+        there for its bucket; the group's own timeout, the same ``timeout_s`` in the NCCL watchdog,
+        bounds that wait.) On gloo a receive is host work: wait for it, then load.
         """
         self._check("update_weights", version, plan_id)
         pg, sizes, slots = self.pg, self._sizes, self.depth + 1
