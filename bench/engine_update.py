@@ -174,11 +174,13 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
             "unavailable_s": med("unavailable_s"), "unavailable_max_s": max(r["unavailable_s"] for r in rows),
             "probe_stall_s": med("probe_stall_s"), "probe_stall_quiet_s": quiet, "probe_gap_p50_s": base,
             "steps_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in rows) for k in rows[0]["steps"]},
+            "prefix_cache_resets_refused": client.prefix_cache_resets_refused,  # by vLLM, while requests ran
             "probe_errors": errors[:5], "rows": rows}
     print(f"{case['mode']:>12}: unavailable {case['unavailable_s'] * 1e3:7.1f} ms (max "
           f"{case['unavailable_max_s'] * 1e3:.1f})  probe stall {case['probe_stall_s'] * 1e3:7.1f} ms "
           f"(same windows without an update {quiet * 1e3:.1f}; p50 gap {base * 1e3:.1f})  "
-          f"publish {case['publish_s'] * 1e3:.1f} ms", flush=True)
+          f"publish {case['publish_s'] * 1e3:.1f} ms; prefix-cache resets refused: "
+          f"{client.prefix_cache_resets_refused}", flush=True)
     return case
 
 

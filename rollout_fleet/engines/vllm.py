@@ -116,6 +116,7 @@ class VLLMClient(HttpEngineClient):
         self._join_timeout_s = timeout_s
         self._stage_steps: dict[str, float] = {}
         self._label_api = True  # /update_weight_version exists (vLLM >= 0.32)
+        self.prefix_cache_resets_refused = 0  # see reset_prefix_cache
 
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
@@ -176,7 +177,18 @@ class VLLMClient(HttpEngineClient):
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
 
     async def reset_prefix_cache(self) -> None:
-        await self._request("POST", "/reset_prefix_cache")
+        """Drop the server's prefix cache. vLLM refuses (``{"success": false}``) while running requests
+        hold KV blocks, as in an in-flight (``keep``) update under load: new requests may then reuse KV
+        computed under the old weights. That is logged and counted (``prefix_cache_resets_refused``)."""
+        r = await self._request("POST", "/reset_prefix_cache")
+        try:
+            body = r.json()
+        except ValueError:  # servers that answer with an empty body
+            body = None
+        if isinstance(body, dict) and body.get("success") is False:
+            self.prefix_cache_resets_refused += 1
+            log.warning("engine %s: vLLM refused to reset its prefix cache (running requests hold KV blocks); "
+                        "new requests may reuse KV computed under older weights", self.engine_id)
 
     async def abort(self) -> int:
         """Abort every in-flight request; returns how many."""

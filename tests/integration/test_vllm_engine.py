@@ -150,12 +150,16 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
     new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
            for k, v in base.items()}
     plan = build_plan([(k, v.shape, v.dtype) for k, v in new.items()], bucket_bytes=256 * 1024)
-    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[_client(vllm_server)])
+    client = _client(vllm_server)
+    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[client])
     try:
         first = pub.publish(1, new.items())
         second = pub.publish(2, new.items())  # steady state: group and plan already in place
     finally:
         pub.close()
+    # Nothing ran during the updates, so vLLM did reset its cache (it refuses while requests hold KV
+    # blocks: on the GPU, every in-flight staged update under load; bench/results/engines_gpu.md).
+    assert client.prefix_cache_resets_refused == 0
     timing = {"bytes": second.bytes, "buckets": len(plan.buckets), "first_publish_s": first.seconds,
               "first_rebuild_s": first.rebuild_seconds, "publish_s": second.seconds,
               "broadcast_s": second.broadcast_seconds}
