@@ -128,11 +128,14 @@ class VLLMClient(HttpEngineClient):
         # an in-flight update may change the weights mid-sample, and the older version bounds its
         # staleness from above (the server is never behind what this client knows).
         start_version = self._version
+        # The prefix cache is salted with the weight version, so a request never reuses KV computed under
+        # other weights; vLLM's reset cannot promise that while requests run (see reset_prefix_cache).
+        salt = f"fleetrl-v{start_version}"
         if self.api == "generate":
-            body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sp}
+            body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sp, "cache_salt": salt}
             r = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)
         else:
-            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sp}
+            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, "cache_salt": salt, **sp}
             r = await self._request("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
         return [self._sample(c, start_version) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
@@ -178,8 +181,10 @@ class VLLMClient(HttpEngineClient):
 
     async def reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache. vLLM refuses (``{"success": false}``) while running requests
-        hold KV blocks, as in an in-flight (``keep``) update under load: new requests may then reuse KV
-        computed under the old weights. That is logged and counted (``prefix_cache_resets_refused``)."""
+        hold KV blocks, as in an in-flight (``keep``) update under load (on 2 H200s: every time). Requests
+        from :meth:`generate` carry a per-version cache salt, so they do not reuse the old weights' KV
+        even then; other clients' requests could. A refusal is logged and counted
+        (``prefix_cache_resets_refused``)."""
         r = await self._request("POST", "/reset_prefix_cache")
         try:
             body = r.json()
@@ -187,8 +192,8 @@ class VLLMClient(HttpEngineClient):
             body = None
         if isinstance(body, dict) and body.get("success") is False:
             self.prefix_cache_resets_refused += 1
-            log.warning("engine %s: vLLM refused to reset its prefix cache (running requests hold KV blocks); "
-                        "new requests may reuse KV computed under older weights", self.engine_id)
+            log.info("engine %s: vLLM refused to reset its prefix cache (running requests hold KV blocks); "
+                     "fleetrl's requests are kept off older KV by their per-version cache salt", self.engine_id)
 
     async def abort(self) -> int:
         """Abort every in-flight request; returns how many."""

@@ -70,8 +70,10 @@ def _max_err(model, prompt, samples) -> float:
     return err
 
 
-def _cached_tokens(server, prompt: list[int]) -> int:
+def _cached_tokens(server, prompt: list[int], cache_salt: str | None = None) -> int:
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     r.raise_for_status()
     return int(((r.json()["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -201,6 +203,29 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
     assert len(samples) == 2
     assert all(s.segment_starts == [0] and s.segment_versions == [2] for s in samples), samples
     assert _max_err(new_model, prompt, samples) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_requests_reuse_prefix_kv_only_within_one_weight_version(vllm_server):
+    """The client salts the prefix cache with its weight version: after an update no request of the new
+    version reuses KV computed under the old weights, even where vLLM refused the reset (it does while
+    requests run). Checked on the server's own cache counters."""
+    prompt = _tokenizer()(LONG_PROMPT)["input_ids"]
+
+    async def run():
+        c = VLLMClient("vllm-salt", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
+                       request_timeout_s=120, initial_version=41)
+        try:
+            await c.generate(prompt, SamplingParams(n=1, max_tokens=2, temperature=0))
+        finally:
+            await c.close()
+
+    asyncio.run(run())
+    # the client's request filled the cache under its version's salt...
+    assert _cached_tokens(vllm_server, prompt, cache_salt="fleetrl-v41") >= 32
+    # ...which requests of the next version do not hit
+    assert _cached_tokens(vllm_server, prompt, cache_salt="fleetrl-v42") == 0
 
 
 def test_wait_pause_update_relies_on_the_pause_to_empty_the_prefix_cache(vllm_server):
