@@ -167,12 +167,6 @@ class Publisher:
     def _submit(self, coro) -> cf.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def _start(self, make: Callable[[EngineClient], Any]) -> tuple[dict[str, cf.Future], cf.Future]:
-        """Submit ``make(engine)`` for every member. The second future is done once the loop has run each
-        one's first step, where a client writes its request."""
-        futs = {eid: self._submit(make(self.engines[eid])) for eid in self.members}
-        return futs, self._submit(asyncio.sleep(0))  # queued behind those first steps
-
     @staticmethod
     def _let_out(written: cf.Future) -> None:
         """Wait (briefly) until the engines' requests are written. Until then the RPC thread competes for
@@ -276,7 +270,8 @@ class Publisher:
         mark = self._mark
         # The first bucket's broadcast is issued before waiting for the requests to leave: it waits on
         # the device for the engines' receives, and its issue overlaps the RPC thread's wake-up.
-        futs, written = self._start(start)
+        futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
+        written = self._submit(asyncio.sleep(0))  # done once the loop has run each request's first step
         prints, sent, step = [], 0, "start"
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
         tb = time.perf_counter()
@@ -327,7 +322,7 @@ class Publisher:
             mark("acked")
             if not failed and staged:
                 step = "commit"
-                futs, _ = self._start(lambda e: e.commit_update(version))
+                futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
                 failed = self._collect(futs, self.cfg.timeout_s)
                 mark("committed")
             if failed:
