@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from broker.schema import TRAJECTORY_SCHEMA
+from broker.schema import TRAJECTORY_SCHEMA, SchemaError, _find_error
 
 
 def make_groups(group_ids: list[str], *, step: int, version: int, group_size: int = 2, resp_len: int = 16,
@@ -37,3 +37,18 @@ def make_groups(group_ids: list[str], *, step: int, version: int, group_size: in
         "t_end": pa.array(np.ones(n)),
     }
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
+
+
+def batch_from_rows(rows: list[dict]) -> pa.RecordBatch:
+    """A batch in the trajectory schema from row dicts, not validated (tests build bad rows with it)."""
+    return pa.RecordBatch.from_pydict({f.name: pa.array([r[f.name] for r in rows], f.type) for f in TRAJECTORY_SCHEMA},
+                                      schema=TRAJECTORY_SCHEMA)
+
+
+def passes_row_checks(batch: pa.RecordBatch) -> bool:
+    """Whether the schema's row-by-row checks (the reference the fast paths are held to) accept ``batch``."""
+    try:
+        _find_error(batch)
+        return True
+    except SchemaError:
+        return False

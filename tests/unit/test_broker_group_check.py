@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from broker import group_check
 from broker import protocol as P
-from broker.schema import _LAYOUT, TRAJECTORY_SCHEMA, SchemaError, _find_error, batch_view, inspect_batch
+from broker.schema import _LAYOUT, TRAJECTORY_SCHEMA, SchemaError, batch_view, inspect_batch
 from broker.state import BrokerError, split_groups
-from broker.testing import make_groups
+from broker.testing import batch_from_rows, make_groups, passes_row_checks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,11 +109,6 @@ def _rows(n, defects, lens, ints, perm):
     return rows
 
 
-def _batch(rows):
-    return pa.RecordBatch.from_pydict({f.name: pa.array([r[f.name] for r in rows], f.type)
-                                       for f in TRAJECTORY_SCHEMA}, schema=TRAJECTORY_SCHEMA)
-
-
 def _junk_row(i):
     return dict(traj_id=f"junk/{i}", group_id="g", sample_index=0, group_size=1, step=5, prompt_ids=[1],
                 response_ids=[7, 7], behaviour_logprobs=[JUNK_LP] * 2, segment_starts=[0], segment_versions=[3],
@@ -137,8 +132,8 @@ def _shift_lists(batch, names, pad):
 
 def _layout(rows, layout, pad):
     if layout == "slice":
-        return _batch([_junk_row(0)] + rows + [_junk_row(1)]).slice(1, len(rows))
-    b = _batch(rows)
+        return batch_from_rows([_junk_row(0)] + rows + [_junk_row(1)]).slice(1, len(rows))
+    b = batch_from_rows(rows)
     if layout.startswith("child_offset"):  # children sliced: their buffers begin before their values
         cols = b.columns
         names = {"child_offset_lp": ["behaviour_logprobs"], "child_offset_versions": ["segment_versions"]}.get(
@@ -158,14 +153,6 @@ def _layout(rows, layout, pad):
     return b
 
 
-def _row_wise_ok(batch):
-    try:
-        _find_error(batch)
-        return True
-    except SchemaError:
-        return False
-
-
 def _general_groups(batch):
     """The general path's groups of a valid batch: (id, step, min, max version, rows) or the refusal."""
     try:
@@ -179,7 +166,7 @@ def _check(rows, layout, pad, defects):
     b = _layout(rows, layout, pad)
     b.validate(full=True)
     got = group_check.whole_group(b, _LAYOUT)
-    ok = _row_wise_ok(b)
+    ok = passes_row_checks(b)
     if got is not None:
         assert ok, defects
         gids, single, si, gs, step, ver, label, vmin, vmax = got

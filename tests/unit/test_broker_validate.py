@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import protocol as P
-from broker.schema import (JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, SchemaError, _fast_view, _find_error, batch_view,
+from broker.schema import (JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, SchemaError, _fast_view, batch_view,
                            inspect_batch, inspect_batches, validate_batch)
-from broker.testing import make_groups
+from broker.testing import batch_from_rows, make_groups, passes_row_checks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,30 +74,17 @@ def _rows(n, defects, resp_len, draw_int):
     return rows
 
 
-def _unchecked(rows):
-    return pa.RecordBatch.from_pydict({f.name: pa.array([r[f.name] for r in rows], f.type) for f in TRAJECTORY_SCHEMA},
-                                      schema=TRAJECTORY_SCHEMA)
-
-
-def _row_wise_ok(batch):
-    try:
-        _find_error(batch)
-        return True
-    except SchemaError:
-        return False
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), n=st.integers(1, 12), resp_len=st.integers(0, 6))
 def test_fast_path_accepts_only_what_the_row_wise_checks_accept(data, n, resp_len):
     defects = data.draw(st.lists(st.sampled_from(DEFECTS), min_size=n, max_size=n))
-    batch = _unchecked(_rows(n, defects, resp_len, lambda k: data.draw(st.integers(0, k - 1))))
+    batch = batch_from_rows(_rows(n, defects, resp_len, lambda k: data.draw(st.integers(0, k - 1))))
     start = data.draw(st.integers(0, n - 1))
     for b in (batch, batch.slice(start, data.draw(st.integers(1, n - start)))):
         b.validate(full=True)
         view = _fast_view(b)
         if view is not None:
-            assert _row_wise_ok(b), defects
+            assert passes_row_checks(b), defects
             ref = batch_view(b)
             assert view.single_group == ref.single_group
             assert view.group_ids in (None, ref.group_ids)
@@ -112,7 +99,7 @@ def test_fast_path_accepts_only_what_the_row_wise_checks_accept(data, n, resp_le
             accepted = True
         except SchemaError:
             accepted = False
-        assert accepted == _row_wise_ok(b)
+        assert accepted == passes_row_checks(b)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -129,7 +116,7 @@ def test_batches_checked_together_pass_only_if_each_passes_alone(data, k, resp_l
         rows = _rows(n, defects, resp_len, lambda m: data.draw(st.integers(0, m - 1)))
         for r in rows:  # distinct across batches, unless the draw shares them
             r["traj_id"] = r["traj_id"] if shared_traj else f"b{j}/{r['traj_id']}"
-        b = _unchecked(rows)
+        b = batch_from_rows(rows)
         batches.append(b.slice(1) if n > 1 and data.draw(st.booleans()) else b)
     nbytes = 1 if whole_copy else JOINT_MAX_BYTES  # which path: copy all, or the per-row columns only
     views = inspect_batches(batches, nbytes)
@@ -173,7 +160,7 @@ def test_batches_checked_together_know_which_are_one_whole_group(data, k, whole_
         for row, (r, i, st_, g, v) in enumerate(zip(rows, si, steps, gids, vers)):
             r.update(traj_id=f"{j}/{row}", group_id=g, sample_index=i, group_size=size, step=st_,
                      segment_versions=[v])
-        batches.append(_unchecked(rows))
+        batches.append(batch_from_rows(rows))
         expect.append((True, 3, min(vers), max(vers)) if kind == "whole" else (False,))
     views = inspect_batches(batches, 1 if whole_copy else JOINT_MAX_BYTES)
     assert views is not None
