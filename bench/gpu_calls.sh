@@ -9,6 +9,8 @@
 #   info            GPUs, torch, NCCL
 #   torch           bench/weight_sync.py + tests/gpu/test_weight_sync_gpu.py + tests/gpu/test_fsdp_gpu.py
 #   ws-bench        bench/weight_sync.py, then tests/gpu/test_weight_sync_gpu.py
+#   ws-rpc          bench/weight_sync.py --acks rpc (acks by RPC answer, for comparison)
+#   ws-wakeup       bench/rpc_wakeup.py (how fast a thread, a loop and a process wake on this host)
 #   ws-buckets      bench/weight_sync.py with 64 and 128 MB buckets
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
@@ -120,6 +122,13 @@ for step in "$@"; do
             nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
             nvidia-smi topo -m || true
             with_site "" $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+            ;;
+        ws-rpc)  # bench/weight_sync.py with acks through each engine's RPC answer (the pre-group-ack path)
+            with_site "" timeout 200 $PY bench/weight_sync.py --reps 5 --acks rpc \
+                --json "$OUT/weight_sync_acks_rpc.json" 2>&1 | tail -3
+            ;;
+        ws-wakeup)  # bench/rpc_wakeup.py: thread, event-loop and process wake-ups on this host
+            with_site "" timeout 60 $PY bench/rpc_wakeup.py --json "$OUT/rpc_wakeup.json"
             ;;
         ws-buckets)  # bench/weight_sync.py with 64 and 128 MB buckets (the config's default is 256)
             for mb in 64 128; do

@@ -8,6 +8,11 @@ driven through an :class:`EngineClient` over a pipe, so the publish is the real
 :class:`weight_sync.publisher.Publisher` path: RPC to the engine, bucket packing,
 broadcast overlapped with the next bucket, receive + load, checksums, acks.
 
+Acks go through the group by default (``--acks group``): the receiver all-gathers its
+fingerprints, queued behind its last load, and ``publish_s`` ends when the publisher
+has checked them; ``publish_with_rpc_answer_s`` also waits for the engine's RPC
+answer. ``--acks rpc`` waits for that answer inside the publish.
+
 ``raw_broadcast_s`` is the same bytes in the same buckets broadcast over the very
 same process group (``publisher.pg`` / ``receiver.pg``) from preallocated buffers,
 all posted back to back, nothing else: the wire's ceiling for that group.
@@ -185,11 +190,12 @@ class PipeEngine(EngineClient):
     def __init__(self, engine_id: str, conn) -> None:
         self.engine_id = engine_id
         self.group_ranks = 1
+        self.supports_group_acks = True  # fleetrl's WeightReceiver on the other side
         self._conn = conn
         self._lock = asyncio.Lock()
         self._version = 0
         self.last_timeline: list[tuple[str, float]] = []  # the receiver's stamps of the last publish
-        self.rpc_stamps: list[tuple[str, float]] = []  # the RPC thread's: request written, reply read
+        self.rpc_stamps: list[tuple[str, float]] = []  # the RPC's: started, request written, reply read (on the publisher's loop)
 
     def call(self, cmd: str, arg=None, timeout_s: float = 600.0):
         self._conn.send((cmd, arg))
@@ -203,12 +209,13 @@ class PipeEngine(EngineClient):
     async def _acall(self, cmd: str, arg=None, timeout_s: float = 600.0):
         """Send from the event loop's thread and wake on the pipe's readability, as an HTTP client
         would on its socket (a thread-pool hop each way cost about 0.2 ms of every publish)."""
+        woke = time.perf_counter()  # when the RPC thread started on this call
         async with self._lock:
             loop = asyncio.get_running_loop()
             ready = loop.create_future()
             fd = self._conn.fileno()
             self._conn.send((cmd, arg))
-            self.rpc_stamps = [(f"{cmd} sent", time.perf_counter())]
+            self.rpc_stamps = [(f"{cmd} started", woke), (f"{cmd} sent", time.perf_counter())]
             loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
             try:
                 async with asyncio.timeout(timeout_s):  # lighter than wait_for: no task of its own
@@ -268,20 +275,25 @@ def _sync_time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0") -> dict:
+def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0",
+                acks: str = "group", tail_mb: float = 16.0, inflight: int = 2) -> dict:
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
 
     state = random_model(model, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], int(bucket_mb * (1 << 20)))
     # nccl_impl="torch": fleetrl's own receivers join a ProcessGroupNCCL (vLLM engines use "vllm")
     cfg = WeightSyncConfig(backend="nccl" if device.startswith("cuda") else "gloo", bucket_mb=bucket_mb,
-                           timeout_s=120.0, nccl_impl="torch")
+                           timeout_s=120.0, nccl_impl="torch", acks=acks, tail_bucket_mb=tail_mb,
+                           inflight_buckets=inflight)
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], int(bucket_mb * (1 << 20)),
+                      cfg.tail_bytes(device.startswith("cuda")))
     pub = Publisher(cfg, plan, rank=0, engines=[engine], device=device)
     try:
         first = _sync_time(lambda: pub.publish(1, iter(state.items())))  # rebuild + NCCL communicator warm-up
+        if pub.settle():
+            raise EngineError("the receiver's answer to v1 failed after its group ack")
         sizes = plan.bucket_bytes()
         engine.call("raw_prepare", sizes)
         bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
@@ -297,7 +309,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
                 raise EngineError(f"raw broadcast failed on the receiver: {value}")
 
         raw()  # warm-up
-        pubs, raws, reports = [], [], []
+        pubs, settles, raws, reports = [], [], [], []
         for r in range(reps):  # interleaved, so drift (clocks, other tenants) hits both alike
             _sync()
             t0 = time.perf_counter()
@@ -306,14 +318,21 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
             _sync()
             t_end = time.perf_counter()
             pubs.append(t_end - t0)
+            # With group acks the engine's RPC answer is still on its way: collect it (and check it) before
+            # the pipe is used directly; until then the answer is not counted in publish_s.
+            if pub.settle():
+                raise EngineError(f"the receiver's answer to v{2 + r} failed after its group ack")
+            t_settled = time.perf_counter()
+            settles.append(t_settled - t0)
             raws.append(_sync_time(raw))
         # Where the last publish's time went: both processes' stamps, in ms from its start.
         t0 = pub.timeline[0][1]
         timeline = sorted([(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in pub.timeline]
                           + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in engine.last_timeline]
-                          + [(round((t - t0) * 1e3, 3), "rpc thread " + e) for e, t in engine.rpc_stamps]
+                          + [(round((t - t0) * 1e3, 3), "rpc " + e) for e, t in engine.rpc_stamps]
                           + [(round((t - t0) * 1e3, 3), "bench " + e) for e, t in (("publish returned", t_ret),
-                                                                                  ("synced", t_end))])
+                                                                                  ("synced", t_end),
+                                                                                  ("settled", t_settled))])
         # Bit-identity of the last publish: digests on both GPUs.
         want = {n: _digest(t) for n, t in state.items()}
         got = engine.call("digest")
@@ -321,7 +340,12 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
         publish_s, raw_s = statistics.median(pubs), statistics.median(raws)
         case = {"model": f"qwen2-{model}-shape", "bytes": nbytes, "publish_s": publish_s, "raw_broadcast_s": raw_s,
                 "ratio_vs_raw": raw_s / publish_s, "publish_gb_per_s": nbytes / publish_s / 1e9,
+                "bucket_sizes_mb": [round(n / (1 << 20), 1) for n in sizes], "tail_bucket_mb": tail_mb,
+                "inflight_buckets": inflight,
                 "raw_gb_per_s": nbytes / raw_s / 1e9, "buckets": len(sizes), "bucket_mb": bucket_mb,
+                "acks": "group" if pub.group_acks else "rpc",
+                # the publish until the engine's RPC answer is in as well (the whole publish with acks='rpc')
+                "publish_with_rpc_answer_s": statistics.median(settles),
                 "first_publish_s": first, "publish_runs_s": pubs, "raw_runs_s": raws,
                 "publisher_broadcast_s": statistics.median(r.broadcast_seconds for r in reports),
                 "bit_identical": identical, "checksum": reports[-1].checksum, "timeline_ms": timeline}
@@ -340,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["0.5B", "1.5B", "8B"], choices=sorted(SHAPES))
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--inflight", type=int, default=2, help="weight_sync.inflight_buckets")
+    ap.add_argument("--tail-mb", type=float, default=16.0,
+                    help="weight_sync.tail_bucket_mb: the last bucket's size limit (0 = as the packed rule cuts it)")
+    ap.add_argument("--acks", choices=("group", "rpc"), default="group",
+                    help="weight_sync.acks: through the group (default) or each engine's RPC answer")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--cpu", action="store_true", help="smoke run of this script over gloo on CPU (not a result)")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this process (seconds; "
@@ -360,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     with receiver_process(devices[1]) as (parent, _):
         for i, model in enumerate(args.models):
             # a fresh engine id per model: each model is its own plan, hence its own group epoch
-            cases.append(bench_model(model, args.bucket_mb, args.reps, PipeEngine(f"bench-rx-{i}", parent), devices[0]))
+            cases.append(bench_model(model, args.bucket_mb, args.reps, PipeEngine(f"bench-rx-{i}", parent), devices[0],
+                                     args.acks, args.tail_mb, args.inflight))
     device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     out = {"cases": cases, "device": device,
            **run_info(argv),

@@ -176,7 +176,7 @@ class LearnerActor:
         ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
         nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
         device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
-        plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes())
+        plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes(), ws.tail_bytes(nccl))
         log.info("weight sync: backend %s, nccl_impl %s, device %s, %d bucket(s)",
                  "nccl" if nccl else "gloo", ws.nccl_impl, device, len(plan.buckets))
         return Publisher(ws, plan, rank=0, device=device)

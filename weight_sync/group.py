@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,10 @@ class TorchGroup:
         opts.rootTensor = 0
         return self.pg.broadcast([buf], opts)
 
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor):
+        """Start gathering every rank's ``inp`` into ``out[rank]``; the returned work has ``wait(timedelta)``."""
+        return self.pg.allgather([list(out.unbind(0))], [inp])
+
     def close(self) -> None:
         close_group(self.pg)
 
@@ -94,7 +99,18 @@ def broadcast_async(pg, buf: torch.Tensor):
     return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
 
 
-def wait_work(work, deadline: float, what: str, max_sleep_s: float = 2e-4) -> None:
+def all_gather_async(pg, out: torch.Tensor, inp: torch.Tensor):
+    """Start an all-gather of ``inp`` (one shape on every rank) into ``out`` (``[world, *inp.shape]``) over a
+    ProcessGroup or a group adapter that has ``all_gather_async``; returns a ``wait(timedelta)`` handle."""
+    if hasattr(pg, "all_gather_async"):
+        return pg.all_gather_async(out, inp)
+    if isinstance(pg, (dist.ProcessGroup, _Backend)):
+        return TorchGroup(pg).all_gather_async(out, inp)
+    raise TypeError(f"weight-sync group {type(pg).__name__} has no all-gather; use acks='rpc' with it")
+
+
+def wait_work(work, deadline: float, what: str, max_sleep_s: float = 2e-4,
+              check: Callable[[], None] | None = None, spin_s: float = 0.0) -> None:
     """Wait for an asynchronous collective until ``deadline`` (a ``time.monotonic()`` value).
 
     Why not ``work.wait(timeout)``: on NCCL a wait with a timeout blocks the thread
@@ -103,12 +119,22 @@ def wait_work(work, deadline: float, what: str, max_sleep_s: float = 2e-4) -> No
     back-off from 10 us reacts within microseconds. Once complete, ``wait()`` without
     a timeout re-raises the collective's error, if any, and on CUDA orders the
     current stream after it (no host wait). ``max_sleep_s`` caps the back-off: lower where the
-    host has nothing else to do and a late reaction is on the critical path.
+    host has nothing else to do and a late reaction is on the critical path. ``check()``, called
+    between polls, may raise to end the wait early (e.g. a peer's RPC has already failed).
+    ``spin_s``: poll without sleeping for that long first, for a wait that is short and on the
+    critical path (a sleep of 10 us takes 60 us or more with Linux's default timer slack).
     """
+    if spin_s > 0:
+        until = time.monotonic() + spin_s
+        while not work.is_completed() and time.monotonic() < until:
+            if check is not None:
+                check()
     delay = 1e-5
     while not work.is_completed():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not done within the weight-sync timeout (a peer is gone or stuck)")
+        if check is not None:
+            check()
         time.sleep(delay)
         delay = min(delay * 2, max_sleep_s)
     work.wait()

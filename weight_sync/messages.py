@@ -20,6 +20,7 @@ class GroupMsg(msgspec.Struct, frozen=True):
     world_size: int
     backend: str
     group_epoch: int
+    group_acks: bool = False
 
 
 class InitTransfer(msgspec.Struct, frozen=True):

@@ -4,12 +4,15 @@ Dataflow of ``publish(v, tensors)`` (``tensors`` yields (name, full tensor) in
 plan order; with FSDP every learner rank iterates it, because each item is an
 all-gather, and only rank 0 sends)::
 
-    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs on
-             the RPC thread's loop) -> gather b0 -> bcast b0 -> [wait until the requests
-             are written] -> gather b1 -> bcast b1 || gather b2 ... -> acks
+    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (RPCs on the
+             publisher's own loop, run in this thread: the requests leave at once)
+             -> gather b0 -> bcast b0 -> gather b1 -> bcast b1 || gather b2 ... -> acks
              (at most ``inflight_buckets`` broadcasts on the wire; completion is polled,
              see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own
+             group acks (``cfg.acks = "group"``, fleetrl's receivers): the acks are an all-gather of
+             every rank's fingerprints, queued behind each receiver's last load; the RPC answers are
+             collected by :meth:`Publisher.settle` at the next publish
              staged (``cfg.staging``): engines.begin_update(v) instead, and after the last
              bucket engines.commit_update(v), whose answers are the acks: an engine
              generates through the whole broadcast and pauses only for its commit
@@ -27,15 +30,21 @@ Invariants and what happens when a peer dies:
 - The plan is fixed; it is announced once per epoch in ``init_weight_transfer``.
 - A late joiner (:meth:`add_engine`) first loads the latest export from disk,
   then joins at the next rebuild; until then it is not in the group.
+
+Threads: none of its own. The engines' RPCs run on an event loop the publisher
+owns and runs only inside its own calls, in the caller's thread; every wait of a
+publish runs it once per poll, so requests leave and answers are read without a
+hop between threads. (A loop on a thread of its own woke 0.1-0.3 ms after being
+handed a request on the 2x H200 host, ``bench/rpc_wakeup.py``, and two such hops
+were most of a 0.5B publish's overhead.) Call a publisher from one thread at a
+time, and not from inside a running event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures as cf
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,7 +56,8 @@ from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
-from weight_sync.plan import bucket_fingerprint, combine_fingerprints, pack_bucket, torch_dtype, unpack_bucket
+from weight_sync.plan import (bucket_fingerprint, combine_fingerprints, fingerprints_checksum, pack_bucket, torch_dtype,
+                              unpack_bucket)
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +137,23 @@ class Publisher:
         self._store = None
         self._loop = None
         self._ring: _SendRing | None = None
+        self.group_acks = False  # this epoch's publishes are acknowledged through the group
+        self.world_size = 1
+        self._offsets: dict[str, int] = {}  # engine id -> its first rank in this epoch
+        self._unsettled: tuple[int, dict[str, asyncio.Task], str] | None = None  # RPCs of a group-acked publish
         if rank != 0:
             return
         for e in engines:
             self._add(e)
         self._store = None if self._factory else wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
-        # uvloop where installed: each publish waits on this loop twice (the engines' start RPCs going out,
-        # their acks coming back), and its wake-ups are cheaper than the default loop's.
+        # uvloop where installed: a pass of its loop costs less than the default loop's, and a publish makes
+        # one at every poll of its waits. It runs only inside this object's calls (see the module docs).
         try:
             import uvloop
 
             self._loop = uvloop.new_event_loop()
         except ImportError:
             self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
     # ---- membership -------------------------------------------------------------
     def _add(self, client: EngineClient) -> None:
@@ -163,28 +176,41 @@ class Publisher:
         self.engines.pop(engine_id, None)
         self._dirty = True
 
-    # ---- async RPCs from sync code ---------------------------------------------------
-    def _submit(self, coro) -> cf.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    @staticmethod
-    def _let_out(written: cf.Future) -> None:
-        """Wait (briefly) until the engines' requests are written. Until then the RPC thread competes for
-        the GIL with this one, which goes on packing buckets, and a request that leaves late delays the
-        engines' posted receives, hence the wire."""
+    # ---- the engines' RPCs, on our loop, in the caller's thread ----------------------------------
+    def _run(self, aw):
+        """Run our loop in this thread until ``aw`` is done."""
         try:
-            written.result(1.0)
-        except cf.TimeoutError:
-            pass  # a loop this busy is slow anyway; the RPCs' own timeouts still hold
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(aw)
+        raise RuntimeError("Publisher methods are synchronous and run their own event loop: call them from a "
+                           "thread without a running loop (e.g. through asyncio.to_thread)")
+
+    def _submit(self, coro) -> asyncio.Task:
+        """Start an engine coroutine. It makes progress whenever our loop runs: in every wait of a publish
+        (see :meth:`_pump`) and in the blocking waits for answers."""
+        return self._loop.create_task(coro)
+
+    def _pump(self) -> None:
+        """One pass of our loop without waiting: requests that can leave do, answers already in are read."""
+        self._loop.run_until_complete(asyncio.sleep(0))
+
+    def _cancel(self, tasks) -> None:
+        """Cancel RPCs we no longer wait for, and let them unwind (bounded)."""
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            self._run(asyncio.wait(pending, timeout=1.0))
 
     def call(self, coro, timeout_s: float, what: str):
-        """Run an engine coroutine on the publisher's RPC loop (clients are bound to it), bounded."""
-        fut = self._submit(coro)
-        try:
-            return fut.result(timeout_s)
-        except cf.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
+        """Run an engine coroutine on the publisher's loop (clients are bound to it), bounded."""
+        task = self._submit(coro)
+        self._run(asyncio.wait([task], timeout=timeout_s))
+        if not task.done():
+            self._cancel([task])
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
+        return task.result()
 
     # ---- group ------------------------------------------------------------------------
     def rebuild(self) -> float:
@@ -201,28 +227,49 @@ class Publisher:
                 world += self.engines[eid].group_ranks
             # vLLM's NCCL workers rendezvous through a store that rank 0 hosts itself: a fresh port per epoch.
             port = free_port(self.cfg.master_addr) if self._factory else self._store.port
+            acks = self._group_acks_possible(ids)
             infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=port,
                                     rank_offset=offsets[eid], world_size=world, backend=self.backend,
-                                    group_epoch=self.epoch) for eid in ids}
+                                    group_epoch=self.epoch, group_acks=acks) for eid in ids}
             futs = {eid: self._submit(self.engines[eid].init_weight_transfer(infos[eid], self.plan)) for eid in ids}
             own = GroupInfo(master_addr=self.cfg.master_addr, master_port=infos[ids[0]].master_port if ids else 0,
-                            rank_offset=0, world_size=world, backend=self.backend, group_epoch=self.epoch)
+                            rank_offset=0, world_size=world, backend=self.backend, group_epoch=self.epoch,
+                            group_acks=acks)
             try:
-                pg = self._open_group(own) if ids else None
+                pg = self._join(own) if ids else None
                 failed = self._collect(futs, self.cfg.timeout_s)
             except Exception as e:  # noqa: BLE001 - the join failed; find who did not come
                 failed = self._collect(futs, 1.0) or {eid: f"did not join: {e}" for eid, f in futs.items() if not f.done()}
                 pg = None
             if not failed:
                 self.pg, self.members, self._dirty = pg, ids, False
-                log.info("weight-sync epoch %d: %d engines, world %d, joined in %.2fs",
-                         self.epoch, len(ids), world, time.perf_counter() - t0)
+                self.group_acks, self.world_size, self._offsets = acks, world, offsets
+                log.info("weight-sync epoch %d: %d engines, world %d, acks through the %s, joined in %.2fs",
+                         self.epoch, len(ids), world, "group" if acks else "RPCs", time.perf_counter() - t0)
                 return time.perf_counter() - t0
             wgroup.close_group(pg)
             for eid, why in failed.items():
                 log.error("weight-sync epoch %d: dropping engine %s: %s", self.epoch, eid, why)
                 self.engines.pop(eid, None)
         raise PublishError(f"weight-sync group could not be rebuilt after 3 epochs (last {self.epoch})", [])
+
+    def _group_acks_possible(self, ids: list[str]) -> bool:
+        """Acks through the group need fleetrl's receivers on every rank and a group fleetrl made (vLLM's
+        built-in backend and SGLang's own update run no all-gather of ours); a staged publish's commit
+        RPC is its ack anyway."""
+        own_group = self._factory is None and not (self.backend == "nccl" and self.cfg.nccl_impl == "sglang")
+        return (self.cfg.acks == "group" and own_group and not self.cfg.staging and bool(ids)
+                and all(self.engines[eid].supports_group_acks for eid in ids))
+
+    def _join(self, own: GroupInfo):
+        """Open our end of the group on a worker thread (it returns once every rank has joined, or raises at
+        the join timeout) while this thread runs the loop that carries the engines' join RPCs."""
+        def open_group():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a pool thread: NCCL's first call runs on our device
+            return self._open_group(own)
+
+        return self._run(self._loop.run_in_executor(None, open_group))
 
     def _open_group(self, own: GroupInfo):
         if self._factory is not None:
@@ -234,15 +281,12 @@ class Publisher:
             return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
 
-    def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]:
-        """Wait (bounded) for RPC futures; map engine id -> reason for those that failed or timed out."""
-        done, _ = cf.wait(list(futs.values()), timeout=timeout_s)
-        failed = {}
-        for eid, f in futs.items():
-            if f not in done:
-                failed[eid] = f"no answer within {timeout_s:.0f}s"
-            elif f.exception() is not None:
-                failed[eid] = str(f.exception())
+    def _collect(self, futs: dict[str, asyncio.Task], timeout_s: float) -> dict[str, str]:
+        """Wait (bounded) for RPCs; map engine id -> reason for those that failed or timed out."""
+        if futs:
+            self._run(asyncio.wait(list(futs.values()), timeout=timeout_s))
+        failed = {eid: f"no answer within {timeout_s:.0f}s" for eid, f in futs.items() if not f.done()}
+        failed.update(_errors(futs))
         return failed
 
     # ---- publish ----------------------------------------------------------------------
@@ -256,6 +300,7 @@ class Publisher:
         t0 = time.perf_counter()
         self.timeline = [("start", t0)]
         try:
+            self.settle()
             rebuild_s = self.rebuild() if self._dirty else 0.0
             return self._publish(version, it, t0, rebuild_s)
         finally:
@@ -264,71 +309,104 @@ class Publisher:
 
     def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
         plan, depth, staged = self.plan, self.cfg.inflight_buckets, self.cfg.staging
+        group_acks = self.group_acks and not staged and self.pg is not None
         # Staged: the engines post their receives and go on generating; they load at the commit below.
         start = (lambda e: e.begin_update(version, plan.plan_id)) if staged else \
             (lambda e: e.update_weights(version, plan.plan_id))
         mark = self._mark
-        # The first bucket's broadcast is issued before waiting for the requests to leave: it waits on
-        # the device for the engines' receives, and its issue overlaps the RPC thread's wake-up.
-        futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
-        written = self._submit(asyncio.sleep(0))  # done once the loop has run each request's first step
         prints, sent, step = [], 0, "start"
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
-        tb = time.perf_counter()
+        pumped = [time.perf_counter()]
+
+        def watch(work=None, every_s: float = 2e-4) -> None:
+            """Between polls of a wait: run our loop (at most every ``every_s``) and fail fast on a failed RPC,
+            unless the awaited ``work`` is done meanwhile."""
+            now = time.perf_counter()
+            if now - pumped[0] > every_s:
+                self._pump()
+                pumped[0] = now
+            if work is None or not work.is_completed():
+                self._check_acks(futs, step)
 
         def retire() -> None:  # wait (bounded) for the oldest broadcast on the wire
             nonlocal step
             b, work, _buf = inflight.popleft()
             step = f"broadcast bucket {b}/{len(plan.buckets)}"
-            wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step)
+            wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step, check=watch)
             mark(f"bucket{b}_sent")
-            self._check_acks(futs, step)
 
         if self._ring is None:
             self._ring = _SendRing(plan, depth + 1, self.device)
         expect, dev = self._ring.expect, self.device
+
+        def send(b: int) -> None:  # gather bucket b, pack it, put it on the wire behind at most depth - 1 others
+            nonlocal step, sent
+            step = f"gather bucket {b}/{len(plan.buckets)}"
+            parts = []
+            for i in plan.buckets[b]:
+                name, t = next(it)
+                if name != expect[i][0] or t.shape != expect[i][1] or t.dtype != expect[i][2]:
+                    raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
+                                     f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
+                                     f"(index {i})")
+                parts.append(t if t.device == dev else t.to(dev))
+            buf = self._ring.pack(b, parts)
+            # Bounded memory: at most `depth` buckets are on the wire; the packing of this one
+            # (already queued on the device) overlaps with them.
+            while len(inflight) >= depth:
+                retire()
+            step = f"broadcast bucket {b}/{len(plan.buckets)}"
+            if self.pg is not None:
+                inflight.append((b, wgroup.broadcast_async(self.pg, buf), buf))
+                mark(f"bucket{b}_issued")
+            prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
+            sent += buf.numel()
+
+        async def first_bucket() -> None:
+            # Scheduled behind the engines' RPCs, so it runs in the same pass of the loop right after each
+            # has written its request: bucket 0 goes out while the engines post their receives.
+            mark("requests_written")
+            send(0)
+
+        futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
+        tb = time.perf_counter()
         try:
-            for b, idx in enumerate(plan.buckets):
-                step = f"gather bucket {b}/{len(plan.buckets)}"
-                parts = []
-                for i in idx:
-                    name, t = next(it)
-                    if name != expect[i][0] or t.shape != expect[i][1] or t.dtype != expect[i][2]:
-                        raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
-                                         f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
-                                         f"(index {i})")
-                    parts.append(t if t.device == dev else t.to(dev))
-                buf = self._ring.pack(b, parts)
-                # Bounded memory: at most `depth` buckets are on the wire; the packing of this one
-                # (already queued on the device) overlaps with them.
-                while len(inflight) >= depth:
-                    retire()
-                step = f"broadcast bucket {b}/{len(plan.buckets)}"
-                if self.pg is not None:
-                    inflight.append((b, wgroup.broadcast_async(self.pg, buf), buf))
-                    mark(f"bucket{b}_issued")
-                if b == 0:
-                    self._let_out(written)
-                    mark("requests_written")
-                prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
-                sent += buf.numel()
+            self._run(first_bucket())
+            for b in range(1, len(plan.buckets)):
+                send(b)
+            if group_acks:
+                # Every rank's fingerprints, each receiver's queued behind its last load: the acks, on the wire
+                # right behind the last bucket (our own row is the checksum of what we sent). Their arrival
+                # also means every broadcast before them is done (one stream, in order): wait for them, not
+                # bucket by bucket, and spin a little, since they are due when the last bucket is.
+                mine = torch.stack(prints)
+                gathered = torch.empty((self.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
+                ack_work = wgroup.all_gather_async(self.pg, gathered, mine)
+                step = "acknowledge (group)" if not inflight else \
+                    f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}, then acknowledge (group)"
+                wgroup.wait_work(ack_work, time.monotonic() + self.cfg.timeout_s, step, max_sleep_s=5e-5,
+                                 check=lambda: watch(ack_work, 1e-3), spin_s=5e-3)
+                mark("acked")
             while inflight:
                 retire()
             broadcast_s = time.perf_counter() - tb
-            checksum = combine_fingerprints(prints)  # its device-to-host copy overlaps the engines' last load
-            mark("checksum")
-            step = "acknowledge"
-            failed = self._collect(futs, self.cfg.timeout_s)
-            mark("acked")
-            if not failed and staged:
-                step = "commit"
-                futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
+            if not group_acks:
+                checksum = combine_fingerprints(prints)  # its device-to-host copy overlaps the engines' last load
+                mark("checksum")
+                step = "acknowledge"
                 failed = self._collect(futs, self.cfg.timeout_s)
-                mark("committed")
-            if failed:
-                raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
+                mark("acked")
+                if not failed and staged:
+                    step = "commit"
+                    futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
+                    failed = self._collect(futs, self.cfg.timeout_s)
+                    mark("committed")
+                if failed:
+                    raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
         except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
             self._fail(version, step, e, futs)
+        if group_acks:
+            return self._group_acked(version, futs, gathered, t0, sent, broadcast_s, rebuild_s)
         acks = {eid: f.result() for eid, f in futs.items()}
         bad = {eid: c for eid, c in acks.items() if c and c != checksum}
         if bad:
@@ -346,37 +424,89 @@ class Publisher:
                              engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
                              per_engine_checksums=acks)
 
+    def _group_acked(self, version: int, futs: dict[str, asyncio.Task], gathered: torch.Tensor, t0: float, sent: int,
+                     broadcast_s: float, rebuild_s: float) -> PublishReport:
+        """Check the gathered fingerprints: every rank of every engine must match ours (row 0). The engines'
+        RPC answers are left to :meth:`settle` (called by the next publish)."""
+        rows = gathered.cpu()  # one small device-to-host copy
+        self._mark("acks_copied")
+        checksum = fingerprints_checksum(rows[0])
+        acks, bad = {}, {}
+        for eid in self.members:
+            first = self._offsets[eid]
+            theirs = {fingerprints_checksum(rows[r]) for r in range(first, first + self.engines[eid].group_ranks)
+                      if not torch.equal(rows[r], rows[0])}
+            acks[eid] = ",".join(sorted(theirs)) or checksum
+            if theirs:
+                bad[eid] = acks[eid]
+        self._mark("checksum")
+        if bad:
+            self._cancel(futs.values())
+            for eid in bad:
+                self.engines.pop(eid, None)
+            self._dirty = True
+            raise PublishError(f"publish v{version}: checksum mismatch in the group acks (ours {checksum}) from "
+                               + ", ".join(f"engine {k} ({v})" for k, v in bad.items()), list(bad))
+        self._unsettled = (version, futs, checksum)
+        dt = time.perf_counter() - t0
+        log.debug("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs), acked through the group",
+                  version, sent / 1e6, len(futs), dt, broadcast_s)
+        return PublishReport(version=version, bytes=sent, seconds=dt, broadcast_seconds=broadcast_s,
+                             engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
+                             per_engine_checksums=acks)
+
+    def settle(self, timeout_s: float | None = None) -> dict[str, str]:
+        """Collect the RPC answers of the last group-acked publish (bounded; by then they are normally in).
+
+        An engine whose answer is an error, or a checksum other than its group ack, is dropped: the next
+        publish rebuilds the group without it. Returns engine id -> what went wrong. A publish calls this
+        first; call it yourself before talking to the engines outside a publish (their answer to the
+        update may still be on its way)."""
+        if self._unsettled is None:
+            return {}
+        version, futs, checksum = self._unsettled
+        self._unsettled = None
+        failed = self._collect(futs, self.cfg.timeout_s if timeout_s is None else timeout_s)
+        self._cancel(futs.values())  # those that did not answer in time
+        for eid, f in futs.items():
+            if eid not in failed and f.result() != checksum:
+                failed[eid] = f"answered checksum {f.result()} after its group ack of {checksum}"
+        for eid, why in failed.items():
+            log.error("weight-sync: dropping engine %s after v%d: %s", eid, version, why)
+            self.engines.pop(eid, None)
+            self._dirty = True
+        return failed
+
     def _mark(self, event: str) -> None:
         self.timeline.append((event, time.perf_counter()))
 
-    def _check_acks(self, futs: dict[str, cf.Future], step: str) -> None:
+    @staticmethod
+    def _check_acks(futs: dict[str, asyncio.Task], step: str) -> None:
         """Fail fast if an engine's RPC already died (e.g. its process was killed)."""
-        for eid, f in futs.items():
-            if f.done() and f.exception() is not None:
-                raise RuntimeError(f"engine {eid} failed during '{step}': {f.exception()}")
+        for eid, why in _errors(futs).items():
+            raise RuntimeError(f"engine {eid} failed during '{step}': {why}")
 
-    def _fail(self, version: int, step: str, err: Exception, futs: dict[str, cf.Future]):
+    def _fail(self, version: int, step: str, err: Exception, futs: dict[str, asyncio.Task]):
         """Blame, tear down, drop, and raise; survivors rejoin at the next publish."""
         # Before tearing the group down (which makes survivors' RPCs fail too), find the
         # engines whose RPC failed on its own, then probe the rest.
         grace = min(2.0, self.cfg.timeout_s)
-        blamed = {eid: str(f.exception()) for eid, f in futs.items() if f.done() and f.exception() is not None}
-        if not blamed:
-            cf.wait(list(futs.values()), timeout=grace, return_when=cf.FIRST_EXCEPTION)
-            blamed = {eid: str(f.exception()) for eid, f in futs.items() if f.done() and f.exception() is not None}
-        if not blamed:
+        blamed = _errors(futs)
+        pending = [f for f in futs.values() if not f.done()]
+        if not blamed and pending:
+            self._run(asyncio.wait(pending, timeout=grace, return_when=asyncio.FIRST_EXCEPTION))
+            blamed = _errors(futs)
+        if not blamed and futs:
             probes = {eid: self._submit(asyncio.wait_for(self.engines[eid].health(), grace)) for eid in futs}
+            self._run(asyncio.wait(list(probes.values()), timeout=grace + 1))
+            sick = _errors(probes)
             for eid, p in probes.items():
-                try:
-                    healthy = p.result(grace + 1)
-                except Exception:  # noqa: BLE001 - a probe that fails is an unhealthy engine
-                    healthy = False
-                if not healthy:
+                if eid in sick or not p.done() or not p.result():  # a probe that fails is an unhealthy engine
                     blamed[eid] = "failed its health probe"
+            self._cancel(probes.values())
         wgroup.close_group(self.pg)
         self.pg = None
-        for f in futs.values():
-            f.cancel()
+        self._cancel(futs.values())
         for eid in blamed:
             self.engines.pop(eid, None)
         self._dirty = True
@@ -395,14 +525,30 @@ class Publisher:
         return -1
 
     def close(self) -> None:
+        if self._unsettled is not None:
+            self.settle(timeout_s=min(5.0, self.cfg.timeout_s))
         wgroup.close_group(self.pg)
         self.pg = None
         if self._loop is not None:
             async def _close_all():
                 await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
             try:
-                self._submit(_close_all()).result(5)
+                self.call(_close_all(), 5.0, "closing the engine clients")
+                self._cancel(asyncio.all_tasks(self._loop))
+                self._loop.run_until_complete(self._loop.shutdown_default_executor())
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop.close()
             self._loop = None
+
+
+def _errors(futs: dict[str, asyncio.Task]) -> dict[str, str]:
+    """Engine id -> error, for the finished RPCs that failed (a cancelled one counts as failed)."""
+    out = {}
+    for eid, f in futs.items():
+        if f.done():
+            if f.cancelled():
+                out[eid] = "cancelled"
+            elif f.exception() is not None:
+                out[eid] = str(f.exception()) or type(f.exception()).__name__
+    return out

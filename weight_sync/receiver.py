@@ -15,6 +15,12 @@ On CUDA the host queues all of that on the device at once (each load waits on th
 stream for its receive) and then waits, bucket by bucket and bounded, for the
 receives; the checksum's copy to the host comes after the last load.
 
+Group acks (the epoch's ``GroupInfo.group_acks``): the publish ends with an
+all-gather of every rank's per-bucket fingerprints, queued behind the last load.
+The publisher takes its completion as every receiver's ack and compares the rows;
+each receiver compares its own row with the publisher's and its RPC answer (the
+checksum) follows, off the publish's critical path.
+
 Staged publish (``weight_sync.staging``): the receives go into a standing
 copy of the model's bytes while the engine keeps generating; only the copy into
 the model waits for a gap between engine steps::
@@ -52,7 +58,8 @@ import torch
 from rollout_fleet.engines.base import GroupInfo, WeightPlan
 from weight_sync import group as wgroup
 from weight_sync import messages as m
-from weight_sync.plan import bucket_fingerprint, combine_fingerprints, unpack_bucket, validate_plan
+from weight_sync.plan import (bucket_fingerprint, combine_fingerprints, fingerprints_checksum, unpack_bucket,
+                              validate_plan)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class WeightReceiver:
         self.timeout_s = 60.0
         self.depth = 2  # receives posted ahead: the wire stays busy while one bucket loads
         self.last_checksum = ""
+        self.group_acks = False  # this epoch ends each unstaged publish with the ack all-gather
         self._sizes: list[int] = []  # bytes per bucket of the joined plan
         self._ring: list[torch.Tensor] = []  # depth + 1 standing receive buffers of the joined plan
         self._views: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}  # (address, bucket) -> tensors
@@ -95,6 +103,7 @@ class WeightReceiver:
         if self.plan is None or self.plan.plan_id != plan.plan_id:
             self._sizes, self._ring, self._views = plan.bucket_bytes(), [], {}
         self.plan, self.group, self.timeout_s = plan, group, timeout_s
+        self.group_acks = group.group_acks
         log.info("engine %s joined weight-sync epoch %d as rank %d/%d in %.2fs", self.engine_id,
                  group.group_epoch, rank, group.world_size, time.perf_counter() - t0)
 
@@ -178,16 +187,36 @@ class WeightReceiver:
                 prints.append(bucket_fingerprint(buf))  # after the load: the checksum's copy to the host waits for it
                 if not queued:
                     mark((f"bucket{b}_loaded", time.perf_counter()))
+            ack = None
+            if self.group_acks:
+                # The ack: our fingerprints (taken after each load) all-gathered with the publisher's. On CUDA
+                # it is queued behind the last load, so the publisher learns "loaded, and these bytes" without
+                # waiting for this host or the RPC's answer.
+                step = "acknowledge (group)"
+                mine = torch.stack(prints)
+                gathered = torch.empty((self.group.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
+                ack = wgroup.all_gather_async(pg, gathered, mine)
             if queued:
                 mark(("queued", time.perf_counter()))
                 for b in range(len(sizes)):
                     step = f"receive bucket {b}/{len(sizes)}"
                     wait(b, deadline)
                     deadline = time.monotonic() + self.timeout_s
+            if ack is not None:
+                step = "acknowledge (group)"
+                wgroup.wait_work(ack, deadline, f"engine {self.engine_id}: {step}", max_sleep_s=5e-5)
+                mark(("acked", time.perf_counter()))
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
             raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
-        self.last_checksum = combine_fingerprints(prints)  # on CUDA: returns once the queued loads are done
+        if ack is None:
+            self.last_checksum = combine_fingerprints(prints)  # on CUDA: returns once the queued loads are done
+        else:
+            self.last_checksum, theirs = fingerprints_checksum(mine), fingerprints_checksum(gathered[0])
+            if theirs != self.last_checksum:
+                # The publisher sees the same mismatch in the gathered rows and drops this engine.
+                raise RuntimeError(f"engine {self.engine_id}: publish v{version}: checksum mismatch in the group acks: "
+                                   f"the received bytes' {self.last_checksum}, the publisher's {theirs}")
         mark(("checksum", time.perf_counter()))
         return self.last_checksum
 
@@ -241,7 +270,7 @@ class WeightReceiver:
 
 def group_from_msg(g: m.GroupMsg) -> GroupInfo:
     return GroupInfo(master_addr=g.master_addr, master_port=g.master_port, rank_offset=g.rank_offset,
-                     world_size=g.world_size, backend=g.backend, group_epoch=g.group_epoch)
+                     world_size=g.world_size, backend=g.backend, group_epoch=g.group_epoch, group_acks=g.group_acks)
 
 
 def plan_from_msg(p: m.PlanMsg) -> WeightPlan:
@@ -252,14 +281,17 @@ def plan_from_msg(p: m.PlanMsg) -> WeightPlan:
 class ReceiverState:
     """A model as a dict of tensors behind the standalone server."""
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self, engine_id: str, corrupt: str | None = None) -> None:
         self.receiver = WeightReceiver(engine_id)
         self.tensors: dict[str, torch.Tensor] = {}
         self.version = -1
         self.lock = threading.Lock()  # one weight operation at a time
+        self.corrupt = corrupt  # fault injection for tests: flip a bit of this tensor as it arrives
 
     def load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in pairs:
+            if name == self.corrupt:
+                t.view(-1).view(torch.uint8)[0] ^= 1  # in the received bucket itself, as a bad transfer would
             self.tensors[name] = t.clone()  # views of the bucket buffer must not outlive it
 
     def load_path(self, path: str) -> None:
@@ -347,10 +379,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--port-file", help="write the bound port here once serving")
     ap.add_argument("--init", help="safetensors file or HF folder to load first")
+    ap.add_argument("--corrupt-tensor", metavar="NAME",
+                    help="tests only: flip one bit of this tensor in every publish received (checksums must catch it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s receiver[{args.engine_id}] %(levelname)s %(message)s")
     torch.set_num_threads(1)
-    state = ReceiverState(args.engine_id)
+    state = ReceiverState(args.engine_id, corrupt=args.corrupt_tensor)
     if args.init:
         state.load_path(args.init)
         state.version = 0

@@ -52,7 +52,8 @@ class ReceiverClient(HttpEngineClient):
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         msg = m.InitTransfer(
             group=m.GroupMsg(master_addr=group.master_addr, master_port=group.master_port, rank_offset=group.rank_offset,
-                             world_size=group.world_size, backend=group.backend, group_epoch=group.group_epoch),
+                             world_size=group.world_size, backend=group.backend, group_epoch=group.group_epoch,
+                             group_acks=group.group_acks),
             plan=m.PlanMsg(plan_id=plan.plan_id, names=plan.names, shapes=plan.shapes, dtypes=plan.dtypes,
                            buckets=plan.buckets),
             timeout_s=self._join_timeout_s,
@@ -66,6 +67,7 @@ class ReceiverClient(HttpEngineClient):
         return reply.checksum
 
     supports_staging = True
+    supports_group_acks = True
 
     async def begin_update(self, version: int, plan_id: str) -> None:
         await self._post("/stage_weights", m.StageWeights(version=version, plan_id=plan_id), self.timeout_s)

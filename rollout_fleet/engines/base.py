@@ -77,6 +77,9 @@ class GroupInfo:
     world_size: int
     backend: str  # "nccl" | "gloo"
     group_epoch: int  # bumps on every rebuild
+    # Acks through the group (weight_sync.acks = "group"): after its last load each receiver all-gathers its
+    # fingerprints with the publisher's, which takes that as the ack; the RPC's answer is checked later.
+    group_acks: bool = False
 
 
 class EngineClient(abc.ABC):
@@ -115,6 +118,10 @@ class EngineClient(abc.ABC):
     #: True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
     #: copy while it keeps generating, and pauses only for the copy into the model.
     supports_staging: bool = False
+
+    #: True if the engine's receivers end each (unstaged) publish with the group's ack all-gather when the
+    #: epoch's :attr:`GroupInfo.group_acks` says so (fleetrl's standalone receiver does).
+    supports_group_acks: bool = False
 
     async def begin_update(self, version: int, plan_id: str) -> None:
         """Staged publish, phase 1: post the receives of ``version`` and return at once."""

@@ -45,7 +45,8 @@ def _state(bench) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path):
+@pytest.mark.parametrize("acks", ["group", "rpc"])
+def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path, acks):
     from safetensors.torch import load_file
 
     from weight_sync.config import WeightSyncConfig
@@ -54,12 +55,12 @@ def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path):
 
     bench, conn = receiver
     torch.cuda.set_device(0)
-    engine = bench.PipeEngine("gpu1-rx", conn)
+    engine = bench.PipeEngine(f"gpu1-rx-{acks}", conn)
     state = _state(bench)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 128 << 20)
     assert len(plan.buckets) > 3, "several buckets, so the overlap of gather and broadcast is exercised"
-    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=128, timeout_s=120), plan, rank=0,
-                    engines=[engine], device="cuda:0")
+    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=128, timeout_s=120, acks=acks),
+                    plan, rank=0, engines=[engine], device="cuda:0")
     try:
         for version in (1, 2):
             if version == 2:  # a training step changed every tensor: nothing stale may survive
@@ -67,9 +68,11 @@ def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path):
                     for t in state.values():
                         t.mul_(-1.5).add_(0.001)
             report = pub.publish(version, iter(state.items()))
-            assert report is not None and report.engines == ["gpu1-rx"]
+            assert report is not None and report.engines == [engine.engine_id]
+            assert pub.group_acks == (acks == "group")
             assert report.bytes == sum(t.numel() * t.element_size() for t in state.values())
-            assert report.per_engine_checksums["gpu1-rx"] == report.checksum
+            assert report.per_engine_checksums[engine.engine_id] == report.checksum
+            assert pub.settle() == {}  # the engine's RPC answer, checked against its group ack
             assert engine.weight_version == version
             path = tmp_path / f"v{version}.safetensors"
             engine.call("dump", str(path))

@@ -117,3 +117,35 @@ def test_vllm_version_check_accepts_installed_build():
     from packaging.version import Version
 
     assert SUPPORTED[0] <= Version(check_vllm_version()) < SUPPORTED[1]
+
+
+def test_tail_pieces_shrink_towards_the_end_and_leave_the_other_cuts():
+    from weight_sync.plan import TAIL_FACTOR, nbytes
+
+    meta = [(f"t{i}", [n], torch.uint8) for i, n in enumerate([300, 300, 300, 120, 90, 60, 30, 20, 10, 5])]
+    plain = build_plan(meta, 400)
+    assert plain.buckets == [[0, 1], [2, 3], [4, 5, 6, 7, 8, 9]]  # the packed rule: cut after crossing 400
+    cut = build_plan(meta, 400, tail_bytes=16)
+    # the last bucket (90 60 30 20 10 5) is cut from the end: 10 + 5 <= 16 (the 20 would cross), then
+    # 30 + 20 <= 64 (the 60 would cross), and what is left (90 + 60 = 150 <= 256) stays whole
+    assert cut.buckets == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    sizes = [sum(nbytes(cut.shapes[i], cut.dtypes[i]) for i in b) for b in cut.buckets]
+    assert sizes[-1] <= 16 and sizes[-2] <= 16 * TAIL_FACTOR
+    assert cut.plan_id != plain.plan_id  # another byte layout, another id
+    # the packed rule no longer describes the plan: vLLM's built-in backend must not get it
+    with pytest.raises(ValueError, match="packed rule"):
+        packed_buffer_bytes(cut)
+    # a last tensor larger than the limit: nothing to cut
+    assert build_plan(meta, 400, tail_bytes=4).buckets == plain.buckets
+    # a one-tensor last bucket cannot be cut either
+    assert build_plan(meta[:4], 400, tail_bytes=16).buckets == build_plan(meta[:4], 400).buckets
+
+
+def test_tail_bytes_only_where_fleetrl_receivers_take_the_plan():
+    from weight_sync.config import WeightSyncConfig
+
+    assert WeightSyncConfig(nccl_impl="torch").tail_bytes(nccl=True) == 16 << 20
+    assert WeightSyncConfig(nccl_impl="vllm").tail_bytes(nccl=True) == 0
+    assert WeightSyncConfig(nccl_impl="sglang").tail_bytes(nccl=True) == 0
+    assert WeightSyncConfig(nccl_impl="vllm").tail_bytes(nccl=False) == 16 << 20  # gloo: fleetrl's receivers
+    assert WeightSyncConfig(tail_bucket_mb=0).tail_bytes(nccl=True) == 0

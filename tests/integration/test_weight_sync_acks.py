@@ -1,0 +1,151 @@
+"""How a publish is acknowledged: through the group (an all-gather of checksums) or by each engine's RPC answer.
+
+Real processes and sockets: the publisher (rank 0, gloo) runs in this process,
+and the receivers are standalone receiver processes (``python -m
+weight_sync.receiver``). One of them is started with ``--corrupt-tensor``: it flips
+a bit of one tensor of every publish as it lands, the way a bad transfer or load
+would. Both ack paths must catch that receiver, drop it, and go on with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout_fleet.engines.http import free_port
+from weight_sync.config import WeightSyncConfig
+from weight_sync.plan import build_plan
+from weight_sync.publisher import Publisher, PublishError
+from weight_sync.receiver_client import ReceiverClient
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+BAD_TENSOR = "layers.1.w"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {"embed": torch.randn(300, 64, generator=g)}
+    for i in range(3):
+        state[f"layers.{i}.w"] = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+        state[f"layers.{i}.b"] = torch.randn(96, generator=g)
+    return state
+
+
+@pytest.fixture(scope="module")
+def receivers(tmp_path_factory):
+    """url of the good receiver and of the one that corrupts ``BAD_TENSOR``."""
+    tmp = tmp_path_factory.mktemp("acks")
+    procs, urls = [], {}
+    try:
+        for eid, extra in (("good", []), ("bad", ["--corrupt-tensor", BAD_TENSOR])):
+            port = free_port()
+            log = open(tmp / f"{eid}.log", "w")
+            procs.append(subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", eid,
+                                           "--port", str(port), *extra],
+                                          env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            urls[eid] = f"http://127.0.0.1:{port}"
+
+        async def ready() -> None:
+            deadline = time.monotonic() + 60
+            for eid, url in urls.items():
+                c = ReceiverClient(eid, url, timeout_s=10)
+                while not await c.health():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"receiver {eid} not serving within 60s:\n{(tmp / f'{eid}.log').read_text()}")
+                    await asyncio.sleep(0.2)
+                await c.close()
+
+        asyncio.run(ready())
+        yield urls, tmp
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def _publisher(urls: dict[str, str], acks: str, names: tuple[str, ...]) -> tuple[Publisher, dict]:
+    state = _state(0)
+    # 8 KiB buckets: several of them, so the acks follow a pipelined publish
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 8 << 10)
+    assert len(plan.buckets) > 3
+    clients = {n: ReceiverClient(n, urls[n], timeout_s=15) for n in names}
+    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=15, acks=acks), plan, engines=list(clients.values()))
+    return pub, clients
+
+
+def _dump(pub: Publisher, client: ReceiverClient, path: Path) -> dict[str, torch.Tensor]:
+    pub.call(client.dump(str(path)), 15, f"dump {client.engine_id}")
+    return load_file(str(path))
+
+
+def _assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        assert torch.equal(got[name].view(torch.uint8), w.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("acks", ["group", "rpc"])
+def test_both_ack_paths_publish_bit_identical_and_settle(receivers, tmp_path, acks):
+    urls, _ = receivers
+    pub, clients = _publisher(urls, acks, ("good",))
+    try:
+        for version in (1, 2):
+            state = _state(version)
+            report = pub.publish(version, iter(state.items()))
+            assert pub.group_acks == (acks == "group")
+            assert report.per_engine_checksums == {"good": report.checksum}
+            assert pub.settle() == {}, "the engine's RPC answer must agree with its ack"
+            assert clients["good"].weight_version == version
+            _assert_bit_identical(_dump(pub, clients["good"], tmp_path / f"v{version}.safetensors"), state)
+    finally:
+        pub.close()
+
+
+@pytest.mark.parametrize("acks", ["group", "rpc"])
+def test_corrupted_receiver_is_caught_dropped_and_the_rest_go_on(receivers, tmp_path, acks):
+    urls, _ = receivers
+    pub, clients = _publisher(urls, acks, ("good", "bad"))
+    try:
+        with pytest.raises(PublishError) as err:
+            pub.publish(1, iter(_state(1).items()))
+        assert err.value.blamed == ["bad"], str(err.value)
+        assert "checksum mismatch" in str(err.value) and "engine bad" in str(err.value)
+        if acks == "group":
+            assert "group acks" in str(err.value)
+        # The good receiver got the same bytes; the next publish goes to it alone, in a new epoch.
+        state = _state(2)
+        report = pub.publish(2, iter(state.items()))
+        assert report.engines == ["good"] and report.epoch == 2
+        assert pub.settle() == {}
+        _assert_bit_identical(_dump(pub, clients["good"], tmp_path / "good_v2.safetensors"), state)
+    finally:
+        pub.close()
+
+
+def test_group_acks_need_every_engine_to_support_them(receivers):
+    urls, _ = receivers
+
+    class RpcOnly(ReceiverClient):
+        supports_group_acks = False
+
+    state = _state(3)
+    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 8 << 10)
+    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=15), plan,
+                    engines=[RpcOnly("good", urls["good"], timeout_s=15)])
+    try:
+        report = pub.publish(1, iter(state.items()))
+        assert not pub.group_acks, "an engine without group acks makes the epoch ack by RPC"
+        assert report.per_engine_checksums == {"good": report.checksum}
+    finally:
+        pub.close()
