@@ -276,9 +276,9 @@ def _sync_time(fn) -> float:
 
 
 def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0",
-                acks: str = "group", tail_mb: float = 16.0, inflight: int = 2) -> dict:
+                acks: str = "group", tail_mb: float = 0.0, inflight: int = 2, tail_factor: int = 0) -> dict:
     from weight_sync.config import WeightSyncConfig
-    from weight_sync.plan import build_plan
+    from weight_sync.plan import TAIL_FACTOR, build_plan
     from weight_sync.publisher import Publisher
 
     state = random_model(model, device)
@@ -288,7 +288,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
                            timeout_s=120.0, nccl_impl="torch", acks=acks, tail_bucket_mb=tail_mb,
                            inflight_buckets=inflight)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], int(bucket_mb * (1 << 20)),
-                      cfg.tail_bytes(device.startswith("cuda")))
+                      cfg.tail_bytes(device.startswith("cuda")), tail_factor)
     pub = Publisher(cfg, plan, rank=0, engines=[engine], device=device)
     try:
         first = _sync_time(lambda: pub.publish(1, iter(state.items())))  # rebuild + NCCL communicator warm-up
@@ -341,7 +341,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
         case = {"model": f"qwen2-{model}-shape", "bytes": nbytes, "publish_s": publish_s, "raw_broadcast_s": raw_s,
                 "ratio_vs_raw": raw_s / publish_s, "publish_gb_per_s": nbytes / publish_s / 1e9,
                 "bucket_sizes_mb": [round(n / (1 << 20), 1) for n in sizes], "tail_bucket_mb": tail_mb,
-                "inflight_buckets": inflight,
+                "inflight_buckets": inflight, "tail_factor": tail_factor or TAIL_FACTOR,
                 "raw_gb_per_s": nbytes / raw_s / 1e9, "buckets": len(sizes), "bucket_mb": bucket_mb,
                 "acks": "group" if pub.group_acks else "rpc",
                 # the publish until the engine's RPC answer is in as well (the whole publish with acks='rpc')
@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inflight", type=int, default=2, help="weight_sync.inflight_buckets")
-    ap.add_argument("--tail-mb", type=float, default=16.0,
+    ap.add_argument("--tail-factor", type=int, default=0, help="build_plan's tail_factor (0: its default)")
+    ap.add_argument("--tail-mb", type=float, default=0.0,
                     help="weight_sync.tail_bucket_mb: the last bucket's size limit (0 = as the packed rule cuts it)")
     ap.add_argument("--acks", choices=("group", "rpc"), default="group",
                     help="weight_sync.acks: through the group (default) or each engine's RPC answer")
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, model in enumerate(args.models):
             # a fresh engine id per model: each model is its own plan, hence its own group epoch
             cases.append(bench_model(model, args.bucket_mb, args.reps, PipeEngine(f"bench-rx-{i}", parent), devices[0],
-                                     args.acks, args.tail_mb, args.inflight))
+                                     args.acks, args.tail_mb, args.inflight, args.tail_factor))
     device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     out = {"cases": cases, "device": device,
            **run_info(argv),

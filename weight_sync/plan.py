@@ -55,19 +55,20 @@ def nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * _DTYPES[dtype].itemsize
 
 
-TAIL_FACTOR = 4  # a receiver's load + checksum vs the wire, per byte (H200: ~1.3 TB/s against ~0.34 TB/s)
+TAIL_FACTOR = 4  # estimated: a receiver's load + checksum against the wire, per byte, on H200 (not measured alone)
 
 
 def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], bucket_bytes: int,
-               tail_bytes: int = 0) -> WeightPlan:
+               tail_bytes: int = 0, tail_factor: int = 0) -> WeightPlan:
     """Plan for ``params`` = [(name, full shape, dtype)] in broadcast order.
 
     ``tail_bytes > 0`` cuts the last bucket into pieces that shrink towards the end:
     its trailing tensors up to ``tail_bytes`` become the last bucket, those before them
-    up to 4x that the one before, and so on (:data:`TAIL_FACTOR`). A receiver loads and
-    checksums a bucket about four times faster than the wire brings it, so each piece's
-    work is done while the next, smaller one arrives, and what is left after the last
-    byte is the work on a few MB rather than on a full bucket. The plan then no longer
+    up to ``tail_factor`` (default :data:`TAIL_FACTOR`) times that the one before, and so
+    on. If a receiver loads and checksums a bucket that many times faster than the wire
+    brings it, each piece's work is done while the next, smaller one arrives, and what
+    is left after the last byte is the work on a few MB rather than on a full bucket
+    (on 2 H200s the gain was within the run-to-run spread). The plan then no longer
     follows vLLM's packed rule, so only fleetrl's own receivers take it (see
     :meth:`weight_sync.config.WeightSyncConfig.tail_bytes`).
 
@@ -108,7 +109,7 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
             if not piece:
                 break
             pieces.insert(0, piece)
-            limit *= TAIL_FACTOR
+            limit *= tail_factor or TAIL_FACTOR
             if sum(sizes[i] for i in last) <= limit:  # what is left is small enough to be the next piece
                 break
         buckets += [last, *pieces]
@@ -204,11 +205,13 @@ def combine_fingerprints(prints: Sequence[torch.Tensor]) -> str:
     return fingerprints_checksum(torch.stack(list(prints)))
 
 
-def fingerprints_checksum(values: torch.Tensor) -> str:
+def fingerprints_checksum(values) -> str:
     """The checksum of a publish from its per-bucket fingerprints as one int64 tensor (``[buckets, 2]``, or
-    flat), on any device: what :func:`combine_fingerprints` returns for the same fingerprints. Group acks
-    gather the fingerprints themselves, and each side turns them into this string."""
-    flat = values.reshape(-1, 2).cpu().numpy().astype("<i8")  # one device-to-host copy, one sync
+    flat, on any device) or numpy array: what :func:`combine_fingerprints` returns for the same fingerprints.
+    Group acks gather the fingerprints themselves, and each side turns them into this string."""
+    if isinstance(values, torch.Tensor):
+        values = values.cpu().numpy()  # one device-to-host copy, one sync
+    flat = values.reshape(-1, 2).astype("<i8", copy=False)
     return f"{hashlib.blake2b(flat.tobytes(), digest_size=8).hexdigest()}-{flat.shape[0]}"
 
 

@@ -4,9 +4,9 @@ Dataflow of ``publish(v, tensors)`` (``tensors`` yields (name, full tensor) in
 plan order; with FSDP every learner rank iterates it, because each item is an
 all-gather, and only rank 0 sends)::
 
-    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (RPCs on the
-             publisher's own loop, run in this thread: the requests leave at once)
-             -> gather b0 -> bcast b0 -> gather b1 -> bcast b1 || gather b2 ... -> acks
+    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs on
+             the RPC thread's loop) -> gather b0 -> bcast b0 -> [wait until the requests
+             are written] -> gather b1 -> bcast b1 || gather b2 ... -> acks
              (at most ``inflight_buckets`` broadcasts on the wire; completion is polled,
              see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own
@@ -31,20 +31,19 @@ Invariants and what happens when a peer dies:
 - A late joiner (:meth:`add_engine`) first loads the latest export from disk,
   then joins at the next rebuild; until then it is not in the group.
 
-Threads: none of its own. The engines' RPCs run on an event loop the publisher
-owns and runs only inside its own calls, in the caller's thread; every wait of a
-publish runs it once per poll, so requests leave and answers are read without a
-hop between threads. (A loop on a thread of its own woke 0.1-0.3 ms after being
-handed a request on the 2x H200 host, ``bench/rpc_wakeup.py``, and two such hops
-were most of a 0.5B publish's overhead.) Call a publisher from one thread at a
-time, and not from inside a running event loop.
+Threads: the engines' RPCs run on an event loop on a thread of the publisher's
+own (``weight-sync-rpc``). Handing it a request costs a wake-up of that thread
+(0.1-0.3 ms on the 2x H200 host, ``bench/rpc_wakeup.py``); group acks keep the
+answers off the critical path, so a publish pays that hop once, at its start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures as cf
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -140,20 +139,22 @@ class Publisher:
         self.group_acks = False  # this epoch's publishes are acknowledged through the group
         self.world_size = 1
         self._offsets: dict[str, int] = {}  # engine id -> its first rank in this epoch
-        self._unsettled: tuple[int, dict[str, asyncio.Task], str] | None = None  # RPCs of a group-acked publish
+        self._unsettled: tuple[int, dict[str, cf.Future], str] | None = None  # RPCs of a group-acked publish
+        self._ack_host: torch.Tensor | None = None  # pinned: where the gathered acks land
         if rank != 0:
             return
         for e in engines:
             self._add(e)
         self._store = None if self._factory else wgroup.host_store(cfg.master_addr, cfg.master_port, cfg.timeout_s)
-        # uvloop where installed: a pass of its loop costs less than the default loop's, and a publish makes
-        # one at every poll of its waits. It runs only inside this object's calls (see the module docs).
+        # uvloop where installed: each publish waits on this loop (the engines' start RPCs going out, and
+        # their acks coming back unless the group carries them), and its wake-ups are cheaper.
         try:
             import uvloop
 
             self._loop = uvloop.new_event_loop()
         except ImportError:
             self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
     # ---- membership -------------------------------------------------------------
     def _add(self, client: EngineClient) -> None:
@@ -176,41 +177,28 @@ class Publisher:
         self.engines.pop(engine_id, None)
         self._dirty = True
 
-    # ---- the engines' RPCs, on our loop, in the caller's thread ----------------------------------
-    def _run(self, aw):
-        """Run our loop in this thread until ``aw`` is done."""
+    # ---- async RPCs from sync code ---------------------------------------------------
+    def _submit(self, coro) -> cf.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @staticmethod
+    def _let_out(written: cf.Future) -> None:
+        """Wait (briefly) until the engines' requests are written. Until then the RPC thread competes for
+        the GIL with this one, which goes on packing buckets, and a request that leaves late delays the
+        engines' posted receives, hence the wire."""
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._loop.run_until_complete(aw)
-        raise RuntimeError("Publisher methods are synchronous and run their own event loop: call them from a "
-                           "thread without a running loop (e.g. through asyncio.to_thread)")
-
-    def _submit(self, coro) -> asyncio.Task:
-        """Start an engine coroutine. It makes progress whenever our loop runs: in every wait of a publish
-        (see :meth:`_pump`) and in the blocking waits for answers."""
-        return self._loop.create_task(coro)
-
-    def _pump(self) -> None:
-        """One pass of our loop without waiting: requests that can leave do, answers already in are read."""
-        self._loop.run_until_complete(asyncio.sleep(0))
-
-    def _cancel(self, tasks) -> None:
-        """Cancel RPCs we no longer wait for, and let them unwind (bounded)."""
-        pending = [t for t in tasks if not t.done()]
-        for t in pending:
-            t.cancel()
-        if pending:
-            self._run(asyncio.wait(pending, timeout=1.0))
+            written.result(1.0)
+        except cf.TimeoutError:
+            pass  # a loop this busy is slow anyway; the RPCs' own timeouts still hold
 
     def call(self, coro, timeout_s: float, what: str):
-        """Run an engine coroutine on the publisher's loop (clients are bound to it), bounded."""
-        task = self._submit(coro)
-        self._run(asyncio.wait([task], timeout=timeout_s))
-        if not task.done():
-            self._cancel([task])
-            raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
-        return task.result()
+        """Run an engine coroutine on the publisher's RPC loop (clients are bound to it), bounded."""
+        fut = self._submit(coro)
+        try:
+            return fut.result(timeout_s)
+        except cf.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"{what}: no answer within {timeout_s:.0f}s") from None
 
     # ---- group ------------------------------------------------------------------------
     def rebuild(self) -> float:
@@ -236,7 +224,7 @@ class Publisher:
                             rank_offset=0, world_size=world, backend=self.backend, group_epoch=self.epoch,
                             group_acks=acks)
             try:
-                pg = self._join(own) if ids else None
+                pg = self._open_group(own) if ids else None
                 failed = self._collect(futs, self.cfg.timeout_s)
             except Exception as e:  # noqa: BLE001 - the join failed; find who did not come
                 failed = self._collect(futs, 1.0) or {eid: f"did not join: {e}" for eid, f in futs.items() if not f.done()}
@@ -261,16 +249,6 @@ class Publisher:
         return (self.cfg.acks == "group" and own_group and not self.cfg.staging and bool(ids)
                 and all(self.engines[eid].supports_group_acks for eid in ids))
 
-    def _join(self, own: GroupInfo):
-        """Open our end of the group on a worker thread (it returns once every rank has joined, or raises at
-        the join timeout) while this thread runs the loop that carries the engines' join RPCs."""
-        def open_group():
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # a pool thread: NCCL's first call runs on our device
-            return self._open_group(own)
-
-        return self._run(self._loop.run_in_executor(None, open_group))
-
     def _open_group(self, own: GroupInfo):
         if self._factory is not None:
             return self._factory(own)
@@ -281,10 +259,10 @@ class Publisher:
             return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
 
-    def _collect(self, futs: dict[str, asyncio.Task], timeout_s: float) -> dict[str, str]:
+    def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]:
         """Wait (bounded) for RPCs; map engine id -> reason for those that failed or timed out."""
         if futs:
-            self._run(asyncio.wait(list(futs.values()), timeout=timeout_s))
+            cf.wait(list(futs.values()), timeout=timeout_s)
         failed = {eid: f"no answer within {timeout_s:.0f}s" for eid, f in futs.items() if not f.done()}
         failed.update(_errors(futs))
         return failed
@@ -316,15 +294,9 @@ class Publisher:
         mark = self._mark
         prints, sent, step = [], 0, "start"
         inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
-        pumped = [time.perf_counter()]
 
-        def watch(work=None, every_s: float = 2e-4) -> None:
-            """Between polls of a wait: run our loop (at most every ``every_s``) and fail fast on a failed RPC,
-            unless the awaited ``work`` is done meanwhile."""
-            now = time.perf_counter()
-            if now - pumped[0] > every_s:
-                self._pump()
-                pumped[0] = now
+        def watch(work=None) -> None:
+            """Between polls of a wait: fail fast on a failed RPC, unless the awaited ``work`` is done meanwhile."""
             if work is None or not work.is_completed():
                 self._check_acks(futs, step)
 
@@ -362,16 +334,15 @@ class Publisher:
             prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
             sent += buf.numel()
 
-        async def first_bucket() -> None:
-            # Scheduled behind the engines' RPCs, so it runs in the same pass of the loop right after each
-            # has written its request: bucket 0 goes out while the engines post their receives.
-            mark("requests_written")
-            send(0)
-
         futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
+        written = self._submit(asyncio.sleep(0))  # done once the loop has run each request's first step
         tb = time.perf_counter()
         try:
-            self._run(first_bucket())
+            # The first bucket's broadcast is issued before waiting for the requests to leave: it waits on
+            # the device for the engines' receives, and its issue overlaps the RPC thread's wake-up.
+            send(0)
+            self._let_out(written)
+            mark("requests_written")
             for b in range(1, len(plan.buckets)):
                 send(b)
             if group_acks:
@@ -381,12 +352,14 @@ class Publisher:
                 # bucket by bucket, and spin a little, since they are due when the last bucket is.
                 mine = torch.stack(prints)
                 gathered = torch.empty((self.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
-                ack_work = wgroup.all_gather_async(self.pg, gathered, mine)
+                acks_in = self._acks_to_host(wgroup.all_gather_async(self.pg, gathered, mine), gathered)
                 step = "acknowledge (group)" if not inflight else \
                     f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}, then acknowledge (group)"
-                wgroup.wait_work(ack_work, time.monotonic() + self.cfg.timeout_s, step, max_sleep_s=5e-5,
-                                 check=lambda: watch(ack_work, 1e-3), spin_s=5e-3)
+                wgroup.wait_work(acks_in, time.monotonic() + self.cfg.timeout_s, step, max_sleep_s=5e-5,
+                                 check=lambda: watch(acks_in), spin_s=5e-3)
                 mark("acked")
+                if acks_in.copied is not None:
+                    inflight.clear()  # NCCL: one stream, in order, so every broadcast before the acks is done
             while inflight:
                 retire()
             broadcast_s = time.perf_counter() - tb
@@ -406,7 +379,7 @@ class Publisher:
         except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
             self._fail(version, step, e, futs)
         if group_acks:
-            return self._group_acked(version, futs, gathered, t0, sent, broadcast_s, rebuild_s)
+            return self._group_acked(version, futs, acks_in.host, t0, sent, broadcast_s, rebuild_s)
         acks = {eid: f.result() for eid, f in futs.items()}
         bad = {eid: c for eid, c in acks.items() if c and c != checksum}
         if bad:
@@ -424,24 +397,37 @@ class Publisher:
                              engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
                              per_engine_checksums=acks)
 
-    def _group_acked(self, version: int, futs: dict[str, asyncio.Task], gathered: torch.Tensor, t0: float, sent: int,
+    def _acks_to_host(self, work, gathered: torch.Tensor) -> _AcksIn:
+        """On CUDA, queue the gathered acks' copy to the host right behind the all-gather (the current stream
+        waits for it on the device), so that when the host sees the copy done the rows are already here."""
+        if not gathered.is_cuda:
+            return _AcksIn(work, gathered, None)
+        if self._ack_host is None or self._ack_host.shape != gathered.shape:
+            self._ack_host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        work.wait()  # NCCL: orders the current stream after the all-gather; the host goes on
+        self._ack_host.copy_(gathered, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _AcksIn(work, self._ack_host, copied)
+
+    def _group_acked(self, version: int, futs: dict[str, cf.Future], gathered: torch.Tensor, t0: float, sent: int,
                      broadcast_s: float, rebuild_s: float) -> PublishReport:
-        """Check the gathered fingerprints: every rank of every engine must match ours (row 0). The engines'
-        RPC answers are left to :meth:`settle` (called by the next publish)."""
-        rows = gathered.cpu()  # one small device-to-host copy
-        self._mark("acks_copied")
+        """Check the gathered fingerprints (on the host): every rank of every engine must match ours (row 0).
+        The engines' RPC answers are left to :meth:`settle` (called by the next publish)."""
+        rows = gathered.numpy()
         checksum = fingerprints_checksum(rows[0])
         acks, bad = {}, {}
         for eid in self.members:
             first = self._offsets[eid]
             theirs = {fingerprints_checksum(rows[r]) for r in range(first, first + self.engines[eid].group_ranks)
-                      if not torch.equal(rows[r], rows[0])}
+                      if not (rows[r] == rows[0]).all()}
             acks[eid] = ",".join(sorted(theirs)) or checksum
             if theirs:
                 bad[eid] = acks[eid]
         self._mark("checksum")
         if bad:
-            self._cancel(futs.values())
+            for f in futs.values():
+                f.cancel()
             for eid in bad:
                 self.engines.pop(eid, None)
             self._dirty = True
@@ -467,7 +453,8 @@ class Publisher:
         version, futs, checksum = self._unsettled
         self._unsettled = None
         failed = self._collect(futs, self.cfg.timeout_s if timeout_s is None else timeout_s)
-        self._cancel(futs.values())  # those that did not answer in time
+        for f in futs.values():
+            f.cancel()  # those that did not answer in time
         for eid, f in futs.items():
             if eid not in failed and f.result() != checksum:
                 failed[eid] = f"answered checksum {f.result()} after its group ack of {checksum}"
@@ -481,32 +468,33 @@ class Publisher:
         self.timeline.append((event, time.perf_counter()))
 
     @staticmethod
-    def _check_acks(futs: dict[str, asyncio.Task], step: str) -> None:
+    def _check_acks(futs: dict[str, cf.Future], step: str) -> None:
         """Fail fast if an engine's RPC already died (e.g. its process was killed)."""
         for eid, why in _errors(futs).items():
             raise RuntimeError(f"engine {eid} failed during '{step}': {why}")
 
-    def _fail(self, version: int, step: str, err: Exception, futs: dict[str, asyncio.Task]):
+    def _fail(self, version: int, step: str, err: Exception, futs: dict[str, cf.Future]):
         """Blame, tear down, drop, and raise; survivors rejoin at the next publish."""
         # Before tearing the group down (which makes survivors' RPCs fail too), find the
         # engines whose RPC failed on its own, then probe the rest.
         grace = min(2.0, self.cfg.timeout_s)
         blamed = _errors(futs)
-        pending = [f for f in futs.values() if not f.done()]
-        if not blamed and pending:
-            self._run(asyncio.wait(pending, timeout=grace, return_when=asyncio.FIRST_EXCEPTION))
-            blamed = _errors(futs)
         if not blamed and futs:
+            cf.wait(list(futs.values()), timeout=grace, return_when=cf.FIRST_EXCEPTION)
+            blamed = _errors(futs)
+        if not blamed:
             probes = {eid: self._submit(asyncio.wait_for(self.engines[eid].health(), grace)) for eid in futs}
-            self._run(asyncio.wait(list(probes.values()), timeout=grace + 1))
-            sick = _errors(probes)
             for eid, p in probes.items():
-                if eid in sick or not p.done() or not p.result():  # a probe that fails is an unhealthy engine
+                try:
+                    healthy = p.result(grace + 1)
+                except Exception:  # noqa: BLE001 - a probe that fails is an unhealthy engine
+                    healthy = False
+                if not healthy:
                     blamed[eid] = "failed its health probe"
-            self._cancel(probes.values())
         wgroup.close_group(self.pg)
         self.pg = None
-        self._cancel(futs.values())
+        for f in futs.values():
+            f.cancel()
         for eid in blamed:
             self.engines.pop(eid, None)
         self._dirty = True
@@ -533,16 +521,36 @@ class Publisher:
             async def _close_all():
                 await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
             try:
-                self.call(_close_all(), 5.0, "closing the engine clients")
-                self._cancel(asyncio.all_tasks(self._loop))
-                self._loop.run_until_complete(self._loop.shutdown_default_executor())
+                self._submit(_close_all()).result(5)
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
-            self._loop.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
 
 
-def _errors(futs: dict[str, asyncio.Task]) -> dict[str, str]:
+class _AcksIn:
+    """The group's acks as :func:`weight_sync.group.wait_work` sees them: done once they are on the host (the
+    copy behind the all-gather, on CUDA); a failed all-gather raises its error as soon as it is known."""
+
+    def __init__(self, work, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self.work, self.host, self.copied = work, host, copied
+        self._checked = False
+
+    def is_completed(self) -> bool:
+        if self.copied is None:
+            return self.work.is_completed()
+        if self.copied.query():
+            return True
+        if not self._checked and self.work.is_completed():  # done, or failed: then wait() raises its error
+            self._checked = True
+            self.work.wait()
+        return False
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def _errors(futs: dict[str, cf.Future]) -> dict[str, str]:
     """Engine id -> error, for the finished RPCs that failed (a cancelled one counts as failed)."""
     out = {}
     for eid, f in futs.items():

@@ -144,8 +144,8 @@ def test_tail_pieces_shrink_towards_the_end_and_leave_the_other_cuts():
 def test_tail_bytes_only_where_fleetrl_receivers_take_the_plan():
     from weight_sync.config import WeightSyncConfig
 
-    assert WeightSyncConfig(nccl_impl="torch").tail_bytes(nccl=True) == 16 << 20
-    assert WeightSyncConfig(nccl_impl="vllm").tail_bytes(nccl=True) == 0
-    assert WeightSyncConfig(nccl_impl="sglang").tail_bytes(nccl=True) == 0
-    assert WeightSyncConfig(nccl_impl="vllm").tail_bytes(nccl=False) == 16 << 20  # gloo: fleetrl's receivers
-    assert WeightSyncConfig(tail_bucket_mb=0).tail_bytes(nccl=True) == 0
+    assert WeightSyncConfig(nccl_impl="torch", tail_bucket_mb=16).tail_bytes(nccl=True) == 16 << 20
+    assert WeightSyncConfig(nccl_impl="vllm", tail_bucket_mb=16).tail_bytes(nccl=True) == 0
+    assert WeightSyncConfig(nccl_impl="sglang", tail_bucket_mb=16).tail_bytes(nccl=True) == 0
+    assert WeightSyncConfig(nccl_impl="vllm", tail_bucket_mb=16).tail_bytes(nccl=False) == 16 << 20  # gloo
+    assert WeightSyncConfig().tail_bytes(nccl=True) == 0  # off by default
