@@ -355,8 +355,9 @@ class Publisher:
                 acks_in = self._acks_to_host(wgroup.all_gather_async(self.pg, gathered, mine), gathered)
                 step = "acknowledge (group)" if not inflight else \
                     f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}, then acknowledge (group)"
+                # (spinning only on CUDA: on gloo the RPC thread and gloo's need the GIL this loop would hold)
                 wgroup.wait_work(acks_in, time.monotonic() + self.cfg.timeout_s, step, max_sleep_s=5e-5,
-                                 check=lambda: watch(acks_in), spin_s=5e-3)
+                                 check=lambda: watch(acks_in), spin_s=5e-3 if acks_in.copied is not None else 0.0)
                 mark("acked")
                 if acks_in.copied is not None:
                     inflight.clear()  # NCCL: one stream, in order, so every broadcast before the acks is done
