@@ -87,19 +87,19 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
         torch_dtype(dtypes[-1])
     if len(set(names)) != len(names):
         raise ValueError("weight plan has duplicate tensor names")
+    sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes)]
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for i in range(len(names)):
         current.append(i)
-        size += nbytes(shapes[i], dtypes[i])
+        size += sizes[i]
         if size > bucket_bytes:  # vLLM's rule: cut after the tensor that crosses the limit
             buckets.append(current)
             current, size = [], 0
     if current:
         buckets.append(current)
     if tail_bytes > 0:
-        sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes)]
         last, pieces, limit = buckets.pop(), [], tail_bytes
         while len(last) > 1:
             piece, size = [], 0

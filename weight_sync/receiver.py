@@ -45,7 +45,6 @@ Standalone process (tests, CPU): ``python -m weight_sync.receiver --engine-id r0
 from __future__ import annotations
 
 import argparse
-import collections
 import logging
 import threading
 import time
@@ -78,7 +77,6 @@ class WeightReceiver:
         self.timeout_s = 60.0
         self.depth = 2  # receives posted ahead: the wire stays busy while one bucket loads
         self.last_checksum = ""
-        self.group_acks = False  # this epoch ends each unstaged publish with the ack all-gather
         self._sizes: list[int] = []  # bytes per bucket of the joined plan
         self._ring: list[torch.Tensor] = []  # depth + 1 standing receive buffers of the joined plan
         self._views: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}  # (address, bucket) -> tensors
@@ -103,7 +101,6 @@ class WeightReceiver:
         if self.plan is None or self.plan.plan_id != plan.plan_id:
             self._sizes, self._ring, self._views = plan.bucket_bytes(), [], {}
         self.plan, self.group, self.timeout_s = plan, group, timeout_s
-        self.group_acks = group.group_acks
         log.info("engine %s joined weight-sync epoch %d as rank %d/%d in %.2fs", self.engine_id,
                  group.group_epoch, rank, group.world_size, time.perf_counter() - t0)
 
@@ -188,7 +185,7 @@ class WeightReceiver:
                 if not queued:
                     mark((f"bucket{b}_loaded", time.perf_counter()))
             ack = None
-            if self.group_acks:
+            if self.group.group_acks:  # this epoch ends each unstaged publish with the ack all-gather
                 # The ack: our fingerprints (taken after each load) all-gathered with the publisher's. On CUDA
                 # it is queued behind the last load, so the publisher learns "loaded, and these bytes" without
                 # waiting for this host or the RPC's answer.
