@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures as cf
 import contextlib
 import logging
 import os
@@ -91,6 +92,7 @@ def _receiver_main(conn, device: str) -> None:
     rx = WeightReceiver("bench-rx", device=device)
     held: dict[str, torch.Tensor] = {}
     raw_bufs: list[torch.Tensor] = []
+    profile_to: str | None = None  # a path: profile the next receive (torch.profiler, chrome trace)
 
     def load(pairs):
         if all(name in held for name, _ in pairs):
@@ -118,10 +120,15 @@ def _receiver_main(conn, device: str) -> None:
             elif cmd == "receive":
                 t_cmd = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the publisher's stamps
                 version, plan_id = arg
-                checksum = rx.receive(version, plan_id, load)
-                _sync()
+                with _profiled(profile_to):
+                    checksum = rx.receive(version, plan_id, load)
+                    _sync()
+                profile_to = None
                 conn.send(("ok", {"checksum": checksum, "timeline": [("command", t_cmd), *rx.timeline,
                                                                      ("synced", time.perf_counter())]}))
+            elif cmd == "profile_next":
+                profile_to = arg
+                conn.send(("ok", None))
             elif cmd == "raw_prepare":
                 raw_bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in arg]
                 conn.send(("ok", None))
@@ -144,6 +151,20 @@ def _receiver_main(conn, device: str) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception as e:  # noqa: BLE001 - reported to the publisher side, which names us
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+@contextlib.contextmanager
+def _profiled(path: str | None):
+    """torch.profiler (CPU ops and CUDA kernels) around the block, written to ``path`` as a chrome trace."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield
+    prof.export_chrome_trace(path)
 
 
 @contextlib.contextmanager
@@ -192,10 +213,36 @@ class PipeEngine(EngineClient):
         self.group_ranks = 1
         self.supports_group_acks = True  # fleetrl's WeightReceiver on the other side
         self._conn = conn
+        self.inline_start = True
+        self._reader: cf.ThreadPoolExecutor | None = None
         self._lock = asyncio.Lock()
         self._version = 0
         self.last_timeline: list[tuple[str, float]] = []  # the receiver's stamps of the last publish
         self.rpc_stamps: list[tuple[str, float]] = []  # the RPC's: started, request written, reply read (on the publisher's loop)
+
+    def send_update(self, version: int, plan_id: str):
+        """The request written from the publishing thread (as :class:`ReceiverClient` does over HTTP), the
+        reply read on a thread of this client's; ``None`` with ``--no-inline-start`` (then the publisher's
+        RPC loop sends it)."""
+        if not self.inline_start:
+            return None
+        if self._reader is None:
+            self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="bench-rx-answers")
+        t = time.perf_counter()
+        self._conn.send(("receive", (version, plan_id)))
+        self.rpc_stamps = [("receive started", t), ("receive sent", time.perf_counter())]
+
+        def answer() -> str:
+            if not self._conn.poll(600.0):
+                raise EngineError(f"engine {self.engine_id}: receive got no answer within 600s")
+            status, value = self._conn.recv()
+            self.rpc_stamps.append(("receive reply read", time.perf_counter()))
+            if status != "ok":
+                raise EngineError(f"engine {self.engine_id}: receive failed: {value}")
+            self._version, self.last_timeline = version, value["timeline"]
+            return value["checksum"]
+
+        return self._reader.submit(answer)
 
     def call(self, cmd: str, arg=None, timeout_s: float = 600.0):
         self._conn.send((cmd, arg))
@@ -276,7 +323,8 @@ def _sync_time(fn) -> float:
 
 
 def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0",
-                acks: str = "group", tail_mb: float = 0.0, inflight: int = 2, tail_factor: int = 0) -> dict:
+                acks: str = "group", tail_mb: float = 0.0, inflight: int = 2, tail_factor: int = 0,
+                profile_dir: str | None = None) -> dict:
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import TAIL_FACTOR, build_plan
     from weight_sync.publisher import Publisher
@@ -327,12 +375,20 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
             raws.append(_sync_time(raw))
         # Where the last publish's time went: both processes' stamps, in ms from its start.
         t0 = pub.timeline[0][1]
-        timeline = sorted([(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in pub.timeline]
-                          + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in engine.last_timeline]
-                          + [(round((t - t0) * 1e3, 3), "rpc " + e) for e, t in engine.rpc_stamps]
+        timeline_pub, timeline_rx, timeline_rpc = list(pub.timeline), list(engine.last_timeline), list(engine.rpc_stamps)
+        timeline = sorted([(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in timeline_pub]
+                          + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in timeline_rx]
+                          + [(round((t - t0) * 1e3, 3), "rpc " + e) for e, t in timeline_rpc]
                           + [(round((t - t0) * 1e3, 3), "bench " + e) for e, t in (("publish returned", t_ret),
                                                                                   ("synced", t_end),
                                                                                   ("settled", t_settled))])
+        if profile_dir:  # one more publish (not counted), profiled on both sides
+            os.makedirs(profile_dir, exist_ok=True)
+            engine.call("profile_next", os.path.join(profile_dir, f"{model}_receiver.json"))
+            with _profiled(os.path.join(profile_dir, f"{model}_publisher.json")):
+                pub.publish(2 + reps, iter(state.items()))
+                _sync()
+            pub.settle()
         # Bit-identity of the last publish: digests on both GPUs.
         want = {n: _digest(t) for n, t in state.items()}
         got = engine.call("digest")
@@ -343,7 +399,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
                 "bucket_sizes_mb": [round(n / (1 << 20), 1) for n in sizes], "tail_bucket_mb": tail_mb,
                 "inflight_buckets": inflight, "tail_factor": tail_factor or TAIL_FACTOR,
                 "raw_gb_per_s": nbytes / raw_s / 1e9, "buckets": len(sizes), "bucket_mb": bucket_mb,
-                "acks": "group" if pub.group_acks else "rpc",
+                "acks": "group" if pub.group_acks else "rpc", "inline_start": engine.inline_start,
                 # the publish until the engine's RPC answer is in as well (the whole publish with acks='rpc')
                 "publish_with_rpc_answer_s": statistics.median(settles),
                 "first_publish_s": first, "publish_runs_s": pubs, "raw_runs_s": raws,
@@ -371,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acks", choices=("group", "rpc"), default="group",
                     help="weight_sync.acks: through the group (default) or each engine's RPC answer")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--no-inline-start", action="store_true", help="start the receiver from the publisher's "
+                    "RPC loop (its thread) instead of from the publishing thread (EngineClient.send_update)")
+    ap.add_argument("--profile", metavar="DIR", help="after the timed reps, profile one more publish per model on "
+                    "both sides (torch.profiler chrome traces MODEL_publisher.json / MODEL_receiver.json in DIR)")
     ap.add_argument("--cpu", action="store_true", help="smoke run of this script over gloo on CPU (not a result)")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this process (seconds; "
                     "Python's default is 0.005): how long the publishing thread may keep the GIL from the RPC thread")
@@ -390,8 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     with receiver_process(devices[1]) as (parent, _):
         for i, model in enumerate(args.models):
             # a fresh engine id per model: each model is its own plan, hence its own group epoch
-            cases.append(bench_model(model, args.bucket_mb, args.reps, PipeEngine(f"bench-rx-{i}", parent), devices[0],
-                                     args.acks, args.tail_mb, args.inflight, args.tail_factor))
+            engine = PipeEngine(f"bench-rx-{i}", parent)
+            engine.inline_start = not args.no_inline_start
+            cases.append(bench_model(model, args.bucket_mb, args.reps, engine, devices[0],
+                                     args.acks, args.tail_mb, args.inflight, args.tail_factor, args.profile))
     device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     out = {"cases": cases, "device": device,
            **run_info(argv),

@@ -4,10 +4,12 @@ Dataflow of ``publish(v, tensors)`` (``tensors`` yields (name, full tensor) in
 plan order; with FSDP every learner rank iterates it, because each item is an
 all-gather, and only rank 0 sends)::
 
-    rank 0:  [rebuild if membership changed] -> engines.update_weights(v) (async RPCs on
-             the RPC thread's loop) -> gather b0 -> bcast b0 -> [wait until the requests
-             are written] -> gather b1 -> bcast b1 || gather b2 ... -> acks
-             (at most ``inflight_buckets`` broadcasts on the wire; completion is polled,
+    rank 0:  [rebuild if membership changed] -> engines.send_update(v) from this thread
+             (or update_weights(v), async RPCs on the RPC thread's loop) -> gather b0 -> bcast b0
+             -> [wait until the loop's requests are written] -> gather b1 -> bcast b1 || gather b2
+             ... -> acks
+             (at most ``inflight_buckets`` groups of buckets on the wire, a group being the
+             buckets that share one send slot (see :class:`_SendRing`); completion is polled,
              see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own
              group acks (``cfg.acks = "group"``, fleetrl's receivers): the acks are an all-gather of
@@ -33,8 +35,11 @@ Invariants and what happens when a peer dies:
 
 Threads: the engines' RPCs run on an event loop on a thread of the publisher's
 own (``weight-sync-rpc``). Handing it a request costs a wake-up of that thread
-(0.1-0.3 ms on the 2x H200 host, ``bench/rpc_wakeup.py``); group acks keep the
-answers off the critical path, so a publish pays that hop once, at its start.
+(0.1-0.3 ms on the 2x H200 host, ``bench/rpc_wakeup.py``), before the engine even
+hears of the publish: an engine client with :meth:`EngineClient.send_update`
+(fleetrl's standalone receiver) has its request written from the publishing
+thread instead, and its answer read on a thread of its own. Group acks keep the
+answers off the critical path.
 """
 
 from __future__ import annotations
@@ -83,27 +88,45 @@ class PublishReport:
 
 
 class _SendRing:
-    """Where rank 0 packs buckets: ``slots`` standing buffers used in turn, each bucket's typed views
-    into its slot built once, so packing a bucket is one ``_foreach_copy_`` (a view chain and a cat
-    per tensor cost more host time per bucket than a 256 MB bucket spends on the wire). A bucket of
-    one contiguous tensor is sent from that tensor itself. With ``slots = inflight_buckets + 1`` the
-    slot a bucket is packed into was last used by a broadcast that has already completed."""
+    """Where rank 0 packs buckets: ``slots`` standing buffers of the largest bucket's size, used in turn.
+
+    Consecutive buckets that fit in one slot together form a *group* (in a plan cut by the packed rule
+    every group is one bucket; the small pieces a tail cut leaves at the end share one): a group is
+    packed with one ``_foreach_copy_`` into its slot, through typed views built once, and its buckets
+    go on the wire back to back, so a small piece never waits on the host for a slot (a view chain and
+    a cat per tensor cost more host time per bucket than a 256 MB bucket spends on the wire). A group
+    of one contiguous tensor is sent from that tensor itself. With ``slots = inflight + 1`` the slot a
+    group is packed into was last used by a group whose broadcasts have completed."""
 
     def __init__(self, plan: WeightPlan, slots: int, device: torch.device) -> None:
         self.plan, self.sizes = plan, plan.bucket_bytes()
         self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes)]
-        self.bufs = [torch.empty(max(self.sizes), dtype=torch.uint8, device=device)
-                     for _ in range(min(slots, len(self.sizes)))]
-        self.views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        slot_bytes = max(self.sizes)
+        self.groups: list[list[int]] = []
+        used = slot_bytes
+        for b, n in enumerate(self.sizes):
+            if used + n > slot_bytes:
+                self.groups.append([])
+                used = 0
+            self.groups[-1].append(b)
+            used += n
+        self.bufs = [torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+                     for _ in range(min(slots, len(self.groups)))]
+        self.views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @torch.no_grad()
-    def pack(self, b: int, parts: list[torch.Tensor]) -> torch.Tensor:
+    def pack(self, g: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pack group ``g`` (``parts``: its tensors in plan order); returns one byte buffer per bucket."""
         if len(parts) == 1 and parts[0].is_contiguous():
-            return pack_bucket(parts)  # no copy
-        entry = self.views.get(b)
+            return [pack_bucket(parts)]  # no copy
+        entry = self.views.get(g)
         if entry is None:
-            buf = self.bufs[b % len(self.bufs)][: self.sizes[b]]
-            entry = self.views[b] = (buf, [v for _, v in unpack_bucket(buf, self.plan, b)])
+            slot, at, bufs, views = self.bufs[g % len(self.bufs)], 0, [], []
+            for b in self.groups[g]:
+                bufs.append(slot[at: at + self.sizes[b]])
+                views += [v for _, v in unpack_bucket(bufs[-1], self.plan, b)]
+                at += self.sizes[b]
+            entry = self.views[g] = (bufs, views)
         torch._foreach_copy_(entry[1], parts)
         return entry[0]
 
@@ -293,58 +316,73 @@ class Publisher:
             (lambda e: e.update_weights(version, plan.plan_id))
         mark = self._mark
         prints, sent, step = [], 0, "start"
-        inflight: collections.deque = collections.deque()  # (bucket, work, buffer): buffers live until sent
+        inflight: collections.deque = collections.deque()  # per group on the wire: [(bucket, work, buffer)]
 
         def watch(work=None) -> None:
             """Between polls of a wait: fail fast on a failed RPC, unless the awaited ``work`` is done meanwhile."""
             if work is None or not work.is_completed():
                 self._check_acks(futs, step)
 
-        def retire() -> None:  # wait (bounded) for the oldest broadcast on the wire
+        def retire() -> None:  # wait (bounded) for the oldest group's broadcasts on the wire
             nonlocal step
-            b, work, _buf = inflight.popleft()
-            step = f"broadcast bucket {b}/{len(plan.buckets)}"
-            wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step, check=watch)
-            mark(f"bucket{b}_sent")
+            for b, work, _buf in inflight.popleft():
+                step = f"broadcast bucket {b}/{len(plan.buckets)}"
+                wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step, check=watch)
+                mark(f"bucket{b}_sent")
 
         if self._ring is None:
             self._ring = _SendRing(plan, depth + 1, self.device)
-        expect, dev = self._ring.expect, self.device
+        ring, dev = self._ring, self.device
 
-        def send(b: int) -> None:  # gather bucket b, pack it, put it on the wire behind at most depth - 1 others
+        def send(g: int) -> None:  # gather group g, pack it, put it on the wire behind at most depth - 1 others
             nonlocal step, sent
-            step = f"gather bucket {b}/{len(plan.buckets)}"
             parts = []
-            for i in plan.buckets[b]:
-                name, t = next(it)
-                if name != expect[i][0] or t.shape != expect[i][1] or t.dtype != expect[i][2]:
-                    raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
-                                     f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
-                                     f"(index {i})")
-                parts.append(t if t.device == dev else t.to(dev))
-            buf = self._ring.pack(b, parts)
-            # Bounded memory: at most `depth` buckets are on the wire; the packing of this one
+            for b in ring.groups[g]:
+                step = f"gather bucket {b}/{len(plan.buckets)}"
+                for i in plan.buckets[b]:
+                    name, t = next(it)
+                    want = ring.expect[i]
+                    if name != want[0] or t.shape != want[1] or t.dtype != want[2]:
+                        raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
+                                         f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
+                                         f"(index {i})")
+                    parts.append(t if t.device == dev else t.to(dev))
+            bufs = ring.pack(g, parts)
+            # Bounded memory: at most `depth` groups are on the wire; the packing of this one
             # (already queued on the device) overlaps with them.
             while len(inflight) >= depth:
                 retire()
-            step = f"broadcast bucket {b}/{len(plan.buckets)}"
-            if self.pg is not None:
-                inflight.append((b, wgroup.broadcast_async(self.pg, buf), buf))
-                mark(f"bucket{b}_issued")
-            prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
-            sent += buf.numel()
+            works = []
+            for b, buf in zip(ring.groups[g], bufs):
+                step = f"broadcast bucket {b}/{len(plan.buckets)}"
+                if self.pg is not None:
+                    works.append((b, wgroup.broadcast_async(self.pg, buf), buf))  # buf lives until sent
+                    mark(f"bucket{b}_issued")
+                prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
+                sent += buf.numel()
+            if works:
+                inflight.append(works)
 
-        futs = {eid: self._submit(start(self.engines[eid])) for eid in self.members}
-        written = self._submit(asyncio.sleep(0))  # done once the loop has run each request's first step
+        # Engines that can be started from this thread are (no hop to the RPC thread); the others' requests
+        # go out from the RPC loop.
+        futs, looped = {}, False
+        for eid in self.members:
+            fut = None if staged else self.engines[eid].send_update(version, plan.plan_id)
+            if fut is None:
+                fut, looped = self._submit(start(self.engines[eid])), True
+            futs[eid] = fut
+        mark("requests_sent")
+        written = self._submit(asyncio.sleep(0)) if looped else None  # done once the loop has run each request's first step
         tb = time.perf_counter()
         try:
             # The first bucket's broadcast is issued before waiting for the requests to leave: it waits on
             # the device for the engines' receives, and its issue overlaps the RPC thread's wake-up.
             send(0)
-            self._let_out(written)
-            mark("requests_written")
-            for b in range(1, len(plan.buckets)):
-                send(b)
+            if written is not None:
+                self._let_out(written)
+                mark("requests_written")
+            for g in range(1, len(ring.groups)):
+                send(g)
             if group_acks:
                 # Every rank's fingerprints, each receiver's queued behind its last load: the acks, on the wire
                 # right behind the last bucket (our own row is the checksum of what we sent). Their arrival
@@ -354,7 +392,7 @@ class Publisher:
                 gathered = torch.empty((self.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
                 acks_in = self._acks_to_host(wgroup.all_gather_async(self.pg, gathered, mine), gathered)
                 step = "acknowledge (group)" if not inflight else \
-                    f"broadcast bucket {inflight[0][0]}/{len(plan.buckets)}, then acknowledge (group)"
+                    f"broadcast bucket {inflight[0][0][0]}/{len(plan.buckets)}, then acknowledge (group)"
                 # (spinning only on CUDA: on gloo the RPC thread and gloo's need the GIL this loop would hold)
                 wgroup.wait_work(acks_in, time.monotonic() + self.cfg.timeout_s, step, max_sleep_s=5e-5,
                                  check=lambda: watch(acks_in), spin_s=5e-3 if acks_in.copied is not None else 0.0)
@@ -413,6 +451,10 @@ class Publisher:
         The engines' RPC answers are left to :meth:`settle` (called by the next publish)."""
         rows = gathered.numpy()
         checksum = fingerprints_checksum(rows[0])
+        if (rows == rows[0]).all():  # the usual case: one comparison for every rank
+            self._mark("checksum")
+            return self._group_report(version, futs, checksum, {eid: checksum for eid in self.members}, t0, sent,
+                                      broadcast_s, rebuild_s)
         acks, bad = {}, {}
         for eid in self.members:
             first = self._rank_of(eid)
@@ -426,6 +468,10 @@ class Publisher:
             for f in futs.values():
                 f.cancel()
             self._reject(version, checksum, bad, " in the group acks")
+        return self._group_report(version, futs, checksum, acks, t0, sent, broadcast_s, rebuild_s)
+
+    def _group_report(self, version: int, futs: dict[str, cf.Future], checksum: str, acks: dict[str, str], t0: float,
+                      sent: int, broadcast_s: float, rebuild_s: float) -> PublishReport:
         self._unsettled = (version, futs, checksum)
         dt = time.perf_counter() - t0
         log.debug("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs), acked through the group",

@@ -14,6 +14,11 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import http.client
+import threading
+import urllib.parse
+
 import httpx
 import msgspec
 
@@ -29,6 +34,11 @@ class ReceiverClient(HttpEngineClient):
         self.timeout_s = timeout_s
         self._version = -1
         self._join_timeout_s = timeout_s
+        # send_update's own keep-alive connection (blocking, written from the publishing thread) and the
+        # thread that reads its answers; made at the first send_update
+        self._sync_conn: http.client.HTTPConnection | None = None
+        self._reader: cf.ThreadPoolExecutor | None = None
+        self._sync_lock = threading.Lock()
 
     async def _post(self, path: str, msg: msgspec.Struct, timeout_s: float) -> m.Reply:
         # Errors come back as a Reply with ok=False and a 4xx/5xx status: read the body, not the status.
@@ -65,6 +75,63 @@ class ReceiverClient(HttpEngineClient):
         reply = await self._post("/update_weights", m.UpdateWeights(version=version, plan_id=plan_id), 10 * self.timeout_s)
         self._version = version
         return reply.checksum
+
+    def send_update(self, version: int, plan_id: str) -> cf.Future:
+        """Write ``/update_weights`` on a blocking keep-alive connection from this thread; its answer is read
+        (bounded by the connection's timeout) on this client's reader thread. A send that fails, or a
+        connection the server closed meanwhile, drops the connection: the next call opens a new one."""
+        fut: cf.Future = cf.Future()
+        body = msgspec.json.encode(m.UpdateWeights(version=version, plan_id=plan_id))
+        with self._sync_lock:  # one request in flight on this connection at a time
+            try:
+                if self._sync_conn is None:
+                    u = urllib.parse.urlsplit(self.url)
+                    self._sync_conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10 * self.timeout_s)
+                self._sync_conn.request("POST", "/update_weights", body=body,
+                                        headers={"Content-Type": "application/json"})
+            except (OSError, http.client.HTTPException) as e:
+                self._drop_sync_conn()
+                fut.set_exception(EngineError(f"engine {self.engine_id}: sending /update_weights(v{version}) failed: "
+                                              f"{type(e).__name__}: {e}"))
+                return fut
+            if self._reader is None:
+                self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix=f"update-answers-{self.engine_id}")
+            return self._reader.submit(self._read_update, self._sync_conn, version)
+
+    def _read_update(self, conn: http.client.HTTPConnection, version: int) -> str:
+        try:
+            r = conn.getresponse()
+            raw = r.read()
+        except TimeoutError:
+            self._drop_sync_conn()
+            raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) got no answer within "
+                              f"{conn.timeout:.0f}s") from None
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_sync_conn()
+            raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) failed: {type(e).__name__}: {e}") from e
+        if r.will_close:
+            self._drop_sync_conn()
+        try:
+            reply = msgspec.json.decode(raw, type=m.Reply)
+        except msgspec.DecodeError as e:
+            raise EngineError(f"engine {self.engine_id}: /update_weights answered HTTP {r.status} with a malformed "
+                              "reply") from e
+        if not reply.ok:
+            raise EngineError(f"engine {self.engine_id}: /update_weights failed: {reply.error}")
+        self._version = version
+        return reply.checksum
+
+    def _drop_sync_conn(self) -> None:
+        conn, self._sync_conn = self._sync_conn, None
+        if conn is not None:
+            conn.close()
+
+    async def close(self) -> None:
+        await super().close()
+        self._drop_sync_conn()
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._reader = None
 
     supports_staging = True
     supports_group_acks = True
