@@ -323,7 +323,7 @@ def _sync_time(fn) -> float:
 
 
 def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0",
-                acks: str = "group", tail_mb: float = 0.0, inflight: int = 2, tail_factor: int = 0,
+                acks: str = "group", tail_mb: float | None = None, inflight: int = 2, tail_factor: int = 0,
                 profile_dir: str | None = None) -> dict:
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import TAIL_FACTOR, build_plan
@@ -332,6 +332,8 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
     state = random_model(model, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     # nccl_impl="torch": fleetrl's own receivers join a ProcessGroupNCCL (vLLM engines use "vllm")
+    if tail_mb is None:
+        tail_mb = WeightSyncConfig().tail_bucket_mb
     cfg = WeightSyncConfig(backend="nccl" if device.startswith("cuda") else "gloo", bucket_mb=bucket_mb,
                            timeout_s=120.0, nccl_impl="torch", acks=acks, tail_bucket_mb=tail_mb,
                            inflight_buckets=inflight)
@@ -422,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inflight", type=int, default=2, help="weight_sync.inflight_buckets")
     ap.add_argument("--tail-factor", type=int, default=0, help="build_plan's tail_factor (0: its default)")
-    ap.add_argument("--tail-mb", type=float, default=0.0,
-                    help="weight_sync.tail_bucket_mb: the last bucket's size limit (0 = as the packed rule cuts it)")
+    ap.add_argument("--tail-mb", type=float, default=None,
+                    help="weight_sync.tail_bucket_mb: the last bucket's size limit (0 = as the packed rule cuts it; "
+                    "default: the config's default)")
     ap.add_argument("--acks", choices=("group", "rpc"), default="group",
                     help="weight_sync.acks: through the group (default) or each engine's RPC answer")
     ap.add_argument("--json", help="write results here")

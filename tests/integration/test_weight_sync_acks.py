@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollout_fleet.engines.base import EngineError
 from rollout_fleet.engines.http import free_port
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
@@ -104,6 +105,8 @@ def test_both_ack_paths_publish_bit_identical_and_settle(receivers, tmp_path, ac
             state = _state(version)
             report = pub.publish(version, iter(state.items()))
             assert pub.group_acks == (acks == "group")
+            # the small buckets after the embedding's share one send slot: packed and sent as one group
+            assert any(len(g) > 1 for g in pub._ring.groups), pub._ring.groups
             assert report.per_engine_checksums == {"good": report.checksum}
             assert pub.settle() == {}, "the engine's RPC answer must agree with its ack"
             assert clients["good"].weight_version == version
@@ -149,3 +152,13 @@ def test_group_acks_need_every_engine_to_support_them(receivers):
         assert report.per_engine_checksums == {"good": report.checksum}
     finally:
         pub.close()
+
+
+def test_send_update_to_a_dead_receiver_fails_its_future_naming_it():
+    """The request written from the publishing thread: a receiver that is gone fails the returned future (the
+    publisher then blames that engine), it does not raise in the publisher's thread."""
+    client = ReceiverClient("gone", f"http://127.0.0.1:{free_port()}", timeout_s=2)
+    fut = client.send_update(3, "some-plan")
+    with pytest.raises(EngineError, match=r"engine gone: sending /update_weights\(v3\) failed"):
+        fut.result(5)
+    asyncio.run(client.close())
