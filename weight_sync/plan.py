@@ -100,7 +100,7 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
             current, size = [], 0
     if current:
         buckets.append(current)
-    if tail_bytes > 0:
+    if tail_bytes > 0 and sum(sizes[i] for i in buckets[-1]) > tail_bytes:  # (a last bucket that small stays whole)
         last, pieces, limit = buckets.pop(), [], tail_bytes
         while len(last) > 1:
             piece, size = [], 0

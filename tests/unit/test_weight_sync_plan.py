@@ -137,6 +137,8 @@ def test_tail_pieces_shrink_towards_the_end_and_leave_the_other_cuts():
         packed_buffer_bytes(cut)
     # a last tensor larger than the limit: nothing to cut
     assert build_plan(meta, 400, tail_bytes=4).buckets == plain.buckets
+    # a last bucket no larger than the limit stays whole (a small model is not cut into pieces)
+    assert build_plan(meta, 400, tail_bytes=1000).buckets == plain.buckets
     # a one-tensor last bucket cannot be cut either
     assert build_plan(meta[:4], 400, tail_bytes=16).buckets == build_plan(meta[:4], 400).buckets
 
@@ -148,4 +150,5 @@ def test_tail_bytes_only_where_fleetrl_receivers_take_the_plan():
     assert WeightSyncConfig(nccl_impl="vllm", tail_bucket_mb=16).tail_bytes(nccl=True) == 0
     assert WeightSyncConfig(nccl_impl="sglang", tail_bucket_mb=16).tail_bytes(nccl=True) == 0
     assert WeightSyncConfig(nccl_impl="vllm", tail_bucket_mb=16).tail_bytes(nccl=False) == 16 << 20  # gloo
-    assert WeightSyncConfig().tail_bytes(nccl=True) == 0  # off by default
+    assert WeightSyncConfig(nccl_impl="torch").tail_bytes(nccl=True) == 64 << 20  # the default
+    assert WeightSyncConfig(nccl_impl="torch", tail_bucket_mb=0).tail_bytes(nccl=True) == 0  # off
