@@ -81,7 +81,9 @@ def _publisher(urls: dict[str, str], acks: str, names: tuple[str, ...]) -> tuple
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 8 << 10)
     assert len(plan.buckets) > 3
     clients = {n: ReceiverClient(n, urls[n], timeout_s=15) for n in names}
-    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=15, acks=acks), plan, engines=list(clients.values()))
+    # bucket_mb (16 KiB) sets how many small buckets the publisher sends as one group: here the last two
+    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=15, acks=acks, bucket_mb=16 / 1024), plan,
+                    engines=list(clients.values()))
     return pub, clients
 
 
@@ -105,8 +107,9 @@ def test_both_ack_paths_publish_bit_identical_and_settle(receivers, tmp_path, ac
             state = _state(version)
             report = pub.publish(version, iter(state.items()))
             assert pub.group_acks == (acks == "group")
-            # the small buckets after the embedding's share one send slot: packed and sent as one group
-            assert any(len(g) > 1 for g in pub._ring.groups), pub._ring.groups
+            # the last two buckets fit in 16 KiB together: packed into one send slot and sent as one group
+            assert pub._ring.groups[-1] == [len(pub.plan.buckets) - 2, len(pub.plan.buckets) - 1], pub._ring.groups
+            assert len(pub._ring.groups) > 2
             assert report.per_engine_checksums == {"good": report.checksum}
             assert pub.settle() == {}, "the engine's RPC answer must agree with its ack"
             assert clients["good"].weight_version == version
