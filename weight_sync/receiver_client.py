@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import http.client
+import socket
 import threading
 import urllib.parse
 
@@ -38,7 +39,7 @@ class ReceiverClient(HttpEngineClient):
         # thread that reads its answers; made at the first send_update
         self._sync_conn: http.client.HTTPConnection | None = None
         self._reader: cf.ThreadPoolExecutor | None = None
-        self._sync_lock = threading.Lock()
+        self._sync_lock = threading.RLock()
 
     async def _post(self, path: str, msg: msgspec.Struct, timeout_s: float) -> m.Reply:
         # Errors come back as a Reply with ok=False and a 4xx/5xx status: read the body, not the status.
@@ -103,14 +104,14 @@ class ReceiverClient(HttpEngineClient):
             r = conn.getresponse()
             raw = r.read()
         except TimeoutError:
-            self._drop_sync_conn()
+            self._drop_sync_conn(conn)
             raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) got no answer within "
                               f"{conn.timeout:.0f}s") from None
         except (OSError, http.client.HTTPException) as e:
-            self._drop_sync_conn()
+            self._drop_sync_conn(conn)
             raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) failed: {type(e).__name__}: {e}") from e
         if r.will_close:
-            self._drop_sync_conn()
+            self._drop_sync_conn(conn)
         try:
             reply = msgspec.json.decode(raw, type=m.Reply)
         except msgspec.DecodeError as e:
@@ -121,10 +122,19 @@ class ReceiverClient(HttpEngineClient):
         self._version = version
         return reply.checksum
 
-    def _drop_sync_conn(self) -> None:
-        conn, self._sync_conn = self._sync_conn, None
-        if conn is not None:
-            conn.close()
+    def _drop_sync_conn(self, conn: http.client.HTTPConnection | None = None) -> None:
+        """Close ``conn`` (default: the current connection) and forget it if it is still the current one."""
+        with self._sync_lock:
+            if conn is None or conn is self._sync_conn:
+                conn, self._sync_conn = self._sync_conn, None
+        if conn is None:
+            return
+        if conn.sock is not None:
+            try:  # wakes a reader blocked on this socket (a plain close would leave it to its timeout)
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        conn.close()
 
     async def close(self) -> None:
         await super().close()

@@ -165,3 +165,28 @@ def test_send_update_to_a_dead_receiver_fails_its_future_naming_it():
     with pytest.raises(EngineError, match=r"engine gone: sending /update_weights\(v3\) failed"):
         fut.result(5)
     asyncio.run(client.close())
+
+
+def test_an_unanswered_send_update_ends_when_the_client_closes():
+    """A receiver that takes the request and never answers: the answer's reader waits (bounded by the
+    connection's timeout) until the client closes, which wakes it with an error rather than leaving a thread
+    blocked until the timeout."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    try:
+        client = ReceiverClient("mute", f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=30)
+        fut = client.send_update(1, "some-plan")
+        conn, _ = srv.accept()
+        time.sleep(0.2)
+        assert not fut.done(), "nothing answered yet"
+        t0 = time.monotonic()
+        asyncio.run(client.close())
+        with pytest.raises(EngineError, match=r"engine mute: /update_weights\(v1\) failed"):
+            fut.result(5)
+        assert time.monotonic() - t0 < 5
+        conn.close()
+    finally:
+        srv.close()
