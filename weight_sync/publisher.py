@@ -369,7 +369,11 @@ class Publisher:
         # go out from the RPC loop.
         futs, looped = {}, False
         for eid in self.members:
-            fut = None if staged else self.engines[eid].send_update(version, plan.plan_id)
+            try:
+                fut = None if staged else self.engines[eid].send_update(version, plan.plan_id)
+            except Exception as e:  # noqa: BLE001 - a client that raises instead of failing its future
+                fut = cf.Future()
+                fut.set_exception(e)
             if fut is None:
                 fut, looped = self._submit(start(self.engines[eid])), True
             futs[eid] = fut
