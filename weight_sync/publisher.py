@@ -525,23 +525,32 @@ class Publisher:
             raise RuntimeError(f"engine {eid} failed during '{step}': {why}")
 
     def _fail(self, version: int, step: str, err: Exception, futs: dict[str, cf.Future]):
-        """Blame, tear down, drop, and raise; survivors rejoin at the next publish."""
-        # Before tearing the group down (which makes survivors' RPCs fail too), find the
-        # engines whose RPC failed on its own, then probe the rest.
+        """Blame, tear down, drop, and raise; survivors rejoin at the next publish.
+
+        Whom to blame: an engine that is dead or stuck fails a health probe, so every engine is probed
+        (in parallel, bounded). If some fail it, they are blamed; an engine whose receive failed because
+        the group broke under it (a receiver's error at a receive or the acks' step) is then a victim,
+        not a cause, even if its error came in first: a stuck peer makes the others' transport fail too.
+        If every engine answers its probe, those whose RPC failed are blamed, preferring failures outside
+        the transport (a load, a checksum)."""
         grace = min(2.0, self.cfg.timeout_s)
-        blamed = _errors(futs)
-        if not blamed and futs:
+        errors = _errors(futs)
+        if not errors and futs:
             cf.wait(list(futs.values()), timeout=grace, return_when=cf.FIRST_EXCEPTION)
-            blamed = _errors(futs)
-        if not blamed:
-            probes = {eid: self._submit(asyncio.wait_for(self.engines[eid].health(), grace)) for eid in futs}
-            for eid, p in probes.items():
-                try:
-                    healthy = p.result(grace + 1)
-                except Exception:  # noqa: BLE001 - a probe that fails is an unhealthy engine
-                    healthy = False
-                if not healthy:
-                    blamed[eid] = "failed its health probe"
+            errors = _errors(futs)
+        probes = {eid: self._submit(asyncio.wait_for(self.engines[eid].health(), grace)) for eid in futs}
+        unhealthy = []
+        for eid, p in probes.items():
+            try:
+                healthy = p.result(grace + 1)
+            except Exception:  # noqa: BLE001 - a probe that fails is an unhealthy engine
+                healthy = False
+            if not healthy:
+                unhealthy.append(eid)
+        if unhealthy:
+            blamed = {eid: errors.get(eid, "failed its health probe") for eid in unhealthy}
+        else:
+            blamed = {eid: why for eid, why in errors.items() if not _in_transport(why)} or errors
         wgroup.close_group(self.pg)
         self.pg = None
         for f in futs.values():
@@ -594,6 +603,12 @@ class _AcksIn:
 
     def wait(self) -> None:
         self.work.wait()
+
+
+def _in_transport(why: str) -> bool:
+    """True for an engine's error raised in the group's transport (the step names :class:`weight_sync.receiver.WeightReceiver`
+    puts in its errors): a group broken by another peer fails every receiver there."""
+    return "failed at 'receive bucket" in why or "failed at 'acknowledge" in why
 
 
 def _errors(futs: dict[str, cf.Future]) -> dict[str, str]:

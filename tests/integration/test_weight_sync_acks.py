@@ -190,3 +190,52 @@ def test_an_unanswered_send_update_ends_when_the_client_closes():
         conn.close()
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("acks", ["group", "rpc"])
+def test_a_frozen_receiver_fails_the_publish_at_the_timeout_naming_it(receivers, tmp_path, acks):
+    """A receiver that hangs (SIGSTOP: alive, its sockets open, answering nothing) after joining: the publish
+    waits at most its step timeout, names the frozen engine (it fails its health probe, the good one passes),
+    and the next publish goes to the good receiver alone in a new epoch. Nothing waits without a limit."""
+    import signal
+
+    urls, _ = receivers
+    port = free_port()
+    log = open(tmp_path / "frozen.log", "w")
+    frozen = subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", "frozen", "--port",
+                               str(port)], env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        async def ready() -> None:
+            c = ReceiverClient("frozen", url, timeout_s=10)
+            deadline = time.monotonic() + 60
+            while not await c.health():
+                assert time.monotonic() < deadline, (tmp_path / "frozen.log").read_text()
+                await asyncio.sleep(0.2)
+            await c.close()
+
+        asyncio.run(ready())
+        state = _state(4)
+        plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 8 << 10)
+        good, stuck = ReceiverClient("good", urls["good"], timeout_s=15), ReceiverClient("frozen", url, timeout_s=15)
+        pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=3, acks=acks), plan, engines=[good, stuck])
+        try:
+            pub.rebuild()  # both join; then one of them stops answering anything
+            os.kill(frozen.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(PublishError) as err:
+                pub.publish(1, iter(state.items()))
+            took = time.monotonic() - t0
+            assert err.value.blamed == ["frozen"], str(err.value)
+            assert "engine frozen" in str(err.value) and "health probe" in str(err.value), str(err.value)
+            assert took < 30, f"the publish took {took:.1f}s with a 3 s step timeout"
+            report = pub.publish(2, iter(state.items()))
+            assert report.engines == ["good"] and report.epoch == 2
+            assert pub.settle() == {}
+            _assert_bit_identical(_dump(pub, good, tmp_path / "good_v2.safetensors"), state)
+        finally:
+            pub.close()
+    finally:
+        frozen.kill()  # SIGKILL ends a stopped process too
+        frozen.wait(10)
