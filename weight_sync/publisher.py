@@ -23,8 +23,8 @@ all-gather, and only rank 0 sends)::
 Invariants and what happens when a peer dies:
 - Every wait is bounded by ``timeout_s`` (join, each bucket, the acks). A
   failure or timeout raises :class:`PublishError` naming the step and the
-  engine(s) to blame (an engine whose RPC failed, or which fails a health
-  probe); the group is torn down so survivors blocked in a receive fail at
+  engine(s) to blame (those that fail a health probe: dead or stuck; if none
+  does, those whose RPC failed); the group is torn down so survivors blocked in a receive fail at
   once; the blamed engines are dropped; the next publish first rebuilds the
   group (new epoch) with the survivors. Nothing waits without a limit.
 - After a failure rank 0 keeps draining ``tensors`` so the other learner ranks
