@@ -9,7 +9,7 @@ all-gather, and only rank 0 sends)::
              -> [wait until the loop's requests are written] -> gather b1 -> bcast b1 || gather b2
              ... -> acks
              (at most ``inflight_buckets`` groups of buckets on the wire, a group being the
-             buckets that share one send slot (see :class:`_SendRing`); completion is polled,
+             buckets that share one send slot (see :class:`weight_sync.plan.SendRing`); completion is polled,
              see :func:`weight_sync.group.wait_work`)
              -> compare every engine's checksum with our own
              group acks (``cfg.acks = "group"``, fleetrl's receivers): the acks are an all-gather of
@@ -60,8 +60,7 @@ from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
-from weight_sync.plan import (bucket_fingerprint, combine_fingerprints, fingerprints_checksum, pack_bucket, torch_dtype,
-                              unpack_bucket)
+from weight_sync.plan import SendRing, bucket_fingerprint, combine_fingerprints, fingerprints_checksum
 
 log = logging.getLogger(__name__)
 
@@ -85,52 +84,6 @@ class PublishReport:
     epoch: int
     rebuild_seconds: float = 0.0
     per_engine_checksums: dict[str, str] = field(default_factory=dict)
-
-
-class _SendRing:
-    """Where rank 0 packs buckets: ``slots`` standing buffers of the largest group's size, used in turn.
-
-    Consecutive buckets of at most ``group_bytes`` together (the configured bucket size) form a *group*:
-    in a plan cut by the packed rule every bucket is larger than that and goes alone, and the small
-    pieces a tail cut leaves at the end share one group. A group is packed with one ``_foreach_copy_``
-    into its slot, through typed views built once, and its buckets go on the wire back to back, so a
-    small piece never waits on the host for a slot (a view chain and a cat per tensor cost more host
-    time per bucket than a 256 MB bucket spends on the wire). A group of one contiguous tensor is sent
-    from that tensor itself. With ``slots = inflight + 1`` the slot a group is packed into was last used
-    by a group whose broadcasts have completed. (Groups of several full-size buckets were tried, on an 8B
-    plan whose 1.2 GB last bucket set the slot size: 0.94 of raw broadcast against 0.96 one at a time.)"""
-
-    def __init__(self, plan: WeightPlan, slots: int, device: torch.device, group_bytes: int) -> None:
-        self.plan, self.sizes = plan, plan.bucket_bytes()
-        self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes)]
-        self.groups: list[list[int]] = []
-        used = group_bytes
-        for b, n in enumerate(self.sizes):
-            if used + n > group_bytes:
-                self.groups.append([])
-                used = 0
-            self.groups[-1].append(b)
-            used += n
-        slot_bytes = max(sum(self.sizes[b] for b in group) for group in self.groups)
-        self.bufs = [torch.empty(slot_bytes, dtype=torch.uint8, device=device)
-                     for _ in range(min(slots, len(self.groups)))]
-        self.views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-
-    @torch.no_grad()
-    def pack(self, g: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pack group ``g`` (``parts``: its tensors in plan order); returns one byte buffer per bucket."""
-        if len(parts) == 1 and parts[0].is_contiguous():
-            return [pack_bucket(parts)]  # no copy
-        entry = self.views.get(g)
-        if entry is None:
-            slot, at, bufs, views = self.bufs[g % len(self.bufs)], 0, [], []
-            for b in self.groups[g]:
-                bufs.append(slot[at: at + self.sizes[b]])
-                views += [v for _, v in unpack_bucket(bufs[-1], self.plan, b)]
-                at += self.sizes[b]
-            entry = self.views[g] = (bufs, views)
-        torch._foreach_copy_(entry[1], parts)
-        return entry[0]
 
 
 class Publisher:
@@ -160,7 +113,7 @@ class Publisher:
         self._dirty = True
         self._store = None
         self._loop = None
-        self._ring: _SendRing | None = None
+        self._ring: SendRing | None = None
         self.group_acks = False  # this epoch's publishes are acknowledged through the group
         self.world_size = 1
         self._offsets: dict[str, int] = {}  # engine id -> its first rank in this epoch
@@ -333,7 +286,7 @@ class Publisher:
                 mark(f"bucket{b}_sent")
 
         if self._ring is None:
-            self._ring = _SendRing(plan, depth + 1, self.device, int(self.cfg.bucket_mb * (1 << 20)))
+            self._ring = SendRing(plan, depth + 1, self.device, int(self.cfg.bucket_mb * (1 << 20)))
         ring, dev = self._ring, self.device
 
         def send(g: int) -> None:  # gather group g, pack it, put it on the wire behind at most depth - 1 others
@@ -606,8 +559,9 @@ class _AcksIn:
 
 
 def _in_transport(why: str) -> bool:
-    """True for an engine's error raised in the group's transport (the step names :class:`weight_sync.receiver.WeightReceiver`
-    puts in its errors): a group broken by another peer fails every receiver there."""
+    """True for an engine's error raised in the group's transport (the step names that
+    :class:`weight_sync.receiver.WeightReceiver` puts in its errors): a group broken by another peer
+    fails every receiver there."""
     return "failed at 'receive bucket" in why or "failed at 'acknowledge" in why
 
 
