@@ -45,10 +45,14 @@ class ReceiverClient(HttpEngineClient):
         # Errors come back as a Reply with ok=False and a 4xx/5xx status: read the body, not the status.
         r = await self._request("POST", path, timeout_s=timeout_s, check_status=False,
                                 content=msgspec.json.encode(msg), headers={"Content-Type": "application/json"})
+        return self._reply(path, r.status_code, r.content)
+
+    def _reply(self, path: str, status: int, body: bytes) -> m.Reply:
+        """The receiver's answer to ``path``; a malformed one or one with ``ok=False`` raises, naming this engine."""
         try:
-            reply = msgspec.json.decode(r.content, type=m.Reply)
+            reply = msgspec.json.decode(body, type=m.Reply)
         except msgspec.DecodeError as e:
-            raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {r.status_code} with a malformed reply") from e
+            raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {status} with a malformed reply") from e
         if not reply.ok:
             raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.error}")
         return reply
@@ -112,13 +116,7 @@ class ReceiverClient(HttpEngineClient):
             raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) failed: {type(e).__name__}: {e}") from e
         if r.will_close:
             self._drop_sync_conn(conn)
-        try:
-            reply = msgspec.json.decode(raw, type=m.Reply)
-        except msgspec.DecodeError as e:
-            raise EngineError(f"engine {self.engine_id}: /update_weights answered HTTP {r.status} with a malformed "
-                              "reply") from e
-        if not reply.ok:
-            raise EngineError(f"engine {self.engine_id}: /update_weights failed: {reply.error}")
+        reply = self._reply("/update_weights", r.status, raw)
         self._version = version
         return reply.checksum
 
