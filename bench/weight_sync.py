@@ -233,25 +233,30 @@ class PipeEngine(EngineClient):
         self.rpc_stamps = [("receive started", t), ("receive sent", time.perf_counter())]
 
         def answer() -> str:
-            if not self._conn.poll(600.0):
-                raise EngineError(f"engine {self.engine_id}: receive got no answer within 600s")
-            status, value = self._conn.recv()
-            self.rpc_stamps.append(("receive reply read", time.perf_counter()))
-            if status != "ok":
-                raise EngineError(f"engine {self.engine_id}: receive failed: {value}")
-            self._version, self.last_timeline = version, value["timeline"]
-            return value["checksum"]
+            return self._received(version, self._answer("receive", 600.0))
 
         return self._reader.submit(answer)
 
     def call(self, cmd: str, arg=None, timeout_s: float = 600.0):
         self._conn.send((cmd, arg))
+        return self._answer(cmd, timeout_s)
+
+    def _answer(self, cmd: str, timeout_s: float):
+        """Wait (bounded) for the receiver's answer to ``cmd`` on the pipe; an error answer raises."""
         if not self._conn.poll(timeout_s):
             raise EngineError(f"engine {self.engine_id}: {cmd} got no answer within {timeout_s:.0f}s")
-        status, value = self._conn.recv()
+        return self._value(cmd, self._conn.recv())
+
+    def _value(self, cmd: str, answer):
+        self.rpc_stamps.append((f"{cmd} reply read", time.perf_counter()))
+        status, value = answer
         if status != "ok":
             raise EngineError(f"engine {self.engine_id}: {cmd} failed: {value}")
         return value
+
+    def _received(self, version: int, reply: dict) -> str:
+        self._version, self.last_timeline = version, reply["timeline"]
+        return reply["checksum"]
 
     async def _acall(self, cmd: str, arg=None, timeout_s: float = 600.0):
         """Send from the event loop's thread and wake on the pipe's readability, as an HTTP client
@@ -272,19 +277,13 @@ class PipeEngine(EngineClient):
             finally:
                 loop.remove_reader(fd)
                 os.set_blocking(fd, True)  # uvloop makes a watched fd non-blocking; call() and raw() block
-            status, value = self._conn.recv()
-            self.rpc_stamps.append((f"{cmd} reply read", time.perf_counter()))
-            if status != "ok":
-                raise EngineError(f"engine {self.engine_id}: {cmd} failed: {value}")
-            return value
+            return self._value(cmd, self._conn.recv())
 
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         await self._acall("join", (group, plan, 120.0))
 
     async def update_weights(self, version: int, plan_id: str) -> str:
-        reply = await self._acall("receive", (version, plan_id))
-        self._version, self.last_timeline = version, reply["timeline"]
-        return reply["checksum"]
+        return self._received(version, await self._acall("receive", (version, plan_id)))
 
     async def generate(self, prompt_ids, params):
         raise EngineError("the benchmark receiver does not generate")
