@@ -11,10 +11,8 @@ required behaviours; the assertions are split by behaviour below:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,16 +21,8 @@ from safetensors.torch import load_file
 
 from rollout_fleet.engines.http import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+from receiver_procs import ENV, REPO, start_receiver  # tests/integration, on sys.path under pytest
 
-
-def _start_receiver(engine_id: str, tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(tmp / f"{engine_id}.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", engine_id, "--port", str(port)],
-                         env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    return p, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def run(tmp_path_factory):
     try:
         urls = {}
         for eid in ("r0", "r1", "r2"):
-            p, urls[eid] = _start_receiver(eid, tmp)
+            p, urls[eid] = start_receiver(eid, tmp)
             procs.append(p)
         port = free_port()
         learners = []

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,8 +25,9 @@ from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError
 from weight_sync.receiver_client import ReceiverClient
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+from health import wait_healthy  # tests/integration, on sys.path under pytest
+from receiver_procs import start_receiver
+
 BAD_TENSOR = "layers.1.w"
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,24 +49,10 @@ def receivers(tmp_path_factory):
     procs, urls = [], {}
     try:
         for eid, extra in (("good", []), ("bad", ["--corrupt-tensor", BAD_TENSOR])):
-            port = free_port()
-            log = open(tmp / f"{eid}.log", "w")
-            procs.append(subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", eid,
-                                           "--port", str(port), *extra],
-                                          env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-            urls[eid] = f"http://127.0.0.1:{port}"
-
-        async def ready() -> None:
-            deadline = time.monotonic() + 60
-            for eid, url in urls.items():
-                c = ReceiverClient(eid, url, timeout_s=10)
-                while not await c.health():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"receiver {eid} not serving within 60s:\n{(tmp / f'{eid}.log').read_text()}")
-                    await asyncio.sleep(0.2)
-                await c.close()
-
-        asyncio.run(ready())
+            proc, urls[eid] = start_receiver(eid, tmp, *extra)
+            procs.append(proc)
+        for proc, (eid, url) in zip(procs, urls.items()):
+            wait_healthy(url, proc, tmp / f"{eid}.log", f"receiver {eid}")
         yield urls, tmp
     finally:
         for p in procs:
@@ -200,22 +185,9 @@ def test_a_frozen_receiver_fails_the_publish_at_the_timeout_naming_it(receivers,
     import signal
 
     urls, _ = receivers
-    port = free_port()
-    log = open(tmp_path / "frozen.log", "w")
-    frozen = subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", "frozen", "--port",
-                               str(port)], env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    frozen, url = start_receiver("frozen", tmp_path)
     try:
-        url = f"http://127.0.0.1:{port}"
-
-        async def ready() -> None:
-            c = ReceiverClient("frozen", url, timeout_s=10)
-            deadline = time.monotonic() + 60
-            while not await c.health():
-                assert time.monotonic() < deadline, (tmp_path / "frozen.log").read_text()
-                await asyncio.sleep(0.2)
-            await c.close()
-
-        asyncio.run(ready())
+        wait_healthy(url, frozen, tmp_path / "frozen.log", "receiver frozen")
         state = _state(4)
         plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 8 << 10)
         good, stuck = ReceiverClient("good", urls["good"], timeout_s=15), ReceiverClient("frozen", url, timeout_s=15)

@@ -9,10 +9,7 @@ while the survivor takes the next publish.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,16 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout_fleet.engines.http import free_port
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError
 from weight_sync.receiver_client import ReceiverClient
 
 from health import wait_healthy  # tests/integration
+from receiver_procs import start_receiver
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,11 +40,7 @@ def receivers(tmp_path_factory):  # shared; the kill test, last in this file, en
     tmp_path = tmp_path_factory.mktemp("staged")
     procs, urls = {}, {}
     for eid in ("s0", "s1"):
-        port = free_port()
-        log = open(tmp_path / f"{eid}.log", "w")
-        procs[eid] = subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", eid,
-                                       "--port", str(port)], env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        urls[eid] = f"http://127.0.0.1:{port}"
+        procs[eid], urls[eid] = start_receiver(eid, tmp_path)
     for eid, url in urls.items():
         wait_healthy(url, procs[eid], tmp_path / f"{eid}.log", f"receiver {eid}")
     yield procs, urls
