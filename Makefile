@@ -10,7 +10,7 @@ export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test install lock
+.PHONY: demo test lint install lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,11 @@ install: $(STAMP)
 demo: install
 	$(PY) launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe tiny --summary runs/tiny/summary.json
 
-test: install
+# Lint first: ruff (pyflakes, import order, bug-finding rules).
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest tests
 
 # Regenerate the lock from the current venv (maintainers only).

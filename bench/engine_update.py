@@ -49,12 +49,11 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))  # gpu_helpers: the random Qwen2
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from bench.report import run_info, write_json  # noqa: E402
 from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.plan import build_plan  # noqa: E402
 from weight_sync.publisher import Publisher  # noqa: E402
-
-from bench.report import run_info, write_json  # noqa: E402
 
 log = logging.getLogger("bench.engine_update")
 MODES = [("direct", "wait"), ("direct", "keep"), ("staged", "wait"), ("staged", "keep")]
@@ -160,7 +159,7 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
             time.sleep(0.5)
         # only now: a token held back by an update arrives after the publish returns, so a stall measured
         # at the end of each publish would miss the very gap it is after
-        for row, (t0, t1) in zip(rows, windows):
+        for row, (t0, t1) in zip(rows, windows, strict=True):
             row["probe_stall_s"] = probe.stall(t0, t1)
         base, quiet = probe.baseline(windows), probe.quiet_stall(windows)
         errors = list(probe.errors)

@@ -411,7 +411,7 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
         return case
     finally:
         pub.close()
-        del state
+        state.clear()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

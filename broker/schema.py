@@ -319,7 +319,7 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
                 return None
         small = pa.concat_batches([b.select(_ROW_IDX) for b in batches])
         cols: list = [None] * len(TRAJECTORY_SCHEMA)
-        for i, c in zip(_ROW_IDX, small.columns):
+        for i, c in zip(_ROW_IDX, small.columns, strict=True):
             cols[i] = c
         view = _fast_view_cols(cols, small.num_rows, tokens_checked=True)
     if view is None:

@@ -351,7 +351,7 @@ class BrokerServer:
                 log.exception("joint validation failed; validating pushes one by one")
                 views = None
             if views is not None:
-                for j, view in zip(joint, views):
+                for j, view in zip(joint, views, strict=True):
                     prepared[j] = (prepared[j][0], view)
         return prepared
 
@@ -487,7 +487,7 @@ def _lease_frames(lease) -> list:
     frame it came in (zero copy); other groups (slices of bigger pushes, or recovered
     from the spool) are serialised together."""
     frames, run = [], []
-    for batch, payload in zip(lease.batches, lease.payloads):
+    for batch, payload in zip(lease.batches, lease.payloads, strict=True):
         if payload is None:
             run.append(batch)
             continue

@@ -392,11 +392,11 @@ class BrokerState:
             per_group = [(step - 1) - g.vmin for g in picked]
             staleness = (np.full(rows[0], per_group[0], np.int32) if len(picked) == 1
                          else np.repeat(np.array(per_group, np.int32), rows))
-            for s_, n in zip(per_group, rows):
+            for s_, n in zip(per_group, rows, strict=True):
                 hist[s_] += n
         else:
             staleness = np.concatenate([(step - 1) - g.versions for g in picked]).astype(np.int32)
-            for s_, n in zip(*np.unique(staleness, return_counts=True)):
+            for s_, n in zip(*np.unique(staleness, return_counts=True), strict=True):
                 hist[int(s_)] += int(n)
         lease = Lease(lid, step, consumer_id, gids, [g.batch for g in picked], staleness,
                       now + self.lease_timeout_s, [g.payload for g in picked])

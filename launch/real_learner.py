@@ -364,7 +364,7 @@ class LearnerRanks:
         node_gpus: dict[str, list[str]] = {}
         for info in self.infos:
             node_gpus.setdefault(info["ip"], []).extend(info["gpus"])
-        for rank, (actor, info) in enumerate(zip(self.actors, self.infos)):
+        for rank, (actor, info) in enumerate(zip(self.actors, self.infos, strict=True)):
             peers = [i for i in self.infos if i["ip"] == info["ip"]]
             env = {"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
                    "LOCAL_RANK": str(peers.index(info)), "LOCAL_WORLD_SIZE": str(len(peers))}

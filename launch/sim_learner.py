@@ -89,7 +89,7 @@ class SimLearner:
         table = lease_table(lease)
         oldest = np.array([v[0] for v in table.column("segment_versions").to_pylist()], dtype=np.int64)
         stale = self.version - oldest
-        for s, c in zip(*np.unique(stale, return_counts=True)):
+        for s, c in zip(*np.unique(stale, return_counts=True), strict=True):
             self.staleness_hist[int(s)] += int(c)
         if len(stale):
             self.max_staleness_seen = max(self.max_staleness_seen, int(stale.max()))

@@ -43,9 +43,8 @@ def transformers_version() -> str:
 
 
 def _load_model(path: str, attn_implementation: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     import transformers.masking_utils as mu
+    from transformers import AutoModelForCausalLM
 
     # Packed rows rely on transformers deriving the block-diagonal mask from restarting position_ids.
     if not hasattr(mu, "find_packed_sequence_indices"):
@@ -181,7 +180,7 @@ class FSDPEngine(TrainingEngine):
                 continue
             t = torch.stack([m[k].detach().float().reshape(()) for k in names]).to(self.device)
             dist.all_reduce(t, op=op)
-            out.update({k: float(v) for k, v in zip(names, t.tolist())})
+            out.update({k: float(v) for k, v in zip(names, t.tolist(), strict=True)})
         return out
 
     # ---- weights out -----------------------------------------------------------------------

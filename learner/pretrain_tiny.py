@@ -97,7 +97,7 @@ def encode_batch(problems: list[Problem], tok) -> tuple[torch.Tensor, torch.Tens
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
     lab = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
+    for i, (s, l) in enumerate(zip(seqs, labels, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(l)] = torch.tensor(l)
     return ids, lab
@@ -136,7 +136,7 @@ def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int = 5) -> l
 
 def accuracy(model, tok, problems: list[Problem]) -> float:
     got = greedy_answers(model, tok, [p.prompt for p in problems])
-    return sum(g.strip() == p.answer for g, p in zip(got, problems)) / max(1, len(problems))
+    return sum(g.strip() == p.answer for g, p in zip(got, problems, strict=True)) / max(1, len(problems))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -135,7 +135,7 @@ class FleetController:
         server = self.servers[engine_id]
         server.state = "draining"
         deadline = time.monotonic() + timeout_s
-        while server.inflight and time.monotonic() < deadline:
+        while server.inflight and time.monotonic() < deadline:  # noqa: ASYNC110 (inflight is a plain dict)
             await asyncio.sleep(0.02)
         if server.inflight:
             log.warning("fleet: %s still had %d groups after %.0f s of draining; they are retried elsewhere",
@@ -315,7 +315,7 @@ class FleetController:
             targets = [s for s in self.servers.values() if s.state in ("healthy", "draining")]
             results = await asyncio.gather(*(self._update_one(s, version, plan_id, mode) for s in targets),
                                            return_exceptions=True)
-            for server, res in zip(targets, results):
+            for server, res in zip(targets, results, strict=True):
                 if isinstance(res, BaseException):
                     log.warning("fleet: weight update of %s to v%d failed (%s)", server.engine_id, version, res)
                     await self._suspect(server)

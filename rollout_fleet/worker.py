@@ -214,7 +214,7 @@ class RolloutWorker:
                 segment_versions=s.segment_versions, reward=float(r), finish_reason=s.finish_reason,
                 engine_id=engine_id, data_source=prompt.data_source, t_start=t_start, t_end=t_end,
             )
-            for i, (s, r) in enumerate(zip(samples, rewards))
+            for i, (s, r) in enumerate(zip(samples, rewards, strict=True))
         ]
         batch = to_record_batch(trajs)
         for attempt in range(self.push_retries):

@@ -8,7 +8,6 @@ from pydantic import Field
 
 from launch.configbase import ConfigModel
 
-
 #: NCCL settings every process of an NCCL weight-sync group must share, set before its first NCCL call.
 #: SGLang sets NCCL_CUMEM_ENABLE=0 in its own server and peers that disagree fail in the first
 #: broadcast (FACTS.md), so the learner and every server fleetrl starts use 0 (unless the user set it).

@@ -89,7 +89,7 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
         torch_dtype(dtypes[-1])
     if len(set(names)) != len(names):
         raise ValueError("weight plan has duplicate tensor names")
-    sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes)]
+    sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes, strict=True)]
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -168,7 +168,7 @@ def unpack_bucket(buf: torch.Tensor, plan: WeightPlan, b: int) -> list[tuple[str
     if buf.numel() != sum(sizes):
         raise ValueError(f"bucket {b} of plan {plan.plan_id}: got {buf.numel()} bytes, expected {sum(sizes)}")
     parts = buf.split(sizes)
-    return [(n, p.view(d).view(s)) for n, s, d, p in zip(names, shapes, dtypes, parts)]
+    return [(n, p.view(d).view(s)) for n, s, d, p in zip(names, shapes, dtypes, parts, strict=True)]
 
 
 class SendRing:
@@ -186,7 +186,7 @@ class SendRing:
 
     def __init__(self, plan: WeightPlan, slots: int, device: torch.device, group_bytes: int) -> None:
         self.plan, self.sizes = plan, plan.bucket_bytes()
-        self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes)]
+        self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes, strict=True)]
         self.groups: list[list[int]] = []
         used = group_bytes
         for b, n in enumerate(self.sizes):

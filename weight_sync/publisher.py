@@ -60,7 +60,12 @@ from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
-from weight_sync.plan import SendRing, bucket_fingerprint, combine_fingerprints, fingerprints_checksum
+from weight_sync.plan import (
+    SendRing,
+    bucket_fingerprint,
+    combine_fingerprints,
+    fingerprints_checksum,
+)
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +313,7 @@ class Publisher:
             while len(inflight) >= depth:
                 retire()
             works = []
-            for b, buf in zip(ring.groups[g], bufs):
+            for b, buf in zip(ring.groups[g], bufs, strict=True):
                 step = f"broadcast bucket {b}/{len(plan.buckets)}"
                 if self.pg is not None:
                     works.append((b, wgroup.broadcast_async(self.pg, buf), buf))  # buf lives until sent

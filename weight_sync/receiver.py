@@ -58,8 +58,13 @@ import torch
 from rollout_fleet.engines.base import GroupInfo, WeightPlan
 from weight_sync import group as wgroup
 from weight_sync import messages as m
-from weight_sync.plan import (bucket_fingerprint, combine_fingerprints, fingerprints_checksum, unpack_bucket,
-                              validate_plan)
+from weight_sync.plan import (
+    bucket_fingerprint,
+    combine_fingerprints,
+    fingerprints_checksum,
+    unpack_bucket,
+    validate_plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +314,9 @@ class ReceiverState:
             self.tensors[name] = t.clone()  # views of the bucket buffer must not outlive it
 
     def load_path(self, path: str) -> None:
-        from safetensors.torch import load_file
         import pathlib
+
+        from safetensors.torch import load_file
 
         p = pathlib.Path(path)
         files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]

@@ -191,7 +191,7 @@ def from_hf(mname: str, hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: i
         full = _fuse_qkv(*srcs, shape)
     elif mname.endswith("linear_fc1.weight"):
         gates, ups = srcs[0].chunk(tp, dim=0), srcs[1].chunk(tp, dim=0)
-        return [torch.cat([g, u], dim=0).contiguous() for g, u in zip(gates, ups)]
+        return [torch.cat([g, u], dim=0).contiguous() for g, u in zip(gates, ups, strict=True)]
     elif mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
         full = _pad_rows(srcs[0], shape.padded_vocab)
     else:
@@ -210,10 +210,10 @@ def to_hf(mname: str, shards: Sequence[torch.Tensor], shape: ModelShape) -> list
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([h[0] for h in halves], dim=0)
         up = torch.cat([h[1] for h in halves], dim=0)
-        return list(zip(names, [gate, up]))
+        return list(zip(names, [gate, up], strict=True))
     full = shards[0] if d is None else torch.cat(list(shards), dim=d)
     if mname.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-        return list(zip(names, [t.contiguous() for t in _split_qkv(full, shape)]))
+        return list(zip(names, [t.contiguous() for t in _split_qkv(full, shape)], strict=True))
     if mname in ("embedding.word_embeddings.weight", "output_layer.weight"):
         full = full[: shape.vocab]
     return [(names[0], full.contiguous() if d is not None else full)]

@@ -143,8 +143,11 @@ class MegatronEngine(TrainingEngine):
         import_megatron()
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
@@ -217,7 +220,7 @@ class MegatronEngine(TrainingEngine):
 
     def _reference_on_gpu(self, on: bool) -> None:
         """Offloaded reference: point its parameters at GPU copies of the pinned CPU weights, or back."""
-        for p, cpu in zip(self.ref.parameters(), self._ref_cpu):
+        for p, cpu in zip(self.ref.parameters(), self._ref_cpu, strict=True):
             p.data = cpu.to(self.device, non_blocking=True) if on else cpu
 
     def _build_gpt(self) -> torch.nn.Module:
@@ -393,7 +396,7 @@ class MegatronEngine(TrainingEngine):
             if names:
                 t = torch.stack([m[k].detach().float().reshape(()) for k in names]).to(self.device)
                 dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
-                out.update(zip(names, t.tolist()))
+                out.update(zip(names, t.tolist(), strict=True))
         if self.pp > 1:  # only the last stage evaluated the loss
             box = [out]
             dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),

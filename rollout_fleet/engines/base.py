@@ -150,5 +150,5 @@ class EngineClient(abc.ABC):
     def weight_version(self) -> int:
         """The policy version the server holds."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook: most clients hold nothing)
         """Release client resources (HTTP sessions); does not stop the server."""

@@ -149,10 +149,11 @@ class SGLangServer:
         self.version = check_sglang_version(await asyncio.to_thread(installed_sglang_version, self.args.python))
         cmd = self.command(self.version)
         log_path = Path(self.args.log_path or f"sglang-{self.args.port}.log")
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: ASYNC230 (opening a log file does not block)
         log.info("starting sglang %s on GPUs %s: %s", self.version, self.args.gpus, " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(  # noqa: ASYNC220 (fork+exec, returns at once)
+            cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)
         t0 = time.monotonic()
         async with httpx.AsyncClient(timeout=5.0) as http:
             while time.monotonic() - t0 < timeout_s:

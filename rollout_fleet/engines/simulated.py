@@ -24,7 +24,14 @@ import time
 import numpy as np
 
 from rollout_fleet.config import SimulatedEngineConfig
-from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.base import (
+    EngineClient,
+    EngineError,
+    GroupInfo,
+    Sample,
+    SamplingParams,
+    WeightPlan,
+)
 
 log = logging.getLogger(__name__)
 SIM = "[SIMULATED]"

@@ -16,7 +16,6 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 def qwen_checkpoints(tmp_path_factory):
     """(v0 folder, v1 folder, v0 state, v1 state): two random versions of the same architecture."""
     import torch
-
     from gpu_helpers import random_qwen2_state, save_checkpoint
 
     if not torch.cuda.is_available():

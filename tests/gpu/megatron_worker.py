@@ -70,8 +70,9 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _plan(engine, seed: int = 0):
-    from learner.batch import plan_step
     from learner_testkit import make_batches
+
+    from learner.batch import plan_step
 
     return plan_step(make_batches(1, seed=seed)[0], rank=engine.data_rank, world_size=engine.data_world_size,
                      micro_batch_tokens=64, advantage="mean_std", drop_uniform=True, aggregation="token")
@@ -190,10 +191,10 @@ def _kl_steps(engine) -> dict:
     m2 = engine.train_step(plan_b)
 
     def max_diff(xs, ys):
-        return max(((x - y).abs().max().item() for x, y in zip(xs, ys)), default=None)
+        return max(((x - y).abs().max().item() for x, y in zip(xs, ys, strict=True)), default=None)
 
     def mean_diff(xs, ys):
-        return torch.cat([(x - y).abs() for x, y in zip(xs, ys)]).mean().item() if xs else None
+        return torch.cat([(x - y).abs() for x, y in zip(xs, ys, strict=True)]).mean().item() if xs else None
 
     return {"m1": m1, "m2": m2, "last_stage": engine.post, "n_logp": sum(x.numel() for x in ref_a),
             "ref_vs_policy_step1": max_diff(ref_a, prox_a), "ref_moved": max_diff(ref_b0, ref_b1),

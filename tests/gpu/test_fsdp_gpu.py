@@ -34,7 +34,7 @@ def test_fsdp2_two_gpus_nccl_bf16_matches_one_gpu(tmp_path):
 
     assert reduced(two[0]["history"]) == reduced(two[1]["history"]), "ranks disagree on the reduced metrics"
     two = two[0]["history"]
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         for key in ("learner/loss_total", "learner/grad_norm", "learner/entropy", "learner/mismatch_kl_k3"):
             assert math.isfinite(a[key]) and math.isfinite(b[key]), key
         # Tolerances (bf16 compute, fp32 master weights and fp32 gradient reduction): bf16 keeps 8 bits of

@@ -29,8 +29,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 import megatron_worker as mw  # noqa: E402
-from test_megatron_gpu import (  # noqa: E402, F401  (models: the module-scoped fixture, shared)
-    _compare, _two_gpus, check_publish_into_receiver, check_round_trip, models, spawn)
+from test_megatron_gpu import (  # noqa: E402, F401, F811  (models: the module-scoped fixture, shared)
+    _compare,
+    _two_gpus,
+    check_publish_into_receiver,
+    check_round_trip,
+    models,
+    spawn,
+)
 
 
 def _merged(ranks: list[dict]) -> dict:

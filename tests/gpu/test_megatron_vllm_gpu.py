@@ -58,10 +58,9 @@ def server(qwen_checkpoints, tmp_path_factory):
 
 
 def test_publish_from_megatron_tp2_matches_engine_logprobs(server, qwen_checkpoints, tmp_path):
+    import megatron_worker as mw
     import numpy as np
     import torch
-
-    import megatron_worker as mw
     from learner_testkit import run_procs
 
     _, v1_dir, s0, s1 = qwen_checkpoints
@@ -76,7 +75,7 @@ def test_publish_from_megatron_tp2_matches_engine_logprobs(server, qwen_checkpoi
     prompt, samples = res["prompt"], res["samples"]
     assert len(samples) == 4 and all(len(t) > 0 for t, _ in samples)
     d_learner = np.concatenate([np.abs(np.asarray(lp, dtype=np.float64) - mine.astype(np.float64))
-                                for (_, lp), mine in zip(samples, res["learner_logp"])])
+                                for (_, lp), mine in zip(samples, res["learner_logp"], strict=True)])
     ref_v0, ref_v1 = Reference(s0), Reference(s1)
     d_v0 = np.concatenate([np.abs(np.asarray(lp, dtype=np.float64) - ref_v0.logprobs(prompt, t)) for t, lp in samples])
     d_v1 = np.concatenate([np.abs(np.asarray(lp, dtype=np.float64) - ref_v1.logprobs(prompt, t)) for t, lp in samples])

@@ -16,7 +16,6 @@ import socket
 import time
 
 import pytest
-
 from gpu_helpers import Reference, check_logprobs, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

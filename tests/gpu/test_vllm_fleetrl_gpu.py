@@ -18,8 +18,15 @@ import random
 import time
 
 import pytest
-
-from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, compare, record, vllm_server_on_gpu1
+from gpu_helpers import (
+    MAX_TOL,
+    MEAN_TOL,
+    OTHER_MIN,
+    Reference,
+    compare,
+    record,
+    vllm_server_on_gpu1,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 

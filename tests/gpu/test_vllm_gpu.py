@@ -14,7 +14,6 @@ import random
 import time
 
 import pytest
-
 from gpu_helpers import Reference, check_logprobs, record, vllm_server_on_gpu1
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

@@ -14,7 +14,6 @@ import random
 import time
 
 import pytest
-
 from gpu_helpers import Reference, check_logprobs, record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

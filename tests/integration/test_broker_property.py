@@ -138,7 +138,7 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
     out = spool / "export.parquet"
     export_parquet(spool, out)
     t = pq.read_table(out)
-    fate = dict(zip(t.column("group_id").to_pylist(), t.column("status").to_pylist()))
+    fate = dict(zip(t.column("group_id").to_pylist(), t.column("status").to_pylist(), strict=True))
     assert set(fate) == set(versions), "(b) an accepted group is missing from the spool"
     for g in versions:
         if g in acked:

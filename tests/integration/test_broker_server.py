@@ -14,8 +14,17 @@ import pytest
 import zmq
 
 from broker import protocol as P
-from broker.client import (BrokerError, BrokerTimeout, ConsumerClient, ProducerClient, SyncConsumer, SyncProducer,
-                           get_status, new_event_loop, ping)
+from broker.client import (
+    BrokerError,
+    BrokerTimeout,
+    ConsumerClient,
+    ProducerClient,
+    SyncConsumer,
+    SyncProducer,
+    get_status,
+    new_event_loop,
+    ping,
+)
 from broker.process import BrokerProcess, make_curve_keys
 from broker.testing import make_groups
 

@@ -14,13 +14,19 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from sglang_standin import Tiny, decode_payload  # the model and unpickling the stand-in server uses
+from sglang_standin import state as make_state
 
 from rollout_fleet.engines.base import GroupInfo
 from weight_sync import group as wgroup
 from weight_sync import sglang_ext
-from weight_sync.plan import bucket_fingerprint, build_plan, combine_fingerprints, pack_bucket, plan_to_dict
-
-from sglang_standin import Tiny, decode_payload, state as make_state  # the model and unpickling the stand-in server uses
+from weight_sync.plan import (
+    bucket_fingerprint,
+    build_plan,
+    combine_fingerprints,
+    pack_bucket,
+    plan_to_dict,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from health import wait_healthy  # tests/integration, on sys.path under pytest
+from sglang_standin import state
 
 from rollout_fleet.engines.base import EngineError
 from rollout_fleet.engines.http import free_port
@@ -25,9 +27,6 @@ from rollout_fleet.engines.sglang import SGLangClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher
-
-from health import wait_healthy  # tests/integration, on sys.path under pytest
-from sglang_standin import state
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)

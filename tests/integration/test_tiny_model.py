@@ -80,7 +80,7 @@ def test_greedy_accuracy_is_in_the_partly_trained_band(model_and_tok):
                 eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id,
             )
-            for row_out, (_, truth) in zip(out[:, ids.shape[1] :].tolist(), items):
+            for row_out, (_, truth) in zip(out[:, ids.shape[1] :].tolist(), items, strict=True):
                 answer = tok.decode(row_out, skip_special_tokens=True)
                 correct += exact_match(answer, truth) == 1.0
                 well_formed += answer.isdigit() and tok.eos_token_id in row_out

@@ -46,7 +46,7 @@ def _hf_model(state: dict[str, torch.Tensor] | None = None):
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(str(TINY_MODEL), dtype=torch.float32).eval()
     if state is not None:
-        model.load_state_dict(state, strict=False)
+        model.load_state_dict(state, strict=True)
     return model
 
 
@@ -94,7 +94,7 @@ def test_generate_n_samples_with_logprobs_matching_transformers(vllm_server):
 
     groups = asyncio.run(run())
     model = _hf_model()
-    for prompt, samples in zip(prompts, groups):
+    for prompt, samples in zip(prompts, groups, strict=True):
         assert len(samples) == 4
         for s in samples:
             assert 1 <= len(s.token_ids) <= 8 and len(s.logprobs) == len(s.token_ids)

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from receiver_procs import ENV, REPO, start_receiver  # tests/integration, on sys.path under pytest
 from safetensors.torch import load_file
 
 from rollout_fleet.engines.http import free_port
-
-from receiver_procs import ENV, REPO, start_receiver  # tests/integration, on sys.path under pytest
-
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from health import wait_healthy  # tests/integration, on sys.path under pytest
+from receiver_procs import start_receiver
 from safetensors.torch import load_file
 
 from rollout_fleet.engines.base import EngineError
@@ -24,9 +26,6 @@ from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError
 from weight_sync.receiver_client import ReceiverClient
-
-from health import wait_healthy  # tests/integration, on sys.path under pytest
-from receiver_procs import start_receiver
 
 BAD_TENSOR = "layers.1.w"
 
@@ -51,7 +50,7 @@ def receivers(tmp_path_factory):
         for eid, extra in (("good", []), ("bad", ["--corrupt-tensor", BAD_TENSOR])):
             proc, urls[eid] = start_receiver(eid, tmp, *extra)
             procs.append(proc)
-        for proc, (eid, url) in zip(procs, urls.items()):
+        for proc, (eid, url) in zip(procs, urls.items(), strict=True):
             wait_healthy(url, proc, tmp / f"{eid}.log", f"receiver {eid}")
         yield urls, tmp
     finally:

@@ -15,16 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from health import wait_healthy  # tests/integration
+from receiver_procs import start_receiver
 from safetensors.torch import load_file
 
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError
 from weight_sync.receiver_client import ReceiverClient
-
-from health import wait_healthy  # tests/integration
-from receiver_procs import start_receiver
-
 
 pytestmark = pytest.mark.timeout(180)
 

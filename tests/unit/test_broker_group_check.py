@@ -50,7 +50,7 @@ def _rows(n, defects, lens, ints, perm):
     for d in defects:
         r = len(row["response_ids"])
         if d == "si_permuted":
-            for x, i in zip(rows, perm(n)):
+            for x, i in zip(rows, perm(n), strict=True):
                 x["sample_index"] = i
         elif d == "empty_response":
             row.update(response_ids=[], behaviour_logprobs=[])
@@ -225,4 +225,4 @@ def test_layout_matches_arrow_buffer_order():
         col = b.column(name)
         mine = [bufs[k] for k in pos]
         theirs = [x for x in col.buffers() if x is not None]
-        assert len(mine) == len(theirs) and all(x.address == y.address for x, y in zip(mine, theirs)), name
+        assert len(mine) == len(theirs) and all(x.address == y.address for x, y in zip(mine, theirs, strict=True)), name

@@ -28,7 +28,7 @@ def test_shards_partition_whole_groups_in_order_with_balanced_tokens(spec, ranks
     ids = [s.column("traj_id").to_pylist() for s in shards]
     assert sorted(sum(ids, [])) == sorted(batch.column("traj_id").to_pylist())  # each row exactly once
     order = {t: i for i, t in enumerate(batch.column("traj_id").to_pylist())}
-    for s, rows in zip(shards, ids):
+    for rows in ids:
         assert [order[t] for t in rows] == sorted(order[t] for t in rows)  # batch order kept
     owner = {}
     for r, s in enumerate(shards):

@@ -155,7 +155,7 @@ def test_spool_restart_restores_pending_and_live_leases(tmp_path):
     import pyarrow.parquet as pq
 
     t = pq.read_table(out)
-    fate = dict(zip(t.column("group_id").to_pylist(), t.column("status").to_pylist()))
+    fate = dict(zip(t.column("group_id").to_pylist(), t.column("status").to_pylist(), strict=True))
     assert fate == {"a": "acked", "b": "acked", "c": "pending"}
     assert export_parquet(tmp_path, out, steps=(2, 5)) == 0
 

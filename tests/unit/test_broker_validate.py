@@ -15,8 +15,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import protocol as P
-from broker.schema import (JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, SchemaError, _fast_view, batch_view,
-                           inspect_batch, inspect_batches, validate_batch)
+from broker.schema import (
+    JOINT_MAX_BYTES,
+    TRAJECTORY_SCHEMA,
+    SchemaError,
+    _fast_view,
+    batch_view,
+    inspect_batch,
+    inspect_batches,
+    validate_batch,
+)
 from broker.testing import batch_from_rows, make_groups, passes_row_checks
 
 pytestmark = pytest.mark.timeout(120)
@@ -128,7 +136,7 @@ def test_batches_checked_together_pass_only_if_each_passes_alone(data, k, resp_l
             alone.append(None)
     if views is not None:
         assert all(v is not None for v in alone)
-        for b, v in zip(batches, views):
+        for b, v in zip(batches, views, strict=True):
             ref = batch_view(b)
             assert v.single_group == ref.single_group and v.group_ids in (None, ref.group_ids)
             for name in ("sample_index", "group_size", "step", "oldest_version"):
@@ -157,7 +165,7 @@ def test_batches_checked_together_know_which_are_one_whole_group(data, k, whole_
         gids = [f"g{j}"] * n if kind != "two_groups" else [f"g{j}"] * (n - 1) + [f"x{j}"]
         vers = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
         rows = _rows(n, ["none"] * n, 2, lambda m: 0)
-        for row, (r, i, st_, g, v) in enumerate(zip(rows, si, steps, gids, vers)):
+        for row, (r, i, st_, g, v) in enumerate(zip(rows, si, steps, gids, vers, strict=True)):
             r.update(traj_id=f"{j}/{row}", group_id=g, sample_index=i, group_size=size, step=st_,
                      segment_versions=[v])
         batches.append(batch_from_rows(rows))
@@ -179,7 +187,7 @@ def test_ipc_round_trip_of_one_and_several_batches_is_byte_identical_to_a_stream
             assert wire.to_pybytes() == sink.getvalue().to_pybytes()
             back = P.ipc_to_batches(wire)
             assert [x.num_rows for x in back] == [x.num_rows for x in batches]
-            assert all(x.equals(y) for x, y in zip(back, batches))
+            assert all(x.equals(y) for x, y in zip(back, batches, strict=True))
             validate_batch(back[0])
 
 

@@ -77,6 +77,7 @@ def test_write_subconfigs_round_trip(tmp_path):
     paths = write_subconfigs(cfg, tmp_path)
     assert paths["broker"].exists() and paths["learner"].exists()
     import yaml
+
     from broker.config import BrokerConfig
 
     assert BrokerConfig.model_validate(yaml.safe_load(paths["broker"].read_text())) == cfg.broker

@@ -87,10 +87,11 @@ def test_staging_on_a_vllm_fleet_loads():
 
 
 def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
+    from packaging.version import Version
+
     from launch.real_learner import publish_client
     from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
     from weight_sync.sglang_ext import LOADER
-    from packaging.version import Version
 
     cfg = load_run_config("gpu-tiny", ["weight_sync.staging=true", "rollout.engine=sglang"])
     assert cfg.weight_sync.resolved_nccl_impl("sglang") == "torch"  # fleetrl's group, not SGLang's
@@ -103,9 +104,10 @@ def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
 
 
 def test_sglang_factory_server_args(tmp_path):
+    from packaging.version import Version
+
     from launch.real_sglang import SGLangFactory
     from rollout_fleet.engines.sglang_server import compat_args
-    from packaging.version import Version
 
     cfg = load_run_config("gpu-tiny", ["rollout.engine=sglang", "rollout.sglang_server_args=[--log-level, debug]"])
     args = SGLangFactory(cfg, tmp_path, {0: ("node", ["1"])})._args(0)

@@ -4,8 +4,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from broker.schema import (TRAJECTORY_SCHEMA, SchemaError, Trajectory, from_record_batch, oldest_versions,
-                           to_record_batch, token_versions, validate_batch)
+from broker.schema import (
+    TRAJECTORY_SCHEMA,
+    SchemaError,
+    Trajectory,
+    from_record_batch,
+    oldest_versions,
+    to_record_batch,
+    token_versions,
+    validate_batch,
+)
 from broker.testing import make_groups
 
 pytestmark = pytest.mark.timeout(30)
@@ -31,7 +39,7 @@ def unchecked(trajs):
 def test_round_trip_keeps_every_field():
     trajs = [traj(0), traj(1, response_ids=[], behaviour_logprobs=[], segment_starts=[0], segment_versions=[5])]
     back = from_record_batch(to_record_batch(trajs))
-    for a, b in zip(trajs, back):
+    for a, b in zip(trajs, back, strict=True):
         for f in TRAJECTORY_SCHEMA.names:
             x, y = getattr(a, f), getattr(b, f)
             if isinstance(y, np.ndarray):

@@ -15,7 +15,12 @@ import multiprocessing as mp
 import pytest
 
 from rollout_fleet.engines.sglang import sglang_group_name
-from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs, check_sglang_version, compat_args
+from rollout_fleet.engines.sglang_server import (
+    SGLangServer,
+    SGLangServerArgs,
+    check_sglang_version,
+    compat_args,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +51,12 @@ def _sglang_like_worker(port: int, group_name: str, q) -> None:
     """What SGLang 0.5.16/0.5.23 do in ModelRunner.init_weights_update_group (utils.common), over gloo."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     try:
         timeout = datetime.timedelta(seconds=120)

@@ -113,8 +113,9 @@ def test_vllm_weight_version_spans_become_segments():
 
 
 def test_vllm_version_check_accepts_installed_build():
-    from rollout_fleet.engines.vllm_server import SUPPORTED, check_vllm_version
     from packaging.version import Version
+
+    from rollout_fleet.engines.vllm_server import SUPPORTED, check_vllm_version
 
     assert SUPPORTED[0] <= Version(check_vllm_version()) < SUPPORTED[1]
 
