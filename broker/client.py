@@ -336,6 +336,19 @@ class ConsumerClient(_Client):
         (``lease_expired``: that step used data handed out again; do not count it).
         With ``renew_every_s`` the lease is renewed in the background until it is acked, so
         only the death of this process (or its event loop) lets it expire."""
+        try:
+            return await self._next_batch(step, wait_s, renew_every_s)
+        except BrokerError as e:
+            if e.code != P.ErrorCode.STEP_AHEAD:
+                raise
+        # A step past the broker's window (v + k + 1): this consumer resumed ahead of it (a
+        # checkpoint, or a report lost in a broker restart). The consumer owns its version.
+        log.warning("broker %s: step %d is ahead of its window; reporting version %d first", self.address, step,
+                    step - 1)
+        await self.report_version(step - 1)
+        return await self._next_batch(step, wait_s, renew_every_s)
+
+    async def _next_batch(self, step: int, wait_s: float, renew_every_s: float | None) -> Lease | None:
         # The acks travel with this request only: another next_batch sent meanwhile (several
         # steps requested ahead) does not repeat them. If this one fails they are deferred again.
         acks, self._deferred = self._deferred, []
