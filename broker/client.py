@@ -5,8 +5,11 @@ to replies by ``req``. Every wait has a timeout that names the broker, the
 operation and the time waited. Requests that are idempotent on the broker side
 (push, next_batch, ack, renew, status, versions) are re-sent after a silent
 attempt, so a broker restart on the same address is ridden out within
-``timeout_s``; ``acquire_tickets`` is sent once (a lost grant expires on its own,
-after ``ticket_timeout_s``; so do tickets of a push reply that was lost).
+``timeout_s``. So is ``acquire_tickets``, which is not idempotent: a retry after a reply
+that was only late (not lost) may be granted tickets twice; the surplus is never used and
+expires after ``ticket_timeout_s``, as do tickets of any reply that was lost. Sending it
+once instead would turn the request a broker crash swallowed into a BrokerTimeout that
+ends the caller's loop (seen: a fleet that stopped asking after its broker was restarted).
 
 Round trips on the batch path: ``push(batch, want_tickets=n)`` brings back new
 tickets with the push reply, and ``ack(lease_id, defer=True)`` sends the ack with
@@ -292,7 +295,7 @@ class ProducerClient(_Client):
         can be granted at once (fewer round trips), then returns what there is; [] if none came."""
         reply, _ = await self._call(P.AcquireTickets(producer_id=self.producer_id, max_groups=max_groups,
                                                      wait_s=wait_s, min_groups=min_groups),
-                                    wait_s=wait_s, retry=False)
+                                    wait_s=wait_s)
         return reply.tickets
 
     async def push(self, batch: pa.RecordBatch, *, want_tickets: int = 0) -> P.PushReply:
