@@ -19,6 +19,16 @@ token ids and log-probs, 100 prompt ids) it runs, in separate processes:
   as the broker's clients do it (``trajectory_to_ipc``; frames under ``COPY_BELOW`` copied,
   larger ones zero-copy), so the ratio is the cost of the broker and nothing else.
 
+Against the fleet: each case also reports rows (samples) per second of one broker core
+(``rows_per_broker_core_s``: rows per batch over the broker process's CPU per batch) and
+how many such cores a 1,024-GPU fleet would need (``FLEET_1024_SAMPLES_PER_S``: about 20k
+samples/s of 1k tokens on a 0.5B model); see the README's broker scaling section.
+
+``--versus OLD_TREE`` measures this code against another checkout (e.g. ``git archive``
+of an older commit unpacked in a folder): the quick bench runs as a subprocess from each
+tree in turn, ``--rounds`` times, alternating, and the JSON gets every run's rows/s per
+case and the ratio new/old of their medians with its spread (min..max of pairwise ratios).
+
 Both run over loopback TCP (the broker's default address); ``--transport ipc`` runs both over
 Unix sockets instead (ipc://), which costs either path's libzmq I/O threads less per byte
 (measured at 1 MiB: 0.65 ms of the broker's per-batch CPU is its I/O thread over TCP), so it
@@ -62,6 +72,7 @@ WINDOW = 32  # pushes in flight (each holds a ticket: with the groups held, at m
 BURST = 16  # pushes stamped per event-loop turn (they go out as one message)
 PREFETCH = 16  # learner steps the bench consumer requests ahead
 IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
+FLEET_1024_SAMPLES_PER_S = 20_000  # a 1,024-GPU fleet, 1k-token samples, 0.5B model (issue 25)
 
 
 def base_batch(batch_bytes: int) -> pa.RecordBatch:
@@ -311,6 +322,10 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
         "raw_cpu_ms_per_batch": {k: round(v, 3) for k, v in raw["cpu_ms_per_batch"].items()},
         "load_avg_1m": os.getloadavg()[0],
     }
+    broker_ms = out["cpu_ms_per_batch"]["broker"]
+    out["rows_per_broker_core_s"] = raw["rows_per_batch"] / (broker_ms / 1e3) if broker_ms > 0 else None
+    if out["rows_per_broker_core_s"]:
+        out["broker_cores_for_1024_gpu_fleet"] = FLEET_1024_SAMPLES_PER_S / out["rows_per_broker_core_s"]
     print(f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
           f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
           f"ratio {out['ratio_vs_raw']:.2f} | p50 {out['p50_ms']:.1f} ms p99 {out['p99_ms']:.1f} ms "
@@ -318,6 +333,41 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
           f"{sum(out['cpu_ms_per_batch'].values()):.2f} (raw {sum(out['raw_cpu_ms_per_batch'].values()):.2f})",
           flush=True)
     return out
+
+
+def versus(old_tree: Path, rounds: int, out_json: str | None) -> int:
+    """The quick bench from this tree and from ``old_tree``, alternately, ``rounds`` times each."""
+    import subprocess
+    import tempfile as tf
+
+    trees = {"new": Path(__file__).resolve().parent.parent, "old": old_tree.resolve()}
+    runs: dict[str, list[dict]] = {"new": [], "old": []}
+    for r in range(rounds):
+        for name in (("new", "old") if r % 2 == 0 else ("old", "new")):  # neither always goes first
+            with tf.NamedTemporaryFile(suffix=".json") as f:
+                env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                subprocess.run([sys.executable, str(trees[name] / "bench" / "broker.py"), "--quick", "--json", f.name],
+                               cwd=trees[name], env=env, check=True, timeout=900)
+                runs[name].append(json.loads(Path(f.name).read_text()))
+            print(f"round {r + 1}/{rounds}: {name} done", flush=True)
+    cases = []
+    for i, c in enumerate(runs["new"][0]["cases"]):
+        new = [run["cases"][i]["rows_per_s"] for run in runs["new"]]
+        old = [run["cases"][i]["rows_per_s"] for run in runs["old"]]
+        pair = [a / b for a, b in zip(new, old, strict=True)]
+        cases.append({"batch_bytes": c["batch_bytes"], "spool": c["spool"], "new_rows_per_s": new, "old_rows_per_s": old,
+                      "ratio_of_medians": float(np.median(new) / np.median(old)),
+                      "pairwise_ratio_min": min(pair), "pairwise_ratio_max": max(pair),
+                      "new_broker_cpu_ms_per_batch": [run["cases"][i]["cpu_ms_per_batch"]["broker"] for run in runs["new"]],
+                      "old_broker_cpu_ms_per_batch": [run["cases"][i]["cpu_ms_per_batch"]["broker"] for run in runs["old"]]})
+        print(f"{c['batch_bytes'] >> 10:>6} KiB spool={'on ' if c['spool'] else 'off'} new/old rows/s (medians) "
+              f"{cases[-1]['ratio_of_medians']:.3f}, pairs {min(pair):.3f}..{max(pair):.3f}", flush=True)
+    result = {"versus": str(old_tree), "rounds": rounds, "cases": cases, "runs": runs,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    if out_json:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def main() -> int:
@@ -330,7 +380,11 @@ def main() -> int:
                     help="tcp (loopback; the default) or ipc (Unix sockets), for raw and broker alike")
     ap.add_argument("--groups-per-step", type=int, default=1,
                     help="groups (= pushed batches) per learner step (k = 64 // G - 1)")
+    ap.add_argument("--versus", type=Path, help="another checkout: run the quick bench from both, alternately")
+    ap.add_argument("--rounds", type=int, default=3, help="with --versus: runs from each tree")
     args = ap.parse_args()
+    if args.versus is not None:
+        return versus(args.versus, args.rounds, args.json)
     if not 1 <= args.groups_per_step <= IN_FLIGHT:
         ap.error(f"--groups-per-step must be in 1..{IN_FLIGHT}")
     args.repeat = args.repeat or (1 if args.quick else 2)
