@@ -445,7 +445,7 @@ class BrokerServer:
                     w.acks_duplicate.append(lease_id)
                 elif late:
                     w.acks_late.append(lease_id)
-            if (st._lease_by_key.get((msg.consumer_id, msg.step))) is None:  # a retry gets its lease
+            if not st.has_lease(msg.consumer_id, msg.step):  # a retried request gets its lease
                 st.check_lease_step(msg.step)
             self._add_waiter(self._lease_waiters, w)
         elif isinstance(msg, P.Ack):

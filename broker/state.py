@@ -358,6 +358,10 @@ class BrokerState:
             raise BrokerError(ErrorCode.BAD_REQUEST, f"group {g.group_id!r} has policy version {g.vmax}, ahead "
                               f"of the learner (version {self.peak_version}; at most {top} accepted)")
 
+    def has_lease(self, consumer_id: str, step: int) -> bool:
+        """Whether (consumer, step) holds a live lease (a retried next_batch gets it again)."""
+        return (consumer_id, step) in self._lease_by_key
+
     def check_lease_step(self, step: int) -> None:
         """A lease's step must lie in the admission window ``1 .. v + k + 1``."""
         if not 1 <= step <= self.version + self.k + 1:

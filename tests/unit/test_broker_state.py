@@ -267,7 +267,7 @@ class BrokerMachine(RuleBasedStateMachine):
     @rule(c=st.sampled_from(["c0", "c1"]), ahead=st.integers(0, 2))
     def consume(self, c, ahead):
         step = self.state.version + 1 + ahead
-        if ahead > self.k and (c, step) not in self.state._lease_by_key:
+        if ahead > self.k and not self.state.has_lease(c, step):
             with pytest.raises(BrokerError) as e:  # outside the admission window
                 self.state.lease(c, step, self.now)
             assert e.value.code == ErrorCode.STEP_AHEAD
