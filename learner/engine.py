@@ -10,6 +10,7 @@ Example::
     plan = plan_step(batch, rank=engine.rank, world_size=engine.world_size, ...)
     engine.prepare_logprobs(plan)           # proximal / reference log-probs, no grad
     metrics = engine.train_step(plan)       # one optimizer step; metrics are global
+    # several optimizer steps per step batch: learner/minibatch.py and Learner.step
     for bucket in engine.iter_full_params(256 << 20):
         ...                                 # [(name, full tensor)], on every rank
 """
@@ -53,8 +54,9 @@ class TrainingEngine(ABC):
         """Fill ``prox_logp`` (when the correction needs the pre-step policy) and ``ref_logp`` (KL) with no grad."""
 
     @abstractmethod
-    def train_step(self, plan: StepPlan) -> dict[str, float]:
-        """Accumulate gradients over the plan's micro-batches, clip, step optimizer and schedule.
+    def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
+        """Accumulate gradients over the plan's micro-batches, clip, step the optimizer (one optimizer step),
+        and the LR schedule when ``step_scheduler`` (the last optimizer step of a step batch).
 
         Returns step metrics reduced over all ranks (identical on every rank).
         """

@@ -139,7 +139,7 @@ class FSDPEngine(TrainingEngine):
                     mb.ref_logp, _ = packed_forward(self.ref_model, mb, self.cfg.temperature)
 
     # ---- step ------------------------------------------------------------------------------
-    def train_step(self, plan: StepPlan) -> dict[str, float]:
+    def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         if self.needs_proximal() and any(mb.prox_logp is None for mb in plan.micro_batches):
             raise RuntimeError(f"correction={self.loss.correction!r} needs prepare_logprobs(plan) before train_step")
@@ -148,7 +148,7 @@ class FSDPEngine(TrainingEngine):
         for mb in plan.micro_batches:
             logp, ent = self.forward_logprobs(mb, grad=True)
             loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
             (loss * self.world_size).backward()
             parts.append(m)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -164,7 +164,8 @@ class FSDPEngine(TrainingEngine):
             logger.error("non-finite gradient norm (%s): optimizer step skipped", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if step_scheduler:  # the LR schedule counts step batches (policy versions), not optimizer steps
+            self.scheduler.step()
         metrics = self._reduce(combine_metrics(parts))
         metrics.update(grad_norm=float(grad_norm), lr=lr, step_skipped=float(not finite or empty),
                        step_seconds=time.perf_counter() - t0)
