@@ -8,7 +8,6 @@ from pydantic import Field, field_validator
 
 from launch.configbase import ConfigError, ConfigModel
 
-
 # KL estimator names (verl's aliases included) -> the estimator used; learner/kl.py explains each.
 KL_ALIASES = {"k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 K1_REFUSED = ("kl_estimator 'k1' in the loss has zero expected gradient (E_pi[grad log pi] = 0), so the penalty "
