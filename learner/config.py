@@ -115,7 +115,8 @@ class LearnerConfig(ConfigModel):
         "which the run fails (the learner does not score the distribution the fleet sampled); None: no check "
         "(synthetic behaviour log-probs, e.g. replayed test data)")
     recompute_proximal: bool = Field(
-        False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does)")
+        False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does); "
+        "tis with it is decoupled's objective, without it a truncated-IS gradient with no trust region")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 disables")
     checkpoint_dir: str | None = Field(None, description="None: RUN_DIR/checkpoints")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept; older ones are deleted")
