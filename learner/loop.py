@@ -224,10 +224,12 @@ class Learner:
         })
         self.history.append(metrics)
         if self.engine.rank == 0:
-            logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e grad_norm %.3f (%.2fs)",
+            logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e fresh_mismatch_kl %.2e "
+                        "grad_norm %.3f opt_steps %d (%.2fs)",
                         step, metrics["learner/loss_total"], metrics["learner/batch_reward_mean"],
                         metrics["learner/clip_frac"], metrics["learner/mismatch_kl_k3"],
-                        metrics["learner/grad_norm"], metrics["learner/total_step_seconds"])
+                        metrics["learner/mismatch_kl_k3_fresh"], metrics["learner/grad_norm"],
+                        int(metrics["learner/optimizer_steps"]), metrics["learner/total_step_seconds"])
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
         return metrics
