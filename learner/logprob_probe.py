@@ -56,7 +56,7 @@ def gap(logp: torch.Tensor, behaviour: torch.Tensor, fresh: torch.Tensor) -> tup
 def check(engine: TrainingEngine, plans: list[StepPlan], tolerance: float) -> dict[str, float] | None:
     """Compare on the fresh tokens of ``plans``; returns the probe's metrics, None if no rank had a fresh
     token (try again next step), or raises :class:`LogprobMismatch`."""
-    needed = any(bool(mb.fresh.any()) for p in plans for mb in p.micro_batches)
+    needed = any(mb.fresh is not None and bool(mb.fresh.any()) for p in plans for mb in p.micro_batches)
     flag = torch.tensor([float(needed)], device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not float(flag):
@@ -69,7 +69,7 @@ def check(engine: TrainingEngine, plans: list[StepPlan], tolerance: float) -> di
     total, worst, count = 0.0, 0.0, 0
     for plan, row in zip(plans, scored, strict=True):
         for mb, lp in zip(plan.micro_batches, row, strict=True):
-            if lp is None or lp.shape != mb.behaviour_logp.shape:
+            if lp is None or mb.fresh is None or lp.shape != mb.behaviour_logp.shape:
                 continue
             s, mx, n = gap(lp, mb.behaviour_logp, mb.fresh)
             total, worst, count = total + s, max(worst, mx), count + n
