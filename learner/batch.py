@@ -43,8 +43,8 @@ class MicroBatch:
     advantages: torch.Tensor  # [n] float32 (the sequence's advantage repeated)
     weights: torch.Tensor  # [n] aggregation weights (sum to 1 over the whole step)
     seq_lens: torch.Tensor  # [s] response lengths of the packed sequences
-    fresh: torch.Tensor  # [n] bool: token sampled by the policy version the learner holds (staleness 0)
     rows: list[int] = field(default_factory=list)  # rows of the step batch packed here
+    fresh: torch.Tensor | None = None  # [n] bool: sampled by the policy version the learner holds (staleness 0)
     prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
     ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
 
@@ -55,7 +55,9 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights",
                      "fresh"):
-            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device, non_blocking=True))
         return self
 
 

@@ -110,10 +110,18 @@ class LearnerConfig(ConfigModel):
         "step). Smaller values give several optimizer steps per step batch, against proximal log-probs computed once "
         "before the first: the trust region that clip_low/clip_high and decoupled PPO act on")
     ppo_epochs: int = Field(1, ge=1, description="passes over the step batch's mini-batches")
-    logprob_probe_tolerance: float | None = Field(
-        0.05, gt=0, description="first step: the mean |learner - engine| log-prob (nats) over staleness-0 tokens above "
-        "which the run fails (the learner does not score the distribution the fleet sampled); None: no check "
-        "(synthetic behaviour log-probs, e.g. replayed test data)")
+    logprob_probe_tolerance: float | Literal["auto"] | None = Field(
+        "auto", description="first step: the mean |learner - engine| log-prob (nats) over staleness-0 tokens above "
+        "which the run fails (the learner does not score the distribution the fleet sampled). auto: 0.01 when the "
+        "engines run model.dtype float32, else 0.1 (bf16 engines differ from the learner by ~0.05 on average); "
+        "None: no check (synthetic behaviour log-probs, e.g. replayed test data)")
+
+    @field_validator("logprob_probe_tolerance")
+    @classmethod
+    def _positive_tolerance(cls, v):
+        if isinstance(v, float) and not v > 0:
+            raise ValueError(f"logprob_probe_tolerance must be > 0, 'auto' or null, got {v}")
+        return v
     recompute_proximal: bool = Field(
         False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does); "
         "tis with it is decoupled's objective, without it a truncated-IS gradient with no trust region")

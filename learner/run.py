@@ -79,7 +79,7 @@ def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None 
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
-                      batch_timeout_s=batch_timeout_s)
+                      batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype)
     if lc.resume:
         learner.resume()
     return learner.run()
