@@ -284,7 +284,7 @@ def run_case(engine: str, tp: int, gpus: int, variant: str, kw: dict, timeout: f
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    name = f"{engine}_{tp}_{gpus}_{variant}"
+    name = f"{engine}_{tp}_{gpus}_{variant}_{kw['micro_tokens']}"
     prof = variant in kw["profile_variants"]
     kw = dict(kw, engine=engine, tp=tp, variant=variant, out=f"{kw['tmp']}/case_{name}.json", profile=prof,
               profile_table=f"{kw['profile_dir']}/profile_{name}.txt" if prof and kw["profile_dir"] else None)
