@@ -212,10 +212,10 @@ for step in "$@"; do
                 tests/gpu/test_fsdp_fast_paths_gpu.py 2>&1 | tee "$OUT/fast_tests.log" | tail -25
             ;;
         learner-remedies)
-            NCCL_CUMEM_ENABLE=0 with_site "" timeout "${REMEDIES_TIMEOUT:-500}" $PY bench/learner.py --seqs 128 --steps 2 \
-                --cases "${REMEDIES_CASES:-fsdp:1:1:before,fsdp:1:1:chunked,fsdp:1:1:varlen,fsdp:1:1:fused,fsdp:1:1:fused@16384,fsdp:1:1:fused@32768,fsdp:1:1:meta@16384,fsdp:1:1:compile@16384,fsdp:1:1:ac@32768,megatron:1:1}" \
-                --profile "${REMEDIES_PROFILE:-before,fused}" --profile-dir "$OUT" --case-timeout 150 \
-                --budget-s "${REMEDIES_BUDGET:-470}" --json "$OUT/learner_remedies.json" 2>&1 \
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout "${REMEDIES_TIMEOUT:-575}" $PY bench/learner.py --seqs 128 --steps 2 \
+                --cases "${REMEDIES_CASES:-fsdp:1:1:before,fsdp:1:1:fused@16384,fsdp:1:1:fused@32768,fsdp:1:1:meta@32768,fsdp:1:1:compile@32768,fsdp:1:1:ac@65536,megatron:1:1,fsdp:1:1:before@32768,fsdp:1:1:chunked@32768}" \
+                --profile "${REMEDIES_PROFILE:-before,fused}" --profile-dir "$OUT" --case-timeout 170 \
+                --budget-s "${REMEDIES_BUDGET:-540}" --json "$OUT/learner_remedies.json" 2>&1 \
                 | tee "$OUT/learner_remedies.log" | grep -v "^ " | tail -40
             ;;
         megatron-all)
