@@ -215,8 +215,9 @@ for step in "$@"; do
             NCCL_CUMEM_ENABLE=0 with_site "" timeout "${REMEDIES_TIMEOUT:-575}" $PY bench/learner.py --seqs 128 --steps 2 \
                 --cases "${REMEDIES_CASES:-fsdp:1:1:before,fsdp:1:1:fused@16384,fsdp:1:1:fused@32768,fsdp:1:1:meta@32768,fsdp:1:1:compile@32768,fsdp:1:1:ac@65536,megatron:1:1,fsdp:1:1:before@32768,fsdp:1:1:chunked@32768}" \
                 --profile "${REMEDIES_PROFILE:-before,fused}" --profile-dir "$OUT" --case-timeout 170 \
-                --budget-s "${REMEDIES_BUDGET:-540}" --json "$OUT/learner_remedies.json" 2>&1 \
-                | tee "$OUT/learner_remedies.log" | grep -v "^ " | tail -40
+                --budget-s "${REMEDIES_BUDGET:-540}" --shape "${REMEDIES_SHAPE:-0.5b}" \
+                --json "$OUT/learner_remedies${REMEDIES_TAG:-}.json" 2>&1 \
+                | tee "$OUT/learner_remedies${REMEDIES_TAG:-}.log" | grep -v "^ " | cut -c1-1500 | tail -40
             ;;
         megatron-all)
             megatron_tests tests/gpu/test_megatron_gpu.py megatron_tests; r1=$?
