@@ -28,6 +28,7 @@
 #   megatron-bench  bench/learner.py (FSDP vs Megatron tokens/s and MFU) -> $OUT/learner.json
 #   megatron-all    megatron, megatron-pp, megatron-bench in one call (~9 min: only with a 10-min limit)
 #   fast-tests      tests/gpu/test_fsdp_fast_paths_gpu.py (chunked log-probs, varlen attention, fast engine step)
+#   megatron-varlen tests/gpu/test_megatron_varlen_gpu.py (1 GPU; after base)
 #   learner-remedies  bench/learner.py, 128 x 1023 tokens: FSDP before and after each remedy (issue 21),
 #                   profiles of the first and the best, Megatron -> $OUT/learner_remedies.json (~7 min)
 #   megatron-vllm   tests/gpu/test_megatron_vllm_gpu.py: publish from Megatron TP=2 into vLLM, log-probs
@@ -210,6 +211,10 @@ for step in "$@"; do
         fast-tests)
             with_site "" timeout 240 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
                 tests/gpu/test_fsdp_fast_paths_gpu.py 2>&1 | tee "$OUT/fast_tests.log" | tail -25
+            ;;
+        megatron-varlen)  # 1 GPU: Megatron varlen core attention vs its masked attention
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout 240 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_megatron_varlen_gpu.py 2>&1 | tee "$OUT/megatron_varlen.log" | quiet | grep -v "^\[rank" | tail -25
             ;;
         learner-remedies)
             NCCL_CUMEM_ENABLE=0 with_site "" timeout "${REMEDIES_TIMEOUT:-575}" $PY bench/learner.py --seqs 128 --steps 2 \
