@@ -20,8 +20,14 @@ Tokens/s counts the whole step batch (all data-parallel ranks together) over the
     python bench/learner.py --json bench/results/learner.json            # 2-GPU machine, ~2 min
     python bench/learner.py --cases fsdp:1:1,megatron:1:1 --steps 2
 
-Output: ``{"cases": [{"engine", "tp", "gpus", "model", "tokens_per_s", "mfu", "step_s", ...}], "device",
-"date", "peak_bf16_tflops"}``.
+A case is ``ENGINE:TP:GPUS[:VARIANT[@TOKENS]]``: VARIANT names learner-config overrides (``VARIANTS``: the
+engine before issue 21's remedies, then each remedy added in turn), TOKENS the micro-batch token budget.
+Each case also reports peak GPU memory, the host RSS peak while the engine is built (sampled every 10 ms,
+relative to the process before), and with ``--profile VARIANT,...`` a torch.profiler breakdown (GPU time by
+phase and kernel category) of the step's first 4 micro-batches; ``--shape 1.5b`` runs the Qwen2-1.5B shape.
+
+Output: ``{"cases": [{"engine", "tp", "gpus", "variant", "micro_batch_tokens", "model", "tokens_per_s", "mfu",
+"step_s", "peak_mem_gib", "host_rss_load_delta_gib", "profile", ...}], "device", "date", "peak_bf16_tflops"}``.
 """
 
 from __future__ import annotations
