@@ -102,8 +102,17 @@ class LearnerConfig(ConfigModel):
     loss: LossConfig
     micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
     activation_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="transformers attention; sdpa and eager keep packed sequences apart via position_ids")
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="auto: varlen on GPU (document-masked flash attention, learner/attention.py), sdpa on "
+        "CPU; sdpa and eager keep packed sequences apart with a mask from position_ids")
+    # FSDP fast paths (learner/fastpath.py); auto = on for GPU ranks, off on CPU
+    logprobs: Literal["auto", "chunked", "full"] = Field(
+        "auto", description="chunked: log-probs/entropy from the last hidden state in vocab chunks (no full logits)")
+    logprob_chunk: int = Field(4096, ge=1, description="response tokens per chunk of the chunked log-prob path")
+    fused_optimizer: Literal["auto", "on", "off"] = "auto"
+    meta_init: Literal["auto", "on", "off"] = Field(
+        "auto", description="build on the meta device and load each rank's shards from safetensors")
+    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
