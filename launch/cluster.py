@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         return _control(argv)
     args = run_parser().parse_args(argv)
-    from launch.configbase import ConfigError
+    from core.configbase import ConfigError
 
     try:
         cfg = resolve_config(args)
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_config(args: argparse.Namespace):
     """The run config from the recipe, the overrides and the flags that imply config values."""
+    from core.configbase import ConfigError
     from launch.config import load_run_config
-    from launch.configbase import ConfigError
 
     if args.rollout_gpus < 0 or args.learner_gpus < 0:
         raise ConfigError(f"GPU counts must be >= 0, got --rollout-gpus {args.rollout_gpus} "

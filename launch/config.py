@@ -22,7 +22,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from broker.config import BrokerConfig
-from launch.configbase import ConfigError, ConfigModel, build, suggest
+from core.configbase import ConfigError, ConfigModel, build, suggest
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from launch.configbase import ConfigModel
+from core.configbase import ConfigModel
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import ray
 
-from launch.fleet_actor import FleetRunner
 from launch.monitor import setup_logging
-from launch.sim_learner import SimLearner
+from learner.simulated import SimLearner
+from rollout_fleet.service import FleetRunner
 
 try:  # the actors' event loops are created after this module is imported: make them uvloop
     import uvloop

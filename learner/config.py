@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from launch.configbase import ConfigError, ConfigModel
+from core.configbase import ConfigError, ConfigModel
 
 
 class OptimConfig(ConfigModel):

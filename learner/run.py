@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     import pyarrow as pa
     import yaml
 
+    from core.configbase import build
     from launch.config import RunConfig
-    from launch.configbase import build
     from learner.source import InProcessSource
 
     ap = argparse.ArgumentParser(prog="python -m learner", description="Run one learner rank.")

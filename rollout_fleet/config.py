@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from launch.configbase import ConfigModel
+from core.configbase import ConfigModel
 
 
 class DataConfig(ConfigModel):

@@ -14,7 +14,7 @@ Dataflow::
 
     simulated publisher --update_fleet(v)--> pause -> load v -> reset prefix -> resume   (each server)
     vLLM: the learner's weight_sync Publisher drives the same steps per server over HTTP and
-    the fleet learns each server's version by polling it (launch/real_fleet.py)
+    the fleet learns each server's version by polling it (rollout_fleet/vllm_fleet.py)
 
 Invariants and delivery semantics:
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from launch.configbase import ConfigModel
+from core.configbase import ConfigModel
 
 #: NCCL settings every process of an NCCL weight-sync group must share, set before its first NCCL call.
 #: SGLang sets NCCL_CUMEM_ENABLE=0 in its own server and peers that disagree fail in the first

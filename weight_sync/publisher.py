@@ -56,8 +56,8 @@ from typing import Any
 
 import torch
 
+from core.net import free_port
 from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
-from rollout_fleet.engines.http import free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import (

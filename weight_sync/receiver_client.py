@@ -23,8 +23,8 @@ import urllib.parse
 import httpx
 import msgspec
 
+from core.net import HttpEngineClient
 from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
-from rollout_fleet.engines.http import HttpEngineClient
 from weight_sync import messages as m
 
 

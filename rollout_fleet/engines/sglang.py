@@ -55,8 +55,8 @@ import msgspec
 import numpy as np
 from packaging.version import Version
 
+from core.net import HttpEngineClient
 from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
-from rollout_fleet.engines.http import HttpEngineClient
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)

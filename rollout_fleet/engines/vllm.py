@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from core.net import HttpEngineClient
 from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
-from rollout_fleet.engines.http import HttpEngineClient
 from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs, check_vllm_version  # noqa: F401
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ def test_folder_is_standard_and_small():
     assert cfg["hidden_size"] // cfg["num_attention_heads"] in (32, 64)
     assert cfg["tie_word_embeddings"] is False
     readme = (MODEL / "README.md").read_text()
-    assert "python -m learner.pretrain_tiny" in readme and "accuracy" in readme
+    assert "python -m tools.pretrain_tiny" in readme and "accuracy" in readme
 
 
 def test_tokenizer_and_chat_template(model_and_tok):

@@ -16,7 +16,7 @@ Ranks and placement::
             on GPU, CUDA_VISIBLE_DEVICES = the learner GPUs of that node (so NCCL sees
             its peers; LOCAL_RANK indexes into that list)
 
-Rank 0 alone holds the :class:`broker.learner_source.BrokerSource`, the weight-sync
+Rank 0 alone holds the :class:`learner.broker_source.BrokerSource`, the weight-sync
 :class:`weight_sync.publisher.Publisher` and the run's counters (status and summary);
 the other ranks get every batch from rank 0 (``learner.loop.share_batch``) and take part
 in the gathers of each publish by draining ``engine.iter_full_params`` in the same order.
@@ -46,7 +46,7 @@ from typing import Any
 
 import ray
 
-from launch.configbase import build
+from core.configbase import build
 from launch.monitor import setup_logging
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def publish_client(cfg, backend: str, eid: str, url: str):
     """
     engine, ws = cfg.rollout.engine, cfg.weight_sync
     if engine == "sglang":
-        from launch.real_sglang import SGLangPublishClient
+        from rollout_fleet.sglang_fleet import SGLangPublishClient
 
         return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
     if engine != "vllm":
@@ -132,7 +132,7 @@ class LearnerActor:
         return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
     def free_port(self) -> int:
-        from rollout_fleet.engines.http import free_port
+        from core.net import free_port
 
         return free_port("")  # every interface: ranks on other nodes connect to it
 
@@ -267,7 +267,7 @@ class LearnerActor:
                  self.world_size, env["MASTER_ADDR"], env["MASTER_PORT"], env["LOCAL_RANK"],
                  os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
         if self.rank == 0:
-            from broker.learner_source import BrokerSource
+            from learner.broker_source import BrokerSource
 
             self._source = BrokerSource(self.broker_address, consumer_id="learner",
                                         lease_timeout_s=self.cfg.broker.lease_timeout_s)

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from launch.configbase import build
+from core.configbase import build
 from rollout_fleet.controller import FleetController
 from rollout_fleet.worker import AsyncProducer, RolloutWorker
 
@@ -48,11 +48,11 @@ class FleetRunner:
 
             return SimulatedFactory(r.simulated, seed=seed), lambda: (
                 SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
-        from launch.real_fleet import VLLMFactory, load_data
+        from rollout_fleet.vllm_fleet import VLLMFactory, load_data
 
         run_dir = self.run_dir or self.cfg.run.run_dir
         if r.engine == "sglang":
-            from launch.real_sglang import SGLangFactory
+            from rollout_fleet.sglang_fleet import SGLangFactory
 
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
@@ -79,7 +79,7 @@ class FleetRunner:
         """Greedy test accuracy through the fleet (None for SIMULATED engines: there is no model)."""
         if self.simulated:
             return None
-        from launch.real_fleet import evaluate
+        from rollout_fleet.vllm_fleet import evaluate
 
         return await evaluate(self.cfg, self.fleet, n)
 
