@@ -1,5 +1,6 @@
-"""HTTP plumbing shared by the engine clients that talk to a server: vLLM, SGLang and fleetrl's
-standalone weight receiver.
+"""Network helpers every layer may use: a free port, and the HTTP plumbing of the clients that talk
+to an engine server (vLLM, SGLang, fleetrl's standalone weight receiver), for generation
+(``rollout_fleet``) and for weights (``weight_sync``) alike.
 
 Every call is bounded by a timeout, and every transport failure (refused connection, reset,
 timeout) or unexpected status becomes an :class:`EngineError` that names the engine and the
@@ -12,7 +13,9 @@ import socket
 
 import httpx
 
-from rollout_fleet.engines.base import EngineClient, EngineError
+
+class EngineError(RuntimeError):
+    """An engine call failed or timed out; the message names the engine and the call."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,7 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class HttpEngineClient(EngineClient):
+class HttpEngineClient:
     """Base of the engine clients whose engine answers over HTTP at ``self.url``.
 
     Subclasses set ``engine_id``, ``url`` and ``timeout_s`` (the default limit of a call), and may

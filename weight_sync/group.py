@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rollout_fleet.engines.base import GroupInfo
+from weight_sync.messages import GroupInfo
 
 log = logging.getLogger(__name__)
 _Backend = torch._C._distributed_c10d.Backend

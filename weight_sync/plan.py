@@ -22,9 +22,10 @@ import hashlib
 import math
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
-from rollout_fleet.engines.base import WeightPlan
+from weight_sync.messages import WeightPlan
 
 _DTYPES = {
     "float32": torch.float32,
@@ -271,14 +272,15 @@ def fingerprints_checksum(values) -> str:
 
 
 def plan_to_dict(plan: WeightPlan) -> dict:
-    return {"plan_id": plan.plan_id, "names": plan.names, "shapes": plan.shapes, "dtypes": plan.dtypes, "buckets": plan.buckets}
+    """The plan as JSON-ready data inside a larger body (vLLM's ``init_info``, SGLang's loader command)."""
+    return msgspec.to_builtins(plan)
 
 
 def plan_from_dict(d: dict) -> WeightPlan:
+    """The plan in such a body, type-checked by its Struct and then by :func:`validate_plan`."""
     try:
-        plan = WeightPlan(plan_id=d["plan_id"], names=list(d["names"]), shapes=[list(s) for s in d["shapes"]],
-                          dtypes=list(d["dtypes"]), buckets=[list(b) for b in d["buckets"]])
-    except KeyError as e:
-        raise ValueError(f"weight plan message lacks key {e}; keys given: {sorted(d)}") from None
+        plan = msgspec.convert(d, WeightPlan)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"bad weight plan message: {e}; keys given: {sorted(d)}") from None
     validate_plan(plan)
     return plan

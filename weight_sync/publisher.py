@@ -36,7 +36,7 @@ Invariants and what happens when a peer dies:
 Threads: the engines' RPCs run on an event loop on a thread of the publisher's
 own (``weight-sync-rpc``). Handing it a request costs a wake-up of that thread
 (0.1-0.3 ms on the 2x H200 host, ``bench/rpc_wakeup.py``), before the engine even
-hears of the publish: an engine client with :meth:`EngineClient.send_update`
+hears of the publish: an engine client with :meth:`WeightEndpoint.send_update`
 (fleetrl's standalone receiver) has its request written from the publishing
 thread instead, and its answer read on a thread of its own. Group acks keep the
 answers off the critical path.
@@ -57,9 +57,10 @@ from typing import Any
 import torch
 
 from core.net import free_port
-from rollout_fleet.engines.base import EngineClient, GroupInfo, WeightPlan
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.messages import GroupInfo, WeightPlan
 from weight_sync.plan import (
     SendRing,
     bucket_fingerprint,
@@ -95,7 +96,7 @@ class Publisher:
     """Weight publisher; construct on every learner rank, with ``engines`` on rank 0 only."""
 
     def __init__(self, cfg: WeightSyncConfig, plan: WeightPlan, *, rank: int = 0,
-                 engines: Iterable[EngineClient] = (), device: str = "cpu",
+                 engines: Iterable[WeightEndpoint] = (), device: str = "cpu",
                  group_factory: Callable[[GroupInfo], Any] | None = None) -> None:
         """``group_factory(info)`` opens rank 0 of a group that hosts its own rendezvous on ``info.master_port``
         (a fresh port each epoch), e.g. vLLM's NCCL group; by default gloo/NCCL groups use our TCP store and
@@ -111,7 +112,7 @@ class Publisher:
             self._factory = lambda g: VllmNcclGroup.open(g.master_addr, g.master_port, g.world_size, cfg.timeout_s,
                                                           self.device)
         self.timeline: list[tuple[str, float]] = []  # (event, time.perf_counter()) of the last publish
-        self.engines: dict[str, EngineClient] = {}
+        self.engines: dict[str, WeightEndpoint] = {}
         self.members: list[str] = []  # engine ids in the current epoch's group
         self.epoch = 0
         self.pg = None
@@ -140,7 +141,7 @@ class Publisher:
         threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
     # ---- membership -------------------------------------------------------------
-    def _add(self, client: EngineClient) -> None:
+    def _add(self, client: WeightEndpoint) -> None:
         if client.engine_id in self.engines:
             raise ValueError(f"engine id {client.engine_id!r} is already a weight-sync member")
         if self.cfg.staging and not client.supports_staging:
@@ -149,7 +150,7 @@ class Publisher:
         self.engines[client.engine_id] = client
         self._dirty = True
 
-    def add_engine(self, client: EngineClient, export_path: str | None = None, version: int = 0) -> None:
+    def add_engine(self, client: WeightEndpoint, export_path: str | None = None, version: int = 0) -> None:
         """A late joiner: load the latest export first (if given), then join at the next rebuild."""
         if export_path is not None:
             self.call(client.load_weights_from_path(export_path, version), self.cfg.timeout_s,
@@ -237,7 +238,7 @@ class Publisher:
             return self._factory(own)
         if self.backend == "nccl" and self.cfg.nccl_impl == "sglang":
             # SGLang's workers join our store under their own key prefixes and run no collective at join
-            from rollout_fleet.engines.sglang import publisher_group
+            from weight_sync.sglang_group import publisher_group
 
             return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))

@@ -55,9 +55,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import torch
 
-from rollout_fleet.engines.base import GroupInfo, WeightPlan
 from weight_sync import group as wgroup
 from weight_sync import messages as m
+from weight_sync.messages import GroupInfo, WeightPlan
 from weight_sync.plan import (
     bucket_fingerprint,
     combine_fingerprints,
@@ -287,16 +287,6 @@ class WeightReceiver:
         return self.last_checksum
 
 
-def group_from_msg(g: m.GroupMsg) -> GroupInfo:
-    return GroupInfo(master_addr=g.master_addr, master_port=g.master_port, rank_offset=g.rank_offset,
-                     world_size=g.world_size, backend=g.backend, group_epoch=g.group_epoch, group_acks=g.group_acks)
-
-
-def plan_from_msg(p: m.PlanMsg) -> WeightPlan:
-    return WeightPlan(plan_id=p.plan_id, names=list(p.names), shapes=[list(s) for s in p.shapes],
-                      dtypes=list(p.dtypes), buckets=[list(b) for b in p.buckets])
-
-
 class ReceiverState:
     """A model as a dict of tensors behind the standalone server."""
 
@@ -367,8 +357,8 @@ def _handler(state: ReceiverState):
 
         def _dispatch(self, msg) -> m.Reply:
             if isinstance(msg, m.InitTransfer):
-                group = group_from_msg(msg.group)
-                state.receiver.join(group, plan_from_msg(msg.plan), group.rank_offset, msg.timeout_s)
+                group = msg.group
+                state.receiver.join(group, msg.plan, group.rank_offset, msg.timeout_s)
                 return m.Reply(ok=True, version=state.version)
             if isinstance(msg, m.UpdateWeights):
                 checksum = state.receiver.receive(msg.version, msg.plan_id, state.load)

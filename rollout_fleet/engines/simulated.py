@@ -24,20 +24,15 @@ import time
 import numpy as np
 
 from rollout_fleet.config import SimulatedEngineConfig
-from rollout_fleet.engines.base import (
-    EngineClient,
-    EngineError,
-    GroupInfo,
-    Sample,
-    SamplingParams,
-    WeightPlan,
-)
+from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.messages import GroupInfo, WeightPlan
 
 log = logging.getLogger(__name__)
 SIM = "[SIMULATED]"
 
 
-class SimulatedEngine(EngineClient):
+class SimulatedEngine(EngineClient, WeightEndpoint):
     """One simulated server and its client in one object (there is no process to talk to).
 
     Example::

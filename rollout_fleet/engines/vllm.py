@@ -40,8 +40,10 @@ import httpx
 import numpy as np
 
 from core.net import HttpEngineClient
-from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
+from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
 from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs, check_vllm_version  # noqa: F401
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.messages import GroupInfo, WeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class _Laps:
         self.steps[name], self._t = now - self._t, now
 
 
-class VLLMClient(HttpEngineClient):
+class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
     """Client of one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
 
     def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl",
