@@ -53,7 +53,7 @@ class Job:
         self.broker = None
         self.fleet = None
         self.learner = None  # the simulated learner, or rank 0 of the real one (status, stop)
-        self.learner_ranks = None  # learner.rank.LearnerRanks: every rank of the real learner
+        self.learner_ranks = None  # launch.learner_ranks.LearnerRanks: every rank of the real learner
         self.run_ref = None  # the simulated learner's run
         self.pgs: dict[str, Any] = {}  # "learner" / "server-<i>" -> placement group
         self.server_slots: dict[int, Slot] = {}
@@ -206,7 +206,7 @@ class Job:
 
     def _start_learner(self, ray) -> None:
         if not self.simulated:
-            from learner.rank import start_learner
+            from launch.learner_ranks import start_learner
 
             self.learner_ranks, self.eval_before = start_learner(self)
             self.learner = self.learner_ranks.rank0

@@ -1,10 +1,12 @@
-"""The learner as Ray actors, one per rank: the training loop on the broker, publishing to the fleet.
+"""One learner rank: the training loop on the broker, publishing to the fleet (run by a Ray actor).
 
 The engine is whatever ``learner.engine`` names (FSDP2 or Megatron-core), built by
 ``learner.run.make_engine`` inside ``run_learner``; publishing goes through the engine interface
 (``param_plan`` / ``iter_full_params``), so both engines publish the same HF-named tensors.
 
-Ranks and placement::
+:mod:`launch.learner_ranks` wraps :class:`LearnerRank` in a ``@ray.remote`` actor, one per rank,
+and hands it the engine clients' factory (``endpoint``) and a view of the fleet (``fleet``): the
+learner never imports the fleet. Ranks and placement::
 
     GPU (--learner-gpus N):  N actors, one per bundle of the learner's placement group
                              (one GPU each); NCCL
@@ -41,66 +43,81 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import ray
+import torch
+import torch.distributed as dist
 
-from core.configbase import build
-from launch.monitor import setup_logging
+from learner.broker_source import BrokerSource
+from learner.run import LearnerRunLike, init_distributed, run_learner
+from weight_sync.config import NCCL_ENV, WeightSyncConfig
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.plan import build_plan
+from weight_sync.publisher import Publisher, PublishError
 
 log = logging.getLogger(__name__)
+
+
+class _BrokerPart(Protocol):
+    @property
+    def lease_timeout_s(self) -> float: ...
+    @property
+    def groups_per_step(self) -> int: ...
+    @property
+    def max_staleness(self) -> int: ...
+
+
+class _RolloutPart(Protocol):
+    @property
+    def engine(self) -> str: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+
+
+class RankConfig(LearnerRunLike, Protocol):
+    """What a rank reads of the run config (``launch.config.RunConfig`` is one)."""
+
+    @property
+    def weight_sync(self) -> WeightSyncConfig: ...
+    @property
+    def broker(self) -> _BrokerPart: ...
+    @property
+    def rollout(self) -> _RolloutPart: ...
+
+
+class FleetView(Protocol):
+    """The fleet as rank 0 sees it (the launcher adapts the fleet actor's handle)."""
+
+    def server_urls(self) -> dict[str, str]:
+        """Engine id -> URL of every healthy server (bounded wait)."""
+    def engines_updated(self, engine_ids: list[str], version: int) -> None:
+        """Tell the fleet which servers now hold ``version`` (fire and forget)."""
+    def set_latest_export(self, version: int, path: str) -> None:
+        """Tell the fleet where the newest HF export is (fire and forget)."""
+
+
+#: The publisher's client of one server: ``(backend, engine_id, url) -> endpoint``; the launcher picks it.
+EndpointFactory = Callable[[str, str, str], WeightEndpoint]
 
 
 class StopRequested(Exception):
     """The driver asked the learner to stop after the current step."""
 
 
-class RankFailed(RuntimeError):
-    """A learner rank raised or its process died; the message names the rank."""
-
-
-def _nccl_env(cfg) -> dict[str, str]:
+def _nccl_env(cfg: RankConfig) -> dict[str, str]:
     """The NCCL settings the learner shares with every engine server of the weight-sync group."""
-    from weight_sync.config import NCCL_ENV
-
     return {} if cfg.weight_sync.backend == "gloo" else dict(NCCL_ENV)
 
 
-def publish_client(cfg, backend: str, eid: str, url: str):
-    """The publisher's client of one server: its class follows rollout.engine and the weight backend.
-
-    vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU), or with nccl_impl 'vllm'
-    vLLM's built-in NCCL backend (VLLMNcclClient: the packed settings where the installed vLLM wants
-    them); sglang: SGLang's distributed update (NCCL), or with weight_sync.staging fleetrl's loader in
-    SGLang's workers (weight_sync/sglang_ext.py).
-    """
-    engine, ws = cfg.rollout.engine, cfg.weight_sync
-    if engine == "sglang":
-        from rollout_fleet.sglang_fleet import SGLangPublishClient
-
-        return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
-    if engine != "vllm":
-        raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
-    kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,
-              update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep")
-    if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":
-        from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
-
-        return VLLMNcclClient(eid, url, **kw)
-    from rollout_fleet.engines.vllm import VLLMClient
-
-    return VLLMClient(eid, url, weight_backend="fleetrl", **kw)
-
-
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
-class LearnerActor:
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet) -> None:
-        from launch.config import RunConfig
-
+class LearnerRank:
+    def __init__(self, cfg: RankConfig, broker_address: str, run_dir: str, fleet: FleetView | None,
+                 endpoint: EndpointFactory) -> None:
         self.rank = 0
-        self.cfg = build(RunConfig, cfg_data)
+        self.cfg = cfg
         self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
+        self.endpoint = endpoint
         self.pub = None
         self._source = None
         self.world_size = 0  # known once the process group is up
@@ -125,16 +142,6 @@ class LearnerActor:
     def set_rank(self, rank: int) -> None:
         """Ranks are known once every actor is placed (they are ordered by node and GPU)."""
         self.rank = rank
-        setup_logging(self.run_dir, "learner" if rank == 0 else f"learner-rank{rank}", simulated=False)
-
-    def node_info(self) -> dict[str, Any]:
-        """Where this actor runs: node IP, the GPUs Ray gave it, its pid (no CUDA call: devices are set later)."""
-        return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
-
-    def free_port(self) -> int:
-        from core.net import free_port
-
-        return free_port("")  # every interface: ranks on other nodes connect to it
 
     # -- weights out -------------------------------------------------------------------------------
     def _bucket_bytes(self) -> int:
@@ -142,14 +149,12 @@ class LearnerActor:
 
     def _wire_dtype(self):
         """Publish in the servers' dtype (model.dtype): bf16 servers get bf16, no cast on their side."""
-        import torch
-
         return torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
 
     def _sync_members(self) -> None:
         if self.fleet is None:  # a learner without a fleet (tests): nothing to publish to
             return
-        urls = ray.get(self.fleet.server_urls.remote(), timeout=30)
+        urls = self.fleet.server_urls()
         for eid, client in list(self.pub.engines.items()):
             if urls.get(eid) != client.url:
                 log.info("weight sync: %s left the fleet (or moved); removed from the group", eid)
@@ -158,7 +163,7 @@ class LearnerActor:
         for eid, url in urls.items():
             if eid in self.pub.engines:
                 continue
-            client = publish_client(self.cfg, self.pub.backend, eid, url)
+            client = self.endpoint(self.pub.backend, eid, url)
             if self.exported_version > 0 and export.exists():
                 log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
                 self.pub.add_engine(client, str(export), self.exported_version)
@@ -167,11 +172,6 @@ class LearnerActor:
 
     def _new_publisher(self, engine):
         """Rank 0's publisher: on CUDA its buffers live on this rank's GPU; the group kind follows the engine."""
-        import torch
-
-        from weight_sync.plan import build_plan
-        from weight_sync.publisher import Publisher
-
         ws = self.cfg.weight_sync
         ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
         nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
@@ -182,8 +182,6 @@ class LearnerActor:
         return Publisher(ws, plan, rank=0, device=device)
 
     def _publish(self, version: int, engine) -> None:
-        from weight_sync.publisher import PublishError
-
         t0 = time.monotonic()
         buckets = engine.iter_full_params(self._bucket_bytes(), self._wire_dtype())
         tensors = (item for bucket in buckets for item in bucket)
@@ -205,7 +203,7 @@ class LearnerActor:
                 self.last_published_version = version
                 if self.fleet is not None:
                     # vLLM 0.26 cannot tell the fleet which weights it holds (no /weight_info): we do
-                    self.fleet.engines_updated.remote(list(rep.engines), version)
+                    self.fleet.engines_updated(list(rep.engines), version)
         except PublishError as exc:
             self.publish_errors += 1
             log.error("publish of v%d failed: %s (blamed %s)", version, exc, exc.blamed)
@@ -222,7 +220,7 @@ class LearnerActor:
         if self.cfg.learner.export_every and step % self.cfg.learner.export_every == 0:
             self.exported_version = step
             if self.fleet is not None:  # a server the fleet restarts loads this before it takes work
-                self.fleet.set_latest_export.remote(step, str(self.run_dir / "export" / "latest"))
+                self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
         self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
         self.wait_s += float(m.get("learner/pull_seconds", 0.0))
         self.groups_consumed += self.cfg.broker.groups_per_step
@@ -235,9 +233,6 @@ class LearnerActor:
 
     def _agree_stop(self) -> bool:
         """True on every rank if any rank was asked to stop (ranks must leave at the same step)."""
-        import torch
-        import torch.distributed as dist
-
         if self.world_size <= 1:
             return self.stop_flag
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -253,11 +248,6 @@ class LearnerActor:
         os.environ.update(env)  # before the first CUDA call: CUDA_VISIBLE_DEVICES must be in place
         for k, v in _nccl_env(self.cfg).items():  # before any NCCL call: the engines' side must agree
             os.environ.setdefault(k, v)
-        import torch
-        import torch.distributed as dist
-
-        from learner.run import init_distributed, run_learner
-
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         # Other ranks wait in a collective while rank 0 waits for a batch or for engines during a publish:
         # the collective timeout must outlast both, or they would fail before rank 0 says why.
@@ -267,8 +257,6 @@ class LearnerActor:
                  self.world_size, env["MASTER_ADDR"], env["MASTER_PORT"], env["LOCAL_RANK"],
                  os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
         if self.rank == 0:
-            from learner.broker_source import BrokerSource
-
             self._source = BrokerSource(self.broker_address, consumer_id="learner",
                                         lease_timeout_s=self.cfg.broker.lease_timeout_s)
         self.t0 = time.monotonic()
@@ -305,149 +293,3 @@ class LearnerActor:
                 "publish_s": round(self.publish_s, 3), "publishes": self.publishes,
                 "last_published_version": self.last_published_version, "publish_errors": self.publish_errors,
                 "done": self.done, "error": self.error}
-
-
-class LearnerRanks:
-    """The learner's rank actors, started, watched and stopped together; rank 0 speaks for them.
-
-    Example::
-
-        ranks = LearnerRanks.start(cfg_data, broker_address, run_dir, fleet, n=2)
-        while not ranks.poll(0.5): ...      # raises RankFailed naming a failed rank
-        final = ranks.stop(30.0); ranks.kill()
-    """
-
-    def __init__(self, actors: list, infos: list[dict[str, Any]]) -> None:
-        self.actors = actors
-        self.infos = infos
-        self.refs: list = []
-        self._finished: set[int] = set()
-
-    @property
-    def rank0(self):
-        return self.actors[0]
-
-    @classmethod
-    def start(cls, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet, *, n: int,
-              placement_group=None, gpus_per_rank: int = 0, timeout_s: float = 60.0) -> LearnerRanks:
-        """Start ``n`` rank actors (bundle ``i`` of ``placement_group`` each, when given) and their run."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        if n < 1:
-            raise ValueError(f"a learner needs at least one rank, got {n}")
-        actors = []
-        for i in range(n):
-            opts: dict[str, Any] = {"num_gpus": gpus_per_rank}
-            if placement_group is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=i)
-            actors.append(LearnerActor.options(**opts).remote(cfg_data, broker_address, run_dir, fleet))
-        try:
-            infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
-        except Exception:
-            for a in actors:
-                ray.kill(a)
-            raise
-        # rank order: by node (rank 0's node first, as placed), then GPU id, so a node's ranks are contiguous
-        nodes = list(dict.fromkeys(info["ip"] for info in infos))
-        order = sorted(range(n), key=lambda i: (nodes.index(infos[i]["ip"]),
-                                                [int(g) if g.isdigit() else g for g in infos[i]["gpus"]], i))
-        ordered = cls([actors[i] for i in order], [infos[i] for i in order])
-        ordered._launch(timeout_s)
-        return ordered
-
-    def _launch(self, timeout_s: float) -> None:
-        n = len(self.actors)
-        ray.get([a.set_rank.remote(r) for r, a in enumerate(self.actors)], timeout=timeout_s)
-        master = self.infos[0]["ip"] if n > 1 else "127.0.0.1"
-        port = ray.get(self.rank0.free_port.remote(), timeout=timeout_s)
-        node_gpus: dict[str, list[str]] = {}
-        for info in self.infos:
-            node_gpus.setdefault(info["ip"], []).extend(info["gpus"])
-        for rank, (actor, info) in enumerate(zip(self.actors, self.infos, strict=True)):
-            peers = [i for i in self.infos if i["ip"] == info["ip"]]
-            env = {"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
-                   "LOCAL_RANK": str(peers.index(info)), "LOCAL_WORLD_SIZE": str(len(peers))}
-            if info["gpus"]:
-                # every learner GPU of the node visible (NCCL finds its peers over NVLink); this rank's is LOCAL_RANK
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[info["ip"]])
-                env["LOCAL_RANK"] = str(node_gpus[info["ip"]].index(info["gpus"][0]))
-            self.refs.append(actor.run.remote(env))
-        log.info("learner: %d rank(s) started (master %s:%d; pids %s)", n, master, port,
-                 [i["pid"] for i in self.infos])
-
-    def poll(self, timeout_s: float) -> bool:
-        """True once every rank has finished; raises :class:`RankFailed` naming the failed rank(s).
-
-        When one rank dies its peers fail too (their collectives break), often before Ray has
-        reported the death: after the first failure the other ranks get a few seconds to report,
-        and ranks that died are named first, as the cause.
-        """
-        done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
-        failures = self._check(done)
-        if failures:
-            time.sleep(2.0)  # a killed worker is reported a moment after its peers see the broken connection
-            done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=3.0)
-            failures.update(self._check(done))
-            died = sorted(r for r, (kind, _) in failures.items() if kind == "died")
-            first = died or sorted(failures)
-            rest = [r for r in sorted(failures) if r not in first]
-            msg = "; ".join(failures[r][1] for r in first)
-            if rest:
-                msg += " (then " + "; ".join(failures[r][1] for r in rest) + ")"
-            raise RankFailed(msg)
-        return len(self._finished) == len(self.refs)
-
-    def _check(self, done: list) -> dict[int, tuple[str, str]]:
-        failures: dict[int, tuple[str, str]] = {}
-        for ref in done:
-            rank = self.refs.index(ref)
-            if rank in self._finished:
-                continue
-            try:
-                ray.get(ref, timeout=30)
-            except ray.exceptions.RayActorError as exc:
-                failures[rank] = ("died", f"learner rank {rank} (pid {self.infos[rank]['pid']}) died: "
-                                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                failures[rank] = ("raised", f"learner rank {rank} failed: {type(cause).__name__}: {cause}")
-                continue
-            self._finished.add(rank)
-        return failures
-
-    def status(self, timeout_s: float) -> dict[str, Any]:
-        return ray.get(self.rank0.status.remote(), timeout=timeout_s)
-
-    def stop(self, timeout_s: float) -> dict[str, Any]:
-        """Ask every rank to stop after its step; rank 0's status plus every live rank's step."""
-        for a in self.actors:
-            a.stop.remote()
-        st = self.status(timeout_s)
-        steps = []
-        for a in self.actors:
-            try:
-                steps.append(ray.get(a.status.remote(), timeout=timeout_s)["step"])
-            except Exception:  # a dead rank has no step to report
-                steps.append(None)
-        return {**st, "rank_steps": steps}
-
-    def kill(self) -> None:
-        for a in self.actors:
-            try:
-                ray.kill(a)
-            except Exception as exc:
-                log.warning("shutdown: kill learner rank actor: %s", exc)
-
-
-def start_learner(job) -> tuple[LearnerRanks, float | None]:
-    """Evaluate the initial policy through the fleet, then start the learner's ranks."""
-    t = time.monotonic()
-    before = job._get(job.fleet.evaluate.remote(job.cfg.run.eval_samples), 600, "eval before")
-    log.info("eval accuracy before training: %.3f (%.1f s)", before, time.monotonic() - t)
-    gpus = job.placement.learner_gpus()
-    ranks = LearnerRanks.start(job.cfg.model_dump(mode="json"), job.broker.address, str(job.run_dir), job.fleet,
-                               n=gpus or job.cfg.learner.cpu_processes, placement_group=job.pgs.get("learner"),
-                               gpus_per_rank=1 if gpus else 0)
-    return ranks, before

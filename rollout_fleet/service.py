@@ -1,8 +1,8 @@
 """The rollout fleet as one process: controller + workers on an asyncio loop (a Ray actor in a run).
 
-It is a plain class so tests can run it in-process; :mod:`launch.driver` wraps it with
+It is a plain class so tests can run it in-process; :mod:`launch.ray_actors` wraps it with
 ``ray.remote`` (an async actor: its methods run concurrently on the actor's event loop,
-so ``status`` answers while the workers run).
+so ``status`` answers while the workers run) and builds its config from the run config.
 
 Which engine, prompts and rewards it uses follows ``rollout.engine``: ``simulated`` takes
 the SIMULATED engine, synthetic prompts and a simulated reward; the others take the
@@ -14,21 +14,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from core.configbase import build
+from broker.client import ProducerClient
+from broker.config import BrokerConfig
+from core.configbase import ModelConfig, RunKeys
+from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.worker import AsyncProducer, RolloutWorker
+from weight_sync.config import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
 
-class FleetRunner:
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None) -> None:
-        from launch.config import RunConfig
+class FleetRunConfig(Protocol):
+    """What the fleet reads of the run config (``launch.config.RunConfig`` is one)."""
 
-        self.cfg = build(RunConfig, cfg_data)
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def reward(self) -> RewardConfig: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def broker(self) -> BrokerConfig: ...
+    @property
+    def weight_sync(self) -> WeightSyncConfig: ...
+    @property
+    def run(self) -> RunKeys: ...
+
+
+class FleetService:
+    def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
+                 run_dir: str | None = None) -> None:
+        self.cfg = cfg
         self.broker_address = broker_address
         self.run_dir = run_dir
         self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
@@ -58,8 +79,6 @@ class FleetRunner:
         return VLLMFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
 
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
-        from broker.client import ProducerClient
-
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
         factory, loader = self._components()
         data = asyncio.create_task(asyncio.to_thread(loader))  # tokenizing overlaps the servers' start

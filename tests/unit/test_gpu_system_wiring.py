@@ -34,7 +34,7 @@ def test_extra_server_args_reach_the_vllm_command(tmp_path):
 
 
 def test_publisher_client_follows_engine_and_backend():
-    from learner.rank import publish_client
+    from launch.learner_ranks import publish_client
     from rollout_fleet.engines.vllm import VLLMClient
     from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
     from rollout_fleet.sglang_fleet import SGLangPublishClient
@@ -89,7 +89,7 @@ def test_staging_on_a_vllm_fleet_loads():
 def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
     from packaging.version import Version
 
-    from learner.rank import publish_client
+    from launch.learner_ranks import publish_client
     from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
     from weight_sync.sglang_ext import LOADER
 
