@@ -29,10 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
+from launch.snapshot import BrokerView, JobSnapshot
+from learner.status import LearnerStatus
+from rollout_fleet.status import FleetStatus
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0
@@ -61,7 +66,7 @@ class Job:
         self.control: ControlServer | None = None
         self.monitor: Monitor | None = None
         self.wandb = None  # launch.monitor.WandbWriter until the monitor takes it over
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: JobSnapshot | None = None
         self.eval_before: float | None = None
         self.eval_after: float | None = None
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
@@ -277,37 +282,39 @@ class Job:
             if acc is not None:
                 self.eval_history.append({"step": self._eval_step, "accuracy": acc})
                 log.info("eval accuracy at step %d: %.3f", self._eval_step, acc)
-        step = int(self.snapshot.get("step") or 0)
+        step = self.snapshot.learner.step if self.snapshot is not None else 0
         if step >= self._eval_step + every and step < self.cfg.run.max_steps:
             self._eval_step = step
             self._eval_ref = self.fleet.evaluate.remote(self.cfg.run.eval_samples)
-        if self.eval_history:
-            self.snapshot["eval_accuracy"] = self.eval_history[-1]["accuracy"]
+        if self.eval_history and self.snapshot is not None:
+            self.snapshot.eval_accuracy = self.eval_history[-1]["accuracy"]
 
-    def collect(self) -> dict[str, Any]:
+    def collect(self) -> JobSnapshot:
         learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
         fleet = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")
-        broker = self._broker_status()
-        snap = {**fleet, **learner, "broker": broker, "max_steps": self.cfg.run.max_steps,
-                "max_staleness": self.cfg.broker.max_staleness, "simulated": self.simulated,
-                "wall_s": time.monotonic() - self.t0, "eval_accuracy_before": self.eval_before,
-                "queue_groups": broker.get("queued_groups"), "groups_produced": fleet.get("groups_pushed"),
-                "groups_dropped": broker.get("drops", {}), "fleet_servers": fleet.get("servers", [])}
-        return snap
+        return JobSnapshot(fleet=msgspec.convert(fleet, FleetStatus), learner=msgspec.convert(learner, LearnerStatus),
+                           broker=self._broker_view(), max_steps=self.cfg.run.max_steps,
+                           max_staleness=self.cfg.broker.max_staleness, simulated=self.simulated,
+                           wall_s=time.monotonic() - self.t0, eval_accuracy_before=self.eval_before,
+                           eval_accuracy=self.eval_history[-1]["accuracy"] if self.eval_history else None)
 
-    def _broker_status(self) -> dict[str, Any]:
+    def _broker_view(self) -> BrokerView | None:
         from launch.broker_view import broker_status
 
         try:
             return broker_status(self.broker.address)
         except Exception as exc:  # a slow status answer must not end the job
             log.warning("broker status failed: %s", exc)
-            return {}
+            return None
+
+    def _broker_status(self) -> dict[str, Any]:
+        view = self._broker_view()
+        return {} if view is None else msgspec.to_builtins(view)
 
     # -- control --------------------------------------------------------------------------------
     def handle(self, req: ControlRequest) -> dict[str, Any]:
         if req.op == "status":
-            return self.collect()
+            return self.collect().to_wire()
         if req.rollout_gpus is None:
             raise ValueError("scale needs rollout_gpus")
         return self.scale(req.rollout_gpus)
