@@ -47,6 +47,7 @@ may wait for ``min_groups`` at once.
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import msgspec
@@ -58,7 +59,7 @@ from broker.schema import TRAJECTORY_SCHEMA
 PROTOCOL_VERSION = 3
 
 
-class ErrorCode:
+class ErrorCode(enum.StrEnum):
     """The ``code`` of an :class:`ErrorReply`; each also counts ``broker/errors_total{code}``."""
 
     BAD_FRAME = "bad_frame"  # header not msgpack, payload not Arrow IPC, wrong frame count
@@ -73,9 +74,6 @@ class ErrorCode:
     LEASE_EXPIRED = "lease_expired"  # ack of a lease whose groups were handed out again
     UNKNOWN_LEASE = "unknown_lease"
     INTERNAL = "internal"
-
-    ALL = (BAD_FRAME, UNKNOWN_TYPE, OLD_PROTOCOL, BAD_REQUEST, BAD_SCHEMA, INCOMPLETE_GROUP,
-           NO_TICKET, BUSY, TOO_LARGE, LEASE_EXPIRED, UNKNOWN_LEASE, INTERNAL)
 
 
 class Envelope(msgspec.Struct):

@@ -19,13 +19,13 @@ one failed, so no process and no port outlive the job.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,22 @@ class JobFailed(RuntimeError):
     """A component of the job failed; the message names it."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchOptions:
+    """The command line's choices that are not run config (``launch.cluster`` builds it from its flags)."""
+
+    rollout_gpus: int = 0
+    learner_gpus: int = 0
+    address: str | None = None  # a Ray cluster to join; None: start a local one
+    ray_auth: str | None = None  # "token" | "disabled"; None: token
+    simulate: bool = False
+    no_live: bool = False
+    log_level: str = "INFO"
+    summary: str | None = None  # also write the JSON summary here
+
+
 class Job:
-    def __init__(self, cfg: RunConfig, args: argparse.Namespace) -> None:
+    def __init__(self, cfg: RunConfig, args: LaunchOptions) -> None:
         self.cfg = cfg
         self.args = args
         self.simulated = bool(args.simulate)
@@ -459,7 +473,7 @@ class Job:
         return self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
 
 
-def run(cfg: RunConfig, args: argparse.Namespace) -> int:
+def run(cfg: RunConfig, args: LaunchOptions) -> int:
     from launch.summary import build_summary
 
     run_dir = Path(cfg.run.run_dir).resolve()

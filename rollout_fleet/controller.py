@@ -48,7 +48,7 @@ from typing import Protocol
 import msgspec
 
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
 from rollout_fleet.status import FleetStatus, ServerState, ServerStatus
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class FleetController:
         requests (``keep``), load, reset, resume: they continue on the new weights and
         record the change as a new segment.
         """
-        mode = "wait" if self.cfg.weight_update == "pause" else "keep"
+        mode = PauseMode.WAIT if self.cfg.weight_update == "pause" else PauseMode.KEEP
         t0 = time.monotonic()
         async with self._update_lock:
             self.version = version

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from core.net import free_port
+from core.net import EngineErrorCode, free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
@@ -509,7 +509,7 @@ class Publisher:
         if unhealthy:
             blamed = {eid: errors.get(eid, "failed its health probe") for eid in unhealthy}
         else:
-            blamed = {eid: why for eid, why in errors.items() if not _in_transport(why)} or errors
+            blamed = {eid: why for eid, why in errors.items() if not _in_transport(futs[eid], why)} or errors
         wgroup.close_group(self.pg)
         self.pg = None
         for f in futs.values():
@@ -564,10 +564,16 @@ class _AcksIn:
         self.work.wait()
 
 
-def _in_transport(why: str) -> bool:
-    """True for an engine's error raised in the group's transport (the step names that
-    :class:`weight_sync.receiver.WeightReceiver` puts in its errors): a group broken by another peer
-    fails every receiver there."""
+def _in_transport(fut: cf.Future, why: str) -> bool:
+    """True for an engine's error raised in the group's transport: a group broken by another peer fails
+    every receiver there. Its code says so when the receiver answers in fleetrl's own messages (the
+    standalone receiver: :class:`weight_sync.receiver.ReceiveError`); an error that came through a foreign
+    server's error page (vLLM's, SGLang's) carries only its text, which names the step the receiver
+    failed at."""
+    exc = None if fut.cancelled() else fut.exception()
+    code = getattr(exc, "code", EngineErrorCode.UNKNOWN)
+    if code in (EngineErrorCode.TRANSPORT, EngineErrorCode.LOAD):
+        return code == EngineErrorCode.TRANSPORT
     return "failed at 'receive bucket" in why or "failed at 'acknowledge" in why
 
 

@@ -55,6 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import torch
 
+from core.net import EngineErrorCode
 from weight_sync import group as wgroup
 from weight_sync import messages as m
 from weight_sync.messages import GroupInfo, WeightPlan
@@ -69,6 +70,17 @@ from weight_sync.plan import (
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class ReceiveError(RuntimeError):
+    """A publish failed on this receiver at ``step``; ``code`` says whether the group's transport broke
+    (a receive or the acks: a broken peer fails every receiver there) or our own work after it."""
+
+    def __init__(self, message: str, step: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.code = (EngineErrorCode.TRANSPORT if step.startswith(("receive bucket", "acknowledge"))
+                     else EngineErrorCode.LOAD)
 
 
 class WeightReceiver:
@@ -227,7 +239,7 @@ class WeightReceiver:
                 mark(("acked", time.perf_counter()))
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
-            raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
+            raise ReceiveError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}", step) from e
         if ack is None:
             self.last_checksum = combine_fingerprints(prints)  # on CUDA: returns once the queued loads are done
         else:
@@ -283,7 +295,7 @@ class WeightReceiver:
             self.last_commit_parts = {"wait_s": t1 - t0, "checksum_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except Exception as e:
             self.leave()
-            raise RuntimeError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}") from e
+            raise ReceiveError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}", step) from e
         return self.last_checksum
 
 
@@ -352,7 +364,7 @@ def _handler(state: ReceiverState):
                     reply = self._dispatch(msg)
             except Exception as e:  # noqa: BLE001 - reported to the caller, who names this engine
                 log.exception("receiver %s: %s failed", state.receiver.engine_id, self.path)
-                return self._reply(m.Reply(ok=False, error=str(e)), 500)
+                return self._reply(m.Reply(ok=False, error=str(e), code=str(getattr(e, "code", ""))), 500)
             self._reply(reply)
 
         def _dispatch(self, msg) -> m.Reply:

@@ -56,7 +56,7 @@ import numpy as np
 from packaging.version import Version
 
 from core.net import HttpEngineClient
-from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
 from weight_sync.sglang_group import sglang_group_name
@@ -181,13 +181,13 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
             return False
 
     # -- pause / resume ------------------------------------------------------------------------
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
         """``abort``: end running requests now; ``wait``: let this client's requests finish first;
         ``keep``: SGLang's ``retract`` (running requests go back to the queue and are recomputed
         with the new weights on resume). With ``keep`` the prefix cache cannot be flushed while
         requests are queued, so start the server with ``radix_cache=False`` for in-flight updates.
         """
-        if mode not in ("abort", "wait", "keep"):
+        if mode not in tuple(PauseMode):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         if mode == "wait":
             try:
