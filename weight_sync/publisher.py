@@ -35,7 +35,7 @@ Invariants and what happens when a peer dies:
 
 Threads: the engines' RPCs run on an event loop on a thread of the publisher's
 own (``weight-sync-rpc``). Handing it a request costs a wake-up of that thread
-(0.1-0.3 ms on the 2x H200 host, ``bench/rpc_wakeup.py``), before the engine even
+(``bench/rpc_wakeup.py`` measures it), before the engine even
 hears of the publish: an engine client with :meth:`WeightEndpoint.send_update`
 (fleetrl's standalone receiver) has its request written from the publishing
 thread instead, and its answer read on a thread of its own. Group acks keep the

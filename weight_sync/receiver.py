@@ -211,7 +211,7 @@ class WeightReceiver:
                     mark((f"bucket{b}_loaded", time.perf_counter()))
                 else:
                     # The fingerprint of the received bytes on a second stream, beside the load (both read the
-                    # bucket; after the last bucket that is ~50 us less of the publish's tail on H200).
+                    # bucket; after the last bucket that shortens the publish's tail).
                     side.wait_stream(main)  # after this bucket's receive
                     with torch.cuda.stream(side):
                         prints.append(bucket_fingerprint(buf))

@@ -90,9 +90,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
         :class:`~rollout_fleet.engines.sglang_server.SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
         ``between_steps`` (TP=1, on by default): a commit to an engine that is not paused runs before the
-        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (on 2 H200s,
-        0.5B: the engine held 2.7-3.4 ms per 1 GB update against 21-27 ms for the freeze; see
-        bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
+        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (how long the
+        engine is held either way: bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
         engine first, and the commit goes through the loader as without it."""
         self.engine_id = engine_id
         self.url = url.rstrip("/")
