@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 import numpy as np
 
+from broker.client import ConsumerClient
 from learner.status import LearnerStatus
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ class SimLearner:
         self.publish = publish
 
     async def run(self, max_steps: int) -> dict[str, Any]:
-        from broker.client import ConsumerClient
-
         consumer = ConsumerClient(self.broker_address, consumer_id="sim-learner")
         self._t0 = time.monotonic()
         try:
