@@ -32,8 +32,8 @@ the fleet's health checks decide whether they are dead.
 
 Stop and failure: ``stop()`` sets a flag on every rank; after each step the ranks agree
 on it (a MAX all-reduce), so they all leave at the same step. A rank that raises or dies
-ends its ``run`` reference with an error; :meth:`LearnerRanks.poll` turns that into
-:class:`RankFailed` naming the rank, and the driver's shutdown kills every rank actor
+ends its ``run`` reference with an error; :meth:`launch.learner_ranks.LearnerRanks.poll` turns that
+into ``RankFailed`` naming the rank, and the driver's shutdown kills every rank actor
 (the others may be blocked in a collective with the dead one).
 """
 
