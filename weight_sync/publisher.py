@@ -61,6 +61,7 @@ from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
 from weight_sync.plan import SendRing, fingerprints_checksum
 from weight_sync.publish_run import AcksIn, PublishError, PublishReport, PublishRun
+from weight_sync.sglang_group import publisher_group
 
 __all__ = ["PublishError", "PublishReport", "Publisher"]
 
@@ -213,8 +214,6 @@ class Publisher:
             return self._factory(own)
         if self.backend == "nccl" and self.cfg.nccl_impl == "sglang":
             # SGLang's workers join our store under their own key prefixes and run no collective at join
-            from weight_sync.sglang_group import publisher_group
-
             return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
 
