@@ -49,9 +49,8 @@ import pyarrow as pa
 import zmq
 
 from broker import protocol as P
-from broker.protocol import Ticket
+from broker.protocol import BrokerError, Ticket
 from broker.schema import TRAJECTORY_SCHEMA
-from broker.state import BrokerError
 
 log = logging.getLogger(__name__)
 

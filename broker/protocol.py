@@ -76,6 +76,18 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
 
 
+class BrokerError(Exception):
+    """A request the broker refuses; ``code`` is an :class:`ErrorCode`, sent back in the error reply
+    (the server raises it; the clients raise it again from the reply)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float = 0.0, lease_id: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.lease_id = lease_id  # the lease a refused ack or renew is about
+
+
 class Envelope(msgspec.Struct):
     """The fields every header has; unknown fields are ignored on purpose."""
 
