@@ -60,12 +60,15 @@ class JobSnapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def to_wire(self) -> dict[str, Any]:
         """The flat ``status`` answer: fleet, learner and job fields side by side (the learner's win a
-        name both have, as the job's do), the broker's view under ``broker``."""
+        name both have, as the job's do), the broker's view under ``broker``, and the names the answer
+        had before it was typed (``queue_groups``, ``groups_produced``, ``groups_dropped``,
+        ``fleet_servers``)."""
         job = {f: getattr(self, f) for f in self.__struct_fields__ if f not in ("fleet", "learner")}
         return {**msgspec.to_builtins(self.fleet), **msgspec.to_builtins(self.learner),
                 **msgspec.to_builtins(job), "queue_groups": self.queue_groups,
                 "groups_produced": self.fleet.groups_pushed,
-                "groups_dropped": {} if self.broker is None else dict(self.broker.drops)}
+                "groups_dropped": {} if self.broker is None else dict(self.broker.drops),
+                "fleet_servers": msgspec.to_builtins(self.fleet.servers)}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> JobSnapshot:
