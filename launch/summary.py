@@ -66,6 +66,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "groups_requeued": fleet.groups_requeued,
         "groups_cancelled_at_shutdown": fleet.groups_cancelled,
         "server_deaths": fleet.server_deaths,
+        "broker_restarts": job.supervisor.restarts if job.supervisor is not None else 0,
+        "broker_status_from_spool": broker is not None and broker.from_spool,
         "servers_at_end": len(fleet.servers),
         "server_states_at_end": [{"engine_id": s.engine_id, "state": str(s.state), "version": s.version,
                                   "restarts": s.restarts, "groups_done": s.groups_done} for s in fleet.servers],

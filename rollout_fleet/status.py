@@ -46,6 +46,9 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     groups_inflight: int = 0
     groups_cancelled: int = 0
     groups_reward_failed: int = 0
+    samples_nonfinite_logprob: int = 0  # samples whose behaviour log-probs were not finite
+    groups_resampled_nonfinite: int = 0  # groups generated again on the same ticket for that
+    prompts_requeued_nonfinite: int = 0  # prompts put back after a resample failed too
     samples_pushed: int = 0
     tokens_pushed: int = 0
     mean_reward: float | None = None
