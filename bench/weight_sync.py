@@ -4,7 +4,7 @@ The learner side is this process on GPU 0 holding a random bf16 model shaped lik
 Qwen2 (0.5B, 1.5B) or an 8B dense model in the Qwen2 layout (Qwen3-8B's sizes), as a
 plain dict of full tensors (no HF download, no FSDP gather). The receiver is a
 second process on GPU 1 running fleetrl's :class:`weight_sync.receiver.WeightReceiver`,
-driven through an :class:`EngineClient` over a pipe, so the publish is the real
+driven through a :class:`WeightEndpoint` over a pipe, so the publish is the real
 :class:`weight_sync.publisher.Publisher` path: RPC to the engine, bucket packing,
 broadcast overlapped with the next bucket, receive + load, checksums, acks.
 
@@ -44,7 +44,9 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.report import run_info, write_json  # noqa: E402
-from rollout_fleet.engines.base import EngineClient, EngineError, GroupInfo, WeightPlan  # noqa: E402
+from core.net import EngineError  # noqa: E402
+from weight_sync.endpoint import WeightEndpoint  # noqa: E402
+from weight_sync.messages import GroupInfo, WeightPlan  # noqa: E402
 
 log = logging.getLogger("bench.weight_sync")
 
@@ -205,8 +207,8 @@ def _digest(t: torch.Tensor) -> int:
     return int(((w + 40503) * (pos * 2654435761 % 1000003)).sum().item())
 
 
-class PipeEngine(EngineClient):
-    """EngineClient of the receiver process: the publisher's RPCs go over a multiprocessing pipe."""
+class PipeEngine(WeightEndpoint):
+    """WeightEndpoint of the receiver process: the publisher's RPCs go over a multiprocessing pipe."""
 
     def __init__(self, engine_id: str, conn) -> None:
         self.engine_id = engine_id
@@ -285,20 +287,8 @@ class PipeEngine(EngineClient):
     async def update_weights(self, version: int, plan_id: str) -> str:
         return self._received(version, await self._acall("receive", (version, plan_id)))
 
-    async def generate(self, prompt_ids, params):
-        raise EngineError("the benchmark receiver does not generate")
-
     async def health(self) -> bool:
         return True
-
-    async def pause(self, mode: str = "keep") -> None:
-        """Nothing generates here."""
-
-    async def resume(self) -> None:
-        """Nothing generates here."""
-
-    async def reset_prefix_cache(self) -> None:
-        """No KV cache here."""
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
         raise EngineError("the benchmark receiver loads only over the group")

@@ -36,7 +36,7 @@ def _serve(argv: list[str]) -> int:
     for name in fields:
         if (v := getattr(args, name)) is not None:
             data[name] = None if v.lower() == "none" else v
-    from launch.configbase import ConfigError, build
+    from core.configbase import ConfigError, build
 
     try:
         cfg = build(BrokerConfig, data, prefix="broker.")

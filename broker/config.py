@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from launch.configbase import ConfigModel
+from core.configbase import ConfigModel
 
 
 class BrokerConfig(ConfigModel):

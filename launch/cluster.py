@@ -93,22 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         return _control(argv)
     args = run_parser().parse_args(argv)
-    from launch.configbase import ConfigError
+    from core.configbase import ConfigError
 
     try:
         cfg = resolve_config(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from launch.driver import run
+    from launch.driver import LaunchOptions, run
 
-    return run(cfg, args)
+    return run(cfg, LaunchOptions(rollout_gpus=args.rollout_gpus, learner_gpus=args.learner_gpus, address=args.address,
+                                  ray_auth=args.ray_auth, simulate=args.simulate, no_live=args.no_live,
+                                  log_level=args.log_level, summary=args.summary))
 
 
 def resolve_config(args: argparse.Namespace):
     """The run config from the recipe, the overrides and the flags that imply config values."""
+    from core.configbase import ConfigError
     from launch.config import load_run_config
-    from launch.configbase import ConfigError
 
     if args.rollout_gpus < 0 or args.learner_gpus < 0:
         raise ConfigError(f"GPU counts must be >= 0, got --rollout-gpus {args.rollout_gpus} "

@@ -16,13 +16,13 @@ directory (:func:`write_subconfigs`); each process reads only its own part.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, model_validator
 
 from broker.config import BrokerConfig
-from launch.configbase import ConfigError, ConfigModel, build, suggest
+from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, build, suggest
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
@@ -32,17 +32,10 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-class ModelConfig(ConfigModel):
-    path: str = Field(description="HF model folder (config.json, model.safetensors, tokenizer.json)")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
-
-class RunSection(ConfigModel):
-    seed: int = 0
-    max_steps: int = Field(20, ge=0)
+class RunSection(RunKeys):
     eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
     eval_samples: int = Field(256, ge=1, description="test prompts per evaluation")
-    run_dir: str = "runs/latest"
     tensorboard: bool = True
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging from the driver; None: off")
 

@@ -1,7 +1,10 @@
 """Ray actor wrappers of the fleet and the simulated learner (imported by the driver only).
 
+:class:`FleetRunner` is the fleet's service (:class:`rollout_fleet.service.FleetService`) built
+from the run config as plain data, which is what crosses to the actor's process.
+
 Both are async actors (their methods run concurrently on the actor's event loop), ask for
-no CPU (``num_cpus=0``; FACTS.md: otherwise fake-GPU actors also take a CPU each) and log
+no CPU (``num_cpus=0``: an actor that asks for a fraction of a GPU also takes a whole CPU otherwise) and log
 to ``<run_dir>/logs/<name>.log`` (``log_to_driver`` is off: the driver's terminal belongs
 to the live view).
 """
@@ -14,9 +17,11 @@ from typing import Any
 
 import ray
 
-from launch.fleet_actor import FleetRunner
+from core.configbase import build
+from launch.config import RunConfig
 from launch.monitor import setup_logging
-from launch.sim_learner import SimLearner
+from learner.simulated import SimLearner
+from rollout_fleet.service import FleetService
 
 try:  # the actors' event loops are created after this module is imported: make them uvloop
     import uvloop
@@ -24,6 +29,12 @@ try:  # the actors' event loops are created after this module is imported: make 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 except ImportError:  # uvloop is optional (not on Windows)
     pass
+
+
+class FleetRunner(FleetService):
+    def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
+                 run_dir: str | None = None) -> None:
+        super().__init__(build(RunConfig, cfg_data), broker_address, slots=slots, run_dir=run_dir)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

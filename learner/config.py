@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from launch.configbase import ConfigError, ConfigModel
+from core.configbase import ConfigError, ConfigModel
 
 # KL estimator names (verl's aliases included) -> the estimator used; learner/kl.py explains each.
 KL_ALIASES = {"k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}

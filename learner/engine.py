@@ -1,6 +1,6 @@
 """The training-engine interface the loop drives, and helpers every backend shares.
 
-A backend (FSDP2 here, Megatron-core later) owns the model, optimizer and LR
+A backend (FSDP2 in learner/fsdp.py, Megatron-core in learner/megatron/) owns the model, optimizer and LR
 schedule on each learner rank. All methods are collective: every rank calls
 them in the same order with its own part of the step (see learner/batch.py).
 

@@ -18,14 +18,54 @@ import datetime
 import logging
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from pydantic import ConfigDict
 
+from core.configbase import ConfigModel, ModelConfig, RunKeys, build
+from learner.config import LearnerConfig
 from learner.loop import Learner, MetricsHook, PublishHook
-from learner.source import BatchSource
+from learner.source import BatchSource, InProcessSource
 
 logger = logging.getLogger(__name__)
+
+
+class _RunPart(Protocol):
+    @property
+    def seed(self) -> int: ...
+    @property
+    def max_steps(self) -> int: ...
+    @property
+    def run_dir(self) -> str: ...
+
+
+class LearnerRunLike(Protocol):
+    """What :func:`run_learner` reads of the run config (``launch.config.RunConfig`` and
+    :class:`LearnerRunConfig` are two)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def learner(self) -> LearnerConfig: ...
+    @property
+    def run(self) -> _RunPart: ...
+
+
+class _RunKeys(RunKeys):
+    """The keys of the ``run`` section a rank reads (the launcher validated the whole section)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, validate_default=True)
+
+
+class LearnerRunConfig(ConfigModel):
+    """A learner rank's part of the launcher's ``run.yaml``: the other sections are not its business."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, validate_default=True)
+    model: ModelConfig
+    learner: LearnerConfig
+    run: _RunKeys = _RunKeys()
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
@@ -63,11 +103,11 @@ def make_engine(lc, model_path: str, *, total_steps: int, seed: int):
     raise ValueError(f"unknown learner.engine {lc.engine!r}; expected 'fsdp' or 'megatron'")
 
 
-def run_learner(cfg, *, source: BatchSource | None, publish: PublishHook | None = None,
+def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: PublishHook | None = None,
                 on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None) -> list[dict]:
     """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
 
-    ``cfg`` is a ``launch.config.RunConfig``; the process group must be initialised
+    ``cfg`` is the run config (see :class:`LearnerRunLike`); the process group must be initialised
     (:func:`init_distributed`). Rank 0 needs ``source``; other ranks may pass None.
     Checkpoints go to ``learner.checkpoint_dir`` (default ``RUN_DIR/checkpoints``),
     HF exports to ``RUN_DIR/export/step_XXXXXXXX`` with the symlink ``RUN_DIR/export/latest``. Returns the per-step metrics.
@@ -91,16 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     import pyarrow as pa
     import yaml
 
-    from launch.config import RunConfig
-    from launch.configbase import build
-    from learner.source import InProcessSource
 
     ap = argparse.ArgumentParser(prog="python -m learner", description="Run one learner rank.")
     ap.add_argument("--config", required=True, help="RUN_DIR/config/run.yaml written by the launcher")
     ap.add_argument("--replay", help="Arrow IPC file of trajectories, one record batch per step (offline training)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = build(RunConfig, yaml.safe_load(Path(args.config).read_text()))
+    cfg = build(LearnerRunConfig, yaml.safe_load(Path(args.config).read_text()))
     rank, _ = init_distributed()
     source = None
     if rank == 0:

@@ -1,9 +1,7 @@
-"""EngineClient of the standalone receiver (:mod:`weight_sync.receiver`): weight methods only.
+"""The :class:`~weight_sync.endpoint.WeightEndpoint` of the standalone receiver (:mod:`weight_sync.receiver`).
 
-The standalone receiver holds tensors, not a generating model, so generation
-calls raise :class:`EngineError`; it exists to test and benchmark weight sync
-with real processes and sockets, and as the control-channel shape fleetrl's
-local engine follows.
+The standalone receiver holds tensors, not a generating model, so it has no generation side;
+it exists to test and benchmark weight sync with real processes and sockets.
 
 Example::
 
@@ -23,12 +21,13 @@ import urllib.parse
 import httpx
 import msgspec
 
-from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
-from rollout_fleet.engines.http import HttpEngineClient
+from core.net import EngineError, EngineErrorCode, HttpEngineClient
 from weight_sync import messages as m
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.messages import GroupInfo, WeightPlan
 
 
-class ReceiverClient(HttpEngineClient):
+class ReceiverClient(HttpEngineClient, WeightEndpoint):
     def __init__(self, engine_id: str, url: str, timeout_s: float = 60.0) -> None:
         self.engine_id = engine_id
         self.url = url.rstrip("/")
@@ -54,7 +53,8 @@ class ReceiverClient(HttpEngineClient):
         except msgspec.DecodeError as e:
             raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {status} with a malformed reply") from e
         if not reply.ok:
-            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.error}")
+            code = EngineErrorCode(reply.code) if reply.code in tuple(EngineErrorCode) else EngineErrorCode.UNKNOWN
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.error}", code)
         return reply
 
     async def health(self) -> bool:
@@ -65,14 +65,7 @@ class ReceiverClient(HttpEngineClient):
             return False
 
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
-        msg = m.InitTransfer(
-            group=m.GroupMsg(master_addr=group.master_addr, master_port=group.master_port, rank_offset=group.rank_offset,
-                             world_size=group.world_size, backend=group.backend, group_epoch=group.group_epoch,
-                             group_acks=group.group_acks),
-            plan=m.PlanMsg(plan_id=plan.plan_id, names=plan.names, shapes=plan.shapes, dtypes=plan.dtypes,
-                           buckets=plan.buckets),
-            timeout_s=self._join_timeout_s,
-        )
+        msg = m.InitTransfer(group=group, plan=plan, timeout_s=self._join_timeout_s)
         await self._post("/init_weight_transfer", msg, self._join_timeout_s + 5)
 
     async def update_weights(self, version: int, plan_id: str) -> str:
@@ -163,16 +156,3 @@ class ReceiverClient(HttpEngineClient):
     @property
     def weight_version(self) -> int:
         return self._version
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        raise EngineError(f"engine {self.engine_id} is a standalone weight receiver: it holds tensors, not a generating model")
-
-    async def pause(self, mode: str = "keep") -> None:
-        """Nothing generates here, so there is nothing to pause."""
-
-    async def resume(self) -> None:
-        """See :meth:`pause`."""
-
-    async def reset_prefix_cache(self) -> None:
-        """No KV cache here."""
-

@@ -215,7 +215,7 @@ class _Worker:
         self.store.set(outcome_key(str(cmd["engine_id"]), int(cmd["seq"]), self.tp_rank), json.dumps(outcome))
 
     def join(self, model, cmd: dict) -> dict:
-        from rollout_fleet.engines.base import GroupInfo
+        from weight_sync.messages import GroupInfo
         from weight_sync.plan import plan_from_dict
 
         g = cmd["group"]

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from rollout_fleet.engines.base import GroupInfo
+from weight_sync.messages import GroupInfo
 from weight_sync.plan import plan_from_dict
 from weight_sync.receiver import WeightReceiver
 

@@ -1,10 +1,11 @@
-"""The engine client interface every rollout engine implements.
+"""The engine client interface every rollout engine implements: generation and the server's lifecycle.
 
-An engine is a server process (vLLM, SGLang, fleetrl's local transformers server,
-or the simulated engine) plus a client that speaks its HTTP API. Workers and the
-fleet controller only see :class:`EngineClient`; weight sync reaches an engine's
-receiving side through the same object (``init_weight_transfer`` /
-``update_weights``), so switching engines is one config value.
+An engine is a server process (vLLM, SGLang, or the simulated engine) plus a client that
+speaks its API. Workers and the fleet controller only see :class:`EngineClient`, so switching
+engines is one config value. Weight sync reaches an engine's receiving side through
+:class:`weight_sync.endpoint.WeightEndpoint`, which the vLLM and SGLang clients implement as
+well; of the weights the fleet itself needs only the version a server holds and the load of an
+export into a server that (re)joins.
 
 All methods are coroutines and every one has a timeout: an engine that does not
 answer raises :class:`EngineError` naming the engine, the call and the limit.
@@ -13,15 +14,22 @@ answer raises :class:`EngineError` naming the engine, the call and the limit.
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import math
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from core.net import EngineError
 
-class EngineError(RuntimeError):
-    """An engine call failed or timed out; the message names the engine and the call."""
+__all__ = ["EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams"]
+
+
+class PauseMode(enum.StrEnum):
+    """What a pause does with the requests running on the server."""
+
+    KEEP = "keep"  # freeze them; they continue (under new weights) after resume
+    WAIT = "wait"  # let them finish first (under the old weights)
+    ABORT = "abort"  # end them now (their groups are re-run elsewhere)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,46 +57,11 @@ class Sample:
     segment_versions: list[int] = field(default_factory=lambda: [0])
 
 
-@dataclass(kw_only=True, slots=True)
-class WeightPlan:
-    """What one publish carries: tensor names, shapes and dtypes in broadcast order, split in buckets.
-
-    The plan is fixed for a run (same model, same order), so it is announced once
-    when a receiver joins and then referred to by ``plan_id``.
-    """
-
-    plan_id: str
-    names: list[str]
-    shapes: list[list[int]]
-    dtypes: list[str]  # torch dtype names without the "torch." prefix, e.g. "bfloat16"
-    buckets: list[list[int]]  # indices into names, in broadcast order
-
-    def bucket_bytes(self) -> list[int]:
-        sizes = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "int8": 1}
-        return [sum(math.prod(self.shapes[i]) * sizes[self.dtypes[i]] for i in b) for b in self.buckets]
-
-
-@dataclass(kw_only=True, slots=True)
-class GroupInfo:
-    """Where a receiver joins the weight-sync process group."""
-
-    master_addr: str
-    master_port: int
-    rank_offset: int  # this engine's first rank in the group (the publisher is rank 0)
-    world_size: int
-    backend: str  # "nccl" | "gloo"
-    group_epoch: int  # bumps on every rebuild
-    # Acks through the group (weight_sync.acks = "group"): after its last load each receiver all-gathers its
-    # fingerprints with the publisher's, which takes that as the ack; the RPC's answer is checked later.
-    group_acks: bool = False
-
-
 class EngineClient(abc.ABC):
     """Client of one engine server. ``engine_id`` is unique in the fleet."""
 
     engine_id: str
     simulated: bool = False
-    group_ranks: int = 1  # ranks this engine takes in the weight-sync group (its TP x PP workers)
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
@@ -99,7 +72,7 @@ class EngineClient(abc.ABC):
         """True if the server answers and can generate."""
 
     @abc.abstractmethod
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
         """Stop admitting; ``abort`` running requests, ``wait`` for them, or ``keep`` them frozen."""
 
     @abc.abstractmethod
@@ -109,41 +82,8 @@ class EngineClient(abc.ABC):
     async def reset_prefix_cache(self) -> None: ...
 
     @abc.abstractmethod
-    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
-        """Join the weight-sync group and learn the (fixed) plan; returns once joined."""
-
-    @abc.abstractmethod
-    async def update_weights(self, version: int, plan_id: str) -> str:
-        """Receive one publish of ``version`` from the group and load it; return the checksum."""
-
-    #: True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
-    #: copy while it keeps generating, and pauses only for the copy into the model.
-    supports_staging: bool = False
-
-    #: True if the engine's receivers end each (unstaged) publish with the group's ack all-gather when the
-    #: epoch's :attr:`GroupInfo.group_acks` says so (fleetrl's standalone receiver does).
-    supports_group_acks: bool = False
-
-    def send_update(self, version: int, plan_id: str) -> concurrent.futures.Future | None:
-        """Optional fast start of an (unstaged) update: write the request of :meth:`update_weights` from
-        the calling thread now and return a future of its answer (the checksum), read on a thread of the
-        client's own. A failure to send fails the future; it does not raise. ``None`` (the default): the
-        client has no such path, and the publisher awaits :meth:`update_weights` on its RPC loop instead,
-        which costs the hand-over to that loop's thread (0.1-0.3 ms on the 2x H200 host) before the
-        engine even hears of the publish."""
-        return None
-
-    async def begin_update(self, version: int, plan_id: str) -> None:
-        """Staged publish, phase 1: post the receives of ``version`` and return at once."""
-        raise NotImplementedError(f"engine {self.engine_id} ({type(self).__name__}) takes no staged publish")
-
-    async def commit_update(self, version: int) -> str:
-        """Staged publish, phase 2 (after the broadcast): load what was received; return the checksum."""
-        raise NotImplementedError(f"engine {self.engine_id} ({type(self).__name__}) takes no staged publish")
-
-    @abc.abstractmethod
     async def load_weights_from_path(self, path: str, version: int) -> None:
-        """Load a published HF safetensors export (a late joiner's first load)."""
+        """Load a published HF safetensors export (a server that (re)joins the fleet late)."""
 
     @property
     @abc.abstractmethod

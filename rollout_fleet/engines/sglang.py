@@ -39,7 +39,7 @@ NCCL: every process of one weight-sync group must agree on
 ``NCCL_CUMEM_ENABLE``. SGLang sets it to 0 in its own process when unset, a
 plain torch learner leaves NCCL's default (1); peers that disagree fail in the
 first broadcast with ``unhandled cuda error ... invalid argument``. The server
-started here gets ``NCCL_CUMEM_ENABLE=0`` and :func:`publisher_nccl_env` says
+started here gets ``NCCL_CUMEM_ENABLE=0`` and :func:`weight_sync.sglang_group.publisher_nccl_env` says
 what the learner process must set before its first NCCL call.
 """
 
@@ -55,60 +55,15 @@ import msgspec
 import numpy as np
 from packaging.version import Version
 
-from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
-from rollout_fleet.engines.http import HttpEngineClient
-from weight_sync.config import NCCL_ENV
+from core.net import HttpEngineClient
+from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.messages import GroupInfo, WeightPlan
+from weight_sync.sglang_group import sglang_group_name
 
 log = logging.getLogger(__name__)
 
 _SESSION_API = Version("0.5.23")  # update_weights_from_distributed must sit inside begin/end_weight_update
-
-def publisher_nccl_env() -> dict[str, str]:
-    """The NCCL settings the publishing process must share with SGLang (see module docstring)."""
-    return dict(NCCL_ENV)
-
-
-def sglang_group_name(group_epoch: int) -> str:
-    """SGLang names its update group; one name per weight-sync epoch keeps epochs apart in the store."""
-    return f"fleetrl_ws_epoch{group_epoch}"
-
-
-def sglang_store_prefixes(group_epoch: int, device_type: str = "cuda") -> list[str]:
-    """The key prefixes SGLang's side of the group uses, outermost first.
-
-    SGLang's ``init_custom_process_group`` wraps the TCP store in ``PrefixStore(G)``,
-    torch's ``_new_process_group_helper`` adds ``PrefixStore(G + "/")`` and, per device
-    type, ``PrefixStore("cuda/")``. The publisher's rank 0 must see the same keys.
-    """
-    g = sglang_group_name(group_epoch)
-    return [g, g + "/", device_type + "/"]
-
-
-def publisher_group(store, group: GroupInfo, timeout_s: float):
-    """Rank 0's ``ProcessGroupNCCL`` of a group whose other ranks are SGLang workers.
-
-    No barrier here: SGLang runs no collective when it joins; the first broadcast of
-    the first publish creates the communicator on both sides (the slow one, ~0.5 s).
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if group.backend == "gloo":  # no SGLang build runs on CPU; this path checks the key layout in CPU tests
-        s = store
-        for p in sglang_store_prefixes(group.group_epoch, "cpu"):
-            s = dist.PrefixStore(p, s)
-        return dist.ProcessGroupGloo(s, 0, group.world_size, timeout)
-    if group.backend != "nccl":
-        raise ValueError(f"SGLang receives weights over NCCL, not {group.backend!r}")
-    s = store
-    for p in sglang_store_prefixes(group.group_epoch):
-        s = dist.PrefixStore(p, s)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(s, 0, group.world_size, opts)
-
 
 class _Meta(msgspec.Struct):
     output_token_logprobs: list = []
@@ -125,7 +80,7 @@ _decode_one = msgspec.json.Decoder(_Out)
 _decode_many = msgspec.json.Decoder(list[_Out])
 
 
-class SGLangClient(HttpEngineClient):
+class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
     """EngineClient of one SGLang server (any TP size)."""
 
     def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
@@ -135,9 +90,8 @@ class SGLangClient(HttpEngineClient):
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
         :class:`~rollout_fleet.engines.sglang_server.SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
         ``between_steps`` (TP=1, on by default): a commit to an engine that is not paused runs before the
-        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (on 2 H200s,
-        0.5B: the engine held 2.7-3.4 ms per 1 GB update against 21-27 ms for the freeze; see
-        bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
+        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (how long the
+        engine is held either way: bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
         engine first, and the commit goes through the loader as without it."""
         self.engine_id = engine_id
         self.url = url.rstrip("/")
@@ -226,13 +180,13 @@ class SGLangClient(HttpEngineClient):
             return False
 
     # -- pause / resume ------------------------------------------------------------------------
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
         """``abort``: end running requests now; ``wait``: let this client's requests finish first;
         ``keep``: SGLang's ``retract`` (running requests go back to the queue and are recomputed
         with the new weights on resume). With ``keep`` the prefix cache cannot be flushed while
         requests are queued, so start the server with ``radix_cache=False`` for in-flight updates.
         """
-        if mode not in ("abort", "wait", "keep"):
+        if mode not in tuple(PauseMode):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         if mode == "wait":
             try:

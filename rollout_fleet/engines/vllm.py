@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from rollout_fleet.engines.base import EngineError, GroupInfo, Sample, SamplingParams, WeightPlan
-from rollout_fleet.engines.http import HttpEngineClient
+from core.net import HttpEngineClient
+from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
 from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs, check_vllm_version  # noqa: F401
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.messages import GroupInfo, WeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class _Laps:
         self.steps[name], self._t = now - self._t, now
 
 
-class VLLMClient(HttpEngineClient):
+class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
     """Client of one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
 
     def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl",
@@ -181,7 +183,7 @@ class VLLMClient(HttpEngineClient):
 
     async def reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache. vLLM refuses (``{"success": false}``) while running requests
-        hold KV blocks, as in an in-flight (``keep``) update under load (on 2 H200s: every time). Requests
+        hold KV blocks, as in an in-flight (``keep``) update under load. Requests
         from :meth:`generate` carry a per-version cache salt, so they do not reuse the old weights' KV
         even then; other clients' requests could. A refusal is logged and counted
         (``prefix_cache_resets_refused``)."""
@@ -247,8 +249,7 @@ class VLLMClient(HttpEngineClient):
             await self._request("POST", "/finish_weight_update", json={"weight_version": str(version)})
             lap("finish_weight_update")
             # KV computed with the old weights must not be reused. A 'wait'/'abort' pause of ours already
-            # emptied the prefix cache and nothing has been scheduled since: a second reset only costs
-            # time (0.02-0.03 s measured on H200).
+            # emptied the prefix cache and nothing has been scheduled since: a second reset only costs time.
             if not self._pause_emptied_cache(pause_here):
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")

@@ -23,9 +23,9 @@ import logging
 
 from packaging.version import Version
 
-from rollout_fleet.engines.base import GroupInfo, WeightPlan
 from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.engines.vllm_server import check_vllm_version
+from weight_sync.messages import GroupInfo, WeightPlan
 
 log = logging.getLogger(__name__)
 

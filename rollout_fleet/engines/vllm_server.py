@@ -24,8 +24,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from core.net import free_port
 from rollout_fleet.engines.base import EngineError
-from rollout_fleet.engines.http import free_port
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ def test_two_gpu_ranks_train_over_nccl(tmp_path):
 
     from broker.process import BrokerProcess
     from launch.config import load_run_config
-    from launch.real_learner import LearnerRanks
+    from launch.learner_ranks import LearnerRanks
 
     steps = 3
     cfg = load_run_config("tiny", [f"run.max_steps={steps}", f"run.run_dir={tmp_path}", "broker.groups_per_step=2",

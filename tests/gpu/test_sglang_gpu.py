@@ -81,10 +81,10 @@ def test_generate_logprobs_match_learner(client, loop, qwen_checkpoints):
 def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop, qwen_checkpoints):
     import torch
 
-    from rollout_fleet.engines.base import GroupInfo
-    from rollout_fleet.engines.sglang import publisher_group, publisher_nccl_env
     from weight_sync import group as wgroup
+    from weight_sync.messages import GroupInfo
     from weight_sync.plan import build_plan, pack_bucket
+    from weight_sync.sglang_group import publisher_group, publisher_nccl_env
 
     for k, v in publisher_nccl_env().items():  # must match the server's before our first NCCL call
         os.environ[k] = v
@@ -147,10 +147,10 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints,
     import torch
 
     from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.sglang import publisher_nccl_env
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
+    from weight_sync.sglang_group import publisher_nccl_env
 
     for k, v in publisher_nccl_env().items():
         os.environ[k] = v

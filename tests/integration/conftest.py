@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def vllm_server(tmp_path_factory):
     """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl weight backend over gloo)."""
     if not (TINY_MODEL / "config.json").exists():
-        pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m learner.pretrain_tiny`")
+        pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m tools.pretrain_tiny`")
     from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
 
     run_dir = tmp_path_factory.mktemp("vllm_server")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from broker.client import BrokerError, SyncConsumer, SyncProducer
 from broker.process import BrokerProcess
 from broker.spool import export_parquet
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

@@ -26,7 +26,7 @@ from broker.client import (
     ping,
 )
 from broker.process import BrokerProcess, make_curve_keys
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -258,7 +258,7 @@ def test_curve_keys_admit_known_clients_only(broker, tmp_path):
 
 
 def test_learner_source_and_lease_renewal(broker):
-    from broker.learner_source import BrokerSource
+    from learner.broker_source import BrokerSource
 
     bp = broker(groups_per_step=1, max_staleness=2, lease_timeout_s=1.5)
     prod = SyncProducer(bp.address, producer_id="w0", timeout_s=5)

@@ -158,7 +158,7 @@ def test_fleet_with_real_broker_kill_and_scale(tmp_path):
     from broker.process import BrokerProcess
     from launch.broker_view import flatten
     from launch.config import load_run_config
-    from launch.fleet_actor import FleetRunner
+    from launch.ray_actors import FleetRunner
 
     cfg = load_run_config("tiny", ["rollout.engine=simulated", "broker.groups_per_step=4", "broker.max_staleness=1",
                                    "rollout.health_interval_s=0.1", "rollout.max_inflight_groups=2",

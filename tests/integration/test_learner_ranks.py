@@ -1,4 +1,4 @@
-"""A learner of two gloo ranks as Ray actors (launch.real_learner.LearnerRanks) on a real broker.
+"""A learner of two gloo ranks as Ray actors (launch.learner_ranks.LearnerRanks) on a real broker.
 
 No fleet and no vLLM: a producer thread answers the broker's tickets with synthetic groups
 in the tiny model's vocabulary, and two real FSDP ranks train on them. Checks that both
@@ -78,7 +78,7 @@ def ray_local():
 def _start(ray_local, tmp_path: Path, steps: int):
     from broker.process import BrokerProcess
     from launch.config import load_run_config
-    from launch.real_learner import LearnerRanks
+    from launch.learner_ranks import LearnerRanks
 
     cfg = load_run_config("tiny", [f"run.max_steps={steps}", f"run.run_dir={tmp_path}", "broker.groups_per_step=2",
                                    "broker.max_staleness=1", "learner.cpu_processes=2", "learner.export_every=0",
@@ -125,7 +125,7 @@ def test_two_ranks_train_every_step_and_stop_together(ray_local, tmp_path):
 
 
 def test_a_killed_rank_fails_the_job_naming_it(ray_local, tmp_path):
-    from launch.real_learner import RankFailed
+    from launch.learner_ranks import RankFailed
 
     broker, producer, ranks = _start(ray_local, tmp_path, steps=1000)
     try:

@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 from sglang_standin import Tiny, decode_payload  # the model and unpickling the stand-in server uses
 from sglang_standin import state as make_state
 
-from rollout_fleet.engines.base import GroupInfo
 from weight_sync import group as wgroup
 from weight_sync import sglang_ext
+from weight_sync.messages import GroupInfo
 from weight_sync.plan import (
     bucket_fingerprint,
     build_plan,

@@ -21,8 +21,7 @@ import torch
 from health import wait_healthy  # tests/integration, on sys.path under pytest
 from sglang_standin import state
 
-from rollout_fleet.engines.base import EngineError
-from rollout_fleet.engines.http import free_port
+from core.net import EngineError, free_port
 from rollout_fleet.engines.sglang import SGLangClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan

@@ -4,7 +4,7 @@ Log-prob tolerance: the server runs fp32 like the transformers reference, so
 the only differences are kernel order (vLLM's CPU attention and fused
 qkv/gate-up matmuls vs transformers' eager ops): rounding at fp32 is ~1e-7
 relative per op; through 2 layers and a 128-way log-softmax we expect ~1e-6
-(measured: 0.5-2.4e-6 nats) and allow 5e-4 nats. bf16 would need ~0.1 (FACTS: 0.13 seen); a wrong weight,
+(measured: 0.5-2.4e-6 nats) and allow 5e-4 nats. bf16 would need ~0.1 (0.13 seen); a wrong weight,
 position or token shifts log-probs by far more than 2e-3 (checked below: the
 perturbed weights move them by well over 10x the tolerance).
 """

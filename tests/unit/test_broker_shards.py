@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.shards import row_tokens, shard_by_tokens
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = pytest.mark.timeout(120)
 

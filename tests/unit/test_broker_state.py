@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from broker.protocol import ErrorCode
 from broker.spool import Spool, export_parquet
 from broker.state import BrokerError, BrokerState
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,7 @@ from broker.schema import (
     inspect_batches,
     validate_batch,
 )
-from broker.testing import batch_from_rows, make_groups, passes_row_checks
+from tests.broker_groups import batch_from_rows, make_groups, passes_row_checks
 
 pytestmark = pytest.mark.timeout(120)
 

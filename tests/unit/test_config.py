@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from core.configbase import ConfigError
 from launch.config import load_run_config, write_subconfigs
-from launch.configbase import ConfigError
 from learner.config import LearnerConfig
 
 

@@ -23,7 +23,7 @@ def test_gpu_tiny_recipe_loads_for_each_engine(engine):
 
 
 def test_extra_server_args_reach_the_vllm_command(tmp_path):
-    from launch.real_fleet import VLLMFactory
+    from rollout_fleet.vllm_fleet import VLLMFactory
 
     cfg = load_run_config("gpu-tiny", [])
     server = VLLMFactory(cfg, tmp_path, {0: ("node", [1])})._server(0)
@@ -34,10 +34,10 @@ def test_extra_server_args_reach_the_vllm_command(tmp_path):
 
 
 def test_publisher_client_follows_engine_and_backend():
-    from launch.real_learner import publish_client
-    from launch.real_sglang import SGLangPublishClient
+    from launch.learner_ranks import publish_client
     from rollout_fleet.engines.vllm import VLLMClient
     from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+    from rollout_fleet.sglang_fleet import SGLangPublishClient
 
     # by default a vLLM fleet takes fleetrl's backend over NCCL; vLLM's own nccl backend on request
     c = publish_client(load_run_config("gpu-tiny", []), "nccl", "vllm-0", "http://127.0.0.1:1")
@@ -58,7 +58,7 @@ def test_publisher_client_follows_engine_and_backend():
 def test_vllm_server_weight_backend_follows_nccl_impl(tmp_path, monkeypatch, impl, backend):
     import torch
 
-    from launch.real_fleet import VLLMFactory
+    from rollout_fleet.vllm_fleet import VLLMFactory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU choice, decided without a GPU
     cfg = load_run_config("gpu-tiny", [f"weight_sync.nccl_impl={impl}"])
@@ -89,7 +89,7 @@ def test_staging_on_a_vllm_fleet_loads():
 def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
     from packaging.version import Version
 
-    from launch.real_learner import publish_client
+    from launch.learner_ranks import publish_client
     from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
     from weight_sync.sglang_ext import LOADER
 
@@ -106,8 +106,8 @@ def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
 def test_sglang_factory_server_args(tmp_path):
     from packaging.version import Version
 
-    from launch.real_sglang import SGLangFactory
     from rollout_fleet.engines.sglang_server import compat_args
+    from rollout_fleet.sglang_fleet import SGLangFactory
 
     cfg = load_run_config("gpu-tiny", ["rollout.engine=sglang", "rollout.sglang_server_args=[--log-level, debug]"])
     args = SGLangFactory(cfg, tmp_path, {0: ("node", ["1"])})._args(0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from core.configbase import ConfigError
 from launch.config import load_run_config
-from launch.configbase import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.configbase import ConfigError
+from core.configbase import ConfigError
 from learner.config import MegatronConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -112,7 +112,7 @@ def test_pool_fails_at_construction_for_a_bad_name():
 
 
 def test_config_checks_the_form_and_the_pool_resolves_it(custom_module):
-    from launch.configbase import ConfigError, build
+    from core.configbase import ConfigError, build
     from rollout_fleet.config import RewardConfig
 
     with pytest.raises(ConfigError, match="'reward.function': 'exact-match'"):

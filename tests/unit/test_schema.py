@@ -14,7 +14,7 @@ from broker.schema import (
     token_versions,
     validate_batch,
 )
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = pytest.mark.timeout(30)
 

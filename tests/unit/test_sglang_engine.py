@@ -1,4 +1,4 @@
-"""SGLang engine pieces that run without SGLang (no SGLang build runs on CPU: FACTS.md).
+"""SGLang engine pieces that run without SGLang (no SGLang build runs on CPU).
 
 * the version gate names the supported range;
 * the publisher's side of the update group meets a peer that builds its side exactly
@@ -14,13 +14,13 @@ import multiprocessing as mp
 
 import pytest
 
-from rollout_fleet.engines.sglang import sglang_group_name
 from rollout_fleet.engines.sglang_server import (
     SGLangServer,
     SGLangServerArgs,
     check_sglang_version,
     compat_args,
 )
+from weight_sync.sglang_group import sglang_group_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,9 +82,9 @@ def _sglang_like_worker(port: int, group_name: str, q) -> None:
 def test_publisher_group_meets_sglangs_own_group_construction():
     import torch
 
-    from rollout_fleet.engines.base import GroupInfo
-    from rollout_fleet.engines.sglang import publisher_group
     from weight_sync.group import broadcast_async, close_group, host_store
+    from weight_sync.messages import GroupInfo
+    from weight_sync.sglang_group import publisher_group
 
     store = host_store("127.0.0.1", 0, 120)
     group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, backend="gloo",

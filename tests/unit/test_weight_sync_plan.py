@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from rollout_fleet.engines.base import GroupInfo
+from weight_sync.messages import GroupInfo
 from weight_sync.plan import (
     bucket_fingerprint,
     build_plan,

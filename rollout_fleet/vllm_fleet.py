@@ -16,13 +16,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from launch.config import REPO_ROOT
 from rollout_fleet.engines.base import Sample, SamplingParams
 from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
 from rollout_fleet.worker import Prompt, RewardFailed
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class FleetVLLMClient(VLLMClient):

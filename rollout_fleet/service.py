@@ -1,8 +1,8 @@
 """The rollout fleet as one process: controller + workers on an asyncio loop (a Ray actor in a run).
 
-It is a plain class so tests can run it in-process; :mod:`launch.driver` wraps it with
+It is a plain class so tests can run it in-process; :mod:`launch.ray_actors` wraps it with
 ``ray.remote`` (an async actor: its methods run concurrently on the actor's event loop,
-so ``status`` answers while the workers run).
+so ``status`` answers while the workers run) and builds its config from the run config.
 
 Which engine, prompts and rewards it uses follows ``rollout.engine``: ``simulated`` takes
 the SIMULATED engine, synthetic prompts and a simulated reward; the others take the
@@ -14,21 +14,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from launch.configbase import build
+import msgspec
+
+from broker.client import ProducerClient
+from broker.config import BrokerConfig
+from core.configbase import ModelConfig, RunKeys
+from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
+from rollout_fleet.status import FleetStatus, ServerState, WorkerStatus
 from rollout_fleet.worker import AsyncProducer, RolloutWorker
+from weight_sync.config import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
 
-class FleetRunner:
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None) -> None:
-        from launch.config import RunConfig
+class FleetRunConfig(Protocol):
+    """What the fleet reads of the run config (``launch.config.RunConfig`` is one)."""
 
-        self.cfg = build(RunConfig, cfg_data)
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def reward(self) -> RewardConfig: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def broker(self) -> BrokerConfig: ...
+    @property
+    def weight_sync(self) -> WeightSyncConfig: ...
+    @property
+    def run(self) -> RunKeys: ...
+
+
+class FleetService:
+    def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
+                 run_dir: str | None = None) -> None:
+        self.cfg = cfg
         self.broker_address = broker_address
         self.run_dir = run_dir
         self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
@@ -48,18 +72,16 @@ class FleetRunner:
 
             return SimulatedFactory(r.simulated, seed=seed), lambda: (
                 SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
-        from launch.real_fleet import VLLMFactory, load_data
+        from rollout_fleet.vllm_fleet import VLLMFactory, load_data
 
         run_dir = self.run_dir or self.cfg.run.run_dir
         if r.engine == "sglang":
-            from launch.real_sglang import SGLangFactory
+            from rollout_fleet.sglang_fleet import SGLangFactory
 
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
 
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
-        from broker.client import ProducerClient
-
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
         factory, loader = self._components()
         data = asyncio.create_task(asyncio.to_thread(loader))  # tokenizing overlaps the servers' start
@@ -79,7 +101,7 @@ class FleetRunner:
         """Greedy test accuracy through the fleet (None for SIMULATED engines: there is no model)."""
         if self.simulated:
             return None
-        from launch.real_fleet import evaluate
+        from rollout_fleet.vllm_fleet import evaluate
 
         return await evaluate(self.cfg, self.fleet, n)
 
@@ -92,14 +114,14 @@ class FleetRunner:
     async def server_urls(self) -> dict[str, str]:
         """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet)."""
         return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
-                if s.state == "healthy" and hasattr(s.engine, "url")}
+                if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")}
 
     async def _report_versions(self) -> None:
         """Learn each server's version (vLLM: from the server) and tell the broker, for per-engine lag."""
         while True:
             for s in list(self.fleet.servers.values()):
                 refresh = getattr(s.engine, "refresh_version", None)
-                if refresh is not None and s.state == "healthy":
+                if refresh is not None and s.state == ServerState.HEALTHY:
                     try:
                         await asyncio.wait_for(refresh(), timeout=5.0)
                     except Exception as exc:  # a dead server is the health loop's business
@@ -145,17 +167,21 @@ class FleetRunner:
         return self.status_now()
 
     def status_now(self) -> dict[str, Any]:
+        """:meth:`record` as plain data (the actor's answer)."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> FleetStatus:
         now = time.monotonic()
-        w = self.worker.status() if hasattr(self, "worker") else {}
-        tokens = w.get("tokens_pushed", 0)
-        self._tok_hist.append((now, tokens))
+        w = self.worker.record() if hasattr(self, "worker") else WorkerStatus()
+        self._tok_hist.append((now, w.tokens_pushed))
         self._tok_hist = [(t, n) for t, n in self._tok_hist if now - t <= 10.0]
         t_old, n_old = self._tok_hist[0]
-        st = self.fleet.status() if hasattr(self, "fleet") else {"servers": []}
-        return {**st, **w, "simulated": self.simulated,
-                "tok_per_s": (tokens - n_old) / (now - t_old) if now > t_old else None,
-                "fleet_idle_fraction": w.get("idle_s", 0.0) / max(1e-9, now - self._t0),
-                "healthy_servers": sum(1 for s in st["servers"] if s["state"] == "healthy")}
+        st = self.fleet.record() if hasattr(self, "fleet") else FleetStatus()
+        return msgspec.structs.replace(
+            st, **msgspec.structs.asdict(w), simulated=self.simulated,
+            tok_per_s=(w.tokens_pushed - n_old) / (now - t_old) if now > t_old else None,
+            fleet_idle_fraction=w.idle_s / max(1e-9, now - self._t0),
+            healthy_servers=sum(1 for s in st.servers if s.state == ServerState.HEALTHY))
 
     async def stop(self) -> dict[str, Any]:
         self._stop.set()

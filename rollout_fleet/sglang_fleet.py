@@ -1,6 +1,6 @@
 """The fleet's SGLang parts: servers on the fleet's GPUs, the fleet's client, and the publisher's client.
 
-``rollout.engine: sglang`` swaps these in for the vLLM ones of :mod:`launch.real_fleet`::
+``rollout.engine: sglang`` swaps these in for the vLLM ones of :mod:`rollout_fleet.vllm_fleet`::
 
     fleet actor:   SGLangFactory.start(i) -> SGLangServer on the slot's GPUs -> FleetSGLangClient
     learner rank 0: Publisher(nccl_impl="sglang") -> SGLangPublishClient (one per server)
@@ -24,10 +24,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from launch.real_fleet import ServerFactory
-from rollout_fleet.engines.http import free_port
+from core.net import free_port
+from rollout_fleet.engines.base import PauseMode
 from rollout_fleet.engines.sglang import SGLangClient
 from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
+from rollout_fleet.vllm_fleet import ServerFactory
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class SGLangPublishClient(SGLangClient):
     async def update_weights(self, version: int, plan_id: str) -> str:
         several = self._plan is not None and len(self._plan.buckets) > 1
         if several:  # no request may run on half-new weights between two bucket calls
-            await self.pause("abort")
+            await self.pause(PauseMode.ABORT)
         try:
             return await super().update_weights(version, plan_id)
         finally:

@@ -7,7 +7,7 @@ held-out validation set reaches ``--target-acc``, so the checkpoint leaves clear
 room for RL. Everything is seeded and runs on ``--threads`` CPU threads, so the
 same command gives the same checkpoint.
 
-    python -m learner.pretrain_tiny --out models/tiny-adder
+    python -m tools.pretrain_tiny --out models/tiny-adder
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: 
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     ).save_pretrained(args.out)
     save_tokenizer(tok, args.out)
-    cmd = "python -m learner.pretrain_tiny " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
+    cmd = "python -m tools.pretrain_tiny " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
     (args.out / "README.md").write_text(
         f"""# tiny-adder
 

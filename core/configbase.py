@@ -1,4 +1,5 @@
-"""The base of every component config, and the error a user sees for a bad key or value.
+"""The base of every component config, the sections every process shares (the model, the run's
+seed, length and directory), and the error a user sees for a bad key or value.
 
 Each component owns a small config next to the class it configures; all of them
 derive from :class:`ConfigModel` (pydantic, ``extra="forbid"``), so a misspelt key
@@ -13,15 +14,30 @@ under a second.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class ConfigModel(BaseModel):
     """Strict, immutable config: unknown keys and wrong types are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(ConfigModel):
+    """The policy model: the fleet serves it and the learner trains it."""
+
+    path: str = Field(description="HF model folder (config.json, model.safetensors, tokenizer.json)")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+class RunKeys(ConfigModel):
+    """The keys of the run section every process reads (the launcher's ``RunSection`` adds its own)."""
+
+    seed: int = 0
+    max_steps: int = Field(20, ge=0)
+    run_dir: str = "runs/latest"
 
 
 class ConfigError(ValueError):

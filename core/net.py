@@ -1,5 +1,6 @@
-"""HTTP plumbing shared by the engine clients that talk to a server: vLLM, SGLang and fleetrl's
-standalone weight receiver.
+"""Network helpers every layer may use: a free port, and the HTTP plumbing of the clients that talk
+to an engine server (vLLM, SGLang, fleetrl's standalone weight receiver), for generation
+(``rollout_fleet``) and for weights (``weight_sync``) alike.
 
 Every call is bounded by a timeout, and every transport failure (refused connection, reset,
 timeout) or unexpected status becomes an :class:`EngineError` that names the engine and the
@@ -8,11 +9,29 @@ call, which is what the fleet's health logic and the publisher's blame logic act
 
 from __future__ import annotations
 
+import enum
 import socket
 
 import httpx
 
-from rollout_fleet.engines.base import EngineClient, EngineError
+
+class EngineErrorCode(enum.StrEnum):
+    """Why an engine call failed, as far as the caller can tell."""
+
+    UNKNOWN = "unknown"  # the peer said nothing structured (e.g. a foreign server's error page)
+    TIMEOUT = "timeout"  # no answer within the call's limit
+    UNREACHABLE = "unreachable"  # refused, reset, or another transport error of the HTTP call
+    HTTP_STATUS = "http_status"  # an answer other than 200 (its text says why)
+    TRANSPORT = "transport"  # the weight-sync group broke under a receiver (a receive or the acks)
+    LOAD = "load"  # a receiver got the bytes but failed after them (a load, a checksum, a bad request)
+
+
+class EngineError(RuntimeError):
+    """An engine call failed or timed out; the message names the engine and the call, ``code`` says why."""
+
+    def __init__(self, message: str, code: EngineErrorCode = EngineErrorCode.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class HttpEngineClient(EngineClient):
+class HttpEngineClient:
     """Base of the engine clients whose engine answers over HTTP at ``self.url``.
 
     Subclasses set ``engine_id``, ``url`` and ``timeout_s`` (the default limit of a call), and may
@@ -51,11 +70,14 @@ class HttpEngineClient(EngineClient):
         try:
             r = await self.http.request(method, self.url + path, timeout=limit, **kw)
         except httpx.TimeoutException as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s") from e
+            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s",
+                              EngineErrorCode.TIMEOUT) from e
         except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}") from e
+            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}",
+                              EngineErrorCode.UNREACHABLE) from e
         if check_status and r.status_code != 200:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}")
+            raise EngineError(f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}",
+                              EngineErrorCode.HTTP_STATUS)
         return r
 
     async def close(self) -> None:

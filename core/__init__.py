@@ -1,0 +1,1 @@
+"""The bottom layer every package may import: the config base and network helpers."""

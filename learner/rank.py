@@ -1,0 +1,302 @@
+"""One learner rank: the training loop on the broker, publishing to the fleet (run by a Ray actor).
+
+The engine is whatever ``learner.engine`` names (FSDP2 or Megatron-core), built by
+``learner.run.make_engine`` inside ``run_learner``; publishing goes through the engine interface
+(``param_plan`` / ``iter_full_params``), so both engines publish the same HF-named tensors.
+
+:mod:`launch.learner_ranks` wraps :class:`LearnerRank` in a ``@ray.remote`` actor, one per rank,
+and hands it the engine clients' factory (``endpoint``) and a view of the fleet (``fleet``): the
+learner never imports the fleet. Ranks and placement::
+
+    GPU (--learner-gpus N):  N actors, one per bundle of the learner's placement group
+                             (one GPU each); NCCL
+    CPU (--learner-gpus 0):  learner.cpu_processes actors (default 1); gloo
+
+    driver: start the actors -> ask each for its node IP and GPU ids -> order ranks by
+            (node, GPU) -> rank 0 picks a free port -> run(env) on every actor with
+            MASTER_ADDR/MASTER_PORT (rank 0's node), RANK, WORLD_SIZE, LOCAL_RANK and,
+            on GPU, CUDA_VISIBLE_DEVICES = the learner GPUs of that node (so NCCL sees
+            its peers; LOCAL_RANK indexes into that list)
+
+Rank 0 alone holds the :class:`learner.broker_source.BrokerSource`, the weight-sync
+:class:`weight_sync.publisher.Publisher` and the run's counters (status and summary);
+the other ranks get every batch from rank 0 (``learner.loop.share_batch``) and take part
+in the gathers of each publish by draining ``engine.iter_full_params`` in the same order.
+
+Weight-sync membership follows the fleet: before each publish rank 0 asks the fleet
+actor for its healthy servers. A server that vanished (died, drained) leaves the group;
+a new or restarted one joins as a late joiner (it loads the latest HF export first,
+then joins the rebuilt group and receives the broadcast), so it comes back with current
+weights. A failed publish names the engines it blames; the publisher drops them and
+the fleet's health checks decide whether they are dead.
+
+Stop and failure: ``stop()`` sets a flag on every rank; after each step the ranks agree
+on it (a MAX all-reduce), so they all leave at the same step. A rank that raises or dies
+ends its ``run`` reference with an error; :meth:`launch.learner_ranks.LearnerRanks.poll` turns that
+into ``RankFailed`` naming the rank, and the driver's shutdown kills every rank actor
+(the others may be blocked in a collective with the dead one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from learner.broker_source import BrokerSource
+from learner.run import LearnerRunLike, init_distributed, run_learner
+from learner.status import LearnerStatus
+from weight_sync.config import NCCL_ENV, WeightSyncConfig
+from weight_sync.endpoint import WeightEndpoint
+from weight_sync.plan import build_plan
+from weight_sync.publisher import Publisher, PublishError
+
+log = logging.getLogger(__name__)
+
+
+class _BrokerPart(Protocol):
+    @property
+    def lease_timeout_s(self) -> float: ...
+    @property
+    def groups_per_step(self) -> int: ...
+    @property
+    def max_staleness(self) -> int: ...
+
+
+class _RolloutPart(Protocol):
+    @property
+    def engine(self) -> str: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+
+
+class RankConfig(LearnerRunLike, Protocol):
+    """What a rank reads of the run config (``launch.config.RunConfig`` is one)."""
+
+    @property
+    def weight_sync(self) -> WeightSyncConfig: ...
+    @property
+    def broker(self) -> _BrokerPart: ...
+    @property
+    def rollout(self) -> _RolloutPart: ...
+
+
+class FleetView(Protocol):
+    """The fleet as rank 0 sees it (the launcher adapts the fleet actor's handle)."""
+
+    def server_urls(self) -> dict[str, str]:
+        """Engine id -> URL of every healthy server (bounded wait)."""
+    def engines_updated(self, engine_ids: list[str], version: int) -> None:
+        """Tell the fleet which servers now hold ``version`` (fire and forget)."""
+    def set_latest_export(self, version: int, path: str) -> None:
+        """Tell the fleet where the newest HF export is (fire and forget)."""
+
+
+#: The publisher's client of one server: ``(backend, engine_id, url) -> endpoint``; the launcher picks it.
+EndpointFactory = Callable[[str, str, str], WeightEndpoint]
+
+
+class StopRequested(Exception):
+    """The driver asked the learner to stop after the current step."""
+
+
+def _nccl_env(cfg: RankConfig) -> dict[str, str]:
+    """The NCCL settings the learner shares with every engine server of the weight-sync group."""
+    return {} if cfg.weight_sync.backend == "gloo" else dict(NCCL_ENV)
+
+
+class LearnerRank:
+    def __init__(self, cfg: RankConfig, broker_address: str, run_dir: str, fleet: FleetView | None,
+                 endpoint: EndpointFactory) -> None:
+        self.rank = 0
+        self.cfg = cfg
+        self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
+        self.endpoint = endpoint
+        self.pub = None
+        self._source = None
+        self.world_size = 0  # known once the process group is up
+        self.version = 0
+        self.exported_version = 0
+        self.stop_flag = False
+        self.done = False
+        self.error: str | None = None
+        self.reward_per_step: list[float] = []
+        self.staleness_hist: Counter[int] = Counter()
+        self.max_staleness_seen = 0
+        self.bound_violations = 0
+        self.groups_consumed = 0
+        self.wait_s = 0.0
+        self.publish_s = 0.0
+        self.publishes = 0  # publishes that reached at least one engine
+        self.last_published_version = 0
+        self.publish_errors = 0
+        self.t0 = time.monotonic()
+
+    # -- rendezvous ----------------------------------------------------------------------------------
+    def set_rank(self, rank: int) -> None:
+        """Ranks are known once every actor is placed (they are ordered by node and GPU)."""
+        self.rank = rank
+
+    # -- weights out -------------------------------------------------------------------------------
+    def _bucket_bytes(self) -> int:
+        return int(self.cfg.weight_sync.bucket_mb * (1 << 20))
+
+    def _wire_dtype(self):
+        """Publish in the servers' dtype (model.dtype): bf16 servers get bf16, no cast on their side."""
+        return torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
+
+    def _sync_members(self) -> None:
+        if self.fleet is None:  # a learner without a fleet (tests): nothing to publish to
+            return
+        urls = self.fleet.server_urls()
+        for eid, client in list(self.pub.engines.items()):
+            if urls.get(eid) != client.url:
+                log.info("weight sync: %s left the fleet (or moved); removed from the group", eid)
+                self.pub.remove_engine(eid)
+        export = self.run_dir / "export" / "latest"
+        for eid, url in urls.items():
+            if eid in self.pub.engines:
+                continue
+            client = self.endpoint(self.pub.backend, eid, url)
+            if self.exported_version > 0 and export.exists():
+                log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
+                self.pub.add_engine(client, str(export), self.exported_version)
+            else:
+                self.pub.add_engine(client)
+
+    def _new_publisher(self, engine):
+        """Rank 0's publisher: on CUDA its buffers live on this rank's GPU; the group kind follows the engine."""
+        ws = self.cfg.weight_sync
+        ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
+        nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
+        device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+        plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes(), ws.tail_bytes(nccl))
+        log.info("weight sync: backend %s, nccl_impl %s, device %s, %d bucket(s)",
+                 "nccl" if nccl else "gloo", ws.nccl_impl, device, len(plan.buckets))
+        return Publisher(ws, plan, rank=0, device=device)
+
+    def _publish(self, version: int, engine) -> None:
+        t0 = time.monotonic()
+        buckets = engine.iter_full_params(self._bucket_bytes(), self._wire_dtype())
+        tensors = (item for bucket in buckets for item in bucket)
+        if self.rank != 0:  # every gather is a collective: follow rank 0 through the same buckets
+            for _ in tensors:
+                pass
+            return
+        if self.pub is None:
+            self.pub = self._new_publisher(engine)
+        try:
+            self._sync_members()
+        except Exception as exc:  # the fleet did not answer: publish to the members we know
+            log.warning("weight sync: fleet membership unknown (%s)", exc)
+        try:
+            rep = self.pub.publish(version, tensors)
+            log.info("published v%d to %s in %.2fs", version, rep.engines if rep else [], time.monotonic() - t0)
+            if rep is not None and rep.engines:
+                self.publishes += 1
+                self.last_published_version = version
+                if self.fleet is not None:
+                    # vLLM 0.26 cannot tell the fleet which weights it holds (no /weight_info): we do
+                    self.fleet.engines_updated(list(rep.engines), version)
+        except PublishError as exc:
+            self.publish_errors += 1
+            log.error("publish of v%d failed: %s (blamed %s)", version, exc, exc.blamed)
+        self.publish_s += time.monotonic() - t0
+
+    def _metrics(self, step: int, m: dict[str, float]) -> None:
+        self.version = step
+        if self.rank == 0:
+            self._count(step, m)
+        if self._agree_stop():
+            raise StopRequested
+
+    def _count(self, step: int, m: dict[str, float]) -> None:
+        if self.cfg.learner.export_every and step % self.cfg.learner.export_every == 0:
+            self.exported_version = step
+            if self.fleet is not None:  # a server the fleet restarts loads this before it takes work
+                self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
+        self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
+        self.wait_s += float(m.get("learner/pull_seconds", 0.0))
+        self.groups_consumed += self.cfg.broker.groups_per_step
+        stale = getattr(self._source, "last_staleness", None)
+        if stale is not None and len(stale):
+            for s, c in Counter(int(x) for x in stale).items():
+                self.staleness_hist[s] += c
+            self.max_staleness_seen = max(self.max_staleness_seen, int(max(stale)))
+            self.bound_violations += int(sum(1 for x in stale if x > self.cfg.broker.max_staleness))
+
+    def _agree_stop(self) -> bool:
+        """True on every rank if any rank was asked to stop (ranks must leave at the same step)."""
+        if self.world_size <= 1:
+            return self.stop_flag
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(self.stop_flag)], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # -- run -----------------------------------------------------------------------------------------
+    def run(self, env: dict[str, str]) -> dict[str, Any]:
+        """Train as one rank; ``env`` is the torch.distributed environment the driver chose."""
+        if int(env["RANK"]) != self.rank:
+            raise ValueError(f"learner actor of rank {self.rank} was given RANK={env['RANK']}")
+        os.environ.update(env)  # before the first CUDA call: CUDA_VISIBLE_DEVICES must be in place
+        for k, v in _nccl_env(self.cfg).items():  # before any NCCL call: the engines' side must agree
+            os.environ.setdefault(k, v)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        # Other ranks wait in a collective while rank 0 waits for a batch or for engines during a publish:
+        # the collective timeout must outlast both, or they would fail before rank 0 says why.
+        coll_timeout = max(600.0, self.cfg.rollout.request_timeout_s + 2 * self.cfg.weight_sync.timeout_s + 60)
+        _, self.world_size = init_distributed("gloo" if not torch.cuda.is_available() else "auto", coll_timeout)
+        log.info("learner rank %d/%d up (MASTER %s:%s, LOCAL_RANK %s, CUDA_VISIBLE_DEVICES %s)", self.rank,
+                 self.world_size, env["MASTER_ADDR"], env["MASTER_PORT"], env["LOCAL_RANK"],
+                 os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+        if self.rank == 0:
+            self._source = BrokerSource(self.broker_address, consumer_id="learner",
+                                        lease_timeout_s=self.cfg.broker.lease_timeout_s)
+        self.t0 = time.monotonic()
+        try:
+            run_learner(self.cfg, source=self._source, publish=self._publish, on_metrics=self._metrics,
+                        batch_timeout_s=self.cfg.rollout.request_timeout_s)
+        except StopRequested:
+            log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("learner rank %d failed at version %d", self.rank, self.version)
+            raise
+        finally:
+            self.done = True
+            if self._source is not None:
+                self._source.close()
+            if self.pub is not None:
+                self.pub.close()
+            dist.destroy_process_group()
+        return self.status()
+
+    def stop(self) -> None:
+        self.stop_flag = True
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`record` as plain data (the actor's answer)."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> LearnerStatus:
+        wall = max(1e-9, time.monotonic() - self.t0)
+        return LearnerStatus(
+            simulated=False, step=self.version, rank=self.rank, world_size=self.world_size,
+            learner_wait_s=round(self.wait_s, 3), learner_idle_fraction=self.wait_s / wall,
+            groups_consumed=self.groups_consumed,
+            reward=self.reward_per_step[-1] if self.reward_per_step else None,
+            reward_per_step=list(self.reward_per_step),
+            staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
+            max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
+            publish_s=round(self.publish_s, 3), publishes=self.publishes,
+            last_published_version=self.last_published_version, publish_errors=self.publish_errors,
+            done=self.done, error=self.error)

@@ -1,0 +1,1 @@
+"""Developer tools (not shipped in the product packages): run with ``python -m tools.<name>``."""
