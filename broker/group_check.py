@@ -2,8 +2,8 @@
 
 Rollout workers push one prompt group at a time, so the broker validates pushes one by
 one far more often than in a batch. Checking a few rows costs per call, not per byte:
-about forty numpy and Arrow calls of 1-5 us each, and ``RecordBatch.columns`` alone wraps
-sixteen arrays (25 us). :func:`whole_group` gets every buffer of the batch with two calls
+the general checks make about forty numpy and Arrow calls, and ``RecordBatch.columns``
+alone wraps sixteen arrays. :func:`whole_group` gets every buffer of the batch with two calls
 (``to_struct_array().buffers()``) and answers most checks by comparing buffers with
 constant bytes (offsets ``0..n``, all zeros, ``n`` repeated), which Arrow does in C, and
 the few numeric ones with one numpy reduction each.

@@ -433,10 +433,9 @@ _EOS_BUF = pa.py_buffer(EOS)
 def trajectory_to_ipc(batch: pa.RecordBatch) -> pa.Buffer:
     """:func:`batch_to_ipc` of one batch, the same bytes, cheaper for the usual one: a batch
     in exactly the trajectory schema, under a megabyte of buffers. It skips what costs
-    most there per call: ``RecordBatch.nbytes`` (a walk over every buffer, about 40 us at
-    64 KiB) and hashing the schema to find its message (15 us); an equality check against
-    the trajectory schema (metadata included) and ``get_total_buffer_size`` (2 us) stand
-    in for them. Any other batch goes to :func:`batch_to_ipc`. The broker's producer
+    most there per call: ``RecordBatch.nbytes`` (a walk over every buffer) and hashing the
+    schema to find its message; an equality check against the trajectory schema (metadata
+    included) and ``get_total_buffer_size`` (one cheap call) stand in for them. Any other batch goes to :func:`batch_to_ipc`. The broker's producer
     client uses it; ``batch_to_ipc`` is unchanged (bench/broker.py's raw path uses it)."""
     if (batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True)
             and batch.get_total_buffer_size() < _SMALL_IPC):

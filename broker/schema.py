@@ -275,7 +275,7 @@ def _whole_view(batch: pa.RecordBatch) -> BatchView | None:
 
 JOINT_MAX_BYTES = 64 << 20  # batches checked together at most (bytes)
 # Up to this size (bytes per batch, on average) a copy of the whole batches costs less than
-# the per-batch calls it saves (measured: 30 vs 61 us per 64 KiB batch; 290 vs 141 at 1 MiB).
+# the per-batch calls it saves; above it the copy costs more (bench/broker.py shows both).
 _JOINT_COPY_MAX = 128 << 10
 
 
@@ -315,8 +315,7 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
         view = _fast_view(pa.concat_batches(batches))
     else:
         # Big batches that are each one whole group (the usual pushes) cost less checked one
-        # by one over their buffers than through the joint checks (measured: 160 vs 340 us
-        # per 1 MiB batch); other batches go on below.
+        # by one over their buffers than through the joint checks; other batches go on below.
         views = []
         for b in batches:
             if (v := _whole_view(b)) is None:
@@ -377,7 +376,7 @@ _TOKEN_IDX = (_COL["prompt_ids"], _COL["response_ids"], _COL["behaviour_logprobs
 _ROW_IDX = [i for i in range(len(TRAJECTORY_SCHEMA)) if i not in _TOKEN_IDX]
 _FINISH_SET = frozenset(FINISH_REASONS)
 _LAYOUT = group_check.layout(TRAJECTORY_SCHEMA, FINISH_REASONS)
-_SMALL = 128  # rows up to which Python sets beat Arrow hash kernels (measured: 18 vs 34 us at 128)
+_SMALL = 128  # rows up to which Python sets beat Arrow hash kernels (per-call cost dominates)
 
 
 def _buf(arr: pa.Array, i: int, dtype, count: int, extra: int = 0) -> np.ndarray:

@@ -588,8 +588,8 @@ def _keep_freed_memory() -> None:
 
     Every batch is allocated by libzmq's I/O thread and freed at its ack, from another
     thread; with glibc's defaults a freed frame of a megabyte is unmapped or trimmed, so
-    the next one faults in (and the kernel zeroes) fresh pages, which measured about a
-    fifth of the broker's CPU for 1 MiB batches. The process holds up to its byte budget
+    the next one faults in (and the kernel zeroes) fresh pages, a large share of the
+    broker's CPU for megabyte batches (README, Broker). The process holds up to its byte budget
     of trajectories anyway. Only for the broker process (``python -m broker``), not for
     programs that import the clients."""
     import ctypes
