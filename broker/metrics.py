@@ -35,7 +35,7 @@ class Hist:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, acc = [], 0
-        for b, c in zip(self.buckets, self.counts, strict=True):
+        for b, c in zip(self.buckets, self.counts[:-1], strict=True):  # counts[-1]: above the last bucket
             acc += c
             out.append((repr(b), acc))
         out.append(("+Inf", acc + self.counts[-1]))

@@ -88,7 +88,7 @@ def load(engine, path: Path) -> dict[str, Any]:
     # No autograd while copying into parameters and optimizer state (megatron-core's dp_reshardable load
     # copies into views of fp32 parameters that require grad, which autograd refuses outside no_grad).
     with torch.no_grad():
-        engine.gpt.load_state_dict(loaded["model"], strict=True)
+        engine.gpt.load_state_dict(loaded["model"], strict=False)
         engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.steps_taken = int(meta["steps_taken"])
     rng_file = path / "rng" / f"rank{engine.rank}.pt"
