@@ -22,7 +22,7 @@ import inspect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from broker.schema import Trajectory, to_record_batch
@@ -38,6 +38,7 @@ class Prompt:
     prompt_ids: list[int]
     ground_truth: str = ""
     data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
 
 class PromptSource(Protocol):
@@ -119,6 +120,7 @@ class RolloutWorker:
         self.groups_cancelled = 0  # in flight at shutdown: their tickets were never used
         self.groups_reward_failed = 0
         self.samples_pushed = 0
+        self.samples_truncated = 0  # finish reason 'length': cut at max_tokens
         self.tokens_pushed = 0
         self.reward_sum = 0.0
         self.idle_s = 0.0
@@ -129,7 +131,7 @@ class RolloutWorker:
         return {
             "data": self.prompts.state_dict(),
             "replay": [{"prompt_ids": list(p.prompt_ids), "ground_truth": p.ground_truth,
-                        "data_source": p.data_source} for p in inflight],
+                        "data_source": p.data_source, "extra_info": p.extra_info} for p in inflight],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -230,6 +232,7 @@ class RolloutWorker:
             return
         self.groups_pushed += 1
         self.samples_pushed += len(trajs)
+        self.samples_truncated += sum(1 for s in samples if s.finish_reason == "length")
         self.tokens_pushed += sum(len(s.token_ids) for s in samples)
         self.reward_sum += float(sum(rewards))
 
@@ -238,7 +241,8 @@ class RolloutWorker:
             "groups_started": self.groups_started, "groups_pushed": self.groups_pushed,
             "groups_failed": self.groups_failed, "groups_inflight": self.inflight,
             "groups_cancelled": self.groups_cancelled, "groups_reward_failed": self.groups_reward_failed,
-            "samples_pushed": self.samples_pushed, "tokens_pushed": self.tokens_pushed,
+            "samples_pushed": self.samples_pushed, "samples_truncated": self.samples_truncated,
+            "tokens_pushed": self.tokens_pushed,
             "mean_reward": self.reward_sum / self.samples_pushed if self.samples_pushed else None,
             "idle_s": round(self.idle_s, 3),
         }
