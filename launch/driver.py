@@ -251,7 +251,8 @@ class Job:
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
                     self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
                                                 "eval after")
-                    log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
+                    if self.eval_after is not None:
+                        log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
                 return
             if self.broker is not None and self.broker.proc.poll() is not None:
                 raise JobFailed("the broker process exited")

@@ -31,6 +31,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     broker_dropped = sum(drops.values())
     if fleet.get("groups_reward_failed"):  # never pushed: the fleet dropped them (no made-up rewards)
         drops["reward_error"] = int(fleet["groups_reward_failed"])
+    if fleet.get("groups_bad_request"):  # refused by an engine (HTTP 4xx): the request's fault
+        drops["bad_request"] = int(fleet["groups_bad_request"])
     produced = broker.get("groups_accepted")
     if produced is None:
         produced = fleet.get("groups_pushed", 0)
@@ -66,6 +68,9 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "publishes": learner.get("publishes", 0),  # real learner: publishes that reached >= 1 engine
         "last_published_version": learner.get("last_published_version", 0),
         "publish_errors": learner.get("publish_errors", 0),
+        "publishes_skipped": learner.get("publishes_skipped", 0),  # steps that changed no weights
+        "samples_truncated": fleet.get("samples_truncated", 0),  # finish reason 'length'
+
         "learner_idle_fraction": learner.get("learner_idle_fraction"),
         "fleet_idle_fraction": fleet.get("fleet_idle_fraction"),
         "tokens_generated": fleet.get("tokens_pushed"),

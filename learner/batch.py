@@ -104,9 +104,12 @@ def _empty_micro_batch() -> MicroBatch:
 
 def plan_step(
     batch: pa.RecordBatch, *, rank: int, world_size: int, micro_batch_tokens: int,
-    advantage: str, drop_uniform: bool, aggregation: str,
+    advantage: str, drop_uniform: bool, aggregation: str, mask_truncated: bool = False,
 ) -> StepPlan:
-    """Advantages, the rank split and this rank's micro-batches for one step batch."""
+    """Advantages, the rank split and this rank's micro-batches for one step batch.
+
+    ``mask_truncated``: responses cut at the length limit (finish reason ``length``) still
+    count in their group's advantage baseline but are not trained on."""
     validate_batch(batch)
     if batch.num_rows == 0:
         raise ValueError("a step batch must hold at least one trajectory")
@@ -121,12 +124,16 @@ def plan_step(
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
     adv, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
     keep_np = keep.numpy() & (r_len > 0)
+    truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
+    if mask_truncated:
+        keep_np &= ~truncated
     rows = [int(i) for i in np.flatnonzero(keep_np)]
     total_tokens = int(r_len[rows].sum())
     stats = {
         "samples": float(batch.num_rows),
         "samples_trained": float(len(rows)),
         "samples_dropped_uniform": float((~keep.numpy()).sum()),
+        "samples_truncated": float(truncated.sum()),
         "response_tokens": float(total_tokens),
         "reward_mean": float(rewards.mean()),
         "advantage_abs_mean": float(adv[keep].abs().mean()) if bool(keep.any()) else 0.0,

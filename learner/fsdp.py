@@ -93,9 +93,14 @@ class FSDPEngine(TrainingEngine):
         if cfg.activation_checkpointing:
             # HF's own checkpointing keeps parameter names unchanged (a checkpoint wrapper would add a prefix).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # Load on CPU, move whole, then shard: each rank keeps only its shard afterwards.
-        model.to(self.device)
-        _shard(model, mesh, mp, offload=False)
+        # FSDP2 keeps a parameter's gradient and optimizer state with its shard, so offloading either
+        # (verl's param_offload / optimizer_offload) is one CPUOffloadPolicy: shards in pinned CPU
+        # memory, copied to the GPU per unit for forward and backward, AdamW stepping on the CPU.
+        self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
+        # Load on CPU, move whole (unless offloaded), then shard: each rank keeps only its shard afterwards.
+        if not self.offload:
+            model.to(self.device)
+        _shard(model, mesh, mp, offload=self.offload)
         self.model = model
 
         self.ref_model = None
@@ -192,6 +197,8 @@ class FSDPEngine(TrainingEngine):
         # One all-gather per tensor, issued only when the consumer asks for it, so a publisher can
         # broadcast one bucket while the next is being gathered.
         for name, t in self.model.state_dict().items():
+            if isinstance(t, DTensor) and self.offload:  # an offloaded shard: gather on the GPU
+                t = t.to(self.device)
             full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)

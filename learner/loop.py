@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 # Called on every rank after each optimizer step (and once after a resume) with the new version;
 # it must drain engine.iter_full_params() on every rank (the gathers are collectives).
 PublishHook = Callable[[int, TrainingEngine], None]
+# Called on every rank instead of the publish hook when a step applied no optimizer update (every
+# group uniform, or a non-finite gradient): the engines' weights are already those of the new version.
+UnchangedHook = Callable[[int], None]
 MetricsHook = Callable[[int, dict[str, float]], None]
 
 
@@ -100,7 +103,7 @@ class Learner:
     def __init__(self, engine: TrainingEngine, cfg: LearnerConfig, *, source: BatchSource | None, max_steps: int,
                  checkpoint_dir: Path | None = None, export_root: Path | None = None,
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
-                 batch_timeout_s: float | None = None) -> None:
+                 batch_timeout_s: float | None = None, on_unchanged: UnchangedHook | None = None) -> None:
         if engine.rank == 0 and source is None:
             raise ValueError("learner rank 0 needs a BatchSource")
         self.engine, self.cfg, self.source = engine, cfg, source
@@ -108,6 +111,8 @@ class Learner:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.export_root = Path(export_root) if export_root else None
         self.publish = publish
+        self.on_unchanged = on_unchanged
+        self.publishes_skipped = 0
         self.on_metrics = on_metrics
         self.batch_timeout_s = batch_timeout_s
         self.version = 0
@@ -171,14 +176,20 @@ class Learner:
         t_pull = time.perf_counter() - t0
         plan = plan_step(batch, rank=self.engine.data_rank, world_size=self.engine.data_world_size,
                          micro_batch_tokens=self.cfg.micro_batch_tokens, advantage=self.cfg.loss.advantage,
-                         drop_uniform=self.cfg.loss.drop_uniform_groups, aggregation=self.cfg.loss.aggregation)
+                         drop_uniform=self.cfg.loss.drop_uniform_groups, aggregation=self.cfg.loss.aggregation,
+                         mask_truncated=self.cfg.loss.mask_truncated)
         t1 = time.perf_counter()
         self.engine.prepare_logprobs(plan)
         t_prep = time.perf_counter() - t1
         m = self.engine.train_step(plan)
         self.version = step
         t2 = time.perf_counter()
-        if self.publish is not None:
+        # the skip decision is identical on every rank (the same plan; grad norms are all-reduced)
+        unchanged = bool(m.get("step_skipped", 0.0)) and self.on_unchanged is not None
+        if unchanged:
+            self.publishes_skipped += 1
+            self.on_unchanged(self.version)
+        elif self.publish is not None:
             self.publish(self.version, self.engine)
         t_pub = time.perf_counter() - t2
         if self.engine.rank == 0:
@@ -199,6 +210,7 @@ class Learner:
             "learner/pull_seconds": t_pull,
             "learner/proximal_seconds": t_prep,
             "learner/publish_seconds": t_pub,
+            "learner/publish_skipped": float(unchanged),
             "learner/total_step_seconds": time.perf_counter() - t0,
         })
         self.history.append(metrics)

@@ -47,10 +47,10 @@ class RewardConfig(ConfigModel):
     def _function_form(cls, v: str) -> str:
         # Only the form here: importing a user's module belongs to the process that scores
         # (rollout_fleet.rewards.resolve, called when its RewardPool is built).
-        if v in BUILTIN_REWARDS or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
+        if v in BUILTIN_REWARDS or re.fullmatch(r"([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*", v):
             return v
         raise ValueError(f"reward function {v!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
-                         "nor 'package.module:function'")
+                         "nor 'package.module:function' nor 'path/to/file.py:function'")
 
 
 class SamplingConfig(ConfigModel):

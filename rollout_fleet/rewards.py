@@ -99,19 +99,42 @@ def _as_score(value: Any) -> Any:
     return value["score"] if isinstance(value, dict) and "score" in value else value
 
 
+def _load_file(path: str) -> Any:
+    """A reward module given as a file (verl's ``custom_reward_function.path``)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    if not p.exists():
+        raise ImportError(f"file {path} does not exist")
+    mod_name = f"fleetrl_reward_{abs(hash(str(p)))}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[mod_name]
+        raise ImportError(f"{type(exc).__name__}: {exc}") from exc
+    return module
+
+
 def resolve(name: str) -> RewardFn:
     """The function for a config name: a built-in or ``package.module:function``."""
     if name in BUILTIN:
         return BUILTIN[name]
-    module_name, sep, attr = name.partition(":")
+    module_name, sep, attr = name.rpartition(":")
     if not sep or not module_name or not attr:
         raise RewardConfigError(
             f"reward function {name!r} is neither a built-in ({', '.join(BUILTIN)}) "
-            f"nor of the form 'package.module:function'"
+            f"nor of the form 'package.module:function' or 'path/to/file.py:function'"
         )
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+        module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except (ImportError, OSError) as exc:
         raise RewardConfigError(f"reward function {name!r}: cannot import module {module_name!r}: {exc}") from exc
     fn = module
     for part in attr.split("."):

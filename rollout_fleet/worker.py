@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from broker.schema import Trajectory, to_record_batch
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class RolloutWorker:
         self.groups_failed = 0
         self.groups_cancelled = 0  # in flight at shutdown: their tickets were never used
         self.groups_reward_failed = 0
+        self.groups_bad_request = 0  # an engine refused the request (4xx): dropped with a reason, not lost
         self.samples_pushed = 0
         self.samples_truncated = 0  # finish reason 'length': cut at max_tokens
         self.tokens_pushed = 0
@@ -197,6 +198,10 @@ class RolloutWorker:
             min_version = max(0, int(ticket.step) - self.max_staleness - 1)
             engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params, min_version)
             rewards = await self.rewards.score(prompt, samples)
+        except BadRequest as exc:
+            self.groups_bad_request += 1
+            log.error("rollout: group %s dropped, the engine refused its request: %s", group_id, exc)
+            return
         except EngineError as exc:
             self.groups_failed += 1
             log.error("rollout: group %s failed for good: %s", group_id, exc)
@@ -241,6 +246,7 @@ class RolloutWorker:
             "groups_started": self.groups_started, "groups_pushed": self.groups_pushed,
             "groups_failed": self.groups_failed, "groups_inflight": self.inflight,
             "groups_cancelled": self.groups_cancelled, "groups_reward_failed": self.groups_reward_failed,
+            "groups_bad_request": self.groups_bad_request,
             "samples_pushed": self.samples_pushed, "samples_truncated": self.samples_truncated,
             "tokens_pushed": self.tokens_pushed,
             "mean_reward": self.reward_sum / self.samples_pushed if self.samples_pushed else None,

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.net import EngineError
+from core.net import BadRequest, EngineError
 
-__all__ = ["EngineClient", "EngineError", "Sample", "SamplingParams"]
+__all__ = ["BadRequest", "EngineClient", "EngineError", "Sample", "SamplingParams"]
 
 
 @dataclass(kw_only=True, slots=True)
