@@ -303,7 +303,8 @@ def parse(text_or_args: str | list[str]) -> dict[str, Any]:
     words = shlex.split(text_or_args) if isinstance(text_or_args, str) else list(text_or_args)
     out: dict[str, Any] = {}
     for w in words:
-        if w in ("\\", "python3", "python", "-m", "verl.trainer.main_ppo"):
+        # a pasted script: its interpreter words and line continuations are not keys
+        if not w.strip() or w in ("\\", "python3", "python", "-m", "verl.trainer.main_ppo", "$@"):
             continue
         key, sep, raw = w.partition("=")
         if not sep or not key:
