@@ -15,6 +15,7 @@ directory (:func:`write_subconfigs`); each process reads only its own part.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,8 @@ def resolve_model_path(path: str) -> str:
         try:
             from huggingface_hub import snapshot_download
 
-            local = snapshot_download(path, local_files_only=True)
+            # the cache the environment names now (huggingface_hub reads it once, at its import)
+            local = snapshot_download(path, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE"))
             if (Path(local) / "config.json").exists():
                 return local
         except Exception:  # not in the cache (or no huggingface_hub): say what to do below
