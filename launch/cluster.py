@@ -8,6 +8,8 @@ Examples::
     python launch/cluster.py --recipe tiny broker.max_staleness=0 learner.loss.correction=none
     python launch/cluster.py scale --rollout-gpus 8 --run-dir runs/tiny                # running job
     python launch/cluster.py status --run-dir runs/tiny
+    python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
+    python launch/cluster.py verl 'algorithm.adv_estimator=grpo data.train_batch_size=1024 ...'  # verl's keys
 
 This module imports only the standard library at the top, so ``--help`` and config
 errors answer in well under a second; Ray, torch and vLLM load in :mod:`launch.driver`.
@@ -31,7 +33,8 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch/cluster.py",
         description="Run asynchronous RL: a learner pool and a rollout fleet on disjoint GPUs of a Ray cluster. "
-        "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help').",
+        "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help'); "
+        "'verl KEY=VALUE ...' prints what a verl command line maps to.",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. broker.max_staleness=0 learner.optim.lr=1e-5")
