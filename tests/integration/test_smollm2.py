@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data" / "word_problems"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture()
+def short_tmp():
+    """A short run directory: vLLM puts ZMQ ipc sockets under it, and a socket path has at most 107 bytes."""
+    d = Path(tempfile.mkdtemp(prefix="fr19-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_conversion_matches_the_gguf_and_catches_a_corrupted_tensor(smollm2_model):
@@ -110,9 +120,9 @@ def test_vllm_serves_chat_templated_samples_with_the_learners_logprobs(smollm2_m
     assert d.max() < 0.02 and d.mean() < 0.005, (d.max(), d.mean())
 
 
-def test_short_real_model_run_through_the_launcher(smollm2_model, tmp_path):
-    run_dir = tmp_path / "run"
-    summary = tmp_path / "summary.json"
+def test_short_real_model_run_through_the_launcher(smollm2_model, short_tmp):
+    run_dir = short_tmp / "run"
+    summary = short_tmp / "summary.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "smollm2",
            "--max-steps", "2", "--run-dir", str(run_dir), "--summary", str(summary), "--no-live",
