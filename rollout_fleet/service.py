@@ -189,6 +189,9 @@ class FleetService:
         if self._versions_task is not None:
             self._versions_task.cancel()
         final = self.status_now()
-        await self.fleet.close()
-        await self.producer.close()
+        # a start that failed part-way (a server that never came up) leaves some of these unset
+        if hasattr(self, "fleet"):
+            await self.fleet.close()
+        if hasattr(self, "producer"):
+            await self.producer.close()
         return final
