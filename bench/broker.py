@@ -19,6 +19,17 @@ token ids and log-probs, 100 prompt ids) it runs, in separate processes:
   as the broker's clients do it (``trajectory_to_ipc``; frames under ``COPY_BELOW`` copied,
   larger ones zero-copy), so the ratio is the cost of the broker and nothing else.
 
+Against the fleet: each case also reports rows (samples) per second of one broker core
+(``rows_per_broker_core_s``: rows per batch over the broker process's CPU per batch) and
+how many such cores a 1,024-GPU fleet would need (``FLEET_1024_SAMPLES_PER_S``: about 20k
+samples/s of 1k tokens on a 0.5B model); see the README's broker scaling section.
+
+``--versus OLD_TREE`` measures this broker against another checkout's (e.g. ``git archive``
+of an older commit unpacked in a folder): the broker process runs from each tree in turn,
+with this tree's clients, ``--rounds`` runs each per case, alternating, and the JSON gets
+every run's rows/s and broker CPU per batch, the ratio new/old of their medians and bests,
+and the spread of the pairwise ratios.
+
 Both run over loopback TCP (the broker's default address); ``--transport ipc`` runs both over
 Unix sockets instead (ipc://), which costs either path's libzmq I/O threads less per byte
 (measured at 1 MiB: 0.65 ms of the broker's per-batch CPU is its I/O thread over TCP), so it
@@ -62,6 +73,7 @@ WINDOW = 32  # pushes in flight (each holds a ticket: with the groups held, at m
 BURST = 16  # pushes stamped per event-loop turn (they go out as one message)
 PREFETCH = 16  # learner steps the bench consumer requests ahead
 IN_FLIGHT = 64  # groups the broker path may hold (G * (k + 1)); raw: HWM 32 at each end
+FLEET_1024_SAMPLES_PER_S = 20_000  # a 1,024-GPU fleet, 1k-token samples, 0.5B model (issue 25)
 
 
 def base_batch(batch_bytes: int) -> pa.RecordBatch:
@@ -216,7 +228,9 @@ def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
         cpu.value = time.process_time() - c0
 
 
-def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, transport: str = "tcp") -> dict:
+def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, transport: str = "tcp",
+               broker_tree: Path | None = None) -> dict:
+    """``broker_tree``: run the broker process from that checkout (the clients stay this one's)."""
     from broker.client import ConsumerClient, new_event_loop
     from broker.process import BrokerProcess
 
@@ -228,7 +242,7 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, tran
     opts = dict(groups_per_step=g, max_staleness=k, byte_budget_mb=4096, max_message_mb=1024,
                 spool_dir=tmp.name if spool else None, fsync="never")
     address = f"ipc://{sock_dir.name}/broker.sock" if sock_dir is not None else "tcp://127.0.0.1:0"
-    bp = BrokerProcess(address=address, **opts).start()
+    bp = BrokerProcess(address=address, cwd=str(broker_tree) if broker_tree else None, **opts).start()
     fork = mp.get_context("fork")
     prod_cpu = fork.Value("d", 0.0)
     broker_cpu0 = proc_cpu_s(bp.pid)
@@ -311,6 +325,10 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
         "raw_cpu_ms_per_batch": {k: round(v, 3) for k, v in raw["cpu_ms_per_batch"].items()},
         "load_avg_1m": os.getloadavg()[0],
     }
+    broker_ms = out["cpu_ms_per_batch"]["broker"]
+    out["rows_per_broker_core_s"] = raw["rows_per_batch"] / (broker_ms / 1e3) if broker_ms > 0 else None
+    if out["rows_per_broker_core_s"]:
+        out["broker_cores_for_1024_gpu_fleet"] = FLEET_1024_SAMPLES_PER_S / out["rows_per_broker_core_s"]
     print(f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
           f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
           f"ratio {out['ratio_vs_raw']:.2f} | p50 {out['p50_ms']:.1f} ms p99 {out['p99_ms']:.1f} ms "
@@ -318,6 +336,45 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
           f"{sum(out['cpu_ms_per_batch'].values()):.2f} (raw {sum(out['raw_cpu_ms_per_batch'].values()):.2f})",
           flush=True)
     return out
+
+
+def versus(old_tree: Path, rounds: int, out_json: str | None, batches_64k: int) -> int:
+    """This tree's broker process against ``old_tree``'s, the same clients (this tree's), the
+    same cases, alternating run by run (``rounds`` each, the first of a pair swapped every
+    round), so load from other processes falls on both alike."""
+    trees = {"new": None, "old": old_tree.resolve()}
+    cases = []
+    for size in (64 << 10, 1 << 20):
+        n = batches_64k if size == 64 << 10 else max(100, batches_64k // 8)
+        for spool in (False, True):
+            runs: dict[str, list[dict]] = {"new": [], "old": []}
+            for r in range(rounds):
+                for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+                    res = broker_run(size, n, spool, 1, "tcp", trees[name])
+                    runs[name].append({"rows_per_s": res["rows_per_s"],
+                                       "broker_cpu_ms_per_batch": res["cpu_ms_per_batch"]["broker"],
+                                       "load_avg_1m": os.getloadavg()[0]})
+            new = [x["rows_per_s"] for x in runs["new"]]
+            old = [x["rows_per_s"] for x in runs["old"]]
+            pair = [a / b for a, b in zip(new, old, strict=True)]
+            cpu_new = [x["broker_cpu_ms_per_batch"] for x in runs["new"]]
+            cpu_old = [x["broker_cpu_ms_per_batch"] for x in runs["old"]]
+            c = {"batch_bytes": size, "spool": spool, "batches": n, "runs": runs,
+                 "rows_per_s_ratio_of_medians": float(np.median(new) / np.median(old)),
+                 "rows_per_s_ratio_of_bests": max(new) / max(old),
+                 "pairwise_ratio_min": min(pair), "pairwise_ratio_max": max(pair),
+                 "broker_cpu_ratio_of_medians": float(np.median(cpu_new) / np.median(cpu_old))}
+            cases.append(c)
+            print(f"{size >> 10:>6} KiB spool={'on ' if spool else 'off'} rows/s new {np.median(new):9.0f} old "
+                  f"{np.median(old):9.0f} (medians; ratio {c['rows_per_s_ratio_of_medians']:.3f}, bests "
+                  f"{c['rows_per_s_ratio_of_bests']:.3f}, pairs {min(pair):.3f}..{max(pair):.3f}) | broker CPU ms/batch "
+                  f"new {np.median(cpu_new):.3f} old {np.median(cpu_old):.3f}", flush=True)
+    result = {"versus": str(old_tree), "rounds": rounds, "clients": "this tree's, for both brokers", "cases": cases,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    if out_json:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def main() -> int:
@@ -330,7 +387,12 @@ def main() -> int:
                     help="tcp (loopback; the default) or ipc (Unix sockets), for raw and broker alike")
     ap.add_argument("--groups-per-step", type=int, default=1,
                     help="groups (= pushed batches) per learner step (k = 64 // G - 1)")
+    ap.add_argument("--versus", type=Path, help="another checkout: run the quick bench from both, alternately")
+    ap.add_argument("--rounds", type=int, default=5, help="with --versus: runs of each broker per case")
+    ap.add_argument("--versus-batches", type=int, default=4000, help="with --versus: 64 KiB batches a run (1 MiB: 1/8)")
     args = ap.parse_args()
+    if args.versus is not None:
+        return versus(args.versus, args.rounds, args.json, args.versus_batches)
     if not 1 <= args.groups_per_step <= IN_FLIGHT:
         ap.error(f"--groups-per-step must be in 1..{IN_FLIGHT}")
     args.repeat = args.repeat or (1 if args.quick else 2)

@@ -5,8 +5,11 @@ to replies by ``req``. Every wait has a timeout that names the broker, the
 operation and the time waited. Requests that are idempotent on the broker side
 (push, next_batch, ack, renew, status, versions) are re-sent after a silent
 attempt, so a broker restart on the same address is ridden out within
-``timeout_s``; ``acquire_tickets`` is sent once (a lost grant expires on its own,
-after ``ticket_timeout_s``; so do tickets of a push reply that was lost).
+``timeout_s``. So is ``acquire_tickets``, which is not idempotent: a retry after a reply
+that was only late (not lost) may be granted tickets twice; the surplus is never used and
+expires after ``ticket_timeout_s``, as do tickets of any reply that was lost. Sending it
+once instead would turn the request a broker crash swallowed into a BrokerTimeout that
+ends the caller's loop (seen: a fleet that stopped asking after its broker was restarted).
 
 Round trips on the batch path: ``push(batch, want_tickets=n)`` brings back new
 tickets with the push reply, and ``ack(lease_id, defer=True)`` sends the ack with
@@ -292,7 +295,7 @@ class ProducerClient(_Client):
         can be granted at once (fewer round trips), then returns what there is; [] if none came."""
         reply, _ = await self._call(P.AcquireTickets(producer_id=self.producer_id, max_groups=max_groups,
                                                      wait_s=wait_s, min_groups=min_groups),
-                                    wait_s=wait_s, retry=False)
+                                    wait_s=wait_s)
         return reply.tickets
 
     async def push(self, batch: pa.RecordBatch, *, want_tickets: int = 0) -> P.PushReply:
@@ -336,6 +339,19 @@ class ConsumerClient(_Client):
         (``lease_expired``: that step used data handed out again; do not count it).
         With ``renew_every_s`` the lease is renewed in the background until it is acked, so
         only the death of this process (or its event loop) lets it expire."""
+        try:
+            return await self._next_batch(step, wait_s, renew_every_s)
+        except BrokerError as e:
+            if e.code != P.ErrorCode.STEP_AHEAD:
+                raise
+        # A step past the broker's window (v + k + 1): this consumer resumed ahead of it (a
+        # checkpoint, or a report lost in a broker restart). The consumer owns its version.
+        log.warning("broker %s: step %d is ahead of its window; reporting version %d first", self.address, step,
+                    step - 1)
+        await self.report_version(step - 1)
+        return await self._next_batch(step, wait_s, renew_every_s)
+
+    async def _next_batch(self, step: int, wait_s: float, renew_every_s: float | None) -> Lease | None:
         # The acks travel with this request only: another next_batch sent meanwhile (several
         # steps requested ahead) does not repeat them. If this one fails they are deferred again.
         acks, self._deferred = self._deferred, []

@@ -47,12 +47,14 @@ may wait for ``min_groups`` at once.
 
 from __future__ import annotations
 
-from typing import Union
+import struct
+from typing import Annotated, Union
 
 import msgspec
 import pyarrow as pa
 import zmq
 
+from broker import limits as L
 from broker.schema import TRAJECTORY_SCHEMA
 
 PROTOCOL_VERSION = 3
@@ -72,10 +74,11 @@ class ErrorCode:
     TOO_LARGE = "too_large"  # a single push larger than the whole byte budget
     LEASE_EXPIRED = "lease_expired"  # ack of a lease whose groups were handed out again
     UNKNOWN_LEASE = "unknown_lease"
+    STEP_AHEAD = "step_ahead"  # next_batch for a step past v + k + 1: report_version first (a resumed learner)
     INTERNAL = "internal"
 
     ALL = (BAD_FRAME, UNKNOWN_TYPE, OLD_PROTOCOL, BAD_REQUEST, BAD_SCHEMA, INCOMPLETE_GROUP,
-           NO_TICKET, BUSY, TOO_LARGE, LEASE_EXPIRED, UNKNOWN_LEASE, INTERNAL)
+           NO_TICKET, BUSY, TOO_LARGE, LEASE_EXPIRED, UNKNOWN_LEASE, STEP_AHEAD, INTERNAL)
 
 
 class Envelope(msgspec.Struct):
@@ -92,15 +95,23 @@ class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
 
 
 # -- requests ----------------------------------------------------------------------------------
+# Field bounds (broker.limits) are part of the types: the decoder refuses a value out of range
+# with bad_request naming the field, before any handler or the spool sees it.
+Id = Annotated[str, msgspec.Meta(max_length=L.MAX_ID_CHARS)]
+WaitS = Annotated[float, msgspec.Meta(ge=0.0, le=L.MAX_WAIT_S)]  # NaN fails both bounds
+Count = Annotated[int, msgspec.Meta(ge=1, le=L.MAX_TICKETS_PER_REQUEST)]
+Step = Annotated[int, msgspec.Meta(ge=1, le=L.MAX_STEP)]
+Version = Annotated[int, msgspec.Meta(ge=0, le=L.MAX_VERSION)]
+
 
 class AcquireTickets(_Msg, tag="acquire"):
     """Up to ``max_groups`` tickets; the reply waits up to ``wait_s`` until at least
     ``min(min_groups, max_groups)`` can be granted (then returns what there is, maybe none)."""
 
-    producer_id: str
-    max_groups: int
-    wait_s: float = 0.0
-    min_groups: int = 1
+    producer_id: Id
+    max_groups: Count
+    wait_s: WaitS = 0.0
+    min_groups: Count = 1
 
 
 class Push(_Msg, tag="push"):
@@ -108,13 +119,13 @@ class Push(_Msg, tag="push"):
     ``want_tickets`` the broker also grants up to that many tickets, without waiting,
     in the reply (none while other producers wait in ``AcquireTickets``: they go first)."""
 
-    producer_id: str
-    want_tickets: int = 0
+    producer_id: Id
+    want_tickets: Annotated[int, msgspec.Meta(ge=0, le=L.MAX_TICKETS_PER_REQUEST)] = 0
 
 
 class EngineVersion(_Msg, tag="engine_version"):
-    engine_id: str
-    version: int
+    engine_id: Id
+    version: Version
 
 
 class NextBatch(_Msg, tag="next_batch"):
@@ -122,23 +133,23 @@ class NextBatch(_Msg, tag="next_batch"):
     the whole reply an ``ErrorReply`` naming it in ``lease_id``: the acks before it are
     applied, those after it are not, and the batch is not looked up."""
 
-    consumer_id: str
-    step: int
-    wait_s: float = 0.0
-    acks: list[str] = []
+    consumer_id: Id
+    step: Step
+    wait_s: WaitS = 0.0
+    acks: Annotated[list[Id], msgspec.Meta(max_length=L.MAX_ACKS)] = []
 
 
 class Ack(_Msg, tag="ack"):
-    consumer_id: str
-    lease_id: str
+    consumer_id: Id
+    lease_id: Id
 
 
 class Renew(_Msg, tag="renew"):
-    lease_id: str
+    lease_id: Id
 
 
 class ReportVersion(_Msg, tag="report_version"):
-    version: int
+    version: Version
 
 
 class StatusRequest(_Msg, tag="status"):
@@ -154,7 +165,7 @@ class Multi(_Msg, tag="multi"):
     Each is answered on its own (its own ``req``); a ``Multi`` itself gets a reply only when
     its framing is wrong (``bad_frame``, and none of its requests is handled)."""
 
-    frames: list[int]
+    frames: list[int]  # counts and their sum are checked by the server (bad_frame)
 
 
 MAX_MULTI = 4096  # requests in one Multi
@@ -252,10 +263,14 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode_envelope(header: bytes | memoryview) -> Envelope:
+    if len(header) > L.MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"header of {len(header)} bytes; at most {L.MAX_HEADER_BYTES}")
     try:
         env = _envelope_decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header is not a msgpack message header: {e}") from None
+    except RecursionError:  # msgspec recurses per nesting level, even into fields it skips
+        raise ProtocolError(ErrorCode.BAD_FRAME, "header nests msgpack containers too deeply") from None
     return env
 
 
@@ -275,6 +290,8 @@ def decode_request(header: bytes | memoryview) -> Request:
         return _request_decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad {env.type!r} message: {e}") from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "header nests msgpack containers too deeply") from None
 
 
 def decode_reply(header: bytes | memoryview) -> Reply:
@@ -365,6 +382,38 @@ def batch_to_ipc(batches: pa.RecordBatch | list[pa.RecordBatch], schema: pa.Sche
     return sink.getvalue()
 
 
+_u16, _i32, _u32 = struct.Struct("<H").unpack_from, struct.Struct("<i").unpack_from, struct.Struct("<I").unpack_from
+
+
+def is_compressed(msg: pa.ipc.Message) -> bool:
+    """Whether a record batch message has compressed buffers (its ``compression`` field set).
+
+    Read from the message's flatbuffer (Message.header -> RecordBatch.compression), before
+    Arrow decompresses anything: a few kilobytes of zstd can inflate to gigabytes, so the
+    broker refuses compressed bodies instead of decompressing and then measuring them.
+    Straight-line struct reads (this runs for every pushed batch). Raises struct.error for
+    metadata that is not a well-formed flatbuffer."""
+    m = msg.metadata.to_pybytes()  # a few hundred bytes; struct reads bytes fastest
+    root = _u32(m, 0)[0]
+    vt = root - _i32(m, root)[0]  # the table's vtable: u16 size, u16 table size, u16 per field
+    f = _u16(m, vt + 8)[0] if _u16(m, vt)[0] > 8 else 0  # Message field 2: header
+    if not f:
+        return False
+    header = root + f + _u32(m, root + f)[0]
+    vt = header - _i32(m, header)[0]
+    return _u16(m, vt)[0] > 10 and _u16(m, vt + 10)[0] != 0  # RecordBatch field 3: compression
+
+
+def _check_uncompressed(msg: pa.ipc.Message) -> None:
+    try:
+        compressed = is_compressed(msg)
+    except (struct.error, IndexError, ValueError):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "record batch message metadata is not a flatbuffer") from None
+    if compressed:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "compressed Arrow IPC bodies are not accepted (the byte budget "
+                            "counts what the broker holds); send uncompressed batches")
+
+
 _schemas: dict[bytes, pa.Schema] = {}  # schema message -> schema: producers send one again and again
 _TRAJ_HEAD_BYTES = schema_message(TRAJECTORY_SCHEMA)
 _TRAJ_HEAD = pa.py_buffer(_TRAJ_HEAD_BYTES)
@@ -419,6 +468,7 @@ def ipc_to_batches(buf) -> list[pa.RecordBatch]:
         try:
             msg = pa.ipc.read_message(pb.slice(h, n - h - 8))
             if msg.type == "record batch" and 8 + msg.metadata.size + msg.body.size == n - h - 8:
+                _check_uncompressed(msg)
                 return [pa.ipc.read_record_batch(msg, TRAJECTORY_SCHEMA)]
         except (pa.ArrowException, OSError, ValueError):
             pass  # the general path below names the problem
@@ -441,6 +491,7 @@ def ipc_to_batches(buf) -> list[pa.RecordBatch]:
         for msg in reader:
             if msg.type != "record batch":
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"unexpected {msg.type!r} message in the Arrow IPC stream")
+            _check_uncompressed(msg)
             out.append(pa.ipc.read_record_batch(msg, schema))
         return out
     except (pa.ArrowException, OSError, ValueError) as e:

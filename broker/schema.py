@@ -238,6 +238,16 @@ def inspect_batch(batch: pa.RecordBatch) -> BatchView:
     """
     if not isinstance(batch, pa.RecordBatch):
         raise SchemaError(f"expected a pyarrow.RecordBatch, got {type(batch).__name__}")
+    try:
+        return _inspect(batch)
+    except SchemaError:
+        raise
+    except (ValueError, TypeError, IndexError, OverflowError, pa.ArrowException) as e:
+        # a batch the checks cannot even read (e.g. field names that are not UTF-8) is invalid
+        raise SchemaError(f"trajectory batch cannot be checked: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _inspect(batch: pa.RecordBatch) -> BatchView:
     _check_schema(batch)
     try:
         batch.validate(full=True)

@@ -91,6 +91,17 @@ Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step)
   goes on serving everyone else. Garbage at the TCP level either fails the ZMTP
   handshake (libzmq closes that connection) or is read by libzmq as legacy ZMTP
   1.0 frames, which then get ``bad_frame`` replies like any other bad frame.
+* **Bounds.** Every field a peer sends is range-checked when decoded or before it
+  changes anything (see :mod:`broker.limits` and :mod:`broker.state`): a refused value
+  gets its error code and is never spooled. No exception from one request, nor from
+  answering a waiter, leaves the loop: it becomes an ``internal`` reply for that request
+  and a rate-limited log line. A peer holds at most ``MAX_WAITERS_PER_PEER`` waiting
+  requests (its oldest is answered early, as if its wait had ended) and all peers
+  together ``MAX_WAITERS`` (then ``busy``), and no wait outlives ``MAX_WAIT_S``, so the
+  waiters of a peer that disconnected (the bundled libzmq has no ROUTER_NOTIFY to tell)
+  are bounded in number and time; engine ids are kept for at most ``MAX_ENGINES`` ids and
+  ``ENGINE_TTL_S``; refusals are logged at most once per code per ``LOG_INTERVAL_S``,
+  with the count of those suppressed. Each bound has a metric.
 * **Security.** Binds to 127.0.0.1 unless another address is configured. With
   ``curve_keys_dir`` the socket is a CurveZMQ server (keys from
   ``python -m broker keys DIR``) and only client public keys in ``DIR/clients``
@@ -110,6 +121,7 @@ from pathlib import Path
 import pyarrow as pa
 import zmq
 
+from broker import limits as L
 from broker import protocol as P
 from broker.config import BrokerConfig
 from broker.metrics import Hist, Rates, snapshot, start_metrics_server
@@ -161,6 +173,9 @@ class BrokerServer:
         self.metrics_port: int | None = None
         self._ticket_waiters: list[_Waiter] = []
         self._lease_waiters: list[_Waiter] = []
+        self.waiter_limits = L.WaiterLimits()
+        self._waiting: dict[bytes, int] = defaultdict(int)  # peer -> its waiters in both lists
+        self.rlog = L.RateLimitedLog(log)
         self._out: list[list] = []
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -172,6 +187,9 @@ class BrokerServer:
         if self.spool is not None:
             rec = self.spool.recover()
             self.state.restore(rec.batches, rec.records, time.monotonic())
+            if rec.quarantined:
+                log.warning("%d spool record(s) failed validation and were quarantined (see %s/quarantine)",
+                            rec.quarantined, self.cfg.spool_dir)
             self.state.journal = self.spool
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -225,9 +243,10 @@ class BrokerServer:
                         frames = P.recv_frames(self._sock)
                     except zmq.Again:
                         break
-                    self._handle(frames)
+                    self._handle_safely(frames)
             now = time.monotonic()
             self.state.tick(now)
+            self.state.expire_engines(now)
             self._serve_waiters(now)
             if self.spool is not None:
                 self.spool.commit()
@@ -259,7 +278,7 @@ class BrokerServer:
                lease_id: str = "") -> None:
         self.errors[code] += 1
         if code != P.ErrorCode.BUSY:
-            log.warning("refused request %d: %s: %s", req, code, message[:300])
+            self.rlog.warning(code, "refused request %d: %s: %s", req, code, message[:300])
         self._reply(ident, P.ErrorReply(req=req, code=code, message=message, retry_after_s=retry_after_s,
                                         lease_id=lease_id))
 
@@ -289,6 +308,21 @@ class BrokerServer:
             log.debug("reply undeliverable: %s", e)
 
     # -- requests --------------------------------------------------------------------------------
+    def _handle_safely(self, frames: list[zmq.Frame]) -> None:
+        """_handle, with any exception it lets out (a bug) answered as ``internal``."""
+        try:
+            self._handle(frames)
+        except Exception as e:
+            self._internal(frames[0].bytes, 0, e)
+
+    def _internal(self, ident: bytes, req: int, e: Exception) -> None:
+        self.rlog.log(logging.ERROR, "internal", "internal error handling a request: %s: %s", type(e).__name__, e,
+                      exc_info=e)
+        try:
+            self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {str(e)[:300]}")
+        except Exception:  # not even the error reply encodes: count it, send nothing
+            self.errors["reply_unencodable"] += 1
+
     def _handle(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
         if len(frames) < 2:
@@ -348,7 +382,7 @@ class BrokerServer:
                 views = inspect_batches([prepared[j][0][0] for j in joint],
                                         sum(len(subs[j][1][1]) for j in joint))
             except Exception:  # each push is then validated on its own, with its own error
-                log.exception("joint validation failed; validating pushes one by one")
+                log.debug("joint validation failed; validating pushes one by one", exc_info=True)
                 views = None
             if views is not None:
                 for j, view in zip(joint, views, strict=True):
@@ -378,15 +412,12 @@ class BrokerServer:
         except BrokerError as e:
             self._error(ident, req, e.code, e.message, e.retry_after_s, e.lease_id)
         except Exception as e:  # a bug must not take the broker down for everyone
-            log.exception("internal error handling a request")
-            self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self._internal(ident, req, e)
 
     def _dispatch(self, ident: bytes, msg, frames, prepared=None) -> None:
         now = time.monotonic()
         st = self.state
         if isinstance(msg, P.Push):
-            if msg.want_tickets < 0:
-                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"want_tickets must be >= 0, got {msg.want_tickets}")
             payload = frames[1]
             if isinstance(prepared, Exception):
                 raise prepared
@@ -403,21 +434,20 @@ class BrokerServer:
                 tickets = st.acquire(msg.producer_id, msg.want_tickets, now)
             self._reply(ident, P.PushReply(req=msg.req, groups=groups, rows=rows, duplicates=dups, tickets=tickets))
         elif isinstance(msg, P.AcquireTickets):
-            if msg.max_groups < 1 or msg.min_groups < 1:
-                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"max_groups and min_groups must be >= 1, got "
-                                  f"{msg.max_groups} and {msg.min_groups}")
-            self._ticket_waiters.append(_Waiter(ident, msg, now, now + max(0.0, msg.wait_s)))
+            self._room_for_waiter(ident, now)
+            self._add_waiter(self._ticket_waiters, _Waiter(ident, msg, now, now + msg.wait_s))
         elif isinstance(msg, P.NextBatch):
-            if msg.step < 1:
-                raise BrokerError(P.ErrorCode.BAD_REQUEST, f"step must be >= 1, got {msg.step}")
-            w = _Waiter(ident, msg, now, now + max(0.0, msg.wait_s))
+            self._room_for_waiter(ident, now)
+            w = _Waiter(ident, msg, now, now + msg.wait_s)
             for lease_id in msg.acks:  # before the lookup: acked groups free their slots at once
                 dup, late = st.ack(lease_id, now)
                 if dup:
                     w.acks_duplicate.append(lease_id)
                 elif late:
                     w.acks_late.append(lease_id)
-            self._lease_waiters.append(w)
+            if not st.has_lease(msg.consumer_id, msg.step):  # a retried request gets its lease
+                st.check_lease_step(msg.step)
+            self._add_waiter(self._lease_waiters, w)
         elif isinstance(msg, P.Ack):
             dup, late = st.ack(msg.lease_id, now)
             self._reply(ident, P.AckReply(req=msg.req, duplicate=dup, late=late))
@@ -428,7 +458,7 @@ class BrokerServer:
             st.set_version(msg.version)
             self._reply(ident, P.OkReply(req=msg.req))
         elif isinstance(msg, P.EngineVersion):
-            st.set_engine_version(msg.engine_id, msg.version)
+            st.set_engine_version(msg.engine_id, msg.version, now)
             self._reply(ident, P.OkReply(req=msg.req))
         elif isinstance(msg, P.StatusRequest):
             snap = self.latest_snapshot = snapshot(self)
@@ -440,46 +470,99 @@ class BrokerServer:
         else:  # decode_request only returns known types
             raise AssertionError(f"unhandled message {msg!r}")
 
+    # -- waiters ---------------------------------------------------------------------------------
+    def _room_for_waiter(self, ident: bytes, now: float) -> None:
+        """Make room for one more waiter of ``ident``, or refuse it (``busy``)."""
+        wl = self.waiter_limits
+        if self._waiting.get(ident, 0) >= wl.per_peer:
+            # its oldest waiter is most likely a request it retried since: answer it now
+            oldest = min((w for lst in (self._ticket_waiters, self._lease_waiters) for w in lst
+                          if w.ident == ident), key=lambda w: w.t0)
+            self._ticket_waiters = [w for w in self._ticket_waiters if w is not oldest]
+            self._lease_waiters = [w for w in self._lease_waiters if w is not oldest]
+            self._forget_waiter(oldest)
+            self._answer_empty(oldest)
+            wl.evicted += 1
+            return
+        if len(self._ticket_waiters) + len(self._lease_waiters) >= wl.total:
+            wl.refused += 1
+            raise BrokerError(P.ErrorCode.BUSY, f"{wl.total} requests are waiting already; retry later",
+                              retry_after_s=0.5)
+
+    def _add_waiter(self, lst: list, w: _Waiter) -> None:
+        lst.append(w)
+        self._waiting[w.ident] += 1
+
+    def _forget_waiter(self, w: _Waiter) -> None:
+        n = self._waiting[w.ident] - 1
+        if n > 0:
+            self._waiting[w.ident] = n
+        else:
+            self._waiting.pop(w.ident, None)
+
+    def _answer_empty(self, w: _Waiter) -> None:
+        """The answer a waiter gets when its wait ends with nothing."""
+        if type(w.msg) is P.AcquireTickets:
+            self._reply(w.ident, P.TicketsReply(req=w.msg.req, tickets=[]))
+        else:
+            self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups,
+                                           acks_duplicate=w.acks_duplicate, acks_late=w.acks_late))
+
     def _serve_waiters(self, now: float) -> None:
-        keep = []
-        for w in self._ticket_waiters:
-            if now < w.deadline and self.state.free_slots() < min(w.msg.min_groups, w.msg.max_groups):
-                keep.append(w)
-                continue
-            try:
-                tickets = self.state.acquire(w.msg.producer_id, w.msg.max_groups, now)
-            except BrokerError as e:
-                self._error(w.ident, w.msg.req, e.code, e.message)
-                continue
-            if tickets or now >= w.deadline:
-                if tickets:
-                    self.ticket_wait.observe(now - w.t0)
-                self._reply(w.ident, P.TicketsReply(req=w.msg.req, tickets=tickets))
-            else:
-                keep.append(w)
-        self._ticket_waiters = keep
-        keep = []
-        for w in self._lease_waiters:
-            try:
-                lease = self.state.lease(w.msg.consumer_id, w.msg.step, now)
-            except BrokerError as e:
-                self._error(w.ident, w.msg.req, e.code, e.message)
-                continue
-            if lease is not None:
-                self.learner_wait.observe(now - w.t0)
-                payload = _lease_frames(lease)
-                self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
-                                                  groups=len(lease.group_ids),
-                                                  staleness=lease.staleness.astype("<i4").tobytes(),
-                                                  frames=len(payload),
-                                                  acks_duplicate=w.acks_duplicate, acks_late=w.acks_late),
-                            *payload)
-            elif now >= w.deadline:
-                self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups,
-                                               acks_duplicate=w.acks_duplicate, acks_late=w.acks_late))
-            else:
-                keep.append(w)
-        self._lease_waiters = keep
+        """Answer every waiter whose request can be answered now; one that fails (a bug) gets
+        ``internal`` and is gone, the others are served as usual."""
+        for name in ("_ticket_waiters", "_lease_waiters"):
+            before = getattr(self, name)
+            serve = self._serve_ticket_waiter if name == "_ticket_waiters" else self._serve_lease_waiter
+            keep = []
+            for w in before:
+                try:
+                    done = serve(w, now)
+                except Exception as e:
+                    self._internal(w.ident, w.msg.req, e)
+                    done = True
+                if done:
+                    self._forget_waiter(w)
+                else:
+                    keep.append(w)
+            setattr(self, name, keep)
+
+    def _serve_ticket_waiter(self, w: _Waiter, now: float) -> bool:
+        """True when ``w`` was answered (or refused)."""
+        if now < w.deadline and self.state.free_slots() < min(w.msg.min_groups, w.msg.max_groups):
+            return False
+        try:
+            tickets = self.state.acquire(w.msg.producer_id, w.msg.max_groups, now)
+        except BrokerError as e:
+            self._error(w.ident, w.msg.req, e.code, e.message)
+            return True
+        if tickets or now >= w.deadline:
+            if tickets:
+                self.ticket_wait.observe(now - w.t0)
+            self._reply(w.ident, P.TicketsReply(req=w.msg.req, tickets=tickets))
+            return True
+        return False
+
+    def _serve_lease_waiter(self, w: _Waiter, now: float) -> bool:
+        try:
+            lease = self.state.lease(w.msg.consumer_id, w.msg.step, now)
+        except BrokerError as e:
+            self._error(w.ident, w.msg.req, e.code, e.message, e.retry_after_s, e.lease_id)
+            return True
+        if lease is not None:
+            self.learner_wait.observe(now - w.t0)
+            payload = _lease_frames(lease)
+            self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
+                                              groups=len(lease.group_ids),
+                                              staleness=lease.staleness.astype("<i4").tobytes(),
+                                              frames=len(payload),
+                                              acks_duplicate=w.acks_duplicate, acks_late=w.acks_late),
+                        *payload)
+            return True
+        if now >= w.deadline:
+            self._answer_empty(w)
+            return True
+        return False
 
 
 def _lease_frames(lease) -> list:

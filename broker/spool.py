@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from broker.protocol import EOS, batch_message, schema_message
+from broker.quarantine import Quarantine, batch_problem, record_problem
 from broker.schema import TRAJECTORY_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Recovered:
     records: list[LogRecord]
     torn_segments: int = 0
     torn_log_bytes: int = 0
+    quarantined: int = 0  # records that failed validation, moved aside (broker.quarantine)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -80,27 +82,50 @@ def _fsync_dir(path: Path) -> None:
 
 
 def read_segments(root: Path) -> tuple[list[pa.RecordBatch], int]:
-    batches, torn = [], 0
+    entries, torn = read_segment_entries(root)
+    return [b for _, _, _, b in entries], torn
+
+
+def read_segment_entries(root: Path) -> tuple[list[tuple[Path, int, int, pa.RecordBatch]], int]:
+    """(segment, byte offset, message bytes, batch) of every spooled batch, and the torn count.
+
+    Read message by message so each batch's offset is known (quarantine names it)."""
+    entries, torn = [], 0
     for path in sorted((root / "segments").glob("seg-*.arrows")):
         try:
-            reader = pa.ipc.open_stream(pa.memory_map(str(path)))
-        except pa.ArrowException:
+            data = pa.memory_map(str(path))
+            reader = pa.ipc.MessageReader.open_stream(data)
+            first = reader.read_next_message()
+            schema = pa.ipc.read_schema(first)
+        except (pa.ArrowException, OSError, StopIteration, ValueError):
             torn += 1  # died before the schema was written
             continue
+        pos = 8 + first.metadata.size + first.body.size
         while True:
             try:
-                batches.append(reader.read_next_batch())
+                msg = reader.read_next_message()
+                size = 8 + msg.metadata.size + msg.body.size
+                batch = pa.ipc.read_record_batch(msg, schema)
             except StopIteration:
                 break
-            except (pa.ArrowException, OSError):
+            except (pa.ArrowException, OSError, ValueError):
                 torn += 1
-                log.warning("spool segment %s ends in a torn batch (crash while writing); ignored", path)
+                log.warning("spool segment %s ends in a torn batch at offset %d (crash while writing); ignored",
+                            path, pos)
                 break
-    return batches, torn
+            entries.append((path, pos, size, batch))
+            pos += size
+    return entries, torn
 
 
 def read_log(path: Path) -> tuple[list[LogRecord], int]:
     """Records up to the first torn one, and the byte offset where the good part ends."""
+    entries, pos = read_log_entries(path)
+    return [rec for _, _, rec in entries], pos
+
+
+def read_log_entries(path: Path) -> tuple[list[tuple[int, bytes, LogRecord]], int]:
+    """(byte offset, record bytes, record) up to the first torn record, and where the good part ends."""
     if not path.exists():
         return [], 0
     data = path.read_bytes()
@@ -111,9 +136,10 @@ def read_log(path: Path) -> tuple[list[LogRecord], int]:
         if len(body) != length or zlib.crc32(body) != crc:
             break
         try:
-            out.append(_rec_dec.decode(body))
-        except msgspec.DecodeError:
+            rec = _rec_dec.decode(body)
+        except (msgspec.DecodeError, RecursionError):
             break
+        out.append((pos, data[pos: pos + _HEAD.size + length], rec))
         pos += _HEAD.size + length
     return out, pos
 
@@ -143,15 +169,33 @@ class Spool:
         self._dirty = False
         self._log_buf: list[bytes] = []  # records not written yet (see commit)
         self.bytes_written = 0
+        self.quarantined = 0
 
     def recover(self) -> Recovered:
-        batches, torn = read_segments(self.root)
-        records, good = read_log(self._log_path)
+        """Everything to replay; records failing validation are quarantined (broker.quarantine)."""
+        q = Quarantine(self.root)
+        entries, torn = read_segment_entries(self.root)
+        batches = []
+        for path, offset, size, batch in entries:
+            if (why := batch_problem(batch)) is None:
+                batches.append(batch)
+            else:
+                with open(path, "rb") as fh:
+                    fh.seek(offset)
+                    q.put(path, offset, fh.read(size), why)
+        log_entries, good = read_log_entries(self._log_path)
+        records = []
+        for offset, raw, rec in log_entries:
+            if (why := record_problem(rec)) is None:
+                records.append(rec)
+            else:
+                q.put(self._log_path, offset, raw, why)
         size = self._log_path.stat().st_size if self._log_path.exists() else 0
         if size > good:
             log.warning("spool log has a torn tail of %d bytes (crash while writing); truncated", size - good)
             os.truncate(self._log_path, good)
-        return Recovered(batches, records, torn, size - good)
+        self.quarantined = q.count
+        return Recovered(batches, records, torn, size - good, q.count)
 
     # -- writing ---------------------------------------------------------------------------------
     def _open_segment(self) -> None:

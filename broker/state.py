@@ -12,6 +12,12 @@ semantics are stated in :mod:`broker.server`'s docstring; the short version:
   arrival); a group whose staleness ``(s - 1) - oldest version`` exceeds ``k``
   for any row is dropped with reason ``stale``.
 * acked groups are gone for good; an expired lease's groups are queued again.
+* every number a peer puts into the state is bounded by it first (nothing is journaled
+  before): a push's step lies in ``1 .. peak + k + 1`` and its rows' versions in
+  ``0 .. peak + k + 1`` (``peak``: the highest learner version this state has had, so no
+  ticket or policy version beyond that can exist), a lease's step in ``1 .. v + k + 1``
+  (the admission window; a consumer that resumed further ahead reports its version
+  first), versions in ``0 .. broker.limits.MAX_VERSION``. So every staleness fits int32.
 
 A *journal* (the spool, or None) sees every change before it is visible, so a
 restart from the journal restores exactly the accepted, unacked groups.
@@ -29,6 +35,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from broker import limits as L
 from broker.protocol import ErrorCode, Ticket
 from broker.schema import TRAJECTORY_SCHEMA, BatchView, SchemaError, batch_view, inspect_batch
 
@@ -180,7 +187,8 @@ class BrokerState:
         self.byte_budget = byte_budget_bytes
         self.journal = journal
         self.version = 0
-        self.engine_versions: dict[str, int] = {}
+        self.peak_version = 0  # the highest version ever set (report_version may go back)
+        self.engine_versions = L.EngineVersions()
         self.counters = Counters()
         self.pending: dict[str, Group] = {}  # accepted, not acked, not dropped
         self.pending_bytes = 0
@@ -266,6 +274,8 @@ class BrokerState:
         if not fresh:
             self.counters.drops["duplicate"] += dups
             return 0, 0, dups
+        for g in fresh:
+            self._check_window(g)
         nbytes = sum(g.nbytes for g in fresh)
         self._check_room(nbytes)
         # Plan tickets before changing anything, so a refused push leaves no trace.
@@ -310,6 +320,7 @@ class BrokerState:
         if g.group_id in self.pending or g.group_id in self._done:
             c.drops["duplicate"] += 1
             return 0, 0, 1
+        self._check_window(g)
         nbytes = g.nbytes
         self._check_room(nbytes)
         tids = self._tickets_of.get((producer_id, g.label))
@@ -329,6 +340,34 @@ class BrokerState:
         c.produced_rows += rows
         c.produced_bytes += nbytes
         return 1, rows, 0
+
+    def window_top(self) -> int:
+        """The highest step a ticket can carry, and the highest policy version a row can
+        have: ``peak + k + 1`` (a version above the learner's cannot exist yet; the slack of
+        ``k + 1`` covers a report still on its way)."""
+        return self.peak_version + self.k + 1
+
+    def _check_window(self, g: Group) -> None:
+        """Refuse a group whose step or versions this state cannot have issued (before it is
+        journaled: a refused push never reaches the spool)."""
+        top = self.window_top()
+        if not 1 <= g.label <= top:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"group {g.group_id!r} has step {g.label}, outside the "
+                              f"admission window 1..{top} (learner version {self.version}, k={self.k})")
+        if g.vmax > top:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"group {g.group_id!r} has policy version {g.vmax}, ahead "
+                              f"of the learner (version {self.peak_version}; at most {top} accepted)")
+
+    def has_lease(self, consumer_id: str, step: int) -> bool:
+        """Whether (consumer, step) holds a live lease (a retried next_batch gets it again)."""
+        return (consumer_id, step) in self._lease_by_key
+
+    def check_lease_step(self, step: int) -> None:
+        """A lease's step must lie in the admission window ``1 .. v + k + 1``."""
+        if not 1 <= step <= self.version + self.k + 1:
+            raise BrokerError(ErrorCode.STEP_AHEAD, f"step {step} is outside the admission window 1.."
+                              f"{self.version + self.k + 1} (learner version {self.version}, k={self.k}); a "
+                              "consumer that resumed ahead reports its version first")
 
     def _check_room(self, nbytes: int) -> None:
         """Refuse a push of ``nbytes`` that the byte budget cannot hold (ever, or now)."""
@@ -354,10 +393,9 @@ class BrokerState:
     # -- consumption -----------------------------------------------------------------------------
     def lease(self, consumer_id: str, step: int, now: float) -> Lease | None:
         """The batch of learner step ``step`` (trained at version ``step - 1``), or None if short."""
-        if step < 1:
-            raise BrokerError(ErrorCode.BAD_REQUEST, f"step must be >= 1, got {step}")
         if (lid := self._lease_by_key.get((consumer_id, step))) is not None:
             return self._leases[lid]  # a retried request: the same lease again
+        self.check_lease_step(step)
         if step - 1 > self.version:
             # Only forward: a consumer with several requests outstanding (steps s, s+1, ...)
             # would otherwise move v back and forth on every retry of the lower one.
@@ -463,8 +501,8 @@ class BrokerState:
         lease.deadline = now + self.lease_timeout_s
 
     def set_version(self, version: int) -> None:
-        if version < 0:
-            raise BrokerError(ErrorCode.BAD_REQUEST, f"version must be >= 0, got {version}")
+        if not 0 <= version <= L.MAX_VERSION:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"version must lie in 0..{L.MAX_VERSION}, got {version}")
         if version == self.version:
             return
         if version < self.version:
@@ -472,9 +510,14 @@ class BrokerState:
         if self.journal is not None:
             self.journal.on_version(version)
         self.version = version
+        self.peak_version = max(self.peak_version, version)
 
-    def set_engine_version(self, engine_id: str, version: int) -> None:
-        self.engine_versions[engine_id] = version
+    def set_engine_version(self, engine_id: str, version: int, now: float = 0.0) -> None:
+        """Bounded: at most broker.limits.MAX_ENGINES ids, each forgotten ENGINE_TTL_S after
+        its last report (see broker.limits.EngineVersions)."""
+        if not 0 <= version <= L.MAX_VERSION:
+            raise BrokerError(ErrorCode.BAD_REQUEST, f"version must lie in 0..{L.MAX_VERSION}, got {version}")
+        self.engine_versions.set(engine_id, version, now)
 
     # -- time ------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -541,8 +584,20 @@ class BrokerState:
                     done.update(rec.group_ids)
                 elif rec.kind == "version":
                     self.version = rec.step
+                    self.peak_version = max(self.peak_version, rec.step)
+            c = self.counters
+            for rec in records:  # totals continue across restarts (the launcher's accounting reads them)
+                if rec.kind == "ack":
+                    c.acked_groups += len(rec.group_ids)
+                elif rec.kind == "drop":
+                    c.drops[rec.reason] += len(rec.group_ids)
+            seen: set[str] = set()
             for batch in batches:
                 for g in split_groups(batch):
+                    if g.group_id not in seen:
+                        seen.add(g.group_id)
+                        c.produced_groups += 1
+                        c.produced_rows += g.batch.num_rows
                     if g.group_id in done:
                         self._done.add(g.group_id)
                     elif g.group_id not in self.pending:
@@ -571,3 +626,6 @@ class BrokerState:
 
     def engine_lag(self) -> dict[str, int]:
         return {e: self.version - v for e, v in self.engine_versions.items()}
+
+    def expire_engines(self, now: float) -> None:
+        self.engine_versions.expire(now)

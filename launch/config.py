@@ -96,7 +96,15 @@ class RunConfig(ConfigModel):
                              f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
                              f"nccl_impl={ws.nccl_impl!r}")
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
-        if t_fleet > 0 and t_fleet != t_learner:
+        if t_fleet == 0:
+            raise ValueError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same, "
+                             "every group is uniform and nothing is learned; use a temperature > 0 for training")
+        if self.rollout.sampling.top_p < 1:
+            # The learner scores log_softmax(logits / T) over the whole vocabulary; a nucleus-truncated sampler's
+            # log-probs are renormalised over the nucleus, so the ratio would compare different distributions.
+            raise ValueError(f"rollout.sampling.top_p={self.rollout.sampling.top_p} truncates the sampling "
+                             "distribution, which the learner does not reproduce; use top_p=1 for training")
+        if t_fleet != t_learner:
             # The learner's log-probs must be of the distribution the fleet sampled from.
             raise ValueError(
                 f"learner.temperature={t_learner} differs from rollout.sampling.temperature={t_fleet}; "

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine_groups
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
@@ -51,6 +52,8 @@ class Job:
         self.t0 = time.monotonic()
         self.started_ray = False
         self.broker = None
+        self.supervisor: BrokerSupervisor | None = None  # restarts a dead broker on its spool
+        self.engine_pgids: set[int] = set()  # process groups of every engine server seen: ended at shutdown
         self.fleet = None
         self.learner = None  # the simulated learner, or rank 0 of the real one (status, stop)
         self.learner_ranks = None  # launch.learner_ranks.LearnerRanks: every rank of the real learner
@@ -190,6 +193,7 @@ class Job:
         self.broker = BrokerProcess(address=self.cfg.broker.address,
                                     config=str(self.run_dir / "config" / "broker.yaml"))
         self.broker.start()
+        self.supervisor = BrokerSupervisor(self)
         log.info("broker at %s", self.broker.address)
 
     def _n_servers(self) -> int:
@@ -254,8 +258,8 @@ class Job:
                     if self.eval_after is not None:
                         log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
                 return
-            if self.broker is not None and self.broker.proc.poll() is not None:
-                raise JobFailed("the broker process exited")
+            if self.supervisor is not None:
+                self.supervisor.check()  # restarts a dead broker on its spool, or raises BrokerGone
 
     def _evaluate_every(self) -> None:
         """Every ``run.eval_every`` learner steps, evaluate on the test set without stopping the run.
@@ -294,6 +298,7 @@ class Job:
                 "wall_s": time.monotonic() - self.t0, "eval_accuracy_before": self.eval_before,
                 "queue_groups": broker.get("queued_groups"), "groups_produced": fleet.get("groups_pushed"),
                 "groups_dropped": broker.get("drops", {}), "fleet_servers": fleet.get("servers", [])}
+        self.engine_pgids |= engine_groups(snap)
         return snap
 
     def _broker_status(self) -> dict[str, Any]:
@@ -404,7 +409,7 @@ class Job:
         steps = [
             ("learner", lambda: self.learner and self._stop_learner()),
             ("fleet", lambda: self.fleet and self._get(self.fleet.stop.remote(), 60.0, "fleet stop")),
-            ("broker", lambda: self.broker and self._broker_status()),
+            ("broker", lambda: self.supervisor.final_status() if self.supervisor else {}),
         ]
         for name, fn in steps:
             t = time.monotonic()
@@ -426,6 +431,10 @@ class Job:
                 self.broker.stop()
             except Exception as exc:
                 log.error("shutdown: broker process: %s", exc)
+        try:  # engines whose fleet did not stop them (a failed job): none may outlive it
+            end_engine_groups(self.engine_pgids)
+        except Exception as exc:
+            log.error("shutdown: ending engine processes: %s", exc)
         if self.control is not None:
             self.control.close()
         if self.monitor is not None:

@@ -61,6 +61,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "groups_requeued": fleet.get("groups_requeued", 0),
         "groups_cancelled_at_shutdown": fleet.get("groups_cancelled", 0),
         "server_deaths": fleet.get("server_deaths", 0),
+        "broker_restarts": job.supervisor.restarts if job.supervisor is not None else 0,
+        "broker_status_from_spool": bool(broker.get("from_spool")),
         "servers_at_end": len(fleet.get("servers", [])),
         "server_states_at_end": [{k: s.get(k) for k in ("engine_id", "state", "version", "restarts", "groups_done")}
                                  for s in fleet.get("servers", [])],

@@ -89,9 +89,12 @@ def _kl_coef(v: Any, all_: dict) -> list[str] | str:
 
 
 def _kl_type(v: Any, _: dict) -> list[str]:
-    est = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1"}.get(v)
+    est = {"low_var_kl": "k3", "k3": "k3", "mse": "k2", "k2": "k2"}.get(v)
+    if v in ("kl", "k1"):
+        raise Refused("kl_loss_type 'kl' (k1) has zero expected gradient as a loss term; use 'low_var_kl' (k3) "
+                      "or 'mse' (k2)")
     if est is None:
-        raise Refused(f"kl_loss_type {v!r}: fleetrl has k1 ('kl') and k3 ('low_var_kl')")
+        raise Refused(f"kl_loss_type {v!r}: fleetrl has 'low_var_kl' (k3) and 'mse' (k2)")
     return [f"learner.loss.kl_estimator={est}"]
 
 

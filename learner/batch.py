@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from broker.schema import validate_batch
+from broker.schema import token_versions, validate_batch
 from learner.losses import aggregation_weights, group_advantages
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [n] float32 (the sequence's advantage repeated)
     weights: torch.Tensor  # [n] aggregation weights (sum to 1 over the whole step)
     seq_lens: torch.Tensor  # [s] response lengths of the packed sequences
+    fresh: torch.Tensor  # [n] bool: token sampled by the policy version the learner holds (staleness 0)
     rows: list[int] = field(default_factory=list)  # rows of the step batch packed here
     prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
     ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
@@ -52,7 +53,8 @@ class MicroBatch:
         return int(self.input_ids.shape[1])
 
     def to(self, device: torch.device) -> MicroBatch:
-        for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights"):
+        for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights",
+                     "fresh"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
         return self
 
@@ -99,20 +101,37 @@ def _empty_micro_batch() -> MicroBatch:
     z = torch.zeros(1, dtype=torch.int64)
     return MicroBatch(input_ids=z.view(1, 1), position_ids=z.view(1, 1), target_index=z.clone(), targets=z.clone(),
                       behaviour_logp=torch.zeros(1), advantages=torch.zeros(1), weights=torch.zeros(1),
-                      seq_lens=torch.ones(1, dtype=torch.int64))
+                      seq_lens=torch.ones(1, dtype=torch.int64), fresh=torch.zeros(1, dtype=torch.bool))
+
+
+def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> np.ndarray:
+    """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses)."""
+    rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
+    _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
+    _, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
+    return keep.numpy() & (np.diff(batch.column("response_ids").offsets.to_numpy()) > 0)
 
 
 def plan_step(
     batch: pa.RecordBatch, *, rank: int, world_size: int, micro_batch_tokens: int,
-    advantage: str, drop_uniform: bool, aggregation: str, mask_truncated: bool = False,
+    advantage: str, drop_uniform: bool, aggregation: str, select: np.ndarray | None = None,
+    learner_version: int | None = None, mask_truncated: bool = False,
 ) -> StepPlan:
-    """Advantages, the rank split and this rank's micro-batches for one step batch.
+    """Advantages, the rank split and this rank's micro-batches for one optimizer step.
 
+    Advantages are computed over the whole step batch; ``select`` (bool mask over its
+    rows, whole groups: learner/minibatch.py) restricts what this optimizer step trains
+    on, and the aggregation weights sum to one over the selection. ``learner_version``:
+    the version the learner holds; tokens sampled by it are marked ``fresh``.
     ``mask_truncated``: responses cut at the length limit (finish reason ``length``) still
-    count in their group's advantage baseline but are not trained on."""
+    count in their group's advantage baseline but are not trained on.
+    """
     validate_batch(batch)
     if batch.num_rows == 0:
         raise ValueError("a step batch must hold at least one trajectory")
+    if select is not None and (select.dtype != np.bool_ or select.shape != (batch.num_rows,)):
+        raise ValueError(f"select must be a bool mask of the batch's {batch.num_rows} rows, got "
+                         f"{select.dtype} {select.shape}")
     prompts = batch.column("prompt_ids")
     responses = batch.column("response_ids")
     behaviour = batch.column("behaviour_logprobs")
@@ -127,6 +146,8 @@ def plan_step(
     truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
     if mask_truncated:
         keep_np &= ~truncated
+    if select is not None:
+        keep_np = keep_np & select
     rows = [int(i) for i in np.flatnonzero(keep_np)]
     total_tokens = int(r_len[rows].sum())
     stats = {
@@ -145,6 +166,9 @@ def plan_step(
     p_val = prompts.values.to_numpy(zero_copy_only=False)
     r_val = responses.values.to_numpy(zero_copy_only=False)
     b_val = behaviour.values.to_numpy(zero_copy_only=False)
+    seg_s, seg_v = batch.column("segment_starts"), batch.column("segment_versions")
+    ss_off, sv_off = seg_s.offsets.to_numpy(), seg_v.offsets.to_numpy()
+    ss_val, sv_val = seg_s.values.to_numpy(zero_copy_only=False), seg_v.values.to_numpy(zero_copy_only=False)
     # The last response token predicts nothing we train on, so it is not fed: L - 1 inputs per sequence.
     in_len = [int(p_len[i] + r_len[i] - 1) for i in rows]
     per_rank = _split_ranks(in_len, world_size)
@@ -154,7 +178,7 @@ def plan_step(
 
     mbs: list[MicroBatch] = []
     for members in packed[rank]:
-        ids, pos, tidx, tgt, blp, advs, lens, used = [], [], [], [], [], [], [], []
+        ids, pos, tidx, tgt, blp, advs, lens, used, fr = [], [], [], [], [], [], [], [], []
         offset = 0
         for k in members:
             i = rows[k]
@@ -166,6 +190,8 @@ def plan_step(
             tgt.append(resp)
             blp.append(b_val[b_off[i]:b_off[i + 1]])
             advs.append(np.full(r_len[i], float(adv[i]), dtype=np.float32))
+            versions = token_versions(ss_val[ss_off[i]:ss_off[i + 1]], sv_val[sv_off[i]:sv_off[i + 1]], int(r_len[i]))
+            fr.append(versions == learner_version if learner_version is not None else np.zeros(r_len[i], bool))
             lens.append(int(r_len[i]))
             used.append(i)
             offset += len(seq)
@@ -178,7 +204,7 @@ def plan_step(
             behaviour_logp=torch.from_numpy(np.concatenate(blp).astype(np.float32)),
             advantages=torch.from_numpy(np.concatenate(advs)),
             weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)),
-            seq_lens=seq_lens, rows=used,
+            seq_lens=seq_lens, rows=used, fresh=torch.from_numpy(np.concatenate(fr)),
         ))
     while len(mbs) < n_micro:
         mbs.append(_empty_micro_batch())

@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.configbase import ConfigError, ConfigModel
+
+# KL estimator names (verl's aliases included) -> the estimator used; learner/kl.py explains each.
+KL_ALIASES = {"k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+K1_REFUSED = ("kl_estimator 'k1' in the loss has zero expected gradient (E_pi[grad log pi] = 0), so the penalty "
+              "would do nothing; use 'k2' (alias 'mse', gradient of KL(pi || ref)) or 'k3' (alias 'low_var_kl', "
+              "gradient of KL(ref || pi))")
+
+
+def resolve_kl_estimator(name: str) -> str:
+    """The estimator behind a user-facing name; raises ValueError naming the choices."""
+    if name == "k1":
+        raise ValueError(K1_REFUSED)
+    try:
+        return KL_ALIASES[name]
+    except KeyError:
+        raise ValueError(f"kl_estimator must be one of {sorted(KL_ALIASES)}, got {name!r}") from None
 
 
 class OptimConfig(ConfigModel):
@@ -28,10 +44,20 @@ class LossConfig(ConfigModel):
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip: for A < 0 the per-token loss is capped at "
+                                "clip_ratio_c * |A| (bounds a token whose ratio exploded)")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the behaviour importance weight")
     aggregation: Literal["token", "sequence"] = "token"
     kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: str = Field("k3", description="KL-to-reference term in the loss: 'k2' (alias 'mse'): gradient of "
+                              "KL(pi || ref); 'k3' (alias 'low_var_kl'): value estimates KL(pi || ref), gradient is "
+                              "that of KL(ref || pi). 'k1' is refused (zero expected gradient). See learner/kl.py")
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _kl_estimator(cls, v: str) -> str:
+        resolve_kl_estimator(v)
+        return v
     mask_truncated: bool = Field(False, description="leave responses cut at max_tokens (finish reason 'length') out "
                                  "of the loss; set by reward.on_truncated=mask")
 
@@ -81,8 +107,18 @@ class LearnerConfig(ConfigModel):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="transformers attention; sdpa and eager keep packed sequences apart via position_ids")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
+    ppo_mini_batch_size: int | None = Field(
+        None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
+        "step). Smaller values give several optimizer steps per step batch, against proximal log-probs computed once "
+        "before the first: the trust region that clip_low/clip_high and decoupled PPO act on")
+    ppo_epochs: int = Field(1, ge=1, description="passes over the step batch's mini-batches")
+    logprob_probe_tolerance: float | None = Field(
+        0.05, gt=0, description="first step: the mean |learner - engine| log-prob (nats) over staleness-0 tokens above "
+        "which the run fails (the learner does not score the distribution the fleet sampled); None: no check "
+        "(synthetic behaviour log-probs, e.g. replayed test data)")
     recompute_proximal: bool = Field(
-        False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does)")
+        False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does); "
+        "tis with it is decoupled's objective, without it a truncated-IS gradient with no trust region")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 disables")
     checkpoint_dir: str | None = Field(None, description="None: RUN_DIR/checkpoints")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept; older ones are deleted")

@@ -10,6 +10,7 @@ Example::
     plan = plan_step(batch, rank=engine.rank, world_size=engine.world_size, ...)
     engine.prepare_logprobs(plan)           # proximal / reference log-probs, no grad
     metrics = engine.train_step(plan)       # one optimizer step; metrics are global
+    # several optimizer steps per step batch: learner/minibatch.py and Learner.step
     for bucket in engine.iter_full_params(256 << 20):
         ...                                 # [(name, full tensor)], on every rank
 """
@@ -53,8 +54,9 @@ class TrainingEngine(ABC):
         """Fill ``prox_logp`` (when the correction needs the pre-step policy) and ``ref_logp`` (KL) with no grad."""
 
     @abstractmethod
-    def train_step(self, plan: StepPlan) -> dict[str, float]:
-        """Accumulate gradients over the plan's micro-batches, clip, step optimizer and schedule.
+    def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
+        """Accumulate gradients over the plan's micro-batches, clip, step the optimizer (one optimizer step),
+        and the LR schedule when ``step_scheduler`` (the last optimizer step of a step batch).
 
         Returns step metrics reduced over all ranks (identical on every rank).
         """
@@ -99,6 +101,31 @@ class TrainingEngine(ABC):
     @abstractmethod
     def export_hf(self, path: Path, dtype: torch.dtype | None = None) -> None:
         """Write a Hugging Face folder (config, safetensors, tokenizer) loadable by AutoModelForCausalLM."""
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability of a transformers model to 0; returns how many were not 0.
+
+    The proximal pass runs without grad and the training pass with it: with dropout > 0 their
+    log-probs would differ by noise, so the PPO ratio would not be 1 where it should be. HF attention
+    modules copy ``config.attention_dropout`` into a float attribute at construction, so those are
+    zeroed besides ``nn.Dropout`` modules and the config (for anything built later).
+    """
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            m.p, changed = 0.0, changed + 1
+        for attr in ("attention_dropout", "dropout"):
+            v = m.__dict__.get(attr)
+            if isinstance(v, float) and v > 0:
+                setattr(m, attr, 0.0)
+                changed += 1
+    config = getattr(model, "config", None)  # optional: plain nn.Modules have none
+    if config is not None:
+        for k, v in list(vars(config).items()):
+            if "dropout" in k and isinstance(v, float) and v > 0:
+                setattr(config, k, 0.0)
+    return changed
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):

@@ -1,9 +1,12 @@
 """The FSDP2 training engine (``torch.distributed.fsdp.fully_shard``) for transformers causal LMs.
 
 Each decoder layer (the model's ``_no_split_modules``) is its own FSDP unit and the
-root holds embeddings, final norm and head. On GPU parameters are stored in fp32
-and computed in bf16 (``MixedPrecisionPolicy``, gradients reduced in fp32); on
-CPU everything is fp32. The same code runs over gloo (CPU) and NCCL (GPU): the
+root holds embeddings, final norm and head. On GPU parameters are stored in fp32;
+the decoder layers compute in bf16 (``MixedPrecisionPolicy``, gradients reduced in
+fp32) while the root (embeddings, final norm, output layer) computes in fp32, so the
+logits and the log-softmax of the log-probs are fp32 (a bf16 output layer adds
+about 1e-2 nats of noise per token against the engine); on CPU everything is fp32.
+Dropout is forced to 0 (:func:`learner.engine.disable_dropout`). The same code runs over gloo (CPU) and NCCL (GPU): the
 process group must be initialised before construction.
 
 Loss normalisation: every micro-batch's loss is already divided by the step's
@@ -30,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from learner import checkpoint as ckpt
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
-from learner.engine import TrainingEngine, lr_lambda, packed_forward
+from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
 from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_loss
 
 logger = logging.getLogger(__name__)
@@ -53,7 +56,10 @@ def _load_model(path: str, attn_implementation: str) -> torch.nn.Module:
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"model folder {path!r} has no config.json (expected a Hugging Face model folder)")
     # fp32 master weights; bf16 compute comes from the mixed-precision policy on GPU.
-    return AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, attn_implementation=attn_implementation)
+    if disable_dropout(model):
+        logger.warning("%s had dropout > 0: set to 0 (the proximal and training passes must score alike)", path)
+    return model
 
 
 def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offload: bool) -> None:
@@ -68,6 +74,8 @@ def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offloa
         raise ValueError(f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers to shard")
     for m in blocks:
         fully_shard(m, **kw)
+    if mp is not None:  # the root (embeddings, final norm, output layer) in fp32: fp32 logits and log-softmax
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     fully_shard(model, **kw)
 
 
@@ -144,7 +152,7 @@ class FSDPEngine(TrainingEngine):
                     mb.ref_logp, _ = packed_forward(self.ref_model, mb, self.cfg.temperature)
 
     # ---- step ------------------------------------------------------------------------------
-    def train_step(self, plan: StepPlan) -> dict[str, float]:
+    def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         if self.needs_proximal() and any(mb.prox_logp is None for mb in plan.micro_batches):
             raise RuntimeError(f"correction={self.loss.correction!r} needs prepare_logprobs(plan) before train_step")
@@ -153,7 +161,7 @@ class FSDPEngine(TrainingEngine):
         for mb in plan.micro_batches:
             logp, ent = self.forward_logprobs(mb, grad=True)
             loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
             (loss * self.world_size).backward()
             parts.append(m)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -169,7 +177,8 @@ class FSDPEngine(TrainingEngine):
             logger.error("non-finite gradient norm (%s): optimizer step skipped", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if step_scheduler:  # the LR schedule counts step batches (policy versions), not optimizer steps
+            self.scheduler.step()
         metrics = self._reduce(combine_metrics(parts))
         metrics.update(grad_norm=float(grad_norm), lr=lr, step_skipped=float(not finite or empty),
                        step_seconds=time.perf_counter() - t0)

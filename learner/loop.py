@@ -3,9 +3,13 @@
 Dataflow of step ``s = v + 1`` (``v``: the current policy version)::
 
     rank 0: source.next_batch(s) --Arrow IPC bytes, uint8 broadcast--> every rank
-    every rank: plan_step (advantages, rank split, packed micro-batches)
-                engine.prepare_logprobs (proximal / reference, no grad)
-                engine.train_step (accumulate, clip, AdamW, LR schedule)  -> version s
+    every rank: plan_mini_batches (advantages, whole groups into ppo mini-batches, rank split,
+                                   packed micro-batches)
+                engine.prepare_logprobs on every mini-batch (proximal / reference, no grad,
+                                   all before the first optimizer step)
+                [first step after start: logprob_probe.check, engine vs learner on fresh tokens]
+                ppo_epochs x engine.train_step per mini-batch (accumulate, clip, AdamW;
+                                   the LR schedule once per step batch)  -> version s
                 publish(s, engine)            (collective; rank 0 sends the weights)
     rank 0: source.report_version(s)
     every rank: checkpoint every N steps (before the ack)
@@ -35,9 +39,11 @@ import torch.distributed as dist
 
 from broker.schema import oldest_versions
 from learner import checkpoint as ckpt
-from learner.batch import plan_step
+from learner import logprob_probe
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine
+from learner.losses import finalize_metrics
+from learner.minibatch import combine_steps, epoch_orders, plan_mini_batches
 from learner.source import BatchSource
 
 logger = logging.getLogger(__name__)
@@ -116,6 +122,7 @@ class Learner:
         self.on_metrics = on_metrics
         self.batch_timeout_s = batch_timeout_s
         self.version = 0
+        self.probed = False  # the engine-vs-learner log-prob check runs on the first step after start
         self.history: list[dict[str, float]] = []
 
     def resume(self) -> bool:
@@ -174,18 +181,33 @@ class Learner:
         t0 = time.perf_counter()
         lease, batch = self._pull(step)
         t_pull = time.perf_counter() - t0
-        plan = plan_step(batch, rank=self.engine.data_rank, world_size=self.engine.data_world_size,
-                         micro_batch_tokens=self.cfg.micro_batch_tokens, advantage=self.cfg.loss.advantage,
-                         drop_uniform=self.cfg.loss.drop_uniform_groups, aggregation=self.cfg.loss.aggregation,
-                         mask_truncated=self.cfg.loss.mask_truncated)
+        plans, stats = plan_mini_batches(
+            batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
+            world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
+            advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
+            aggregation=self.cfg.loss.aggregation, learner_version=self.version,
+            mask_truncated=self.cfg.loss.mask_truncated)
         t1 = time.perf_counter()
-        self.engine.prepare_logprobs(plan)
+        for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
+            self.engine.prepare_logprobs(plan)
         t_prep = time.perf_counter() - t1
-        m = self.engine.train_step(plan)
+        probe = None
+        if not self.probed and self.cfg.logprob_probe_tolerance is not None:
+            probe = logprob_probe.check(self.engine, plans, self.cfg.logprob_probe_tolerance)
+            self.probed = probe is not None  # no fresh token yet: try again next step
+        orders = epoch_orders(len(plans), self.cfg.ppo_epochs, step)
+        n_opt = sum(len(o) for o in orders)
+        parts = []
+        for order in orders:
+            for k in order:
+                parts.append(self.engine.train_step(plans[k], step_scheduler=len(parts) == n_opt - 1))
+        m = finalize_metrics(combine_steps(parts))
+        m.update(probe or {})
         self.version = step
         t2 = time.perf_counter()
-        # the skip decision is identical on every rank (the same plan; grad norms are all-reduced)
-        unchanged = bool(m.get("step_skipped", 0.0)) and self.on_unchanged is not None
+        # weights unchanged only if every optimizer step of the batch was skipped; the decision is
+        # identical on every rank (the same plans; grad norms are all-reduced)
+        unchanged = all(p.get("step_skipped", 0.0) for p in parts) and self.on_unchanged is not None
         if unchanged:
             self.publishes_skipped += 1
             self.on_unchanged(self.version)
@@ -202,7 +224,7 @@ class Learner:
             self.source.ack(lease)
         stale = step - 1 - oldest_versions(batch)
         metrics = {f"learner/{k}": v for k, v in m.items()}
-        metrics.update({f"learner/batch_{k}": v for k, v in plan.stats.items()})
+        metrics.update({f"learner/batch_{k}": v for k, v in stats.items()})
         metrics.update({
             "learner/version": float(self.version),
             "learner/staleness_max_versions": float(stale.max()),
@@ -215,10 +237,12 @@ class Learner:
         })
         self.history.append(metrics)
         if self.engine.rank == 0:
-            logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e grad_norm %.3f (%.2fs)",
+            logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e fresh_mismatch_kl %.2e "
+                        "grad_norm %.3f opt_steps %d (%.2fs)",
                         step, metrics["learner/loss_total"], metrics["learner/batch_reward_mean"],
                         metrics["learner/clip_frac"], metrics["learner/mismatch_kl_k3"],
-                        metrics["learner/grad_norm"], metrics["learner/total_step_seconds"])
+                        metrics["learner/mismatch_kl_k3_fresh"], metrics["learner/grad_norm"],
+                        int(metrics["learner/optimizer_steps"]), metrics["learner/total_step_seconds"])
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
         return metrics

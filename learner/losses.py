@@ -5,26 +5,34 @@ micro-batch), so the FSDP and Megatron engines share them and tests can check
 them against hand-computed numbers.
 
 Corrections (``LossConfig.correction``), with ``pi`` the policy being trained,
-``mu`` the sampler (behaviour log-probs stored with each sample), ``old`` the
-learner's policy before this optimizer step, ``r(x, y) = exp(x - y)``:
+``mu`` the sampler (behaviour log-probs stored with each sample), ``prox`` the
+learner's policy before the first optimizer step of this step batch (recomputed
+once, no grad), ``r(x, y) = exp(x - y)``:
 
 * ``none``: plain PPO that treats the sampler as the old policy:
   ``ratio = r(pi, mu)`` clipped, no weight. Only legal on-policy (k = 0).
-* ``tis``: truncated importance sampling on the behaviour/learner ratio:
-  ``ratio = r(pi, old)`` clipped, ``w = min(r(old, mu), tis_cap)`` (detached).
-  ``old`` is the recomputed pre-step log-prob if given, else the training
-  forward's own detached log-prob (the same policy: one optimizer step per batch).
-* ``decoupled`` (AReaL's decoupled PPO): the proximal policy is the learner's
-  policy before this step, recomputed without grad and passed in; ``ratio =
-  r(pi, prox)`` clipped, ``w = min(r(prox, mu), tis_cap)``. It requires the
-  recomputed log-probs, so the trust region is measured against weights the
-  learner really holds rather than against a stale sampler.
+* ``tis``: truncated importance sampling. Without ``prox`` (``recompute_proximal``
+  off): ``ratio = r(pi, sg(pi)) = 1`` with the gradient of ``log pi``, weighted by
+  ``w = min(r(sg(pi), mu), tis_cap)``: a truncated-IS policy gradient with no
+  trust region. With ``prox`` it is the same objective as ``decoupled``.
+* ``decoupled`` (AReaL's decoupled PPO): ``ratio = r(pi, prox)`` clipped (the
+  trust region, measured against weights the learner really held),
+  ``w = min(r(prox, mu), tis_cap)`` (the behaviour correction).
 
-The per-token objective is ``-w * min(ratio * A, clip(ratio, 1 - clip_low, 1 +
-clip_high) * A)`` plus ``kl_coef * KL(pi || ref)`` (k1 or k3 estimator). Tokens
-are combined with aggregation weights (:func:`aggregation_weights`) that sum to
-one over the *whole step* (all micro-batches, all ranks), so summing each
-micro-batch's loss gives the global mean no matter how the batch was split.
+The clip binds only once ``pi`` has moved from ``prox``: with several optimizer
+steps per step batch (``learner.ppo_mini_batch_size`` / ``ppo_epochs``,
+learner/minibatch.py). With one step the ratio is exactly 1 where the gradient is
+taken and ``decoupled`` equals ``tis``.
+
+Per token: ``pg = -w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``;
+for ``A < 0`` it is further capped at ``-w * clip_ratio_c * A`` (dual-clip, Ye et
+al. 2020), so a token whose ratio exploded cannot dominate the step. The
+log-ratio is clamped to +-LOG_RATIO_CLAMP before ``exp`` (no inf * 0 = nan).
+Plus ``kl_coef * min(r(pi, mu), tis_cap) * kl_term`` (learner/kl.py states the
+gradient direction of each estimator). Tokens are combined with aggregation
+weights (:func:`aggregation_weights`) that sum to one over the *optimizer step*
+(all micro-batches, all ranks), so summing each micro-batch's loss gives the
+mean no matter how the batch was split.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from learner import kl
+
+# exp() of a log-ratio beyond this is treated as this (e^20 ~ 5e8): keeps inf * 0 = nan out of the loss.
+LOG_RATIO_CLAMP = 20.0
 # Metric names ending in "_max" combine across micro-batches/ranks with max; all others with sum
 # (they are already weighted by aggregation weights that sum to one over the step).
 MAX_SUFFIX = "_max"
@@ -85,16 +97,6 @@ def aggregation_weights(seq_lens: torch.Tensor, mode: str, total_tokens: int, to
     raise ValueError(f"aggregation must be 'token' or 'sequence', got {mode!r}")
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled by pi (Schulman's k1/k3)."""
-    if estimator == "k1":
-        return logp - ref_logp
-    if estimator == "k3":
-        d = ref_logp - logp
-        return torch.exp(d) - d - 1
-    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
-
-
 @dataclass(kw_only=True, slots=True)
 class LossSettings:
     """The loss part of ``LossConfig`` as plain values (no pydantic in the hot path)."""
@@ -102,6 +104,7 @@ class LossSettings:
     correction: str
     clip_low: float = 0.2
     clip_high: float = 0.28
+    clip_ratio_c: float = 3.0
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -109,11 +112,20 @@ class LossSettings:
     def __post_init__(self) -> None:
         if self.correction not in ("none", "tis", "decoupled"):
             raise ValueError(f"correction must be 'none', 'tis' or 'decoupled', got {self.correction!r}")
+        if not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip bound on -A * ratio), got {self.clip_ratio_c}")
+        self.kl_estimator = kl.resolve(self.kl_estimator)
 
     @classmethod
     def from_config(cls, cfg) -> LossSettings:
         return cls(correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+                   clip_ratio_c=cfg.clip_ratio_c, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
+                   kl_estimator=cfg.kl_estimator)
+
+
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    """exp(d) - d - 1 >= 0: with d = log p - log q and tokens from q, an estimate of KL(q || p)."""
+    return torch.exp(d) - d - 1
 
 
 def policy_loss(
@@ -125,13 +137,17 @@ def policy_loss(
     prox_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted loss of one micro-batch and its metrics (all tensors are [n_tokens]).
 
     ``advantages`` are per token (the sequence's advantage repeated); ``weights``
-    from :func:`aggregation_weights`. Returns ``(loss, metrics)``: ``loss`` =
+    from :func:`aggregation_weights`; ``fresh`` (bool) marks tokens sampled by the
+    policy version the learner held before this step (staleness 0), whose gap to
+    the learner is engine mismatch alone. Returns ``(loss, metrics)``: ``loss`` =
     sum(weights * per-token loss); metrics are weighted sums (or maxima for names
-    ending in ``_max``), detached, to be combined over micro-batches and ranks.
+    ending in ``_max``), detached, to be combined over micro-batches and ranks and
+    then :func:`finalize_metrics`.
     """
     n = logp.shape[0]
     for name, t in (("behaviour_logp", behaviour_logp), ("advantages", advantages), ("weights", weights)):
@@ -140,23 +156,29 @@ def policy_loss(
     behaviour_logp = behaviour_logp.to(logp.dtype)
     if s.correction == "decoupled" and prox_logp is None:
         raise ValueError("correction='decoupled' needs prox_logp: the learner's log-probs recomputed before the step")
-    old = prox_logp.detach() if prox_logp is not None else logp.detach()
+    old = prox_logp.detach().to(logp.dtype) if prox_logp is not None else logp.detach()
+    base = behaviour_logp if s.correction == "none" else old
+    log_ratio = (logp - base).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
     if s.correction == "none":
-        ratio = torch.exp(logp - behaviour_logp)
         is_w = torch.ones_like(logp)
     else:
-        ratio = torch.exp(logp - old)
-        is_w = torch.exp(old - behaviour_logp).clamp(max=s.tis_cap).detach()
+        is_w = torch.exp((old - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap).detach()
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - s.clip_low, 1 + s.clip_high) * advantages
-    pg = -is_w * torch.minimum(unclipped, clipped)
+    surrogate = -torch.minimum(unclipped, clipped)
+    dual_bound = -s.clip_ratio_c * advantages
+    dual_active = (advantages < 0) & (surrogate > dual_bound)
+    pg = is_w * torch.where(dual_active, dual_bound, surrogate)
     per_token = pg
-    kl = None
+    kl_val = None
     if s.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"kl_coef={s.kl_coef} needs ref_logp (the reference model's log-probs)")
-        kl = kl_estimate(logp, ref_logp.to(logp.dtype), s.kl_estimator)
-        per_token = pg + s.kl_coef * kl
+        kl_val = kl.kl_term(logp, ref_logp.to(logp.dtype), s.kl_estimator)
+        # Tokens come from mu: weight by pi/mu (detached, truncated) so the KL gradient is pi's (learner/kl.py).
+        kl_w = torch.exp((logp.detach() - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap)
+        per_token = pg + s.kl_coef * kl_w * kl_val
     w = weights.to(logp.dtype)
     loss = (w * per_token).sum()
 
@@ -167,22 +189,40 @@ def policy_loss(
         clip_active = (clipped.detach() < unclipped.detach()).to(wd.dtype)
         # Tokens come from mu, so KL(mu || pi) = E_mu[log mu - log pi]; k3 is its non-negative estimator.
         d = lp - behaviour_logp
+        # Engine mismatch vs drift: the learner's pre-step log-probs (prox when computed) against mu, split by
+        # whether the token came from the version the learner held (fresh: mismatch only) or an older one.
+        k3_pre = _k3(old - behaviour_logp)
+        fr = fresh.to(wd.dtype) if fresh is not None else torch.zeros_like(wd)
         metrics = {
             "loss_total": loss.detach(),
             "loss_policy": (wd * pg.detach()).sum(),
             "clip_frac": (wd * clip_active).sum(),
+            "clip_dual_frac": (wd * dual_active.to(wd.dtype)).sum(),
             "ratio_mean": (wd * ratio.detach()).sum(),
             "is_weight_mean": (wd * is_w).sum(),
             # Weight-zero tokens (the empty micro-batches that keep ranks in step) do not count.
             "is_weight_max": is_w[wd > 0].max() if bool((wd > 0).any()) else torch.zeros((), dtype=wd.dtype),
-            "mismatch_kl_k3": (wd * (torch.exp(d) - d - 1)).sum(),
+            "mismatch_kl_k3": (wd * _k3(d)).sum(),
             "mismatch_logp_diff": (wd * (behaviour_logp - lp)).sum(),
+            "fresh_token_frac": (wd * fr).sum(),
+            "mismatch_kl_k3_fresh": (wd * fr * k3_pre).sum(),
+            "drift_kl_k3": (wd * (1 - fr) * k3_pre).sum(),
         }
-        if kl is not None:
-            metrics["loss_kl"] = (wd * kl.detach()).sum()
+        if kl_val is not None:
+            metrics["loss_kl"] = (wd * kl_val.detach()).sum()
         if entropy is not None:
             metrics["entropy"] = (wd * entropy.detach().to(wd.dtype)).sum()
     return loss, metrics
+
+
+def finalize_metrics(m: dict[str, float]) -> dict[str, float]:
+    """Turn the fresh/stale weighted sums into means over those tokens (after the reduction over ranks)."""
+    out = dict(m)
+    frac = out.get("fresh_token_frac")
+    if frac is not None:
+        out["mismatch_kl_k3_fresh"] = out["mismatch_kl_k3_fresh"] / frac if frac > 0 else float("nan")
+        out["drift_kl_k3"] = out["drift_kl_k3"] / (1 - frac) if frac < 1 else float("nan")
+    return out
 
 
 def combine_metrics(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from broker.schema import Trajectory, to_record_batch
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
@@ -102,7 +104,7 @@ class RolloutWorker:
 
     def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
                  rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
-                 max_staleness: int, seed: int = 0, push_retries: int = 3) -> None:
+                 max_staleness: int, seed: int = 0, push_retries: int = 3, logprob_retries: int = 2) -> None:
         self.fleet = fleet
         self.producer = producer
         self.prompts = prompts
@@ -112,6 +114,7 @@ class RolloutWorker:
         self.max_staleness = max_staleness
         self.seed = seed
         self.push_retries = push_retries
+        self.logprob_retries = logprob_retries
         self._tasks: dict[asyncio.Task, Prompt] = {}
         self._replay: list[Prompt] = []
         self.groups_started = 0
@@ -120,6 +123,9 @@ class RolloutWorker:
         self.groups_cancelled = 0  # in flight at shutdown: their tickets were never used
         self.groups_reward_failed = 0
         self.groups_bad_request = 0  # an engine refused the request (4xx): dropped with a reason, not lost
+        self.samples_nonfinite_logprob = 0  # samples that failed their group: a non-finite behaviour log-prob
+        self.groups_resampled_nonfinite = 0  # groups sampled again on the same ticket for that reason
+        self.prompts_requeued_nonfinite = 0  # prompts put back in the replay queue after the retries
         self.samples_pushed = 0
         self.samples_truncated = 0  # finish reason 'length': cut at max_tokens
         self.tokens_pushed = 0
@@ -196,7 +202,23 @@ class RolloutWorker:
         try:
             # the oldest weights that may start a group for this step within the bound
             min_version = max(0, int(ticket.step) - self.max_staleness - 1)
-            engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params, min_version)
+            for attempt in range(self.logprob_retries + 1):
+                engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params, min_version)
+                bad = sum(1 for s in samples if not np.isfinite(s.logprobs).all())
+                if not bad:
+                    break
+                self.samples_nonfinite_logprob += bad
+                log.warning("rollout: group %s: %d of %d samples from %s have non-finite behaviour log-probs "
+                            "(attempt %d of %d)", group_id, bad, len(samples), engine_id, attempt + 1,
+                            self.logprob_retries + 1)
+                if attempt < self.logprob_retries:
+                    self.groups_resampled_nonfinite += 1
+            else:
+                self.prompts_requeued_nonfinite += 1
+                self._replay.append(prompt)
+                log.error("rollout: group %s: prompt requeued after %d attempts with non-finite log-probs",
+                          group_id, self.logprob_retries + 1)
+                return
             rewards = await self.rewards.score(prompt, samples)
         except BadRequest as exc:
             self.groups_bad_request += 1
@@ -247,6 +269,9 @@ class RolloutWorker:
             "groups_failed": self.groups_failed, "groups_inflight": self.inflight,
             "groups_cancelled": self.groups_cancelled, "groups_reward_failed": self.groups_reward_failed,
             "groups_bad_request": self.groups_bad_request,
+            "samples_nonfinite_logprob": self.samples_nonfinite_logprob,
+            "groups_resampled_nonfinite": self.groups_resampled_nonfinite,
+            "prompts_requeued_nonfinite": self.prompts_requeued_nonfinite,
             "samples_pushed": self.samples_pushed, "samples_truncated": self.samples_truncated,
             "tokens_pushed": self.tokens_pushed,
             "mean_reward": self.reward_sum / self.samples_pushed if self.samples_pushed else None,

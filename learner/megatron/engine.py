@@ -353,7 +353,7 @@ class MegatronEngine(TrainingEngine):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
 
-    def train_step(self, plan: StepPlan) -> dict[str, float]:
+    def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         if self.needs_proximal() and self.post and any(mb.prox_logp is None for mb in plan.micro_batches):
             raise RuntimeError(f"correction={self.loss.correction!r} needs prepare_logprobs(plan) before train_step")
@@ -363,7 +363,7 @@ class MegatronEngine(TrainingEngine):
 
         def loss_of(logp, ent, mb):
             return policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                               prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+                               prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
 
         parts = self._run(plan.micro_batches, loss_of, forward_only=False)
         lr = self.cfg.optim.lr * self.lr_fn(self.steps_taken)
@@ -380,7 +380,8 @@ class MegatronEngine(TrainingEngine):
             logger.error("non-finite gradients: optimizer step skipped")
         else:
             grad_norm = 0.0
-        self.steps_taken += 1
+        if step_scheduler:  # the LR schedule counts step batches (policy versions), not optimizer steps
+            self.steps_taken += 1
         metrics = self._reduce(combine_metrics(parts) if parts else {})
         metrics.update(grad_norm=grad_norm, lr=lr, step_skipped=float(not finite or empty),
                        step_seconds=time.perf_counter() - t0)

@@ -142,6 +142,13 @@ class SGLangServer:
         for k, v in NCCL_ENV.items():
             env.setdefault(k, v)
         env.update(self.args.env)
+        # SGLang's sampler reports log(softmax(logits / T)) (after temperature, before top-k/top-p, which
+        # training refuses): the distribution sampled from, what the learner scores. This switch would make it
+        # report the pre-temperature log-probs instead; an inherited setting must not change the meaning.
+        if env.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+            log.warning("ignoring SGLANG_RETURN_ORIGINAL_LOGPROB=%s: behaviour log-probs must be post-temperature",
+                        env["SGLANG_RETURN_ORIGINAL_LOGPROB"])
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         return env
 
     async def start(self, timeout_s: float = 600.0) -> None:

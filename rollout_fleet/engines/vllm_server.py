@@ -73,6 +73,9 @@ class VLLMServerArgs:
     cpu_kvcache_gb: int = 1
     enforce_eager: bool = False  # skip torch.compile: a much faster start on small CPU machines (tests)
     served_model_name: str | None = None
+    # The log-probs of the distribution tokens are sampled from (after temperature and top-k/top-p), which is
+    # what the learner's ratio needs; vLLM's default, raw_logprobs, is the model's before temperature.
+    logprobs_mode: str = "processed_logprobs"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
@@ -119,6 +122,11 @@ class VLLMServer:
             cmd.append("--enforce-eager")
         if a.served_model_name:
             cmd += ["--served-model-name", a.served_model_name]
+        if any(x == "--logprobs-mode" or x.startswith("--logprobs-mode=") for x in a.extra_args):
+            raise ValueError(f"--logprobs-mode is set by fleetrl ({a.logprobs_mode}: the sampled distribution's "
+                             f"log-probs, which the learner's importance ratios need); remove it from the extra "
+                             f"server arguments {a.extra_args}")
+        cmd += ["--logprobs-mode", a.logprobs_mode]
         return cmd + list(a.extra_args)
 
     def environment(self) -> dict[str, str]:

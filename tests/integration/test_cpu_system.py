@@ -2,10 +2,13 @@
 
 Two runs on the same seed share every assertion (each costs a vLLM start, 40-80 s):
 
-* run A, ``max_staleness=2`` with staged weight updates (``weight_sync.staging``):
-  accuracy rises, no consumed sample past the bound, and a
-  ``kill -9`` of the vLLM server mid-run: the run goes on, no group is lost, and the
-  server comes back holding the current weights;
+* run A, ``max_staleness=2`` with staged weight updates (``weight_sync.staging``) and a
+  broker spool: accuracy rises, no consumed sample past the bound, and a
+  ``kill -9`` of the vLLM server mid-run: the run goes on, its groups were re-queued, no
+  group is lost, and the server comes back holding the current weights. The figures are
+  checked against a record the code under test does not compute: the spool's rows
+  (exported to Parquet), from which the test derives each consumed row's staleness
+  (``consumed_step - 1 - segment_versions[0]``) and every produced group's fate;
 * run B, ``max_staleness=0`` (synchronous), with a learner of two gloo ranks
   (``learner.cpu_processes=2``, FSDP over both): it learns too, and both ranks trained
   every step.
@@ -40,11 +43,24 @@ def _status(run_dir: Path) -> dict | None:
     return json.loads(p.stdout) if p.returncode == 0 else None
 
 
-def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None) -> dict:
+def _broker_pid(driver_pid: int) -> int | None:
+    try:
+        for c in psutil.Process(driver_pid).children():
+            if c.cmdline()[1:3] == ["-m", "broker"]:
+                return c.pid
+    except psutil.Error:
+        pass
+    return None
+
+
+def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None, kill: str = "server",
+         steps: int = STEPS) -> dict:
+    """One run of launch/cluster.py; with ``kill_at_step``, ``kill -9`` of the engine server
+    (``kill="server"``) or of the broker (``kill="broker"``) once the learner is at that step."""
     summary = run_dir / "out.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
-           "--max-steps", str(STEPS), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
+           "--max-steps", str(steps), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
            "run.eval_samples=200", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
@@ -58,9 +74,12 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
             if kill_at_step is not None and not killed and (run_dir / "control.json").exists():
                 st = _status(run_dir)
                 if st and st.get("step", 0) >= kill_at_step and st["servers"] and st["servers"][0].get("pid"):
-                    killed = {"pid": st["servers"][0]["pid"], "step": st["step"], "t": time.monotonic()}
-                    os.kill(killed["pid"], signal.SIGKILL)  # kill -9 of the engine server
-            time.sleep(2.0)
+                    pid = st["servers"][0]["pid"] if kill == "server" else _broker_pid(proc.pid)
+                    if pid:
+                        killed = {"pid": pid, "step": st["step"], "t": time.monotonic()}
+                        os.kill(pid, signal.SIGKILL)  # kill -9 of the engine server or the broker
+            time.sleep(1.0 if killed else 2.0)
+        t_exit = time.monotonic()
         out = proc.stdout.read()
     finally:
         if proc.poll() is None:
@@ -69,14 +88,60 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
     time.sleep(2.0)
     left = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     return {"rc": proc.returncode, "out": out, "summary": json.loads(summary.read_text()) if summary.exists() else None,
-            "killed": killed, "left": left}
+            "killed": killed, "left": left, "t_exit": t_exit}
 
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     # staged weight updates: the server keeps generating while each publish is on the wire
-    return _run(tmp_path_factory.mktemp("cpu-k2"), ["broker.max_staleness=2", "weight_sync.staging=true"],
-                kill_at_step=3)
+    run_dir = tmp_path_factory.mktemp("cpu-k2")
+    out = _run(run_dir, ["broker.max_staleness=2", "weight_sync.staging=true", f"broker.spool_dir={run_dir / 'spool'}"],
+               kill_at_step=3)
+    out["spool"] = spool_rows(run_dir / "spool", run_dir / "spool.parquet")
+    return out
+
+
+def spool_rows(spool: Path, out: Path) -> list[dict] | None:
+    """The spool's rows with their fate (``python -m broker export``): group, admission step,
+    oldest version, status, consumed step. A record of what the broker accepted and acked,
+    written before each reply, that the summary's figures are checked against."""
+    if not spool.is_dir():
+        return None
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "broker", "export", str(spool), "--out", str(out)], cwd=REPO, env=env,
+                   check=True, capture_output=True, timeout=120)
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(out, columns=["group_id", "segment_versions", "status", "consumed_step"]).to_pylist()
+    return [{"group": r["group_id"], "v0": r["segment_versions"][0], "status": r["status"],
+             "consumed_step": r["consumed_step"]} for r in t]
+
+
+def check_accounting(s: dict, rows: list[dict], k: int) -> None:
+    """The summary's group figures and staleness against the spool's own rows."""
+    acked = [r for r in rows if r["status"] == "acked"]
+    # staleness of every consumed row, from its own version and the step that consumed it
+    stale = [r["consumed_step"] - 1 - r["v0"] for r in acked]
+    assert stale and max(stale) <= k, max(stale)
+    hist: dict[str, int] = {}
+    for x in stale:
+        hist[str(x)] = hist.get(str(x), 0) + 1
+    assert hist == {str(a): b for a, b in s["staleness_hist"].items()}, (hist, s["staleness_hist"])
+    fate: dict[str, set] = {}
+    for r in rows:
+        fate.setdefault(r["group"], set()).add((r["status"], r["consumed_step"]))
+    assert all(len(f) == 1 for f in fate.values()), "a group has rows with different fates"
+    consumed_steps = [next(iter(f))[1] for f in fate.values() if next(iter(f))[0] == "acked"]
+    # every group acked once, by a step of this run, G groups per step
+    assert len(consumed_steps) == s["groups_consumed"] == s["steps"] * GROUPS
+    assert sorted(set(consumed_steps)) == list(range(1, s["steps"] + 1))
+    dropped = sum(1 for f in fate.values() if next(iter(f))[0].startswith("dropped:"))
+    pending = sum(1 for f in fate.values() if next(iter(f))[0] == "pending")
+    # every produced group accounted for: consumed + queued + dropped by reason
+    assert len(fate) == s["groups_produced"]
+    assert pending == s["groups_queued_at_end"]
+    assert dropped == sum(v for r, v in s["groups_dropped"].items() if r != "reward_error")
+    assert len(fate) == len(consumed_steps) + pending + dropped
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +170,9 @@ def test_kill_9_of_the_server_loses_nothing(run_a):
     assert run_a["killed"], "the server was never killed (the run ended before step 3?)"
     s = run_a["summary"]
     assert s["server_deaths"] >= 1
+    assert s["groups_requeued"] > 0, "the killed server's groups were not re-queued"
     assert s["groups_lost"] == 0
-    assert s["groups_consumed"] == STEPS * GROUPS
+    check_accounting(s, run_a["spool"], k=2)
     back = s["server_states_at_end"]
     assert back and back[0]["state"] == "healthy" and back[0]["restarts"] >= 1
     # the restarted server took part in weight sync again: it holds the final version

@@ -82,7 +82,8 @@ def _start(ray_local, tmp_path: Path, steps: int):
 
     cfg = load_run_config("tiny", [f"run.max_steps={steps}", f"run.run_dir={tmp_path}", "broker.groups_per_step=2",
                                    "broker.max_staleness=1", "learner.cpu_processes=2", "learner.export_every=0",
-                                   "rollout.request_timeout_s=120"])
+                                   "rollout.request_timeout_s=120",
+                                   "learner.logprob_probe_tolerance=null"])  # synthetic behaviour log-probs
     broker = BrokerProcess(groups_per_step=2, max_staleness=1).start()
     producer = _Producer(broker.address, group_size=4)
     producer.start()

@@ -108,7 +108,7 @@ def test_vllm_serves_chat_templated_samples_with_the_learners_logprobs(smollm2_m
         mb = MicroBatch(input_ids=ids[:-1].view(1, -1), position_ids=torch.arange(len(ids) - 1).view(1, -1),
                         target_index=torch.arange(len(prompt) - 1, len(ids) - 1), targets=ids[len(prompt):],
                         behaviour_logp=torch.zeros(n), advantages=torch.zeros(n), weights=torch.zeros(n),
-                        seq_lens=torch.tensor([n]))
+                        seq_lens=torch.tensor([n]), fresh=torch.zeros(n, dtype=torch.bool))
         with torch.no_grad():
             ours, _ = packed_forward(model, mb, 1.0)
         diffs.append(np.abs(ours.numpy() - s.logprobs))

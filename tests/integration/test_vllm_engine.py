@@ -317,3 +317,52 @@ async def _generate(server, prompt):
         return await c.generate(prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=11))
     finally:
         await c.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
+    """Behaviour log-probs are those of the distribution sampled from (vLLM --logprobs-mode processed_logprobs):
+    at T=0.7 the learner's own scoring (plan_step + packed_forward at learner.temperature) agrees with them, and
+    the start-up probe's measure separates that from scoring at another temperature (what raw log-probs are)."""
+    from broker.schema import Trajectory, to_record_batch
+    from learner.batch import plan_step
+    from learner.config import LearnerConfig
+    from learner.engine import packed_forward
+    from learner.logprob_probe import gap
+
+    tok = _tokenizer()
+    prompts = [tok(p)["input_ids"] for p in ("347+85=", "12+9=", "5+7=", LONG_PROMPT)]
+
+    async def run():
+        c = _client(vllm_server)
+        try:
+            return [await c.generate(p, SamplingParams(n=4, max_tokens=8, temperature=0.7, seed=3)) for p in prompts]
+        finally:
+            await c.close()
+
+    groups = asyncio.run(run())
+    trajs = [Trajectory(traj_id=f"g{g}/{i}", group_id=f"g{g}", sample_index=i, group_size=4, step=1,
+                        prompt_ids=prompts[g], response_ids=s.token_ids, behaviour_logprobs=s.logprobs,
+                        segment_starts=[0], segment_versions=[0], reward=float(i))
+             for g, samples in enumerate(groups) for i, s in enumerate(samples)]
+    plan = plan_step(to_record_batch(trajs), rank=0, world_size=1, micro_batch_tokens=4096, advantage="mean",
+                     drop_uniform=False, aggregation="token", learner_version=0)
+    model = _hf_model()
+    tol = LearnerConfig.model_validate({"loss": {"correction": "tis"}}).logprob_probe_tolerance
+    stats = {}
+    for temperature in (0.7, 1.0):
+        total, worst, count = 0.0, 0.0, 0
+        for mb in plan.micro_batches:
+            with torch.no_grad():
+                lp, _ = packed_forward(model, mb, temperature)
+            s, mx, n = gap(lp, mb.behaviour_logp, mb.fresh)
+            total, worst, count = total + s, max(worst, mx), count + n
+        stats[temperature] = (total / count, worst, count)
+    log.info("engine (T=0.7, processed) vs learner: at T=0.7 mean %.2e max %.2e over %d tokens; at T=1.0 mean %.3f",
+             stats[0.7][0], stats[0.7][1], stats[0.7][2], stats[1.0][0])
+    assert stats[0.7][2] >= 16
+    # fp32 on both sides, same model: the same bound as the T=1 test above, for every token.
+    assert stats[0.7][1] < TOL, f"learner at T=0.7 differs from the engine by up to {stats[0.7][1]:.2e} nats"
+    # Scoring at T=1 (what vLLM's default raw_logprobs would report) is far outside the probe's tolerance.
+    assert stats[1.0][0] > tol, stats

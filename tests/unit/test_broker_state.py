@@ -10,6 +10,7 @@ is part of two acked leases.
 import shutil
 import tempfile
 
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -66,6 +67,7 @@ def test_stale_groups_are_dropped_never_leased():
     s = new_state(k=1, G=1)
     s.accept("w", make_groups(["old"], step=1, version=0), now=0)
     s.accept("w", make_groups(["new"], step=1, version=2), now=0)
+    s.set_version(3)  # the window: a step past v + k + 1 is refused until the version is reported
     lease = s.lease("L", 4, now=0)  # trained at version 3: 'old' has staleness 3 > 1
     assert lease.group_ids == ["new"] and lease.staleness.tolist() == [1, 1]
     assert s.counters.drops["stale"] == 1 and not s.has_seen("x") and s.has_seen("old")
@@ -253,9 +255,23 @@ class BrokerMachine(RuleBasedStateMachine):
                                                   group_size=self.gsize), self.now)
         assert got == (0, 0, 1)
 
-    @rule(c=st.sampled_from(["c0", "c1"]), ahead=st.integers(0, 1))
+    @precondition(lambda self: len(self.versions) >= 2)
+    @rule(data=st.data())
+    def repush_several(self, data):
+        """A push of several groups already accepted (pending, acked or dropped) stores none."""
+        gids = data.draw(st.lists(st.sampled_from(sorted(self.versions)), min_size=2, max_size=3, unique=True))
+        batch = pa.concat_batches([make_groups([g], step=1, version=self.versions[g], group_size=self.gsize)
+                                   for g in gids])
+        assert self.state.accept("p0", batch, self.now) == (0, 0, len(gids))
+
+    @rule(c=st.sampled_from(["c0", "c1"]), ahead=st.integers(0, 2))
     def consume(self, c, ahead):
         step = self.state.version + 1 + ahead
+        if ahead > self.k and not self.state.has_lease(c, step):
+            with pytest.raises(BrokerError) as e:  # outside the admission window
+                self.state.lease(c, step, self.now)
+            assert e.value.code == ErrorCode.STEP_AHEAD
+            return
         lease = self.state.lease(c, step, self.now)
         if lease is None:
             return
@@ -322,8 +338,9 @@ class BrokerMachine(RuleBasedStateMachine):
                 assert g not in self.acked
                 self.acked[g] = lease.lease_id
             self.state.ack(lease.lease_id, self.now)
-        self.state.lease("final", self.state.version + self.k + 10 + max(self.versions.values(), default=0),
-                         self.now)
+        top = self.state.version + self.k + 10 + max(self.versions.values(), default=0)
+        self.state.set_version(top - 1)
+        self.state.lease("final", top, self.now)
         assert not self.state.pending
         assert set(self.acked) | self.dropped == set(self.versions)
 

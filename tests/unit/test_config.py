@@ -166,3 +166,23 @@ def test_reward_function_names():
     assert load_run_config("tiny", ["reward.function=rewards/my_score.py:compute_score"]).reward.function
     with pytest.raises(ConfigError, match="neither a built-in"):
         load_run_config("tiny", ["reward.function=gsm9k"])
+
+
+def test_training_sampling_the_learner_cannot_score_is_refused():
+    with pytest.raises(ConfigError, match="temperature=0 samples greedily"):
+        load_run_config("tiny", ["rollout.sampling.temperature=0"])
+    with pytest.raises(ConfigError, match="top_p=0.9 truncates"):
+        load_run_config("tiny", ["rollout.sampling.top_p=0.9"])
+
+
+def test_kl_estimators_and_mini_batch_keys():
+    with pytest.raises(ConfigError, match="zero expected gradient"):
+        load_run_config("tiny", ["learner.loss.kl_estimator=k1"])
+    with pytest.raises(ConfigError, match="kl_estimator must be one of"):
+        load_run_config("tiny", ["learner.loss.kl_estimator=k4"])
+    for name in ("k2", "mse", "k3", "low_var_kl"):
+        assert load_run_config("tiny", [f"learner.loss.kl_estimator={name}"]).learner.loss.kl_estimator == name
+    cfg = load_run_config("tiny", ["learner.ppo_mini_batch_size=8", "learner.ppo_epochs=2"])
+    assert (cfg.learner.ppo_mini_batch_size, cfg.learner.ppo_epochs, cfg.learner.loss.clip_ratio_c) == (8, 2, 3.0)
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        load_run_config("tiny", ["learner.loss.clip_ratio_c=1.0"])

@@ -39,7 +39,7 @@ def test_pad_row_adds_one_separate_sequence():
     z = torch.zeros(1)
     mb = MicroBatch(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[0, 1, 2]]),
                     target_index=torch.tensor([1]), targets=torch.tensor([7]), behaviour_logp=z, advantages=z,
-                    weights=z, seq_lens=torch.tensor([1]))
+                    weights=z, seq_lens=torch.tensor([1]), fresh=torch.zeros(1, dtype=torch.bool))
     ids, pos = pad_row(mb, 5)
     assert ids.tolist() == [[5, 6, 7, 0, 0]] and pos.tolist() == [[0, 1, 2, 0, 1]]
     # the padding is its own sequence: the real tokens never attend to it

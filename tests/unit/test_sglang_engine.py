@@ -47,6 +47,11 @@ def test_command_carries_assignment_and_version_flags():
         SGLangServerArgs(model="m", gpus=[0], port=1, tensor_parallel_size=2)
 
 
+def test_sglang_reports_post_temperature_logprobs_even_if_the_environment_says_otherwise():
+    srv = SGLangServer(SGLangServerArgs(model="m", gpus=[0], port=1, env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}))
+    assert srv.environment()["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "false"
+
+
 def _sglang_like_worker(port: int, group_name: str, q) -> None:
     """What SGLang 0.5.16/0.5.23 do in ModelRunner.init_weights_update_group (utils.common), over gloo."""
     import torch

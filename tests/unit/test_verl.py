@@ -79,7 +79,8 @@ def test_seed_script_resolves_to_a_config(tmp_path):
     ("data.truncation=left", "fleetrl never cuts a prompt; data.filter_overlong_prompts=True skips them"),
     ("actor_rollout_ref.model.lora_rank=32", "LoRA is not implemented"),
     ("algorithm.use_kl_in_reward=True", "KL in the reward is not implemented"),
-    ("actor_rollout_ref.actor.kl_loss_type=mse", "fleetrl has k1 ('kl') and k3 ('low_var_kl')"),
+    ("actor_rollout_ref.actor.kl_loss_type=kl", "'kl' (k1) has zero expected gradient"),
+    ("actor_rollout_ref.actor.kl_loss_type=full", "fleetrl has 'low_var_kl' (k3) and 'mse' (k2)"),
     ("actor_rollout_ref.rollout.name=hf", "fleetrl's engines are 'vllm' and 'sglang'"),
     ("reward_model.enable=True", "a reward model is not implemented"),
     ("actor_rollout_ref.actor.ppo_mini_batchsize=8", "not known to fleetrl. Did you mean "

@@ -153,3 +153,40 @@ def test_tail_bytes_only_where_fleetrl_receivers_take_the_plan():
     assert WeightSyncConfig(nccl_impl="vllm", tail_bucket_mb=16).tail_bytes(nccl=False) == 16 << 20  # gloo
     assert WeightSyncConfig(nccl_impl="torch").tail_bytes(nccl=True) == 64 << 20  # the default
     assert WeightSyncConfig(nccl_impl="torch", tail_bucket_mb=0).tail_bytes(nccl=True) == 0  # off
+
+
+@pytest.mark.parametrize("size", [4096 * 3 + 100, 4096 * 2, 100, 4096 + 1])
+def test_fingerprint_sees_a_flip_at_every_edge_of_a_bucket(size):
+    """First byte, last byte, a byte of the ragged tail (under 4 KiB) and of the last whole 4 KiB row: each
+    flip, and a swap of the last whole row with the tail, changes the fingerprint."""
+    buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    ref = bucket_fingerprint(buf)
+    whole = size - size % 4096
+    where = {"first": 0, "last": size - 1}
+    if size % 4096:
+        where["tail"] = whole + (size - whole) // 2
+    if whole:
+        where["last_whole_row_first"] = whole - 4096
+        where["last_whole_row_end"] = whole - 1
+    for name, i in where.items():
+        flipped = buf.clone()
+        flipped[i] ^= 0x10
+        assert not torch.equal(bucket_fingerprint(flipped), ref), f"{name} byte {i} of {size}"
+    if whole and size % 4096:
+        swapped = buf.clone()
+        n = size - whole
+        swapped[whole - 4096:whole - 4096 + n], swapped[whole:] = buf[whole:].clone(), buf[whole - 4096:whole - 4096 + n].clone()
+        assert not torch.equal(swapped, buf) and not torch.equal(bucket_fingerprint(swapped), ref)
+
+
+def test_fingerprint_covers_every_bucket_of_a_plan():
+    sd = _state()
+    plan = build_plan([(k, v.shape, v.dtype) for k, v in sd.items()], bucket_bytes=6_000)
+    bufs = [pack_bucket([sd[plan.names[i]] for i in idx]) for idx in plan.buckets]
+    assert len(bufs) >= 3 and any(b.numel() % 4096 for b in bufs)
+    ref = combine_fingerprints([bucket_fingerprint(b) for b in bufs])
+    for k, b in enumerate(bufs):
+        for i in {0, b.numel() - 1, b.numel() - b.numel() % 4096 - 1 if b.numel() >= 4096 else 0}:
+            changed = [x.clone() for x in bufs]
+            changed[k][i] ^= 1
+            assert combine_fingerprints([bucket_fingerprint(x) for x in changed]) != ref, f"bucket {k} byte {i}"

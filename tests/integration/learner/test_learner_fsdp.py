@@ -150,7 +150,8 @@ def test_cli_entry_point_trains_and_exports(runs, tmp_path):
     cfg = {
         "model": {"path": str(runs["model"])},
         "data": {"train_files": ["unused.parquet"]},
-        "learner": {"loss": {"correction": "decoupled"}, "micro_batch_tokens": 256, "checkpoint_every": 1},
+        "learner": {"loss": {"correction": "decoupled"}, "micro_batch_tokens": 256, "checkpoint_every": 1,
+                    "logprob_probe_tolerance": None},  # replayed synthetic behaviour log-probs
         "run": {"seed": 0, "max_steps": 1, "run_dir": str(run_dir)},
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))

@@ -68,7 +68,8 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
     init_distributed("gloo", timeout_s=120)
     cfg = LearnerConfig.model_validate({"loss": {"correction": "decoupled"}, "micro_batch_tokens": 64,
-                                        "optim": {"lr": 1e-2, "grad_clip": 1.0}})
+                                        "optim": {"lr": 1e-2, "grad_clip": 1.0},
+                                        "logprob_probe_tolerance": None})  # synthetic behaviour log-probs
     engine = FSDPEngine(cfg, kw["model"], total_steps=2, seed=0)
     batches = make_batches(2, seed=3)
     batches[1] = _uniform(batches[1])
@@ -90,7 +91,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     mb = MicroBatch(input_ids=ids[:-1].view(1, -1), position_ids=torch.arange(len(ids) - 1).view(1, -1),
                     target_index=torch.arange(len(ids) - 1), targets=ids[1:], behaviour_logp=torch.zeros(len(ids) - 1),
                     advantages=torch.zeros(len(ids) - 1), weights=torch.zeros(len(ids) - 1),
-                    seq_lens=torch.tensor([len(ids) - 1]))
+                    seq_lens=torch.tensor([len(ids) - 1]), fresh=torch.zeros(len(ids) - 1, dtype=torch.bool))
     with torch.no_grad():
         logp, _ = packed_forward(engine.model, mb, 1.0)
     Path(kw["out"], "result.json").write_text(json.dumps({

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,8 +11,8 @@ from learner.losses import (
     LossSettings,
     aggregation_weights,
     combine_metrics,
+    finalize_metrics,
     group_advantages,
-    kl_estimate,
     policy_loss,
 )
 
@@ -48,6 +49,16 @@ def test_group_advantages_mean_std_and_drop():
     assert keep.all()
     with pytest.raises(ValueError, match="mean_std"):
         group_advantages(rewards, groups, "median", drop_uniform=False)
+
+
+def test_group_advantages_use_each_groups_own_std():
+    # group a: [0, 1], mean 0.5, Bessel std sqrt(0.5) = 0.7071068 -> +-0.5 / 0.7071068 = +-0.7071058
+    # group b: [0, 4, 2], mean 2, centred [-2, 2, 0], std sqrt(8 / 2) = 2 -> [-1, 1, 0] (to 1e-6)
+    rewards = torch.tensor([0.0, 4.0, 1.0, 2.0, 0.0])
+    groups = torch.tensor([1, 1, 0, 1, 0])
+    adv, keep = group_advantages(rewards, groups, "mean_std", drop_uniform=True)
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, 0.7071058, 0.0, -0.7071058], abs=1e-5)
+    assert keep.all()
 
 
 def test_correction_none_clips_against_behaviour():
@@ -100,18 +111,81 @@ def test_correction_decoupled_clips_against_proximal():
         run("decoupled")
 
 
-def test_kl_k1_k3_and_total():
+def test_kl_k2_k3_values_importance_weight_and_total():
+    from learner.kl import kl_term
+
     ref = [-1.1, -0.7, -2.0]
-    assert kl_estimate(t(LOGP), t(ref), "k1").tolist() == pytest.approx([0.1, 0.2, 0.0])
-    # k3: d = ref - logp = [-0.1, -0.2, 0]; exp(d) - d - 1 = [0.0048374, 0.0187308, 0]
-    assert kl_estimate(t(LOGP), t(ref), "k3").tolist() == pytest.approx([0.0048374, 0.0187308, 0.0], abs=1e-7)
-    loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k1")
-    assert m["loss_kl"] == pytest.approx(0.1) and m["loss_policy"] == pytest.approx(0.44)
-    assert loss == pytest.approx(0.44 + 0.5 * 0.1)
+    # d = logp - ref = [0.1, 0.2, 0]; k2 = d^2 / 2 = [0.005, 0.02, 0]; k3 = exp(-d) + d - 1 = [0.0048374, 0.0187308, 0]
+    assert kl_term(t(LOGP), t(ref), "k2").tolist() == pytest.approx([0.005, 0.02, 0.0])
+    assert kl_term(t(LOGP), t(ref), "mse").tolist() == pytest.approx([0.005, 0.02, 0.0])
+    assert kl_term(t(LOGP), t(ref), "low_var_kl").tolist() == pytest.approx([0.0048374, 0.0187308, 0.0], abs=1e-7)
+    # The KL term is weighted by min(pi / mu, tis_cap) = min(exp([0.5, 0, -1]), 2) = [1.6487213, 1, 0.3678794]
+    loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k2")
+    assert m["loss_kl"] == pytest.approx(0.025 / 3) and m["loss_policy"] == pytest.approx(0.44)
+    assert loss == pytest.approx(0.44 + 0.5 * (1.6487213 * 0.005 + 0.02) / 3)
     loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k3")
-    assert loss == pytest.approx(0.44 + 0.5 * (0.0048374 + 0.0187308) / 3, abs=1e-7)
+    assert loss == pytest.approx(0.44 + 0.5 * (1.6487213 * 0.0048374 + 0.0187308) / 3, abs=1e-7)
     with pytest.raises(ValueError, match="ref_logp"):
         run("none", kl_coef=0.5)
+    with pytest.raises(ValueError, match="zero expected gradient"):
+        run("none", ref=ref, kl_coef=0.5, kl_estimator="k1")
+
+
+def test_tis_uses_the_recomputed_proximal():
+    """tis with prox is decoupled's objective: the ratio against prox (clipped) and w = min(prox / mu, cap)."""
+    prox = [-1.4, -0.5, -1.8]
+    loss, m, grad = run("tis", prox=prox, tis_cap=2.0)
+    # same numbers as test_correction_decoupled_clips_against_proximal
+    assert loss == pytest.approx((-1.4146188 + 1 + 0.7357589) / 3, abs=1e-7)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    assert m["is_weight_mean"] == pytest.approx((1.1051709 + 1 + 0.4493290) / 3)
+    assert grad == pytest.approx([0.0, 1 / 3, 0.7357589 / 3])
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    """The issue's case: log-ratio 7.9 and A = -1 gave loss and gradient 2,697 without dual-clip."""
+    def one(logp, behav, adv, c=3.0):
+        lp = t([logp], grad=True)
+        s = LossSettings(correction="none", clip_ratio_c=c)
+        loss, m = policy_loss(lp, t([behav]), t([adv]), t([1.0]), s)
+        loss.backward()
+        return loss.item(), lp.grad.item(), m
+
+    loss, grad, m = one(-0.1, -8.0, -1.0)
+    # ratio e^7.9 = 2697.28; -min(-2697.28, -1.28) = 2697.28 > 3 * 1: capped at 3, no gradient
+    assert loss == pytest.approx(3.0) and grad == 0.0 and m["clip_dual_frac"].item() == 1.0
+    loss, grad, m = one(-0.1, -8.0, -1.0, c=1e9)  # effectively no dual-clip: today's unbounded loss
+    assert loss == pytest.approx(2697.28, rel=1e-4) and grad == pytest.approx(2697.28, rel=1e-4)
+    # ratio 2 (< c) and A = -1: not capped; loss 2, gradient d(ratio * 1)/dlogp = 2
+    loss, grad, m = one(-1.0 + np.log(2.0), -1.0, -1.0)
+    assert loss == pytest.approx(2.0) and grad == pytest.approx(2.0) and m["clip_dual_frac"].item() == 0.0
+    # positive advantages are never dual-clipped: ratio 2 > 1.28 clips to 1.28 * A as before
+    loss, grad, _ = one(-1.0 + np.log(2.0), -1.0, 1.0)
+    assert loss == pytest.approx(-1.28) and grad == 0.0
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        LossSettings(correction="none", clip_ratio_c=1.0)
+
+
+def test_log_ratio_is_clamped_before_exp():
+    # fp32: exp(100) = inf and inf * 0 = nan; clamped at 20 the zero-advantage token contributes exactly 0.
+    lp = torch.tensor([0.0, -1.0], requires_grad=True)
+    loss, m = policy_loss(lp, torch.tensor([-100.0, -1.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]),
+                          LossSettings(correction="none"))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert loss.item() == pytest.approx(-0.5)  # token 2: ratio 1, A = 1, weight 0.5
+
+
+def test_mismatch_on_fresh_tokens_is_separate_from_drift():
+    prox = [-1.4, -0.5, -1.8]
+    logp = t(LOGP, grad=True)
+    _, m = policy_loss(logp, t(BEHAV), t(ADV), t(THIRD), LossSettings(correction="decoupled"),
+                       prox_logp=t(prox), fresh=torch.tensor([True, True, False]))
+    f = finalize_metrics({k: v.item() for k, v in m.items()})
+    # pre-step (prox) - behaviour = [0.1, 0, -0.8]; k3 = exp(d) - d - 1 = [0.0051709, 0, 0.2493290]
+    assert f["fresh_token_frac"] == pytest.approx(2 / 3)
+    assert f["mismatch_kl_k3_fresh"] == pytest.approx(0.0051709 / 2, abs=1e-7)  # mean over the 2 fresh tokens
+    assert f["drift_kl_k3"] == pytest.approx(0.2493290, abs=1e-7)  # the one stale token
 
 
 def test_aggregation_weights_token_and_sequence():

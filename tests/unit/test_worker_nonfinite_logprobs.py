@@ -1,0 +1,100 @@
+"""A sample whose behaviour log-prob is not finite fails its group, counted; the group is resampled on the
+same ticket, and after the retries the prompt goes back to the replay queue (never lost).
+
+Real fleet controller and (SIMULATED) engines; the broker side is an in-memory producer client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from broker.schema import validate_batch
+from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
+from rollout_fleet.controller import FleetController
+from rollout_fleet.engines.simulated import SimulatedEngine, SimulatedFactory
+from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class HolesFactory(SimulatedFactory):
+    """Engines whose first ``bad_calls`` generations return a sample with a missing (-inf) log-prob, as
+    vLLM's client records a token the server gave no log-prob for."""
+
+    def __init__(self, cfg, bad_calls: int) -> None:
+        super().__init__(cfg)
+        self.bad_calls = bad_calls
+
+    async def start(self, index: int) -> SimulatedEngine:
+        engine = SimulatedEngine(f"sim-{index}", self.cfg, seed=index)
+        inner, factory = engine.generate, self
+
+        async def generate(prompt_ids, params):
+            out = await inner(prompt_ids, params)
+            if factory.bad_calls > 0:
+                factory.bad_calls -= 1
+                out[1].logprobs[0] = -np.inf
+            return out
+
+        engine.generate = generate
+        return engine
+
+
+class MemoryProducer:
+    def __init__(self) -> None:
+        self.batches: list[pa.RecordBatch] = []
+
+    def push(self, batch):
+        self.batches.append(validate_batch(batch))  # what the broker checks: finite log-probs
+
+
+class Scorer:
+    async def score(self, prompt, samples):
+        return [float(i % 2) for i in range(len(samples))]
+
+
+@dataclass
+class Ticket:
+    step: int
+    ticket_id: int
+
+
+def run(bad_calls: int):
+    async def main():
+        sim = SimulatedEngineConfig(tokens_per_s=50_000.0, length_median=8, length_sigma=0.3)
+        cfg = RolloutConfig(engine="simulated", health_interval_s=0.1, simulated=sim)
+        fleet = FleetController(cfg, HolesFactory(sim, bad_calls))
+        await fleet.start(1)
+        producer = MemoryProducer()
+        worker = RolloutWorker(fleet, AsyncProducer(producer), prompts=None, rewards=Scorer(),
+                               sampling=SamplingConfig(n=4, max_tokens=16), max_inflight_groups=4, max_staleness=1)
+        prompt = Prompt(prompt_ids=[5, 6, 7], ground_truth="x")
+        await worker._group(Ticket(step=1, ticket_id=0), prompt)
+        await fleet.close()
+        await worker.producer.close()
+        return worker, producer, prompt
+
+    return asyncio.run(main())
+
+
+def test_one_bad_generation_is_resampled_on_the_same_ticket():
+    worker, producer, _ = run(bad_calls=1)
+    assert worker.samples_nonfinite_logprob == 1 and worker.groups_resampled_nonfinite == 1
+    assert worker.groups_pushed == 1 and worker.prompts_requeued_nonfinite == 0 and worker._replay == []
+    (batch,) = producer.batches
+    assert batch.num_rows == 4
+    assert np.isfinite(batch.column("behaviour_logprobs").values.to_numpy()).all()
+
+
+def test_persistently_bad_prompt_goes_back_to_the_replay_queue():
+    worker, producer, prompt = run(bad_calls=10)
+    assert worker.samples_nonfinite_logprob == 3  # 1 + logprob_retries (2) attempts, one bad sample each
+    assert worker.groups_pushed == 0 and producer.batches == []
+    assert worker.prompts_requeued_nonfinite == 1 and worker._replay == [prompt]
+    assert worker.status()["prompts_requeued_nonfinite"] == 1
+    assert worker._next_prompt() is prompt  # it runs again first
