@@ -30,9 +30,11 @@ install: $(STAMP)
 demo: install
 	$(PY) launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe tiny --summary runs/tiny/summary.json
 
-# Lint first: ruff (pyflakes, import order, bug-finding rules).
+# Lint first: ruff (pyflakes, import order, bug-finding rules), then the import contracts
+# (import-linter, [tool.importlinter] in pyproject.toml: layers, independence, light configs).
 lint: install
 	$(VENV)/bin/ruff check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest tests

@@ -27,6 +27,10 @@
 #   megatron-resume test_megatron_gpu.py -k checkpoint_resume only (SP, DP=2 + distributed optimizer, resume)
 #   megatron-bench  bench/learner.py (FSDP vs Megatron tokens/s and MFU) -> $OUT/learner.json
 #   megatron-all    megatron, megatron-pp, megatron-bench in one call (~9 min: only with a 10-min limit)
+#   fast-tests      tests/gpu/test_fsdp_fast_paths_gpu.py (chunked log-probs, varlen attention, fast engine step)
+#   megatron-varlen tests/gpu/test_megatron_varlen_gpu.py (1 GPU; after base)
+#   learner-remedies  bench/learner.py, 128 x 1023 tokens: FSDP before and after each remedy (issue 21),
+#                   profiles of the first and the best, Megatron -> $OUT/learner_remedies.json (~7 min)
 #   megatron-vllm   tests/gpu/test_megatron_vllm_gpu.py: publish from Megatron TP=2 into vLLM, log-probs
 #                   (after vllm-install)
 #   ranks           tests/gpu/test_learner_ranks_gpu.py: 2 learner ranks as Ray actors, NCCL
@@ -204,6 +208,22 @@ for step in "$@"; do
         megatron-resume)  # the one test of test_megatron_gpu.py that failed last session (DP=2 checkpoint)
             megatron_tests tests/gpu/test_megatron_gpu.py megatron_resume_tests -k checkpoint_resume ;;
         megatron-bench) megatron_bench ;;
+        fast-tests)
+            with_site "" timeout 240 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_fsdp_fast_paths_gpu.py 2>&1 | tee "$OUT/fast_tests.log" | tail -25
+            ;;
+        megatron-varlen)  # 1 GPU: Megatron varlen core attention vs its masked attention
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout 240 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_megatron_varlen_gpu.py 2>&1 | tee "$OUT/megatron_varlen.log" | quiet | grep -v "^\[rank" | tail -25
+            ;;
+        learner-remedies)
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout "${REMEDIES_TIMEOUT:-575}" $PY bench/learner.py --seqs 128 --steps 2 \
+                --cases "${REMEDIES_CASES:-fsdp:1:1:before,fsdp:1:1:fused@16384,fsdp:1:1:fused@32768,fsdp:1:1:meta@32768,fsdp:1:1:compile@32768,fsdp:1:1:ac@65536,megatron:1:1,fsdp:1:1:before@32768,fsdp:1:1:chunked@32768}" \
+                --profile "${REMEDIES_PROFILE:-before,fused}" --profile-dir "$OUT" --case-timeout 170 \
+                --budget-s "${REMEDIES_BUDGET:-540}" --shape "${REMEDIES_SHAPE:-0.5b}" \
+                --json "$OUT/learner_remedies${REMEDIES_TAG:-}.json" 2>&1 \
+                | tee "$OUT/learner_remedies${REMEDIES_TAG:-}.log" | grep -v "^ " | cut -c1-1500 | tail -40
+            ;;
         megatron-all)
             megatron_tests tests/gpu/test_megatron_gpu.py megatron_tests; r1=$?
             megatron_tests tests/gpu/test_megatron_pp_kl_gpu.py megatron_pp_kl_tests; r2=$?

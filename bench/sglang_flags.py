@@ -1,6 +1,6 @@
 """Which SGLang serving flag does SGLang 0.5.16 need on the H200? One run, each candidate alone.
 
-FACTS.md: SGLang 0.5.16 served a Qwen2 model only with ``--disable-overlap-schedule
+Seen on the GPU machine: SGLang 0.5.16 served a Qwen2 model only with ``--disable-overlap-schedule
 --skip-server-warmup`` (with triton attention, pytorch sampling, no CUDA graph); with fa3,
 or with triton and no CUDA graph, its scheduler died on the first forward. This starts
 every candidate configuration at once (two GPUs, a small memory fraction each, separate

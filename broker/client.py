@@ -52,9 +52,8 @@ import pyarrow as pa
 import zmq
 
 from broker import protocol as P
-from broker.protocol import Ticket
+from broker.protocol import BrokerError, Ticket
 from broker.schema import TRAJECTORY_SCHEMA
-from broker.state import BrokerError
 
 log = logging.getLogger(__name__)
 
@@ -567,8 +566,13 @@ def ping(address: str, timeout_s: float = 2.0, curve_keys_dir: str | None = None
         return False
 
 
+def status_reply(address: str, timeout_s: float = 5.0, curve_keys_dir: str | None = None) -> P.StatusReply:
+    """The broker's typed status reply (the launcher's view of the broker reads it)."""
+    return _sync_request(address, P.StatusRequest(req=1), timeout_s, curve_keys_dir)
+
+
 def get_status(address: str, timeout_s: float = 5.0, curve_keys_dir: str | None = None) -> dict:
-    """The broker's status (for ``python -m broker status`` and the launcher)."""
-    r = _sync_request(address, P.StatusRequest(req=1), timeout_s, curve_keys_dir)
+    """The broker's status as plain data (for ``python -m broker status``)."""
+    r = status_reply(address, timeout_s, curve_keys_dir)
     return {"status": r.status, "drops": r.drops, "errors": r.errors, "engine_lag": r.engine_lag,
             "staleness_hist": r.staleness_hist}

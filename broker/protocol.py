@@ -47,6 +47,7 @@ may wait for ``min_groups`` at once.
 
 from __future__ import annotations
 
+import enum
 import struct
 from typing import Annotated, Union
 
@@ -60,7 +61,7 @@ from broker.schema import TRAJECTORY_SCHEMA
 PROTOCOL_VERSION = 3
 
 
-class ErrorCode:
+class ErrorCode(enum.StrEnum):
     """The ``code`` of an :class:`ErrorReply`; each also counts ``broker/errors_total{code}``."""
 
     BAD_FRAME = "bad_frame"  # header not msgpack, payload not Arrow IPC, wrong frame count
@@ -77,8 +78,17 @@ class ErrorCode:
     STEP_AHEAD = "step_ahead"  # next_batch for a step past v + k + 1: report_version first (a resumed learner)
     INTERNAL = "internal"
 
-    ALL = (BAD_FRAME, UNKNOWN_TYPE, OLD_PROTOCOL, BAD_REQUEST, BAD_SCHEMA, INCOMPLETE_GROUP,
-           NO_TICKET, BUSY, TOO_LARGE, LEASE_EXPIRED, UNKNOWN_LEASE, STEP_AHEAD, INTERNAL)
+
+class BrokerError(Exception):
+    """A request the broker refuses; ``code`` is an :class:`ErrorCode`, sent back in the error reply
+    (the server raises it; the clients raise it again from the reply)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float = 0.0, lease_id: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.lease_id = lease_id  # the lease a refused ack or renew is about
 
 
 class Envelope(msgspec.Struct):

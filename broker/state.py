@@ -36,21 +36,10 @@ import numpy as np
 import pyarrow as pa
 
 from broker import limits as L
-from broker.protocol import ErrorCode, Ticket
+from broker.protocol import BrokerError, ErrorCode, Ticket
 from broker.schema import TRAJECTORY_SCHEMA, BatchView, SchemaError, batch_view, inspect_batch
 
 log = logging.getLogger(__name__)
-
-
-class BrokerError(Exception):
-    """A request the broker refuses; ``code`` is an ErrorCode, sent back in the error reply."""
-
-    def __init__(self, code: str, message: str, retry_after_s: float = 0.0, lease_id: str = "") -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.lease_id = lease_id  # the lease a refused ack or renew is about
 
 
 class Journal(Protocol):

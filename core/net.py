@@ -10,13 +10,29 @@ answer (but 408/429) is a :class:`BadRequest`, the request's fault, never the se
 
 from __future__ import annotations
 
+import enum
 import socket
 
 import httpx
 
 
+class EngineErrorCode(enum.StrEnum):
+    """Why an engine call failed, as far as the caller can tell."""
+
+    UNKNOWN = "unknown"  # the peer said nothing structured (e.g. a foreign server's error page)
+    TIMEOUT = "timeout"  # no answer within the call's limit
+    UNREACHABLE = "unreachable"  # refused, reset, or another transport error of the HTTP call
+    HTTP_STATUS = "http_status"  # an answer other than 200 (its text says why)
+    TRANSPORT = "transport"  # the weight-sync group broke under a receiver (a receive or the acks)
+    LOAD = "load"  # a receiver got the bytes but failed after them (a load, a checksum, a bad request)
+
+
 class EngineError(RuntimeError):
-    """An engine call failed or timed out; the message names the engine and the call."""
+    """An engine call failed or timed out; the message names the engine and the call, ``code`` says why."""
+
+    def __init__(self, message: str, code: EngineErrorCode = EngineErrorCode.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class BadRequest(EngineError):
@@ -68,14 +84,16 @@ class HttpEngineClient:
         try:
             r = await self.http.request(method, self.url + path, timeout=limit, **kw)
         except httpx.TimeoutException as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s") from e
+            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s",
+                              EngineErrorCode.TIMEOUT) from e
         except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}") from e
+            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}",
+                              EngineErrorCode.UNREACHABLE) from e
         if check_status and r.status_code != 200:
             msg = f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}"
             if 400 <= r.status_code < 500 and r.status_code not in _TRANSIENT_4XX:
                 raise BadRequest(msg, r.status_code)
-            raise EngineError(msg)
+            raise EngineError(msg, EngineErrorCode.HTTP_STATUS)
         return r
 
     async def close(self) -> None:

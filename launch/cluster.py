@@ -144,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:  # DatasetError and RewardConfigError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from launch.driver import run
+    from launch.driver import LaunchOptions, run
 
-    return run(cfg, args)
+    return run(cfg, LaunchOptions(rollout_gpus=args.rollout_gpus, learner_gpus=args.learner_gpus, address=args.address,
+                                  ray_auth=args.ray_auth, simulate=args.simulate, no_live=args.no_live,
+                                  log_level=args.log_level, summary=args.summary))
 
 
 def resolve_config(args: argparse.Namespace):

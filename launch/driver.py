@@ -19,21 +19,26 @@ one failed, so no process and no port outlive the job.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine_groups
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
+from launch.snapshot import BrokerView, JobSnapshot
+from learner.status import LearnerStatus
+from rollout_fleet.status import FleetStatus
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0
@@ -43,8 +48,22 @@ class JobFailed(RuntimeError):
     """A component of the job failed; the message names it."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchOptions:
+    """The command line's choices that are not run config (``launch.cluster`` builds it from its flags)."""
+
+    rollout_gpus: int = 0
+    learner_gpus: int = 0
+    address: str | None = None  # a Ray cluster to join; None: start a local one
+    ray_auth: str | None = None  # "token" | "disabled"; None: token
+    simulate: bool = False
+    no_live: bool = False
+    log_level: str = "INFO"
+    summary: str | None = None  # also write the JSON summary here
+
+
 class Job:
-    def __init__(self, cfg: RunConfig, args: argparse.Namespace) -> None:
+    def __init__(self, cfg: RunConfig, args: LaunchOptions) -> None:
         self.cfg = cfg
         self.args = args
         self.simulated = bool(args.simulate)
@@ -64,7 +83,7 @@ class Job:
         self.control: ControlServer | None = None
         self.monitor: Monitor | None = None
         self.wandb = None  # launch.monitor.WandbWriter until the monitor takes it over
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: JobSnapshot | None = None
         self.eval_before: float | None = None
         self.eval_after: float | None = None
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
@@ -282,38 +301,41 @@ class Job:
             if acc is not None:
                 self.eval_history.append({"step": self._eval_step, "accuracy": acc})
                 log.info("eval accuracy at step %d: %.3f", self._eval_step, acc)
-        step = int(self.snapshot.get("step") or 0)
+        step = self.snapshot.learner.step if self.snapshot is not None else 0
         if step >= self._eval_step + every and step < self.cfg.run.max_steps:
             self._eval_step = step
             self._eval_ref = self.fleet.evaluate.remote(self.cfg.run.eval_samples)
-        if self.eval_history:
-            self.snapshot["eval_accuracy"] = self.eval_history[-1]["accuracy"]
+        if self.eval_history and self.snapshot is not None:
+            self.snapshot.eval_accuracy = self.eval_history[-1]["accuracy"]
 
-    def collect(self) -> dict[str, Any]:
+    def collect(self) -> JobSnapshot:
         learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
         fleet = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")
-        broker = self._broker_status()
-        snap = {**fleet, **learner, "broker": broker, "max_steps": self.cfg.run.max_steps,
-                "max_staleness": self.cfg.broker.max_staleness, "simulated": self.simulated,
-                "wall_s": time.monotonic() - self.t0, "eval_accuracy_before": self.eval_before,
-                "queue_groups": broker.get("queued_groups"), "groups_produced": fleet.get("groups_pushed"),
-                "groups_dropped": broker.get("drops", {}), "fleet_servers": fleet.get("servers", [])}
-        self.engine_pgids |= engine_groups(snap)
+        snap = JobSnapshot(fleet=msgspec.convert(fleet, FleetStatus), learner=msgspec.convert(learner, LearnerStatus),
+                           broker=self._broker_view(), max_steps=self.cfg.run.max_steps,
+                           max_staleness=self.cfg.broker.max_staleness, simulated=self.simulated,
+                           wall_s=time.monotonic() - self.t0, eval_accuracy_before=self.eval_before,
+                           eval_accuracy=self.eval_history[-1]["accuracy"] if self.eval_history else None)
+        self.engine_pgids |= engine_groups(snap.to_wire())
         return snap
 
-    def _broker_status(self) -> dict[str, Any]:
+    def _broker_view(self) -> BrokerView | None:
         from launch.broker_view import broker_status
 
         try:
             return broker_status(self.broker.address)
         except Exception as exc:  # a slow status answer must not end the job
             log.warning("broker status failed: %s", exc)
-            return {}
+            return None
+
+    def _broker_status(self) -> dict[str, Any]:
+        view = self._broker_view()
+        return {} if view is None else msgspec.to_builtins(view)
 
     # -- control --------------------------------------------------------------------------------
     def handle(self, req: ControlRequest) -> dict[str, Any]:
         if req.op == "status":
-            return self.collect()
+            return self.collect().to_wire()
         if req.rollout_gpus is None:
             raise ValueError("scale needs rollout_gpus")
         return self.scale(req.rollout_gpus)
@@ -462,7 +484,7 @@ class Job:
         return self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
 
 
-def run(cfg: RunConfig, args: argparse.Namespace) -> int:
+def run(cfg: RunConfig, args: LaunchOptions) -> int:
     from launch.summary import build_summary
 
     run_dir = Path(cfg.run.run_dir).resolve()

@@ -18,8 +18,13 @@ from typing import Any
 import ray
 
 from core.configbase import build
+from core.net import free_port
 from launch.config import RunConfig
 from launch.monitor import setup_logging
+from rollout_fleet.engines.vllm import VLLMClient
+from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+from rollout_fleet.sglang_fleet import SGLangPublishClient
+from weight_sync.endpoint import WeightEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +33,7 @@ class RankFailed(RuntimeError):
     """A learner rank raised or its process died; the message names the rank."""
 
 
-def publish_client(cfg, backend: str, eid: str, url: str):
+def publish_client(cfg: RunConfig, backend: str, eid: str, url: str) -> WeightEndpoint:
     """The publisher's client of one server: its class follows rollout.engine and the weight backend.
 
     vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU), or with nccl_impl 'vllm'
@@ -38,19 +43,13 @@ def publish_client(cfg, backend: str, eid: str, url: str):
     """
     engine, ws = cfg.rollout.engine, cfg.weight_sync
     if engine == "sglang":
-        from rollout_fleet.sglang_fleet import SGLangPublishClient
-
         return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
     if engine != "vllm":
         raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
     kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,
               update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep")
     if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":
-        from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
-
         return VLLMNcclClient(eid, url, **kw)
-    from rollout_fleet.engines.vllm import VLLMClient
-
     return VLLMClient(eid, url, weight_backend="fleetrl", **kw)
 
 
@@ -93,8 +92,6 @@ class LearnerActor:
         return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
     def free_port(self) -> int:
-        from core.net import free_port
-
         return free_port("")  # every interface: ranks on other nodes connect to it
 
     def run(self, env: dict[str, str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from core.configbase import ConfigModel
+from launch.snapshot import JobSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,21 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, float) else str(v)
 
 
-def format_status(st: dict[str, Any]) -> str:
+def format_status(answer: dict[str, Any]) -> str:
     """Plain-text rendering of a ``status`` answer (for the ``status`` subcommand)."""
+    st = JobSnapshot.from_wire(answer)
+    lr = st.learner
     lines = []
-    tag = " [SIMULATED]" if st.get("simulated") else ""
-    lines.append(f"fleetrl job{tag}: step {st.get('step')} / {st.get('max_steps')}  wall {_fmt(st.get('wall_s'), '.1f')} s")
-    lines.append(f"learner: wait {_fmt(st.get('learner_wait_s'), '.2f')} s total, idle {_fmt(st.get('learner_idle_fraction'))}")
-    lines.append(f"broker: queue {st.get('queue_groups')} groups, max staleness seen {st.get('max_staleness_seen')} "
-                 f"(bound {st.get('max_staleness')})")
-    lines.append(f"staleness histogram (versions: samples): {st.get('staleness_hist')}")
+    tag = " [SIMULATED]" if st.simulated else ""
+    lines.append(f"fleetrl job{tag}: step {lr.step} / {st.max_steps}  wall {_fmt(st.wall_s, '.1f')} s")
+    lines.append(f"learner: wait {_fmt(lr.learner_wait_s, '.2f')} s total, idle {_fmt(lr.learner_idle_fraction)}")
+    lines.append(f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} "
+                 f"(bound {st.max_staleness})")
+    lines.append(f"staleness histogram (versions: samples): {lr.staleness_hist}")
     lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}")
-    for s in st.get("servers", []):
-        lines.append(f"{s['engine_id']:<14}{s['state']:<11}{s['version']:>8}{s['inflight_groups']:>9}"
-                     f"{s['groups_done']:>8}{_fmt(s.get('tok_per_s'), '.0f'):>10}")
+    for s in st.servers:
+        lines.append(f"{s.engine_id:<14}{s.state:<11}{s.version:>8}{s.inflight_groups:>9}"
+                     f"{s.groups_done:>8}{_fmt(s.tok_per_s, '.0f'):>10}")
     return "\n".join(lines)
 
 
@@ -154,19 +157,20 @@ class Monitor:
         (self.run_dir / "metrics.json").write_text(json.dumps({"prometheus": f"http://127.0.0.1:{port}/metrics"}))
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
 
-    def update(self, snap: dict[str, Any]) -> None:
+    def update(self, snap: JobSnapshot) -> None:
+        lr, fl = snap.learner, snap.fleet
         values = {
-            "learner_step": snap.get("step"), "learner_idle_fraction": snap.get("learner_idle_fraction"),
-            "rollout_tokens_per_s": snap.get("tok_per_s"), "rollout_idle_fraction": snap.get("fleet_idle_fraction"),
-            "rollout_servers": snap.get("healthy_servers"), "rollout_reward_mean": snap.get("reward"),
-            "broker_queue_groups": snap.get("queue_groups"),
-            "rollout_staleness_max_versions": snap.get("max_staleness_seen"),
-            "eval_accuracy": snap.get("eval_accuracy"),
+            "learner_step": lr.step, "learner_idle_fraction": lr.learner_idle_fraction,
+            "rollout_tokens_per_s": fl.tok_per_s, "rollout_idle_fraction": fl.fleet_idle_fraction,
+            "rollout_servers": fl.healthy_servers, "rollout_reward_mean": lr.reward,
+            "broker_queue_groups": snap.queue_groups,
+            "rollout_staleness_max_versions": lr.max_staleness_seen,
+            "eval_accuracy": snap.eval_accuracy,
         }
         for k, v in values.items():
             if v is not None and k in self._gauges:
                 self._gauges[k].set(float(v))
-        step = snap.get("step") or 0
+        step = lr.step
         if step != self._last_tb_step and (self._tb is not None or self._wandb is not None):
             self._last_tb_step = step
             prefix = "simulated/" if self.simulated else ""
@@ -181,29 +185,30 @@ class Monitor:
         elif time.monotonic() - self._last_log > 5.0:
             self._last_log = time.monotonic()
             log.info("step %s reward %s eval %s tok/s %s fleet idle %s learner idle %s queue %s staleness %s",
-                     step, _fmt(snap.get("reward")),
-                     _fmt(snap.get("eval_accuracy")), _fmt(snap.get("tok_per_s"), ".0f"),
-                     _fmt(snap.get("fleet_idle_fraction")), _fmt(snap.get("learner_idle_fraction")),
-                     snap.get("queue_groups"), snap.get("staleness_hist"))
+                     step, _fmt(lr.reward), _fmt(snap.eval_accuracy), _fmt(fl.tok_per_s, ".0f"),
+                     _fmt(fl.fleet_idle_fraction), _fmt(lr.learner_idle_fraction),
+                     snap.queue_groups, lr.staleness_hist)
 
-    def render(self, snap: dict[str, Any]):
+    def render(self, snap: JobSnapshot):
         from rich.table import Table
 
         title = "fleetrl" + ("  [bold red]SIMULATED[/] (no model)" if self.simulated else "")
         t = Table(title=title, show_header=False, expand=False)
         t.add_column("what", style="cyan")
         t.add_column("value")
-        t.add_row("step", f"{snap.get('step')} / {snap.get('max_steps')}")
-        t.add_row("reward (last step)", _fmt(snap.get("reward")))
-        t.add_row("eval accuracy", f"{_fmt(snap.get('eval_accuracy'))} (before {_fmt(snap.get('eval_accuracy_before'))})")
-        t.add_row("throughput", f"{_fmt(snap.get('tok_per_s'), '.0f')} tok/s, {snap.get('healthy_servers')} servers")
-        t.add_row("fleet idle", _fmt(snap.get("fleet_idle_fraction")))
-        t.add_row("learner idle", _fmt(snap.get("learner_idle_fraction")))
-        t.add_row("broker queue", f"{snap.get('queue_groups')} groups")
-        t.add_row("trajectory lag", f"max {snap.get('max_staleness_seen')} (bound {snap.get('max_staleness')}), "
-                  f"histogram {snap.get('staleness_hist')}")
-        t.add_row("groups", f"produced {snap.get('groups_produced')}, consumed {snap.get('groups_consumed')}, "
-                  f"dropped {snap.get('groups_dropped')}, re-queued {snap.get('groups_requeued')}")
+        lr, fl = snap.learner, snap.fleet
+        t.add_row("step", f"{lr.step} / {snap.max_steps}")
+        t.add_row("reward (last step)", _fmt(lr.reward))
+        t.add_row("eval accuracy", f"{_fmt(snap.eval_accuracy)} (before {_fmt(snap.eval_accuracy_before)})")
+        t.add_row("throughput", f"{_fmt(fl.tok_per_s, '.0f')} tok/s, {fl.healthy_servers} servers")
+        t.add_row("fleet idle", _fmt(fl.fleet_idle_fraction))
+        t.add_row("learner idle", _fmt(lr.learner_idle_fraction))
+        t.add_row("broker queue", f"{snap.queue_groups} groups")
+        t.add_row("trajectory lag", f"max {lr.max_staleness_seen} (bound {snap.max_staleness}), "
+                  f"histogram {lr.staleness_hist}")
+        dropped = {} if snap.broker is None else snap.broker.drops
+        t.add_row("groups", f"produced {fl.groups_pushed}, consumed {lr.groups_consumed}, "
+                  f"dropped {dropped}, re-queued {fl.groups_requeued}")
         return t
 
     def close(self) -> None:

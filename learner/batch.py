@@ -43,8 +43,12 @@ class MicroBatch:
     advantages: torch.Tensor  # [n] float32 (the sequence's advantage repeated)
     weights: torch.Tensor  # [n] aggregation weights (sum to 1 over the whole step)
     seq_lens: torch.Tensor  # [s] response lengths of the packed sequences
-    fresh: torch.Tensor  # [n] bool: token sampled by the policy version the learner holds (staleness 0)
     rows: list[int] = field(default_factory=list)  # rows of the step batch packed here
+    fresh: torch.Tensor | None = None  # [n] bool: sampled by the policy version the learner holds (staleness 0)
+    # int32 [s + 1] starts of the packed sequences plus T, and the longest one: varlen attention's segments
+    # (learner/attention.py), known at planning time so no forward reads positions back from the device.
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
     prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
     ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
 
@@ -54,8 +58,10 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights",
-                     "fresh"):
-            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+                     "fresh", "cu_seqlens"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device, non_blocking=True))
         return self
 
 
@@ -101,7 +107,8 @@ def _empty_micro_batch() -> MicroBatch:
     z = torch.zeros(1, dtype=torch.int64)
     return MicroBatch(input_ids=z.view(1, 1), position_ids=z.view(1, 1), target_index=z.clone(), targets=z.clone(),
                       behaviour_logp=torch.zeros(1), advantages=torch.zeros(1), weights=torch.zeros(1),
-                      seq_lens=torch.ones(1, dtype=torch.int64), fresh=torch.zeros(1, dtype=torch.bool))
+                      seq_lens=torch.ones(1, dtype=torch.int64), fresh=torch.zeros(1, dtype=torch.bool),
+                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
 
 
 def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> np.ndarray:
@@ -196,6 +203,7 @@ def plan_step(
             used.append(i)
             offset += len(seq)
         seq_lens = torch.tensor(lens, dtype=torch.int64)
+        in_lens = [len(x) for x in ids]
         mbs.append(MicroBatch(
             input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64)).view(1, -1),
             position_ids=torch.from_numpy(np.concatenate(pos).astype(np.int64)).view(1, -1),
@@ -205,6 +213,8 @@ def plan_step(
             advantages=torch.from_numpy(np.concatenate(advs)),
             weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)),
             seq_lens=seq_lens, rows=used, fresh=torch.from_numpy(np.concatenate(fr)),
+            cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(in_lens)]), dtype=torch.int32),
+            max_seqlen=max(in_lens),
         ))
     while len(mbs) < n_micro:
         mbs.append(_empty_micro_batch())

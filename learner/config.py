@@ -104,18 +104,35 @@ class LearnerConfig(ConfigModel):
     loss: LossConfig
     micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
     activation_checkpointing: bool = False
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="transformers attention; sdpa and eager keep packed sequences apart via position_ids")
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="auto: varlen on GPU (document-masked flash attention, learner/attention.py), sdpa on "
+        "CPU; sdpa and eager keep packed sequences apart with a mask from position_ids")
+    # FSDP fast paths (learner/fastpath.py); auto = on for GPU ranks, off on CPU
+    logprobs: Literal["auto", "chunked", "full"] = Field(
+        "auto", description="chunked: log-probs/entropy from the last hidden state in vocab chunks (no full logits)")
+    logprob_chunk: int = Field(4096, ge=1, description="response tokens per chunk of the chunked log-prob path")
+    fused_optimizer: Literal["auto", "on", "off"] = "auto"
+    meta_init: Literal["auto", "on", "off"] = Field(
+        "auto", description="build on the meta device and load each rank's shards from safetensors")
+    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
         "step). Smaller values give several optimizer steps per step batch, against proximal log-probs computed once "
         "before the first: the trust region that clip_low/clip_high and decoupled PPO act on")
     ppo_epochs: int = Field(1, ge=1, description="passes over the step batch's mini-batches")
-    logprob_probe_tolerance: float | None = Field(
-        0.05, gt=0, description="first step: the mean |learner - engine| log-prob (nats) over staleness-0 tokens above "
-        "which the run fails (the learner does not score the distribution the fleet sampled); None: no check "
-        "(synthetic behaviour log-probs, e.g. replayed test data)")
+    logprob_probe_tolerance: float | Literal["auto"] | None = Field(
+        "auto", description="first step: the mean |learner - engine| log-prob (nats) over staleness-0 tokens above "
+        "which the run fails (the learner does not score the distribution the fleet sampled). auto: 0.01 when the "
+        "engines run model.dtype float32, else 0.1 (bf16 engines differ from the learner by ~0.05 on average); "
+        "None: no check (synthetic behaviour log-probs, e.g. replayed test data)")
+
+    @field_validator("logprob_probe_tolerance")
+    @classmethod
+    def _positive_tolerance(cls, v):
+        if isinstance(v, float) and not v > 0:
+            raise ValueError(f"logprob_probe_tolerance must be > 0, 'auto' or null, got {v}")
+        return v
     recompute_proximal: bool = Field(
         False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does); "
         "tis with it is decoupled's objective, without it a truncated-IS gradient with no trust region")

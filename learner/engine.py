@@ -1,6 +1,6 @@
 """The training-engine interface the loop drives, and helpers every backend shares.
 
-A backend (FSDP2 here, Megatron-core later) owns the model, optimizer and LR
+A backend (FSDP2 in learner/fsdp.py, Megatron-core in learner/megatron/) owns the model, optimizer and LR
 schedule on each learner rank. All methods are collective: every rank calls
 them in the same order with its own part of the step (see learner/batch.py).
 
@@ -167,12 +167,14 @@ def logprobs_from_selected(sel: torch.Tensor, targets: torch.Tensor, temperature
     return logp, entropy
 
 
-def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0,
+                   **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed row through a transformers causal LM.
 
     ``use_cache=False`` matters: transformers only derives the block-diagonal mask
     from restarting ``position_ids`` when there is no KV cache (tested against
-    unpacked forwards in tests/unit/test_learner_packing.py).
+    unpacked forwards in tests/unit/test_learner_packing.py). ``forward_kwargs`` go to the model (varlen
+    attention's segments, learner/attention.py).
     """
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **forward_kwargs)
     return logprobs_from_logits(out.logits, mb, temperature)

@@ -29,11 +29,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from learner import checkpoint as ckpt
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
+from learner.fastpath import FastPaths, compile_blocks
+from learner.loading import load_shards, meta_model
+from learner.logprobs import head_logprobs
 from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_loss
 
 logger = logging.getLogger(__name__)
@@ -62,14 +66,18 @@ def _load_model(path: str, attn_implementation: str) -> torch.nn.Module:
     return model
 
 
+def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in block_names]
+
+
 def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offload: bool) -> None:
     kw: dict[str, Any] = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    blocks = _decoder_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers to shard")
     for m in blocks:
@@ -97,45 +105,62 @@ class FSDPEngine(TrainingEngine):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
         mesh = init_device_mesh(self.device.type, (self.world_size,))
 
-        model = _load_model(model_path, cfg.attn_implementation)
-        if cfg.activation_checkpointing:
-            # HF's own checkpointing keeps parameter names unchanged (a checkpoint wrapper would add a prefix).
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # FSDP2 keeps a parameter's gradient and optimizer state with its shard, so offloading either
         # (verl's param_offload / optimizer_offload) is one CPUOffloadPolicy: shards in pinned CPU
         # memory, copied to the GPU per unit for forward and backward, AdamW stepping on the CPU.
         self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
-        # Load on CPU, move whole (unless offloaded), then shard: each rank keeps only its shard afterwards.
-        if not self.offload:
-            model.to(self.device)
-        _shard(model, mesh, mp, offload=self.offload)
+        self.fast = fast = FastPaths.resolve(cfg, on_gpu)
+        model = self._build(model_path, fast, mesh, mp, offload=self.offload, train=True)
         self.model = model
 
         self.ref_model = None
         if cfg.loss.kl_coef > 0:
-            ref = _load_model(model_path, cfg.attn_implementation).eval()
-            ref.requires_grad_(False)
-            offload = on_gpu and cfg.reference_offload
-            if not offload:
-                ref.to(self.device)
             # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
-            _shard(ref, mesh, mp, offload=offload)
-            self.ref_model = ref
+            self.ref_model = self._build(model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload,
+                                         train=False)
 
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, **({"fused": True} if fast.fused_optimizer else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio))
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters, model %s", self.rank, self.world_size,
                     self.device, n_params, model_path)
 
+    def _build(self, model_path: str, fast: FastPaths, mesh, mp, *, offload: bool, train: bool) -> torch.nn.Module:
+        if fast.meta_init:
+            model = meta_model(model_path, fast.attn_implementation)
+            if disable_dropout(model):
+                logger.warning("%s had dropout > 0: set to 0 (the proximal and training passes must score alike)",
+                               model_path)
+        else:
+            model = _load_model(model_path, fast.attn_implementation)
+        if not train:
+            model.eval().requires_grad_(False)
+        if train and self.cfg.activation_checkpointing:
+            # HF's own checkpointing keeps parameter names unchanged (a checkpoint wrapper would add a prefix).
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if fast.compile_blocks:
+            compile_blocks(_decoder_blocks(model))
+        if not fast.meta_init and not offload:
+            model.to(self.device)  # plain load: on CPU, moved whole, then sharded (each rank keeps its shard)
+        _shard(model, mesh, mp, offload=offload)
+        if fast.meta_init:
+            load_shards(model, model_path, torch.device("cpu") if offload else self.device)
+        return model
+
     # ---- forward ---------------------------------------------------------------------------
+    def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        kw = self.fast.forward_kwargs(mb)
+        if self.fast.chunked_logprobs:
+            return head_logprobs(model, mb, self.cfg.temperature, self.fast.logprob_chunk, **kw)
+        return packed_forward(model, mb, self.cfg.temperature, **kw)
+
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         mb.to(self.device)
         with torch.set_grad_enabled(grad):
-            return packed_forward(self.model, mb, self.cfg.temperature)
+            return self._forward(self.model, mb)
 
     def needs_proximal(self) -> bool:
         return self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
@@ -149,7 +174,7 @@ class FSDPEngine(TrainingEngine):
             for mb in plan.micro_batches:
                 mb.to(self.device)
                 with torch.no_grad():
-                    mb.ref_logp, _ = packed_forward(self.ref_model, mb, self.cfg.temperature)
+                    mb.ref_logp, _ = self._forward(self.ref_model, mb)
 
     # ---- step ------------------------------------------------------------------------------
     def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
@@ -158,11 +183,14 @@ class FSDPEngine(TrainingEngine):
             raise RuntimeError(f"correction={self.loss.correction!r} needs prepare_logprobs(plan) before train_step")
         self.model.train()
         parts = []
+        # record_function ranges name the phases in a torch.profiler trace (bench/learner.py --profile); free otherwise.
         for mb in plan.micro_batches:
-            logp, ent = self.forward_logprobs(mb, grad=True)
-            loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                                  prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
-            (loss * self.world_size).backward()
+            with record_function("fleetrl.forward"):
+                logp, ent = self.forward_logprobs(mb, grad=True)
+                loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
+                                      prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
+            with record_function("fleetrl.backward"):
+                (loss * self.world_size).backward()
             parts.append(m)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         if isinstance(grad_norm, DTensor):

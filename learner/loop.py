@@ -109,7 +109,10 @@ class Learner:
     def __init__(self, engine: TrainingEngine, cfg: LearnerConfig, *, source: BatchSource | None, max_steps: int,
                  checkpoint_dir: Path | None = None, export_root: Path | None = None,
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
-                 batch_timeout_s: float | None = None, on_unchanged: UnchangedHook | None = None) -> None:
+                 batch_timeout_s: float | None = None, engine_dtype: str = "auto",
+                 on_unchanged: UnchangedHook | None = None) -> None:
+        """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
+        ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py)."""
         if engine.rank == 0 and source is None:
             raise ValueError("learner rank 0 needs a BatchSource")
         self.engine, self.cfg, self.source = engine, cfg, source
@@ -123,6 +126,7 @@ class Learner:
         self.batch_timeout_s = batch_timeout_s
         self.version = 0
         self.probed = False  # the engine-vs-learner log-prob check runs on the first step after start
+        self.probe_tolerance = logprob_probe.resolve_tolerance(cfg.logprob_probe_tolerance, engine_dtype)
         self.history: list[dict[str, float]] = []
 
     def resume(self) -> bool:
@@ -192,8 +196,8 @@ class Learner:
             self.engine.prepare_logprobs(plan)
         t_prep = time.perf_counter() - t1
         probe = None
-        if not self.probed and self.cfg.logprob_probe_tolerance is not None:
-            probe = logprob_probe.check(self.engine, plans, self.cfg.logprob_probe_tolerance)
+        if not self.probed and self.probe_tolerance is not None:
+            probe = logprob_probe.check(self.engine, plans, self.probe_tolerance)
             self.probed = probe is not None  # no fresh token yet: try again next step
         orders = epoch_orders(len(plans), self.cfg.ppo_epochs, step)
         n_opt = sum(len(o) for o in orders)

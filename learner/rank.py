@@ -32,8 +32,8 @@ the fleet's health checks decide whether they are dead.
 
 Stop and failure: ``stop()`` sets a flag on every rank; after each step the ranks agree
 on it (a MAX all-reduce), so they all leave at the same step. A rank that raises or dies
-ends its ``run`` reference with an error; :meth:`LearnerRanks.poll` turns that into
-:class:`RankFailed` naming the rank, and the driver's shutdown kills every rank actor
+ends its ``run`` reference with an error; :meth:`launch.learner_ranks.LearnerRanks.poll` turns that
+into ``RankFailed`` naming the rank, and the driver's shutdown kills every rank actor
 (the others may be blocked in a collective with the dead one).
 """
 
@@ -47,11 +47,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, init_distributed, run_learner
+from learner.status import LearnerStatus
 from weight_sync.config import NCCL_ENV, WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.plan import build_plan
@@ -300,15 +302,20 @@ class LearnerRank:
         self.stop_flag = True
 
     def status(self) -> dict[str, Any]:
+        """:meth:`record` as plain data (the actor's answer)."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> LearnerStatus:
         wall = max(1e-9, time.monotonic() - self.t0)
-        return {"simulated": False, "step": self.version, "rank": self.rank, "world_size": self.world_size,
-                "learner_wait_s": round(self.wait_s, 3),
-                "learner_idle_fraction": self.wait_s / wall, "groups_consumed": self.groups_consumed,
-                "reward": self.reward_per_step[-1] if self.reward_per_step else None,
-                "reward_per_step": list(self.reward_per_step),
-                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-                "max_staleness_seen": self.max_staleness_seen, "bound_violations": self.bound_violations,
-                "publish_s": round(self.publish_s, 3), "publishes": self.publishes,
-                "last_published_version": self.last_published_version, "publish_errors": self.publish_errors,
-                "publishes_skipped": self.publishes_skipped,
-                "done": self.done, "error": self.error}
+        return LearnerStatus(
+            simulated=False, step=self.version, rank=self.rank, world_size=self.world_size,
+            learner_wait_s=round(self.wait_s, 3), learner_idle_fraction=self.wait_s / wall,
+            groups_consumed=self.groups_consumed,
+            reward=self.reward_per_step[-1] if self.reward_per_step else None,
+            reward_per_step=list(self.reward_per_step),
+            staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
+            max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
+            publish_s=round(self.publish_s, 3), publishes=self.publishes,
+            last_published_version=self.last_published_version, publish_errors=self.publish_errors,
+            publishes_skipped=self.publishes_skipped,
+            done=self.done, error=self.error)

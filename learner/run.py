@@ -120,7 +120,7 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
-                      batch_timeout_s=batch_timeout_s, on_unchanged=on_unchanged)
+                      batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype, on_unchanged=on_unchanged)
     if lc.resume:
         learner.resume()
     return learner.run()

@@ -16,7 +16,11 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import numpy as np
+
+from broker.client import ConsumerClient
+from learner.status import LearnerStatus
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +53,6 @@ class SimLearner:
         self.publish = publish
 
     async def run(self, max_steps: int) -> dict[str, Any]:
-        from broker.client import ConsumerClient
-
         consumer = ConsumerClient(self.broker_address, consumer_id="sim-learner")
         self._t0 = time.monotonic()
         try:
@@ -104,17 +106,19 @@ class SimLearner:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
+        """:meth:`record` as plain data (the actor's answer)."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> LearnerStatus:
         wall = max(1e-9, time.monotonic() - self._t0)
-        return {
-            "simulated": True, "step": self.version, "learner_wait_s": round(self.wait_total_s, 3),
-            "learner_idle_fraction": self.wait_total_s / wall, "groups_consumed": self.groups_consumed,
-            "samples_consumed": self.samples_consumed, "reward": self.reward_per_step[-1] if self.reward_per_step else None,
-            "reward_per_step": list(self.reward_per_step),
-            "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-            "max_staleness_seen": self.max_staleness_seen, "bound_violations": self.bound_violations,
-            "publish_s": round(self.publish_s, 3), "done": self.done, "error": self.error,
-            "eval_accuracy": None,
-        }
+        return LearnerStatus(
+            simulated=True, step=self.version, learner_wait_s=round(self.wait_total_s, 3),
+            learner_idle_fraction=self.wait_total_s / wall, groups_consumed=self.groups_consumed,
+            samples_consumed=self.samples_consumed, reward=self.reward_per_step[-1] if self.reward_per_step else None,
+            reward_per_step=list(self.reward_per_step),
+            staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
+            max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
+            publish_s=round(self.publish_s, 3), done=self.done, error=self.error)
 
 
 def lease_table(lease: Any):

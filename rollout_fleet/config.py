@@ -78,8 +78,11 @@ class SimulatedEngineConfig(ConfigModel):
     learner_step_s: float = Field(0.05, ge=0, description="simulated learner step time (--simulate)")
 
 
+ENGINES = ("vllm", "sglang", "simulated")  # the engines rollout.engine may name
+
+
 class RolloutConfig(ConfigModel):
-    engine: Literal["vllm", "sglang", "local", "simulated"] = "vllm"
+    engine: Literal["vllm", "sglang", "simulated"] = "vllm"
     sampling: SamplingConfig = SamplingConfig()
     weight_update: Literal["pause", "inflight"] = "pause"
     servers: int = Field(1, ge=0, description="engine servers when no GPUs are given (CPU)")
@@ -102,3 +105,10 @@ class RolloutConfig(ConfigModel):
         default_factory=list, description="extra command-line arguments for every SGLang server (rollout.engine=sglang)")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _known_engine(cls, v):
+        if v not in ENGINES:
+            raise ValueError(f"expected one of {', '.join(repr(e) for e in ENGINES[:-1])} or {ENGINES[-1]!r} "
+                             "(the learner publishes to 'vllm' or 'sglang'; 'simulated' runs with --simulate)")
+        return v

@@ -47,8 +47,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
+
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.engines.base import BadRequest, EngineClient, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import (
+    BadRequest,
+    EngineClient,
+    EngineError,
+    PauseMode,
+    Sample,
+    SamplingParams,
+)
+from rollout_fleet.status import FleetStatus, ServerState, ServerStatus
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +77,7 @@ class EngineFactory(Protocol):
 class Server:
     engine: EngineClient
     index: int
-    state: str = "healthy"  # healthy | draining | dead | restarting | removed
+    state: ServerState = ServerState.HEALTHY
     outstanding_tokens: int = 0
     inflight: set[str] = field(default_factory=set)
     groups_done: int = 0
@@ -136,14 +146,14 @@ class FleetController:
     async def drain_server(self, engine_id: str, timeout_s: float = 600.0) -> None:
         """Stop giving ``engine_id`` work, wait for its groups to end, stop it."""
         server = self.servers[engine_id]
-        server.state = "draining"
+        server.state = ServerState.DRAINING
         deadline = time.monotonic() + timeout_s
         while server.inflight and time.monotonic() < deadline:  # noqa: ASYNC110 (inflight is a plain dict)
             await asyncio.sleep(0.02)
         if server.inflight:
             log.warning("fleet: %s still had %d groups after %.0f s of draining; they are retried elsewhere",
                         engine_id, len(server.inflight), timeout_s)
-        server.state = "removed"
+        server.state = ServerState.REMOVED
         del self.servers[engine_id]
         await self.factory.stop(server.engine)
         log.info("fleet: server %s drained and removed", engine_id)
@@ -152,11 +162,11 @@ class FleetController:
         """Grow or shrink the fleet; shrinking drains the least loaded servers (their indices are returned)."""
         if n_servers < 0:
             raise ValueError(f"scale_to: n_servers must be >= 0, got {n_servers}")
-        live = [s for s in self.servers.values() if s.state in ("healthy", "restarting", "dead")]
+        live = [s for s in self.servers.values() if s.state in (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)]
         if n_servers > len(live):
             await asyncio.gather(*(self.add_server() for _ in range(n_servers - len(live))))
         elif n_servers < len(live):
-            victims = sorted(live, key=lambda s: (s.state == "healthy", s.outstanding_tokens))[: len(live) - n_servers]
+            victims = sorted(live, key=lambda s: (s.state == ServerState.HEALTHY, s.outstanding_tokens))[: len(live) - n_servers]
             await asyncio.gather(*(self.drain_server(s.engine_id) for s in victims))
             return [s.index for s in victims]
         return []
@@ -175,7 +185,7 @@ class FleetController:
 
     # -- work -------------------------------------------------------------------------------
     def _eligible(self, min_version: int = 0) -> list[Server]:
-        return [s for s in self.servers.values() if s.state == "healthy" and s.engine.weight_version >= min_version]
+        return [s for s in self.servers.values() if s.state == ServerState.HEALTHY and s.engine.weight_version >= min_version]
 
     async def _wake(self) -> None:
         async with self._capacity:
@@ -243,13 +253,13 @@ class FleetController:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             for server in list(self.servers.values()):
-                if server.state == "healthy":
+                if server.state == ServerState.HEALTHY:
                     await self._suspect(server)
 
     async def _suspect(self, server: Server) -> None:
         """Probe a server; it is dead when its process is gone, or after ``health_failures``
         consecutive failed probes (one slow answer from a busy server is not a death)."""
-        if server.state != "healthy":
+        if server.state != ServerState.HEALTHY:
             return
         if getattr(server.engine, "alive", True) is False:  # the process is known to be gone
             ok, why = False, "process exited"
@@ -264,11 +274,11 @@ class FleetController:
             server.failed_probes = 0
             return
         server.failed_probes += 1
-        if server.failed_probes < self.cfg.health_failures or server.state != "healthy":
+        if server.failed_probes < self.cfg.health_failures or server.state != ServerState.HEALTHY:
             log.warning("fleet: %s failed a health probe (%d of %d): %s", server.engine_id,
                         server.failed_probes, self.cfg.health_failures, why)
             return
-        server.state = "dead"
+        server.state = ServerState.DEAD
         self.server_deaths += 1
         log.error("fleet: server %s is dead (%s; %d groups in flight are re-queued)",
                   server.engine_id, why, len(server.inflight))
@@ -282,7 +292,7 @@ class FleetController:
             await self.factory.stop(server.engine)
             log.warning("fleet: server %s dropped (restart_dead_servers=false)", server.engine_id)
             return
-        server.state = "restarting"
+        server.state = ServerState.RESTARTING
         try:
             engine = await self.factory.restart(server.engine)
             await self._catch_up(engine)
@@ -291,7 +301,7 @@ class FleetController:
             self.servers.pop(server.engine_id, None)
             return
         self.servers.pop(server.engine_id, None)
-        server.engine, server.state, server.restarts = engine, "healthy", server.restarts + 1
+        server.engine, server.state, server.restarts = engine, ServerState.HEALTHY, server.restarts + 1
         server.started_at, server.failed_probes = time.monotonic(), 0
         self.servers[engine.engine_id] = server
         log.info("fleet: server %s is back at version %d", engine.engine_id, engine.weight_version)
@@ -314,13 +324,13 @@ class FleetController:
         requests (``keep``), load, reset, resume: they continue on the new weights and
         record the change as a new segment.
         """
-        mode = "wait" if self.cfg.weight_update == "pause" else "keep"
+        mode = PauseMode.WAIT if self.cfg.weight_update == "pause" else PauseMode.KEEP
         t0 = time.monotonic()
         async with self._update_lock:
             self.version = version
             # simulated engines have no files: their "export" is a label the late joiner loads
             self.latest_export = export_path if export_path is not None else f"simulated://v{version}"
-            targets = [s for s in self.servers.values() if s.state in ("healthy", "draining")]
+            targets = [s for s in self.servers.values() if s.state in (ServerState.HEALTHY, ServerState.DRAINING)]
             results = await asyncio.gather(*(self._update_one(s, version, plan_id, mode) for s in targets),
                                            return_exceptions=True)
             for server, res in zip(targets, results, strict=True):
@@ -345,22 +355,26 @@ class FleetController:
 
     # -- introspection -----------------------------------------------------------------------
     def states(self) -> dict[str, str]:
-        return {s.engine_id: s.state for s in self.servers.values()}
+        return {s.engine_id: s.state.value for s in self.servers.values()}
 
     def status(self) -> dict:
-        return {
-            "version": self.version,
-            "servers": [
-                {"engine_id": s.engine_id, "index": s.index, "state": s.state, "version": s.engine.weight_version,
-                 "simulated": s.engine.simulated, "outstanding_tokens": s.outstanding_tokens,
-                 "inflight_groups": len(s.inflight), "groups_done": s.groups_done,
-                 "tokens_done": s.tokens_done, "restarts": s.restarts, "pid": getattr(s.engine, "pid", None),
-                 "tok_per_s": s.tokens_done / max(1e-9, time.monotonic() - s.started_at)}
-                for s in sorted(self.servers.values(), key=lambda s: s.index)
-            ],
-            "groups_requeued": self.groups_requeued,
-            "groups_bad_request": self.groups_bad_request,
-            "server_deaths": self.server_deaths,
-            "weight_updates": self.weight_updates,
-            "weight_update_s": round(self.weight_update_s, 4),
-        }
+        """:meth:`record` as plain data (what crosses a process boundary)."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> FleetStatus:
+        """The controller's part of the fleet's status (the worker's counters stay at their defaults)."""
+        now = time.monotonic()
+        return FleetStatus(
+            version=self.version,
+            servers=[ServerStatus(engine_id=s.engine_id, index=s.index, state=s.state, version=s.engine.weight_version,
+                                  simulated=s.engine.simulated, outstanding_tokens=s.outstanding_tokens,
+                                  inflight_groups=len(s.inflight), groups_done=s.groups_done,
+                                  tokens_done=s.tokens_done, restarts=s.restarts, pid=getattr(s.engine, "pid", None),
+                                  tok_per_s=s.tokens_done / max(1e-9, now - s.started_at))
+                     for s in sorted(self.servers.values(), key=lambda s: s.index)],
+            groups_requeued=self.groups_requeued,
+            groups_bad_request=self.groups_bad_request,
+            server_deaths=self.server_deaths,
+            weight_updates=self.weight_updates,
+            weight_update_s=round(self.weight_update_s, 4),
+        )

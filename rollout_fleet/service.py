@@ -16,11 +16,14 @@ import logging
 import time
 from typing import Any, Protocol
 
+import msgspec
+
 from broker.client import ProducerClient
 from broker.config import BrokerConfig
 from core.configbase import ModelConfig, RunKeys
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
+from rollout_fleet.status import FleetStatus, ServerState, WorkerStatus
 from rollout_fleet.worker import AsyncProducer, RolloutWorker
 from weight_sync.config import WeightSyncConfig
 
@@ -111,14 +114,14 @@ class FleetService:
     async def server_urls(self) -> dict[str, str]:
         """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet)."""
         return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
-                if s.state == "healthy" and hasattr(s.engine, "url")}
+                if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")}
 
     async def _report_versions(self) -> None:
         """Learn each server's version (vLLM: from the server) and tell the broker, for per-engine lag."""
         while True:
             for s in list(self.fleet.servers.values()):
                 refresh = getattr(s.engine, "refresh_version", None)
-                if refresh is not None and s.state == "healthy":
+                if refresh is not None and s.state == ServerState.HEALTHY:
                     try:
                         await asyncio.wait_for(refresh(), timeout=5.0)
                     except Exception as exc:  # a dead server is the health loop's business
@@ -167,17 +170,21 @@ class FleetService:
         return self.status_now()
 
     def status_now(self) -> dict[str, Any]:
+        """:meth:`record` as plain data (the actor's answer)."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> FleetStatus:
         now = time.monotonic()
-        w = self.worker.status() if hasattr(self, "worker") else {}
-        tokens = w.get("tokens_pushed", 0)
-        self._tok_hist.append((now, tokens))
+        w = self.worker.record() if hasattr(self, "worker") else WorkerStatus()
+        self._tok_hist.append((now, w.tokens_pushed))
         self._tok_hist = [(t, n) for t, n in self._tok_hist if now - t <= 10.0]
         t_old, n_old = self._tok_hist[0]
-        st = self.fleet.status() if hasattr(self, "fleet") else {"servers": []}
-        return {**st, **w, "simulated": self.simulated,
-                "tok_per_s": (tokens - n_old) / (now - t_old) if now > t_old else None,
-                "fleet_idle_fraction": w.get("idle_s", 0.0) / max(1e-9, now - self._t0),
-                "healthy_servers": sum(1 for s in st["servers"] if s["state"] == "healthy")}
+        st = self.fleet.record() if hasattr(self, "fleet") else FleetStatus()
+        return msgspec.structs.replace(
+            st, **msgspec.structs.asdict(w), simulated=self.simulated,
+            tok_per_s=(w.tokens_pushed - n_old) / (now - t_old) if now > t_old else None,
+            fleet_idle_fraction=w.idle_s / max(1e-9, now - self._t0),
+            healthy_servers=sum(1 for s in st.servers if s.state == ServerState.HEALTHY))
 
     async def stop(self) -> dict[str, Any]:
         self._stop.set()

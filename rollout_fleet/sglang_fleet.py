@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from core.net import free_port
+from rollout_fleet.engines.base import PauseMode
 from rollout_fleet.engines.sglang import SGLangClient
 from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
 from rollout_fleet.vllm_fleet import ServerFactory
@@ -69,7 +70,7 @@ class SGLangPublishClient(SGLangClient):
     async def update_weights(self, version: int, plan_id: str) -> str:
         several = self._plan is not None and len(self._plan.buckets) > 1
         if several:  # no request may run on half-new weights between two bucket calls
-            await self.pause("abort")
+            await self.pause(PauseMode.ABORT)
         try:
             return await super().update_weights(version, plan_id)
         finally:

@@ -25,12 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 from broker.schema import Trajectory, to_record_batch
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
+from rollout_fleet.status import WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -264,16 +266,19 @@ class RolloutWorker:
         self.reward_sum += float(sum(rewards))
 
     def status(self) -> dict[str, Any]:
-        return {
-            "groups_started": self.groups_started, "groups_pushed": self.groups_pushed,
-            "groups_failed": self.groups_failed, "groups_inflight": self.inflight,
-            "groups_cancelled": self.groups_cancelled, "groups_reward_failed": self.groups_reward_failed,
-            "groups_bad_request": self.groups_bad_request,
-            "samples_nonfinite_logprob": self.samples_nonfinite_logprob,
-            "groups_resampled_nonfinite": self.groups_resampled_nonfinite,
-            "prompts_requeued_nonfinite": self.prompts_requeued_nonfinite,
-            "samples_pushed": self.samples_pushed, "samples_truncated": self.samples_truncated,
-            "tokens_pushed": self.tokens_pushed,
-            "mean_reward": self.reward_sum / self.samples_pushed if self.samples_pushed else None,
-            "idle_s": round(self.idle_s, 3),
-        }
+        """:meth:`record` as plain data."""
+        return msgspec.to_builtins(self.record())
+
+    def record(self) -> WorkerStatus:
+        return WorkerStatus(
+            groups_started=self.groups_started, groups_pushed=self.groups_pushed,
+            groups_failed=self.groups_failed, groups_inflight=self.inflight,
+            groups_cancelled=self.groups_cancelled, groups_reward_failed=self.groups_reward_failed,
+            groups_bad_request=self.groups_bad_request, samples_truncated=self.samples_truncated,
+            samples_nonfinite_logprob=self.samples_nonfinite_logprob,
+            groups_resampled_nonfinite=self.groups_resampled_nonfinite,
+            prompts_requeued_nonfinite=self.prompts_requeued_nonfinite,
+            samples_pushed=self.samples_pushed, tokens_pushed=self.tokens_pushed,
+            mean_reward=self.reward_sum / self.samples_pushed if self.samples_pushed else None,
+            idle_s=round(self.idle_s, 3),
+        )

@@ -10,7 +10,8 @@ from core.configbase import ConfigModel
 
 #: NCCL settings every process of an NCCL weight-sync group must share, set before its first NCCL call.
 #: SGLang sets NCCL_CUMEM_ENABLE=0 in its own server and peers that disagree fail in the first
-#: broadcast (FACTS.md), so the learner and every server fleetrl starts use 0 (unless the user set it).
+#: broadcast ("unhandled cuda error ... invalid argument"), so the learner and every server fleetrl starts
+#: use 0 (unless the user set it).
 NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
 
 
@@ -21,8 +22,8 @@ class WeightSyncConfig(ConfigModel):
         64.0, ge=0, description="cut the last bucket into pieces shrinking towards the end, the last one at most "
         "this size (see weight_sync.plan.build_plan), so that less of a receiver's work (load and checksum) "
         "follows the last byte; only where fleetrl's own receivers take the plan (gloo, or nccl_impl 'torch'). "
-        "0 = off. 64 MB: 0.93-0.94 of raw broadcast at 0.5B on 2 H200s against 0.88-0.89 without, 16-32 MB "
-        "in between (small pieces cost the wire more than they save; bench/results/engines_gpu.md)")
+        "0 = off. Too small a piece costs the wire more than it saves; the ratio to raw broadcast each size gives "
+        "is in bench/results/engines_gpu.md")
     inflight_buckets: int = Field(
         2, ge=1, le=8, description="buckets on the wire at once (each costs bucket_mb on both sides); "
         "2 keeps the wire busy while the next bucket is packed or the last one loaded")

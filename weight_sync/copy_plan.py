@@ -5,8 +5,8 @@ engine's parameters do not move between updates. So the copies a model's
 ``load_weights`` makes from those buffers into its parameters (splitting HF
 tensors into fused ones, sharding for tensor parallelism) are the same every time:
 record them once, then replay them as ``dst.copy_(src)`` with none of the
-per-tensor Python of the model's loader (vLLM's loaders cost about 15 ms for a
-0.5B model's 290 tensors on an H200; the copies themselves well under 1 ms).
+per-tensor Python of the model's loader, which costs far more than the copies
+themselves (bench/engine_update.py measures both; bench/results/engine_update_copy_plan.json).
 
 Safety: a bucket is replayed only if, while recording, every write its load made
 into a parameter was a ``copy_`` from a view of the staging buffer, or a fill with a

@@ -115,15 +115,14 @@ def wait_work(work, deadline: float, what: str, max_sleep_s: float = 2e-4,
     """Wait for an asynchronous collective until ``deadline`` (a ``time.monotonic()`` value).
 
     Why not ``work.wait(timeout)``: on NCCL a wait with a timeout blocks the thread
-    in 1 ms sleeps, so waiting bucket by bucket cost about 1 ms per bucket (64 ms of
-    a 90 ms publish of an 8B model on H200). Polling ``is_completed()`` with a
-    back-off from 10 us reacts within microseconds. Once complete, ``wait()`` without
+    in 1 ms sleeps, so waiting bucket by bucket costs up to a millisecond per bucket.
+    Polling ``is_completed()`` with a back-off from 10 us reacts within microseconds. Once complete, ``wait()`` without
     a timeout re-raises the collective's error, if any, and on CUDA orders the
     current stream after it (no host wait). ``max_sleep_s`` caps the back-off: lower where the
     host has nothing else to do and a late reaction is on the critical path. ``check()``, called
     between polls, may raise to end the wait early (e.g. a peer's RPC has already failed).
     ``spin_s``: poll without sleeping for that long first, for a wait that is short and on the
-    critical path (a sleep of 10 us takes 60 us or more with Linux's default timer slack).
+    critical path (a short sleep takes several times longer with Linux's default timer slack).
     """
     if spin_s > 0:
         until = time.monotonic() + spin_s

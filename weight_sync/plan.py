@@ -57,7 +57,7 @@ def nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * _DTYPES[dtype].itemsize
 
 
-TAIL_FACTOR = 4  # estimated: a receiver's load + checksum against the wire, per byte, on H200 (not measured alone)
+TAIL_FACTOR = 4  # an estimate (not measured alone) of how much faster a receiver loads and checksums than the wire brings
 
 
 def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], bucket_bytes: int,
@@ -70,8 +70,7 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
     on. If a receiver loads and checksums a bucket that many times faster than the wire
     brings it, each piece's work is done while the next, smaller one arrives, and what
     is left after the last byte is the work on a few MB rather than on a full bucket
-    (on 2 H200s, the pieces sent back to back from one :class:`SendRing` slot, a 64 MB
-    last piece gave 0.93-0.94 of raw broadcast at 0.5B against 0.88-0.89 uncut). The plan then no longer
+    (what that gains against an uncut plan: bench/results/engines_gpu.md). The plan then no longer
     follows vLLM's packed rule, so only fleetrl's own receivers take it (see
     :meth:`weight_sync.config.WeightSyncConfig.tail_bytes`).
 
@@ -179,11 +178,11 @@ class SendRing:
     in a plan cut by the packed rule every bucket is larger than that and goes alone, and the small
     pieces a tail cut leaves at the end share one group. A group is packed with one ``_foreach_copy_``
     into its slot, through typed views built once, and its buckets go on the wire back to back, so a
-    small piece never waits on the host for a slot (a view chain and a cat per tensor cost more host
-    time per bucket than a 256 MB bucket spends on the wire). A group of one contiguous tensor is sent
+    small piece never waits on the host for a slot (a view chain and a cat per tensor can cost more host
+    time per bucket than a full bucket spends on the wire). A group of one contiguous tensor is sent
     from that tensor itself. With ``slots = inflight + 1`` the slot a group is packed into was last used
-    by a group whose broadcasts have completed. (Groups of several full-size buckets were tried, on an 8B
-    plan whose 1.2 GB last bucket set the slot size: 0.94 of raw broadcast against 0.96 one at a time.)"""
+    by a group whose broadcasts have completed. (Groups of several full-size buckets were tried and sent
+    slower than one at a time: bench/results/engines_gpu.md.)"""
 
     def __init__(self, plan: WeightPlan, slots: int, device: torch.device, group_bytes: int) -> None:
         self.plan, self.sizes = plan, plan.bucket_bytes()
@@ -229,8 +228,8 @@ def bucket_fingerprint(buf: torch.Tensor) -> torch.Tensor:
     those. Integer addition modulo 2**64 is associative, so CPU and GPU and any
     reduction order give the same value. Any flipped bit changes it; so does a row
     sent to the wrong place (a reordering inside one 4 KiB row does not). A CRC on
-    the host cost a device-to-host copy and a core's time per bucket (1.1 s for a
-    0.99 GB publish on H200, 300x the broadcast); this is one pass over HBM.
+    the host costs a device-to-host copy and a core's time per bucket (far longer than
+    the broadcast itself on GPU); this is one pass over device memory.
     Returns a 2-element int64 tensor on ``buf``'s device; stays asynchronous until
     :func:`combine_fingerprints`.
     """

@@ -35,7 +35,7 @@ Invariants and what happens when a peer dies:
 
 Threads: the engines' RPCs run on an event loop on a thread of the publisher's
 own (``weight-sync-rpc``). Handing it a request costs a wake-up of that thread
-(0.1-0.3 ms on the 2x H200 host, ``bench/rpc_wakeup.py``), before the engine even
+(``bench/rpc_wakeup.py`` measures it), before the engine even
 hears of the publish: an engine client with :meth:`WeightEndpoint.send_update`
 (fleetrl's standalone receiver) has its request written from the publishing
 thread instead, and its answer read on a thread of its own. Group acks keep the
@@ -45,51 +45,27 @@ answers off the critical path.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures as cf
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from core.net import free_port
+from core.net import EngineErrorCode, free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
-from weight_sync.plan import (
-    SendRing,
-    bucket_fingerprint,
-    combine_fingerprints,
-    fingerprints_checksum,
-)
+from weight_sync.plan import SendRing, fingerprints_checksum
+from weight_sync.publish_run import AcksIn, PublishError, PublishReport, PublishRun
+from weight_sync.sglang_group import publisher_group
+
+__all__ = ["PublishError", "PublishReport", "Publisher"]
 
 log = logging.getLogger(__name__)
-
-
-class PublishError(RuntimeError):
-    """A publish failed; ``blamed`` are the engine ids held responsible (dropped from the group)."""
-
-    def __init__(self, msg: str, blamed: list[str]) -> None:
-        super().__init__(msg)
-        self.blamed = blamed
-
-
-@dataclass(kw_only=True, slots=True)
-class PublishReport:
-    version: int
-    bytes: int
-    seconds: float
-    broadcast_seconds: float
-    engines: list[str]
-    checksum: str
-    epoch: int
-    rebuild_seconds: float = 0.0
-    per_engine_checksums: dict[str, str] = field(default_factory=dict)
 
 
 class Publisher:
@@ -238,8 +214,6 @@ class Publisher:
             return self._factory(own)
         if self.backend == "nccl" and self.cfg.nccl_impl == "sglang":
             # SGLang's workers join our store under their own key prefixes and run no collective at join
-            from weight_sync.sglang_group import publisher_group
-
             return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
 
@@ -270,145 +244,23 @@ class Publisher:
                 pass
 
     def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
-        plan, depth, staged = self.plan, self.cfg.inflight_buckets, self.cfg.staging
-        group_acks = self.group_acks and not staged and self.pg is not None
-        # Staged: the engines post their receives and go on generating; they load at the commit below.
-        start = (lambda e: e.begin_update(version, plan.plan_id)) if staged else \
-            (lambda e: e.update_weights(version, plan.plan_id))
-        mark = self._mark
-        prints, sent, step = [], 0, "start"
-        inflight: collections.deque = collections.deque()  # per group on the wire: [(bucket, work, buffer)]
-
-        def watch(work=None) -> None:
-            """Between polls of a wait: fail fast on a failed RPC, unless the awaited ``work`` is done meanwhile."""
-            if work is None or not work.is_completed():
-                self._check_acks(futs, step)
-
-        def retire() -> None:  # wait (bounded) for the oldest group's broadcasts on the wire
-            nonlocal step
-            for b, work, _buf in inflight.popleft():
-                step = f"broadcast bucket {b}/{len(plan.buckets)}"
-                wgroup.wait_work(work, time.monotonic() + self.cfg.timeout_s, step, check=watch)
-                mark(f"bucket{b}_sent")
-
         if self._ring is None:
-            self._ring = SendRing(plan, depth + 1, self.device, int(self.cfg.bucket_mb * (1 << 20)))
-        ring, dev = self._ring, self.device
+            self._ring = SendRing(self.plan, self.cfg.inflight_buckets + 1, self.device,
+                                  int(self.cfg.bucket_mb * (1 << 20)))
+        return PublishRun(self, version, it, t0, rebuild_s).run()
 
-        def send(g: int) -> None:  # gather group g, pack it, put it on the wire behind at most depth - 1 others
-            nonlocal step, sent
-            parts = []
-            for b in ring.groups[g]:
-                step = f"gather bucket {b}/{len(plan.buckets)}"
-                for i in plan.buckets[b]:
-                    name, t = next(it)
-                    want = ring.expect[i]
-                    if name != want[0] or t.shape != want[1] or t.dtype != want[2]:
-                        raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
-                                         f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
-                                         f"(index {i})")
-                    parts.append(t if t.device == dev else t.to(dev))
-            bufs = ring.pack(g, parts)
-            # Bounded memory: at most `depth` groups are on the wire; the packing of this one
-            # (already queued on the device) overlaps with them.
-            while len(inflight) >= depth:
-                retire()
-            works = []
-            for b, buf in zip(ring.groups[g], bufs, strict=True):
-                step = f"broadcast bucket {b}/{len(plan.buckets)}"
-                if self.pg is not None:
-                    works.append((b, wgroup.broadcast_async(self.pg, buf), buf))  # buf lives until sent
-                    mark(f"bucket{b}_issued")
-                prints.append(bucket_fingerprint(buf))  # reads buf while the broadcast sends it
-                sent += buf.numel()
-            if works:
-                inflight.append(works)
-
-        # Engines that can be started from this thread are (no hop to the RPC thread); the others' requests
-        # go out from the RPC loop.
-        futs, looped = {}, False
-        for eid in self.members:
-            try:
-                fut = None if staged else self.engines[eid].send_update(version, plan.plan_id)
-            except Exception as e:  # noqa: BLE001 - a client that raises instead of failing its future
-                fut = cf.Future()
-                fut.set_exception(e)
-            if fut is None:
-                fut, looped = self._submit(start(self.engines[eid])), True
-            futs[eid] = fut
-        mark("requests_sent")
-        written = self._submit(asyncio.sleep(0)) if looped else None  # done once the loop has run each request's first step
-        tb = time.perf_counter()
-        try:
-            # The first bucket's broadcast is issued before waiting for the requests to leave: it waits on
-            # the device for the engines' receives, and its issue overlaps the RPC thread's wake-up.
-            send(0)
-            if written is not None:
-                self._let_out(written)
-                mark("requests_written")
-            for g in range(1, len(ring.groups)):
-                send(g)
-            if group_acks:
-                # Every rank's fingerprints, each receiver's queued behind its last load: the acks, on the wire
-                # right behind the last bucket (our own row is the checksum of what we sent). Their arrival
-                # also means every broadcast before them is done (one stream, in order): wait for them, not
-                # bucket by bucket, and spin a little, since they are due when the last bucket is.
-                mine = torch.stack(prints)
-                gathered = torch.empty((self.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
-                acks_in = self._acks_to_host(wgroup.all_gather_async(self.pg, gathered, mine), gathered)
-                step = "acknowledge (group)" if not inflight else \
-                    f"broadcast bucket {inflight[0][0][0]}/{len(plan.buckets)}, then acknowledge (group)"
-                # (spinning only on CUDA: on gloo the RPC thread and gloo's need the GIL this loop would hold)
-                wgroup.wait_work(acks_in, time.monotonic() + self.cfg.timeout_s, step, max_sleep_s=5e-5,
-                                 check=lambda: watch(acks_in), spin_s=5e-3 if acks_in.copied is not None else 0.0)
-                mark("acked")
-                if acks_in.copied is not None:
-                    inflight.clear()  # NCCL: one stream, in order, so every broadcast before the acks is done
-            while inflight:
-                retire()
-            broadcast_s = time.perf_counter() - tb
-            if not group_acks:
-                checksum = combine_fingerprints(prints)  # its device-to-host copy overlaps the engines' last load
-                mark("checksum")
-                step = "acknowledge"
-                failed = self._collect(futs, self.cfg.timeout_s)
-                mark("acked")
-                if not failed and staged:
-                    step = "commit"
-                    futs = {eid: self._submit(self.engines[eid].commit_update(version)) for eid in self.members}
-                    failed = self._collect(futs, self.cfg.timeout_s)
-                    mark("committed")
-                if failed:
-                    raise RuntimeError("; ".join(f"{k}: {v}" for k, v in failed.items()))
-        except Exception as e:  # noqa: BLE001 - becomes a PublishError naming the peer
-            self._fail(version, step, e, futs)
-        if group_acks:
-            return self._group_acked(version, futs, acks_in.host, t0, sent, broadcast_s, rebuild_s)
-        acks = {eid: f.result() for eid, f in futs.items()}
-        bad = {eid: c for eid, c in acks.items() if c and c != checksum}
-        if bad:
-            self._reject(version, checksum, bad, "")
-        dt = time.perf_counter() - t0
-        # DEBUG: the learner logs each publish itself; a line here cost this thread 0.1-0.2 ms of a 4 ms
-        # publish on H200 (its write releases the GIL, and getting it back waits on the RPC thread).
-        log.debug("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs, %.0f MB/s)", version,
-                  sent / 1e6, len(futs), dt, broadcast_s, sent / 1e6 / max(broadcast_s, 1e-9))
-        return PublishReport(version=version, bytes=sent, seconds=dt, broadcast_seconds=broadcast_s,
-                             engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
-                             per_engine_checksums=acks)
-
-    def _acks_to_host(self, work, gathered: torch.Tensor) -> _AcksIn:
+    def _acks_to_host(self, work, gathered: torch.Tensor) -> AcksIn:
         """On CUDA, queue the gathered acks' copy to the host right behind the all-gather (the current stream
         waits for it on the device), so that when the host sees the copy done the rows are already here."""
         if not gathered.is_cuda:
-            return _AcksIn(work, gathered, None)
+            return AcksIn(work, gathered, None)
         if self._ack_host is None or self._ack_host.shape != gathered.shape:
             self._ack_host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         work.wait()  # NCCL: orders the current stream after the all-gather; the host goes on
         self._ack_host.copy_(gathered, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _AcksIn(work, self._ack_host, copied)
+        return AcksIn(work, self._ack_host, copied)
 
     def _group_acked(self, version: int, futs: dict[str, cf.Future], gathered: torch.Tensor, t0: float, sent: int,
                      broadcast_s: float, rebuild_s: float) -> PublishReport:
@@ -509,7 +361,7 @@ class Publisher:
         if unhealthy:
             blamed = {eid: errors.get(eid, "failed its health probe") for eid in unhealthy}
         else:
-            blamed = {eid: why for eid, why in errors.items() if not _in_transport(why)} or errors
+            blamed = {eid: why for eid, why in errors.items() if not _in_transport(futs[eid], why)} or errors
         wgroup.close_group(self.pg)
         self.pg = None
         for f in futs.values():
@@ -542,32 +394,16 @@ class Publisher:
             self._loop = None
 
 
-class _AcksIn:
-    """The group's acks as :func:`weight_sync.group.wait_work` sees them: done once they are on the host (the
-    copy behind the all-gather, on CUDA); a failed all-gather raises its error as soon as it is known."""
-
-    def __init__(self, work, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
-        self.work, self.host, self.copied = work, host, copied
-        self._checked = False
-
-    def is_completed(self) -> bool:
-        if self.copied is None:
-            return self.work.is_completed()
-        if self.copied.query():
-            return True
-        if not self._checked and self.work.is_completed():  # done, or failed: then wait() raises its error
-            self._checked = True
-            self.work.wait()
-        return False
-
-    def wait(self) -> None:
-        self.work.wait()
-
-
-def _in_transport(why: str) -> bool:
-    """True for an engine's error raised in the group's transport (the step names that
-    :class:`weight_sync.receiver.WeightReceiver` puts in its errors): a group broken by another peer
-    fails every receiver there."""
+def _in_transport(fut: cf.Future, why: str) -> bool:
+    """True for an engine's error raised in the group's transport: a group broken by another peer fails
+    every receiver there. Its code says so when the receiver answers in fleetrl's own messages (the
+    standalone receiver: :class:`weight_sync.receiver.ReceiveError`); an error that came through a foreign
+    server's error page (vLLM's, SGLang's) carries only its text, which names the step the receiver
+    failed at."""
+    exc = None if fut.cancelled() else fut.exception()
+    code = getattr(exc, "code", EngineErrorCode.UNKNOWN)
+    if code in (EngineErrorCode.TRANSPORT, EngineErrorCode.LOAD):
+        return code == EngineErrorCode.TRANSPORT
     return "failed at 'receive bucket" in why or "failed at 'acknowledge" in why
 
 

@@ -55,6 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import torch
 
+from core.net import EngineErrorCode
 from weight_sync import group as wgroup
 from weight_sync import messages as m
 from weight_sync.messages import GroupInfo, WeightPlan
@@ -69,6 +70,17 @@ from weight_sync.plan import (
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class ReceiveError(RuntimeError):
+    """A publish failed on this receiver at ``step``; ``code`` says whether the group's transport broke
+    (a receive or the acks: a broken peer fails every receiver there) or our own work after it."""
+
+    def __init__(self, message: str, step: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.code = (EngineErrorCode.TRANSPORT if step.startswith(("receive bucket", "acknowledge"))
+                     else EngineErrorCode.LOAD)
 
 
 class WeightReceiver:
@@ -152,91 +164,25 @@ class WeightReceiver:
         bounds that wait.) On gloo a receive is host work: wait for it, then load.
         """
         self._check("update_weights", version, plan_id)
-        pg, sizes, slots = self.pg, self._sizes, self.depth + 1
         if not self._ring:
-            self._ring = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device)
-                          for _ in range(min(slots, len(sizes)))]
-        queued = self.device.type == "cuda"
-        main = torch.cuda.current_stream(self.device) if queued else None
-        if queued and self._fp_stream is None:
+            self._ring = [torch.empty(max(self._sizes), dtype=torch.uint8, device=self.device)
+                          for _ in range(min(self.depth + 1, len(self._sizes)))]
+        if self.device.type == "cuda" and self._fp_stream is None:
             self._fp_stream = torch.cuda.Stream(self.device)
-        side = self._fp_stream if queued else None  # fingerprints run here, beside the loads
-        prints: list[torch.Tensor] = []
-        works: list = []  # the receive of bucket b is works[b]
-
-        def post(b: int) -> None:
-            works.append(wgroup.broadcast_async(pg, self._ring[b % slots][: sizes[b]]))
-
-        def wait(b: int, deadline: float) -> None:
-            wgroup.wait_work(works[b], deadline, f"engine {self.engine_id}: receive bucket {b}/{len(sizes)}",
-                             max_sleep_s=5e-5)
-            mark((f"bucket{b}_received", time.perf_counter()))
-
-        step = "receive bucket 0"
         self.timeline = [("receive", time.perf_counter())]
-        mark = self.timeline.append
+        run = _ReceiveRun(self, load)
         try:
-            for b in range(min(self.depth, len(sizes))):
-                post(b)
-            mark(("posted", time.perf_counter()))
-            deadline = time.monotonic() + self.timeout_s
-            for b in range(len(sizes)):
-                step = f"receive bucket {b}/{len(sizes)}"
-                if queued:
-                    works[b].wait()  # the stream waits for the bucket; the host goes on
-                else:
-                    wait(b, deadline)
-                    deadline = time.monotonic() + self.timeout_s  # the limit is per step, not per publish
-                if b + self.depth < len(sizes):
-                    if side is not None:
-                        main.wait_stream(side)  # the slot's last fingerprint is read before the receive reuses it
-                    post(b + self.depth)  # keep `depth` receives posted while this bucket loads
-                step = f"load bucket {b}/{len(sizes)}"
-                buf = self._ring[b % slots][: sizes[b]]
-                if side is None:
-                    load(self._unpacked(buf, b))
-                    prints.append(bucket_fingerprint(buf))
-                    mark((f"bucket{b}_loaded", time.perf_counter()))
-                else:
-                    # The fingerprint of the received bytes on a second stream, beside the load (both read the
-                    # bucket; after the last bucket that is ~50 us less of the publish's tail on H200).
-                    side.wait_stream(main)  # after this bucket's receive
-                    with torch.cuda.stream(side):
-                        prints.append(bucket_fingerprint(buf))
-                    load(self._unpacked(buf, b))
-            if side is not None:
-                main.wait_stream(side)  # the acks and the checksum follow every load and every fingerprint
-            ack = None
-            if self.group.group_acks:  # this epoch ends each unstaged publish with the ack all-gather
-                # The ack: our fingerprints all-gathered with the publisher's. On CUDA it is queued behind the
-                # last load and the last fingerprint, so the publisher learns "loaded, and these bytes" without
-                # waiting for this host or the RPC's answer.
-                step = "acknowledge (group)"
-                mine = torch.stack(prints)
-                gathered = torch.empty((self.group.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
-                ack = wgroup.all_gather_async(pg, gathered, mine)
-            if queued:
-                mark(("queued", time.perf_counter()))
-                for b in range(len(sizes)):
-                    step = f"receive bucket {b}/{len(sizes)}"
-                    wait(b, deadline)
-                    deadline = time.monotonic() + self.timeout_s
-            if ack is not None:
-                step = "acknowledge (group)"
-                wgroup.wait_work(ack, deadline, f"engine {self.engine_id}: {step}", max_sleep_s=5e-5)
-                mark(("acked", time.perf_counter()))
+            run.post_first()
+            run.take_all()
+            run.queue_ack()
+            run.wait_receives()
+            run.wait_ack()
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
-            raise RuntimeError(f"engine {self.engine_id}: publish v{version} failed at '{step}': {e}") from e
-        if ack is None:
-            self.last_checksum = combine_fingerprints(prints)  # on CUDA: returns once the queued loads are done
-        else:
-            self.last_checksum, theirs = fingerprints_checksum(mine), fingerprints_checksum(gathered[0])
-            if theirs != self.last_checksum:
-                # The publisher sees the same mismatch in the gathered rows and drops this engine.
-                raise RuntimeError(f"engine {self.engine_id}: publish v{version}: checksum mismatch in the group acks: "
-                                   f"the received bytes' {self.last_checksum}, the publisher's {theirs}")
-        mark(("checksum", time.perf_counter()))
+            raise ReceiveError(f"engine {self.engine_id}: publish v{version} failed at '{run.step}': {e}",
+                               run.step) from e
+        self.last_checksum = run.checksum(version)
+        self.timeline.append(("checksum", time.perf_counter()))
         return self.last_checksum
 
     # ---- staged publish -------------------------------------------------------------
@@ -283,8 +229,115 @@ class WeightReceiver:
             self.last_commit_parts = {"wait_s": t1 - t0, "checksum_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except Exception as e:
             self.leave()
-            raise RuntimeError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}") from e
+            raise ReceiveError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}", step) from e
         return self.last_checksum
+
+
+class _ReceiveRun:
+    """One unstaged receive, phase by phase (see :meth:`WeightReceiver.receive`): the buckets in
+    ``depth + 1`` standing buffers, their fingerprints, and the step being done (named in errors).
+
+    On CUDA (``queued``) :meth:`take_all` only queues work on the streams and :meth:`wait_receives`
+    then waits for the receives; on gloo :meth:`take_all` waits for each receive before its load."""
+
+    def __init__(self, rx: WeightReceiver, load: LoadFn) -> None:
+        self.rx, self.load = rx, load
+        self.pg, self.sizes, self.slots, self.depth = rx.pg, rx._sizes, rx.depth + 1, rx.depth
+        self.queued = rx.device.type == "cuda"
+        self.main = torch.cuda.current_stream(rx.device) if self.queued else None
+        self.side = rx._fp_stream if self.queued else None  # fingerprints run here, beside the loads
+        self.prints: list[torch.Tensor] = []
+        self.works: list = []  # the receive of bucket b is works[b]
+        self.ack = None
+        self.step = "receive bucket 0"
+        self.mark = rx.timeline.append
+        self.deadline = 0.0
+
+    def post(self, b: int) -> None:
+        self.works.append(wgroup.broadcast_async(self.pg, self.rx._ring[b % self.slots][: self.sizes[b]]))
+
+    def wait(self, b: int) -> None:
+        """Wait for bucket ``b``'s receive within the per-step limit, then start the next step's."""
+        wgroup.wait_work(self.works[b], self.deadline,
+                         f"engine {self.rx.engine_id}: receive bucket {b}/{len(self.sizes)}", max_sleep_s=5e-5)
+        self.mark((f"bucket{b}_received", time.perf_counter()))
+        self.deadline = time.monotonic() + self.rx.timeout_s  # the limit is per step, not per publish
+
+    def post_first(self) -> None:
+        for b in range(min(self.depth, len(self.sizes))):
+            self.post(b)
+        self.mark(("posted", time.perf_counter()))
+        self.deadline = time.monotonic() + self.rx.timeout_s
+
+    def take_all(self) -> None:
+        """Each bucket: its receive (waited for on gloo, ordered on the stream on CUDA), the next receive
+        posted into the slot before it, its load and its fingerprint."""
+        sizes, main, side = self.sizes, self.main, self.side
+        for b in range(len(sizes)):
+            self.step = f"receive bucket {b}/{len(sizes)}"
+            if self.queued:
+                self.works[b].wait()  # the stream waits for the bucket; the host goes on
+            else:
+                self.wait(b)
+            if b + self.depth < len(sizes):
+                if side is not None:
+                    main.wait_stream(side)  # the slot's last fingerprint is read before the receive reuses it
+                self.post(b + self.depth)  # keep `depth` receives posted while this bucket loads
+            self.step = f"load bucket {b}/{len(sizes)}"
+            buf = self.rx._ring[b % self.slots][: sizes[b]]
+            if side is None:
+                self.load(self.rx._unpacked(buf, b))
+                self.prints.append(bucket_fingerprint(buf))
+                self.mark((f"bucket{b}_loaded", time.perf_counter()))
+            else:
+                # The fingerprint of the received bytes on a second stream, beside the load (both read the
+                # bucket; after the last bucket that shortens the publish's tail).
+                side.wait_stream(main)  # after this bucket's receive
+                with torch.cuda.stream(side):
+                    self.prints.append(bucket_fingerprint(buf))
+                self.load(self.rx._unpacked(buf, b))
+        if side is not None:
+            main.wait_stream(side)  # the acks and the checksum follow every load and every fingerprint
+
+    def queue_ack(self) -> None:
+        """Group acks (this epoch ends each unstaged publish with the ack all-gather): our fingerprints
+        all-gathered with the publisher's. On CUDA it is queued behind the last load and the last
+        fingerprint, so the publisher learns "loaded, and these bytes" without waiting for this host or
+        the RPC's answer."""
+        group = self.rx.group
+        if not group.group_acks:
+            return
+        self.step = "acknowledge (group)"
+        self.mine = torch.stack(self.prints)
+        self.gathered = torch.empty((group.world_size, *self.mine.shape), dtype=self.mine.dtype,
+                                    device=self.mine.device)
+        self.ack = wgroup.all_gather_async(self.pg, self.gathered, self.mine)
+
+    def wait_receives(self) -> None:
+        if not self.queued:
+            return  # waited for one by one in take_all
+        self.mark(("queued", time.perf_counter()))
+        for b in range(len(self.sizes)):
+            self.step = f"receive bucket {b}/{len(self.sizes)}"
+            self.wait(b)
+
+    def wait_ack(self) -> None:
+        if self.ack is None:
+            return
+        self.step = "acknowledge (group)"
+        wgroup.wait_work(self.ack, self.deadline, f"engine {self.rx.engine_id}: {self.step}", max_sleep_s=5e-5)
+        self.mark(("acked", time.perf_counter()))
+
+    def checksum(self, version: int) -> str:
+        if self.ack is None:
+            return combine_fingerprints(self.prints)  # on CUDA: returns once the queued loads are done
+        mine, theirs = fingerprints_checksum(self.mine), fingerprints_checksum(self.gathered[0])
+        self.rx.last_checksum = mine
+        if theirs != mine:
+            # The publisher sees the same mismatch in the gathered rows and drops this engine.
+            raise RuntimeError(f"engine {self.rx.engine_id}: publish v{version}: checksum mismatch in the group acks: "
+                               f"the received bytes' {mine}, the publisher's {theirs}")
+        return mine
 
 
 class ReceiverState:
@@ -352,7 +405,7 @@ def _handler(state: ReceiverState):
                     reply = self._dispatch(msg)
             except Exception as e:  # noqa: BLE001 - reported to the caller, who names this engine
                 log.exception("receiver %s: %s failed", state.receiver.engine_id, self.path)
-                return self._reply(m.Reply(ok=False, error=str(e)), 500)
+                return self._reply(m.Reply(ok=False, error=str(e), code=str(getattr(e, "code", ""))), 500)
             self._reply(reply)
 
         def _dispatch(self, msg) -> m.Reply:

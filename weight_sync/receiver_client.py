@@ -21,7 +21,7 @@ import urllib.parse
 import httpx
 import msgspec
 
-from core.net import EngineError, HttpEngineClient
+from core.net import EngineError, EngineErrorCode, HttpEngineClient
 from weight_sync import messages as m
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
@@ -53,7 +53,8 @@ class ReceiverClient(HttpEngineClient, WeightEndpoint):
         except msgspec.DecodeError as e:
             raise EngineError(f"engine {self.engine_id}: {path} answered HTTP {status} with a malformed reply") from e
         if not reply.ok:
-            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.error}")
+            code = EngineErrorCode(reply.code) if reply.code in tuple(EngineErrorCode) else EngineErrorCode.UNKNOWN
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.error}", code)
         return reply
 
     async def health(self) -> bool:

@@ -99,12 +99,17 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def layer_spec(sequence_parallel: bool, layers_here: int, qk_norm: bool = False):
-    """Megatron's local (no Transformer Engine) GPT layer spec; with SP, its norms replaced by ours."""
+def layer_spec(sequence_parallel: bool, layers_here: int, varlen: bool = False, qk_norm: bool = False):
+    """Megatron's local (no Transformer Engine) GPT layer spec; with SP, its norms replaced by ours; with
+    ``varlen``, its core attention replaced by document-masked flash attention (learner/megatron/varlen.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    if varlen:
+        from learner.megatron.varlen import core_attention_class
+
+        spec.submodules.self_attention.submodules.core_attention = core_attention_class()
     if not sequence_parallel:
         return spec
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
@@ -173,6 +178,11 @@ class MegatronEngine(TrainingEngine):
         if on_gpu:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
+        # Varlen flash attention (opt-in: learner.attn_implementation=varlen) needs unpadded, unsplit rows.
+        self.varlen = on_gpu and cfg.attn_implementation == "varlen" and pp == 1 and not mc.sequence_parallel
+        if cfg.attn_implementation == "varlen" and not self.varlen:
+            logger.warning("learner.attn_implementation=varlen needs a GPU, PP=1 and no sequence parallelism; "
+                           "using Megatron's masked attention")
         self.shape = cv.ModelShape.from_hf(self.hf_config, tp=tp)
         self.shape.check_tp(tp)
         self.tcfg = transformer_config(self.hf_config, self.shape, mc, bf16=on_gpu,
@@ -230,7 +240,8 @@ class MegatronEngine(TrainingEngine):
         from megatron.core.models.gpt import GPTModel
 
         model = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(self.mcfg.sequence_parallel,
-                                                                              len(self.layers), self.shape.qk_norm),
+                                                                              len(self.layers), self.varlen,
+                                                                              self.shape.qk_norm),
                          vocab_size=self.shape.padded_vocab,
                          max_sequence_length=int(self.hf_config.get("max_position_embeddings", 4096)),
                          pre_process=self.pre, post_process=self.post, parallel_output=True,
@@ -262,6 +273,11 @@ class MegatronEngine(TrainingEngine):
 
     def _inputs(self, mb: MicroBatch, length: int | None):
         mb.to(self.device)
+        if self.varlen:
+            from learner.megatron.varlen import set_segments
+
+            set_segments(mb.cu_seqlens, mb.max_seqlen)  # set by plan_step; no [T, T] mask is built
+            return mb.input_ids, mb.position_ids, None
         if length is None:
             ids, pos = mb.input_ids, mb.position_ids
         else:

@@ -14,13 +14,22 @@ answer raises :class:`EngineError` naming the engine, the call and the limit.
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from core.net import BadRequest, EngineError
 
-__all__ = ["BadRequest", "EngineClient", "EngineError", "Sample", "SamplingParams"]
+__all__ = ["BadRequest", "EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams"]
+
+
+class PauseMode(enum.StrEnum):
+    """What a pause does with the requests running on the server."""
+
+    KEEP = "keep"  # freeze them; they continue (under new weights) after resume
+    WAIT = "wait"  # let them finish first (under the old weights)
+    ABORT = "abort"  # end them now (their groups are re-run elsewhere)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,7 +72,7 @@ class EngineClient(abc.ABC):
         """True if the server answers and can generate."""
 
     @abc.abstractmethod
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
         """Stop admitting; ``abort`` running requests, ``wait`` for them, or ``keep`` them frozen."""
 
     @abc.abstractmethod

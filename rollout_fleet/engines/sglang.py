@@ -56,7 +56,7 @@ import numpy as np
 from packaging.version import Version
 
 from core.net import HttpEngineClient
-from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
 from weight_sync.sglang_group import sglang_group_name
@@ -90,9 +90,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
         :class:`~rollout_fleet.engines.sglang_server.SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
         ``between_steps`` (TP=1, on by default): a commit to an engine that is not paused runs before the
-        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (on 2 H200s,
-        0.5B: the engine held 2.7-3.4 ms per 1 GB update against 21-27 ms for the freeze; see
-        bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
+        worker's next forward instead of in an ``in_place`` pause and SGLang's loader call (how long the
+        engine is held either way: bench/results/engines_gpu.md). With ``rollout.weight_update='pause'`` the controller pauses the
         engine first, and the commit goes through the loader as without it."""
         self.engine_id = engine_id
         self.url = url.rstrip("/")
@@ -181,13 +180,13 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
             return False
 
     # -- pause / resume ------------------------------------------------------------------------
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
         """``abort``: end running requests now; ``wait``: let this client's requests finish first;
         ``keep``: SGLang's ``retract`` (running requests go back to the queue and are recomputed
         with the new weights on resume). With ``keep`` the prefix cache cannot be flushed while
         requests are queued, so start the server with ``radix_cache=False`` for in-flight updates.
         """
-        if mode not in ("abort", "wait", "keep"):
+        if mode not in tuple(PauseMode):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         if mode == "wait":
             try:

@@ -73,7 +73,7 @@ class SGLangServerArgs:
     seed: int = 0
     radix_cache: bool = True  # off for in-flight ('keep') updates: see SGLangClient.pause
     python: str = sys.executable
-    # SGLang 0.5.16 on H200 died on its first forward without these (FACTS.md); see compat_args.
+    # SGLang 0.5.16 on H200 died on its first forward without these; see compat_args.
     compat: bool = True
     fleetrl_loader: bool = True  # --custom-weight-loader for staged updates; the server's python must import fleetrl
     extra_args: list[str] = field(default_factory=list)
@@ -89,7 +89,7 @@ class SGLangServerArgs:
 def compat_args(version: Version) -> list[str]:
     """Serving flags a given SGLang needs on H200.
 
-    0.5.16: the combination FACTS.md saw serve (its scheduler died on the first forward with fa3,
+    0.5.16: the combination seen to serve (its scheduler died on the first forward with fa3,
     and with triton + no CUDA graph, until both flags were added). Which flag matters is what
     bench/sglang_flags.py measures; it has not run yet, so all are kept.
     """

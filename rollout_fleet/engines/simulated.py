@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from rollout_fleet.config import SimulatedEngineConfig
-from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
 
@@ -165,17 +165,17 @@ class SimulatedEngine(EngineClient, WeightEndpoint):
     async def health(self) -> bool:
         return self._alive
 
-    async def pause(self, mode: str = "keep") -> None:
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
         """``keep``: freeze running requests; ``wait``: let them finish; ``abort``: end them now."""
-        if mode not in ("keep", "wait", "abort"):
+        if mode not in tuple(PauseMode):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
         self._check_alive("pause")
         self._admitting = False
-        if mode == "abort":
+        if mode == PauseMode.ABORT:
             self._abort_epoch += 1
-        self._frozen = mode == "keep"
+        self._frozen = mode == PauseMode.KEEP
         self._notify()
-        if mode == "wait":
+        if mode == PauseMode.WAIT:
             await self._idle.wait()
             self._check_alive("pause")
 

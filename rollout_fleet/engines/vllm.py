@@ -183,7 +183,7 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     async def reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache. vLLM refuses (``{"success": false}``) while running requests
-        hold KV blocks, as in an in-flight (``keep``) update under load (on 2 H200s: every time). Requests
+        hold KV blocks, as in an in-flight (``keep``) update under load. Requests
         from :meth:`generate` carry a per-version cache salt, so they do not reuse the old weights' KV
         even then; other clients' requests could. A refusal is logged and counted
         (``prefix_cache_resets_refused``)."""
@@ -249,8 +249,7 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
             await self._request("POST", "/finish_weight_update", json={"weight_version": str(version)})
             lap("finish_weight_update")
             # KV computed with the old weights must not be reused. A 'wait'/'abort' pause of ours already
-            # emptied the prefix cache and nothing has been scheduled since: a second reset only costs
-            # time (0.02-0.03 s measured on H200).
+            # emptied the prefix cache and nothing has been scheduled since: a second reset only costs time.
             if not self._pause_emptied_cache(pause_here):
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")

@@ -46,7 +46,7 @@ def bf16_model(src: Path, out: Path) -> Path:
 
 
 def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True, pp: int = 1, kl_coef: float = 0.0,
-                reference_offload: bool = True):
+                reference_offload: bool = True, attn: str = "auto"):
     from learner.config import LearnerConfig
 
     return LearnerConfig.model_validate({
@@ -54,7 +54,7 @@ def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True, pp: int = 
         # eps 1e-5: as in the CPU learner tests, Adam's first step of a near-zero gradient stays smooth.
         "optim": {"lr": 1e-3, "eps": 1e-5, "grad_clip": 1.0},
         "micro_batch_tokens": 64,
-        "reference_offload": reference_offload,
+        "reference_offload": reference_offload, "attn_implementation": attn,
         "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
                      "use_distributed_optimizer": dist_opt},
     })
@@ -124,7 +124,8 @@ def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
     res: dict = {}
     for i, model in enumerate(kw["models"]):
         engine = MegatronEngine(learner_cfg(kw["tp"], kw.get("sp", False), kw.get("dist_opt", True), kw.get("pp", 1),
-                                            kw.get("kl_coef", 0.0), kw.get("reference_offload", True)), model,
+                                            kw.get("kl_coef", 0.0), kw.get("reference_offload", True),
+                                            kw.get("attn", "auto")), model,
                                 total_steps=3, seed=0)
         res[f"build_s_{i}"] = time.time() - t0
         if kw.get("roundtrip"):

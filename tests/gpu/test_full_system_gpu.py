@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(480)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
-LIMIT_S = 360  # measured parts: vLLM eager start ~30-60 s, SGLang ~113 s (FACTS.md), steps seconds each
+LIMIT_S = 360  # measured parts: vLLM eager start ~30-60 s, SGLang ~113 s, steps seconds each
 
 
 def _need(engine: str, learner: str) -> None:

@@ -28,7 +28,7 @@ from broker.config import BrokerConfig
 from broker.process import BrokerProcess
 from broker.server import BrokerServer
 from broker.spool import export_parquet
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = pytest.mark.timeout(300)
 V = P.PROTOCOL_VERSION

@@ -40,7 +40,7 @@ def test_folder_is_standard_and_small():
     assert total < 20 * 2**20, f"model folder is {total} bytes"
     cfg = json.loads((MODEL / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"]
-    # The shape vLLM's CPU backend is known to serve (FACTS.md).
+    # The shape vLLM's CPU backend is known to serve (models/tiny-adder/README.md).
     assert cfg["vocab_size"] % 64 == 0
     assert cfg["hidden_size"] // cfg["num_attention_heads"] in (32, 64)
     assert cfg["tie_word_embeddings"] is False

@@ -4,7 +4,7 @@ Log-prob tolerance: the server runs fp32 like the transformers reference, so
 the only differences are kernel order (vLLM's CPU attention and fused
 qkv/gate-up matmuls vs transformers' eager ops): rounding at fp32 is ~1e-7
 relative per op; through 2 layers and a 128-way log-softmax we expect ~1e-6
-(measured: 0.5-2.4e-6 nats) and allow 5e-4 nats. bf16 would need ~0.1 (FACTS: 0.13 seen); a wrong weight,
+(measured: 0.5-2.4e-6 nats) and allow 5e-4 nats. bf16 would need ~0.1 (0.13 seen); a wrong weight,
 position or token shifts log-probs by far more than 2e-3 (checked below: the
 perturbed weights move them by well over 10x the tolerance).
 """
@@ -327,9 +327,8 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
     the start-up probe's measure separates that from scoring at another temperature (what raw log-probs are)."""
     from broker.schema import Trajectory, to_record_batch
     from learner.batch import plan_step
-    from learner.config import LearnerConfig
     from learner.engine import packed_forward
-    from learner.logprob_probe import gap
+    from learner.logprob_probe import BF16_TOLERANCE, gap
 
     tok = _tokenizer()
     prompts = [tok(p)["input_ids"] for p in ("347+85=", "12+9=", "5+7=", LONG_PROMPT)]
@@ -349,7 +348,6 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
     plan = plan_step(to_record_batch(trajs), rank=0, world_size=1, micro_batch_tokens=4096, advantage="mean",
                      drop_uniform=False, aggregation="token", learner_version=0)
     model = _hf_model()
-    tol = LearnerConfig.model_validate({"loss": {"correction": "tis"}}).logprob_probe_tolerance
     stats = {}
     for temperature in (0.7, 1.0):
         total, worst, count = 0.0, 0.0, 0
@@ -364,5 +362,6 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
     assert stats[0.7][2] >= 16
     # fp32 on both sides, same model: the same bound as the T=1 test above, for every token.
     assert stats[0.7][1] < TOL, f"learner at T=0.7 differs from the engine by up to {stats[0.7][1]:.2e} nats"
-    # Scoring at T=1 (what vLLM's default raw_logprobs would report) is far outside the probe's tolerance.
-    assert stats[1.0][0] > tol, stats
+    # Scoring at T=1 (what vLLM's default raw_logprobs would report) is outside the probe's tolerance, even
+    # the loose one for bf16 engines (the fp32 one, 0.01, by far).
+    assert stats[1.0][0] > BF16_TOLERANCE, stats

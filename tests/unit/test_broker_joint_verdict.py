@@ -21,7 +21,7 @@ from broker import protocol as P
 from broker.schema import SchemaError, inspect_batch
 from broker.server import BrokerServer
 from broker.state import BrokerError, split_groups
-from broker.testing import batch_from_rows, make_groups
+from tests.broker_groups import batch_from_rows, make_groups
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ from broker import limits as L
 from broker import protocol as P
 from broker.spool import LogRecord, Spool, _rec_enc
 from broker.state import BrokerError, BrokerState
-from broker.testing import make_groups
+from tests.broker_groups import make_groups
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from broker.spool import Spool
 from broker.state import BrokerState
-from broker.testing import make_groups
 from launch.broker_supervisor import engine_groups, spool_accounting
+from tests.broker_groups import make_groups
 
 
 def test_spool_accounting_counts_accepted_acked_dropped_and_pending(tmp_path):

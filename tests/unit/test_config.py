@@ -186,3 +186,16 @@ def test_kl_estimators_and_mini_batch_keys():
     assert (cfg.learner.ppo_mini_batch_size, cfg.learner.ppo_epochs, cfg.learner.loss.clip_ratio_c) == (8, 2, 3.0)
     with pytest.raises(ConfigError, match="clip_ratio_c"):
         load_run_config("tiny", ["learner.loss.clip_ratio_c=1.0"])
+
+
+def test_logprob_probe_tolerance_follows_the_engines_dtype():
+    from learner.logprob_probe import BF16_TOLERANCE, FP32_TOLERANCE, resolve_tolerance
+
+    cfg = load_run_config("tiny", [])
+    assert cfg.learner.logprob_probe_tolerance == "auto"
+    assert resolve_tolerance("auto", cfg.model.dtype) == FP32_TOLERANCE  # the tiny recipe serves float32
+    assert resolve_tolerance("auto", load_run_config("gpu-tiny", []).model.dtype) == BF16_TOLERANCE
+    assert resolve_tolerance(0.2, "bfloat16") == 0.2 and resolve_tolerance(None, "float32") is None
+    assert load_run_config("tiny", ["learner.logprob_probe_tolerance=null"]).learner.logprob_probe_tolerance is None
+    with pytest.raises(ConfigError, match="logprob_probe_tolerance"):
+        load_run_config("tiny", ["learner.logprob_probe_tolerance=-1.0"])

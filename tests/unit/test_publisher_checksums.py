@@ -18,7 +18,6 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from rollout_fleet.engines.base import EngineClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.plan import build_plan
@@ -28,7 +27,7 @@ from weight_sync.receiver import WeightReceiver
 pytestmark = pytest.mark.timeout(120)
 
 
-class FakeEngine(EngineClient, WeightEndpoint):
+class FakeEngine(WeightEndpoint):
     supports_group_acks = True
 
     def __init__(self, engine_id: str, lie: str | None = None) -> None:

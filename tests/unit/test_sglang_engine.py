@@ -1,4 +1,4 @@
-"""SGLang engine pieces that run without SGLang (no SGLang build runs on CPU: FACTS.md).
+"""SGLang engine pieces that run without SGLang (no SGLang build runs on CPU).
 
 * the version gate names the supported range;
 * the publisher's side of the update group meets a peer that builds its side exactly

@@ -1,0 +1,135 @@
+"""Log-probs and entropies of response tokens straight from the last hidden state, in vocabulary chunks.
+
+The plain path (``learner.engine.logprobs_from_logits``) has the LM head produce [T, V] logits, selects
+the response rows and upcasts them to fp32 for the log-softmax: with a 152k vocabulary that is three
+[n, V] fp32 tensors per micro-batch (logits, log-softmax, the softmax for the entropy), and autograd keeps
+the log-softmax for the backward. Here the head is applied to ``chunk`` response rows at a time; each
+chunk's logits are upcast to fp32, reduced to (log-prob of the target, logsumexp, entropy) and freed. The
+backward recomputes a chunk's logits and turns them into the gradient of hidden rows and head weight
+(d logp / d logits = onehot(target) - softmax), so peak memory is one chunk's logits, not n rows.
+
+Guarantees: the same function as the plain path. The logits are rounded exactly as the plain path
+rounds them (the head's matmul in the dtype of its inputs, then fp32), so on fp32 inputs the two differ
+only by the order of fp32 sums; entropies carry no gradient in both (the loss uses them as a metric).
+
+Hooked into a transformers causal LM by :func:`head_logprobs`: the model is called as usual (so FSDP's
+hooks unshard and reshard the head exactly as in a normal forward), with ``logits_to_keep`` set to the
+response positions and the output embedding's forward swapped, for that one call, for the chunked one.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+# 4096 rows x 151,936 vocabulary x 4 bytes = 2.5 GB of fp32 logits at a time: small against an H200's
+# activations, large enough that each chunk's matmul fills the GPU.
+DEFAULT_CHUNK = 4096
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.Tensor:
+    logits = (h @ weight.t()).float()  # the head's matmul in its own dtype, as nn.Linear does; then fp32
+    return logits * inv_t if inv_t != 1.0 else logits
+
+
+class _ChunkedHeadLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            logits = _chunk_logits(hidden[s:e], weight, inv_t)
+            z = torch.logsumexp(logits, dim=-1)
+            lse[s:e] = z
+            logp[s:e] = logits.gather(-1, targets[s:e].view(-1, 1)).squeeze(-1) - z
+            # entropy = logsumexp - E_p[logits]; p computed in place over the chunk's logits buffer
+            expected = (torch.softmax(logits, dim=-1) * logits).sum(-1)
+            ent[s:e] = z - expected
+            del logits
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        inv_t, chunk = ctx.inv_t, ctx.chunk
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        if g_logp is None:
+            g_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        rows = torch.arange(chunk, device=hidden.device)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            logits = _chunk_logits(hidden[s:e], weight, inv_t)
+            # d logp / d logits = onehot(target) - softmax; times the incoming gradient and 1/T
+            grad = torch.exp_(logits.sub_(lse[s:e, None])).mul_(-g_logp[s:e, None].float())
+            grad[rows[: e - s], targets[s:e]] += g_logp[s:e].float()
+            if inv_t != 1.0:
+                grad.mul_(inv_t)
+            grad = grad.to(hidden.dtype)
+            if need_h:
+                g_h[s:e] = grad @ weight
+            if need_w:
+                g_w += (grad.t() @ hidden[s:e]).float()  # accumulated over chunks in fp32
+            del logits, grad
+        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                     chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] fp32 log-probs of ``targets`` and [n] fp32 entropies under softmax(hidden @ weight.T / temperature).
+
+    ``hidden`` [n, h] and ``weight`` [V, h] in the compute dtype; gradients flow to both (not to the entropy).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [n, h] and weight [V, h] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [n={hidden.shape[0]}], got {tuple(targets.shape)}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    if hidden.shape[0] == 0:
+        z = hidden.new_zeros(0, dtype=torch.float32)
+        return z + (hidden.sum() + weight.sum()) * 0, z.clone()
+    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk)
+
+
+@contextmanager
+def _swapped_head(head: torch.nn.Module, fn):
+    head.forward = fn  # instance attribute: shadows the class's forward for this call only
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
+                  **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of one packed micro-batch through a transformers causal LM, chunked.
+
+    The LM head must be a bias-free linear layer (``get_output_embeddings()``: every Llama/Qwen2-family
+    model); ``forward_kwargs`` go to the model (e.g. varlen attention metadata).
+    """
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__}: chunked log-probs need a bias-free linear output layer")
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        # h: [1, n, hidden] (logits_to_keep selected the response positions); the head's weight here is
+        # the unsharded one FSDP gathered for this forward.
+        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk)
+        # Returned as the model's "logits" [1, n, 2], so the result leaves through the model's output (FSDP
+        # hooks its backward on the outputs).
+        return torch.stack([logp, ent], dim=-1).unsqueeze(0)
+
+    with _swapped_head(head, forward):
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                    logits_to_keep=mb.target_index, **forward_kwargs)
+    return out.logits[0, :, 0], out.logits[0, :, 1].detach()

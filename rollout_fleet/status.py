@@ -1,0 +1,73 @@
+"""The fleet's status records: what the fleet actor answers to ``status`` and ``stop``.
+
+Declared msgspec Structs (``forbid_unknown_fields``): a field the producer or a reader misspells is
+an error, not a silent 0. They cross the Ray boundary as plain data (``msgspec.to_builtins``) and
+are read back with ``msgspec.convert(data, FleetStatus)`` (see ``launch.snapshot``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class ServerState(enum.StrEnum):
+    """Where a server is in the fleet controller's life cycle."""
+
+    HEALTHY = "healthy"  # takes work
+    DRAINING = "draining"  # finishing its groups before removal (scale down)
+    DEAD = "dead"  # failed its health probes; its groups were re-queued
+    RESTARTING = "restarting"  # being restarted by the factory
+    REMOVED = "removed"  # gone from the fleet
+
+
+class ServerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    engine_id: str
+    index: int
+    state: ServerState
+    version: int
+    simulated: bool
+    outstanding_tokens: int
+    inflight_groups: int
+    groups_done: int
+    tokens_done: int
+    restarts: int
+    pid: int | None
+    tok_per_s: float
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The rollout worker's counters."""
+
+    groups_started: int = 0
+    groups_pushed: int = 0
+    groups_failed: int = 0
+    groups_inflight: int = 0
+    groups_cancelled: int = 0
+    groups_reward_failed: int = 0
+    groups_bad_request: int = 0  # refused by an engine (HTTP 4xx): dropped with a reason, not lost
+    samples_truncated: int = 0  # finish reason 'length': cut at max_tokens
+    samples_nonfinite_logprob: int = 0  # samples whose behaviour log-probs were not finite
+    groups_resampled_nonfinite: int = 0  # groups generated again on the same ticket for that
+    prompts_requeued_nonfinite: int = 0  # prompts put back after a resample failed too
+    samples_pushed: int = 0
+    tokens_pushed: int = 0
+    mean_reward: float | None = None
+    idle_s: float = 0.0
+
+
+class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):
+    """The fleet actor's answer: the worker's counters, the controller's servers and weight updates
+    (the controller fills those, see ``FleetController.status``), and the service's rates."""
+
+    version: int = 0
+    servers: list[ServerStatus] = []
+    groups_requeued: int = 0
+    server_deaths: int = 0
+    weight_updates: int = 0
+    weight_update_s: float = 0.0
+    simulated: bool = False
+    tok_per_s: float | None = None
+    fleet_idle_fraction: float = 0.0
+    healthy_servers: int = 0
