@@ -4,7 +4,8 @@ to an engine server (vLLM, SGLang, fleetrl's standalone weight receiver), for ge
 
 Every call is bounded by a timeout, and every transport failure (refused connection, reset,
 timeout) or unexpected status becomes an :class:`EngineError` that names the engine and the
-call, which is what the fleet's health logic and the publisher's blame logic act on.
+call, which is what the fleet's health logic and the publisher's blame logic act on; a 4xx
+answer (but 408/429) is a :class:`BadRequest`, the request's fault, never the server's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, code: EngineErrorCode = EngineErrorCode.UNKNOWN) -> None:
         super().__init__(message)
         self.code = code
+
+
+class BadRequest(EngineError):
+    """The engine refused the request itself (HTTP 4xx, e.g. a prompt over its model length): the
+    request is at fault, not the server, and sending it again or elsewhere gives the same answer."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# 408 (request timeout) and 429 (too many requests) are the server's state, not the request's
+_TRANSIENT_4XX = (408, 429)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,8 +90,10 @@ class HttpEngineClient:
             raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}",
                               EngineErrorCode.UNREACHABLE) from e
         if check_status and r.status_code != 200:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}",
-                              EngineErrorCode.HTTP_STATUS)
+            msg = f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}"
+            if 400 <= r.status_code < 500 and r.status_code not in _TRANSIENT_4XX:
+                raise BadRequest(msg, r.status_code)
+            raise EngineError(msg, EngineErrorCode.HTTP_STATUS)
         return r
 
     async def close(self) -> None:

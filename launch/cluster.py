@@ -8,6 +8,8 @@ Examples::
     python launch/cluster.py --recipe tiny broker.max_staleness=0 learner.loss.correction=none
     python launch/cluster.py scale --rollout-gpus 8 --run-dir runs/tiny                # running job
     python launch/cluster.py status --run-dir runs/tiny
+    python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
+    python launch/cluster.py verl 'algorithm.adv_estimator=grpo data.train_batch_size=1024 ...'  # verl's keys
 
 This module imports only the standard library at the top, so ``--help`` and config
 errors answer in well under a second; Ray, torch and vLLM load in :mod:`launch.driver`.
@@ -24,17 +26,24 @@ if __package__ in (None, ""):  # `python launch/cluster.py` (not -m): make the r
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SUBCOMMANDS = ("scale", "status")
+VERL_RECIPE = "verl"  # the base under a verl command line when --recipe is not given
 
 
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch/cluster.py",
         description="Run asynchronous RL: a learner pool and a rollout fleet on disjoint GPUs of a Ray cluster. "
-        "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help').",
+        "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help'); "
+        "'verl KEY=VALUE ...' prints what a verl command line maps to.",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted config overrides, e.g. broker.max_staleness=0 learner.optim.lr=1e-5")
-    p.add_argument("--recipe", default="tiny", help="a recipe name in launch/recipes/ or a YAML path (default: tiny)")
+    p.add_argument("--recipe", default=None, help="a recipe name in launch/recipes/ or a YAML path "
+                   f"(default: tiny; with --verl: {VERL_RECIPE})")
+    p.add_argument("--verl", default=None, metavar="'KEY=VALUE ...'",
+                   help="a verl command line's dotted keys (e.g. 'algorithm.adv_estimator=grpo "
+                   "data.train_batch_size=1024 ...'), mapped onto fleetrl keys; each key that has no fleetrl "
+                   "equivalent is refused by name with the reason ('launch/cluster.py verl ...' prints the mapping)")
     p.add_argument("--rollout-gpus", type=int, default=0, help="GPUs for the rollout fleet (0: CPU servers)")
     p.add_argument("--learner-gpus", type=int, default=0, help="GPUs for the learner (0: CPU)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
@@ -88,16 +97,51 @@ def _control(argv: list[str]) -> int:
     return 0 if answer.get("ok", True) else 1
 
 
+def _verl(rest: list[str]) -> int:
+    """Print what a verl command line maps to, and the fleetrl config it gives."""
+    p = argparse.ArgumentParser(prog="launch/cluster.py verl",
+                                description="Show the fleetrl keys a verl command line maps to, and the resolved config")
+    p.add_argument("keys", nargs="+", help="verl's key=value arguments (one quoted string or several words)")
+    p.add_argument("--recipe", default=VERL_RECIPE, help=f"the fleetrl recipe underneath (default {VERL_RECIPE})")
+    args = p.parse_args(rest)
+    import yaml
+
+    from core.configbase import ConfigError
+    from launch.config import load_run_config, resolve_model_path
+    from launch.verl import describe, translate
+
+    try:
+        m = translate(args.keys if len(args.keys) > 1 else args.keys[0])
+        print(describe(m))
+        cfg = load_run_config(args.recipe, m.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n# fleetrl config (--recipe %s plus the keys above):" % args.recipe)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    try:
+        resolve_model_path(cfg.model.path)
+    except ConfigError as exc:
+        print(f"warning: a run would stop here: {exc}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         return _control(argv)
+    if argv and argv[0] == "verl":
+        return _verl(argv[1:])
     args = run_parser().parse_args(argv)
     from core.configbase import ConfigError
 
     try:
         cfg = resolve_config(args)
-    except ConfigError as exc:
+        if not args.simulate:
+            from launch.preflight import preflight
+
+            preflight(cfg)
+    except (ConfigError, ValueError) as exc:  # DatasetError and RewardConfigError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from launch.driver import LaunchOptions, run
@@ -110,19 +154,28 @@ def main(argv: list[str] | None = None) -> int:
 def resolve_config(args: argparse.Namespace):
     """The run config from the recipe, the overrides and the flags that imply config values."""
     from core.configbase import ConfigError
-    from launch.config import load_run_config
+    from launch.config import load_run_config, resolve_model_path
 
     if args.rollout_gpus < 0 or args.learner_gpus < 0:
         raise ConfigError(f"GPU counts must be >= 0, got --rollout-gpus {args.rollout_gpus} "
                           f"--learner-gpus {args.learner_gpus}")
     overrides = list(args.overrides)
+    recipe = args.recipe or "tiny"
+    if getattr(args, "verl", None):
+        from launch.verl import translate
+
+        # the verl keys first: explicit fleetrl overrides and flags win over them
+        overrides = translate(args.verl).overrides + overrides
+        recipe = args.recipe or VERL_RECIPE
     if args.simulate:
         overrides.append("rollout.engine=simulated")
     if args.max_steps is not None:
         overrides.append(f"run.max_steps={args.max_steps}")
     if args.run_dir is not None:
         overrides.append(f"run.run_dir={args.run_dir}")
-    cfg = load_run_config(args.recipe, overrides)
+    cfg = load_run_config(recipe, overrides)
+    if not args.simulate:  # a hub id resolves from the local HF cache, or fails here saying what to do
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
     if cfg.rollout.engine == "simulated" and not args.simulate:
         raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")
     if cfg.learner.cpu_processes != 1 and args.learner_gpus > 0 and not args.simulate:

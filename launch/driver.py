@@ -274,7 +274,8 @@ class Job:
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
                     self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
                                                 "eval after")
-                    log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
+                    if self.eval_after is not None:
+                        log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
                 return
             if self.supervisor is not None:
                 self.supervisor.check()  # restarts a dead broker on its spool, or raises BrokerGone

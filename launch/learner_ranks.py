@@ -62,8 +62,8 @@ class _RayFleet:
     def server_urls(self) -> dict[str, str]:
         return ray.get(self.handle.server_urls.remote(), timeout=30)
 
-    def engines_updated(self, engine_ids: list[str], version: int) -> None:
-        self.handle.engines_updated.remote(engine_ids, version)
+    def engines_updated(self, engine_ids: list[str], version: int, relabel: bool = False) -> None:
+        self.handle.engines_updated.remote(engine_ids, version, relabel)
 
     def set_latest_export(self, version: int, path: str) -> None:
         self.handle.set_latest_export.remote(version, path)
@@ -242,7 +242,8 @@ def start_learner(job) -> tuple[LearnerRanks, float | None]:
     """Evaluate the initial policy through the fleet, then start the learner's ranks."""
     t = time.monotonic()
     before = job._get(job.fleet.evaluate.remote(job.cfg.run.eval_samples), 600, "eval before")
-    log.info("eval accuracy before training: %.3f (%.1f s)", before, time.monotonic() - t)
+    log.info("eval accuracy before training: %s (%.1f s)", "skipped (run.eval_samples=0)" if before is None
+             else f"{before:.3f}", time.monotonic() - t)
     gpus = job.placement.learner_gpus()
     ranks = LearnerRanks.start(job.cfg.model_dump(mode="json"), job.broker.address, str(job.run_dir), job.fleet,
                                n=gpus or job.cfg.learner.cpu_processes, placement_group=job.pgs.get("learner"),

@@ -41,6 +41,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     broker_dropped = sum(drops.values())
     if fleet.groups_reward_failed:  # never pushed: the fleet dropped them (no made-up rewards)
         drops["reward_error"] = fleet.groups_reward_failed
+    if fleet.groups_bad_request:  # refused by an engine (HTTP 4xx): the request's fault
+        drops["bad_request"] = fleet.groups_bad_request
     produced = broker.groups_accepted if broker is not None else fleet.groups_pushed
     consumed = learner.groups_consumed
     queued = broker.queued_groups + broker.leased_groups if broker is not None else 0
@@ -75,6 +77,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "publishes": learner.publishes,  # real learner: publishes that reached >= 1 engine
         "last_published_version": learner.last_published_version,
         "publish_errors": learner.publish_errors,
+        "publishes_skipped": learner.publishes_skipped,  # steps that changed no weights
+        "samples_truncated": fleet.samples_truncated,  # finish reason 'length'
         "learner_idle_fraction": learner.learner_idle_fraction,
         "fleet_idle_fraction": fleet.fleet_idle_fraction,
         "tokens_generated": fleet.tokens_pushed,

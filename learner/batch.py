@@ -122,7 +122,7 @@ def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) ->
 def plan_step(
     batch: pa.RecordBatch, *, rank: int, world_size: int, micro_batch_tokens: int,
     advantage: str, drop_uniform: bool, aggregation: str, select: np.ndarray | None = None,
-    learner_version: int | None = None,
+    learner_version: int | None = None, mask_truncated: bool = False,
 ) -> StepPlan:
     """Advantages, the rank split and this rank's micro-batches for one optimizer step.
 
@@ -130,6 +130,8 @@ def plan_step(
     rows, whole groups: learner/minibatch.py) restricts what this optimizer step trains
     on, and the aggregation weights sum to one over the selection. ``learner_version``:
     the version the learner holds; tokens sampled by it are marked ``fresh``.
+    ``mask_truncated``: responses cut at the length limit (finish reason ``length``) still
+    count in their group's advantage baseline but are not trained on.
     """
     validate_batch(batch)
     if batch.num_rows == 0:
@@ -148,6 +150,9 @@ def plan_step(
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
     adv, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
     keep_np = keep.numpy() & (r_len > 0)
+    truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
+    if mask_truncated:
+        keep_np &= ~truncated
     if select is not None:
         keep_np = keep_np & select
     rows = [int(i) for i in np.flatnonzero(keep_np)]
@@ -156,6 +161,7 @@ def plan_step(
         "samples": float(batch.num_rows),
         "samples_trained": float(len(rows)),
         "samples_dropped_uniform": float((~keep.numpy()).sum()),
+        "samples_truncated": float(truncated.sum()),
         "response_tokens": float(total_tokens),
         "reward_mean": float(rewards.mean()),
         "advantage_abs_mean": float(adv[keep].abs().mean()) if bool(keep.any()) else 0.0,

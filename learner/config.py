@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.configbase import ConfigError, ConfigModel
 
@@ -58,6 +58,8 @@ class LossConfig(ConfigModel):
     def _kl_estimator(cls, v: str) -> str:
         resolve_kl_estimator(v)
         return v
+    mask_truncated: bool = Field(False, description="leave responses cut at max_tokens (finish reason 'length') out "
+                                 "of the loss; set by reward.on_truncated=mask")
 
 
 class MegatronConfig(ConfigModel):
@@ -141,4 +143,16 @@ class LearnerConfig(ConfigModel):
     export_every: int = Field(0, ge=0, description="steps between HF exports (RUN_DIR/export/latest); 0: only at the end")
     export_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of HF exports (lossless by default)")
     reference_offload: bool = Field(True, description="keep the KL reference model on CPU")
+    param_offload: bool = Field(False, description="FSDP on GPU: keep parameter shards (and with them gradients and "
+                                "optimizer state) in CPU memory between uses (FSDP2 CPUOffloadPolicy); slower, "
+                                "for models that do not fit; verl's fsdp_config.param_offload")
+    optimizer_offload: bool = Field(False, description="FSDP on GPU: the optimizer state in CPU memory; FSDP2 keeps "
+                                    "it with the parameter shards, so this offloads those too (as param_offload)")
     megatron: MegatronConfig = MegatronConfig()
+
+    @model_validator(mode="after")
+    def _offload_engine(self) -> LearnerConfig:
+        if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
+            raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
+                             "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        return self

@@ -105,8 +105,12 @@ class FSDPEngine(TrainingEngine):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
         mesh = init_device_mesh(self.device.type, (self.world_size,))
 
+        # FSDP2 keeps a parameter's gradient and optimizer state with its shard, so offloading either
+        # (verl's param_offload / optimizer_offload) is one CPUOffloadPolicy: shards in pinned CPU
+        # memory, copied to the GPU per unit for forward and backward, AdamW stepping on the CPU.
+        self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
         self.fast = fast = FastPaths.resolve(cfg, on_gpu)
-        model = self._build(model_path, fast, mesh, mp, offload=False, train=True)
+        model = self._build(model_path, fast, mesh, mp, offload=self.offload, train=True)
         self.model = model
 
         self.ref_model = None
@@ -230,6 +234,8 @@ class FSDPEngine(TrainingEngine):
         # One all-gather per tensor, issued only when the consumer asks for it, so a publisher can
         # broadcast one bucket while the next is being gathered.
         for name, t in self.model.state_dict().items():
+            if isinstance(t, DTensor) and self.offload:  # an offloaded shard: gather on the GPU
+                t = t.to(self.device)
             full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)

@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 # Called on every rank after each optimizer step (and once after a resume) with the new version;
 # it must drain engine.iter_full_params() on every rank (the gathers are collectives).
 PublishHook = Callable[[int, TrainingEngine], None]
+# Called on every rank instead of the publish hook when a step applied no optimizer update (every
+# group uniform, or a non-finite gradient): the engines' weights are already those of the new version.
+UnchangedHook = Callable[[int], None]
 MetricsHook = Callable[[int, dict[str, float]], None]
 
 
@@ -106,7 +109,8 @@ class Learner:
     def __init__(self, engine: TrainingEngine, cfg: LearnerConfig, *, source: BatchSource | None, max_steps: int,
                  checkpoint_dir: Path | None = None, export_root: Path | None = None,
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
-                 batch_timeout_s: float | None = None, engine_dtype: str = "auto") -> None:
+                 batch_timeout_s: float | None = None, engine_dtype: str = "auto",
+                 on_unchanged: UnchangedHook | None = None) -> None:
         """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
         ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py)."""
         if engine.rank == 0 and source is None:
@@ -116,6 +120,8 @@ class Learner:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.export_root = Path(export_root) if export_root else None
         self.publish = publish
+        self.on_unchanged = on_unchanged
+        self.publishes_skipped = 0
         self.on_metrics = on_metrics
         self.batch_timeout_s = batch_timeout_s
         self.version = 0
@@ -183,7 +189,8 @@ class Learner:
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
             world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
             advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
-            aggregation=self.cfg.loss.aggregation, learner_version=self.version)
+            aggregation=self.cfg.loss.aggregation, learner_version=self.version,
+            mask_truncated=self.cfg.loss.mask_truncated)
         t1 = time.perf_counter()
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
@@ -202,7 +209,13 @@ class Learner:
         m.update(probe or {})
         self.version = step
         t2 = time.perf_counter()
-        if self.publish is not None:
+        # weights unchanged only if every optimizer step of the batch was skipped; the decision is
+        # identical on every rank (the same plans; grad norms are all-reduced)
+        unchanged = all(p.get("step_skipped", 0.0) for p in parts) and self.on_unchanged is not None
+        if unchanged:
+            self.publishes_skipped += 1
+            self.on_unchanged(self.version)
+        elif self.publish is not None:
             self.publish(self.version, self.engine)
         t_pub = time.perf_counter() - t2
         if self.engine.rank == 0:
@@ -223,6 +236,7 @@ class Learner:
             "learner/pull_seconds": t_pull,
             "learner/proximal_seconds": t_prep,
             "learner/publish_seconds": t_pub,
+            "learner/publish_skipped": float(unchanged),
             "learner/total_step_seconds": time.perf_counter() - t0,
         })
         self.history.append(metrics)

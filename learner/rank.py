@@ -94,8 +94,9 @@ class FleetView(Protocol):
 
     def server_urls(self) -> dict[str, str]:
         """Engine id -> URL of every healthy server (bounded wait)."""
-    def engines_updated(self, engine_ids: list[str], version: int) -> None:
-        """Tell the fleet which servers now hold ``version`` (fire and forget)."""
+    def engines_updated(self, engine_ids: list[str], version: int, relabel: bool = False) -> None:
+        """Tell the fleet which servers now hold ``version`` (fire and forget); ``relabel``: no weights
+        moved (the step changed nothing), the servers' weights already are ``version``'s."""
     def set_latest_export(self, version: int, path: str) -> None:
         """Tell the fleet where the newest HF export is (fire and forget)."""
 
@@ -138,6 +139,7 @@ class LearnerRank:
         self.publishes = 0  # publishes that reached at least one engine
         self.last_published_version = 0
         self.publish_errors = 0
+        self.publishes_skipped = 0  # steps without an optimizer update: engines relabelled, no publish
         self.t0 = time.monotonic()
 
     # -- rendezvous ----------------------------------------------------------------------------------
@@ -211,6 +213,22 @@ class LearnerRank:
             log.error("publish of v%d failed: %s (blamed %s)", version, exc, exc.blamed)
         self.publish_s += time.monotonic() - t0
 
+    def _unchanged(self, version: int) -> None:
+        """The step applied no update: no publish (it would pause the fleet for the same weights);
+        the servers are told they hold ``version`` so admission and staleness move on."""
+        if self.rank != 0:
+            return
+        self.publishes_skipped += 1
+        if self.fleet is None:
+            return
+        try:
+            ids = list(self.pub.engines) if self.pub is not None else list(self.fleet.server_urls())
+        except Exception as exc:  # the fleet did not answer: the next publish brings the versions up
+            log.warning("weight sync: fleet membership unknown for the relabel to v%d (%s)", version, exc)
+            return
+        log.info("step %d changed no weights: publish skipped, %d engines relabelled", version, len(ids))
+        self.fleet.engines_updated(ids, version, relabel=True)
+
     def _metrics(self, step: int, m: dict[str, float]) -> None:
         self.version = step
         if self.rank == 0:
@@ -264,7 +282,7 @@ class LearnerRank:
         self.t0 = time.monotonic()
         try:
             run_learner(self.cfg, source=self._source, publish=self._publish, on_metrics=self._metrics,
-                        batch_timeout_s=self.cfg.rollout.request_timeout_s)
+                        batch_timeout_s=self.cfg.rollout.request_timeout_s, on_unchanged=self._unchanged)
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
         except Exception as exc:
@@ -299,4 +317,5 @@ class LearnerRank:
             max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
             publish_s=round(self.publish_s, 3), publishes=self.publishes,
             last_published_version=self.last_published_version, publish_errors=self.publish_errors,
+            publishes_skipped=self.publishes_skipped,
             done=self.done, error=self.error)

@@ -28,6 +28,7 @@ class LearnerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     publishes: int = 0  # publishes that reached at least one engine
     last_published_version: int = 0
     publish_errors: int = 0
+    publishes_skipped: int = 0  # steps that changed no weights: engines relabelled, nothing published
     done: bool = False
     error: str | None = None
     rank_steps: list[int | None] | None = None  # steps each rank applied, in rank order (set at stop)

@@ -14,28 +14,43 @@ class DataConfig(ConfigModel):
     train_files: list[str] = Field(min_length=1, description="Parquet files in verl's column layout")
     test_files: list[str] = Field(default_factory=list)
     shuffle: bool = True
-    max_prompt_tokens: int = Field(1024, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1, description="longest prompt (chat template applied) a row may have")
+    filter_overlong_prompts: bool = Field(
+        False, description="skip (and count) prompts over the limit (max_prompt_tokens, and rollout.max_model_len "
+        "minus rollout.sampling.max_tokens) instead of refusing the run before it starts (verl's key)")
     on_bad_row: Literal["raise", "skip"] = Field(
         "raise", description="a malformed row: stop at load naming file/row/column, or skip it and count it"
     )
 
 
+BUILTIN_REWARDS = ("default", "exact_match", "gsm8k", "gsm8k_flexible", "math")
+
+
 class RewardConfig(ConfigModel):
-    function: str = Field("exact_match", description="'exact_match', 'math', or 'package.module:function'")
+    function: str = Field("default", description="a built-in ('default' routes by data_source; 'exact_match', "
+                          "'gsm8k', 'gsm8k_flexible', 'math') or 'package.module:function' (fleetrl's or verl's "
+                          "compute_score signature; async def functions are awaited)")
     workers: int = Field(2, ge=1, description="reward worker pool size")
     timeout_s: float = Field(30.0, gt=0, description="per-call limit; a call past it is a RewardTimeout")
     mode: Literal["thread", "process"] = Field(
         "thread", description="thread for cheap rewards; process for CPU-heavy ones (math) or ones that may hang"
     )
+    batched: bool = Field(False, description="call the function once per group with lists (verl's batch signature "
+                          "fn(data_sources, solution_strs, ground_truths, extra_infos) -> list of floats)")
+    on_truncated: Literal["score", "penalize", "mask"] = Field(
+        "score", description="responses cut at rollout.sampling.max_tokens (finish reason 'length'), always counted: "
+        "'score' them like finished ones, 'penalize' (reward = truncated_reward), or 'mask' them out of the loss")
+    truncated_reward: float = Field(0.0, description="the reward of a truncated response with on_truncated=penalize")
 
     @field_validator("function")
     @classmethod
     def _function_form(cls, v: str) -> str:
         # Only the form here: importing a user's module belongs to the process that scores
         # (rollout_fleet.rewards.resolve, called when its RewardPool is built).
-        if v in ("exact_match", "math") or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
+        if v in BUILTIN_REWARDS or re.fullmatch(r"([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*", v):
             return v
-        raise ValueError(f"reward function {v!r} is neither 'exact_match', 'math' nor 'package.module:function'")
+        raise ValueError(f"reward function {v!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                         "nor 'package.module:function' nor 'path/to/file.py:function'")
 
 
 class SamplingConfig(ConfigModel):

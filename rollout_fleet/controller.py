@@ -31,6 +31,8 @@ Invariants and delivery semantics:
   starts on a server holding version ``>= s - k - 1``, so a server that is behind the
   learner (its publish not yet loaded) never produces a group that is stale on arrival.
 * Draining: a draining server takes no new group; it leaves once its in-flight groups end.
+* An engine's 4xx answer (but 408/429) is the request's fault (:class:`BadRequest`): the group
+  fails at once and is counted in ``groups_bad_request``; the server is not suspected.
 * Every engine call has a timeout (``request_timeout_s`` for generation,
   ``health_timeout_s`` for a probe). A server is dead when its process is gone, or after
   ``health_failures`` consecutive failed probes: one slow answer is not a death.
@@ -48,7 +50,14 @@ from typing import Protocol
 import msgspec
 
 from rollout_fleet.config import RolloutConfig
-from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
+from rollout_fleet.engines.base import (
+    BadRequest,
+    EngineClient,
+    EngineError,
+    PauseMode,
+    Sample,
+    SamplingParams,
+)
 from rollout_fleet.status import FleetStatus, ServerState, ServerStatus
 
 log = logging.getLogger(__name__)
@@ -108,6 +117,7 @@ class FleetController:
         self._update_lock = asyncio.Lock()
         self._health_task: asyncio.Task | None = None
         self.groups_requeued = 0
+        self.groups_bad_request = 0  # refused by an engine (HTTP 4xx): failed once, server not blamed
         self.server_deaths = 0
         self.weight_updates = 0
         self.weight_update_s = 0.0
@@ -215,6 +225,11 @@ class FleetController:
                 samples = await asyncio.wait_for(
                     server.engine.generate(prompt_ids, params), timeout=self.cfg.request_timeout_s
                 )
+            except BadRequest as exc:
+                # the request is at fault: another server (or a retry) would refuse it the same way
+                self.groups_bad_request += 1
+                log.error("fleet: group %s refused by %s as a bad request: %s", group_id, server.engine_id, exc)
+                raise
             except (EngineError, TimeoutError, OSError) as exc:
                 last_error = exc
                 self.groups_requeued += 1
@@ -358,6 +373,7 @@ class FleetController:
                                   tok_per_s=s.tokens_done / max(1e-9, now - s.started_at))
                      for s in sorted(self.servers.values(), key=lambda s: s.index)],
             groups_requeued=self.groups_requeued,
+            groups_bad_request=self.groups_bad_request,
             server_deaths=self.server_deaths,
             weight_updates=self.weight_updates,
             weight_update_s=round(self.weight_update_s, 4),

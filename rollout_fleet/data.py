@@ -8,7 +8,11 @@ Columns (one row per prompt), as verl's preprocessing scripts write them:
 - ``data_source`` (optional, default: the file's stem): names the task;
 - ``extra_info`` (optional, default ``{}``): anything else, passed to the reward.
 
-A GSM8K file preprocessed for verl loads unchanged. Every row is validated at load:
+A GSM8K file preprocessed for verl loads unchanged. Every prompt must leave room for the
+response under the engine's model length (``max_model_len - response_tokens``, and at most
+``max_prompt_tokens``): one that does not is an error naming each file's longest prompt, or is
+skipped and counted (``filter_overlong=True``, verl's ``filter_overlong_prompts``). Every row is
+validated at load:
 a bad row raises :class:`DatasetError` naming the file, the row and the column
 (``on_bad_row="raise"``, the default), or is skipped and counted with one warning
 (``on_bad_row="skip"``, for long runs over large files).
@@ -119,22 +123,41 @@ class PromptDataset:
         shuffle: bool = True,
         max_prompt_tokens: int = 1024,
         on_bad_row: Literal["raise", "skip"] = "raise",
+        max_model_len: int | None = None,
+        response_tokens: int = 0,
+        filter_overlong: bool = False,
     ) -> None:
         if on_bad_row not in ("raise", "skip"):
             raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
         if not files:
             raise ValueError("PromptDataset needs at least one file")
-        self.seed, self.shuffle, self.max_prompt_tokens = seed, shuffle, max_prompt_tokens
+        self.seed, self.shuffle = seed, shuffle
+        # A prompt leaves room for the whole response: the engine would otherwise cut it short
+        # silently (vLLM) or refuse the request.
+        self.limit, self.limit_why = max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
+        if max_model_len is not None and max_model_len - response_tokens < self.limit:
+            self.limit = max_model_len - response_tokens
+            self.limit_why = (f"rollout.max_model_len={max_model_len} - rollout.sampling.max_tokens={response_tokens}")
+        if self.limit < 1:
+            raise DatasetError(f"no prompt fits: {self.limit_why} leaves {self.limit} tokens for the prompt")
         self.skipped: list[str] = []  # the reason for each skipped row
+        self.overlong: list[tuple[int, str, int]] = []  # (tokens, file, row) of each prompt over the limit
         self.rows: list[PromptRow] = []
         for f in files:
             for i, raw in enumerate(read_rows(f)):
                 try:
-                    self.rows.append(self._row(str(f), i, raw, tokenizer))
+                    row = self._row(str(f), i, raw, tokenizer)
                 except DatasetError as err:
                     if on_bad_row == "raise":
                         raise
                     self.skipped.append(str(err))
+                    continue
+                if len(row.prompt_ids) > self.limit:
+                    self.overlong.append((len(row.prompt_ids), row.file, row.row))
+                else:
+                    self.rows.append(row)
+        if self.overlong:
+            self._report_overlong(files, response_tokens, filter_overlong)
         if self.skipped:
             logger.warning(
                 "skipped %d bad rows of %d in %s; first: %s",
@@ -179,9 +202,26 @@ class PromptDataset:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise _bad(file, i, "prompt", "renders to zero tokens")
-        if len(ids) > self.max_prompt_tokens:
-            raise _bad(file, i, "prompt", f"{len(ids)} tokens, over max_prompt_tokens={self.max_prompt_tokens}")
         return np.asarray(ids, dtype=np.int32)
+
+    def _report_overlong(self, files: list, response_tokens: int, skip: bool) -> None:
+        """Per file: how many prompts are over the limit and the longest one, named."""
+        lines = []
+        for f in dict.fromkeys(str(f) for f in files):
+            mine = [o for o in self.overlong if o[1] == f]
+            if mine:
+                n, _, row = max(mine)
+                lines.append(f"{f}: {len(mine)} prompts over {self.limit} tokens, the longest row {row} "
+                             f"with {n} tokens (chat template applied)")
+        longest = max(self.overlong)[0]
+        if skip:
+            logger.warning("data.filter_overlong_prompts: skipped %d prompts over %d tokens (%s): %s",
+                           len(self.overlong), self.limit, self.limit_why, "; ".join(lines))
+            return
+        raise DatasetError(
+            f"prompts too long for {self.limit_why} = {self.limit} tokens:\n    " + "\n    ".join(lines) +
+            f"\n  raise rollout.max_model_len to at least {longest + response_tokens} (or data.max_prompt_tokens), "
+            "lower rollout.sampling.max_tokens, or set data.filter_overlong_prompts=true to skip them")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -241,8 +281,10 @@ def load_tokenizer(model_path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
-def from_config(cfg: Any, tokenizer: Any, *, seed: int, split: Literal["train", "test"] = "train") -> PromptDataset:
-    """A dataset from a :class:`rollout_fleet.config.DataConfig` (test split: no shuffle)."""
+def from_config(cfg: Any, tokenizer: Any, *, seed: int, split: Literal["train", "test"] = "train",
+                max_model_len: int | None = None, response_tokens: int = 0) -> PromptDataset:
+    """A dataset from a :class:`rollout_fleet.config.DataConfig` (test split: no shuffle); prompts
+    must leave ``response_tokens`` of room under ``max_model_len`` (the engine's)."""
     files = cfg.train_files if split == "train" else cfg.test_files
     return PromptDataset(
         files,
@@ -251,4 +293,7 @@ def from_config(cfg: Any, tokenizer: Any, *, seed: int, split: Literal["train", 
         shuffle=cfg.shuffle and split == "train",
         max_prompt_tokens=cfg.max_prompt_tokens,
         on_bad_row=cfg.on_bad_row,
+        max_model_len=max_model_len,
+        response_tokens=response_tokens,
+        filter_overlong=cfg.filter_overlong_prompts,
     )

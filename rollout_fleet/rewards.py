@@ -1,23 +1,29 @@
 """Reward functions and the pool that scores them off the generation path.
 
-A reward function has the signature ``fn(response_text, ground_truth, **extra) -> float``.
-Three kinds are named in ``RewardConfig.function``:
+``RewardConfig.function`` names one of:
 
-- ``exact_match``: the stripped response equals the stripped ground truth (the
-  synthetic addition task);
-- ``math``: GSM8K-style answers checked with HF ``math-verify`` (ground truth such as
-  ``"72"`` or a full solution ending ``"#### 72"``);
-- ``package.module:function``: any importable function.
+- a built-in (:mod:`rollout_fleet.scorers`): ``default`` (routes by the row's ``data_source``:
+  GSM8K's ``####`` rule, math-verify for math sets, exact match for the addition task),
+  ``exact_match``, ``gsm8k``, ``gsm8k_flexible``, ``math``;
+- ``package.module:function``: any importable function, in fleetrl's signature
+  ``fn(response_text, ground_truth, **extra) -> float`` (``extra``: ``data_source``,
+  ``extra_info``; a function without ``**extra`` gets only the keywords it names) or in verl's,
+  ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (told apart by the
+  parameter names; a ``{"score": x, ...}`` result counts as ``x``), so a verl reward file drops in;
+- ``async def`` functions are awaited on the fleet's event loop (judges, sandboxes over the
+  network), with the same per-call limit; with ``reward.batched`` the function scores a whole
+  group in one call, verl's batch signature ``fn(data_sources, solution_strs, ground_truths,
+  extra_infos) -> list[float]``.
 
-The name is resolved once, at config time (:func:`resolve`): a bad name is a
+The name is resolved once, when the pool is built (:func:`resolve`): a bad name is a
 :class:`RewardConfigError` that names it. At scoring time a function that raises,
 returns a non-number, or runs past the limit gives a :class:`RewardError` naming the
 function and the row or trajectory. The caller decides what to do with it (the
-rollout worker should count it as ``rollout/reward_errors`` and drop the sample's
+rollout worker counts it as ``rollout/reward_errors`` and drops the sample's
 group rather than train on a made-up reward); nothing is swallowed here.
 
-:class:`RewardPool` runs the scoring in worker threads or processes with a timeout
-per call, so a slow reward never stalls generation::
+:class:`RewardPool` runs the scoring in worker threads or processes (``reward.mode``) with a
+timeout per call, so a slow reward never stalls generation::
 
     pool = RewardPool("exact_match", workers=2, timeout_s=5.0)
     reward = await pool.score("432", "432", where="prompt 17 sample 3")  # 1.0
@@ -29,14 +35,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import importlib
+import inspect
 import logging
 import math
 import multiprocessing
-import re
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
+
+from rollout_fleet import scorers
 
 logger = logging.getLogger(__name__)
 
@@ -62,57 +69,72 @@ class RewardTimeout(RewardError):
     """A reward call ran past the pool's per-call limit."""
 
 
-def exact_match(response_text: str, ground_truth: str, **extra: Any) -> float:
-    """1.0 when the response, stripped of surrounding whitespace, equals the ground truth."""
-    return 1.0 if response_text.strip() == str(ground_truth).strip() else 0.0
+BUILTIN: dict[str, RewardFn] = {**scorers.SCORERS, "default": scorers.default}
+exact_match, math_answer = scorers.exact_match, scorers.math_answer  # the names tests and users import
 
 
-_HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+def signature_of(fn: RewardFn) -> Literal["fleetrl", "verl"]:
+    """``verl`` for a verl ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+    (told by its parameter names), else fleetrl's ``fn(response_text, ground_truth, **extra)``."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: call it fleetrl's way
+        return "fleetrl"
+    return "verl" if "solution_str" in params or (params and params[0] in ("data_source", "data_sources")) else "fleetrl"
 
 
-def _final_answer(text: str) -> str:
-    """The line after the last ``####`` (GSM8K's answer marker), or the whole text.
-
-    Only that line: a model that keeps writing after its answer must not have the
-    rest read as the answer.
-    """
-    if "####" in text:
-        m = _HASH_ANSWER.search(text[text.rindex("####") :])
-        if m:
-            return m.group(1).strip().replace(",", "")
-    return text
+def _accepted(fn: RewardFn, extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``extra`` that ``fn`` takes (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return extra
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return extra
+    return {k: v for k, v in extra.items() if k in params}
 
 
-def math_answer(response_text: str, ground_truth: str, **extra: Any) -> float:
-    """1.0 when math-verify finds the response's final answer equal to the ground truth's."""
-    from math_verify import parse, verify
-
-    # math-verify's own timeouts use SIGALRM, which only works in the main thread;
-    # elsewhere the pool's per-call timeout bounds the work instead.
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(_final_answer(str(ground_truth)), parsing_timeout=limit)
-    if not gold:
-        raise ValueError(f"ground truth {ground_truth!r} has no parsable answer")
-    pred = parse(_final_answer(response_text), parsing_timeout=limit)
-    return 1.0 if pred and verify(gold, pred, timeout_seconds=limit) else 0.0
+def _as_score(value: Any) -> Any:
+    """verl lets compute_score return ``{"score": x, ...}`` (other keys are metrics)."""
+    return value["score"] if isinstance(value, dict) and "score" in value else value
 
 
-BUILTIN: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_answer}
+def _load_file(path: str) -> Any:
+    """A reward module given as a file (verl's ``custom_reward_function.path``)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    if not p.exists():
+        raise ImportError(f"file {path} does not exist")
+    mod_name = f"fleetrl_reward_{abs(hash(str(p)))}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[mod_name]
+        raise ImportError(f"{type(exc).__name__}: {exc}") from exc
+    return module
 
 
 def resolve(name: str) -> RewardFn:
     """The function for a config name: a built-in or ``package.module:function``."""
     if name in BUILTIN:
         return BUILTIN[name]
-    module_name, sep, attr = name.partition(":")
+    module_name, sep, attr = name.rpartition(":")
     if not sep or not module_name or not attr:
         raise RewardConfigError(
             f"reward function {name!r} is neither a built-in ({', '.join(BUILTIN)}) "
-            f"nor of the form 'package.module:function'"
+            f"nor of the form 'package.module:function' or 'path/to/file.py:function'"
         )
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+        module = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except (ImportError, OSError) as exc:
         raise RewardConfigError(f"reward function {name!r}: cannot import module {module_name!r}: {exc}") from exc
     fn = module
     for part in attr.split("."):
@@ -124,14 +146,16 @@ def resolve(name: str) -> RewardFn:
     return fn
 
 
-def call_reward(fn: RewardFn, name: str, response_text: str, ground_truth: Any, where: str, extra: dict[str, Any]) -> float:
-    """Run one reward call; any failure becomes a :class:`RewardError` naming ``name`` and ``where``."""
-    try:
-        value = fn(response_text, ground_truth, **extra)
-    except Exception as exc:
-        raise RewardError(
-            f"reward function {name!r} raised on {where}: {type(exc).__name__}: {exc}", function=name, where=where
-        ) from exc
+def invoke(fn: RewardFn, response_text: str, ground_truth: Any, extra: dict[str, Any]) -> Any:
+    """One call in the function's own signature (``extra`` holds ``data_source``, ``extra_info``, ...)."""
+    if signature_of(fn) == "verl":
+        return fn(data_source=extra.get("data_source", ""), solution_str=response_text, ground_truth=ground_truth,
+                  extra_info=extra.get("extra_info"))
+    return fn(response_text, ground_truth, **_accepted(fn, extra))
+
+
+def check_value(value: Any, name: str, where: str) -> float:
+    value = _as_score(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RewardError(
             f"reward function {name!r} returned {value!r} on {where}; expected a finite float",
@@ -141,7 +165,44 @@ def call_reward(fn: RewardFn, name: str, response_text: str, ground_truth: Any, 
     return float(value)
 
 
+def call_reward(fn: RewardFn, name: str, response_text: str, ground_truth: Any, where: str, extra: dict[str, Any]) -> float:
+    """Run one reward call; any failure becomes a :class:`RewardError` naming ``name`` and ``where``."""
+    try:
+        value = invoke(fn, response_text, ground_truth, extra)
+    except Exception as exc:
+        raise RewardError(
+            f"reward function {name!r} raised on {where}: {type(exc).__name__}: {exc}", function=name, where=where
+        ) from exc
+    return check_value(value, name, where)
+
+
 _process_fns: dict[str, RewardFn] = {}
+
+
+def call_batch(fn: RewardFn, name: str, items: Sequence[tuple[str, Any, str, dict[str, Any]]]) -> list[float]:
+    """One batched call (verl's batch signature) for a group; its failure names every row."""
+    where = f"{items[0][2]} .. {items[-1][2]}" if items else "an empty batch"
+    try:
+        values = fn(data_sources=[i[3].get("data_source", "") for i in items], solution_strs=[i[0] for i in items],
+                    ground_truths=[i[1] for i in items], extra_infos=[i[3].get("extra_info") for i in items])
+    except Exception as exc:
+        raise RewardError(f"reward function {name!r} raised on {where}: {type(exc).__name__}: {exc}",
+                          function=name, where=where) from exc
+    return _check_batch(values, name, items, where)
+
+
+def _check_batch(values: Any, name: str, items: Sequence, where: str) -> list[float]:
+    if not isinstance(values, (list, tuple)) or len(values) != len(items):
+        raise RewardError(f"batched reward function {name!r} returned {values!r:.80} on {where}; expected a list "
+                          f"of {len(items)} floats", function=name, where=where)
+    return [check_value(v, name, i[2]) for v, i in zip(values, items, strict=True)]
+
+
+def _batch_in_process(name: str, items: list[tuple[str, Any, str, dict[str, Any]]]) -> list[float]:
+    fn = _process_fns.get(name)
+    if fn is None:
+        fn = _process_fns[name] = resolve(name)
+    return call_batch(fn, name, items)
 
 
 def _score_in_process(name: str, response_text: str, ground_truth: Any, where: str, extra: dict[str, Any]) -> float:
@@ -163,7 +224,8 @@ class RewardPool:
     """
 
     def __init__(
-        self, function: str, *, workers: int = 2, timeout_s: float = 30.0, mode: Literal["thread", "process"] = "thread"
+        self, function: str, *, workers: int = 2, timeout_s: float = 30.0, mode: Literal["thread", "process"] = "thread",
+        batched: bool = False,
     ) -> None:
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"need workers >= 1 and timeout_s > 0, got workers={workers}, timeout_s={timeout_s}")
@@ -171,6 +233,8 @@ class RewardPool:
             raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
         self.name = function
         self.fn = resolve(function)  # fail at config time, not at the first sample
+        self.batched = batched
+        self.is_async = inspect.iscoroutinefunction(self.fn)
         self.workers, self.timeout_s, self.mode = workers, timeout_s, mode
         self.timeouts = 0
         self.errors = 0
@@ -181,7 +245,7 @@ class RewardPool:
     @classmethod
     def from_config(cls, cfg: Any) -> RewardPool:
         """A pool from a :class:`rollout_fleet.config.RewardConfig`."""
-        return cls(cfg.function, workers=cfg.workers, timeout_s=cfg.timeout_s, mode=cfg.mode)
+        return cls(cfg.function, workers=cfg.workers, timeout_s=cfg.timeout_s, mode=cfg.mode, batched=cfg.batched)
 
     def _new_executor(self) -> cf.Executor:
         if self.mode == "thread":
@@ -201,6 +265,8 @@ class RewardPool:
         busy pool does not turn waiting into timeouts.
         """
         args = (response_text, ground_truth, where, extra or {})
+        if self.is_async:
+            return await self._score_async(args)
         async with self._slots:
             for attempt in range(2):
                 executor = self._executor
@@ -232,6 +298,50 @@ class RewardPool:
                         where=where,
                     ) from exc
         raise AssertionError("unreachable")
+
+    async def _score_async(self, args: tuple[str, Any, str, dict[str, Any]]) -> float:
+        """An ``async def`` reward: awaited on this loop (it waits on the network, not the CPU)."""
+        text, truth, where, extra = args
+        async with self._slots:
+            try:
+                value = await asyncio.wait_for(invoke(self.fn, text, truth, extra), self.timeout_s)
+            except TimeoutError:
+                self.timeouts += 1
+                raise RewardTimeout(f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
+                                    function=self.name, where=where) from None
+            except Exception as exc:
+                self.errors += 1
+                raise RewardError(f"reward function {self.name!r} raised on {where}: {type(exc).__name__}: {exc}",
+                                  function=self.name, where=where) from exc
+        return check_value(value, self.name, where)
+
+    async def score_batch(self, items: Sequence[tuple[str, Any, str, dict[str, Any] | None]]) -> list[float]:
+        """Score one group in one call (``batched``); raises :class:`RewardError` for the whole group."""
+        items = [(t, g, w, e or {}) for t, g, w, e in items]
+        where = f"{items[0][2]} .. {items[-1][2]}" if items else "an empty batch"
+        async with self._slots:
+            try:
+                if self.is_async:
+                    coro = self.fn(data_sources=[i[3].get("data_source", "") for i in items],
+                                   solution_strs=[i[0] for i in items], ground_truths=[i[1] for i in items],
+                                   extra_infos=[i[3].get("extra_info") for i in items])
+                    return _check_batch(await asyncio.wait_for(coro, self.timeout_s), self.name, items, where)
+                fut = (self._executor.submit(call_batch, self.fn, self.name, items) if self.mode == "thread"
+                       else self._executor.submit(_batch_in_process, self.name, items))
+                return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+            except TimeoutError:
+                self.timeouts += 1
+                if self.mode == "process" and not self.is_async:
+                    self._replace_processes()
+                raise RewardTimeout(f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
+                                    function=self.name, where=where) from None
+            except RewardError:
+                self.errors += 1
+                raise
+            except Exception as exc:
+                self.errors += 1
+                raise RewardError(f"reward function {self.name!r} raised on {where}: {type(exc).__name__}: {exc}",
+                                  function=self.name, where=where) from exc
 
     async def score_many(
         self, items: Sequence[tuple[str, Any, str, dict[str, Any] | None]]

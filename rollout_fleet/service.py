@@ -136,8 +136,11 @@ class FleetService:
         """Fleet-side choreography of one publish (the SIMULATED publisher calls this)."""
         return await self.fleet.update_fleet(version, export_path)
 
-    async def engines_updated(self, engine_ids: list[str], version: int) -> None:
-        """The learner's publisher loaded ``version`` into these servers (vLLM 0.26 cannot report it itself)."""
+    async def engines_updated(self, engine_ids: list[str], version: int, relabel: bool = False) -> None:
+        """The learner's publisher loaded ``version`` into these servers (vLLM 0.26 cannot report it itself);
+        ``relabel``: nothing was loaded, the step changed no weights (not counted as a weight update)."""
+        if not relabel:
+            self.fleet.weight_updates += 1
         for eid in engine_ids:
             s = self.fleet.servers.get(eid)
             if s is not None and hasattr(s.engine, "_version"):
@@ -193,6 +196,9 @@ class FleetService:
         if self._versions_task is not None:
             self._versions_task.cancel()
         final = self.status_now()
-        await self.fleet.close()
-        await self.producer.close()
+        # a start that failed part-way (a server that never came up) leaves some of these unset
+        if hasattr(self, "fleet"):
+            await self.fleet.close()
+        if hasattr(self, "producer"):
+            await self.producer.close()
         return final

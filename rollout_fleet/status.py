@@ -46,6 +46,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     groups_inflight: int = 0
     groups_cancelled: int = 0
     groups_reward_failed: int = 0
+    groups_bad_request: int = 0  # refused by an engine (HTTP 4xx): dropped with a reason, not lost
+    samples_truncated: int = 0  # finish reason 'length': cut at max_tokens
     samples_nonfinite_logprob: int = 0  # samples whose behaviour log-probs were not finite
     groups_resampled_nonfinite: int = 0  # groups generated again on the same ticket for that
     prompts_requeued_nonfinite: int = 0  # prompts put back after a resample failed too

@@ -22,7 +22,7 @@ import inspect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
@@ -31,7 +31,7 @@ import numpy as np
 from broker.schema import Trajectory, to_record_batch
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
 from rollout_fleet.status import WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class Prompt:
     prompt_ids: list[int]
     ground_truth: str = ""
     data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
 
 class PromptSource(Protocol):
@@ -123,10 +124,12 @@ class RolloutWorker:
         self.groups_failed = 0
         self.groups_cancelled = 0  # in flight at shutdown: their tickets were never used
         self.groups_reward_failed = 0
+        self.groups_bad_request = 0  # an engine refused the request (4xx): dropped with a reason, not lost
         self.samples_nonfinite_logprob = 0  # samples that failed their group: a non-finite behaviour log-prob
         self.groups_resampled_nonfinite = 0  # groups sampled again on the same ticket for that reason
         self.prompts_requeued_nonfinite = 0  # prompts put back in the replay queue after the retries
         self.samples_pushed = 0
+        self.samples_truncated = 0  # finish reason 'length': cut at max_tokens
         self.tokens_pushed = 0
         self.reward_sum = 0.0
         self.idle_s = 0.0
@@ -137,7 +140,7 @@ class RolloutWorker:
         return {
             "data": self.prompts.state_dict(),
             "replay": [{"prompt_ids": list(p.prompt_ids), "ground_truth": p.ground_truth,
-                        "data_source": p.data_source} for p in inflight],
+                        "data_source": p.data_source, "extra_info": p.extra_info} for p in inflight],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -219,6 +222,10 @@ class RolloutWorker:
                           group_id, self.logprob_retries + 1)
                 return
             rewards = await self.rewards.score(prompt, samples)
+        except BadRequest as exc:
+            self.groups_bad_request += 1
+            log.error("rollout: group %s dropped, the engine refused its request: %s", group_id, exc)
+            return
         except EngineError as exc:
             self.groups_failed += 1
             log.error("rollout: group %s failed for good: %s", group_id, exc)
@@ -254,6 +261,7 @@ class RolloutWorker:
             return
         self.groups_pushed += 1
         self.samples_pushed += len(trajs)
+        self.samples_truncated += sum(1 for s in samples if s.finish_reason == "length")
         self.tokens_pushed += sum(len(s.token_ids) for s in samples)
         self.reward_sum += float(sum(rewards))
 
@@ -266,6 +274,7 @@ class RolloutWorker:
             groups_started=self.groups_started, groups_pushed=self.groups_pushed,
             groups_failed=self.groups_failed, groups_inflight=self.inflight,
             groups_cancelled=self.groups_cancelled, groups_reward_failed=self.groups_reward_failed,
+            groups_bad_request=self.groups_bad_request, samples_truncated=self.samples_truncated,
             samples_nonfinite_logprob=self.samples_nonfinite_logprob,
             groups_resampled_nonfinite=self.groups_resampled_nonfinite,
             prompts_requeued_nonfinite=self.prompts_requeued_nonfinite,

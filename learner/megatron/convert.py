@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-core weight conversion (Llama / Qwen2 family) as pure tensor functions.
+"""Hugging Face <-> Megatron-core weight conversion (Llama / Qwen2 / Qwen3 family) as pure tensor functions.
 
 No megatron import here: these run (and are unit-tested) on any machine.
 
@@ -19,6 +19,9 @@ Megatron layout (GPTModel, local or TE layer spec; names relative to the model):
 * norms (replicated): ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight`` in the local spec,
   ``self_attention.linear_qkv.layer_norm_weight`` / ``mlp.linear_fc1.layer_norm_weight`` in the TE
   spec (``fused_norms=True``); ``decoder.final_layernorm.weight``.
+* Qwen3's QK-norm (replicated, [head_dim]): ``self_attention.q_layernorm.weight`` /
+  ``k_layernorm.weight`` <- ``self_attn.q_norm.weight`` / ``k_norm.weight``; Megatron builds them with
+  ``qk_layernorm=True`` and applies them per head before RoPE, as transformers' Qwen3 does.
 
 Example::
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -56,6 +59,7 @@ class ModelShape:
     padded_vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key (head_dim weights), before RoPE
 
     @classmethod
     def from_hf(cls, cfg: Mapping, tp: int = 1, divisible_by: int = 128) -> ModelShape:
@@ -76,7 +80,7 @@ class ModelShape:
                    kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
                    ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                    padded_vocab=padded_vocab_size(cfg["vocab_size"], tp, divisible_by),
-                   tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias)
+                   tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, qk_norm=mt == "qwen3")
 
     def check_tp(self, tp: int) -> None:
         problems = []
@@ -112,6 +116,8 @@ def megatron_names(shape: ModelShape, fused_norms: bool = False, layers: Sequenc
         names += [p + attn_norm, p + "self_attention.linear_qkv.weight"]
         if shape.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
+        if shape.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names += [p + "self_attention.linear_proj.weight", p + mlp_norm, p + "mlp.linear_fc1.weight",
                   p + "mlp.linear_fc2.weight"]
     if post_process:
@@ -140,6 +146,8 @@ def hf_names_of(mname: str, shape: ModelShape) -> list[str]:
         "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],
         "self_attention.linear_qkv.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
         "self_attention.linear_qkv.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],
+        "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
+        "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
         "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
         "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
         "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
@@ -226,7 +234,9 @@ def hf_shape_of(mname: str, shape: ModelShape) -> list[tuple[str, list[int]]]:
     out = []
     for n in hf_names_of(mname, shape):
         leaf = n.rsplit(".", 2)
-        if n.endswith("norm.weight"):
+        if n.endswith(("q_norm.weight", "k_norm.weight")):  # per head: one weight per head dimension
+            s = [hd]
+        elif n.endswith("norm.weight"):
             s = [h]
         elif n in ("model.embed_tokens.weight", "lm_head.weight"):
             s = [shape.vocab, h]

@@ -72,6 +72,7 @@ def transformer_config(hf: dict, shape: cv.ModelShape, mcfg, *, bf16: bool, reco
         num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
         normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
@@ -98,13 +99,13 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def layer_spec(sequence_parallel: bool, layers_here: int, varlen: bool = False):
+def layer_spec(sequence_parallel: bool, layers_here: int, varlen: bool = False, qk_norm: bool = False):
     """Megatron's local (no Transformer Engine) GPT layer spec; with SP, its norms replaced by ours; with
     ``varlen``, its core attention replaced by document-masked flash attention (learner/megatron/varlen.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     if varlen:
         from learner.megatron.varlen import core_attention_class
 
@@ -239,7 +240,8 @@ class MegatronEngine(TrainingEngine):
         from megatron.core.models.gpt import GPTModel
 
         model = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(self.mcfg.sequence_parallel,
-                                                                              len(self.layers), self.varlen),
+                                                                              len(self.layers), self.varlen,
+                                                                              self.shape.qk_norm),
                          vocab_size=self.shape.padded_vocab,
                          max_sequence_length=int(self.hf_config.get("max_position_embeddings", 4096)),
                          pre_process=self.pre, post_process=self.post, parallel_output=True,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.net import EngineError
+from core.net import BadRequest, EngineError
 
-__all__ = ["EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams"]
+__all__ = ["BadRequest", "EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams"]
 
 
 class PauseMode(enum.StrEnum):

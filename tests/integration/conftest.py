@@ -40,3 +40,11 @@ def vllm_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    """SmolLM2-135M-Instruct converted once from the PyPI GGUF into the checkout's cache (``.cache/models``)."""
+    from tools.smollm2 import DEFAULT_OUT, convert
+
+    return convert(DEFAULT_OUT)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,6 +101,71 @@ def test_learner_temperature_must_match_sampling():
         load_run_config("tiny", ["rollout.sampling.temperature=0.7"])
     cfg = load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=0.7"])
     assert cfg.learner.temperature == 0.7
+
+
+# ---- checks that catch what breaks a first run (issue 19) ------------------------------------------
+
+def test_grpo_with_one_sample_per_prompt_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.sampling.n=1: GRPO scores each sample against the others of its "
+                       r"group.*use n >= 2"):
+        load_run_config("tiny", ["rollout.sampling.n=1"])
+
+
+def test_eval_needs_test_files_or_is_switched_off():
+    with pytest.raises(ConfigError, match=r"data.test_files is empty but the run evaluates before and after training "
+                       r"\(run.eval_samples=200\): give data.test_files \(verl's data.val_files\) or set "
+                       r"run.eval_samples=0"):
+        load_run_config("tiny", ["data.test_files=[]"])
+    cfg = load_run_config("tiny", ["data.test_files=[]", "run.eval_samples=0"])
+    assert cfg.run.eval_samples == 0
+
+
+def test_train_and_test_files_may_be_one_string():
+    cfg = load_run_config("tiny", ["data.test_files=data/addition/test.parquet"])
+    assert cfg.data.test_files == [str(Path(__file__).resolve().parents[2] / "data/addition/test.parquet")]
+
+
+def test_on_truncated_mask_reaches_the_learner():
+    assert load_run_config("tiny", ["reward.on_truncated=mask"]).learner.loss.mask_truncated
+    assert not load_run_config("tiny", ["reward.on_truncated=penalize"]).learner.loss.mask_truncated
+    with pytest.raises(ConfigError, match="learner.loss.mask_truncated=True disagrees with reward.on_truncated"):
+        load_run_config("tiny", ["learner.loss.mask_truncated=true"])
+
+
+def test_fsdp_offload_keys_and_megatron_refusal():
+    cfg = load_run_config("tiny", ["learner.param_offload=true", "learner.optimizer_offload=true"])
+    assert cfg.learner.param_offload and cfg.learner.optimizer_offload
+    with pytest.raises(ConfigError, match="param_offload / optimizer_offload are FSDP's"):
+        load_run_config("tiny", ["learner.engine=megatron", "learner.param_offload=true"])
+
+
+def test_a_hub_id_not_in_the_cache_fails_at_config_time_saying_what_to_do(tmp_path, monkeypatch):
+    from launch.config import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to find, nothing downloaded
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"model.path 'Qwen/Qwen2-7B-Instruct' is not a local folder; as a Hugging "
+                       r"Face hub id it is not in the local HF cache either. Download it first \(`hf download "
+                       r"Qwen/Qwen2-7B-Instruct`"):
+        resolve_model_path("Qwen/Qwen2-7B-Instruct")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        resolve_model_path(str(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_model_path("/no/such/model")
+    # a cached snapshot (the hub's cache layout) resolves to its folder
+    snap = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    assert resolve_model_path("org/tiny") == str(snap)
+
+
+def test_reward_function_names():
+    assert load_run_config("tiny", ["reward.function=default"]).reward.function == "default"
+    assert load_run_config("tiny", ["reward.function=rewards/my_score.py:compute_score"]).reward.function
+    with pytest.raises(ConfigError, match="neither a built-in"):
+        load_run_config("tiny", ["reward.function=gsm9k"])
 
 
 def test_training_sampling_the_learner_cannot_score_is_refused():

@@ -160,12 +160,29 @@ def test_wrong_types_name_file_row_column(tmp_path, tok):
         PromptDataset([path], tok)
 
 
-def test_too_long_prompt_is_a_bad_row(tmp_path, tok):
-    rows = _addition_rows(3)
+def test_too_long_prompt_names_the_longest_row_per_file(tmp_path, tok):
+    rows = _addition_rows(4)
     rows[1]["prompt"] = [{"role": "user", "content": "1+" * 40 + "1="}]
+    rows[2]["prompt"] = [{"role": "user", "content": "1+" * 30 + "1="}]
     path = _write(tmp_path / "long.parquet", rows)
-    with pytest.raises(DatasetError, match=r"long.parquet row 1, column 'prompt': 82 tokens, over max_prompt_tokens=32"):
+    with pytest.raises(DatasetError, match=r"data.max_prompt_tokens=32 = 32 tokens:\n.*long.parquet: 2 prompts over "
+                       r"32 tokens, the longest row 1 with 82 tokens"):
         PromptDataset([path], tok, max_prompt_tokens=32)
+
+
+def test_prompt_plus_response_must_fit_the_model_length(tmp_path, tok):
+    rows = _addition_rows(3)
+    rows[2]["prompt"] = [{"role": "user", "content": "1+" * 20 + "1="}]  # 42 tokens
+    path = _write(tmp_path / "fit.parquet", rows)
+    with pytest.raises(DatasetError) as err:
+        PromptDataset([path], tok, max_model_len=64, response_tokens=32)
+    msg = str(err.value)
+    assert "rollout.max_model_len=64 - rollout.sampling.max_tokens=32 = 32 tokens" in msg
+    assert "fit.parquet: 1 prompts over 32 tokens, the longest row 2 with 42 tokens" in msg
+    assert "raise rollout.max_model_len to at least 74" in msg and "data.filter_overlong_prompts=true" in msg
+    ds = PromptDataset([path], tok, max_model_len=64, response_tokens=32, filter_overlong=True)
+    assert len(ds) == 2 and ds.overlong == [(42, str(path), 2)]
+    assert len(PromptDataset([path], tok, max_model_len=74, response_tokens=32)) == 3
 
 
 def test_skip_mode_counts_bad_rows_and_warns(tmp_path, tok, caplog):

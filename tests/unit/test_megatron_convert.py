@@ -123,3 +123,42 @@ def test_tp_must_divide_kv_heads():
     shape = cv.ModelShape.from_hf(GQA, tp=4)
     with pytest.raises(ValueError, match="key/value heads"):
         cv.hf_to_megatron(random_hf(GQA), shape, tp=4)
+
+
+# Qwen3: QK-norm, head_dim set apart from hidden / heads (as Qwen3 does), no qkv bias, untied.
+QWEN3 = dict(model_type="qwen3", hidden_act="silu", num_attention_heads=4, num_key_value_heads=2, hidden_size=48,
+             head_dim=16, intermediate_size=64, num_hidden_layers=2, vocab_size=300, tie_word_embeddings=False,
+             attention_bias=False, rms_norm_eps=1e-6)
+
+
+def test_qwen3_qk_norm_maps_to_megatron_q_and_k_layernorm():
+    shape = cv.ModelShape.from_hf(QWEN3, tp=2)
+    assert shape.qk_norm and not shape.qkv_bias and shape.head_dim == 16
+    names = cv.megatron_names(shape)
+    assert "decoder.layers.1.self_attention.q_layernorm.weight" in names
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in names
+    assert cv.hf_names_of("decoder.layers.1.self_attention.q_layernorm.weight", shape) == \
+        ["model.layers.1.self_attn.q_norm.weight"]
+    assert cv.hf_shape_of("decoder.layers.0.self_attention.k_layernorm.weight", shape) == \
+        [("model.layers.0.self_attn.k_norm.weight", [16])]
+    assert cv.tp_dim("decoder.layers.0.self_attention.q_layernorm.weight") is None  # replicated per rank
+    hf = random_hf(QWEN3)
+    shards = cv.hf_to_megatron(hf, shape, tp=2)
+    for r in range(2):  # every TP rank holds the whole per-head norm
+        assert torch.equal(shards[r]["decoder.layers.0.self_attention.q_layernorm.weight"],
+                           hf["model.layers.0.self_attn.q_norm.weight"])
+    back = cv.megatron_to_hf(shards, shape)
+    assert set(back) == set(hf)
+    assert all(torch.equal(back[n], t) for n, t in hf.items())
+
+
+def test_qwen3_names_match_transformers_qwen3():
+    """The HF names the conversion expects are exactly those of transformers' own Qwen3 model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**{k: v for k, v in QWEN3.items() if k != "model_type"})
+    model = Qwen3ForCausalLM(cfg)
+    shape = cv.ModelShape.from_hf(cfg.to_dict())
+    theirs = {n: list(t.shape) for n, t in model.state_dict().items()}
+    ours = {n: s for m in cv.megatron_names(shape) for n, s in cv.hf_shape_of(m, shape)}
+    assert ours == theirs

@@ -221,3 +221,124 @@ def test_process_pool_error_crosses_the_process_boundary(custom_module):
     with pytest.raises(RewardError) as err:
         asyncio.run(go())
     assert err.value.function == name and err.value.where == "row 4 sample 0" and "KeyError" in str(err.value)
+
+
+# ---- rewards as verl users write them (issue 19) ---------------------------------------------------
+
+VERL_STYLE = textwrap.dedent(
+    """
+    import asyncio
+
+    SEEN = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        # verl's custom reward signature, unchanged
+        SEEN.append((data_source, extra_info))
+        if data_source != "openai/gsm8k":
+            return 0.0
+        return {"score": 1.0 if solution_str.strip().endswith(ground_truth) else 0.0, "acc": 1.0}
+
+    def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+        return [float(s == g) + 0.1 * e["index"] for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
+
+    def short_batch(data_sources, solution_strs, ground_truths, extra_infos):
+        return [1.0]
+
+    async def judge(response_text, ground_truth, **extra):
+        await asyncio.sleep(0.01)  # a judge over the network
+        return 1.0 if response_text == ground_truth else 0.0
+
+    async def slow_judge(response_text, ground_truth, **extra):
+        await asyncio.sleep(30)
+        return 1.0
+
+    def fleetrl_style(response_text, ground_truth, data_source=None):
+        # takes data_source only: it must not get extra_info
+        return 1.0 if data_source == "addition" else 0.0
+    """
+)
+
+
+@pytest.fixture()
+def verl_module(tmp_path, monkeypatch):
+    (tmp_path / "fleetrl_test_verl_rewards.py").write_text(VERL_STYLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fleetrl_test_verl_rewards"
+
+
+def test_verl_compute_score_works_unchanged_and_sees_data_source_and_extra_info(verl_module):
+    import importlib
+
+    from rollout_fleet.rewards import signature_of
+
+    mod = importlib.import_module(verl_module)
+    assert signature_of(mod.compute_score) == "verl" and signature_of(exact_match) == "fleetrl"
+    extra = {"data_source": "openai/gsm8k", "extra_info": {"split": "test", "index": 7}}
+    with RewardPool(f"{verl_module}:compute_score", workers=1, timeout_s=5) as pool:
+        assert asyncio.run(pool.score("so the answer is 72", "72", where="r0", extra=extra)) == 1.0
+        assert asyncio.run(pool.score("71", "72", where="r1", extra=extra)) == 0.0
+    assert mod.SEEN[0] == ("openai/gsm8k", {"split": "test", "index": 7})
+
+
+def test_a_reward_file_path_as_verl_gives_it(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(VERL_STYLE)
+    with RewardPool(f"{path}:compute_score", workers=1, timeout_s=5, mode="process") as pool:
+        got = asyncio.run(pool.score("= 5", "5", where="r0", extra={"data_source": "openai/gsm8k"}))
+    assert got == 1.0
+    with pytest.raises(RewardConfigError, match="cannot import module"):
+        resolve(f"{tmp_path}/missing.py:compute_score")
+
+
+def test_fleetrl_style_function_gets_only_the_keywords_it_names(verl_module):
+    with RewardPool(f"{verl_module}:fleetrl_style", workers=1, timeout_s=5) as pool:
+        extra = {"data_source": "addition", "extra_info": {"x": 1}}
+        assert asyncio.run(pool.score("1", "1", where="r0", extra=extra)) == 1.0
+
+
+def test_async_reward_is_awaited_with_the_limit(verl_module):
+    with RewardPool(f"{verl_module}:judge", workers=2, timeout_s=5) as pool:
+        assert pool.is_async
+        assert asyncio.run(pool.score("a", "a", where="r0")) == 1.0
+    with RewardPool(f"{verl_module}:slow_judge", workers=1, timeout_s=0.2) as pool:
+        with pytest.raises(RewardTimeout, match="timed out after 0.2 s on r9"):
+            asyncio.run(pool.score("a", "a", where="r9"))
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_batched_reward_scores_a_group_in_one_call(verl_module, mode):
+    items = [(s, "4", f"sample {i}", {"data_source": "x", "extra_info": {"index": i}}) for i, s in enumerate("434")]
+    with RewardPool(f"{verl_module}:batch_score", workers=1, timeout_s=10, mode=mode, batched=True) as pool:
+        got = asyncio.run(pool.score_batch(items))
+    assert got == pytest.approx([1.0, 0.1, 1.2])  # exact sums of 0/1 and tenths, within float rounding
+
+
+def test_batched_reward_with_a_wrong_length_names_the_function(verl_module):
+    with RewardPool(f"{verl_module}:short_batch", workers=1, timeout_s=5, batched=True) as pool:
+        with pytest.raises(RewardError, match=r"short_batch' returned \[1.0\] on s0 .. s1; expected a list of 2"):
+            asyncio.run(pool.score_batch([("4", "4", "s0", None), ("3", "4", "s1", None)]))
+
+
+@pytest.mark.parametrize(("source", "response", "truth", "want"), [
+    ("openai/gsm8k", "... so she has 18 eggs.\n#### 18", "18", 1.0),
+    ("openai/gsm8k", "she has 18 eggs", "18", 0.0),  # strict: GSM8K's #### marker is required
+    ("openai/gsm8k", "#### 1,234", "1234", 1.0),
+    ("fleetrl/word_problems", "Mia has 14 + 5 = 19 shells.", "19", 1.0),  # flexible: the last number
+    ("fleetrl/word_problems", "19 shells, or 20", "19", 0.0),
+    ("addition", "432", "432", 1.0),
+    ("lighteval/MATH", "the answer is $\\frac{1}{2}$", "\\frac{1}{2}", 1.0),
+])
+def test_default_scorer_routes_by_data_source(source, response, truth, want):
+    from rollout_fleet.scorers import default
+
+    assert default(response, truth, data_source=source) == want
+
+
+def test_default_scorer_names_an_unknown_data_source():
+    from rollout_fleet.scorers import check_sources
+
+    with pytest.raises(ValueError, match=r"'default' has no scorer for data_source 'my/task'.*Set reward.function"):
+        check_sources({"my/task", "openai/gsm8k"})
+    with RewardPool("default", workers=1, timeout_s=5) as pool:
+        with pytest.raises(RewardError, match="no scorer for data_source 'my/task'"):
+            asyncio.run(pool.score("1", "1", where="r0", extra={"data_source": "my/task"}))

@@ -103,6 +103,23 @@ def test_plan_of_only_uniform_groups_has_nothing_to_train():
     assert mb.rows == [] and float(mb.weights.sum()) == 0.0
 
 
+def test_mask_truncated_keeps_truncated_samples_out_of_the_loss_but_in_the_baseline():
+    trajs = []
+    for i, (reward, finish) in enumerate([(1.0, "stop"), (0.0, "length"), (0.0, "stop"), (1.0, "length")]):
+        trajs.append(Trajectory(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=4, step=1,
+                                prompt_ids=[5, 6], response_ids=[7 + i, 8], behaviour_logprobs=[-1.0, -1.0],
+                                reward=reward, finish_reason=finish))
+    b = to_record_batch(trajs)
+    kw = dict(rank=0, world_size=1, micro_batch_tokens=64, advantage="mean", drop_uniform=True, aggregation="token")
+    full, masked = plan_step(b, **kw), plan_step(b, mask_truncated=True, **kw)
+    assert full.stats["samples_truncated"] == masked.stats["samples_truncated"] == 2
+    assert sorted(r for mb in full.micro_batches for r in mb.rows) == [0, 1, 2, 3]
+    assert sorted(r for mb in masked.micro_batches for r in mb.rows) == [0, 2]
+    # the group's mean (0.5) still counts the truncated samples: the kept ones get +0.5 and -0.5
+    adv = {r: float(mb.advantages[j * 2]) for mb in masked.micro_batches for j, r in enumerate(mb.rows)}
+    assert adv == {0: 0.5, 2: -0.5}
+
+
 def _valued_batch():
     """Groups of different sizes, one uniform (dropped); every response token carries a distinct behaviour
     log-prob (-(row + pos / 100) / 10) and every row a distinct reward, so a value from another row or
