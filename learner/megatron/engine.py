@@ -63,6 +63,21 @@ def import_megatron():
     return mc
 
 
+def fp32_output_layer(layer: torch.nn.Module) -> None:
+    """Make the output layer compute in fp32: the bf16 hidden state and the (bf16) weight are cast up, so the
+    logits, their TP gather and the log-softmax after them are fp32, as FSDP's fp32 root gives (a bf16 output
+    layer rounds each logit to 2^-9 relative, ~1e-2 nats of log-prob noise against the engine). Gradients flow
+    through the casts into the parameter as before (gradient accumulation fusion is off). A tied output layer
+    is given the embedding weight by GPTModel; that weight is cast the same way."""
+    forward = layer.forward
+
+    def fp32_forward(input_, weight=None, runtime_gather_output=None):
+        w = layer.weight if weight is None else weight
+        return forward(input_.float(), weight=w.float(), runtime_gather_output=runtime_gather_output)
+
+    layer.forward = fp32_forward
+
+
 def transformer_config(hf: dict, shape: cv.ModelShape, mcfg, *, bf16: bool, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -249,6 +264,8 @@ class MegatronEngine(TrainingEngine):
                          rotary_base=rope_theta(self.hf_config))
         with HFWeights(self.model_path) as hf:
             copy_hf_into(model, hf, self.shape, tp=self.tp, tp_rank=self.tp_rank, layer_offset=self.layers[0])
+        if self.post:
+            fp32_output_layer(model.output_layer)
         return model
 
     @property

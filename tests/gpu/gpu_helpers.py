@@ -92,24 +92,26 @@ class Reference:
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         self.model.tie_weights()
 
-    def logprobs(self, prompt: list[int], response: list[int]) -> "np.ndarray":  # noqa: F821
+    def logprobs(self, prompt: list[int], response: list[int],
+                 temperature: float = 1.0) -> "np.ndarray":  # noqa: F821
         import torch
 
         ids = torch.tensor([prompt + response], device=self.device)
         with torch.no_grad():
-            logits = self.model(ids).logits[0, len(prompt) - 1: -1].float()
+            logits = self.model(ids).logits[0, len(prompt) - 1: -1].float() / temperature
         lp = torch.log_softmax(logits, dim=-1)
         return lp.gather(1, torch.tensor(response, device=self.device)[:, None])[:, 0].cpu().numpy()
 
 
-def compare(samples, prompt: list[int], ref: Reference):
-    """Per-token |engine - reference| over every sample of a group, concatenated."""
+def compare(samples, prompt: list[int], ref: Reference, temperature: float = 1.0):
+    """Per-token |engine - reference| over every sample of a group, concatenated (the reference scores at
+    ``temperature``)."""
     import numpy as np
 
     diffs = []
     for s in samples:
         assert len(s.token_ids) == len(s.logprobs) > 0
-        want = ref.logprobs(prompt, [int(t) for t in s.token_ids])
+        want = ref.logprobs(prompt, [int(t) for t in s.token_ids], temperature)
         diffs.append(np.abs(np.asarray(s.logprobs, dtype=np.float64) - want))
     return np.concatenate(diffs)
 

@@ -128,6 +128,9 @@ def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
                                             kw.get("attn", "auto")), model,
                                 total_steps=3, seed=0)
         res[f"build_s_{i}"] = time.time() - t0
+        if engine.post:  # the dtype the output layer's logits come out in (fp32: learner/megatron/engine.py)
+            engine.gpt.output_layer.register_forward_hook(
+                lambda _m, _i, out: res.__setitem__("head_dtype", str(out[0].dtype)))
         if kw.get("roundtrip"):
             full = {n: t.detach().cpu().clone() for n, t in engine.full_tensors()}
             engine.export_hf(Path(kw["out"] + f".export{i}"))
@@ -138,6 +141,9 @@ def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
         if kw.get("grads") or kw.get("step"):
             plan = _plan(engine)
             engine.prepare_logprobs(plan)
+            if kw.get("logp") and engine.pp == 1:  # per-token log-probs of the plan, before any step
+                with torch.no_grad():
+                    res["logp"] = torch.cat([engine.forward_logprobs(mb)[0].float().cpu() for mb in plan.micro_batches])
             if kw.get("grads"):  # needs DP=1 or no distributed optimizer (else main_grad is reduce-scattered)
                 res["grads"] = megatron_grads(engine, plan)
             res["metrics"] = engine.train_step(plan)
@@ -355,6 +361,8 @@ def fsdp_rank(rank: int, world: int, port: int, kw: dict) -> None:
     engine = FSDPEngine(learner_cfg(), kw["models"][0], total_steps=3, seed=0)
     plan = _plan(engine)
     engine.prepare_logprobs(plan)
+    with torch.no_grad():
+        logp = torch.cat([engine.forward_logprobs(mb)[0].float().cpu() for mb in plan.micro_batches])
     engine.model.train()
     for mb in plan.micro_batches:
         logp, ent = engine.forward_logprobs(mb, grad=True)
@@ -365,5 +373,5 @@ def fsdp_rank(rank: int, world: int, port: int, kw: dict) -> None:
     engine.optimizer.zero_grad(set_to_none=True)
     metrics = engine.train_step(plan)
     after = {n: t.detach().float().cpu().clone() for n, t in engine.full_tensors()}
-    torch.save({"grads": grads, "metrics": metrics, "after": after}, kw["out"] + f".rank{rank}.pt")
+    torch.save({"grads": grads, "metrics": metrics, "after": after, "logp": logp}, kw["out"] + f".rank{rank}.pt")
     torch.distributed.destroy_process_group()
