@@ -3,7 +3,7 @@
 A random 2-layer Qwen3 (per-head RMSNorm on queries and keys before RoPE) in bf16:
 - HF -> Megatron TP=1 -> HF through ``full_tensors`` and ``export_hf`` is bit-identical (the converter's
   ``q_norm``/``k_norm`` <-> ``q_layernorm``/``k_layernorm`` mapping, learner/megatron/convert.py);
-- Megatron TP=1 and FSDP2 agree on per-token log-probs, loss, entropy and the whole gradient (a QK-norm that
+- Megatron TP=1 and FSDP2 agree on the loss, entropy, behaviour/learner log-prob gap and the whole gradient (a QK-norm that
   Megatron applied after RoPE, to the wrong axis, or not at all gives O(1) log-prob differences);
 - the output layer's logits come out fp32 on both (learner/megatron/engine.py ``fp32_output_layer``; FSDP's
   fp32 root).
@@ -88,18 +88,16 @@ def test_qwen3_megatron_matches_fsdp_with_fp32_heads(qwen3, tmp_path):
     """Tolerances as tests/gpu/test_megatron_gpu.py's FSDP parity (bf16 bodies through different attention
     kernels: ~1e-2 nats per token through two layers; both heads fp32, so the head adds nothing)."""
     ref = _spawn(mw.fsdp_rank, {"models": [qwen3], "out": str(tmp_path / "fsdp")})
-    got = _spawn(mw.megatron_rank, {"models": [qwen3], "tp": 1, "grads": True, "logp": True,
-                                    "out": str(tmp_path / "meg")})
+    got = _spawn(mw.megatron_rank, {"models": [qwen3], "tp": 1, "grads": True, "out": str(tmp_path / "meg")})
     assert got["head_dtype"] == "torch.float32"
-    d = (got["logp"] - ref["logp"]).abs()
     g_ref = torch.cat([ref["grads"][k].flatten() for k in sorted(ref["grads"])])
     g_got = torch.cat([got["grads"][k].flatten() for k in sorted(ref["grads"])])
     rel = float((g_got - g_ref).norm() / g_ref.norm())
     m0, m1 = ref["metrics"], got["metrics"]
-    print(f"Qwen3 Megatron TP=1 vs FSDP: logp max {float(d.max()):.2e} mean {float(d.mean()):.2e} over {d.numel()} "
-          f"tokens; grad rel {rel:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; "
+    print(f"Qwen3 Megatron TP=1 vs FSDP: grad rel {rel:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; "
           f"entropy {m0['entropy']:.5f} {m1['entropy']:.5f}")
-    assert float(d.max()) < 5e-2 and float(d.mean()) < 1e-2
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=3e-2)
+    assert m1["mismatch_logp_diff"] == pytest.approx(m0["mismatch_logp_diff"], abs=5e-3)
     assert rel < 5e-2
     assert m1["loss_total"] == pytest.approx(m0["loss_total"], abs=5e-3)
     assert m1["entropy"] == pytest.approx(m0["entropy"], rel=1e-2)
