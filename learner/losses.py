@@ -200,8 +200,11 @@ def policy_loss(
             "clip_dual_frac": (wd * dual_active.to(wd.dtype)).sum(),
             "ratio_mean": (wd * ratio.detach()).sum(),
             "is_weight_mean": (wd * is_w).sum(),
-            # Weight-zero tokens (the empty micro-batches that keep ranks in step) do not count.
-            "is_weight_max": is_w[wd > 0].max() if bool((wd > 0).any()) else torch.zeros((), dtype=wd.dtype),
+            # Weight-zero tokens (the empty micro-batches that keep ranks in step) do not count; importance
+            # weights are >= 0, so masking them to 0 (and a 0 appended for an empty batch) keeps the max without
+            # a host sync per micro-batch.
+            "is_weight_max": torch.cat([torch.where(wd > 0, is_w.to(wd.dtype), 0.0),
+                                        wd.new_zeros(1)]).max(),
             "mismatch_kl_k3": (wd * _k3(d)).sum(),
             "mismatch_logp_diff": (wd * (behaviour_logp - lp)).sum(),
             "fresh_token_frac": (wd * fr).sum(),
