@@ -241,6 +241,8 @@ class LearnerRank:
         if self.rank != 0 or self.fleet is None:
             self._publish(version, engine)
             return
+        if torch.cuda.is_available():  # hand the activations' cached blocks back before the engines reallocate
+            torch.cuda.empty_cache()
         t0 = time.monotonic()
         rep = self.fleet.wake(version, "weights")
         t1 = time.monotonic()
