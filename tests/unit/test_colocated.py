@@ -134,6 +134,8 @@ def test_bench_targets_the_colocated_final_accuracy_and_takes_the_best_async_cas
     assert seed["target_accuracy"] == 0.5
     assert seed["time_to_target_s"] == {"colocated": 20.0, "async_k1": 5.0, "async_k2": None}
     assert seed["best_async"] == "async_k1" and seed["headline_colocated_over_best_async"] == pytest.approx(4.0)
+    assert seed["headline_full_budget"] == pytest.approx(4.0)  # (a) reached its target only at its end here
+    assert out["headline"]["mean"] == pytest.approx(4.0)
     assert out["cases"]["async_k2"]["time_to_target_s"]["mean"] is None
     r = runs[("async_k1", 0)]
     assert r["samples_per_s"] == pytest.approx(80 / 10.0) and r["learner_tok_per_busy_s"] == pytest.approx(160 / 5.0)
