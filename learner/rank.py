@@ -234,7 +234,7 @@ class LearnerRank:
         t0 = time.monotonic()
         rep = self.fleet.release(step)
         self._colo.update({f"colocate/release_{k}": float(v) for k, v in rep.items()})
-        self._colo["colocate/release_seconds"] = time.monotonic() - t0
+        self._colo["colocate/release_roundtrip_seconds"] = time.monotonic() - t0
 
     def _publish_colocated(self, version: int, engine) -> None:
         """Wake the engines' weights, publish into them (same host: gloo), wake the rest, open the gate."""
@@ -251,8 +251,10 @@ class LearnerRank:
         rep2 = self.fleet.wake(version, "rest")
         self._colo.update({f"colocate/wake_weights_{k}": float(v) for k, v in rep.items()})
         self._colo.update({f"colocate/wake_rest_{k}": float(v) for k, v in rep2.items()})
-        self._colo.update({"colocate/wake_weights_seconds": t1 - t0, "colocate/weight_load_seconds": t2 - t1,
-                           "colocate/wake_rest_seconds": time.monotonic() - t2})
+        # *_seconds from the fleet are the engines' own calls; the round trips include the Ray calls
+        # (and, in wake_rest, a due evaluation: wake_rest_eval_seconds)
+        self._colo.update({"colocate/wake_weights_roundtrip_seconds": t1 - t0, "colocate/weight_load_seconds": t2 - t1,
+                           "colocate/wake_rest_roundtrip_seconds": time.monotonic() - t2})
 
     def _unchanged(self, version: int) -> None:
         """The step applied no update: no publish (it would pause the fleet for the same weights);
