@@ -12,7 +12,8 @@ Cases: ``colocated`` (a: ``--gpus G``, or ``--colocate`` on CPU), ``sync_k0`` (b
 ``broker.max_staleness=0``), ``async_k1|2|4`` (c: disaggregated, ``broker.max_staleness=k``, the
 ``--correction`` chosen). The target accuracy of a seed is what (a) reaches at the end of its budget
 (its final evaluation); a case's time to target is the learner wall time (from the learner's start,
-so server start-up is left out for every case alike) of its first evaluation at or above it. The
+so server start-up is left out for every case alike; colocated runs' in-line evaluations are taken
+off too) of its first evaluation at or above it. The
 headline is time(a) / time(best async case) to that accuracy, per seed. Evaluations during the run
 are every ``--eval-every`` steps: in colocated mode at the wake after the step (they add to its wall
 time), in the disaggregated cases beside training on the same fleet (they take fleet time).
@@ -79,7 +80,15 @@ def collect_run(summary: dict, steps: list[dict]) -> dict:
     if not steps:
         raise ValueError("the run has no learner step log (metrics/learner_steps.jsonl): did it train?")
     t0 = steps[0]["t0_unix"]
-    t_of = {r["step"]: r["t_unix"] - t0 for r in steps}
+    # colocated mode evaluates in line (at the wake after a step): that time is measurement, not training,
+    # so it comes off the time axis (the disaggregated cases evaluate beside training, which costs them
+    # fleet time instead). Runs whose log lacks the figure keep their raw times (inline_eval_s None).
+    inline = [r.get("colocate/wake_rest_eval_seconds", 0.0) for r in steps]
+    has_inline = any("colocate/wake_rest_eval_seconds" in r for r in steps)
+    t_of, off = {}, 0.0
+    for r, e in zip(steps, inline, strict=True):
+        t_of[r["step"]] = r["t_unix"] - t0 - off - e
+        off += e
     wall = t_of[steps[-1]["step"]]
     curve = [{"step": 0, "t": 0.0, "accuracy": summary["eval_accuracy_before"]}]
     curve += [{"step": e["step"], "t": t_of[e["step"]], "accuracy": e["accuracy"]}
@@ -92,6 +101,8 @@ def collect_run(summary: dict, steps: list[dict]) -> dict:
             ("release_sleep_seconds", "wake_weights_seconds", "weight_load_seconds", "wake_rest_seconds")}
     return {
         "steps": len(steps), "learner_wall_s": round(wall, 2), "job_wall_s": summary.get("wall_s"),
+        "inline_eval_s": round(sum(inline), 2) if has_inline else None,
+        "learner_wall_raw_s": round(steps[-1]["t_unix"] - t0, 2),
         "curve": curve, "final_accuracy": summary["eval_accuracy_after"],
         "accuracy_before": summary["eval_accuracy_before"],
         "samples_per_s": samples / wall, "generated_tok_per_s": summary["tokens_generated"] / wall,
@@ -168,7 +179,7 @@ def plot(runs: dict[tuple[str, int], dict], path: Path, title: str) -> None:
         pts = [p for p in r["curve"] if p["accuracy"] is not None]
         ax.plot([p["t"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=3, color=colors[case],
                 linestyle="-" if seed == min(s for c, s in runs if c == case) else "--", label=f"{case} seed {seed}")
-    ax.set_xlabel("learner wall time (s, from the learner's start)")
+    ax.set_xlabel("learner wall time (s, from the learner's start; colocated: in-line evaluations left out)")
     ax.set_ylabel("eval accuracy (greedy)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
