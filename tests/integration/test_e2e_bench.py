@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,8 +26,16 @@ STEPS = 5
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_e2e_bench_runs_a_case_and_writes_json_and_png(tmp_path):
-    out = tmp_path / "e2e"
+@pytest.fixture
+def out_dir():
+    # short: vLLM binds ipc sockets under the run directory (sun_path holds 107 characters)
+    d = Path(tempfile.mkdtemp(prefix="e2e-", dir="/tmp"))
+    yield d / "e2e"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_e2e_bench_runs_a_case_and_writes_json_and_png(out_dir):
+    out = out_dir
     cmd = [sys.executable, "bench/e2e.py", "--out-dir", str(out), "--cases", "async_k1", "--steps", str(STEPS),
            "--eval-every", "2", "--eval-samples", "50", "--correction", "tis"]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
