@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from launch.placement import Slot, bundles, plan_placement
+from launch.placement import Placement, Slot, bundles, plan_placement
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +19,6 @@ def place_colocated(job, ray, gpus: int) -> None:
     """Fill ``job.placement``, ``job.pgs['learner']`` and ``job.server_slots`` for ``gpus`` shared GPUs."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from launch.placement import Placement
 
     tp = job.cfg.rollout.tensor_parallel_size
     if tp != 1:
