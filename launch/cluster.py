@@ -9,6 +9,8 @@ Examples::
     python launch/cluster.py scale --rollout-gpus 8 --run-dir runs/tiny                # running job
     python launch/cluster.py status --run-dir runs/tiny
     python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
+    python launch/cluster.py --colocate --recipe tiny                                 # colocated, synchronous (CPU)
+    python launch/cluster.py --gpus 1 --recipe smollm2-gpu                            # colocated on one GPU
     python launch/cluster.py verl 'algorithm.adv_estimator=grpo data.train_batch_size=1024 ...'  # verl's keys
 
 This module imports only the standard library at the top, so ``--help`` and config
@@ -46,6 +48,12 @@ def run_parser() -> argparse.ArgumentParser:
                    "equivalent is refused by name with the reason ('launch/cluster.py verl ...' prints the mapping)")
     p.add_argument("--rollout-gpus", type=int, default=0, help="GPUs for the rollout fleet (0: CPU servers)")
     p.add_argument("--learner-gpus", type=int, default=0, help="GPUs for the learner (0: CPU)")
+    p.add_argument("--colocate", action="store_true",
+                   help="colocated synchronous mode: learner and fleet on the same devices, on-policy "
+                   "(broker.max_staleness=0); the engines sleep while the learner trains (vLLM sleep mode on GPU)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="colocated mode on N GPUs shared by the learner (one rank each) and the fleet (one server "
+                   "each); implies --colocate, excludes --rollout-gpus/--learner-gpus")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--ray-auth", choices=("token", "disabled"), default=None,
                    help="Ray token auth (default 'token': a fresh per-job token for a local cluster, "
@@ -146,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from launch.driver import LaunchOptions, run
 
-    return run(cfg, LaunchOptions(rollout_gpus=args.rollout_gpus, learner_gpus=args.learner_gpus, address=args.address,
-                                  ray_auth=args.ray_auth, simulate=args.simulate, no_live=args.no_live,
-                                  log_level=args.log_level, summary=args.summary))
+    shared = args.gpus or 0  # colocated: both pools on the same GPUs
+    return run(cfg, LaunchOptions(rollout_gpus=shared or args.rollout_gpus, learner_gpus=shared or args.learner_gpus,
+                                  address=args.address, ray_auth=args.ray_auth, simulate=args.simulate,
+                                  no_live=args.no_live, log_level=args.log_level, summary=args.summary,
+                                  colocate_gpus=shared or None))
 
 
 def resolve_config(args: argparse.Namespace):
@@ -161,6 +171,18 @@ def resolve_config(args: argparse.Namespace):
                           f"--learner-gpus {args.learner_gpus}")
     overrides = list(args.overrides)
     recipe = args.recipe or "tiny"
+    colocate = bool(getattr(args, "colocate", False) or getattr(args, "gpus", None) is not None)
+    if colocate:
+        if args.gpus is not None and (args.gpus < 0 or args.rollout_gpus or args.learner_gpus):
+            raise ConfigError(f"--gpus N shares N GPUs between learner and fleet: give it alone (N >= 0), not with "
+                              f"--rollout-gpus {args.rollout_gpus} --learner-gpus {args.learner_gpus}")
+        if args.gpus is None and (args.rollout_gpus or args.learner_gpus):
+            raise ConfigError("--colocate puts learner and fleet on the same devices: use --gpus N, "
+                              "not --rollout-gpus/--learner-gpus")
+        if args.simulate:
+            raise ConfigError("--colocate runs real engines and a real learner; it does not combine with --simulate")
+        # before the user's overrides: a contrary one is then refused by name (launch/config.py)
+        overrides = ["colocate.enabled=true", "broker.max_staleness=0", "weight_sync.backend=gloo"] + overrides
     if getattr(args, "verl", None):
         from launch.verl import translate
 

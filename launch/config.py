@@ -24,6 +24,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from broker.config import BrokerConfig
+from core.colocate import ColocateConfig
 from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, build, suggest
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
@@ -51,6 +52,7 @@ class RunConfig(ConfigModel):
     broker: BrokerConfig = BrokerConfig()
     learner: LearnerConfig
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    colocate: ColocateConfig = ColocateConfig()
     run: RunSection = RunSection()
 
     @model_validator(mode="before")
@@ -95,6 +97,8 @@ class RunConfig(ConfigModel):
             raise ValueError("weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
                              f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
                              f"nccl_impl={ws.nccl_impl!r}")
+        if self.colocate.enabled:
+            _check_colocated(self)
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet == 0:
             raise ValueError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same, "
@@ -111,6 +115,27 @@ class RunConfig(ConfigModel):
                 "set both to the same value"
             )
         return self
+
+
+def _check_colocated(cfg: RunConfig) -> None:
+    """Colocated mode is synchronous on-policy training on shared devices (core/colocate.py)."""
+    bad = []
+    if cfg.broker.max_staleness != 0:
+        bad.append(f"broker.max_staleness={cfg.broker.max_staleness} (colocated mode is synchronous: 0)")
+    if cfg.rollout.engine != "vllm":
+        bad.append(f"rollout.engine={cfg.rollout.engine!r} (colocated mode sleeps and wakes vLLM servers; "
+                   "SGLang's release_memory_occupation is not wired yet)")
+    if cfg.weight_sync.staging:
+        bad.append("weight_sync.staging=true (a staged update overlaps generation with the publish; "
+                   "colocated mode has nothing to overlap)")
+    if cfg.weight_sync.backend == "nccl":
+        bad.append("weight_sync.backend='nccl' (NCCL between two processes on one GPU fails; colocated mode "
+                   "publishes over gloo on the same host)")
+    if cfg.rollout.weight_update != "pause":
+        bad.append(f"rollout.weight_update={cfg.rollout.weight_update!r} (nothing is in flight at a colocated "
+                   "publish: 'pause')")
+    if bad:
+        raise ValueError("colocate.enabled=true does not fit " + "; ".join(bad))
 
 
 def recipe_path(recipe: str) -> Path:

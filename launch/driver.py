@@ -60,6 +60,7 @@ class LaunchOptions:
     no_live: bool = False
     log_level: str = "INFO"
     summary: str | None = None  # also write the JSON summary here
+    colocate_gpus: int | None = None  # colocated mode: learner and fleet share these GPUs (launch/colocated.py)
 
 
 class Job:
@@ -87,6 +88,7 @@ class Job:
         self.eval_before: float | None = None
         self.eval_after: float | None = None
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
+        self.colocated: dict[str, Any] = {}  # colocated mode's schedule figures (rollout_fleet/colocated.py)
         self._eval_ref = None  # the evaluation in flight, if any
         self._eval_step = 0  # learner step at which the last evaluation started
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
@@ -168,6 +170,10 @@ class Job:
         from ray.util.placement_group import placement_group
 
         r, lg = self.args.rollout_gpus, self.args.learner_gpus
+        if self.args.colocate_gpus:
+            from launch.colocated import place_colocated
+
+            return place_colocated(self, ray, self.args.colocate_gpus)
         if r == 0 and lg == 0:
             return
         if (r == 0) != (lg == 0):
@@ -272,6 +278,10 @@ class Job:
                     self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
                 if not self.simulated:
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
+                    if self.cfg.colocate.enabled:  # its evaluations ran at the wakes, never during training
+                        self.colocated = self._get(self.fleet.colocated_summary.remote(), CALL_TIMEOUT_S,
+                                                   "colocated summary")
+                        self.eval_history = list(self.colocated.pop("eval_history", []))
                     self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
                                                 "eval after")
                     if self.eval_after is not None:
@@ -290,7 +300,7 @@ class Job:
         import ray
 
         every = self.cfg.run.eval_every
-        if self.simulated or not every:
+        if self.simulated or not every or self.cfg.colocate.enabled:  # colocated: the fleet evaluates at a wake
             return
         if self._eval_ref is not None:
             done, _ = ray.wait([self._eval_ref], timeout=0)
@@ -341,6 +351,8 @@ class Job:
         return self.scale(req.rollout_gpus)
 
     def scale(self, rollout_gpus: int) -> dict[str, Any]:
+        if self.cfg.colocate.enabled:
+            raise ValueError("a colocated fleet shares the learner's GPUs and cannot be scaled on its own")
         tp = self.cfg.rollout.tensor_parallel_size
         if self.placement.servers:  # GPU (or simulated GPU) fleet
             if rollout_gpus % tp:

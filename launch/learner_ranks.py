@@ -56,8 +56,9 @@ def publish_client(cfg: RunConfig, backend: str, eid: str, url: str) -> WeightEn
 class _RayFleet:
     """The fleet actor's handle as the rank's :class:`learner.rank.FleetView`."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, timeout_s: float = 600.0) -> None:
         self.handle = handle
+        self.timeout_s = timeout_s  # colocated release / wake (a wake may run a due evaluation)
 
     def server_urls(self) -> dict[str, str]:
         return ray.get(self.handle.server_urls.remote(), timeout=30)
@@ -67,6 +68,12 @@ class _RayFleet:
 
     def set_latest_export(self, version: int, path: str) -> None:
         self.handle.set_latest_export.remote(version, path)
+
+    def release(self, step: int) -> dict[str, float]:
+        return ray.get(self.handle.colocated_release.remote(step), timeout=self.timeout_s)
+
+    def wake(self, version: int, phase: str) -> dict[str, float]:
+        return ray.get(self.handle.colocated_wake.remote(version, phase), timeout=self.timeout_s)
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)
@@ -80,7 +87,8 @@ class LearnerActor:
 
         cfg = build(RunConfig, cfg_data)
         self.run_dir = Path(run_dir)
-        self.rank = LearnerRank(cfg, broker_address, run_dir, None if fleet is None else _RayFleet(fleet),
+        wait = cfg.colocate.timeout_s * 2 + 600.0  # sleep/wake, plus a due evaluation at the wake
+        self.rank = LearnerRank(cfg, broker_address, run_dir, None if fleet is None else _RayFleet(fleet, wait),
                                 endpoint=lambda backend, eid, url: publish_client(cfg, backend, eid, url))
 
     def set_rank(self, rank: int) -> None:

@@ -34,7 +34,9 @@ except ImportError:  # uvloop is optional (not on Windows)
 class FleetRunner(FleetService):
     def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
                  run_dir: str | None = None) -> None:
-        super().__init__(build(RunConfig, cfg_data), broker_address, slots=slots, run_dir=run_dir)
+        cfg = build(RunConfig, cfg_data)
+        super().__init__(cfg, broker_address, slots=slots, run_dir=run_dir, eval_every=cfg.run.eval_every,
+                         eval_samples=cfg.run.eval_samples)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

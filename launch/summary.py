@@ -92,6 +92,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "simulated": job.simulated,
         "error": error,
     }
+    if cfg.colocate.enabled:
+        summary["colocated"] = job.colocated
     if job.simulated:
         summary["note"] = ("SIMULATED run: engines, rewards and learner steps are simulated; "
                            "no model was trained and accuracy is not measured")

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
@@ -55,6 +56,9 @@ PublishHook = Callable[[int, TrainingEngine], None]
 # group uniform, or a non-finite gradient): the engines' weights are already those of the new version.
 UnchangedHook = Callable[[int], None]
 MetricsHook = Callable[[int, dict[str, float]], None]
+# Called on every rank once step s's batch is in, before any compute (colocated mode: rank 0 puts the
+# engines to sleep there, so the learner has the devices to itself).
+BatchHook = Callable[[int], None]
 
 
 def publisher_hook(publisher, dtype: torch.dtype | None = None) -> PublishHook:
@@ -110,7 +114,7 @@ class Learner:
                  checkpoint_dir: Path | None = None, export_root: Path | None = None,
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
                  batch_timeout_s: float | None = None, engine_dtype: str = "auto",
-                 on_unchanged: UnchangedHook | None = None) -> None:
+                 on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None) -> None:
         """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
         ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py)."""
         if engine.rank == 0 and source is None:
@@ -121,6 +125,7 @@ class Learner:
         self.export_root = Path(export_root) if export_root else None
         self.publish = publish
         self.on_unchanged = on_unchanged
+        self.on_batch = on_batch
         self.publishes_skipped = 0
         self.on_metrics = on_metrics
         self.batch_timeout_s = batch_timeout_s
@@ -185,6 +190,9 @@ class Learner:
         t0 = time.perf_counter()
         lease, batch = self._pull(step)
         t_pull = time.perf_counter() - t0
+        if self.on_batch is not None:
+            self.on_batch(step)
+        t_train_wall = time.time()  # unix seconds, comparable with the samples' t_start / t_end
         plans, stats = plan_mini_batches(
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
             world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
@@ -218,6 +226,7 @@ class Learner:
         elif self.publish is not None:
             self.publish(self.version, self.engine)
         t_pub = time.perf_counter() - t2
+        t_train_end_wall = time.time()
         if self.engine.rank == 0:
             self.source.report_version(self.version)
         if self.checkpoint_dir is not None and self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
@@ -238,6 +247,15 @@ class Learner:
             "learner/publish_seconds": t_pub,
             "learner/publish_skipped": float(unchanged),
             "learner/total_step_seconds": time.perf_counter() - t0,
+            # the step's training window (after the batch hook, through the publish) and its samples'
+            # generation window, in unix seconds: colocated mode's invariant is that they never overlap
+            "learner/train_start_unix": t_train_wall,
+            "learner/train_end_unix": t_train_end_wall,
+            "learner/gen_start_min_unix": float(pc.min(batch.column("t_start")).as_py()),
+            "learner/gen_end_max_unix": float(pc.max(batch.column("t_end")).as_py()),
+            "learner/prompt_tokens": float(pc.sum(pc.list_value_length(batch.column("prompt_ids"))).as_py()),
+            "learner/response_tokens": float(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py()),
+            "learner/samples": float(batch.num_rows),
         })
         self.history.append(metrics)
         if self.engine.rank == 0:

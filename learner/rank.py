@@ -39,6 +39,7 @@ into ``RankFailed`` naming the rank, and the driver's shutdown kills every rank 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -51,6 +52,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from core.colocate import ColocateConfig
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, init_distributed, run_learner
 from learner.status import LearnerStatus
@@ -87,6 +89,8 @@ class RankConfig(LearnerRunLike, Protocol):
     def broker(self) -> _BrokerPart: ...
     @property
     def rollout(self) -> _RolloutPart: ...
+    @property
+    def colocate(self) -> ColocateConfig: ...
 
 
 class FleetView(Protocol):
@@ -99,6 +103,12 @@ class FleetView(Protocol):
         moved (the step changed nothing), the servers' weights already are ``version``'s."""
     def set_latest_export(self, version: int, path: str) -> None:
         """Tell the fleet where the newest HF export is (fire and forget)."""
+    def release(self, step: int) -> dict[str, float]:
+        """Colocated mode: close the fleet's gate and put its engines to sleep before step ``step``
+        trains (blocks until done); seconds and counts of what it did."""
+    def wake(self, version: int, phase: str) -> dict[str, float]:
+        """Colocated mode: ``phase`` 'weights' wakes the engines' weights (before a publish), 'rest'
+        their KV cache, runs a due evaluation and opens the gate (after it); blocks until done."""
 
 
 #: The publisher's client of one server: ``(backend, engine_id, url) -> endpoint``; the launcher picks it.
@@ -141,6 +151,8 @@ class LearnerRank:
         self.publish_errors = 0
         self.publishes_skipped = 0  # steps without an optimizer update: engines relabelled, no publish
         self.t0 = time.monotonic()
+        self.t0_unix = time.time()
+        self._colo: dict[str, float] = {}  # colocated mode: sleep / wake seconds of the current step
 
     # -- rendezvous ----------------------------------------------------------------------------------
     def set_rank(self, rank: int) -> None:
@@ -213,6 +225,37 @@ class LearnerRank:
             log.error("publish of v%d failed: %s (blamed %s)", version, exc, exc.blamed)
         self.publish_s += time.monotonic() - t0
 
+    # -- colocated mode (core/colocate.py) ----------------------------------------------------------
+    def _release(self, step: int) -> None:
+        """Every rank calls it with step ``step``'s batch in hand; rank 0 puts the fleet to sleep."""
+        self._colo = {}
+        if self.rank != 0 or self.fleet is None:
+            return
+        t0 = time.monotonic()
+        rep = self.fleet.release(step)
+        self._colo.update({f"colocate/release_{k}": float(v) for k, v in rep.items()})
+        self._colo["colocate/release_roundtrip_seconds"] = time.monotonic() - t0
+
+    def _publish_colocated(self, version: int, engine) -> None:
+        """Wake the engines' weights, publish into them (same host: gloo), wake the rest, open the gate."""
+        if self.rank != 0 or self.fleet is None:
+            self._publish(version, engine)
+            return
+        if torch.cuda.is_available():  # hand the activations' cached blocks back before the engines reallocate
+            torch.cuda.empty_cache()
+        t0 = time.monotonic()
+        rep = self.fleet.wake(version, "weights")
+        t1 = time.monotonic()
+        self._publish(version, engine)
+        t2 = time.monotonic()
+        rep2 = self.fleet.wake(version, "rest")
+        self._colo.update({f"colocate/wake_weights_{k}": float(v) for k, v in rep.items()})
+        self._colo.update({f"colocate/wake_rest_{k}": float(v) for k, v in rep2.items()})
+        # *_seconds from the fleet are the engines' own calls; the round trips include the Ray calls
+        # (and, in wake_rest, a due evaluation: wake_rest_eval_seconds)
+        self._colo.update({"colocate/wake_weights_roundtrip_seconds": t1 - t0, "colocate/weight_load_seconds": t2 - t1,
+                           "colocate/wake_rest_roundtrip_seconds": time.monotonic() - t2})
+
     def _unchanged(self, version: int) -> None:
         """The step applied no update: no publish (it would pause the fleet for the same weights);
         the servers are told they hold ``version`` so admission and staleness move on."""
@@ -241,6 +284,7 @@ class LearnerRank:
             self.exported_version = step
             if self.fleet is not None:  # a server the fleet restarts loads this before it takes work
                 self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
+        self._log_step(step, m)
         self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
         self.wait_s += float(m.get("learner/pull_seconds", 0.0))
         self.groups_consumed += self.cfg.broker.groups_per_step
@@ -250,6 +294,24 @@ class LearnerRank:
                 self.staleness_hist[s] += c
             self.max_staleness_seen = max(self.max_staleness_seen, int(max(stale)))
             self.bound_violations += int(sum(1 for x in stale if x > self.cfg.broker.max_staleness))
+
+    def _log_step(self, step: int, m: dict[str, float]) -> None:
+        """One line per step in ``<run_dir>/metrics/learner_steps.jsonl`` (bench/e2e.py reads it): the
+        step's unix time, its training and generation windows, tokens, staleness, mismatch, colocated timings."""
+        keys = ("learner/total_step_seconds", "learner/pull_seconds", "learner/publish_seconds",
+                "learner/train_start_unix", "learner/train_end_unix", "learner/gen_start_min_unix",
+                "learner/gen_end_max_unix", "learner/prompt_tokens", "learner/response_tokens", "learner/samples",
+                "learner/staleness_max_versions", "learner/staleness_mean_versions", "learner/mismatch_kl_k3",
+                "learner/mismatch_logp_diff", "learner/batch_reward_mean")
+        row = {"step": step, "t_unix": time.time(), "t0_unix": self.t0_unix,
+               **{k.split("/", 1)[1]: float(m[k]) for k in keys if k in m}, **self._colo}
+        try:
+            out = self.run_dir / "metrics"
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "learner_steps.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as exc:  # a full disk must not end the run
+            log.warning("learner_steps.jsonl: %s", exc)
 
     def _agree_stop(self) -> bool:
         """True on every rank if any rank was asked to stop (ranks must leave at the same step)."""
@@ -279,10 +341,13 @@ class LearnerRank:
         if self.rank == 0:
             self._source = BrokerSource(self.broker_address, consumer_id="learner",
                                         lease_timeout_s=self.cfg.broker.lease_timeout_s)
-        self.t0 = time.monotonic()
+        self.t0, self.t0_unix = time.monotonic(), time.time()
+        colo = self.cfg.colocate.enabled
         try:
-            run_learner(self.cfg, source=self._source, publish=self._publish, on_metrics=self._metrics,
-                        batch_timeout_s=self.cfg.rollout.request_timeout_s, on_unchanged=self._unchanged)
+            # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
+            run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
+                        on_metrics=self._metrics, batch_timeout_s=self.cfg.rollout.request_timeout_s,
+                        on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None)
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
         except Exception as exc:

@@ -20,6 +20,7 @@ import msgspec
 
 from broker.client import ProducerClient
 from broker.config import BrokerConfig
+from core.colocate import ColocateConfig
 from core.configbase import ModelConfig, RunKeys
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
@@ -47,12 +48,18 @@ class FleetRunConfig(Protocol):
     def weight_sync(self) -> WeightSyncConfig: ...
     @property
     def run(self) -> RunKeys: ...
+    @property
+    def colocate(self) -> ColocateConfig: ...
 
 
 class FleetService:
     def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None) -> None:
+                 run_dir: str | None = None, eval_every: int = 0, eval_samples: int = 0) -> None:
+        """``eval_every`` / ``eval_samples``: colocated mode's evaluations during the run (run.eval_every),
+        which it runs at the wake after those steps, never while the learner trains."""
         self.cfg = cfg
+        self.eval_every, self.eval_samples = eval_every, eval_samples
+        self.colocated = None  # rollout_fleet.colocated.ColocatedEngines when colocate.enabled
         self.broker_address = broker_address
         self.run_dir = run_dir
         self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
@@ -92,10 +99,44 @@ class FleetService:
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
         self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
                                     max_inflight_groups=self.cfg.rollout.max_inflight_groups,
-                                    max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed)
+                                    max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
+                                    gate=self._colocated_gate())
         self._task = asyncio.create_task(self.worker.run(self._stop), name="rollout-worker")
         self._versions_task = asyncio.create_task(self._report_versions(), name="engine-versions")
         return self.status_now()
+
+    def _colocated_gate(self):
+        c = self.cfg.colocate
+        if not c.enabled:
+            return None
+        from rollout_fleet.colocated import ColocatedEngines
+
+        level = c.sleep_level(bool(self.slots))  # servers with GPU slots run on CUDA
+        self.colocated = ColocatedEngines(self.fleet, None, level=level, timeout_s=c.timeout_s,
+                                          evaluate=lambda: self.evaluate(self.eval_samples),
+                                          eval_every=self.eval_every, max_steps=self.cfg.run.max_steps)
+        log.info("colocated mode: synchronous, engines sleep at level %d while the learner trains", level)
+        return lambda: self.colocated.gate.is_open
+
+    def _need_colocated(self):
+        if self.colocated is None:
+            raise RuntimeError("colocated release/wake called on a fleet without colocate.enabled")
+        self.colocated.worker = self.worker
+        return self.colocated
+
+    async def colocated_release(self, step: int) -> dict[str, float]:
+        """Colocated mode: close the gate and put the engines to sleep (the learner trains step ``step``)."""
+        return await self._need_colocated().release(step)
+
+    async def colocated_wake(self, version: int, phase: str) -> dict[str, float]:
+        """Colocated mode: wake the engines' weights ('weights') or the rest and open the gate ('rest')."""
+        return await self._need_colocated().wake(version, phase)
+
+    async def colocated_summary(self) -> dict[str, Any]:
+        """Colocated mode's schedule figures and its evaluations during the run (empty when off)."""
+        if self.colocated is None:
+            return {}
+        return {**self.colocated.summary(), "eval_history": list(self.colocated.eval_history)}
 
     async def evaluate(self, n: int) -> float | None:
         """Greedy test accuracy through the fleet (None for SIMULATED engines: there is no model)."""

@@ -92,10 +92,18 @@ class VLLMFactory(ServerFactory):
                               max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
                               gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
                               seed=self.cfg.run.seed + index, enforce_eager=r.enforce_eager,
-                              startup_timeout_s=r.startup_timeout_s, extra_args=list(r.vllm_server_args), env=env,
+                              startup_timeout_s=r.startup_timeout_s, extra_args=self._extra_args(index), env=env,
                               # vLLM's own nccl backend only when asked for (and on GPU); else fleetrl's
                               weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl")
         return VLLMServer(args, self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
+
+    def _extra_args(self, index: int) -> list[str]:
+        args = list(self.cfg.rollout.vllm_server_args)
+        c = self.cfg.colocate
+        # a server with a GPU slot runs on CUDA (this actor may see no GPU of its own)
+        if c.enabled and c.sleep_level(index in self.slots) and "--enable-sleep-mode" not in args:
+            args.append("--enable-sleep-mode")  # colocated: the engines sleep while the learner trains
+        return args
 
     async def start(self, index: int) -> FleetVLLMClient:
         server = self._server(index)

@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -106,7 +107,10 @@ class RolloutWorker:
 
     def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
                  rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
-                 max_staleness: int, seed: int = 0, push_retries: int = 3, logprob_retries: int = 2) -> None:
+                 max_staleness: int, seed: int = 0, push_retries: int = 3, logprob_retries: int = 2,
+                 gate: Callable[[], bool] | None = None) -> None:
+        """``gate``: colocated mode's ``() -> may start groups`` (rollout_fleet/colocated.py); while it says
+        False no ticket is taken and no group starts."""
         self.fleet = fleet
         self.producer = producer
         self.prompts = prompts
@@ -117,6 +121,8 @@ class RolloutWorker:
         self.seed = seed
         self.push_retries = push_retries
         self.logprob_retries = logprob_retries
+        self.gate = gate
+        self.tickets_held_at_gate = 0  # tickets that arrived as the gate closed (colocated; 0 under k = 0)
         self._tasks: dict[asyncio.Task, Prompt] = {}
         self._replay: list[Prompt] = []
         self.groups_started = 0
@@ -163,7 +169,18 @@ class RolloutWorker:
                     await asyncio.wait(list(self._tasks), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 t0 = time.monotonic()
+                if self.gate is not None and not self.gate():
+                    await asyncio.sleep(0.02)
+                    if not self._tasks:
+                        self.idle_s += time.monotonic() - t0
+                    continue
                 tickets = await self.producer.acquire_tickets(free, 0.2)
+                if self.gate is not None and tickets and not self.gate():  # closed while we waited: hold them
+                    self.tickets_held_at_gate += len(tickets)
+                    log.warning("rollout: colocated gate closed with %d tickets just taken; held until it opens",
+                                len(tickets))
+                    while not self.gate() and not stop.is_set():  # noqa: ASYNC110 (the gate is a predicate)
+                        await asyncio.sleep(0.02)
                 if not tickets:
                     if not self._tasks:
                         self.idle_s += time.monotonic() - t0

@@ -181,6 +181,23 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
     async def is_paused(self) -> bool:
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
 
+    # ---- sleep mode (colocated: the server was started with --enable-sleep-mode) ---------------
+    async def sleep(self, level: int) -> None:
+        """Free the server's GPU memory: level 1 moves the weights to host memory and drops the KV cache,
+        level 2 drops both (the next weight load brings them). Nothing may be running (it is aborted)."""
+        if level not in (1, 2):
+            raise ValueError(f"vLLM sleep level must be 1 or 2, got {level}")
+        await self._request("POST", "/sleep", params={"level": str(level)}, timeout_s=self.request_timeout_s)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what sleep freed: ``["weights"]`` first (then load new ones), ``["kv_cache"]`` after;
+        None: everything."""
+        await self._request("POST", "/wake_up", params=[("tags", t) for t in tags or []],
+                            timeout_s=self.request_timeout_s)
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._request("GET", "/is_sleeping")).json()["is_sleeping"])
+
     async def reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache. vLLM refuses (``{"success": false}``) while running requests
         hold KV blocks, as in an in-flight (``keep``) update under load. Requests

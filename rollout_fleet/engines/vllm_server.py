@@ -93,7 +93,9 @@ class VLLMServer:
         self.log_path = self.run_dir / "vllm_server.log"
         import torch
 
-        self.cuda = torch.cuda.is_available()
+        # a server given GPUs (its placement slot) is a CUDA server even where this process sees none
+        # (a Ray actor without GPUs of its own may have CUDA_VISIBLE_DEVICES emptied)
+        self.cuda = torch.cuda.is_available() or bool(args.env.get("CUDA_VISIBLE_DEVICES"))
         wb = args.weight_backend
         self.weight_backend = ("nccl" if self.cuda else "fleetrl") if wb == "auto" else wb
 

