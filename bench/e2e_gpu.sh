@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$D/nvidia_s
 CMD=($PY launch/cluster.py --gpus 1 --recipe smollm2-gpu --max-steps "$STEPS" --no-live
      --run-dir "$D/run" --summary "$D/summary.json" "model.path=$MODEL"
      "colocate.sleep=$SLEEP" "rollout.enforce_eager=$EAGER" run.eval_every=0 run.eval_samples=200
-     broker.groups_per_step=32)
+     broker.groups_per_step=32 "$@")
 echo "${CMD[*]}" > "$D/command.txt"
 t0=$(date +%s)
 timeout -s TERM -k 60 "$LIMIT_S" "${CMD[@]}" > "$D/cluster.log" 2>&1
