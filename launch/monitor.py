@@ -218,7 +218,7 @@ class Monitor:
         """Every step the learner wrote since the last tick (learner/metrics_sink.py), one log each."""
         for row in self._learner_rows.new_rows():
             step = row.get("step")
-            if step is None or step <= self._wandb_step:  # a start mark, or a step a resumed run redoes
+            if "metrics" not in row or step <= self._wandb_step:  # a start mark, or a step a resumed run redoes
                 continue
             values: dict[str, Any] = dict(row["metrics"])
             if row.get("samples"):
