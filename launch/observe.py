@@ -97,8 +97,8 @@ class Endpoints:
         print(msg, flush=True)
 
     def refresh(self, force: bool = False) -> None:
-        """Re-read the learner's endpoint and the engines' URLs (at most every 5 s)."""
-        if not force and time.monotonic() - self._last < 5.0:
+        """Re-read the learner's endpoint and the engines' URLs (at most once a second)."""
+        if not force and time.monotonic() - self._last < 1.0:
             return
         self._last = time.monotonic()
         job, out = self.job, {}

@@ -115,6 +115,7 @@ def prepare(cfg, run_dir: Path) -> dict[str, Any]:
     """Make ``run_dir`` ready for this run: leftovers ended, the spool rewound to the checkpoint."""
     run_dir = Path(run_dir)
     left = end_leftovers(run_dir)
+    (run_dir / "metrics" / "learner_endpoint.json").unlink(missing_ok=True)  # the old learner's: gone
     version = checkpoint_version(cfg, run_dir)
     info: dict[str, Any] = {"checkpoint_version": version, "leftovers_ended": left}
     spool = Path(cfg.broker.spool_dir) if cfg.broker.spool_dir else None

@@ -2,13 +2,13 @@
 
 One run directory serves every test here (each launch costs a vLLM start, 60-80 s on 2 cores):
 
-* launch A runs the tiny recipe (6 steps of 8 groups, checkpoints every 2 steps, W&B offline);
-  once the learner is past step 2 the test scrapes every Prometheus endpoint the job lists in
-  ``metrics.json`` (driver, broker, learner, the engine's own) and asks ``status``; past step 3
-  it ``kill -9``s the driver;
+* launch A runs the tiny recipe (16 steps of 8 groups, checkpoints every 2 steps, W&B offline);
+  past step 3 the test ``kill -9``s the driver;
 * (with ``FLEETRL_RESUME_RANK_KILL=1``) launch A2, the same command, ``kill -9``s the learner
   rank's process past step 4: the driver sees the rank die and stops;
-* launch B, the same command again, finishes the run.
+* launch B, the same command again, finishes the run. Once its learner has written a step the
+  test scrapes every Prometheus endpoint the job lists in ``metrics.json`` (driver, broker,
+  learner, the engine's own) and asks ``status``.
 
 The assertions read the run's own records: TensorBoard's event files (TensorBoard's reader), the
 learner's per-step JSONL, the W&B offline files, the broker spool (``python -m broker export``),
@@ -34,7 +34,7 @@ from tests.integration.test_wandb_logging import history, read_wandb_records
 from tests.unit.test_observability import dashboard_series
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, GROUPS, EVERY = 6, 8, 2
+STEPS, GROUPS, EVERY = 16, 8, 2  # a step takes ~0.5 s here: enough of them for the probe
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
@@ -51,9 +51,16 @@ def _scrape(url: str) -> str:
 
 
 def _series(text: str) -> set[str]:
+    """Every series an endpoint exports: its samples' names, and the names its declared families
+    give (a counter family without samples yet, e.g. drops by reason before the first drop)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    out = set()
+    for fam in text_string_to_metric_families(text):
+        out |= {s.name for s in fam.samples}
+        out |= {fam.name + x for x in {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(
+            fam.type, ("",))}
+    return out
 
 
 def _rank_pid(driver: int) -> int | None:
@@ -86,7 +93,7 @@ def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> 
             except psutil.NoSuchProcess:
                 pass
             step = _step(run_dir)
-            if probe is not None and not probed and step >= 2:
+            if probe is not None and not probed and _has_learner(run_dir):
                 probed = True
                 out["probe"] = probe(run_dir)
             if kill and killed is None and step >= at:
@@ -103,6 +110,16 @@ def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> 
     return out
 
 
+def _has_learner(run_dir: Path) -> bool:
+    """This launch's learner endpoint is listed (the file is rewritten by each launch's driver)."""
+    try:
+        eps = json.loads((run_dir / "metrics.json").read_text())
+        return "learner" in eps and eps["learner"] == json.loads(
+            (run_dir / "metrics" / "learner_endpoint.json").read_text())["learner"] and _scrape(eps["learner"]) != ""
+    except (OSError, ValueError):
+        return False
+
+
 def _probe(run_dir: Path) -> dict:
     """Every endpoint in metrics.json scraped, and the `status` text."""
     eps = json.loads((run_dir / "metrics.json").read_text())
@@ -117,14 +134,18 @@ def _probe(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("observed")
-    launches = [_launch(d, kill="driver", at=EVERY + 1, probe=_probe)]
+    launches = [_launch(d, kill="driver", at=EVERY + 1)]
     time.sleep(3.0)  # the broker and Ray die with their driver (PR_SET_PDEATHSIG); the engine is left
     if os.environ.get("FLEETRL_RESUME_RANK_KILL") == "1":
         launches.append(_launch(d, kill="rank", at=2 * EVERY))
-    launches.append(_launch(d))
+    launches.append(_launch(d, probe=_probe))
     rep = subprocess.run([sys.executable, "launch/cluster.py", "report", "--run-dir", str(d)], cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    return {"dir": d, "launches": launches, "report": rep, "spool": spool_rows(d / "spool", d / "spool.parquet")}
+    from learner.metrics_sink import JSONL
+
+    starts = [json.loads(x)["step"] for x in (d / JSONL).read_text().splitlines() if '"event"' in x]
+    return {"dir": d, "launches": launches, "report": rep, "spool": spool_rows(d / "spool", d / "spool.parquet"),
+            "starts": starts}
 
 
 def test_run_finishes_after_the_kills(run):
@@ -148,14 +169,14 @@ def test_tensorboard_has_every_metric_at_every_step(run):
     for tag in EVERY_STEP + ("rollout/reward_mean_addition",):
         assert [e.step for e in acc.Scalars(tag)] == want, tag  # once each: redone steps replaced
     assert [e.step for e in acc.Histograms("learner/staleness_versions")] == want
-    assert sorted({e.step for e in acc.Tensors("rollout/samples")}) == [2, 4, 6]
+    assert sorted({e.step for e in acc.Tensors("rollout/samples")}) == list(range(2, STEPS + 1, 2))
     assert all(0 < e.value <= 8 for e in acc.Scalars("rollout/response_length_max_tokens"))
 
 
 def test_prometheus_endpoints_answer_with_every_series_the_board_reads(run):
     from learner.metrics_sink import EVERY_STEP
 
-    p = run["launches"][0]["probe"]
+    p = run["launches"][-1]["probe"]
     series = {k: _series(v) for k, v in p["scrapes"].items() if k != "engines"}
     assert {"broker_queue_depth_groups", "broker_staleness_versions_bucket", "broker_engine_version_lag",
             "broker_acked_groups_total"} <= series["broker"]
@@ -177,7 +198,7 @@ def test_wandb_resumes_the_same_run_with_every_learner_step(run):
     assert len(ids) == 1, ids  # one W&B run, resumed
     steps = {row["_step"] for recs in records for row in history(recs) if "learner/loss_total" in row}
     # the killed driver's W&B process may not have written its last steps; the last launch logs its own
-    assert set(range(run["launches"][0]["killed"]["step"] + 1, STEPS + 1)) <= steps, steps
+    assert set(range(run["starts"][-1], STEPS + 1)) <= steps, steps
 
 
 def test_report_writes_its_pngs(run):
@@ -191,13 +212,13 @@ def test_report_writes_its_pngs(run):
 
 
 def test_resume_trains_every_group_once_and_continues_the_data(run):
-    from learner.metrics_sink import JSONL, effective_rows
+    from learner.metrics_sink import effective_rows
 
-    d = run["dir"]
-    starts = [json.loads(x)["step"] for x in (d / JSONL).read_text().splitlines() if '"event"' in x]
+    d, starts = run["dir"], run["starts"]
     assert starts[0] == 1 and len(starts) == len(run["launches"])
-    # each re-run starts after a checkpoint step, at or before the step the kill interrupted
-    assert all((s - 1) % EVERY == 0 for s in starts[1:]) and starts[1] <= run["launches"][0]["killed"]["step"] + 1
+    # each re-run starts after a checkpoint step, no later than the checkpoint after the step the kill saw
+    assert all((s - 1) % EVERY == 0 for s in starts[1:]), starts
+    assert 1 < starts[1] <= run["launches"][0]["killed"]["step"] + 1 + EVERY, (starts, run["launches"][0]["killed"])
     rows = effective_rows(d)
     assert list(rows) == list(range(1, STEPS + 1))
     trained = [g for r in rows.values() for g in r["groups"]]
