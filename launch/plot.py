@@ -44,18 +44,19 @@ def _fmt(v: float) -> str:
 class Chart:
     def __init__(self, title: str, *, x_label: str, y_label: str) -> None:
         self.title, self.x_label, self.y_label = title, x_label, y_label
-        self.series: list[tuple[str, list[float], list[float], bool]] = []
+        self.series: list[tuple[str, list[float], list[float], bool, list[bool]]] = []
 
-    def line(self, name: str, xs, ys, *, points: bool = False) -> None:
-        pts = [(float(x), float(y)) for x, y in zip(xs, ys, strict=True)
+    def line(self, name: str, xs, ys, *, points: bool = False, breaks: set[int] = frozenset()) -> None:
+        """A series; the line is not drawn into index ``i`` for ``i`` in ``breaks`` (a gap: a restart)."""
+        pts = [(float(x), float(y), i in breaks) for i, (x, y) in enumerate(zip(xs, ys, strict=True))
                if x is not None and y is not None and math.isfinite(float(y))]
-        self.series.append((name, [p[0] for p in pts], [p[1] for p in pts], points))
+        self.series.append((name, [p[0] for p in pts], [p[1] for p in pts], points, [p[2] for p in pts]))
 
     def save(self, path: Path) -> Path:
         img = Image.new("RGB", (W, H), "white")
         d = ImageDraw.Draw(img)
-        xs = [x for _, sx, _, _ in self.series for x in sx]
-        ys = [y for _, _, sy, _ in self.series for y in sy]
+        xs = [x for _, sx, _, _, _ in self.series for x in sx]
+        ys = [y for _, _, sy, _, _ in self.series for y in sy]
         x0, x1 = (min(xs), max(xs)) if xs else (0.0, 1.0)
         y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
         if y1 - y0 < 1e-12:
@@ -67,11 +68,17 @@ class Chart:
         px = lambda x: LEFT + (x - x0) / (x1 - x0) * (W - LEFT - RIGHT)  # noqa: E731
         py = lambda y: H - BOTTOM - (y - y0) / (y1 - y0) * (H - TOP - BOTTOM)  # noqa: E731
         _axes(d, self.title, self.x_label, self.y_label, nice_ticks(x0, x1), nice_ticks(y0, y1), px, py)
-        for i, (name, sx, sy, points) in enumerate(self.series):
+        for i, (name, sx, sy, points, gaps) in enumerate(self.series):
             c = COLORS[i % len(COLORS)]
             pts = [(px(x), py(y)) for x, y in zip(sx, sy, strict=True)]
             if len(pts) > 1 and not points:
-                d.line(pts, fill=c, width=2)
+                run: list[tuple[float, float]] = []
+                for p, gap in zip(pts, gaps, strict=True):
+                    if gap and len(run) > 1:
+                        d.line(run, fill=c, width=2)
+                    run = [p] if gap else run + [p]
+                if len(run) > 1:
+                    d.line(run, fill=c, width=2)
             for p in pts if (points or len(pts) == 1) else []:
                 d.ellipse([p[0] - 4, p[1] - 4, p[0] + 4, p[1] + 4], fill=c)
             lx, ly = W - RIGHT - 230, TOP + 10 + 16 * i
@@ -85,7 +92,7 @@ class Chart:
 def _axes(d, title, x_label, y_label, xt, yt, px, py) -> None:
     f = _font()
     d.rectangle([LEFT, TOP, W - RIGHT, H - BOTTOM], outline=(0, 0, 0))
-    d.text((LEFT, 10), title, fill=(0, 0, 0), font=_font(16))
+    d.text((W - RIGHT - 8 * len(title), 8), title, fill=(0, 0, 0), font=_font(16))
     for t in xt:
         x = px(t)
         if LEFT <= x <= W - RIGHT:

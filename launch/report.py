@@ -36,7 +36,9 @@ def _driver_rows(run_dir: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError:  # cut by kill -9
             continue
-        if "step" in row:
+        if "event" in row and rows:
+            rows[-1]["_last"] = True  # the next row starts another launch: no line across the gap
+        elif "step" in row:
             rows.append(row)
     return rows
 
@@ -71,6 +73,9 @@ def build_report(run_dir: str | Path) -> list[Path]:
     m = [rows[s]["metrics"] for s in steps]
     t_start = min([rows[s]["wall_time"] for s in steps] + [r["time"] for r in drows])
     wall = [rows[s]["wall_time"] - t_start for s in steps]
+    restarts = _restarts(run_dir)
+    learner_gaps = {i for i, s in enumerate(steps) if s in restarts}
+    driver_gaps = {i + 1 for i, r in enumerate(drows) if r.get("_last")}
     evals = _evals(drows, summary)
 
     c = Chart("reward and eval accuracy", x_label="learner step", y_label="reward / accuracy")
@@ -78,7 +83,7 @@ def build_report(run_dir: str | Path) -> list[Path]:
     c.line("eval accuracy", [e[0] for e in evals], [e[2] for e in evals], points=True)
     paths = [c.save(out / "reward.png")]
     c = Chart("reward and eval accuracy over time", x_label="wall time (s)", y_label="reward / accuracy")
-    c.line("train reward (mean)", wall, [x["rollout/reward_mean"] for x in m])
+    c.line("train reward (mean)", wall, [x["rollout/reward_mean"] for x in m], breaks=learner_gaps)
     c.line("eval accuracy", [e[1] - t_start for e in evals], [e[2] for e in evals], points=True)
     paths.append(c.save(out / "reward_time.png"))
     paths.append(heatmap(out / "staleness.png", "staleness of the samples of each step",
@@ -86,11 +91,11 @@ def build_report(run_dir: str | Path) -> list[Path]:
                          x_label="learner step", y_label="versions"))
     dw = [r["time"] - t_start for r in drows]
     c = Chart("rollout throughput", x_label="wall time (s)", y_label="tokens / s")
-    c.line("generated tokens/s", dw, [r.get("tokens_per_s") for r in drows])
+    c.line("generated tokens/s", dw, [r.get("tokens_per_s") for r in drows], breaks=driver_gaps)
     paths.append(c.save(out / "throughput.png"))
     c = Chart("idle fractions", x_label="wall time (s)", y_label="share of wall time")
-    c.line("fleet idle", dw, [r.get("fleet_idle_fraction") for r in drows])
-    c.line("learner idle (waiting for data)", dw, [r.get("learner_idle_fraction") for r in drows])
+    c.line("fleet idle", dw, [r.get("fleet_idle_fraction") for r in drows], breaks=driver_gaps)
+    c.line("learner idle (waiting for data)", dw, [r.get("learner_idle_fraction") for r in drows], breaks=driver_gaps)
     paths.append(c.save(out / "idle.png"))
     c = Chart("weight publish per step", x_label="learner step", y_label="seconds")
     c.line("publish", steps, [x["learner/time_publish_seconds"] for x in m])
@@ -100,6 +105,13 @@ def build_report(run_dir: str | Path) -> list[Path]:
     paths.append(c.save(out / "publish.png"))
     paths.append(_markdown(run_dir, out / "report.md", rows, drows, evals, summary))
     return paths
+
+
+def _restarts(run_dir: Path) -> set[int]:
+    """The first step of every learner process after the first (a resumed run starts there)."""
+    path = run_dir / "metrics" / "learner.jsonl"
+    starts = [json.loads(x)["step"] for x in path.read_text().splitlines() if '"event"' in x]
+    return set(starts[1:])
 
 
 def _mean(xs: list[float]) -> float:
@@ -114,8 +126,7 @@ def _markdown(run_dir: Path, path: Path, rows, drows, evals, summary) -> Path:
     for s in steps:
         for k, v in rows[s]["staleness_hist"].items():
             hist[int(k)] = hist.get(int(k), 0) + v
-    starts = sum(1 for line in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()
-                 if '"event": "start"' in line)
+    starts = sum(1 for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines() if '"event"' in x)
     first, last = m[:5], m[-5:]
     lines = [f"# Run report: {run_dir.name}", "",
              f"- steps: {steps[0]}..{steps[-1]} ({len(steps)} recorded; learner processes started: {starts})",

@@ -45,6 +45,14 @@ def _step(run_dir: Path) -> int:
     return max(rows) if rows else 0
 
 
+def _starts(run_dir: Path) -> list[int]:
+    """The first step of each learner process that ran on ``run_dir`` (its start lines)."""
+    from learner.metrics_sink import JSONL
+
+    path = run_dir / JSONL
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if '"event"' in x] if path.exists() else []
+
+
 def _scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
@@ -74,6 +82,7 @@ def _rank_pid(driver: int) -> int | None:
 
 
 def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> dict:
+    """One launch; ``kill`` ("driver" or "rank") once this launch's learner has trained ``at`` steps."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "WANDB_SILENT": "true"}
     env.pop("WANDB_API_KEY", None)
@@ -85,6 +94,7 @@ def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> 
     with open(log, "w") as f:  # a file, not a pipe: nothing blocks on a full pipe, orphans hold nothing
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     seen, out, killed, probed = set(), {}, None, False
+    before = len(_starts(run_dir))
     deadline = time.monotonic() + 600
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -96,7 +106,8 @@ def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> 
             if probe is not None and not probed and _has_learner(run_dir):
                 probed = True
                 out["probe"] = probe(run_dir)
-            if kill and killed is None and step >= at:
+            mine = _starts(run_dir)[before:]
+            if kill and killed is None and mine and step >= mine[0] + at - 1:
                 pid = proc.pid if kill == "driver" else _rank_pid(proc.pid)
                 if pid:
                     killed = {"pid": pid, "step": step}
@@ -134,16 +145,14 @@ def _probe(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("observed")
-    launches = [_launch(d, kill="driver", at=EVERY + 1)]
+    launches = [_launch(d, kill="driver", at=EVERY + 1)]  # past the first checkpoint
     time.sleep(3.0)  # the broker and Ray die with their driver (PR_SET_PDEATHSIG); the engine is left
     if os.environ.get("FLEETRL_RESUME_RANK_KILL") == "1":
-        launches.append(_launch(d, kill="rank", at=2 * EVERY))
+        launches.append(_launch(d, kill="rank", at=EVERY))
     launches.append(_launch(d, probe=_probe))
     rep = subprocess.run([sys.executable, "launch/cluster.py", "report", "--run-dir", str(d)], cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    from learner.metrics_sink import JSONL
-
-    starts = [json.loads(x)["step"] for x in (d / JSONL).read_text().splitlines() if '"event"' in x]
+    starts = _starts(d)
     return {"dir": d, "launches": launches, "report": rep, "spool": spool_rows(d / "spool", d / "spool.parquet"),
             "starts": starts}
 
