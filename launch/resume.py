@@ -33,11 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def with_defaults(cfg, run_dir: Path):
-    """The spool in ``RUN_DIR/spool`` and, with ``run.prometheus``, a fixed broker metrics port, unless set."""
+    """The spool in ``RUN_DIR/spool`` (``run.default_spool``) and, with ``run.prometheus``, a fixed broker
+    metrics port, unless set."""
     from core.net import free_port
 
     broker: dict[str, Any] = {}
-    if cfg.broker.spool_dir is None and cfg.rollout.engine != "simulated":  # SIMULATED: nothing to resume
+    # SIMULATED runs have no checkpoints: nothing to resume
+    if cfg.broker.spool_dir is None and cfg.run.default_spool and cfg.rollout.engine != "simulated":
         broker["spool_dir"] = str(Path(run_dir) / "spool")
     if cfg.run.prometheus and cfg.broker.metrics_port is None:
         broker["metrics_port"] = free_port()  # fixed for the job: a restarted broker keeps its address
