@@ -150,7 +150,7 @@ class Monitor:
 
         self.recorder = RunRecorder(self.run_dir)
         self._learner_rows = LearnerRows(self.run_dir)  # the learner's every step, for W&B
-        self._wandb_step = -1
+        self._wandb_step = -1  # the learner's last step logged to W&B
         if tensorboard:
             try:
                 self._tb = _ScalarWriter(self.run_dir / "tensorboard")
@@ -202,9 +202,9 @@ class Monitor:
             if self._tb is not None:
                 for tag, v in scalars.items():
                     self._tb.add_scalar(tag, v, step)
-            if self._wandb is not None:  # into the learner's latest step (W&B steps only go up)
-                self._wandb_step = max(self._wandb_step, step)
-                self._wandb.add_scalars(scalars, self._wandb_step)
+            if self._wandb is not None:  # into the learner's latest logged step: W&B steps only go up, and
+                # the learner's line for `step` may not be written yet (it must not be skipped then)
+                self._wandb.add_scalars(scalars, self._wandb_step if self._wandb_step >= 0 else step)
         if self._live is not None:
             self._live.update(self.render(snap))
         elif time.monotonic() - self._last_log > 5.0:

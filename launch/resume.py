@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +62,19 @@ def _of_run(pid: int, run_dir: Path) -> bool:
     return str(run_dir) in _cmdline(pid) or str(run_dir) in env
 
 
+def _members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid and _alive(int(d.name)):
+                    out.append(int(d.name))
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+    return out
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -75,7 +86,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def end_leftovers(run_dir: Path, timeout_s: float = 20.0) -> list[int]:
+def end_leftovers(run_dir: Path, timeout_s: float = 10.0) -> list[int]:
     """End engine servers a dead driver of ``run_dir`` left running; refuse if that driver lives."""
     path = Path(run_dir) / "metrics" / "pids.json"
     if not path.exists():
@@ -85,22 +96,14 @@ def end_leftovers(run_dir: Path, timeout_s: float = 20.0) -> list[int]:
     if driver and driver != os.getpid() and _alive(driver) and "cluster.py" in _cmdline(driver):
         raise SystemExit(f"error: a job is still running in {run_dir} (driver pid {driver}); stop it first "
                          f"(Ctrl-C, or `kill {driver}`) or choose another --run-dir")
-    left = [p for p in pids.get("engines", []) if _alive(p) and _of_run(p, Path(run_dir).resolve())]
-    for p in left:
-        log.warning("ending engine server pid %d left by the previous driver of %s", p, run_dir)
-        try:
-            os.killpg(p, signal.SIGTERM)  # each server leads its own process group
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in left) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in left:
-        if _alive(p):
-            try:
-                os.killpg(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    # each server leads its own process group; its leader may be gone while its engine core lives on
+    groups = {p for p in pids.get("engines", []) if any(_of_run(m, Path(run_dir).resolve()) for m in _members(p))}
+    left = sorted(m for g in groups for m in _members(g))
+    if left:
+        from launch.broker_supervisor import end_engine_groups
+
+        log.warning("ending engine server processes %s left by the previous driver of %s", left, run_dir)
+        end_engine_groups(groups, timeout_s)
     return left
 
 

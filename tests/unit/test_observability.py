@@ -131,3 +131,34 @@ def test_ticks_cover_the_range(lo, hi):
 
     t = nice_ticks(lo, hi)
     assert 2 <= len(t) <= 12 and all(np.diff(t) > 0)
+
+
+def test_a_rerun_ends_the_engine_group_a_killed_driver_left(tmp_path):
+    """The server's leader is gone (as after a kill -9 of the driver) but its child lives on."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from launch.resume import _members, end_leftovers
+
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": str(tmp_path / "vllm-0" / "tmp")}  # as a real server's
+    leader = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], env=env, stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    child = int(leader.stdout.readline())
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "pids.json").write_text(json.dumps({"driver": 999999999, "engines": [leader.pid]}))
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait()
+    try:
+        assert _members(leader.pid) == [child]
+        assert end_leftovers(tmp_path) == [child]
+        deadline = time.monotonic() + 10
+        while _members(leader.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _members(leader.pid)
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
