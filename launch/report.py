@@ -54,7 +54,8 @@ def _evals(drows: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple[i
     t0 = drows[0]["time"] if drows else 0.0
     if summary.get("eval_accuracy_before") is not None:
         out.insert(0, (0, t0, summary["eval_accuracy_before"]))
-    if summary.get("eval_accuracy_after") is not None:
+    after = summary.get("eval_accuracy_after")
+    if after is not None and not (out and out[-1][0] == summary["steps"] and out[-1][2] == after):
         out.append((summary["steps"], drows[-1]["time"] if drows else t0, summary["eval_accuracy_after"]))
     return out
 
