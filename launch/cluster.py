@@ -8,6 +8,7 @@ Examples::
     python launch/cluster.py --recipe tiny broker.max_staleness=0 learner.loss.correction=none
     python launch/cluster.py scale --rollout-gpus 8 --run-dir runs/tiny                # running job
     python launch/cluster.py status --run-dir runs/tiny
+    python launch/cluster.py report --run-dir runs/tiny       # PNG plots + report.md in runs/tiny/report
     python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
     python launch/cluster.py --colocate --recipe tiny                                 # colocated, synchronous (CPU)
     python launch/cluster.py --gpus 1 --recipe smollm2-gpu                            # colocated on one GPU
@@ -36,6 +37,7 @@ def run_parser() -> argparse.ArgumentParser:
         prog="launch/cluster.py",
         description="Run asynchronous RL: a learner pool and a rollout fleet on disjoint GPUs of a Ray cluster. "
         "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help'); "
+        "'report --run-dir D' plots a run; "
         "'verl KEY=VALUE ...' prints what a verl command line maps to.",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -140,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         return _control(argv)
     if argv and argv[0] == "verl":
         return _verl(argv[1:])
+    if argv and argv[0] == "report":
+        from launch.report import main as report
+
+        return report(argv[1:])
     args = run_parser().parse_args(argv)
     from core.configbase import ConfigError
 

@@ -41,6 +41,10 @@ class RunSection(RunKeys):
     eval_samples: int = Field(256, ge=0, description="test prompts per evaluation (before and after training, "
                               "and every eval_every steps); 0: no evaluation")
     tensorboard: bool = True
+    default_spool: bool = Field(True, description="with broker.spool_dir unset, spool in RUN_DIR/spool (what a "
+                                "re-run on the same run_dir continues from); false: no spool unless spool_dir is set")
+    prometheus: bool = Field(True, description="Prometheus endpoints of the driver, the broker and the learner "
+                             "(addresses in RUN_DIR/metrics.json, printed at start and shown by `status`)")
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging from the driver; None: off")
 
 

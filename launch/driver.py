@@ -31,10 +31,12 @@ from typing import Any
 
 import msgspec
 
+from launch import resume
 from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine_groups
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
+from launch.observe import Endpoints
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
 from launch.snapshot import BrokerView, JobSnapshot
 from learner.status import LearnerStatus
@@ -114,8 +116,9 @@ class Job:
             log.info("started %s in %.1f s", name, time.monotonic() - t)
         self.control = ControlServer(self.run_dir, self.handle)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
-                               live=not self.args.no_live, wandb=self.wandb)
+                               live=not self.args.no_live, wandb=self.wandb, prometheus=self.cfg.run.prometheus)
         self.wandb = None  # the monitor owns it now (and finishes it)
+        self.endpoints = Endpoints(self)  # every Prometheus endpoint, printed and in metrics.json
 
     def _init_ray(self, ray) -> None:
         """Start a local Ray head, or join ``--address``; token auth is chosen, never inherited.
@@ -271,6 +274,7 @@ class Job:
             self.snapshot = self.collect()
             self._evaluate_every()
             self.monitor.update(self.snapshot)
+            self.endpoints.refresh()
             while self.control.poll(0):
                 pass
             if done:
@@ -345,7 +349,7 @@ class Job:
     # -- control --------------------------------------------------------------------------------
     def handle(self, req: ControlRequest) -> dict[str, Any]:
         if req.op == "status":
-            return self.collect().to_wire()
+            return {**self.collect().to_wire(), "metrics_endpoints": self.endpoints.current}
         if req.rollout_gpus is None:
             raise ValueError("scale needs rollout_gpus")
         return self.scale(req.rollout_gpus)
@@ -504,6 +508,8 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
     # every process gets the absolute run directory (Ray workers do not share our cwd)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
     setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
+    cfg = resume.with_defaults(cfg, run_dir)  # spool in the run dir, Prometheus ports: a re-run continues
+    resume.prepare(cfg, run_dir)
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)
 

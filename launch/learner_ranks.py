@@ -229,6 +229,8 @@ class LearnerRanks:
         """Ask every rank to stop after its step; rank 0's status plus every live rank's step."""
         for a in self.actors:
             a.stop.remote()
+        # the ranks finish their step, then checkpoint and export (learner.run.StopRun) before they return
+        ray.wait(self.refs, num_returns=len(self.refs), timeout=4 * timeout_s)
         st = self.status(timeout_s)
         steps = []
         for a in self.actors:

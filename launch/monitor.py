@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -65,6 +67,9 @@ def format_status(answer: dict[str, Any]) -> str:
     lines.append(f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} "
                  f"(bound {st.max_staleness})")
     lines.append(f"staleness histogram (versions: samples): {lr.staleness_hist}")
+    for k, v in (answer.get("metrics_endpoints") or {}).items():  # launch/observe.py
+        for name, url in (v.items() if isinstance(v, dict) else [(k, v)]):
+            lines.append(f"prometheus {name}: {url}")
     lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}")
     for s in st.servers:
         lines.append(f"{s.engine_id:<14}{s.state:<11}{s.version:>8}{s.inflight_groups:>9}"
@@ -104,17 +109,26 @@ class WandbWriter:
         self._wandb = wandb
         settings = wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", quiet=True)
         tags = list(cfg.tags) + (["SIMULATED"] if simulated else [])
+        # one W&B run per run directory: a re-run on the same --run-dir (resume) continues it
+        id_file = Path(run_dir) / "wandb_run_id"
+        if not id_file.exists():
+            id_file.write_text(secrets.token_hex(4))
+        run_id = id_file.read_text().strip()
         try:
             self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or Path(run_dir).name,
                                   mode=cfg.mode, dir=str(run_dir), tags=tags, settings=settings,
-                                  config={**run_config, "simulated": simulated})
+                                  config={**run_config, "simulated": simulated}, id=run_id, resume="allow")
         except Exception as exc:  # no API key, no network, a bad entity: say so before the job starts
             raise RuntimeError(f"W&B: wandb.init(project={cfg.project!r}) failed: {exc} "
                                f"(log in with `wandb login`, or set run.wandb.mode=offline)") from None
         log.info("W&B run %s (%s) in %s", self.run.name, self.run.settings.mode, self.run.dir)
 
-    def add_scalars(self, values: dict[str, float], step: int) -> None:
+    def add_scalars(self, values: dict[str, Any], step: int) -> None:
         self.run.log(values, step=int(step))
+
+    def table(self, rows: list[dict[str, Any]]):
+        cols = list(rows[0])
+        return self._wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])
 
     def close(self) -> None:
         self.run.finish()
@@ -131,6 +145,12 @@ class Monitor:
         self._gauges: dict[str, Any] = {}
         self._last_tb_step = -1
         self._last_log = 0.0
+        self.prometheus_url: str | None = None
+        from launch.observe import LearnerRows, RunRecorder
+
+        self.recorder = RunRecorder(self.run_dir)
+        self._learner_rows = LearnerRows(self.run_dir)  # the learner's every step, for W&B
+        self._wandb_step = -1  # the learner's last step logged to W&B
         if tensorboard:
             try:
                 self._tb = _ScalarWriter(self.run_dir / "tensorboard")
@@ -154,6 +174,7 @@ class Monitor:
             self._gauges[name] = Gauge(f"fleetrl_{name}", doc, list(labels), registry=self._registry).labels(**labels)
         self._http, self._http_thread = start_http_server(0, addr="127.0.0.1", registry=self._registry)
         port = self._http.server_port
+        self.prometheus_url = f"http://127.0.0.1:{port}/metrics"
         (self.run_dir / "metrics.json").write_text(json.dumps({"prometheus": f"http://127.0.0.1:{port}/metrics"}))
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
 
@@ -170,6 +191,9 @@ class Monitor:
         for k, v in values.items():
             if v is not None and k in self._gauges:
                 self._gauges[k].set(float(v))
+        self.recorder.tick(snap)
+        if self._wandb is not None:
+            self._learner_to_wandb()
         step = lr.step
         if step != self._last_tb_step and (self._tb is not None or self._wandb is not None):
             self._last_tb_step = step
@@ -178,8 +202,9 @@ class Monitor:
             if self._tb is not None:
                 for tag, v in scalars.items():
                     self._tb.add_scalar(tag, v, step)
-            if self._wandb is not None:
-                self._wandb.add_scalars(scalars, step)
+            if self._wandb is not None:  # into the learner's latest logged step: W&B steps only go up, and
+                # the learner's line for `step` may not be written yet (it must not be skipped then)
+                self._wandb.add_scalars(scalars, self._wandb_step if self._wandb_step >= 0 else step)
         if self._live is not None:
             self._live.update(self.render(snap))
         elif time.monotonic() - self._last_log > 5.0:
@@ -188,6 +213,18 @@ class Monitor:
                      step, _fmt(lr.reward), _fmt(snap.eval_accuracy), _fmt(fl.tok_per_s, ".0f"),
                      _fmt(fl.fleet_idle_fraction), _fmt(lr.learner_idle_fraction),
                      snap.queue_groups, lr.staleness_hist)
+
+    def _learner_to_wandb(self) -> None:
+        """Every step the learner wrote since the last tick (learner/metrics_sink.py), one log each."""
+        for row in self._learner_rows.new_rows():
+            step = row.get("step")
+            if "metrics" not in row or step <= self._wandb_step:  # a start mark, or a step a resumed run redoes
+                continue
+            values: dict[str, Any] = dict(row["metrics"])
+            if row.get("samples"):
+                values["rollout/samples"] = self._wandb.table(row["samples"])
+            self._wandb.add_scalars(values, step)
+            self._wandb_step = step
 
     def render(self, snap: JobSnapshot):
         from rich.table import Table
@@ -214,6 +251,12 @@ class Monitor:
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
+        if self._wandb is not None:
+            try:
+                self._learner_to_wandb()  # the last steps, written after the last tick
+            except Exception as exc:
+                log.error("W&B: logging the last learner steps failed: %s", exc)
+        self.recorder.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -250,7 +293,8 @@ def setup_logging(run_dir: Path, name: str, *, simulated: bool, level: str = "IN
     for h in list(root.handlers):
         if getattr(h, "_fleetrl", False):
             root.removeHandler(h)
-    handlers: list[logging.Handler] = [logging.FileHandler(logs / f"{name}.log", mode="w")]
+    # appended: a re-run on the same run directory (resume) continues the log after a start line
+    handlers: list[logging.Handler] = [logging.FileHandler(logs / f"{name}.log", mode="a")]
     if stderr:
         handlers.append(logging.StreamHandler())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request drowns everything else
@@ -258,3 +302,4 @@ def setup_logging(run_dir: Path, name: str, *, simulated: bool, level: str = "IN
         h.setFormatter(fmt)
         h._fleetrl = True  # type: ignore[attr-defined]
         root.addHandler(h)
+    logging.getLogger(__name__).info("=== %s starts (pid %d) ===", name, os.getpid())

@@ -35,6 +35,7 @@ class BrokerSource:
         self.consumer = SyncConsumer(address, consumer_id=consumer_id, timeout_s=timeout_s,
                                      curve_keys_dir=curve_keys_dir)
         self.last_staleness = None  # per-row staleness of the latest batch (for logging)
+        self.last_batch = None  # the latest batch (rank 0's per-step metrics read it)
 
     def next_batch(self, step: int, timeout_s: float | None = None) -> StepBatch:
         """The batch of ``step``; raises TimeoutError naming the broker and step after ``timeout_s``."""
@@ -44,6 +45,7 @@ class BrokerSource:
             lease = self.consumer.next_batch(step, wait, renew_every_s=self.renew_every_s)
             if lease is not None:
                 self.last_staleness = lease.staleness
+                self.last_batch = lease.batch
                 return StepBatch(step=lease.step, lease_id=lease.lease_id, batch=lease.batch)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"broker {self.address}: no batch for learner step {step} "

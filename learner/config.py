@@ -136,11 +136,14 @@ class LearnerConfig(ConfigModel):
     recompute_proximal: bool = Field(
         False, description="tis: recompute the pre-step log-probs in a no-grad forward (decoupled always does); "
         "tis with it is decoupled's objective, without it a truncated-IS gradient with no trust region")
-    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 disables")
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints (the launcher resumes from the "
+                                  "newest when run again on the same run_dir); 0 disables")
     checkpoint_dir: str | None = Field(None, description="None: RUN_DIR/checkpoints")
     keep_checkpoints: int = Field(2, ge=1, description="complete checkpoints kept; older ones are deleted")
     resume: bool = Field(True, description="resume from the newest complete checkpoint in checkpoint_dir if any")
     export_every: int = Field(0, ge=0, description="steps between HF exports (RUN_DIR/export/latest); 0: only at the end")
+    log_samples_every: int = Field(10, ge=0, description="steps between sample-generation tables (TensorBoard text, "
+                                   "RUN_DIR/metrics/learner.jsonl, W&B); 0: none")
     export_dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype of HF exports (lossless by default)")
     reference_offload: bool = Field(True, description="keep the KL reference model on CPU")
     param_offload: bool = Field(False, description="FSDP on GPU: keep parameter shards (and with them gradients and "

@@ -229,10 +229,12 @@ class Learner:
         t_train_end_wall = time.time()
         if self.engine.rank == 0:
             self.source.report_version(self.version)
+        t3 = time.perf_counter()
         if self.checkpoint_dir is not None and self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
             self.save()
         if self.cfg.export_every and step % self.cfg.export_every == 0:
             self.export()
+        t_ckpt = time.perf_counter() - t3
         if self.engine.rank == 0:
             self.source.ack(lease)
         stale = step - 1 - oldest_versions(batch)
@@ -245,6 +247,7 @@ class Learner:
             "learner/pull_seconds": t_pull,
             "learner/proximal_seconds": t_prep,
             "learner/publish_seconds": t_pub,
+            "learner/checkpoint_seconds": t_ckpt,  # checkpoint and HF export, when due
             "learner/publish_skipped": float(unchanged),
             "learner/total_step_seconds": time.perf_counter() - t0,
             # the step's training window (after the batch hook, through the publish) and its samples'

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from core.colocate import ColocateConfig
 from learner.broker_source import BrokerSource
-from learner.run import LearnerRunLike, init_distributed, run_learner
+from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
 from weight_sync.config import NCCL_ENV, WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
@@ -80,8 +80,20 @@ class _RolloutPart(Protocol):
     def request_timeout_s(self) -> float: ...
 
 
+class _RankRunPart(Protocol):
+    @property
+    def run_dir(self) -> str: ...
+    @property
+    def tensorboard(self) -> bool: ...
+    @property
+    def prometheus(self) -> bool: ...
+
+
 class RankConfig(LearnerRunLike, Protocol):
     """What a rank reads of the run config (``launch.config.RunConfig`` is one)."""
+
+    @property
+    def run(self) -> _RankRunPart: ...
 
     @property
     def weight_sync(self) -> WeightSyncConfig: ...
@@ -115,7 +127,7 @@ class FleetView(Protocol):
 EndpointFactory = Callable[[str, str, str], WeightEndpoint]
 
 
-class StopRequested(Exception):
+class StopRequested(StopRun):
     """The driver asked the learner to stop after the current step."""
 
 
@@ -150,6 +162,8 @@ class LearnerRank:
         self.last_published_version = 0
         self.publish_errors = 0
         self.publishes_skipped = 0  # steps without an optimizer update: engines relabelled, no publish
+        self.publish_held_s = 0.0  # the last publish: seconds the engines were held for it
+        self.sink = None  # rank 0's per-step metrics (learner/metrics_sink.py), opened at its first step
         self.t0 = time.monotonic()
         self.t0_unix = time.time()
         self._colo: dict[str, float] = {}  # colocated mode: sleep / wake seconds of the current step
@@ -214,6 +228,10 @@ class LearnerRank:
         try:
             rep = self.pub.publish(version, tensors)
             log.info("published v%d to %s in %.2fs", version, rep.engines if rep else [], time.monotonic() - t0)
+            if rep is not None:
+                # pause mode holds the engines for the whole publish; staged updates only for the commit
+                staged = self.cfg.weight_sync.staging
+                self.publish_held_s = rep.seconds - (rep.broadcast_seconds if staged else 0.0)
             if rep is not None and rep.engines:
                 self.publishes += 1
                 self.last_published_version = version
@@ -279,7 +297,34 @@ class LearnerRank:
         if self._agree_stop():
             raise StopRequested
 
+    def _write_metrics(self, step: int, m: dict[str, float]) -> None:
+        if self.sink is None:
+            from learner.metrics_sink import MetricsSink
+
+            self.sink = MetricsSink(self.run_dir, start_step=step, tensorboard=self.cfg.run.tensorboard,
+                                    prometheus=self.cfg.run.prometheus, model_path=self.cfg.model.path,
+                                    samples_every=self.cfg.learner.log_samples_every)
+            self._continue_counts(step)
+        held = self.publish_held_s if not m.get("learner/publish_skipped") else 0.0
+        self.publish_held_s = 0.0
+        batch = self._source.last_batch
+        self.sink.write(step, m, batch, {"learner/publish_engine_held_seconds": held})
+
+    def _continue_counts(self, step: int) -> None:
+        """A resumed run: the counters (reward curve, staleness, groups) go on from the steps before ``step``."""
+        from learner.metrics_sink import effective_rows
+
+        k = self.cfg.broker.max_staleness
+        for row in effective_rows(self.run_dir, before=step).values():
+            self.reward_per_step.append(float(row["metrics"].get("rollout/reward_mean", float("nan"))))
+            self.groups_consumed += len(row["groups"])
+            for s, c in row["staleness_hist"].items():
+                self.staleness_hist[int(s)] += c
+                self.max_staleness_seen = max(self.max_staleness_seen, int(s))
+                self.bound_violations += c if int(s) > k else 0
+
     def _count(self, step: int, m: dict[str, float]) -> None:
+        self._write_metrics(step, m)
         if self.cfg.learner.export_every and step % self.cfg.learner.export_every == 0:
             self.exported_version = step
             if self.fleet is not None:  # a server the fleet restarts loads this before it takes work
@@ -360,6 +405,8 @@ class LearnerRank:
                 self._source.close()
             if self.pub is not None:
                 self.pub.close()
+            if self.sink is not None:
+                self.sink.close()
             dist.destroy_process_group()
         return self.status()
 

@@ -68,6 +68,11 @@ class LearnerRunConfig(ConfigModel):
     run: _RunKeys = _RunKeys()
 
 
+class StopRun(Exception):
+    """Raised from a metrics hook on every rank at the same step: the run stops there, checkpointed
+    and exported (:func:`run_learner`), so a re-run continues from that step."""
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
     """Initialise the default process group from the environment; returns (rank, world_size).
 
@@ -124,7 +129,18 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
                       on_batch=on_batch)
     if lc.resume:
         learner.resume()
-    return learner.run()
+    try:
+        return learner.run()
+    except StopRun:
+        from learner import checkpoint as ckpt
+
+        done = learner.checkpoint_dir is not None and ckpt.latest(learner.checkpoint_dir)
+        if learner.checkpoint_dir is not None and lc.checkpoint_every and (
+                not done or done.name != ckpt.step_dir(learner.checkpoint_dir, learner.version).name):
+            learner.save()
+        learner.export()
+        logger.info("stopped at version %d: checkpoint and export written", learner.version)
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

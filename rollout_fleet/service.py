@@ -22,6 +22,7 @@ from broker.client import ProducerClient
 from broker.config import BrokerConfig
 from core.colocate import ColocateConfig
 from core.configbase import ModelConfig, RunKeys
+from rollout_fleet import position
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.status import FleetStatus, ServerState, WorkerStatus
@@ -101,6 +102,10 @@ class FleetService:
                                     max_inflight_groups=self.cfg.rollout.max_inflight_groups,
                                     max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
                                     gate=self._colocated_gate())
+        state = None if self.simulated else position.load(self._run_dir())
+        if state is not None:  # a re-run on this run directory: the data continues where it stopped
+            self.worker.load_state_dict(state)
+            log.info("fleet data position restored: %s, %d prompts to replay", state["data"], len(state["replay"]))
         self._task = asyncio.create_task(self.worker.run(self._stop), name="rollout-worker")
         self._versions_task = asyncio.create_task(self._report_versions(), name="engine-versions")
         return self.status_now()
@@ -157,9 +162,21 @@ class FleetService:
         return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
                 if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")}
 
+    def _run_dir(self) -> str:
+        return self.run_dir or self.cfg.run.run_dir
+
+    def _save_position(self) -> None:
+        if not self.simulated and hasattr(self, "worker"):
+            try:
+                position.save(self._run_dir(), self.worker.state_dict())
+            except OSError as exc:  # the next save retries; the run goes on
+                log.warning("saving the fleet's data position failed: %s", exc)
+
     async def _report_versions(self) -> None:
-        """Learn each server's version (vLLM: from the server) and tell the broker, for per-engine lag."""
+        """Learn each server's version (vLLM: from the server) and tell the broker, for per-engine lag;
+        save the data position (rollout_fleet/position.py) on the way."""
         while True:
+            self._save_position()
             for s in list(self.fleet.servers.values()):
                 refresh = getattr(s.engine, "refresh_version", None)
                 if refresh is not None and s.state == ServerState.HEALTHY:
@@ -228,6 +245,7 @@ class FleetService:
             healthy_servers=sum(1 for s in st.servers if s.state == ServerState.HEALTHY))
 
     async def stop(self) -> dict[str, Any]:
+        self._save_position()  # before in-flight groups are cancelled: their prompts run first next time
         self._stop.set()
         if self._task is not None:
             try:

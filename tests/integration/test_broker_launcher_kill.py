@@ -37,7 +37,9 @@ def with_spool(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def without_spool(tmp_path_factory, with_spool):  # after the first: one vLLM server at a time
-    return _run(tmp_path_factory.mktemp("broker-kill-nospool"), ["broker.max_staleness=2"], kill_at_step=2,
+    # run.default_spool=false: no spool (the launcher's default puts one in the run directory)
+    return _run(tmp_path_factory.mktemp("broker-kill-nospool"), ["broker.max_staleness=2", "run.default_spool=false"],
+                kill_at_step=2,
                 kill="broker", steps=STEPS)
 
 
