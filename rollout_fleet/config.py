@@ -81,6 +81,19 @@ class SimulatedEngineConfig(ConfigModel):
 ENGINES = ("vllm", "sglang", "simulated")  # the engines rollout.engine may name
 
 
+class EnvConfig(ConfigModel):
+    """Multi-turn episodes (rollout_fleet/envs): each sample of a group is an episode of this environment,
+    its reward the environment's (``reward.function`` is then not called)."""
+
+    name: Literal["chain_addition", "calculator"] = Field(
+        description="chain_addition: the tiny CPU task (a+b= then S+c= ...); calculator: tool calls (ChatML models)")
+    max_turns: int = Field(ge=1, description="model turns per episode at most (then finish reason 'length')")
+    max_tokens: int = Field(ge=1, description="tokens after the prompt per episode, turns and observations together")
+    turn_max_tokens: int = Field(ge=1, description="sampling limit of one turn")
+    wall_time_s: float = Field(120.0, gt=0, description="one episode, end to end; past it the group fails ('wall_time')")
+    env_timeout_s: float = Field(30.0, gt=0, description="one environment reset or step")
+
+
 class RolloutConfig(ConfigModel):
     engine: Literal["vllm", "sglang", "simulated"] = "vllm"
     sampling: SamplingConfig = SamplingConfig()
@@ -104,6 +117,7 @@ class RolloutConfig(ConfigModel):
     sglang_server_args: list[str] = Field(
         default_factory=list, description="extra command-line arguments for every SGLang server (rollout.engine=sglang)")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
+    env: EnvConfig | None = Field(None, description="multi-turn episodes instead of single completions")
 
     @field_validator("engine", mode="before")
     @classmethod

@@ -90,9 +90,15 @@ class FleetService:
         prompts, rewards = await data
         await self.fleet.start(0)  # servers are in; start the health loop
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
-        self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
-                                    max_inflight_groups=self.cfg.rollout.max_inflight_groups,
-                                    max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed)
+        worker_cls, extra = RolloutWorker, {}
+        if self.cfg.rollout.env is not None:  # multi-turn episodes (rollout_fleet/envs)
+            from rollout_fleet.envs.registry import worker_kwargs
+            from rollout_fleet.envs.worker import MultiTurnWorker
+
+            worker_cls, extra = MultiTurnWorker, worker_kwargs(self.cfg.rollout.env, self.cfg.model.path)
+        self.worker = worker_cls(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
+                                 max_inflight_groups=self.cfg.rollout.max_inflight_groups,
+                                 max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed, **extra)
         self._task = asyncio.create_task(self.worker.run(self._stop), name="rollout-worker")
         self._versions_task = asyncio.create_task(self._report_versions(), name="engine-versions")
         return self.status_now()
@@ -101,6 +107,10 @@ class FleetService:
         """Greedy test accuracy through the fleet (None for SIMULATED engines: there is no model)."""
         if self.simulated:
             return None
+        if self.cfg.rollout.env is not None:
+            from rollout_fleet.envs.registry import evaluate_episodes
+
+            return await evaluate_episodes(self.cfg, self.fleet, n)
         from rollout_fleet.vllm_fleet import evaluate
 
         return await evaluate(self.cfg, self.fleet, n)

@@ -55,6 +55,11 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens_pushed: int = 0
     mean_reward: float | None = None
     idle_s: float = 0.0
+    # multi-turn episodes (rollout.env): groups dropped by the reason of their failing episode, how
+    # episodes ended (done / max_turns / max_tokens), model turns pushed
+    env_errors: dict[str, int] = {}
+    episode_ends: dict[str, int] = {}
+    turns: int = 0
 
 
 class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):

@@ -26,7 +26,15 @@ from typing import Any
 import numpy as np
 
 from rollout_fleet.engines.base import Sample, SamplingParams
-from rollout_fleet.envs.base import Codec, EnvError, EnvFactory, Environment, EpisodeLimits, StepResult, Turn
+from rollout_fleet.envs.base import (
+    Codec,
+    EnvError,
+    EnvFactory,
+    Environment,
+    EpisodeLimits,
+    StepResult,
+    Turn,
+)
 
 # (context ids, params with n=1, oldest acceptable version) -> (engine id, the one sample)
 GenerateFn = Callable[[list[int], SamplingParams, int], Awaitable[tuple[str, Sample]]]

@@ -20,10 +20,13 @@ import time
 from collections import Counter
 from typing import Any
 
+import msgspec
+
 from broker.schema import Trajectory
 from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
 from rollout_fleet.envs.base import Codec, EnvError, EnvFactory, EpisodeLimits
 from rollout_fleet.envs.episode import Episode, run_episode_group
+from rollout_fleet.status import WorkerStatus
 from rollout_fleet.worker import Prompt, RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -82,12 +85,9 @@ class MultiTurnWorker(RolloutWorker):
         self.episode_ends.update(e.end for e in episodes)
         await self._push(group_id, episode_rows(episodes, group_id, int(ticket.step), prompt.data_source))
 
-    def status(self) -> dict[str, Any]:
-        out = super().status()
-        out["env_errors"] = dict(self.env_errors)
-        out["episode_ends"] = dict(self.episode_ends)
-        out["turns"] = self.turns
-        return out
+    def record(self) -> WorkerStatus:
+        return msgspec.structs.replace(super().record(), env_errors=dict(self.env_errors),
+                                       episode_ends=dict(self.episode_ends), turns=self.turns)
 
 
 def episode_rows(episodes: list[Episode], group_id: str, step: int, data_source: str) -> list[Trajectory]:

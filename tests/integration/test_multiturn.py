@@ -24,7 +24,7 @@ from learner.batch import plan_step
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.engines.vllm import VLLMClient
-from rollout_fleet.envs.base import Environment, EpisodeLimits, HFCodec, StepResult
+from rollout_fleet.envs.base import EpisodeLimits, HFCodec, StepResult
 from rollout_fleet.envs.chain_addition import ChainAdditionEnv
 from rollout_fleet.envs.worker import MultiTurnWorker
 from rollout_fleet.worker import AsyncProducer, Prompt
