@@ -26,6 +26,23 @@ class DataConfig(ConfigModel):
 BUILTIN_REWARDS = ("default", "exact_match", "gsm8k", "gsm8k_flexible", "math")
 
 
+class RewardModelConfig(ConfigModel):
+    """A reward server the workers call instead of ``reward.function`` (rollout_fleet/reward_models.py):
+    a generative judge (chat completions, a verdict parsed from its answer) or a sequence-classifier
+    reward model (vLLM ``/pooling`` or ``/classify``). Start it on its own GPUs and give its URL."""
+
+    kind: Literal["judge", "classifier"]
+    url: str = Field(description="http://host:port of the reward server (vLLM or SGLang)")
+    model: str = Field(description="the served model name")
+    template: str | None = Field(None, description="judge prompt with {question}, {response}, {reference}; "
+                                 "None: reward_models.JUDGE_TEMPLATE")
+    endpoint: Literal["pooling", "classify"] = "pooling"
+    timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
+    retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")
+    backoff_s: float = Field(0.5, ge=0)
+    max_concurrency: int = Field(64, ge=1, description="calls in flight per worker")
+
+
 class RewardConfig(ConfigModel):
     function: str = Field("default", description="a built-in ('default' routes by data_source; 'exact_match', "
                           "'gsm8k', 'gsm8k_flexible', 'math') or 'package.module:function' (fleetrl's or verl's "
@@ -41,6 +58,7 @@ class RewardConfig(ConfigModel):
         "score", description="responses cut at rollout.sampling.max_tokens (finish reason 'length'), always counted: "
         "'score' them like finished ones, 'penalize' (reward = truncated_reward), or 'mask' them out of the loss")
     truncated_reward: float = Field(0.0, description="the reward of a truncated response with on_truncated=penalize")
+    model: RewardModelConfig | None = Field(None, description="score with a reward model or judge server instead")
 
     @field_validator("function")
     @classmethod

@@ -209,3 +209,16 @@ class ModelRewardScorer:
             return await self.model.score_texts([question + a for a in answers])
         return list(await asyncio.gather(*(self.model.score(question=question, response=a, reference=prompt.ground_truth)
                                            for a in answers)))
+
+
+def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
+    """The scorer of ``reward.model`` (rollout_fleet.config.RewardModelConfig) for the policy at ``model_path``."""
+    from rollout_fleet.envs.base import HFCodec
+
+    common = {"model": cfg.model, "timeout_s": cfg.timeout_s, "retries": cfg.retries, "backoff_s": cfg.backoff_s,
+              "max_concurrency": cfg.max_concurrency}
+    if cfg.kind == "judge":
+        client = JudgeClient(cfg.url, template=cfg.template or JUDGE_TEMPLATE, **common)
+    else:
+        client = ClassifierClient(cfg.url, endpoint=cfg.endpoint, **common)
+    return ModelRewardScorer(client, HFCodec.from_pretrained(model_path))

@@ -23,6 +23,8 @@ from broker.config import BrokerConfig
 from core.configbase import ModelConfig, RunKeys
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
+from rollout_fleet.reward_models import ModelRewardScorer
+from rollout_fleet.reward_models import from_config as reward_model_scorer
 from rollout_fleet.status import FleetStatus, ServerState, WorkerStatus
 from rollout_fleet.worker import AsyncProducer, RolloutWorker
 from weight_sync.config import WeightSyncConfig
@@ -88,6 +90,8 @@ class FleetService:
         self.fleet = FleetController(self.cfg.rollout, factory)
         await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
         prompts, rewards = await data
+        if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead
+            rewards = reward_model_scorer(self.cfg.reward.model, self.cfg.model.path)
         await self.fleet.start(0)  # servers are in; start the health loop
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
         worker_cls, extra = RolloutWorker, {}
@@ -186,6 +190,9 @@ class FleetService:
     def record(self) -> FleetStatus:
         now = time.monotonic()
         w = self.worker.record() if hasattr(self, "worker") else WorkerStatus()
+        if hasattr(self, "worker") and isinstance(self.worker.rewards, ModelRewardScorer):
+            # reward.model: its throughput and failures in the live view
+            w = msgspec.structs.replace(w, reward_model=self.worker.rewards.model.status())
         self._tok_hist.append((now, w.tokens_pushed))
         self._tok_hist = [(t, n) for t, n in self._tok_hist if now - t <= 10.0]
         t_old, n_old = self._tok_hist[0]

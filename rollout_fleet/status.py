@@ -8,6 +8,7 @@ are read back with ``msgspec.convert(data, FleetStatus)`` (see ``launch.snapshot
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -60,6 +61,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     env_errors: dict[str, int] = {}
     episode_ends: dict[str, int] = {}
     turns: int = 0
+    # reward.model: the judge / reward-model client's calls, failed attempts by reason, calls per second
+    reward_model: dict[str, Any] | None = None
 
 
 class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):
