@@ -15,7 +15,8 @@ Invariants: the record's sampled tokens, log-probs and versions are the engine's
 whose history does not extend the episode's (edited or dropped messages), or a template that
 is not append-only (its render of the longer conversation does not start with its render of
 the shorter one), starts a fresh record and is counted (``proxy/history_restarts``), never
-silently spliced. Tool calls are parsed in the Hermes format (``<tool_call>{json}</tool_call>``,
+silently spliced (the earlier record is discarded). A request without an episode id in its
+path (``/v1/chat/completions``) is served but not recorded (``proxy/unrecorded_requests``). Tool calls are parsed in the Hermes format (``<tool_call>{json}</tool_call>``,
 rollout_fleet/envs/tools.py). Bind to 127.0.0.1 or the job's private network: no auth.
 
 Example::
@@ -41,7 +42,7 @@ import numpy as np
 from aiohttp import web
 
 from rollout_fleet.engines.base import BadRequest, EngineError, SamplingParams
-from rollout_fleet.envs.episode import GenerateFn, _Record
+from rollout_fleet.envs.episode import GenerateFn, TokenRecord
 from rollout_fleet.envs.tools import ToolCallError, parse_tool_calls, strip_tool_calls
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class EpisodeRecord:
 @dataclass(slots=True)
 class _Session:
     prompt_ids: list[int]
-    rec: _Record
+    rec: TokenRecord
     messages: list[dict]  # normalised conversation so far, including the last assistant answer
     rendered: str  # the template's text of ``messages`` (no generation prompt)
     last_stopped: bool  # the last turn ended with a stop token
@@ -162,7 +163,11 @@ class ChatProxy:
 
     async def _chat(self, request: web.Request) -> web.Response:
         self.counts["proxy/requests"] += 1
-        sid = request.match_info.get("sid") or f"anon-{uuid.uuid4().hex}"
+        sid = request.match_info.get("sid")
+        anonymous = sid is None  # no episode id in the path: served, not recorded
+        if anonymous:
+            sid = f"anon-{uuid.uuid4().hex}"
+            self.counts["proxy/unrecorded_requests"] += 1
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -177,6 +182,9 @@ class ChatProxy:
         except EngineError as e:
             self.counts["proxy/errors_engine"] += 1
             return self._error(502, f"engine failure: {e}", "server_error")
+        finally:
+            if anonymous:
+                self.sessions.pop(sid, None)
 
     # -- one completion -------------------------------------------------------------------------
     def _render(self, messages: list[dict], tools: list | None, gen: bool) -> str:
@@ -221,7 +229,7 @@ class ChatProxy:
         if len(self.sessions) >= self.max_sessions and sid not in self.sessions:
             raise RequestError(f"the proxy holds {self.max_sessions} unfinished episodes; pop() finished ones")
         ids = self.tok.encode(full, add_special_tokens=False)
-        s = _Session(prompt_ids=ids, rec=_Record(), messages=[], rendered="", last_stopped=True)
+        s = _Session(prompt_ids=ids, rec=TokenRecord(), messages=[], rendered="", last_stopped=True)
         self.sessions[sid] = s
         return s, [], False
 

@@ -59,7 +59,9 @@ class Episode:
     t_start: float = 0.0
 
 
-class _Record:
+class TokenRecord:
+    """An episode's tokens after its prompt: sampled turns (mask 1) and observations (mask 0), with segments."""
+
     def __init__(self) -> None:
         self.ids: list[np.ndarray] = []
         self.lps: list[np.ndarray] = []
@@ -128,7 +130,7 @@ async def run_episode(generate: GenerateFn, env: Environment, codec: Codec, prom
 async def _episode(generate, env, codec, prompt_ids, ground_truth, extra_info, limits, temperature, top_p,
                    stop_ids, min_version, t0) -> Episode:
     await _env_call(env.reset(ground_truth, extra_info), "env_reset", env, limits.env_timeout_s)
-    rec, spans, engines, infos = _Record(), [], [], []
+    rec, spans, engines, infos = TokenRecord(), [], [], []
     reward, end = 0.0, "max_turns"
     for k in range(limits.max_turns):
         room = limits.max_tokens - rec.n
@@ -175,3 +177,4 @@ async def run_episode_group(n: int, generate: GenerateFn, env_factory: EnvFactor
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

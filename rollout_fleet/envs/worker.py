@@ -14,13 +14,13 @@ whose episode fails is dropped and counted under its reason in ``env_errors``
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from broker.schema import Trajectory
 from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
@@ -79,8 +79,14 @@ class MultiTurnWorker(RolloutWorker):
             self.groups_failed += 1
             log.error("rollout: group %s failed for good: %s", group_id, exc)
             return
-        except asyncio.CancelledError:
-            raise
+        bad = sum(1 for e in episodes if not np.isfinite(e.logprobs).all())
+        if bad:  # a token the engine gave no log-prob for: the prompt runs again later, counted
+            self.samples_nonfinite_logprob += bad
+            self.prompts_requeued_nonfinite += 1
+            self._replay.append(prompt)
+            log.error("rollout: group %s: %d episodes hold non-finite behaviour log-probs; prompt requeued",
+                      group_id, bad)
+            return
         self.turns += sum(len(e.turn_spans) for e in episodes)
         self.episode_ends.update(e.end for e in episodes)
         await self._push(group_id, episode_rows(episodes, group_id, int(ticket.step), prompt.data_source))
