@@ -118,6 +118,7 @@ class ChatProxy:
         self.stop_texts = [tokenizer.decode([t], skip_special_tokens=False) for t in self.stop_token_ids]
         self.default_max_tokens, self.max_sessions = default_max_tokens, max_sessions
         self.sessions: dict[str, _Session] = {}
+        self.floors: dict[str, int] = {}  # episode -> oldest policy version its first turn may use (admission)
         self.counts: Counter[str] = Counter()  # proxy/requests, proxy/history_restarts, proxy/errors_<kind>
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -246,7 +247,7 @@ class ChatProxy:
         if delta:
             s.rec.add_observation(delta)
         context = s.prompt_ids + (s.rec.cat(s.rec.ids, np.int32).tolist() if s.rec.ids else [])
-        floor = s.rec.versions[-1] if s.rec.versions else 0
+        floor = max(self.floors.get(sid, 0), s.rec.versions[-1] if s.rec.versions else 0)
         engine_id, sample = await self.generate(context, params, floor)
         s.rec.add_turn(sample)
         s.turns += 1

@@ -111,3 +111,82 @@ def test_bad_requests_get_openai_errors(proxy):
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
         client.chat.completions.create(model="tiny-adder", messages=[{"role": "user", "content": "1+1="}], n=2)
     assert [m.id for m in client.models.list()] == ["tiny-adder"]
+
+
+class _Factory:
+    def __init__(self, url):
+        self.url = url
+
+    async def start(self, index):
+        return VLLMClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=2)
+
+    async def restart(self, engine):
+        return engine
+
+    async def stop(self, engine):
+        await engine.close()
+
+
+def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vllm_server):
+    from dataclasses import dataclass
+
+    from transformers import AutoTokenizer
+
+    from broker.schema import from_record_batch, validate_batch
+    from rollout_fleet.config import RolloutConfig, SamplingConfig
+    from rollout_fleet.controller import FleetController
+    from rollout_fleet.envs.agent_worker import AgentWorker, fleet_generate
+    from rollout_fleet.worker import AsyncProducer, Prompt
+
+    @dataclass
+    class Ticket:
+        step: int
+        ticket_id: int
+
+    pushed = []
+
+    class Producer:
+        def push(self, batch):
+            pushed.append(validate_batch(batch))
+
+    async def agent(base_url, prompt):  # an agent as written against the OpenAI SDK, async flavour
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+        messages = [{"role": "user", "content": prompt.extra_info["question"]}]
+        r = await client.chat.completions.create(model="tiny-adder", messages=messages, max_tokens=5)
+        messages += [r.choices[0].message.model_dump(), {"role": "user", "content": "+1="}]
+        r = await client.chat.completions.create(model="tiny-adder", messages=messages, max_tokens=5)
+        await client.close()
+        return float(r.choices[0].message.content.strip() == prompt.ground_truth)
+
+    async def main():
+        fleet = FleetController(RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60,
+                                              startup_timeout_s=30), _Factory(vllm_server.url))
+        await fleet.start(1)
+        tok = AutoTokenizer.from_pretrained(str(TINY_MODEL))
+        proxy = ChatProxy(fleet_generate(fleet), tok, model_name="tiny-adder", stop_token_ids=[EOS])
+        await proxy.start("127.0.0.1", 0)
+        worker = AgentWorker(fleet, AsyncProducer(Producer()), None, None, SamplingConfig(n=3, max_tokens=5),
+                             max_inflight_groups=2, max_staleness=1, proxy=proxy, agent=agent)
+        prompt = Prompt(prompt_ids=[], ground_truth="58", extra_info={"question": "12+45="})
+        await worker._group(Ticket(step=1, ticket_id=0), prompt)
+
+        async def broken(base_url, prompt):
+            raise ConnectionError("agent sandbox died")
+
+        worker.agent = broken
+        await worker._group(Ticket(step=1, ticket_id=1), prompt)
+        await proxy.stop()
+        await fleet.close()
+        await worker.producer.close()
+        return worker, proxy, tok
+
+    worker, proxy, tok = asyncio.run(main())
+    assert worker.groups_pushed == 1 and worker.record().env_errors == {"agent": 1} and proxy.sessions == {}
+    rows = from_record_batch(pushed[0])
+    assert len(rows) == 3 and worker.turns == 6
+    for t in rows:
+        assert t.prompt_ids.tolist() == tok.encode("12+45=", add_special_tokens=False)
+        m = t.loss_mask
+        obs = t.response_ids[m == 0].tolist()
+        assert obs in (tok.encode("+1=", add_special_tokens=False), tok.encode("<eos>+1=", add_special_tokens=False))
+        assert t.segment_versions.tolist() == [2] and (t.behaviour_logprobs[m == 0] == 0).all()
