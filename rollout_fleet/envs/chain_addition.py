@@ -2,9 +2,12 @@
 
 Turn 1 answers the prompt ``a+b=``. The environment reads the model's number ``S`` and asks
 ``S+c=`` (the model's own answer carried on, as a tool would return it), and so on through
-the addends in ``extra_info["addends"]``. Reward 1 when the last answer equals the true total
-``a+b+c+...`` (the ground truth): every turn must be right, so RL has to make the model
-reliable across turns, with earlier turns and observations in its context.
+the addends in ``extra_info["addends"]``. Each turn is checked against the sum it was asked
+for (turn 1: ``a+b``; turn k: the carried answer plus the k-th addend), and the reward is the
+fraction of correct turns: the tiny model, pretrained on single problems, solves few turns
+with an earlier problem in its context, so the later turns are what RL must teach it. A turn
+without a number ends the episode. ``info["chain_ok"]``: every turn right (the last answer
+is the true total, the ground truth).
 """
 
 from __future__ import annotations
@@ -28,24 +31,35 @@ class ChainAdditionEnv(Environment):
         self.addends: list[int] = []
         self.total = ""
         self.k = 0
+        self.expected = 0
+        self.correct = 0
 
     async def reset(self, ground_truth: str, extra_info: dict[str, Any]) -> None:
         addends = extra_info.get("addends")
         if not isinstance(addends, list) or not all(isinstance(a, int) for a in addends):
             raise ValueError(f"chain_addition needs extra_info['addends'] as a list of ints, got {addends!r}")
+        first = extra_info.get("first")
+        if not isinstance(first, int):
+            raise ValueError(f"chain_addition needs extra_info['first'] (a+b) as an int, got {first!r}")
         self.addends, self.total, self.k = list(addends), str(ground_truth).strip(), 0
+        self.expected, self.correct = first, 0
 
     async def step(self, turn: Turn) -> StepResult:
-        text = turn.text.split(self.eos_text, 1)[0]
-        m = _NUMBER.match(text)
-        last = self.k == len(self.addends)
+        n_turns = len(self.addends) + 1
+        m = _NUMBER.match(turn.text.split(self.eos_text, 1)[0])
         if m is None:  # no number: the chain is broken
-            return StepResult(done=True, reward=0.0, info={"parsed": None, "turn": self.k})
-        if last:
-            return StepResult(done=True, reward=float(m.group(1) == self.total), info={"parsed": m.group(1)})
-        obs = f"{m.group(1)}+{self.addends[self.k]}="
+            return StepResult(done=True, info={"parsed": None, "turn": self.k, "chain_ok": False})
+        value = int(m.group(1))
+        ok = value == self.expected
+        self.correct += ok
+        reward = float(ok) / n_turns
+        if self.k == len(self.addends):
+            return StepResult(done=True, reward=reward, info={"parsed": value, "correct": self.correct,
+                                                             "chain_ok": m.group(1) == self.total})
+        self.expected = value + self.addends[self.k]
+        obs = f"{value}+{self.addends[self.k]}="
         self.k += 1
-        return StepResult(observation=obs, info={"parsed": m.group(1)})
+        return StepResult(observation=obs, reward=reward, info={"parsed": value})
 
 
 def make_rows(n: int, seed: int, *, turns: int = 2, max_digits: int = 2, split: str = "train") -> list[dict[str, Any]]:
@@ -58,7 +72,7 @@ def make_rows(n: int, seed: int, *, turns: int = 2, max_digits: int = 2, split: 
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}+{b}="}],
                      "ability": "arithmetic",
                      "reward_model": {"style": "rule", "ground_truth": str(a + b + sum(addends))},
-                     "extra_info": {"split": split, "index": i, "addends": addends}})
+                     "extra_info": {"split": split, "index": i, "first": a + b, "addends": addends}})
     return rows
 
 
@@ -71,7 +85,8 @@ def write_parquet(rows: list[dict[str, Any]], path) -> None:
         ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
         ("ability", pa.string()),
         ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("addends", pa.list_(pa.int64()))])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("first", pa.int64()),
+                                  ("addends", pa.list_(pa.int64()))])),
     ])
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, compression="zstd")
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("data/chain_addition"))
     ap.add_argument("--train", type=int, default=20_000)
     ap.add_argument("--test", type=int, default=500)
-    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--max-digits", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

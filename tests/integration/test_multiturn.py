@@ -12,6 +12,7 @@ and the multi-turn worker; the broker end is an in-memory producer that validate
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def run_group(url: str, versions: list[int], env_factory, prompt: Prompt, n: int
 
 def chain_prompt(codec) -> Prompt:
     return Prompt(prompt_ids=codec.encode("23+41="), ground_truth=str(23 + 41 + 7 + 15), data_source="chain_addition",
-                  extra_info={"addends": [7, 15]})
+                  extra_info={"first": 23 + 41, "addends": [7, 15]})
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_episode_record_is_exactly_what_the_engine_sampled(episodes):
             while obs_end < len(resp) and mask[obs_end] == 0:
                 obs_end += 1
             if obs_end > pos:
-                parsed = codec.decode(s.token_ids.tolist()).split("<eos>")[0]
+                parsed = int(re.match(r"\s*(-?\d+)", codec.decode(s.token_ids.tolist())).group(1))
                 addend = prompt.extra_info["addends"][turns - 1]
                 assert resp[pos:obs_end] == codec.encode(f"{parsed}+{addend}=")
                 assert (t.behaviour_logprobs[pos:obs_end] == 0).all()

@@ -58,19 +58,21 @@ def test_tool_env_answers_calls_then_scores_the_final_answer():
 def test_chain_addition_env_carries_the_models_answer():
     async def main():
         env = ChainAdditionEnv()
-        await env.reset("30", {"addends": [5, 3]})
+        await env.reset("30", {"first": 22, "addends": [5, 3]})
         a = await env.step(turn("22<eos>"))
-        b = await env.step(turn("27<eos>", 1))
-        c = await env.step(turn("30<eos>", 2))
+        b = await env.step(turn("28<eos>", 1))  # wrong: 22+5 is 27
+        c = await env.step(turn("31<eos>", 2))  # right for what it was asked: 28+3
         return a, b, c
 
     a, b, c = asyncio.run(main())
-    assert (a.observation, a.done) == ("22+5=", False) and b.observation == "27+3="
-    assert c.done and c.reward == 1.0
+    assert (a.observation, a.done, a.reward) == ("22+5=", False, 1 / 3)
+    assert (b.observation, b.reward) == ("28+3=", 0.0)
+    assert c.done and c.reward == 1 / 3 and c.info["chain_ok"] is False
     rows = make_rows(3, seed=1, turns=3)
     for r in rows:
         a_, b_ = map(int, r["prompt"][0]["content"][:-1].split("+"))
         assert int(r["reward_model"]["ground_truth"]) == a_ + b_ + sum(r["extra_info"]["addends"])
+        assert r["extra_info"]["first"] == a_ + b_
 
 
 def test_episode_limits_are_validated():
