@@ -3,9 +3,9 @@ through the recording proxy (rollout_fleet/proxy.py); the proxy's record is the 
 
 Dataflow of one group::
 
-    ticket (step s) -> prompt -> n agent runs, each with base_url .../s/<group>/<i>/v1
+    ticket (step s) -> prompt -> n agent runs, each with base_url .../s/<group>.<i>/v1
         -> the agent's chat completions -> proxy -> fleet.run_group (one sample per call)
-        -> the agent returns its reward -> proxy.pop(<group>/<i>) -> Trajectory rows -> push
+        -> the agent returns its reward -> proxy.pop(<group>.<i>) -> Trajectory rows -> push
 
 Invariants: a group is pushed whole or not at all; an agent that raises, returns a non-finite
 or non-numeric reward, or never called the proxy drops its group, counted in ``env_errors``
@@ -57,7 +57,7 @@ class AgentWorker(RolloutWorker):
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         floor = max(0, int(ticket.step) - self.max_staleness - 1)
-        sids = [f"{group_id}/{i}" for i in range(self.sampling.n)]
+        sids = [f"{group_id}.{i}" for i in range(self.sampling.n)]  # one path segment: no "/"
         for sid in sids:
             self.proxy.floors[sid] = floor
         t0 = time.time()
