@@ -78,6 +78,11 @@ class _Consts(NamedTuple):
 
 
 @lru_cache(maxsize=256)
+def _zero_offsets(n: int) -> pa.Buffer:
+    return pa.py_buffer(bytes(4 * (n + 1)))
+
+
+@lru_cache(maxsize=256)
 def _consts(n: int) -> _Consts:
     upto = np.arange(n + 1, dtype=np.int32)
     full = np.full(n, n, np.int32)
@@ -138,6 +143,17 @@ def whole_group(batch: pa.RecordBatch, lay: Layout):
         lp = np.frombuffer(l_val, np.float32, last - first, 4 * first)
         if not (lp.max() <= 1e-4 and lp.min() > -np.inf):  # a NaN fails the first
             return None
+    # Loss masks: all empty (every token trained), or one 0/1 per response token in each row.
+    m_off, m_val = (b[k] for k in p["loss_mask"])
+    if m_off.size != 4 * (n + 1):
+        return None
+    if not m_off.equals(_zero_offsets(n)):
+        if not m_off.equals(r_off) or m_val.size != last:
+            return None
+        if last > first:
+            m = np.frombuffer(m_val, np.int8, last - first, first)
+            if m.min() < 0 or m.max() > 1:
+                return None
     # Finite rewards: a float64 sum of float32 values cannot overflow, so it is finite
     # exactly when each value is (inf - inf is a NaN).
     rew_b = b[p["reward"][0]]

@@ -25,7 +25,14 @@ engine_id            string                server that produced it (``sim-`` pre
 data_source          string                dataset name (verl's ``data_source``)
 t_start              float64               unix seconds when generation started
 t_end                float64               unix seconds when the reward was scored
+loss_mask            list<int8>            empty: every response token is trained on (single turn);
+                                           else one 0/1 per response token, 0 for tokens the policy
+                                           did not sample (observations, tool results: multi-turn)
 ==================== ===================== ===============================================
+
+Schema versions: 2 added ``loss_mask`` (multi-turn episodes keep the environment's tokens in
+the response, masked out of the loss). A batch of another version fails :func:`validate_batch`
+with an error naming both versions.
 
 The oldest version of a sample is ``segment_versions[0]``; its staleness when the
 learner is at version ``v`` is ``v - segment_versions[0]``.
@@ -50,7 +57,7 @@ import pyarrow.compute as pc
 
 from broker import group_check
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -70,6 +77,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("data_source", pa.string(), nullable=False),
         pa.field("t_start", pa.float64(), nullable=False),
         pa.field("t_end", pa.float64(), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),  # last: earlier columns keep their buffers
     ],
     metadata={b"fleetrl.schema_version": str(SCHEMA_VERSION).encode()},
 )
@@ -101,6 +109,7 @@ class Trajectory:
     data_source: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
+    loss_mask: list[int] | np.ndarray = field(default_factory=list)
 
 
 def _list_array(seqs: list, value_type: pa.DataType) -> pa.ListArray:
@@ -185,9 +194,12 @@ def _check_schema(batch: pa.RecordBatch) -> None:
         extra = sorted({n for n, _ in got} - set(want_d))
         wrong = [f"{n}: {t} (expected {want_d[n]})" for n, t in got if n in want_d and want_d[n] != t]
         order = "" if missing or extra or wrong else " (fields out of order)"
+        meta = batch.schema.metadata or {}
+        theirs = meta.get(b"fleetrl.schema_version", b"?").decode(errors="replace")
+        versions = f" (batch is trajectory schema v{theirs}, this reader expects v{SCHEMA_VERSION})"
         raise SchemaError(
-            f"trajectory batch has the wrong schema{order}: missing {missing or 'none'}, "
-            f"unexpected {extra or 'none'}, wrong types {wrong or 'none'}"
+            f"trajectory batch has the wrong schema{order}{versions if theirs != str(SCHEMA_VERSION) else ''}: "
+            f"missing {missing or 'none'}, unexpected {extra or 'none'}, wrong types {wrong or 'none'}"
         )
     if len(_SCHEMAS_SEEN_OK) < 64:
         _SCHEMAS_SEEN_OK.add(batch.schema)
@@ -372,7 +384,7 @@ def _whole_groups(view: BatchView, counts: np.ndarray) -> tuple[list, list, list
 
 
 _COL = {f.name: i for i, f in enumerate(TRAJECTORY_SCHEMA)}
-_TOKEN_IDX = (_COL["prompt_ids"], _COL["response_ids"], _COL["behaviour_logprobs"])
+_TOKEN_IDX = (_COL["prompt_ids"], _COL["response_ids"], _COL["behaviour_logprobs"], _COL["loss_mask"])
 _ROW_IDX = [i for i in range(len(TRAJECTORY_SCHEMA)) if i not in _TOKEN_IDX]
 _FINISH_SET = frozenset(FINISH_REASONS)
 _LAYOUT = group_check.layout(TRAJECTORY_SCHEMA, FINISH_REASONS)
@@ -412,7 +424,7 @@ def _fast_view(batch: pa.RecordBatch) -> BatchView | None:
 def _tokens_ok(column, n: int) -> bool:
     """The checks of the token list columns (``column(i)``: the i-th column): no nulls, as
     many log-probs as response tokens in each row, log-probs finite and <= 0."""
-    prompt, resp, lps = (column(i) for i in _TOKEN_IDX)
+    prompt, resp, lps = (column(i) for i in _TOKEN_IDX[:3])
     for c in (prompt, resp, lps):
         if c.null_count or c.values.null_count:
             return False
@@ -420,7 +432,20 @@ def _tokens_ok(column, n: int) -> bool:
         return True
     resp_off, _ = _list_np(resp, n, np.int32)
     lp_off, lp = _list_np(lps, n, np.float32)
-    return bool(np.array_equal(resp_off, lp_off) and (not len(lp) or (lp.max() <= 1e-4 and lp.min() > -np.inf)))
+    if not (np.array_equal(resp_off, lp_off) and (not len(lp) or (lp.max() <= 1e-4 and lp.min() > -np.inf))):
+        return False
+    return _mask_ok(column(_COL["loss_mask"]), n, resp_off)
+
+
+def _mask_ok(mask: pa.ListArray, n: int, resp_off: np.ndarray) -> bool:
+    """Each row's loss mask empty or one 0/1 per response token, no nulls."""
+    if mask.null_count or mask.values.null_count:
+        return False
+    m_off, m = _list_np(mask, n, np.int8)
+    if not len(m):
+        return True
+    lens, r_lens = np.diff(m_off), np.diff(resp_off)
+    return bool(((lens == 0) | (lens == r_lens)).all() and m.min() >= 0 and m.max() <= 1)
 
 
 def _fast_view_cols(cols: list, n: int, tokens_checked: bool = False) -> BatchView | None:
@@ -532,6 +557,15 @@ def _find_error(batch: pa.RecordBatch) -> None:
     if (bad := _first_elements(s_off, seg_len, v_val) < 0).any():
         raise SchemaError(f"row {_row_of_first(bad)}: 'segment_versions' must be >= 0")
 
+    m_off, m_len, m_val = lists["loss_mask"]
+    if (bad := (m_len != 0) & (m_len != resp_len)).any():
+        r = _row_of_first(bad)
+        raise SchemaError(f"row {r}: 'loss_mask' has {m_len[r]} values but 'response_ids' has {resp_len[r]} tokens "
+                          "(expected that many, or none: every token trained)")
+    if (bad := (m_val != 0) & (m_val != 1)).any():
+        r = int(np.searchsorted(m_off, _row_of_first(bad), side="right") - 1)
+        raise SchemaError(f"row {r}: 'loss_mask' holds a value other than 0 or 1")
+
     reward = batch.column("reward").to_numpy()
     if (bad := ~np.isfinite(reward)).any():
         raise SchemaError(f"row {_row_of_first(bad)}: 'reward' is {reward[_row_of_first(bad)]}, expected a finite number")
@@ -550,6 +584,11 @@ def oldest_versions(batch: pa.RecordBatch) -> np.ndarray:
     """The oldest policy version of each row (its first segment's version; rows must be valid)."""
     off, lengths, values = _list_parts(batch.column("segment_versions"))
     return _first_elements(off, lengths, values.to_numpy())
+
+
+def loss_mask_of(mask: np.ndarray, n_tokens: int) -> np.ndarray:
+    """One bool per response token: trained on (an empty stored mask means every token)."""
+    return np.ones(n_tokens, bool) if len(mask) == 0 else np.asarray(mask) != 0
 
 
 def token_versions(segment_starts: np.ndarray, segment_versions: np.ndarray, n_tokens: int) -> np.ndarray:

@@ -43,6 +43,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         drops["reward_error"] = fleet.groups_reward_failed
     if fleet.groups_bad_request:  # refused by an engine (HTTP 4xx): the request's fault
         drops["bad_request"] = fleet.groups_bad_request
+    for reason, n in fleet.env_errors.items():  # multi-turn: an episode's environment failed, named
+        drops[f"env_{reason}" if not reason.startswith("env_") else reason] = n
     produced = broker.groups_accepted if broker is not None else fleet.groups_pushed
     consumed = learner.groups_consumed
     queued = broker.queued_groups + broker.leased_groups if broker is not None else 0
@@ -67,6 +69,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "groups_lost": lost,
         "groups_requeued": fleet.groups_requeued,
         "groups_cancelled_at_shutdown": fleet.groups_cancelled,
+        "episode_ends": fleet.episode_ends,  # multi-turn (rollout.env): done / max_turns / max_tokens
+        "episode_turns": fleet.turns,
         "server_deaths": fleet.server_deaths,
         "broker_restarts": job.supervisor.restarts if job.supervisor is not None else 0,
         "broker_status_from_spool": broker is not None and broker.from_spool,

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from broker.schema import token_versions, validate_batch
+from broker.schema import loss_mask_of, token_versions, validate_batch
 from learner.losses import aggregation_weights, group_advantages
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class MicroBatch:
     behaviour_logp: torch.Tensor  # [n] float32
     advantages: torch.Tensor  # [n] float32 (the sequence's advantage repeated)
     weights: torch.Tensor  # [n] aggregation weights (sum to 1 over the whole step)
-    seq_lens: torch.Tensor  # [s] response lengths of the packed sequences
+    seq_lens: torch.Tensor  # [s] trained response tokens of the packed sequences (loss mask applied)
     rows: list[int] = field(default_factory=list)  # rows of the step batch packed here
     fresh: torch.Tensor | None = None  # [n] bool: sampled by the policy version the learner holds (staleness 0)
     # int32 [s + 1] starts of the packed sequences plus T, and the longest one: varlen attention's segments
@@ -116,7 +116,19 @@ def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) ->
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
     _, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
-    return keep.numpy() & (np.diff(batch.column("response_ids").offsets.to_numpy()) > 0)
+    return keep.numpy() & (_trained_lengths(batch) > 0)
+
+
+def _trained_lengths(batch: pa.RecordBatch) -> np.ndarray:
+    """Response tokens trained on per row: all of them, or the ones its loss mask keeps."""
+    r_len = np.diff(batch.column("response_ids").offsets.to_numpy())
+    mask = batch.column("loss_mask")
+    m_off = mask.offsets.to_numpy()
+    if m_off[-1] == m_off[0]:  # no row carries a mask (single-turn batches)
+        return r_len
+    rel = m_off - m_off[0]
+    cs = np.concatenate([[0], np.cumsum(mask.values.to_numpy(zero_copy_only=False)[m_off[0]:m_off[-1]], dtype=np.int64)])
+    return np.where(rel[1:] == rel[:-1], r_len, cs[rel[1:]] - cs[rel[:-1]])
 
 
 def plan_step(
@@ -149,14 +161,15 @@ def plan_step(
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
     adv, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
-    keep_np = keep.numpy() & (r_len > 0)
+    t_len = _trained_lengths(batch)  # masked-out tokens (observations) are fed but not trained on
+    keep_np = keep.numpy() & (t_len > 0)
     truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
     if mask_truncated:
         keep_np &= ~truncated
     if select is not None:
         keep_np = keep_np & select
     rows = [int(i) for i in np.flatnonzero(keep_np)]
-    total_tokens = int(r_len[rows].sum())
+    total_tokens = int(t_len[rows].sum())
     stats = {
         "samples": float(batch.num_rows),
         "samples_trained": float(len(rows)),
@@ -176,6 +189,8 @@ def plan_step(
     seg_s, seg_v = batch.column("segment_starts"), batch.column("segment_versions")
     ss_off, sv_off = seg_s.offsets.to_numpy(), seg_v.offsets.to_numpy()
     ss_val, sv_val = seg_s.values.to_numpy(zero_copy_only=False), seg_v.values.to_numpy(zero_copy_only=False)
+    lm = batch.column("loss_mask")
+    lm_off, lm_val = lm.offsets.to_numpy(), lm.values.to_numpy(zero_copy_only=False)
     # The last response token predicts nothing we train on, so it is not fed: L - 1 inputs per sequence.
     in_len = [int(p_len[i] + r_len[i] - 1) for i in rows]
     per_rank = _split_ranks(in_len, world_size)
@@ -193,13 +208,14 @@ def plan_step(
             seq = np.concatenate([p_val[p_off[i]:p_off[i + 1]], resp])[:-1]
             ids.append(seq)
             pos.append(np.arange(len(seq)))
-            tidx.append(offset + p_len[i] - 1 + np.arange(r_len[i]))
-            tgt.append(resp)
-            blp.append(b_val[b_off[i]:b_off[i + 1]])
-            advs.append(np.full(r_len[i], float(adv[i]), dtype=np.float32))
+            m = loss_mask_of(lm_val[lm_off[i]:lm_off[i + 1]], int(r_len[i]))
+            tidx.append((offset + p_len[i] - 1 + np.arange(r_len[i]))[m])
+            tgt.append(resp[m])
+            blp.append(b_val[b_off[i]:b_off[i + 1]][m])
+            advs.append(np.full(int(t_len[i]), float(adv[i]), dtype=np.float32))
             versions = token_versions(ss_val[ss_off[i]:ss_off[i + 1]], sv_val[sv_off[i]:sv_off[i + 1]], int(r_len[i]))
-            fr.append(versions == learner_version if learner_version is not None else np.zeros(r_len[i], bool))
-            lens.append(int(r_len[i]))
+            fr.append(versions[m] == learner_version if learner_version is not None else np.zeros(int(t_len[i]), bool))
+            lens.append(int(t_len[i]))
             used.append(i)
             offset += len(seq)
         seq_lens = torch.tensor(lens, dtype=torch.int64)

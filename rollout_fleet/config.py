@@ -26,6 +26,23 @@ class DataConfig(ConfigModel):
 BUILTIN_REWARDS = ("default", "exact_match", "gsm8k", "gsm8k_flexible", "math")
 
 
+class RewardModelConfig(ConfigModel):
+    """A reward server the workers call instead of ``reward.function`` (rollout_fleet/reward_models.py):
+    a generative judge (chat completions, a verdict parsed from its answer) or a sequence-classifier
+    reward model (vLLM ``/pooling`` or ``/classify``). Start it on its own GPUs and give its URL."""
+
+    kind: Literal["judge", "classifier"]
+    url: str = Field(description="http://host:port of the reward server (vLLM or SGLang)")
+    model: str = Field(description="the served model name")
+    template: str | None = Field(None, description="judge prompt with {question}, {response}, {reference}; "
+                                 "None: reward_models.JUDGE_TEMPLATE")
+    endpoint: Literal["pooling", "classify"] = "pooling"
+    timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
+    retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")
+    backoff_s: float = Field(0.5, ge=0)
+    max_concurrency: int = Field(64, ge=1, description="calls in flight per worker")
+
+
 class RewardConfig(ConfigModel):
     function: str = Field("default", description="a built-in ('default' routes by data_source; 'exact_match', "
                           "'gsm8k', 'gsm8k_flexible', 'math') or 'package.module:function' (fleetrl's or verl's "
@@ -41,6 +58,7 @@ class RewardConfig(ConfigModel):
         "score", description="responses cut at rollout.sampling.max_tokens (finish reason 'length'), always counted: "
         "'score' them like finished ones, 'penalize' (reward = truncated_reward), or 'mask' them out of the loss")
     truncated_reward: float = Field(0.0, description="the reward of a truncated response with on_truncated=penalize")
+    model: RewardModelConfig | None = Field(None, description="score with a reward model or judge server instead")
 
     @field_validator("function")
     @classmethod
@@ -81,6 +99,19 @@ class SimulatedEngineConfig(ConfigModel):
 ENGINES = ("vllm", "sglang", "simulated")  # the engines rollout.engine may name
 
 
+class EnvConfig(ConfigModel):
+    """Multi-turn episodes (rollout_fleet/envs): each sample of a group is an episode of this environment,
+    its reward the environment's (``reward.function`` is then not called)."""
+
+    name: Literal["chain_addition", "calculator"] = Field(
+        description="chain_addition: the tiny CPU task (a+b= then S+c= ...); calculator: tool calls (ChatML models)")
+    max_turns: int = Field(ge=1, description="model turns per episode at most (then finish reason 'length')")
+    max_tokens: int = Field(ge=1, description="tokens after the prompt per episode, turns and observations together")
+    turn_max_tokens: int = Field(ge=1, description="sampling limit of one turn")
+    wall_time_s: float = Field(120.0, gt=0, description="one episode, end to end; past it the group fails ('wall_time')")
+    env_timeout_s: float = Field(30.0, gt=0, description="one environment reset or step")
+
+
 class RolloutConfig(ConfigModel):
     engine: Literal["vllm", "sglang", "simulated"] = "vllm"
     sampling: SamplingConfig = SamplingConfig()
@@ -104,6 +135,7 @@ class RolloutConfig(ConfigModel):
     sglang_server_args: list[str] = Field(
         default_factory=list, description="extra command-line arguments for every SGLang server (rollout.engine=sglang)")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
+    env: EnvConfig | None = Field(None, description="multi-turn episodes instead of single completions")
 
     @field_validator("engine", mode="before")
     @classmethod

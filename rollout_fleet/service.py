@@ -25,6 +25,8 @@ from core.configbase import ModelConfig, RunKeys
 from rollout_fleet import position
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
 from rollout_fleet.controller import FleetController
+from rollout_fleet.reward_models import ModelRewardScorer
+from rollout_fleet.reward_models import from_config as reward_model_scorer
 from rollout_fleet.status import FleetStatus, ServerState, WorkerStatus
 from rollout_fleet.worker import AsyncProducer, RolloutWorker
 from weight_sync.config import WeightSyncConfig
@@ -96,12 +98,20 @@ class FleetService:
         self.fleet = FleetController(self.cfg.rollout, factory)
         await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
         prompts, rewards = await data
+        if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead
+            rewards = reward_model_scorer(self.cfg.reward.model, self.cfg.model.path)
         await self.fleet.start(0)  # servers are in; start the health loop
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
-        self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
-                                    max_inflight_groups=self.cfg.rollout.max_inflight_groups,
-                                    max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
-                                    gate=self._colocated_gate())
+        worker_cls, extra = RolloutWorker, {}
+        if self.cfg.rollout.env is not None:  # multi-turn episodes (rollout_fleet/envs)
+            from rollout_fleet.envs.registry import worker_kwargs
+            from rollout_fleet.envs.worker import MultiTurnWorker
+
+            worker_cls, extra = MultiTurnWorker, worker_kwargs(self.cfg.rollout.env, self.cfg.model.path)
+        self.worker = worker_cls(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
+                                 max_inflight_groups=self.cfg.rollout.max_inflight_groups,
+                                 max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
+                                 gate=self._colocated_gate(), **extra)
         state = None if self.simulated else position.load(self._run_dir())
         if state is not None:  # a re-run on this run directory: the data continues where it stopped
             self.worker.load_state_dict(state)
@@ -147,6 +157,10 @@ class FleetService:
         """Greedy test accuracy through the fleet (None for SIMULATED engines: there is no model)."""
         if self.simulated:
             return None
+        if self.cfg.rollout.env is not None:
+            from rollout_fleet.envs.registry import evaluate_episodes
+
+            return await evaluate_episodes(self.cfg, self.fleet, n)
         from rollout_fleet.vllm_fleet import evaluate
 
         return await evaluate(self.cfg, self.fleet, n)
@@ -234,6 +248,9 @@ class FleetService:
     def record(self) -> FleetStatus:
         now = time.monotonic()
         w = self.worker.record() if hasattr(self, "worker") else WorkerStatus()
+        if hasattr(self, "worker") and isinstance(self.worker.rewards, ModelRewardScorer):
+            # reward.model: its throughput and failures in the live view
+            w = msgspec.structs.replace(w, reward_model=self.worker.rewards.model.status())
         self._tok_hist.append((now, w.tokens_pushed))
         self._tok_hist = [(t, n) for t, n in self._tok_hist if now - t <= 10.0]
         t_old, n_old = self._tok_hist[0]

@@ -8,6 +8,7 @@ are read back with ``msgspec.convert(data, FleetStatus)`` (see ``launch.snapshot
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -55,6 +56,13 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens_pushed: int = 0
     mean_reward: float | None = None
     idle_s: float = 0.0
+    # multi-turn episodes (rollout.env): groups dropped by the reason of their failing episode, how
+    # episodes ended (done / max_turns / max_tokens), model turns pushed
+    env_errors: dict[str, int] = {}
+    episode_ends: dict[str, int] = {}
+    turns: int = 0
+    # reward.model: the judge / reward-model client's calls, failed attempts by reason, calls per second
+    reward_model: dict[str, Any] | None = None
 
 
 class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):

@@ -264,6 +264,10 @@ class RolloutWorker:
             )
             for i, (s, r) in enumerate(zip(samples, rewards, strict=True))
         ]
+        await self._push(group_id, trajs)
+
+    async def _push(self, group_id: str, trajs: list[Trajectory]) -> bool:
+        """Push one whole group (retried); counts it pushed or failed."""
         batch = to_record_batch(trajs)
         for attempt in range(self.push_retries):
             try:
@@ -275,12 +279,13 @@ class RolloutWorker:
         else:
             self.groups_failed += 1
             log.error("rollout: group %s could not be pushed after %d attempts", group_id, self.push_retries)
-            return
+            return False
         self.groups_pushed += 1
         self.samples_pushed += len(trajs)
-        self.samples_truncated += sum(1 for s in samples if s.finish_reason == "length")
-        self.tokens_pushed += sum(len(s.token_ids) for s in samples)
-        self.reward_sum += float(sum(rewards))
+        self.samples_truncated += sum(1 for t in trajs if t.finish_reason == "length")
+        self.tokens_pushed += sum(len(t.response_ids) for t in trajs)
+        self.reward_sum += float(sum(t.reward for t in trajs))
+        return True
 
     def status(self) -> dict[str, Any]:
         """:meth:`record` as plain data."""

@@ -35,13 +35,16 @@ def make_groups(group_ids: list[str], *, step: int, version: int, group_size: in
         "data_source": pa.array(["addition"] * n),
         "t_start": pa.array(np.zeros(n)),
         "t_end": pa.array(np.ones(n)),
+        "loss_mask": pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array(np.zeros(0, np.int8))),
     }
     return pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
 
 def batch_from_rows(rows: list[dict]) -> pa.RecordBatch:
     """A batch in the trajectory schema from row dicts, not validated (tests build bad rows with it)."""
-    return pa.RecordBatch.from_pydict({f.name: pa.array([r[f.name] for r in rows], f.type) for f in TRAJECTORY_SCHEMA},
+    # rows written before the loss mask existed (schema v1) train every token: an empty mask
+    return pa.RecordBatch.from_pydict({f.name: pa.array([r.get(f.name, []) if f.name == "loss_mask" else r[f.name]
+                                                         for r in rows], f.type) for f in TRAJECTORY_SCHEMA},
                                       schema=TRAJECTORY_SCHEMA)
 
 

@@ -1,0 +1,224 @@
+"""Model-based rewards: a generative judge and a sequence-classifier reward model, called over HTTP.
+
+Both are clients of a reward server (vLLM or SGLang on its own GPUs, ``--reward-gpus``), called
+asynchronously by rollout workers, off the generation path::
+
+    worker --score(prompt, samples)--> ModelRewardScorer --n concurrent requests--> reward server
+            <-- one float per sample, or RewardFailed (the group is dropped and counted) --
+
+Every call has a timeout and bounded retries with backoff (timeouts, refused connections and 5xx
+are retried; 4xx are not); every failure is counted by reason (``timeout``, ``unreachable``,
+``http_status``, ``bad_response``, ``unparsable_verdict``) in ``failures``, and a call that
+fails for good raises :class:`RewardModelError`: a judge that hangs never scores 0.
+
+Example::
+
+    judge = JudgeClient("http://10.0.0.5:8001", model="judge", template=JUDGE_TEMPLATE, timeout_s=20, retries=2)
+    r = await judge.score(question="2+2?", response="4", reference="4")   # 1.0, 0.0 or RewardModelError
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from rollout_fleet.envs.base import Codec
+from rollout_fleet.worker import Prompt, RewardFailed
+
+log = logging.getLogger(__name__)
+
+JUDGE_TEMPLATE = (
+    "You are grading an answer. Question:\n{question}\n\nReference answer:\n{reference}\n\n"
+    "Candidate answer:\n{response}\n\nIs the candidate answer correct? Reply with one line, "
+    "VERDICT: CORRECT or VERDICT: INCORRECT."
+)
+VERDICT = re.compile(r"VERDICT:\s*(CORRECT|INCORRECT)\b", re.I)
+_RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+class RewardModelError(RewardFailed):
+    """A reward-model call failed for good; ``reason`` names why (the failure counters' key)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"reward model {reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(kw_only=True, slots=True)
+class _Try:
+    reason: str
+    message: str
+    retry: bool
+
+
+class _HttpRewardClient:
+    """Timeouts, retries and per-reason counters shared by both clients."""
+
+    def __init__(self, url: str, *, model: str, timeout_s: float, retries: int, backoff_s: float,
+                 max_concurrency: int) -> None:
+        if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_concurrency < 1:
+            raise ValueError(f"need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1; got "
+                             f"{timeout_s}, {retries}, {backoff_s}, {max_concurrency}")
+        self.url, self.model = url.rstrip("/"), model
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._http: httpx.AsyncClient | None = None
+        self.failures: Counter[str] = Counter()  # every failed attempt, by reason
+        self.calls_failed = 0  # calls that raised after their retries
+        self.calls_ok = 0
+        self.seconds = 0.0  # wall time of successful calls (throughput: calls_ok / seconds per slot)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.timeout_s)
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _post(self, path: str, body: dict, parse) -> Any:
+        """POST with retries; ``parse(json)`` returns the value or raises ValueError (bad answer)."""
+        last: _Try | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            t0 = time.monotonic()
+            async with self._sem:
+                try:
+                    r = await asyncio.wait_for(self.http.post(self.url + path, json=body), self.timeout_s)
+                except (TimeoutError, httpx.TimeoutException):
+                    last = _Try(reason="timeout", message=f"no answer from {self.url}{path} in {self.timeout_s:g} s",
+                                retry=True)
+                except httpx.TransportError as e:
+                    last = _Try(reason="unreachable", message=f"{self.url}{path}: {type(e).__name__}: {e}", retry=True)
+                else:
+                    if r.status_code != 200:
+                        last = _Try(reason="http_status", message=f"{self.url}{path} -> HTTP {r.status_code}: "
+                                    f"{r.text[:200]}", retry=r.status_code in _RETRIED_STATUS)
+                    else:
+                        try:
+                            value = parse(r.json())
+                        except _Unparsable as e:
+                            last = _Try(reason="unparsable_verdict", message=str(e), retry=True)
+                        except (ValueError, KeyError, IndexError, TypeError) as e:
+                            last = _Try(reason="bad_response", message=f"{self.url}{path}: {type(e).__name__}: {e}",
+                                        retry=False)
+                        else:
+                            self.calls_ok += 1
+                            self.seconds += time.monotonic() - t0
+                            return value
+            self.failures[last.reason] += 1
+            log.warning("reward model: attempt %d of %d failed (%s): %s", attempt + 1, self.retries + 1, last.reason,
+                        last.message)
+            if not last.retry:
+                break
+        self.calls_failed += 1
+        raise RewardModelError(last.reason, last.message)
+
+    def status(self) -> dict[str, Any]:
+        return {"calls_ok": self.calls_ok, "calls_failed": self.calls_failed, "failures": dict(self.failures),
+                "calls_per_s": round(self.calls_ok / self.seconds, 3) if self.seconds else None}
+
+
+class _Unparsable(ValueError):
+    pass
+
+
+class JudgeClient(_HttpRewardClient):
+    """A generative judge behind an OpenAI-compatible ``/v1/chat/completions`` (vLLM, SGLang). The
+    template gets ``{question}``, ``{response}``, ``{reference}``; ``verdict`` (a regex whose group 1
+    is in ``scores``) maps the judge's text to a reward. An answer without a verdict is a failure
+    (``unparsable_verdict``, retried: sampling may give a verdict next time), never a 0."""
+
+    def __init__(self, url: str, *, model: str, template: str = JUDGE_TEMPLATE, verdict: re.Pattern = VERDICT,
+                 scores: dict[str, float] | None = None, max_tokens: int = 64, temperature: float = 0.0,
+                 timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
+        super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                         max_concurrency=max_concurrency)
+        for key in ("{question}", "{response}"):
+            if key not in template:
+                raise ValueError(f"judge template must contain {key}, got {template[:80]!r}")
+        self.template, self.verdict = template, verdict
+        self.scores = {k.upper(): v for k, v in (scores or {"CORRECT": 1.0, "INCORRECT": 0.0}).items()}
+        self.max_tokens, self.temperature = max_tokens, temperature
+
+    def _parse(self, body: dict) -> float:
+        text = body["choices"][0]["message"]["content"] or ""
+        m = self.verdict.search(text)
+        if m is None or m.group(1).upper() not in self.scores:
+            raise _Unparsable(f"judge answer holds no verdict matching {self.verdict.pattern!r}: {text[:120]!r}")
+        return self.scores[m.group(1).upper()]
+
+    async def score(self, *, question: str, response: str, reference: str = "") -> float:
+        prompt = self.template.format(question=question, response=response, reference=reference)
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": self.max_tokens, "temperature": self.temperature}
+        return await self._post("/v1/chat/completions", body, self._parse)
+
+
+class ClassifierClient(_HttpRewardClient):
+    """A sequence-classifier reward model on vLLM: ``/pooling`` of a reward model (the raw score:
+    ``data[i].data``, a float or a one-element list) or ``/classify`` (``probs[label]``). The input
+    is the conversation text as the reward model's chat template renders it (the caller's job)."""
+
+    def __init__(self, url: str, *, model: str, endpoint: str = "pooling", label: int = 0, timeout_s: float = 30.0,
+                 retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
+        if endpoint not in ("pooling", "classify"):
+            raise ValueError(f"endpoint must be 'pooling' or 'classify', got {endpoint!r}")
+        super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                         max_concurrency=max_concurrency)
+        self.endpoint, self.label = endpoint, label
+
+    def _parse(self, body: dict, n: int) -> list[float]:
+        data = sorted(body["data"], key=lambda d: d["index"])
+        if len(data) != n:
+            raise ValueError(f"{len(data)} scores for {n} inputs")
+        if self.endpoint == "classify":
+            out = [float(d["probs"][self.label]) for d in data]
+        else:
+            out = [float(d["data"][0] if isinstance(d["data"], list) else d["data"]) for d in data]
+        if not all(x == x and abs(x) != float("inf") for x in out):
+            raise ValueError(f"non-finite reward in {out}")
+        return out
+
+    async def score_texts(self, texts: list[str]) -> list[float]:
+        body = {"model": self.model, "input": list(texts)}
+        return await self._post(f"/{self.endpoint}", body, lambda b: self._parse(b, len(texts)))
+
+
+class ModelRewardScorer:
+    """The worker's ``RewardScorer`` over a judge or a classifier: the group's samples scored
+    concurrently; one failed sample fails the group (RewardFailed: dropped and counted)."""
+
+    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec) -> None:
+        self.model, self.codec = model, codec
+
+    async def score(self, prompt: Prompt, samples: list) -> list[float]:
+        question = self.codec.decode(list(prompt.prompt_ids))
+        answers = [self.codec.decode(list(s.token_ids)) for s in samples]
+        if isinstance(self.model, ClassifierClient):
+            return await self.model.score_texts([question + a for a in answers])
+        return list(await asyncio.gather(*(self.model.score(question=question, response=a, reference=prompt.ground_truth)
+                                           for a in answers)))
+
+
+def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
+    """The scorer of ``reward.model`` (rollout_fleet.config.RewardModelConfig) for the policy at ``model_path``."""
+    from rollout_fleet.envs.base import HFCodec
+
+    common = {"model": cfg.model, "timeout_s": cfg.timeout_s, "retries": cfg.retries, "backoff_s": cfg.backoff_s,
+              "max_concurrency": cfg.max_concurrency}
+    if cfg.kind == "judge":
+        client = JudgeClient(cfg.url, template=cfg.template or JUDGE_TEMPLATE, **common)
+    else:
+        client = ClassifierClient(cfg.url, endpoint=cfg.endpoint, **common)
+    return ModelRewardScorer(client, HFCodec.from_pretrained(model_path))
