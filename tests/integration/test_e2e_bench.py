@@ -67,13 +67,14 @@ def test_e2e_bench_runs_a_case_and_writes_json_and_png(out_dir):
     steps = [p["step"] for p in r["curve"]]
     assert steps[0] == 0 and steps[-1] == STEPS and len(steps) >= 3 and steps == sorted(steps), steps
     ts = [p["t"] for p in r["curve"]]
-    assert ts == sorted(ts) and ts[-1] == r["learner_wall_s"] > 0
+    assert ts == sorted(ts) and ts[-1] == pytest.approx(r["learner_wall_s"], abs=0.005) and ts[-1] > 0  # rounded
     assert all(0.0 <= p["accuracy"] <= 1.0 for p in r["curve"])
     assert r["staleness_max"] <= 1 and 0.0 <= r["staleness_mean"] <= 1.0
     assert len(r["mismatch_kl_k3_per_step"]) == STEPS and all(math.isfinite(x) for x in r["mismatch_kl_k3_per_step"])
     for k in ("samples_per_s", "generated_tok_per_s", "learner_tok_per_s"):
         assert r[k] > 0, k
-    assert r["samples_per_s"] * r["learner_wall_s"] == pytest.approx(STEPS * 32 * 8)  # the sample budget
+    # the sample budget (the wall is rounded to 0.01 s of several seconds: 1 % covers it)
+    assert r["samples_per_s"] * r["learner_wall_s"] == pytest.approx(STEPS * 32 * 8, rel=0.01)
     # no colocated case: no target, no headline (said, not made up)
     assert res["per_seed"]["0"]["target_accuracy"] is None and res["headline"]["mean"] is None
     assert (out / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
