@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 
 from broker.config import BrokerConfig
 from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, build, suggest
+from core.network import NetworkConfig
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
@@ -51,6 +52,7 @@ class RunConfig(ConfigModel):
     broker: BrokerConfig = BrokerConfig()
     learner: LearnerConfig
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    network: NetworkConfig = NetworkConfig()
     run: RunSection = RunSection()
 
     @model_validator(mode="before")

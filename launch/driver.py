@@ -35,6 +35,7 @@ from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
+from launch.netsetup import check_shared_dir, resolve_network
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
 from launch.snapshot import BrokerView, JobSnapshot
 from learner.status import LearnerStatus
@@ -110,9 +111,10 @@ class Job:
             t = time.monotonic()
             fn()
             log.info("started %s in %.1f s", name, time.monotonic() - t)
-        self.control = ControlServer(self.run_dir, self.handle)
+        self.control = ControlServer(self.run_dir, self.handle, host=self.cfg.network.host,
+                                     curve_keys_dir=self.cfg.broker.curve_keys_dir)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
-                               live=not self.args.no_live, wandb=self.wandb)
+                               live=not self.args.no_live, wandb=self.wandb, host=self.cfg.network.host)
         self.wandb = None  # the monitor owns it now (and finishes it)
 
     def _init_ray(self, ray) -> None:
@@ -144,6 +146,7 @@ class Job:
             ray.init(address=self.args.address, runtime_env={"env_vars": {"PYTHONPATH": pypath}}, **kw)
         log.info("Ray up (%s, auth %s); resources %s", "local" if local else self.args.address, mode,
                  ray.cluster_resources())
+        check_shared_dir(ray, self.cfg)
 
     def _ray_env(self) -> None:
         import secrets
@@ -210,20 +213,34 @@ class Job:
 
         # the broker reads its own part of the resolved config (written by write_subconfigs)
         self.broker = BrokerProcess(address=self.cfg.broker.address,
-                                    config=str(self.run_dir / "config" / "broker.yaml"))
+                                    config=str(self.run_dir / "config" / "broker.yaml"),
+                                    curve_keys_dir=self.cfg.broker.curve_keys_dir)
         self.broker.start()
         self.supervisor = BrokerSupervisor(self)
         log.info("broker at %s", self.broker.address)
 
     def _n_servers(self) -> int:
+        if self.cfg.rollout.urls:
+            return len(self.cfg.rollout.urls)
         return len(self.placement.servers) if self.placement.servers else self.cfg.rollout.servers
 
+    @property
+    def server_actors(self) -> bool:
+        """vLLM servers on GPUs (real or fake) are each started by an actor in their own bundle."""
+        return bool(self.placement.servers) and not self.simulated and self.cfg.rollout.engine == "vllm" \
+            and not self.cfg.rollout.urls
+
+    def _server_pgs(self, indices) -> dict[int, Any] | None:
+        return {i: self.pgs[f"server-{i}"] for i in indices} if self.server_actors else None
+
     def _start_fleet(self, ray) -> None:
+        from launch.netsetup import curve_key_data
         from launch.ray_actors import FleetActor
 
         self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0).remote(
             self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
-            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()})
+            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
+            self._server_pgs(self.server_slots), curve_key_data(self.cfg))
         n = self._n_servers()
         self._get(self.fleet.start.remote(n, list(range(n))), self.cfg.rollout.startup_timeout_s, "fleet start")
 
@@ -323,7 +340,7 @@ class Job:
         from launch.broker_view import broker_status
 
         try:
-            return broker_status(self.broker.address)
+            return broker_status(self.broker.address, curve_keys_dir=self.cfg.broker.curve_keys_dir)
         except Exception as exc:  # a slow status answer must not end the job
             log.warning("broker status failed: %s", exc)
             return None
@@ -341,6 +358,8 @@ class Job:
         return self.scale(req.rollout_gpus)
 
     def scale(self, rollout_gpus: int) -> dict[str, Any]:
+        if self.cfg.rollout.urls:
+            raise ValueError("the fleet is attached to rollout.urls: it neither starts nor stops servers")
         tp = self.cfg.rollout.tensor_parallel_size
         if self.placement.servers:  # GPU (or simulated GPU) fleet
             if rollout_gpus % tp:
@@ -356,7 +375,9 @@ class Job:
                 self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.startup_timeout_s, "fleet scale")
             else:
                 slots = {i: (self.server_slots[i].node_id, list(self.server_slots[i].gpu_ids)) for i in indices}
-                self._get(self.fleet.add_servers.remote(indices, slots), self.cfg.rollout.startup_timeout_s, "fleet add")
+                call = self.fleet.add_placed.remote(indices, slots, self._server_pgs(indices)) if self.server_actors \
+                    else self.fleet.add_servers.remote(indices, slots)
+                self._get(call, self.cfg.rollout.startup_timeout_s, "fleet add")
         elif target < n_now:
             removed = self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.request_timeout_s, "fleet drain")
             self._release(removed)
@@ -395,7 +416,7 @@ class Job:
         not a Ray worker, so a zero-CPU task in its bundle asks Ray which GPUs those are, and the
         server is started with exactly them (CUDA_VISIBLE_DEVICES): never on a learner GPU.
         """
-        if self.simulated or not indices:
+        if self.simulated or not indices or self.server_actors:  # a server actor reads its own ids from Ray
             return
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -492,6 +513,7 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
     # every process gets the absolute run directory (Ray workers do not share our cwd)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
     setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
+    cfg = resolve_network(cfg, args.address, run_dir)  # bind addresses, CurveZMQ keys: before any part is written
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)
 

@@ -51,8 +51,9 @@ class FleetRunConfig(Protocol):
 
 class FleetService:
     def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None) -> None:
+                 run_dir: str | None = None, launcher=None) -> None:
         self.cfg = cfg
+        self.launcher = launcher  # how vLLM servers start (None: child processes on loopback)
         self.broker_address = broker_address
         self.run_dir = run_dir
         self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
@@ -79,7 +80,7 @@ class FleetService:
             from rollout_fleet.sglang_fleet import SGLangFactory
 
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
-        return VLLMFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
+        return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
 
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
@@ -89,7 +90,8 @@ class FleetService:
         await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
         prompts, rewards = await data
         await self.fleet.start(0)  # servers are in; start the health loop
-        self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
+        self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet",
+                                                     curve_keys_dir=self.cfg.broker.curve_keys_dir))
         self.worker = RolloutWorker(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
                                     max_inflight_groups=self.cfg.rollout.max_inflight_groups,
                                     max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed)
