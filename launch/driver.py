@@ -93,6 +93,7 @@ class Job:
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
         # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
         self.interrupted = threading.Event()
+        self.elastic = None  # launch.elastic.Elastic when rollout.autoscale.enabled
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,6 +112,10 @@ class Job:
             t = time.monotonic()
             fn()
             log.info("started %s in %.1f s", name, time.monotonic() - t)
+        if self.cfg.rollout.autoscale.enabled:
+            from launch.elastic import Elastic
+
+            self.elastic = Elastic(self)
         self.control = ControlServer(self.run_dir, self.handle, host=self.cfg.network.host,
                                      curve_keys_dir=self.cfg.broker.curve_keys_dir)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
@@ -281,6 +286,8 @@ class Job:
                 done = bool(ray.wait([self.run_ref], timeout=0.25)[0])
             self.snapshot = self.collect()
             self._evaluate_every()
+            if self.elastic is not None and not done:
+                self.elastic.tick(self.snapshot)
             self.monitor.update(self.snapshot)
             while self.control.poll(0):
                 pass
@@ -541,6 +548,10 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
     summary = build_summary(cfg, job, final, error=error)
+    if job.elastic is not None:
+        summary["autoscale"] = job.elastic.log
+        last = job.snapshot.broker if job.snapshot is not None else None
+        summary["engine_lag_at_end"] = last.engine_lag if last is not None else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
