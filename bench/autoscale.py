@@ -2,9 +2,9 @@
 
 Each case is one ``launch/cluster.py --simulate`` run (local Ray with fake GPUs, the real broker,
 SIMULATED engines and learner) with ``rollout.autoscale`` on and short windows, so that decisions
-happen within a couple of minutes. The fleet starts at its maximum; the simulated learner is slower
-than the full fleet, so the queue fills and the fleet idles (drains), until the learner starts
-waiting (adds). Written: every decision (time, action, servers before and after, reason, signals,
+happen within a couple of minutes. The fleet starts at its maximum; the simulated engines are slowed so
+that the full fleet outruns the simulated learner: the queue fills and servers idle (drains),
+until the learner starts waiting (adds). Written: every decision (time, action, servers before and after, reason, signals,
 the scale call's seconds), the staleness the learner saw (lag, in versions), the broker's per-engine
 lag at the end, and the run's totals (groups lost must be 0).
 
@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 from bench.report import run_info, write_json  # noqa: E402
 
 CASES = {
-    "32+32": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4),
-    "256+32": dict(rollout_gpus=256, learner_gpus=32, min=32, step=32),
+    # tokens_per_s: slow enough SIMULATED decoding that the learner needs about 2/3 of the fleet
+    "32+32": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4, tokens_per_s=120),
+    "256+32": dict(rollout_gpus=256, learner_gpus=32, min=32, step=32, tokens_per_s=15),
 }
 
 
@@ -37,6 +38,7 @@ def run_case(name: str, c: dict, steps: int, step_s: float, timeout_s: float) ->
     run_dir = Path(tempfile.mkdtemp(prefix=f"fleetrl-autoscale-{name.replace('+', '_')}-"))
     summary = run_dir / "out.json"
     over = [f"rollout.simulated.learner_step_s={step_s}", "broker.groups_per_step=16",
+            f"rollout.simulated.tokens_per_s={c['tokens_per_s']}",
             "rollout.autoscale.enabled=true", f"rollout.autoscale.min={c['min']}",
             f"rollout.autoscale.max={c['rollout_gpus']}", f"rollout.autoscale.step={c['step']}",
             "rollout.autoscale.window_s=4", "rollout.autoscale.sustain_s=2", "rollout.autoscale.cooldown_s=6"]

@@ -239,15 +239,31 @@ class Job:
         return {i: self.pgs[f"server-{i}"] for i in indices} if self.server_actors else None
 
     def _start_fleet(self, ray) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from launch.netsetup import curve_key_data
         from launch.ray_actors import FleetActor
 
-        self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0).remote(
+        # the controller lives with the driver: losing a fleet host must not take the controller with it
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0, scheduling_strategy=here).remote(
             self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
             {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
             self._server_pgs(self.server_slots), curve_key_data(self.cfg))
         n = self._n_servers()
         self._get(self.fleet.start.remote(n, list(range(n))), self.cfg.rollout.startup_timeout_s, "fleet start")
+        self._write_placement()
+
+    def _write_placement(self) -> None:
+        """``<run_dir>/placement.json``: each server's planned node and GPUs, and where its actor really ran."""
+        if not self.server_actors:
+            return
+        ips = {nid: res.split(":", 1)[1] for nid, res in self._pin.items()}
+        placed = self._get(self.fleet.placements.remote(), CALL_TIMEOUT_S, "fleet placements")
+        out = {"learner": [{"node_ip": ips.get(s.node_id), "gpus": list(s.gpu_ids)} for s in self.placement.learner],
+               "servers": {str(i): {"planned_node_ip": ips.get(s.node_id), "planned_node_id": s.node_id,
+                                    **placed.get(i, {})} for i, s in self.server_slots.items()}}
+        (self.run_dir / "placement.json").write_text(json.dumps(out, indent=2))
 
     def _start_learner(self, ray) -> None:
         if not self.simulated:
@@ -375,7 +391,11 @@ class Job:
         else:
             target = rollout_gpus  # CPU: the number of servers
         current = sorted(self.server_slots) if self.placement.servers else None
-        n_now = len(self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")["servers"])
+        servers = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")["servers"]
+        n_now = len(servers)
+        if self.server_actors:  # servers the fleet dropped (their node was lost) give their bundles back
+            live = {int(s["engine_id"].rsplit("-", 1)[1]) for s in servers}
+            self._release([i for i in list(self.server_slots) if i not in live])
         if target > n_now:
             indices = self._grow(target - n_now) if current is not None else None
             if indices is None:
@@ -389,12 +409,14 @@ class Job:
             removed = self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.request_timeout_s, "fleet drain")
             self._release(removed)
         log.info("fleet scaled from %d to %d servers", n_now, target)
+        self._write_placement()
         return {"servers_before": n_now, "servers_after": target}
 
     def _grow(self, k: int) -> list[int]:
         import ray
 
-        nodes, _ = self._nodes(ray)
+        nodes, pin = self._nodes(ray)
+        self._pin.update(pin)  # a node that joined since the start (a host brought back)
         used = {(s.node_id, g) for s in self.placement.learner + list(self.server_slots.values()) for g in s.gpu_ids}
         tp = self.cfg.rollout.tensor_parallel_size
         new: list[int] = []

@@ -23,8 +23,9 @@ _LIVE = (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)
 
 
 def observation(snap: JobSnapshot, groups_per_step: int, max_staleness: int) -> Observation:
-    live = sum(1 for s in snap.fleet.servers if s.state in _LIVE)
-    return Observation(servers=live, learner_wait_s=snap.learner.learner_wait_s, fleet_idle_s=snap.fleet.idle_s,
+    live = [s for s in snap.fleet.servers if s.state in _LIVE]
+    idle = sum(1 for s in live if s.state == ServerState.HEALTHY and s.inflight_groups == 0)
+    return Observation(servers=len(live), learner_wait_s=snap.learner.learner_wait_s, idle_servers=idle,
                        queued_groups=snap.queue_groups or 0,
                        queue_capacity_groups=groups_per_step * (max_staleness + 1))
 

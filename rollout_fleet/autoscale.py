@@ -1,10 +1,11 @@
 """The fleet's autoscaler: a pure decision object (no clock, no I/O: every call takes ``now``).
 
-It reads three signals the job already has, each differentiated over a sliding window from the
-cumulative counters it is given (so one noisy sample cannot move it):
+It reads three signals the job already has, each over a sliding window (so one noisy sample cannot
+move it):
 
-* ``wait``: the fraction of wall time the learner spent waiting for batches (``learner_wait_s``);
-* ``idle``: the fraction of wall time the rollout worker had nothing to do (the fleet's ``idle_s``);
+* ``wait``: the fraction of wall time the learner spent waiting for batches (the rate of its
+  cumulative ``learner_wait_s``);
+* ``idle``: the mean fraction of servers with no group in flight (sampled at each observation);
 * ``fill``: how full the broker's queue is, queued groups over what the staleness bound lets it
   hold ahead of the learner (``groups_per_step * (max_staleness + 1)``).
 
@@ -23,7 +24,7 @@ itself, so its tests drive it with synthetic observations and times.
 Example::
 
     a = Autoscaler(AutoscaleConfig(enabled=True, min=1, max=8))
-    d = a.observe(now=12.0, obs=Observation(servers=2, learner_wait_s=9.1, fleet_idle_s=0.0,
+    d = a.observe(now=12.0, obs=Observation(servers=2, learner_wait_s=9.1, idle_servers=0,
                                             queued_groups=0, queue_capacity_groups=24))
     if d is not None: scale_to(d.target)   # d.reason says why
 """
@@ -41,7 +42,7 @@ from rollout_fleet.config import AutoscaleConfig
 class Observation:
     servers: int  # live servers (healthy, starting or restarting)
     learner_wait_s: float  # cumulative
-    fleet_idle_s: float  # cumulative
+    idle_servers: int  # live servers with no group in flight, now
     queued_groups: int
     queue_capacity_groups: int
 
@@ -61,7 +62,7 @@ class Decision:
 class Autoscaler:
     def __init__(self, cfg: AutoscaleConfig) -> None:
         self.cfg = cfg
-        self._hist: deque[tuple[float, float, float]] = deque()  # (now, learner_wait_s, fleet_idle_s)
+        self._hist: deque[tuple[float, float, float]] = deque()  # (now, learner_wait_s, idle fraction)
         self._up_since: float | None = None
         self._down_since: float | None = None
         self._last_action: float | None = None
@@ -70,15 +71,15 @@ class Autoscaler:
     def _rates(self, now: float, obs: Observation) -> tuple[float | None, float | None]:
         if self._hist and now < self._hist[-1][0]:
             raise ValueError(f"autoscaler: time went backwards ({now} after {self._hist[-1][0]})")
-        self._hist.append((now, obs.learner_wait_s, obs.fleet_idle_s))
+        self._hist.append((now, obs.learner_wait_s, obs.idle_servers / max(1, obs.servers)))
         while len(self._hist) > 2 and now - self._hist[1][0] >= self.cfg.window_s:
             self._hist.popleft()
-        t0, w0, i0 = self._hist[0]
+        t0, w0, _ = self._hist[0]
         span = now - t0
         if span < self.cfg.window_s * 0.5:  # too little history to judge a rate
             return None, None
-        clip = lambda x: min(1.0, max(0.0, x))  # noqa: E731
-        return clip((obs.learner_wait_s - w0) / span), clip((obs.fleet_idle_s - i0) / span)
+        idle = sum(x for _, _, x in self._hist) / len(self._hist)
+        return min(1.0, max(0.0, (obs.learner_wait_s - w0) / span)), min(1.0, max(0.0, idle))
 
     def observe(self, now: float, obs: Observation) -> Decision | None:
         """Feed one observation; returns the decision to carry out now, or None."""

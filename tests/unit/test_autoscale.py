@@ -15,16 +15,16 @@ CFG = AutoscaleConfig(enabled=True, min=2, max=6, step=2, window_s=10, sustain_s
 def _run(a: Autoscaler, servers: int, *, wait: float, idle: float, fill: float, t0: float, t1: float,
          dt: float = 1.0, totals: list[float] | None = None):
     """Observe from t0 to t1 with constant rates; returns (decisions, servers, totals) carried out."""
-    w, i = totals or (0.0, 0.0)
+    w = (totals or [0.0])[0]
     out, t = [], t0
     while t <= t1:
-        d = a.observe(t, Observation(servers=servers, learner_wait_s=w, fleet_idle_s=i,
+        d = a.observe(t, Observation(servers=servers, learner_wait_s=w, idle_servers=round(idle * servers),
                                      queued_groups=int(fill * 24), queue_capacity_groups=24))
         if d is not None:
             out.append(d)
             servers = d.target
-        w, i, t = w + wait * dt, i + idle * dt, t + dt
-    return out, servers, [w, i]
+        w, t = w + wait * dt, t + dt
+    return out, servers, [w]
 
 
 def test_off_by_default_and_never_decides():
@@ -47,7 +47,7 @@ def test_a_full_queue_and_an_idle_fleet_drain_down_to_min():
     a = Autoscaler(CFG)
     ds, servers, _ = _run(a, 6, wait=0.0, idle=0.6, fill=1.0, t0=0, t1=200)
     assert [d.action for d in ds] == ["drain", "drain"] and servers == 2
-    assert "queue 100% full" in ds[0].reason and "fleet idle 60%" in ds[0].reason
+    assert "queue 100% full" in ds[0].reason and "fleet idle 67%" in ds[0].reason  # round(0.6 * 6) = 4 of 6
 
 
 def test_inside_the_hysteresis_band_nothing_happens():
@@ -67,7 +67,7 @@ def test_inside_the_hysteresis_band_nothing_happens():
 
 def test_below_min_adds_without_waiting_for_a_rate():
     a = Autoscaler(CFG)
-    d = a.observe(0.0, Observation(servers=0, learner_wait_s=0, fleet_idle_s=0, queued_groups=0,
+    d = a.observe(0.0, Observation(servers=0, learner_wait_s=0, idle_servers=0, queued_groups=0,
                                    queue_capacity_groups=24))
     assert d is not None and d.action == "add" and d.target == 2 and "< autoscale.min 2" in d.reason
 
@@ -79,7 +79,7 @@ def test_bad_bands_are_refused():
         AutoscaleConfig(up_wait=0.1, down_wait=0.2)
     with pytest.raises(ValueError, match="time went backwards"):
         a = Autoscaler(CFG)
-        obs = Observation(servers=3, learner_wait_s=0, fleet_idle_s=0, queued_groups=0, queue_capacity_groups=1)
+        obs = Observation(servers=3, learner_wait_s=0, idle_servers=0, queued_groups=0, queue_capacity_groups=1)
         a.observe(5.0, obs)
         a.observe(4.0, obs)
 
@@ -91,7 +91,7 @@ phase = st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.integers
 @given(st.lists(phase, min_size=1, max_size=12), st.integers(0, 9))
 def test_decisions_stay_in_bounds_are_spaced_and_follow_their_rule(phases, start):
     a = Autoscaler(CFG)
-    servers, t, totals = start, 0.0, [0.0, 0.0]
+    servers, t, totals = start, 0.0, [0.0]
     for wait, idle, fill, length in phases:
         ds, servers, totals = _run(a, servers, wait=wait, idle=idle, fill=fill, t0=t, t1=t + length, totals=totals)
         t += length + 1
