@@ -122,6 +122,10 @@ class VLLMFactory(ServerFactory):
                               weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl")
         return args
 
+    def _server(self, index: int) -> VLLMServer:
+        """The server process ``index`` would be, as the local launcher builds it (its command, env)."""
+        return VLLMServer(self._server_args(index), self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
+
     async def start(self, index: int) -> FleetVLLMClient:
         if self.urls:
             return await self._attach(index)
