@@ -19,10 +19,10 @@ import ray
 
 from core.configbase import build
 from core.net import free_port
-from core.network import is_loopback, write_curve_keys
+from core.network import write_curve_keys
 from launch.config import RunConfig
 from launch.monitor import setup_logging
-from launch.netsetup import curve_key_data, exports_reachable, node_host
+from launch.netsetup import curve_key_data, exports_reachable, node_host, spans_hosts
 from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
 from rollout_fleet.sglang_fleet import SGLangPublishClient
@@ -84,7 +84,7 @@ class LearnerActor:
         cfg = build(RunConfig, cfg_data)
         if curve_keys is not None:  # this node may not see the driver's run directory
             write_curve_keys(cfg.broker.curve_keys_dir, curve_keys)
-        if not is_loopback(cfg.network.host):  # rank 0's publisher hosts the weight-sync store on this node
+        if spans_hosts(cfg):  # rank 0's publisher hosts the weight-sync store on this node
             cfg = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(
                 update={"master_addr": node_host(cfg)})})
         self.run_dir = Path(run_dir)

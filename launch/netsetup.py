@@ -70,7 +70,7 @@ def ws_default(cfg: RunConfig) -> bool:
 
 def exports_reachable(cfg) -> bool:
     """May a server on another node load the learner's exports from the run directory?"""
-    return is_loopback(cfg.network.host) or cfg.network.shared_dir is not None
+    return not spans_hosts(cfg) or cfg.network.shared_dir is not None
 
 
 def curve_key_data(cfg: RunConfig) -> dict[str, bytes] | None:
@@ -79,10 +79,15 @@ def curve_key_data(cfg: RunConfig) -> dict[str, bytes] | None:
     return None if d is None else read_curve_keys(d)
 
 
+def spans_hosts(cfg) -> bool:
+    """Did the driver resolve ``network.host`` to a non-loopback address (``auto`` unresolved: one host)?"""
+    return cfg.network.host != "auto" and not is_loopback(cfg.network.host)
+
+
 def node_host(cfg) -> str:
     """The address a listener on this node binds: loopback for a one-host job, else the Ray node's address."""
-    if is_loopback(cfg.network.host):
-        return cfg.network.host
+    if not spans_hosts(cfg):
+        return LOOPBACK
     import ray
 
     return ray.util.get_node_ip_address()
