@@ -2,9 +2,8 @@
 
 Each case is one ``launch/cluster.py --simulate`` run (local Ray with fake GPUs, the real broker,
 SIMULATED engines and learner) with ``rollout.autoscale`` on and short windows, so that decisions
-happen within a couple of minutes. The fleet starts at its maximum; the simulated engines are slowed so
-that the full fleet outruns the simulated learner: the queue fills and servers idle (drains),
-until the learner starts waiting (adds). Written: every decision (time, action, servers before and after, reason, signals,
+happen within a couple of minutes. The fleet starts at its maximum, which outruns the simulated learner
+about twice: the queue fills and slots idle (drains), until the learner starts waiting (adds). Written: every decision (time, action, servers before and after, reason, signals,
 the scale call's seconds), the staleness the learner saw (lag, in versions), the broker's per-engine
 lag at the end, and the run's totals (groups lost must be 0).
 
@@ -28,17 +27,19 @@ sys.path.insert(0, str(ROOT))
 from bench.report import run_info, write_json  # noqa: E402
 
 CASES = {
-    # tokens_per_s: slow enough SIMULATED decoding that the learner needs about 2/3 of the fleet
-    "32+32": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4, tokens_per_s=120),
-    "256+32": dict(rollout_gpus=256, learner_gpus=32, min=32, step=32, tokens_per_s=15),
+    # one group in flight per server (rollout.max_inflight_groups=1), so the fleet's size sets its rate:
+    # a server makes ~10 SIMULATED groups/s; the learner takes groups_per_step / learner_step_s, about
+    # half of what the full fleet makes
+    "32+32": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4, groups_per_step=16, learner_step_s=0.1),
+    "256+32": dict(rollout_gpus=256, learner_gpus=32, min=32, step=32, groups_per_step=128, learner_step_s=0.1),
 }
 
 
-def run_case(name: str, c: dict, steps: int, step_s: float, timeout_s: float) -> dict:
+def run_case(name: str, c: dict, steps: int, timeout_s: float) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"fleetrl-autoscale-{name.replace('+', '_')}-"))
     summary = run_dir / "out.json"
-    over = [f"rollout.simulated.learner_step_s={step_s}", "broker.groups_per_step=16",
-            f"rollout.simulated.tokens_per_s={c['tokens_per_s']}",
+    over = [f"rollout.simulated.learner_step_s={c['learner_step_s']}", f"broker.groups_per_step={c['groups_per_step']}",
+            "rollout.max_inflight_groups=1",
             "rollout.autoscale.enabled=true", f"rollout.autoscale.min={c['min']}",
             f"rollout.autoscale.max={c['rollout_gpus']}", f"rollout.autoscale.step={c['step']}",
             "rollout.autoscale.window_s=4", "rollout.autoscale.sustain_s=2", "rollout.autoscale.cooldown_s=6"]
@@ -66,13 +67,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--learner-step-s", type=float, default=0.05)
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {**run_info(), "note": "SIMULATED engines and learner: control-plane behaviour only", "cases": {}}
     for name in args.cases.split(","):
-        out["cases"][name] = run_case(name, CASES[name], args.steps, args.learner_step_s, args.timeout_s)
+        out["cases"][name] = run_case(name, CASES[name], args.steps, args.timeout_s)
         r = out["cases"][name]
         print(f"{name}: {r['steps']} steps in {r['wall_s']} s, {len(r['decisions'])} decisions, "
               f"servers at end {r['servers_at_end']}, lost {r['groups_lost']}, max staleness {r['max_staleness_seen']}")

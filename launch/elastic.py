@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 _LIVE = (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)
 
 
-def observation(snap: JobSnapshot, groups_per_step: int, max_staleness: int) -> Observation:
+def observation(snap: JobSnapshot, groups_per_step: int, max_staleness: int, max_inflight: int) -> Observation:
     live = [s for s in snap.fleet.servers if s.state in _LIVE]
-    idle = sum(1 for s in live if s.state == ServerState.HEALTHY and s.inflight_groups == 0)
-    return Observation(servers=len(live), learner_wait_s=snap.learner.learner_wait_s, idle_servers=idle,
+    return Observation(servers=len(live), learner_wait_s=snap.learner.learner_wait_s,
+                       inflight_groups=sum(s.inflight_groups for s in live), slots=len(live) * max_inflight,
                        queued_groups=snap.queue_groups or 0,
                        queue_capacity_groups=groups_per_step * (max_staleness + 1))
 
@@ -40,7 +40,8 @@ class Elastic:
     def tick(self, snap: JobSnapshot, now: float | None = None) -> dict[str, Any] | None:
         now = time.monotonic() - self._t0 if now is None else now
         cfg = self.job.cfg
-        d = self.scaler.observe(now, observation(snap, cfg.broker.groups_per_step, cfg.broker.max_staleness))
+        d = self.scaler.observe(now, observation(snap, cfg.broker.groups_per_step, cfg.broker.max_staleness,
+                                                 cfg.rollout.max_inflight_groups))
         if d is None:
             return None
         entry = {**dataclasses.asdict(d), "learner_step": snap.learner.step}

@@ -5,7 +5,9 @@ move it):
 
 * ``wait``: the fraction of wall time the learner spent waiting for batches (the rate of its
   cumulative ``learner_wait_s``);
-* ``idle``: the mean fraction of servers with no group in flight (sampled at each observation);
+* ``idle``: the mean unused fraction of the fleet's group slots (``max_inflight_groups`` per live
+  server) over the window: groups are spread over every server, so "servers with nothing to do"
+  would read 0 while a fleet twice too large runs at half its slots;
 * ``fill``: how full the broker's queue is, queued groups over what the staleness bound lets it
   hold ahead of the learner (``groups_per_step * (max_staleness + 1)``).
 
@@ -24,7 +26,7 @@ itself, so its tests drive it with synthetic observations and times.
 Example::
 
     a = Autoscaler(AutoscaleConfig(enabled=True, min=1, max=8))
-    d = a.observe(now=12.0, obs=Observation(servers=2, learner_wait_s=9.1, idle_servers=0,
+    d = a.observe(now=12.0, obs=Observation(servers=2, learner_wait_s=9.1, inflight_groups=32, slots=32,
                                             queued_groups=0, queue_capacity_groups=24))
     if d is not None: scale_to(d.target)   # d.reason says why
 """
@@ -42,7 +44,8 @@ from rollout_fleet.config import AutoscaleConfig
 class Observation:
     servers: int  # live servers (healthy, starting or restarting)
     learner_wait_s: float  # cumulative
-    idle_servers: int  # live servers with no group in flight, now
+    inflight_groups: int  # groups in flight on the fleet, now
+    slots: int  # groups the fleet may hold in flight (live servers x max_inflight_groups)
     queued_groups: int
     queue_capacity_groups: int
 
@@ -71,7 +74,7 @@ class Autoscaler:
     def _rates(self, now: float, obs: Observation) -> tuple[float | None, float | None]:
         if self._hist and now < self._hist[-1][0]:
             raise ValueError(f"autoscaler: time went backwards ({now} after {self._hist[-1][0]})")
-        self._hist.append((now, obs.learner_wait_s, obs.idle_servers / max(1, obs.servers)))
+        self._hist.append((now, obs.learner_wait_s, 1.0 - obs.inflight_groups / max(1, obs.slots)))
         while len(self._hist) > 2 and now - self._hist[1][0] >= self.cfg.window_s:
             self._hist.popleft()
         t0, w0, _ = self._hist[0]

@@ -18,7 +18,7 @@ def _run(a: Autoscaler, servers: int, *, wait: float, idle: float, fill: float, 
     w = (totals or [0.0])[0]
     out, t = [], t0
     while t <= t1:
-        d = a.observe(t, Observation(servers=servers, learner_wait_s=w, idle_servers=round(idle * servers),
+        d = a.observe(t, Observation(servers=servers, learner_wait_s=w, inflight_groups=round((1 - idle) * servers * 4), slots=servers * 4,
                                      queued_groups=int(fill * 24), queue_capacity_groups=24))
         if d is not None:
             out.append(d)
@@ -47,7 +47,7 @@ def test_a_full_queue_and_an_idle_fleet_drain_down_to_min():
     a = Autoscaler(CFG)
     ds, servers, _ = _run(a, 6, wait=0.0, idle=0.6, fill=1.0, t0=0, t1=200)
     assert [d.action for d in ds] == ["drain", "drain"] and servers == 2
-    assert "queue 100% full" in ds[0].reason and "fleet idle 67%" in ds[0].reason  # round(0.6 * 6) = 4 of 6
+    assert "queue 100% full" in ds[0].reason and "fleet idle 58%" in ds[0].reason  # 6 servers x 4 slots, round(0.4 * 24) = 10 in flight
 
 
 def test_inside_the_hysteresis_band_nothing_happens():
@@ -67,7 +67,7 @@ def test_inside_the_hysteresis_band_nothing_happens():
 
 def test_below_min_adds_without_waiting_for_a_rate():
     a = Autoscaler(CFG)
-    d = a.observe(0.0, Observation(servers=0, learner_wait_s=0, idle_servers=0, queued_groups=0,
+    d = a.observe(0.0, Observation(servers=0, learner_wait_s=0, inflight_groups=0, slots=0, queued_groups=0,
                                    queue_capacity_groups=24))
     assert d is not None and d.action == "add" and d.target == 2 and "< autoscale.min 2" in d.reason
 
@@ -79,7 +79,8 @@ def test_bad_bands_are_refused():
         AutoscaleConfig(up_wait=0.1, down_wait=0.2)
     with pytest.raises(ValueError, match="time went backwards"):
         a = Autoscaler(CFG)
-        obs = Observation(servers=3, learner_wait_s=0, idle_servers=0, queued_groups=0, queue_capacity_groups=1)
+        obs = Observation(servers=3, learner_wait_s=0, inflight_groups=0, slots=12, queued_groups=0,
+                          queue_capacity_groups=1)
         a.observe(5.0, obs)
         a.observe(4.0, obs)
 
