@@ -133,7 +133,8 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
             port = int(s["url"].rsplit(":", 1)[1])
             assert (s["node_ip"], port) in _listeners(hosts, host), "vLLM does not listen on its host's address"
             assert ("127.0.0.1", port) not in _listeners(hosts, host)
-        control = json.loads((run_dir / "control.json").read_text())
+        control = _wait(lambda: (run_dir / "control.json").exists() and
+                        json.loads((run_dir / "control.json").read_text()), 600, "control.json", driver)
         assert control["address"].startswith(f"tcp://{hosts.ip(0)}:") and control["curve_keys_dir"]
         broker_cfg = (run_dir / "config" / "broker.yaml").read_text()
         assert f"tcp://{hosts.ip(0)}:0" in broker_cfg
