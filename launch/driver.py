@@ -4,8 +4,10 @@ Dataflow::
 
     driver (this process)
       |- Ray: local head on 127.0.0.1 (or --address), placement groups per role
+      |- network: listeners bind network.host (loopback, or this node's address with --address; CurveZMQ off loopback)
       |- broker process (python -m broker)       <- tickets / batches / acks / status ->
-      |- fleet actor   (FleetRunner: controller + rollout workers + engine servers)
+      |- fleet actor   (FleetRunner: controller + rollout workers), on the driver's node
+      |    '- one server actor per vLLM server, in that server's placement-group bundle (its node, its GPUs)
       |- learner actor (SimLearner under --simulate; the training loop otherwise)
       |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale
       '- monitor: rich view, TensorBoard, Prometheus; JSON summary at the end

@@ -85,8 +85,9 @@ class RemoteServer:
         return not self._dead  # the HTTP health probes find a dead server; kill/stop mark it here
 
     def kill(self) -> None:
+        """Fault injection: SIGKILL the server on its node (fire and forget: called on the fleet's event loop)."""
         self._dead = True
-        ray.get(self.actor.kill.remote(), timeout=self.call_timeout_s)
+        self.actor.kill.remote()
 
     def stop(self) -> None:
         try:

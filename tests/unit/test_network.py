@@ -112,7 +112,7 @@ def curve_control(tmp_path):
         server.close()
 
 
-def _raw_request(address: str, keys_dir=None, timeout_ms: int = 1500) -> dict | None:
+def _raw_request(address: str, keys_dir=None, timeout_ms: int = 1000) -> dict | None:
     from core.network import curve_client
 
     ctx = zmq.Context.instance()
