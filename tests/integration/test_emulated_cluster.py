@@ -37,8 +37,9 @@ from emulated_hosts import EmulatedHosts, netns_usable
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
-STEPS = int(os.environ.get("FLEETRL_EMULATED_STEPS", "30"))
-KILL_AT, SCALE_AT = 6, 10
+# enough steps that the server brought back (a vLLM start, 1-2 min here) still meets a publish
+STEPS = int(os.environ.get("FLEETRL_EMULATED_STEPS", "50"))
+KILL_AT, SCALE_AT = 5, 8
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
@@ -83,7 +84,7 @@ def _netns(hosts: EmulatedHosts, i: int) -> str:
     return hosts.run(i, ["readlink", "/proc/self/ns/net"], capture_output=True, text=True, timeout=30).stdout.strip()
 
 
-def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen, poll_s: float = 2.0):
+def _wait(pred, timeout_s: float, what: str, proc: subprocess.Popen, poll_s: float = 4.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the job ended while waiting for {what}"
