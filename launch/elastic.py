@@ -27,7 +27,8 @@ def observation(snap: JobSnapshot, groups_per_step: int, max_staleness: int, max
     return Observation(servers=len(live), learner_wait_s=snap.learner.learner_wait_s,
                        inflight_groups=sum(s.inflight_groups for s in live), slots=len(live) * max_inflight,
                        queued_groups=snap.queue_groups or 0,
-                       queue_capacity_groups=groups_per_step * (max_staleness + 1))
+                       # what the bound lets the broker hold besides the step being trained (leased)
+                       queue_capacity_groups=groups_per_step * max(1, max_staleness))
 
 
 class Elastic:

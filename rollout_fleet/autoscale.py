@@ -9,7 +9,7 @@ move it):
   server) over the window: groups are spread over every server, so "servers with nothing to do"
   would read 0 while a fleet twice too large runs at half its slots;
 * ``fill``: how full the broker's queue is, queued groups over what the staleness bound lets it
-  hold ahead of the learner (``groups_per_step * (max_staleness + 1)``).
+  hold besides the step the learner is training on (``groups_per_step * max(1, max_staleness)``).
 
 Rules, with hysteresis (separate thresholds up and down, each condition must hold for
 ``sustain_s``) and a ``cooldown_s`` after every action:
