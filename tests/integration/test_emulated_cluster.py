@@ -38,8 +38,9 @@ from emulated_hosts import EmulatedHosts, netns_usable
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 # enough steps that the server brought back (a vLLM start, 1-2 min here) still meets a publish
-STEPS = int(os.environ.get("FLEETRL_EMULATED_STEPS", "100"))
-KILL_AT, SCALE_AT = 5, 8
+# a new vLLM server starts in 1-2 min here while the learner keeps going at ~1.2 s a step
+STEPS = int(os.environ.get("FLEETRL_EMULATED_STEPS", "160"))
+KILL_AT = 5
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
@@ -158,7 +159,7 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
         assert killed, "nothing ran on the fleet host that was to be taken away"
         step_at_kill = st["step"]
         st = _wait(lambda: (s := _cli(hosts, env, "status", "--run-dir", str(run_dir))) and
-                   s.get("step", 0) >= max(SCALE_AT, step_at_kill + 3) and
+                   s.get("step", 0) >= step_at_kill + 2 and
                    sum(1 for x in s["fleet_servers"] if x["state"] == "healthy") == 1 and s, 600,
                    "training to go on with one server", driver)
 
