@@ -264,10 +264,13 @@ async def evaluate(cfg, fleet, n: int) -> float | None:
     params = SamplingParams(n=1, max_tokens=cfg.rollout.sampling.max_tokens, temperature=0.0)
     scorer = PoolRewards(reward_pool(cfg, workers=1), tok)  # accuracy: a truncated answer is scored as it is
     sem = asyncio.Semaphore(64)
+    # only servers at the newest weights present: one that just joined (version 0 until its first
+    # publish) must not answer for the trained policy
+    newest = max((s.engine.weight_version for s in fleet.servers.values() if s.state == "healthy"), default=0)
 
     async def one(i: int, row) -> float:
         async with sem:
-            _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params)
+            _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params, min_version=newest)
         p = Prompt(prompt_ids=[], ground_truth=row.ground_truth, data_source=row.data_source, extra_info=row.extra_info)
         return (await scorer.score(p, samples))[0]
 
