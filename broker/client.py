@@ -44,7 +44,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -54,6 +53,7 @@ import zmq
 from broker import protocol as P
 from broker.protocol import BrokerError, Ticket
 from broker.schema import TRAJECTORY_SCHEMA
+from core.network import curve_client
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +90,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _curve_setup(sock: zmq.Socket, keys_dir: str | None) -> None:
-    if not keys_dir:
-        return
-    from zmq.auth import load_certificate
-
-    keys = Path(keys_dir)
-    server_public, _ = load_certificate(keys / "server.key")
-    public, secret = load_certificate(keys / "client.key_secret")
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = server_public
+    curve_client(sock, keys_dir)
 
 
 # Frames sent with copy=False below this size are copied into the message anyway. pyzmq's

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,15 +32,10 @@ def _die_with_parent() -> None:
 
 
 def make_curve_keys(directory: str | os.PathLike) -> Path:
-    """server.key(_secret), client.key(_secret), and clients/client.key (the allowed list)."""
-    import zmq.auth
+    """server.key(_secret), client.key(_secret), and clients/client.key (the allowed list); secrets 0600."""
+    from core.network import make_curve_keys as make
 
-    d = Path(directory)
-    (d / "clients").mkdir(parents=True, exist_ok=True)
-    zmq.auth.create_certificates(d, "server")
-    zmq.auth.create_certificates(d, "client")
-    shutil.copy(d / "client.key", d / "clients" / "client.key")
-    return d
+    return make(directory)
 
 
 class BrokerProcess:

@@ -207,22 +207,17 @@ class BrokerServer:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.cfg.metrics_port is not None:
             self.latest_snapshot = snapshot(self)
-            self.metrics_port = start_metrics_server(self, self.cfg.metrics_port)
+            # the metrics endpoint binds the broker's own interface (loopback unless the job spans hosts)
+            host = self.address.split("://")[-1].rsplit(":", 1)[0] if self.address.startswith("tcp://") else "127.0.0.1"
+            self.metrics_port = start_metrics_server(self, self.cfg.metrics_port, addr=host.strip("[]"))
         log.info("broker bound to %s (k=%d, G=%d, spool=%s)", self.address, self.cfg.max_staleness,
                  self.cfg.groups_per_step, self.cfg.spool_dir)
         return self.address
 
     def _setup_curve(self, sock: zmq.Socket, keys: Path) -> None:
-        from zmq.auth import load_certificate
-        from zmq.auth.thread import ThreadAuthenticator
+        from core.network import curve_server
 
-        public, secret = load_certificate(keys / "server.key_secret")
-        self._auth = ThreadAuthenticator(self._ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=str(keys / "clients"))
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
+        self._auth = curve_server(sock, keys, self._ctx)
 
     # -- loop ------------------------------------------------------------------------------------
     def serve(self, stop: threading.Event | None = None) -> None:

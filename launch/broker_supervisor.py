@@ -62,7 +62,8 @@ class BrokerSupervisor:
         t = time.monotonic()
         err = None
         for attempt in range(RESTART_ATTEMPTS):
-            bp = BrokerProcess(address=old.address, config=old.options.get("config"))
+            bp = BrokerProcess(address=old.address, config=old.options.get("config"),
+                               curve_keys_dir=old.options.get("curve_keys_dir"))
             try:
                 bp.start()
             except RuntimeError as exc:  # e.g. the port not yet free

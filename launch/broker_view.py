@@ -47,5 +47,5 @@ def flatten(raw: dict[str, Any]) -> dict[str, Any]:
     return msgspec.to_builtins(view(reply))
 
 
-def broker_status(address: str, timeout_s: float = 5.0) -> BrokerView:
-    return view(status_reply(address, timeout_s=timeout_s))
+def broker_status(address: str, timeout_s: float = 5.0, curve_keys_dir: str | None = None) -> BrokerView:
+    return view(status_reply(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir))

@@ -68,6 +68,11 @@ def run_parser() -> argparse.ArgumentParser:
                    "scaling and lag monitoring at full size with fake GPUs")
     p.add_argument("--no-live", action="store_true", help="no live terminal view (log lines instead)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--dry-run", action="store_true", help="print the placement and listeners for the cluster at "
+                   "--address (or the one --nodes describes) and exit")
+    p.add_argument("--nodes", default=None, metavar="G,G,...", help="with --dry-run: describe a cluster by GPUs "
+                   "per node instead of reading one")
+    p.add_argument("--json-plan", action="store_true", help="with --dry-run: print the plan as JSON")
     return p
 
 
@@ -151,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = resolve_config(args)
+        if args.dry_run:
+            from launch.dry_run import dry_run
+
+            return dry_run(cfg, args)
         if not args.simulate:
             from launch.preflight import preflight
 

@@ -26,6 +26,7 @@ from pydantic import Field, model_validator
 from broker.config import BrokerConfig
 from core.colocate import ColocateConfig
 from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, build, suggest
+from core.network import NetworkConfig
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
@@ -57,6 +58,7 @@ class RunConfig(ConfigModel):
     learner: LearnerConfig
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     colocate: ColocateConfig = ColocateConfig()
+    network: NetworkConfig = NetworkConfig()
     run: RunSection = RunSection()
 
     @model_validator(mode="before")

@@ -1,7 +1,8 @@
 """The control endpoint of a running job: ``scale`` and ``status`` from another terminal.
 
-The driver binds a ZMQ REP socket on 127.0.0.1 (a free port) and writes its address to
-``<run_dir>/control.json``; ``launch/cluster.py status|scale --run-dir DIR`` reads the
+The driver binds a ZMQ REP socket on the job's host (``network.host``: loopback on one host; a free
+port) and writes its address to ``<run_dir>/control.json``; off loopback the socket is a CurveZMQ
+server (keys in ``<run_dir>/curve``, named in the file) and a client without the keys is refused; ``launch/cluster.py status|scale --run-dir DIR`` reads the
 file and sends one typed request. The file is removed at shutdown, so a stale file
 from a crashed run is detected by the pid it carries.
 
@@ -18,6 +19,8 @@ from typing import Any, Callable, Literal
 
 import msgspec
 import zmq
+
+from core.network import curve_client, curve_server
 
 CONTROL_FILE = "control.json"
 
@@ -37,14 +40,16 @@ _decoder = msgspec.json.Decoder(ControlRequest)
 class ControlServer:
     """Non-blocking REP socket polled from the driver's monitor loop."""
 
-    def __init__(self, run_dir: Path, handler: Callable[[ControlRequest], dict[str, Any]]) -> None:
+    def __init__(self, run_dir: Path, handler: Callable[[ControlRequest], dict[str, Any]], *,
+                 host: str = "127.0.0.1", curve_keys_dir: str | None = None) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self._auth = curve_server(self._sock, curve_keys_dir, self._ctx) if curve_keys_dir else None
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
         self.path = Path(run_dir) / CONTROL_FILE
-        self.path.write_text(json.dumps({"address": self.address, "pid": os.getpid()}))
+        self.path.write_text(json.dumps({"address": self.address, "pid": os.getpid(), "curve_keys_dir": curve_keys_dir}))
         self._handler = handler
 
     def poll(self, timeout_ms: int = 0) -> bool:
@@ -64,6 +69,8 @@ class ControlServer:
 
     def close(self) -> None:
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -85,6 +92,7 @@ def request(run_dir: Path, body: dict[str, Any], *, timeout_s: float = 10.0) -> 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    curve_client(sock, info.get("curve_keys_dir"))
     try:
         sock.connect(info["address"])
         sock.send(msgspec.json.encode(body))

@@ -4,8 +4,10 @@ Dataflow::
 
     driver (this process)
       |- Ray: local head on 127.0.0.1 (or --address), placement groups per role
+      |- network: listeners bind network.host (loopback, or this node's address with --address; CurveZMQ off loopback)
       |- broker process (python -m broker)       <- tickets / batches / acks / status ->
-      |- fleet actor   (FleetRunner: controller + rollout workers + engine servers)
+      |- fleet actor   (FleetRunner: controller + rollout workers), on the driver's node
+      |    '- one server actor per vLLM server, in that server's placement-group bundle (its node, its GPUs)
       |- learner actor (SimLearner under --simulate; the training loop otherwise)
       |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale
       '- monitor: rich view, TensorBoard, Prometheus; JSON summary at the end
@@ -36,6 +38,7 @@ from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
+from launch.netsetup import check_shared_dir, resolve_network
 from launch.observe import Endpoints
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
 from launch.snapshot import BrokerView, JobSnapshot
@@ -96,6 +99,7 @@ class Job:
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
         # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
         self.interrupted = threading.Event()
+        self.elastic = None  # launch.elastic.Elastic when rollout.autoscale.enabled
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,9 +118,15 @@ class Job:
             t = time.monotonic()
             fn()
             log.info("started %s in %.1f s", name, time.monotonic() - t)
-        self.control = ControlServer(self.run_dir, self.handle)
+        if self.cfg.rollout.autoscale.enabled:
+            from launch.elastic import Elastic
+
+            self.elastic = Elastic(self)
+        self.control = ControlServer(self.run_dir, self.handle, host=self.cfg.network.host,
+                                     curve_keys_dir=self.cfg.broker.curve_keys_dir)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
-                               live=not self.args.no_live, wandb=self.wandb, prometheus=self.cfg.run.prometheus)
+                               live=not self.args.no_live, wandb=self.wandb, prometheus=self.cfg.run.prometheus,
+                               host=self.cfg.network.host)
         self.wandb = None  # the monitor owns it now (and finishes it)
         self.endpoints = Endpoints(self)  # every Prometheus endpoint, printed and in metrics.json
 
@@ -149,6 +159,7 @@ class Job:
             ray.init(address=self.args.address, runtime_env={"env_vars": {"PYTHONPATH": pypath}}, **kw)
         log.info("Ray up (%s, auth %s); resources %s", "local" if local else self.args.address, mode,
                  ray.cluster_resources())
+        check_shared_dir(ray, self.cfg)
 
     def _ray_env(self) -> None:
         import secrets
@@ -219,22 +230,52 @@ class Job:
 
         # the broker reads its own part of the resolved config (written by write_subconfigs)
         self.broker = BrokerProcess(address=self.cfg.broker.address,
-                                    config=str(self.run_dir / "config" / "broker.yaml"))
+                                    config=str(self.run_dir / "config" / "broker.yaml"),
+                                    curve_keys_dir=self.cfg.broker.curve_keys_dir)
         self.broker.start()
         self.supervisor = BrokerSupervisor(self)
         log.info("broker at %s", self.broker.address)
 
     def _n_servers(self) -> int:
+        if self.cfg.rollout.urls:
+            return len(self.cfg.rollout.urls)
         return len(self.placement.servers) if self.placement.servers else self.cfg.rollout.servers
 
+    @property
+    def server_actors(self) -> bool:
+        """vLLM servers on GPUs (real or fake) are each started by an actor in their own bundle."""
+        return bool(self.placement.servers) and not self.simulated and self.cfg.rollout.engine == "vllm" \
+            and not self.cfg.rollout.urls
+
+    def _server_pgs(self, indices) -> dict[int, Any] | None:
+        return {i: self.pgs[f"server-{i}"] for i in indices} if self.server_actors else None
+
     def _start_fleet(self, ray) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from launch.netsetup import curve_key_data
         from launch.ray_actors import FleetActor
 
-        self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0).remote(
+        # the controller lives with the driver: losing a fleet host must not take the controller with it
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0, scheduling_strategy=here).remote(
             self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
-            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()})
+            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
+            self._server_pgs(self.server_slots), curve_key_data(self.cfg))
         n = self._n_servers()
         self._get(self.fleet.start.remote(n, list(range(n))), self.cfg.rollout.startup_timeout_s, "fleet start")
+        self._write_placement()
+
+    def _write_placement(self) -> None:
+        """``<run_dir>/placement.json``: each server's planned node and GPUs, and where its actor really ran."""
+        if not self.server_actors:
+            return
+        ips = {nid: res.split(":", 1)[1] for nid, res in self._pin.items()}
+        placed = self._get(self.fleet.placements.remote(), CALL_TIMEOUT_S, "fleet placements")
+        out = {"learner": [{"node_ip": ips.get(s.node_id), "gpus": list(s.gpu_ids)} for s in self.placement.learner],
+               "servers": {str(i): {"planned_node_ip": ips.get(s.node_id), "planned_node_id": s.node_id,
+                                    **placed.get(i, {})} for i, s in self.server_slots.items()}}
+        (self.run_dir / "placement.json").write_text(json.dumps(out, indent=2))
 
     def _start_learner(self, ray) -> None:
         if not self.simulated:
@@ -273,6 +314,8 @@ class Job:
                 done = bool(ray.wait([self.run_ref], timeout=0.25)[0])
             self.snapshot = self.collect()
             self._evaluate_every()
+            if self.elastic is not None and not done:
+                self.elastic.tick(self.snapshot)
             self.monitor.update(self.snapshot)
             self.endpoints.refresh()
             while self.control.poll(0):
@@ -337,7 +380,7 @@ class Job:
         from launch.broker_view import broker_status
 
         try:
-            return broker_status(self.broker.address)
+            return broker_status(self.broker.address, curve_keys_dir=self.cfg.broker.curve_keys_dir)
         except Exception as exc:  # a slow status answer must not end the job
             log.warning("broker status failed: %s", exc)
             return None
@@ -357,6 +400,8 @@ class Job:
     def scale(self, rollout_gpus: int) -> dict[str, Any]:
         if self.cfg.colocate.enabled:
             raise ValueError("a colocated fleet shares the learner's GPUs and cannot be scaled on its own")
+        if self.cfg.rollout.urls:
+            raise ValueError("the fleet is attached to rollout.urls: it neither starts nor stops servers")
         tp = self.cfg.rollout.tensor_parallel_size
         if self.placement.servers:  # GPU (or simulated GPU) fleet
             if rollout_gpus % tp:
@@ -365,24 +410,32 @@ class Job:
         else:
             target = rollout_gpus  # CPU: the number of servers
         current = sorted(self.server_slots) if self.placement.servers else None
-        n_now = len(self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")["servers"])
+        servers = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")["servers"]
+        n_now = len(servers)
+        if self.server_actors:  # servers the fleet dropped (their node was lost) give their bundles back
+            live = {int(s["engine_id"].rsplit("-", 1)[1]) for s in servers}
+            self._release([i for i in list(self.server_slots) if i not in live])
         if target > n_now:
             indices = self._grow(target - n_now) if current is not None else None
             if indices is None:
                 self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.startup_timeout_s, "fleet scale")
             else:
                 slots = {i: (self.server_slots[i].node_id, list(self.server_slots[i].gpu_ids)) for i in indices}
-                self._get(self.fleet.add_servers.remote(indices, slots), self.cfg.rollout.startup_timeout_s, "fleet add")
+                call = self.fleet.add_placed.remote(indices, slots, self._server_pgs(indices)) if self.server_actors \
+                    else self.fleet.add_servers.remote(indices, slots)
+                self._get(call, self.cfg.rollout.startup_timeout_s, "fleet add")
         elif target < n_now:
             removed = self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.request_timeout_s, "fleet drain")
             self._release(removed)
         log.info("fleet scaled from %d to %d servers", n_now, target)
+        self._write_placement()
         return {"servers_before": n_now, "servers_after": target}
 
     def _grow(self, k: int) -> list[int]:
         import ray
 
-        nodes, _ = self._nodes(ray)
+        nodes, pin = self._nodes(ray)
+        self._pin.update(pin)  # a node that joined since the start (a host brought back)
         used = {(s.node_id, g) for s in self.placement.learner + list(self.server_slots.values()) for g in s.gpu_ids}
         tp = self.cfg.rollout.tensor_parallel_size
         new: list[int] = []
@@ -411,7 +464,7 @@ class Job:
         not a Ray worker, so a zero-CPU task in its bundle asks Ray which GPUs those are, and the
         server is started with exactly them (CUDA_VISIBLE_DEVICES): never on a learner GPU.
         """
-        if self.simulated or not indices:
+        if self.simulated or not indices or self.server_actors:  # a server actor reads its own ids from Ray
             return
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -509,6 +562,7 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})})
     setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
     cfg = resume.with_defaults(cfg, run_dir)  # spool in the run dir, Prometheus ports: a re-run continues
+    cfg = resolve_network(cfg, args.address, run_dir)  # bind addresses, CurveZMQ keys: before any part is written
     resume.prepare(cfg, run_dir)
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)
@@ -537,6 +591,10 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
     summary = build_summary(cfg, job, final, error=error)
+    if job.elastic is not None:
+        summary["autoscale"] = job.elastic.log
+        last = job.snapshot.broker if job.snapshot is not None else None
+        summary["engine_lag_at_end"] = last.engine_lag if last is not None else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,10 @@ import ray
 
 from core.configbase import build
 from core.net import free_port
+from core.network import write_curve_keys
 from launch.config import RunConfig
 from launch.monitor import setup_logging
+from launch.netsetup import curve_key_data, exports_reachable, node_host, spans_hosts
 from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
 from rollout_fleet.sglang_fleet import SGLangPublishClient
@@ -80,16 +82,23 @@ class _RayFleet:
 class LearnerActor:
     """One rank in its own Ray worker process; ``cfg_data`` is the run config as plain data."""
 
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet) -> None:
+    def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet,
+                 curve_keys: dict[str, bytes] | None = None) -> None:
         from learner.rank import (
             LearnerRank,  # here, in the rank's process: torch stays out of the driver
         )
 
         cfg = build(RunConfig, cfg_data)
+        if curve_keys is not None:  # this node may not see the driver's run directory
+            write_curve_keys(cfg.broker.curve_keys_dir, curve_keys)
+        if spans_hosts(cfg):  # rank 0's publisher hosts the weight-sync store on this node
+            cfg = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(
+                update={"master_addr": node_host(cfg)})})
         self.run_dir = Path(run_dir)
         wait = cfg.colocate.timeout_s * 2 + 600.0  # sleep/wake, plus a due evaluation at the wake
         self.rank = LearnerRank(cfg, broker_address, run_dir, None if fleet is None else _RayFleet(fleet, wait),
-                                endpoint=lambda backend, eid, url: publish_client(cfg, backend, eid, url))
+                                endpoint=lambda backend, eid, url: publish_client(cfg, backend, eid, url),
+                                exports_shared=exports_reachable(cfg))
 
     def set_rank(self, rank: int) -> None:
         self.rank.set_rank(rank)
@@ -134,7 +143,8 @@ class LearnerRanks:
 
     @classmethod
     def start(cls, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet, *, n: int,
-              placement_group=None, gpus_per_rank: int = 0, timeout_s: float = 60.0) -> LearnerRanks:
+              placement_group=None, gpus_per_rank: int = 0, timeout_s: float = 60.0,
+              curve_keys: dict[str, bytes] | None = None) -> LearnerRanks:
         """Start ``n`` rank actors (bundle ``i`` of ``placement_group`` each, when given) and their run."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -146,7 +156,7 @@ class LearnerRanks:
             if placement_group is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group, placement_group_bundle_index=i)
-            actors.append(LearnerActor.options(**opts).remote(cfg_data, broker_address, run_dir, fleet))
+            actors.append(LearnerActor.options(**opts).remote(cfg_data, broker_address, run_dir, fleet, curve_keys))
         try:
             infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
         except Exception:
@@ -257,5 +267,5 @@ def start_learner(job) -> tuple[LearnerRanks, float | None]:
     gpus = job.placement.learner_gpus()
     ranks = LearnerRanks.start(job.cfg.model_dump(mode="json"), job.broker.address, str(job.run_dir), job.fleet,
                                n=gpus or job.cfg.learner.cpu_processes, placement_group=job.pgs.get("learner"),
-                               gpus_per_rank=1 if gpus else 0)
+                               gpus_per_rank=1 if gpus else 0, curve_keys=curve_key_data(job.cfg))
     return ranks, before

@@ -136,8 +136,9 @@ class WandbWriter:
 
 class Monitor:
     def __init__(self, run_dir: Path, *, simulated: bool, tensorboard: bool, live: bool,
-                 prometheus: bool = True, wandb: WandbWriter | None = None) -> None:
+                 prometheus: bool = True, wandb: WandbWriter | None = None, host: str = "127.0.0.1") -> None:
         self.run_dir = Path(run_dir)
+        self.host = host  # the Prometheus endpoint's interface (network.host)
         self.simulated = simulated
         self._wandb = wandb
         self._tb = None
@@ -172,11 +173,11 @@ class Monitor:
         labels = {"simulated": "true" if self.simulated else "false"}
         for name, doc in GAUGES.items():
             self._gauges[name] = Gauge(f"fleetrl_{name}", doc, list(labels), registry=self._registry).labels(**labels)
-        self._http, self._http_thread = start_http_server(0, addr="127.0.0.1", registry=self._registry)
+        self._http, self._http_thread = start_http_server(0, addr=self.host, registry=self._registry)
         port = self._http.server_port
-        self.prometheus_url = f"http://127.0.0.1:{port}/metrics"
-        (self.run_dir / "metrics.json").write_text(json.dumps({"prometheus": f"http://127.0.0.1:{port}/metrics"}))
-        log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
+        self.prometheus_url = f"http://{self.host}:{port}/metrics"
+        (self.run_dir / "metrics.json").write_text(json.dumps({"prometheus": self.prometheus_url}))
+        log.info("Prometheus metrics on %s", self.prometheus_url)
 
     def update(self, snap: JobSnapshot) -> None:
         lr, fl = snap.learner, snap.fleet

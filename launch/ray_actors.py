@@ -18,10 +18,14 @@ from typing import Any
 import ray
 
 from core.configbase import build
+from core.network import is_loopback, write_curve_keys
 from launch.config import RunConfig
 from launch.monitor import setup_logging
+from launch.netsetup import node_host
+from launch.server_actor import RayServerLauncher
 from learner.simulated import SimLearner
 from rollout_fleet.service import FleetService
+from rollout_fleet.vllm_fleet import LocalLauncher
 
 try:  # the actors' event loops are created after this module is imported: make them uvloop
     import uvloop
@@ -32,20 +36,45 @@ except ImportError:  # uvloop is optional (not on Windows)
 
 
 class FleetRunner(FleetService):
+    """``pgs`` (server index -> placement group): each server is started by its own actor in its bundle
+    (launch/server_actor.py); without, servers are child processes of this one, bound to this node."""
+
     def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None) -> None:
+                 run_dir: str | None = None, pgs: dict[int, Any] | None = None,
+                 curve_keys: dict[str, bytes] | None = None) -> None:
         cfg = build(RunConfig, cfg_data)
-        super().__init__(cfg, broker_address, slots=slots, run_dir=run_dir, eval_every=cfg.run.eval_every,
-                         eval_samples=cfg.run.eval_samples)
+        if curve_keys is not None:  # this node may not see the driver's run directory
+            write_curve_keys(cfg.broker.curve_keys_dir, curve_keys)
+        host = node_host(cfg)
+        if pgs:
+            launcher = RayServerLauncher(pgs, {i: len(slots[i][1]) for i in pgs}, is_loopback(host),
+                                         cfg.rollout.startup_timeout_s)
+        else:
+            launcher = LocalLauncher(host)
+        super().__init__(cfg, broker_address, slots=slots, run_dir=run_dir, launcher=launcher,
+                         eval_every=cfg.run.eval_every, eval_samples=cfg.run.eval_samples)
+
+    async def add_placed(self, indices: list[int], slots: dict[int, Any], pgs: dict[int, Any]) -> list[str]:
+        """``scale`` on a placed fleet: new servers in their new placement groups."""
+        if not isinstance(self.launcher, RayServerLauncher):
+            raise ValueError("this fleet was started without placement groups; scale it with add_servers")
+        self.launcher.add(pgs, {i: len(slots[i][1]) for i in pgs})
+        return await self.add_servers(indices, slots)
+
+    async def placements(self) -> dict[int, dict[str, Any]]:
+        """Where each placed server's actor ran: node IP and id, GPUs, network namespace, URL."""
+        return dict(self.launcher.placed) if isinstance(self.launcher, RayServerLauncher) else {}
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class FleetActor(FleetRunner):
     def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str,
-                 slots: dict[int, Any] | None = None) -> None:
+                 slots: dict[int, Any] | None = None, pgs: dict[int, Any] | None = None,
+                 curve_keys: dict[str, bytes] | None = None) -> None:
         simulated = cfg_data["rollout"]["engine"] == "simulated"
+        Path(run_dir).mkdir(parents=True, exist_ok=True)  # this node may not share the driver's disk
         setup_logging(Path(run_dir), "fleet", simulated=simulated)
-        super().__init__(cfg_data, broker_address, slots=slots, run_dir=run_dir)
+        super().__init__(cfg_data, broker_address, slots=slots, run_dir=run_dir, pgs=pgs, curve_keys=curve_keys)
 
     async def ping(self) -> bool:
         return True

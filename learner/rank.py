@@ -71,6 +71,8 @@ class _BrokerPart(Protocol):
     def groups_per_step(self) -> int: ...
     @property
     def max_staleness(self) -> int: ...
+    @property
+    def curve_keys_dir(self) -> str | None: ...
 
 
 class _RolloutPart(Protocol):
@@ -138,9 +140,12 @@ def _nccl_env(cfg: RankConfig) -> dict[str, str]:
 
 class LearnerRank:
     def __init__(self, cfg: RankConfig, broker_address: str, run_dir: str, fleet: FleetView | None,
-                 endpoint: EndpointFactory) -> None:
+                 endpoint: EndpointFactory, exports_shared: bool = True) -> None:
         self.rank = 0
         self.cfg = cfg
+        # False on a multi-node job without network.shared_dir: the run directory's exports are on this
+        # node only, so a late joiner is never sent a path; it gets the weights at the next publish
+        self.exports_shared = exports_shared
         self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
         self.endpoint = endpoint
         self.pub = None
@@ -194,7 +199,7 @@ class LearnerRank:
             if eid in self.pub.engines:
                 continue
             client = self.endpoint(self.pub.backend, eid, url)
-            if self.exported_version > 0 and export.exists():
+            if self.exports_shared and self.exported_version > 0 and export.exists():
                 log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
                 self.pub.add_engine(client, str(export), self.exported_version)
             else:
@@ -327,7 +332,7 @@ class LearnerRank:
         self._write_metrics(step, m)
         if self.cfg.learner.export_every and step % self.cfg.learner.export_every == 0:
             self.exported_version = step
-            if self.fleet is not None:  # a server the fleet restarts loads this before it takes work
+            if self.fleet is not None and self.exports_shared:  # a restarted server loads this before it takes work
                 self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
         self._log_step(step, m)
         self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
@@ -385,6 +390,7 @@ class LearnerRank:
                  os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
         if self.rank == 0:
             self._source = BrokerSource(self.broker_address, consumer_id="learner",
+                                        curve_keys_dir=self.cfg.broker.curve_keys_dir,
                                         lease_timeout_s=self.cfg.broker.lease_timeout_s)
         self.t0, self.t0_unix = time.monotonic(), time.time()
         colo = self.cfg.colocate.enabled

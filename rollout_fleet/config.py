@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.configbase import ConfigModel
 
@@ -96,6 +96,31 @@ class SimulatedEngineConfig(ConfigModel):
     learner_step_s: float = Field(0.05, ge=0, description="simulated learner step time (--simulate)")
 
 
+class AutoscaleConfig(ConfigModel):
+    """The fleet's autoscaler (rollout_fleet/autoscale.py): off unless enabled; thresholds are fractions."""
+
+    enabled: bool = False
+    min: int = Field(1, ge=0, description="never fewer servers (below it, e.g. after a loss, add at once)")
+    max: int = Field(8, ge=1, description="never more servers")
+    step: int = Field(1, ge=1, description="servers added or drained per decision")
+    window_s: float = Field(30.0, gt=0, description="signals are rates over this sliding window")
+    sustain_s: float = Field(20.0, ge=0, description="a condition must hold this long before it acts (hysteresis)")
+    cooldown_s: float = Field(60.0, ge=0, description="no decision this long after the last one")
+    up_wait: float = Field(0.3, gt=0, le=1, description="add when the learner waits for data this fraction of the time")
+    down_wait: float = Field(0.05, ge=0, le=1, description="drain only while the learner waits at most this fraction")
+    down_fill: float = Field(0.9, gt=0, le=1, description="drain only while the broker queue is this full")
+    down_idle: float = Field(0.3, gt=0, le=1, description="drain only while the fleet idles this fraction of the time")
+
+    @model_validator(mode="after")
+    def _bands(self) -> AutoscaleConfig:
+        if self.min > self.max:
+            raise ValueError(f"rollout.autoscale.min={self.min} > max={self.max}")
+        if self.down_wait >= self.up_wait:
+            raise ValueError(f"rollout.autoscale.down_wait={self.down_wait} must be below up_wait={self.up_wait}: "
+                             "the gap between them is the hysteresis band that keeps the fleet from flapping")
+        return self
+
+
 ENGINES = ("vllm", "sglang", "simulated")  # the engines rollout.engine may name
 
 
@@ -136,6 +161,7 @@ class RolloutConfig(ConfigModel):
         default_factory=list, description="extra command-line arguments for every SGLang server (rollout.engine=sglang)")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
     env: EnvConfig | None = Field(None, description="multi-turn episodes instead of single completions")
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
     @field_validator("engine", mode="before")
     @classmethod

@@ -57,10 +57,12 @@ class FleetRunConfig(Protocol):
 
 class FleetService:
     def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None, eval_every: int = 0, eval_samples: int = 0) -> None:
+                 run_dir: str | None = None, eval_every: int = 0, eval_samples: int = 0, launcher=None) -> None:
         """``eval_every`` / ``eval_samples``: colocated mode's evaluations during the run (run.eval_every),
-        which it runs at the wake after those steps, never while the learner trains."""
+        which it runs at the wake after those steps, never while the learner trains. ``launcher``: how vLLM
+        servers start (None: child processes on loopback)."""
         self.cfg = cfg
+        self.launcher = launcher
         self.eval_every, self.eval_samples = eval_every, eval_samples
         self.colocated = None  # rollout_fleet.colocated.ColocatedEngines when colocate.enabled
         self.broker_address = broker_address
@@ -89,7 +91,7 @@ class FleetService:
             from rollout_fleet.sglang_fleet import SGLangFactory
 
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
-        return VLLMFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
+        return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
 
     async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
@@ -101,7 +103,8 @@ class FleetService:
         if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead
             rewards = reward_model_scorer(self.cfg.reward.model, self.cfg.model.path)
         await self.fleet.start(0)  # servers are in; start the health loop
-        self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet"))
+        self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet",
+                                                     curve_keys_dir=self.cfg.broker.curve_keys_dir))
         worker_cls, extra = RolloutWorker, {}
         if self.cfg.rollout.env is not None:  # multi-turn episodes (rollout_fleet/envs)
             from rollout_fleet.envs.registry import worker_kwargs

@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
-from rollout_fleet.engines.base import Sample, SamplingParams
+from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
 from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
 from rollout_fleet.rewards import RewardError
 from rollout_fleet.worker import Prompt, RewardFailed
@@ -47,13 +46,14 @@ class FleetVLLMClient(VLLMClient):
     @property
     def alive(self) -> bool:
         """False once the server process has exited (no need to wait for an HTTP timeout)."""
-        return self.server is None or self.server.proc is None or self.server.proc.poll() is None
+        return self.server is None or self.server.alive
 
     def kill(self) -> None:
         """Fault injection: SIGKILL the server process (as ``kill -9`` would)."""
-        if self.server is not None and self.server.pid is not None:
-            log.warning("killing vLLM server %s (pid %d) with SIGKILL", self.engine_id, self.server.pid)
-            os.kill(self.server.pid, signal.SIGKILL)
+        if self.server is None:
+            raise ValueError(f"engine {self.engine_id} is attached (rollout.urls): the fleet does not own it")
+        log.warning("killing vLLM server %s (pid %s) with SIGKILL", self.engine_id, self.server.pid)
+        self.server.kill()
 
 
 class ServerFactory:
@@ -72,16 +72,41 @@ class ServerFactory:
 
     async def stop(self, engine) -> None:
         await engine.close()
-        if engine.server is not None:
+        if engine.server is not None:  # None: attached (rollout.urls), not ours to stop
             await asyncio.to_thread(engine.server.stop)
 
 
+class LocalLauncher:
+    """Starts a server as a child process of the fleet, bound to ``host`` (a one-host job, or CPU fleets)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+
+    async def start(self, index: int, args: VLLMServerArgs, run_dir: Path, cache_dir: Path) -> VLLMServer:
+        args.host = self.host
+        server = VLLMServer(args, run_dir, cache_dir=cache_dir)
+        await asyncio.to_thread(server.start)  # blocks until /health answers (40-80 s on CPU)
+        return server
+
+
 class VLLMFactory(ServerFactory):
-    def __init__(self, cfg, run_dir: Path, slots: dict[int, Any]) -> None:
+    """Starts vLLM servers through ``launcher`` (local child processes, or one Ray actor per placement
+    bundle: launch/server_actor.py), or with ``rollout.urls`` attaches to servers already running.
+
+    Attach mode: server ``i`` is ``rollout.urls[i]``; the fleet probes it, sends it work, and the
+    learner's publisher joins it to weight sync (it must run fleetrl's server command: the worker
+    extension, ``--weight-transfer-config '{"backend": "fleetrl"}'``, ``VLLM_SERVER_DEV_MODE=1``).
+    The fleet never starts, restarts or stops one: a "restart" waits for it to answer ``/health``
+    again, and stop only closes the client.
+    """
+
+    def __init__(self, cfg, run_dir: Path, slots: dict[int, Any], launcher=None) -> None:
         self.cfg, self.run_dir, self.slots = cfg, Path(run_dir), slots
+        self.launcher = launcher or LocalLauncher()
+        self.urls = list(cfg.rollout.urls)
         self.cache_dir = Path(os.environ.get("FLEETRL_CACHE_DIR", REPO_ROOT / ".cache"))  # warm compiles across runs
 
-    def _server(self, index: int) -> VLLMServer:
+    def _server_args(self, index: int) -> VLLMServerArgs:
         r = self.cfg.rollout
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         if index in self.slots:  # GPU: the slot's devices (CPU runs have no slots)
@@ -95,7 +120,11 @@ class VLLMFactory(ServerFactory):
                               startup_timeout_s=r.startup_timeout_s, extra_args=self._extra_args(index), env=env,
                               # vLLM's own nccl backend only when asked for (and on GPU); else fleetrl's
                               weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl")
-        return VLLMServer(args, self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
+        return args
+
+    def _server(self, index: int) -> VLLMServer:
+        """The server process ``index`` would be, as the local launcher builds it (its command, env)."""
+        return VLLMServer(self._server_args(index), self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
 
     def _extra_args(self, index: int) -> list[str]:
         args = list(self.cfg.rollout.vllm_server_args)
@@ -106,12 +135,43 @@ class VLLMFactory(ServerFactory):
         return args
 
     async def start(self, index: int) -> FleetVLLMClient:
-        server = self._server(index)
-        await asyncio.to_thread(server.start)  # blocks until /health answers (40-80 s on CPU)
+        if self.urls:
+            return await self._attach(index)
+        server = await self.launcher.start(index, self._server_args(index), self.run_dir / f"vllm-{index}",
+                                           self.cache_dir / "vllm-server")
         client = FleetVLLMClient(f"vllm-{index}", server.url, model=server.model_name,
                                  weight_backend=server.weight_backend,
                                  request_timeout_s=self.cfg.rollout.request_timeout_s)
         client.server = server
+        return client
+
+    async def _attach(self, index: int) -> FleetVLLMClient:
+        if not 0 <= index < len(self.urls):
+            raise ValueError(f"attach mode (rollout.urls) has {len(self.urls)} server(s); there is no server "
+                             f"{index} to attach, and the fleet starts none of its own")
+        url = self.urls[index].rstrip("/")
+        client = FleetVLLMClient(f"vllm-{index}", url, model=self.cfg.model.path, weight_backend="fleetrl",
+                                 request_timeout_s=self.cfg.rollout.request_timeout_s)
+        deadline = asyncio.get_running_loop().time() + self.cfg.rollout.startup_timeout_s
+        while True:
+            try:
+                if await client.health():
+                    break
+            except Exception as exc:  # not up (yet): keep asking until the limit
+                log.debug("attached server %s: health failed: %s", url, exc)
+            if asyncio.get_running_loop().time() > deadline:
+                await client.close()
+                raise EngineError(f"attached server {url} (rollout.urls[{index}]) did not answer /health "
+                                  f"within {self.cfg.rollout.startup_timeout_s:.0f} s")
+            await asyncio.sleep(1.0)
+        r = await client._request("GET", "/v1/models", timeout_s=30.0)
+        served = [m["id"] for m in r.json().get("data", [])]
+        if not served:
+            await client.close()
+            raise EngineError(f"attached server {url} serves no model (GET /v1/models)")
+        client.model = served[0]  # the name it serves under (--served-model-name), not our path
+        log.info("fleet: attached vllm-%d at %s serving %r (not started, never restarted by the fleet)",
+                 index, url, client.model)
         return client
 
 
@@ -212,10 +272,13 @@ async def evaluate(cfg, fleet, n: int) -> float | None:
     params = SamplingParams(n=1, max_tokens=cfg.rollout.sampling.max_tokens, temperature=0.0)
     scorer = PoolRewards(reward_pool(cfg, workers=1), tok)  # accuracy: a truncated answer is scored as it is
     sem = asyncio.Semaphore(64)
+    # only servers at the newest weights present: one that just joined (version 0 until its first
+    # publish) must not answer for the trained policy
+    newest = max((s.engine.weight_version for s in fleet.servers.values() if s.state == "healthy"), default=0)
 
     async def one(i: int, row) -> float:
         async with sem:
-            _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params)
+            _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params, min_version=newest)
         p = Prompt(prompt_ids=[], ground_truth=row.ground_truth, data_source=row.data_source, extra_info=row.extra_info)
         return (await scorer.score(p, samples))[0]
 

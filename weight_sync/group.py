@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from core.network import is_loopback, route_ip
 from weight_sync.messages import GroupInfo
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
         raise TimeoutError(f"weight-sync store {addr}:{port} unreachable within {timeout_s:.0f}s: {e}") from e
 
 
+def _gloo_device(master_addr: str):
+    """gloo's interface: the default (the hostname's address) on one host; across hosts the local address
+    that routes to the store's host, which the hostname need not resolve to (containers, namespaces)."""
+    if is_loopback(master_addr):
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=route_ip(master_addr))
+
+
 def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float) -> dist.ProcessGroup:
     """Join the group of ``group.group_epoch`` as ``rank``; returns when every rank has joined.
 
@@ -54,7 +63,7 @@ def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float)
     if group.backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _td(timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts._devices = [_gloo_device(group.master_addr)]
         return dist.ProcessGroupGloo(prefixed, rank, group.world_size, opts)
     if group.backend == "nccl":
         if not torch.cuda.is_available():

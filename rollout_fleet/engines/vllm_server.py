@@ -2,7 +2,7 @@
 
 The server gets its own process group (so a stop reaches its engine-core and
 worker children), binds 127.0.0.1 on a free port by default (its RL endpoints
-are unauthenticated), and keeps every cache and socket inside the run
+are unauthenticated; a multi-node job gives it the node's address on the job's network), and keeps every cache and socket inside the run
 directory. ``start()`` waits for ``/health`` with a limit and, if the process
 dies or the limit passes, raises with the tail of the server log.
 """
@@ -79,6 +79,13 @@ class VLLMServerArgs:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
+    die_with_parent: bool = False  # SIGKILL the server when the process that started it dies (a Ray actor)
+
+
+def _pdeathsig() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class VLLMServer:
@@ -102,6 +109,16 @@ class VLLMServer:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        """False once the server process has exited."""
+        return self.proc is None or self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Fault injection: SIGKILL the server process (as ``kill -9`` would)."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
 
     @property
     def url(self) -> str:
@@ -155,7 +172,8 @@ class VLLMServer:
             self.port = free_port(self.args.host)
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=_pdeathsig if self.args.die_with_parent else None)
         logf.close()
         log.info("vLLM server pid %d starting on %s (log %s)", self.proc.pid, self.url, self.log_path)
         try:
