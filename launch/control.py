@@ -42,7 +42,9 @@ class ControlServer:
 
     def __init__(self, run_dir: Path, handler: Callable[[ControlRequest], dict[str, Any]], *,
                  host: str = "127.0.0.1", curve_keys_dir: str | None = None) -> None:
-        self._ctx = zmq.Context.instance()
+        # A context of its own: a CurveZMQ authenticator binds the context's one ZAP endpoint, so two servers
+        # (or a server closed while its authenticator's socket still lingers) must not share a context.
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._auth = curve_server(self._sock, curve_keys_dir, self._ctx) if curve_keys_dir else None
@@ -71,6 +73,7 @@ class ControlServer:
         self._sock.close(0)
         if self._auth is not None:
             self._auth.stop()
+        self._ctx.term()  # every socket of this context is closed: returns at once
         try:
             self.path.unlink()
         except FileNotFoundError:
