@@ -56,6 +56,28 @@ def _broker_pid(driver_pid: int) -> int | None:
     return None
 
 
+def _wait_busy(run_dir: Path, wait_s: float = 60.0) -> int:
+    """Groups in flight on server 0, polled until there are some (or ``wait_s`` passed).
+
+    At ``max_staleness=2`` the fleet is ahead of the CPU learner most of the time and waits at
+    the staleness gate with nothing in flight; a kill then has nothing to re-queue. The kill
+    waits for a burst of generation, read through the control endpoint in-process (a CLI
+    ``status`` costs a Python start-up, longer than a burst on this machine)."""
+    from launch.control import ControlError, request
+
+    deadline = time.monotonic() + wait_s
+    n = 0
+    while time.monotonic() < deadline:
+        try:
+            n = request(run_dir, {"op": "status"}, timeout_s=5.0)["servers"][0].get("inflight_groups", 0)
+        except (ControlError, KeyError, IndexError):
+            n = 0
+        if n:
+            return n
+        time.sleep(0.02)
+    return n
+
+
 def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None, kill: str = "server",
          steps: int = STEPS, flags: tuple[str, ...] = ()) -> dict:
     """One run of launch/cluster.py; with ``kill_at_step``, ``kill -9`` of the engine server
@@ -77,9 +99,10 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
             if kill_at_step is not None and not killed and (run_dir / "control.json").exists():
                 st = _status(run_dir)
                 if st and st.get("step", 0) >= kill_at_step and st["servers"] and st["servers"][0].get("pid"):
+                    inflight = _wait_busy(run_dir) if kill == "server" else 0
                     pid = st["servers"][0]["pid"] if kill == "server" else _broker_pid(proc.pid)
                     if pid:
-                        killed = {"pid": pid, "step": st["step"], "t": time.monotonic()}
+                        killed = {"pid": pid, "step": st["step"], "t": time.monotonic(), "inflight": inflight}
                         os.kill(pid, signal.SIGKILL)  # kill -9 of the engine server or the broker
             time.sleep(1.0 if killed else 2.0)
         t_exit = time.monotonic()
@@ -173,6 +196,7 @@ def test_kill_9_of_the_server_loses_nothing(run_a):
     assert run_a["killed"], "the server was never killed (the run ended before step 3?)"
     s = run_a["summary"]
     assert s["server_deaths"] >= 1
+    assert run_a["killed"]["inflight"] > 0, "no group was in flight on the server when it was killed"
     assert s["groups_requeued"] > 0, "the killed server's groups were not re-queued"
     assert s["groups_lost"] == 0
     check_accounting(s, run_a["spool"], k=2)
