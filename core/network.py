@@ -25,6 +25,7 @@ import ipaddress
 import os
 import socket
 import stat
+import weakref
 from pathlib import Path
 from typing import Literal
 
@@ -131,6 +132,9 @@ def write_curve_keys(directory: str | os.PathLike, keys: dict[str, bytes]) -> Pa
     return d
 
 
+_AUTHENTICATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # context -> its ZAP authenticator
+
+
 def curve_server(sock, keys_dir: str | os.PathLike, ctx):
     """Make ``sock`` a CurveZMQ server that admits only the keys in ``keys_dir/clients``; returns the
     authenticator thread (stop it when the socket closes). An unknown client's handshake is refused."""
@@ -139,8 +143,14 @@ def curve_server(sock, keys_dir: str | os.PathLike, ctx):
 
     keys = Path(keys_dir)
     public, secret = load_certificate(keys / "server.key_secret")
+    if ctx in _AUTHENTICATORS:
+        # a context has one ZAP endpoint, and it stays bound after the authenticator stops: a second
+        # one fails to bind it ("Address already in use"); give each CurveZMQ server its own context
+        raise RuntimeError("curve_server: this ZMQ context already has a CurveZMQ authenticator; "
+                           "create the socket on a context of its own")
     auth = ThreadAuthenticator(ctx)
     auth.start()
+    _AUTHENTICATORS[ctx] = auth
     auth.configure_curve(domain="*", location=str(keys / "clients"))
     sock.curve_secretkey = secret
     sock.curve_publickey = public

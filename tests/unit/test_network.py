@@ -146,3 +146,24 @@ def test_control_request_without_keys_names_the_timeout(curve_control):
     (run_dir / "control.json").write_text(json.dumps({**info, "curve_keys_dir": None}))
     with pytest.raises(ControlError, match="did not answer 'status'"):
         request(run_dir, {"op": "status"}, timeout_s=1)
+
+
+def test_a_second_authenticator_on_one_context_is_refused(tmp_path):
+    import zmq
+
+    from core.network import curve_server
+
+    keys = make_curve_keys(tmp_path / "curve")
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.REP), ctx.socket(zmq.REP)
+    try:
+        auth = curve_server(a, keys, ctx)
+        with pytest.raises(RuntimeError, match="already has a CurveZMQ authenticator"):
+            curve_server(b, keys, ctx)
+        auth.stop()
+        with pytest.raises(RuntimeError, match="already has a CurveZMQ authenticator"):
+            curve_server(b, keys, ctx)  # stopped, it still holds the context's ZAP endpoint
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
