@@ -18,8 +18,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from broker import limits as L
+from broker.groups import split_groups
+from broker.protocol import BrokerError
 from broker.schema import SchemaError, inspect_batch
-from broker.state import BrokerError, split_groups
 
 log = logging.getLogger(__name__)
 

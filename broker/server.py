@@ -19,7 +19,7 @@ their frames included (see :mod:`broker.protocol`). Each request in a ``Multi`` 
 handled and answered as if it had come alone, in order; only validation is shared:
 the batches of its pushes are checked together (:func:`broker.schema.inspect_batches`,
 which also finds, for all of them in one numpy pass, each one that is exactly one whole
-group, the usual push, so :func:`broker.state.split_groups` need not look at its rows),
+group, the usual push, so :func:`broker.groups.split_groups` need not look at its rows),
 and a batch that fails is then checked alone, so its push alone gets the error.
 
 Semantics (``v``: learner version, ``k``: max_staleness, ``G``: groups_per_step):

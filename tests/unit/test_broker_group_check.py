@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from broker import group_check
 from broker import protocol as P
+from broker.groups import split_groups
+from broker.protocol import BrokerError
 from broker.schema import _LAYOUT, TRAJECTORY_SCHEMA, SchemaError, batch_view, inspect_batch
-from broker.state import BrokerError, split_groups
 from tests.broker_groups import batch_from_rows, make_groups, passes_row_checks
 
 pytestmark = pytest.mark.timeout(120)

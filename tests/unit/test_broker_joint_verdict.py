@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from test_broker_validate import DEFECTS, _rows  # tests/unit, on sys.path under pytest
 
 from broker import protocol as P
+from broker.groups import split_groups
+from broker.protocol import BrokerError
 from broker.schema import SchemaError, inspect_batch
 from broker.server import BrokerServer
-from broker.state import BrokerError, split_groups
 from tests.broker_groups import batch_from_rows, make_groups
 
 pytestmark = pytest.mark.timeout(300)

@@ -106,3 +106,18 @@ def test_wait_pause_lets_running_requests_finish():
 
     done, sample = asyncio.run(main())
     assert done and sample.segment_versions == [0] and sample.finish_reason == "stop"
+
+
+def test_length_growth_lengthens_responses_with_the_version():
+    async def main():
+        e = _engine(tokens_per_s=1e7, length_median=20, length_sigma=0.0, length_growth=0.5)
+        before = await e.generate([1], SamplingParams(n=4, max_tokens=1000))
+        for v in (1, 2, 3, 4):
+            await e.update_weights(v, "any")
+        after = await e.generate([1], SamplingParams(n=4, max_tokens=1000))
+        return before, after
+
+    before, after = asyncio.run(main())
+    # sigma 0: every length is the median, 20 at version 0 and 20 * (1 + 0.5 * 4) = 60 at version 4
+    assert {len(s.token_ids) for s in before} == {20}
+    assert {len(s.token_ids) for s in after} == {60}
