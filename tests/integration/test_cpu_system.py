@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = int(os.environ.get("FLEETRL_CPU_TEST_STEPS", "40"))
@@ -92,10 +93,7 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
     killed: dict = {}
     try:
         while proc.poll() is None:
-            try:
-                seen |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
+            seen |= descendants(proc.pid)
             if kill_at_step is not None and not killed and (run_dir / "control.json").exists():
                 st = _status(run_dir)
                 if st and st.get("step", 0) >= kill_at_step and st["servers"] and st["servers"][0].get("pid"):
@@ -112,7 +110,7 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
     time.sleep(2.0)
-    left = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left = alive(seen)
     return {"rc": proc.returncode, "out": out, "run_dir": run_dir, "summary": json.loads(summary.read_text()) if summary.exists() else None,
             "killed": killed, "left": left, "t_exit": t_exit}
 

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -45,10 +45,7 @@ def test_e2e_bench_runs_a_case_and_writes_json_and_png(out_dir):
     seen: set[int] = set()
     try:
         while proc.poll() is None:
-            try:
-                seen |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
+            seen |= descendants(proc.pid)
             time.sleep(1.0)
         text = proc.stdout.read()
     finally:
@@ -56,7 +53,7 @@ def test_e2e_bench_runs_a_case_and_writes_json_and_png(out_dir):
             proc.kill()
             proc.wait(30)
     time.sleep(2.0)
-    left = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left = alive(seen)
     assert proc.returncode == 0, text[-3000:] + (out / "async_k1_s0.log").read_text()[-3000:]
     assert not left, left
     res = json.loads((out / "e2e.json").read_text())

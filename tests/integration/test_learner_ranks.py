@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
+from procs import alive
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 128  # models/tiny-adder
@@ -99,10 +99,9 @@ def _end(broker, producer, ranks) -> list[int]:
     producer.join(30)
     broker.stop()
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                              for p in pids):
+    while time.monotonic() < deadline and alive(pids):
         time.sleep(0.5)
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return alive(pids)
 
 
 def test_two_ranks_train_every_step_and_stop_together(ray_local, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 300
@@ -26,13 +27,6 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "launch/cluster.py", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _descendants(pid: int) -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +45,9 @@ def sim_run(tmp_path_factory):
         while not (run_dir / "control.json").exists():
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the job never opened its control endpoint"
-            seen |= _descendants(proc.pid)
+            seen |= descendants(proc.pid)
             time.sleep(0.5)
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         st = _cli("status", "--run-dir", str(run_dir), "--json")
         control["status"] = json.loads(st.stdout) if st.returncode == 0 else st.stderr
         control["status_text"] = _cli("status", "--run-dir", str(run_dir)).stdout
@@ -63,7 +57,7 @@ def sim_run(tmp_path_factory):
         control["scale_up"] = json.loads(sc.stdout) if sc.returncode == 0 else sc.stderr
         st = _cli("status", "--run-dir", str(run_dir), "--json")
         control["status_after"] = json.loads(st.stdout) if st.returncode == 0 else st.stderr
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -114,8 +108,8 @@ def test_lag_view_and_metrics_populated(sim_run):
 
 def test_no_process_left_behind(sim_run):
     assert sim_run["seen"], "no child process was observed"
-    alive = [p for p in sim_run["seen"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, [psutil.Process(p).cmdline() for p in alive]
+    left = alive(sim_run["seen"])
+    assert not left, [psutil.Process(p).cmdline() for p in left]
     assert not (sim_run["run_dir"] / "control.json").exists()
 
 
@@ -131,13 +125,13 @@ def test_ctrl_c_shuts_everything_down(tmp_path):
     try:
         deadline = time.monotonic() + 180
         while True:
-            seen |= _descendants(proc.pid)
+            seen |= descendants(proc.pid)
             st = _cli("status", "--run-dir", str(tmp_path), "--json") if (tmp_path / "control.json").exists() else None
             if st is not None and st.returncode == 0 and json.loads(st.stdout)["step"] >= 5:
                 break
             assert proc.poll() is None and time.monotonic() < deadline, "the job did not get to step 5"
             time.sleep(0.5)
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
     finally:
@@ -147,6 +141,6 @@ def test_ctrl_c_shuts_everything_down(tmp_path):
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["error"] == "interrupted" and s["steps"] >= 5 and s["groups_lost"] == 0
     time.sleep(1.0)
-    alive = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert seen and not alive, [psutil.Process(p).cmdline() for p in alive]
+    left = alive(seen)
+    assert seen and not left, [psutil.Process(p).cmdline() for p in left]
     assert not (tmp_path / "control.json").exists()
