@@ -91,9 +91,8 @@ class SimulatedEngine(EngineClient, WeightEndpoint):
             self._check_alive("generate")
         n, cap = params.n, params.max_tokens
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
-        lengths = np.clip(
-            np.rint(rng.lognormal(np.log(self.cfg.length_median), self.cfg.length_sigma, n)), 1, cap
-        ).astype(np.int64)
+        median = self.cfg.length_median * (1.0 + self.cfg.length_growth * self._version)
+        lengths = np.clip(np.rint(rng.lognormal(np.log(median), self.cfg.length_sigma, n)), 1, cap).astype(np.int64)
         produced = np.zeros(n)
         seg_starts = [[0] for _ in range(n)]
         seg_versions = [[self._version] for _ in range(n)]
