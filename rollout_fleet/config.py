@@ -63,6 +63,7 @@ class RewardModelConfig(ConfigModel):
                                 "None: reward_models.VERDICT (VERDICT: CORRECT|INCORRECT)")
     scores: dict[str, float] | None = Field(None, description="judge: verdict -> reward; None: CORRECT 1, "
                                             "INCORRECT 0")
+    max_tokens: int = Field(64, ge=1, description="judge: the longest answer it may give")
     endpoint: Literal["pooling", "classify"] = "pooling"
     timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
     retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")

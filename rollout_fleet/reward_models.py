@@ -274,14 +274,20 @@ class ClassifierClient(_HttpRewardClient):
 
 class ModelRewardScorer:
     """The worker's ``RewardScorer`` over a judge or a classifier: the group's samples scored
-    concurrently; one failed sample fails the group (RewardFailed: dropped and counted)."""
+    concurrently; one failed sample fails the group (RewardFailed: dropped and counted). With
+    ``tokenizer`` the texts are decoded without special tokens (a judge never sees the policy's EOS)."""
 
-    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec) -> None:
-        self.model, self.codec = model, codec
+    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec, tokenizer: Any = None) -> None:
+        self.model, self.codec, self.tokenizer = model, codec, tokenizer
+
+    def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.codec.decode(ids)
 
     async def score(self, prompt: Prompt, samples: list) -> list[float]:
-        question = self.codec.decode(list(prompt.prompt_ids))
-        answers = [self.codec.decode(list(s.token_ids)) for s in samples]
+        question = self._text(list(prompt.prompt_ids))
+        answers = [self._text(list(s.token_ids)) for s in samples]
         if isinstance(self.model, ClassifierClient):
             return await self.model.score_texts([question + a for a in answers])
         return list(await asyncio.gather(*(self.model.score(question=question, response=a, reference=prompt.ground_truth)
@@ -300,7 +306,9 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
               "max_concurrency": cfg.max_concurrency}
     if cfg.kind == "judge":
         client = JudgeClient(urls, template=cfg.template or JUDGE_TEMPLATE,
-                             verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT, scores=cfg.scores, **common)
+                             verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT, scores=cfg.scores,
+                             max_tokens=cfg.max_tokens, **common)
     else:
         client = ClassifierClient(urls, endpoint=cfg.endpoint, **common)
-    return ModelRewardScorer(client, HFCodec.from_pretrained(model_path))
+    codec = HFCodec.from_pretrained(model_path)
+    return ModelRewardScorer(client, codec, tokenizer=codec.tokenizer)
