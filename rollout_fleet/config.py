@@ -75,6 +75,13 @@ class RewardModelConfig(ConfigModel):
     def _one_source(self) -> RewardModelConfig:
         if self.url is not None and self.urls:
             raise ValueError(f"reward.model.url={self.url!r} and reward.model.urls={self.urls}: give one of them")
+        if self.template is not None:
+            import string
+
+            keys = {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
+            if "response" not in keys or keys - {"question", "response", "reference"}:
+                raise ValueError(f"reward.model.template {self.template[:80]!r} must contain {{response}} and may "
+                                 f"contain {{question}} and {{reference}}; it has {sorted(keys) or 'no fields'}")
         if self.verdict is not None:
             try:
                 if re.compile(self.verdict).groups < 1:

@@ -221,9 +221,8 @@ class JudgeClient(_HttpRewardClient):
                  timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
         super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                          max_concurrency=max_concurrency)
-        for key in ("{question}", "{response}"):
-            if key not in template:
-                raise ValueError(f"judge template must contain {key}, got {template[:80]!r}")
+        if "{response}" not in template:  # a reference-based judge may leave the question out
+            raise ValueError(f"judge template must contain {{response}}, got {template[:80]!r}")
         self.template, self.verdict = template, verdict
         self.scores = {k.upper(): v for k, v in (scores or {"CORRECT": 1.0, "INCORRECT": 0.0}).items()}
         self.max_tokens, self.temperature = max_tokens, temperature

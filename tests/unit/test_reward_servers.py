@@ -81,6 +81,8 @@ def _resolve(*argv: str):
     (["reward.model={kind: judge, model: j, url: 'http://h:1', urls: ['http://h:2']}"], "give one of them"),
     (["reward.model={kind: judge, model: j, url: 'http://h:1', verdict: 'VERDICT'}"], "has no group"),
     (["rollout.proxy={agent: 'not a name'}"], "is not 'package.module:function'"),
+    (["reward.model={kind: judge, model: j, url: 'http://h:1', template: '{question} {answer}'}"],
+     r"must contain \{response\}.*it has \['answer', 'question'\]"),
 ])
 def test_config_errors_at_start(argv, message):
     with pytest.raises((ConfigError, ValueError), match=message):
