@@ -12,6 +12,8 @@ Examples::
     python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
     python launch/cluster.py --colocate --recipe tiny                                 # colocated, synchronous (CPU)
     python launch/cluster.py --gpus 1 --recipe smollm2-gpu                            # colocated on one GPU
+    python launch/cluster.py --rollout-gpus 4 --learner-gpus 2 --reward-gpus 2 --recipe R \
+        'reward.model={kind: judge, model: judge, server: {model_path: models/judge}}'    # judge servers
     python launch/cluster.py verl 'algorithm.adv_estimator=grpo data.train_batch_size=1024 ...'  # verl's keys
 
 This module imports only the standard library at the top, so ``--help`` and config
@@ -50,6 +52,9 @@ def run_parser() -> argparse.ArgumentParser:
                    "equivalent is refused by name with the reason ('launch/cluster.py verl ...' prints the mapping)")
     p.add_argument("--rollout-gpus", type=int, default=0, help="GPUs for the rollout fleet (0: CPU servers)")
     p.add_argument("--learner-gpus", type=int, default=0, help="GPUs for the learner (0: CPU)")
+    p.add_argument("--reward-gpus", type=int, default=0,
+                   help="GPUs for reward servers (reward.model: a judge or reward model, reward.model.server says "
+                   "which; each server on its own GPUs); with --rollout-gpus 0 --learner-gpus 0: CPU servers")
     p.add_argument("--colocate", action="store_true",
                    help="colocated synchronous mode: learner and fleet on the same devices, on-policy "
                    "(broker.max_staleness=0); the engines sleep while the learner trains (vLLM sleep mode on GPU)")
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shared = args.gpus or 0  # colocated: both pools on the same GPUs
     return run(cfg, LaunchOptions(rollout_gpus=shared or args.rollout_gpus, learner_gpus=shared or args.learner_gpus,
-                                  address=args.address, ray_auth=args.ray_auth, simulate=args.simulate,
+                                  reward_gpus=args.reward_gpus, address=args.address, ray_auth=args.ray_auth, simulate=args.simulate,
                                   no_live=args.no_live, log_level=args.log_level, summary=args.summary,
                                   colocate_gpus=shared or None))
 
@@ -213,6 +218,7 @@ def resolve_config(args: argparse.Namespace):
     cfg = load_run_config(recipe, overrides)
     if not args.simulate:  # a hub id resolves from the local HF cache, or fails here saying what to do
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
+    check_reward_servers(cfg, args)
     if cfg.rollout.engine == "simulated" and not args.simulate:
         raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")
     if cfg.learner.cpu_processes != 1 and args.learner_gpus > 0 and not args.simulate:
@@ -234,6 +240,54 @@ def resolve_config(args: argparse.Namespace):
             raise ConfigError("learner.engine=megatron needs megatron-core (Python >= 3.12), which is not "
                               "installed: pip install 'fleetrl[megatron]'")
     return cfg
+
+
+def check_reward_servers(cfg, args: argparse.Namespace) -> None:
+    """``--reward-gpus`` against ``reward.model``: every way they disagree is refused here, before anything starts."""
+    from core.configbase import ConfigError
+    from launch.config import resolve_model_path
+
+    n = getattr(args, "reward_gpus", 0) or 0
+    rm = cfg.reward.model
+    if n < 0:
+        raise ConfigError(f"--reward-gpus must be >= 0, got {n}")
+    if rm is None:
+        if n:
+            raise ConfigError(f"--reward-gpus {n} starts reward servers, but reward.model is not set: give "
+                              "reward.model={kind: judge|classifier, model: NAME, server: {model_path: DIR}}, or drop "
+                              "--reward-gpus (reward.function then scores)")
+        return
+    if args.simulate:
+        raise ConfigError("reward.model calls a real reward server; a --simulate run scores with simulated rewards "
+                          "(remove reward.model and --reward-gpus)")
+    given = rm.all_urls()
+    if n and given:
+        raise ConfigError(f"reward.model.url(s) {given} and --reward-gpus {n}: either attach to running reward "
+                          "servers (url) or let the launcher start them (--reward-gpus), not both")
+    if not n and not given:
+        raise ConfigError("reward.model is set but has no server: give reward.model.url=http://HOST:PORT (a server "
+                          "you started) or --reward-gpus N (the launcher starts N/TP servers on their own GPUs; "
+                          "on CPU, N servers)")
+    if not n:
+        return
+    if getattr(args, "colocate", False) or getattr(args, "gpus", None) is not None:
+        raise ConfigError("--reward-gpus is for the disaggregated mode; with --colocate/--gpus give reward.model.url")
+    srv = rm.server
+    cpu = args.rollout_gpus == 0 and args.learner_gpus == 0
+    if cpu and srv.engine == "sglang":
+        raise ConfigError("reward.model.server.engine=sglang needs GPUs (SGLang has no CPU build): use engine "
+                          "vllm for CPU reward servers, or run with --rollout-gpus/--learner-gpus/--reward-gpus")
+    if not cpu and n % srv.tensor_parallel_size:
+        raise ConfigError(f"--reward-gpus {n} is not a multiple of reward.model.server.tensor_parallel_size "
+                          f"{srv.tensor_parallel_size}")
+    if cpu and srv.tensor_parallel_size != 1:
+        raise ConfigError(f"reward.model.server.tensor_parallel_size={srv.tensor_parallel_size} is for GPU servers; "
+                          "CPU reward servers run with 1 (--reward-gpus counts servers on CPU)")
+    if srv.model_path is not None:
+        try:
+            resolve_model_path(srv.model_path)
+        except ConfigError as exc:
+            raise ConfigError(f"reward.model.server.model_path: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -84,6 +84,12 @@ class RunConfig(ConfigModel):
                 f"data.test_files is empty but the run evaluates before and after training (run.eval_samples="
                 f"{self.run.eval_samples}): give data.test_files (verl's data.val_files) or set run.eval_samples=0 "
                 "to run without evaluation")
+        if self.reward.model is not None and real:
+            scored_by = ("rollout.env" if self.rollout.env is not None else
+                         "rollout.proxy.agent" if self.rollout.proxy is not None and self.rollout.proxy.agent else None)
+            if scored_by:
+                raise ValueError(f"reward.model ({self.reward.model.kind}) is set but {scored_by} scores every "
+                                 "episode itself: the reward model would never be called; remove one of them")
         if (self.reward.on_truncated == "mask") != self.learner.loss.mask_truncated:
             raise ValueError(f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
                              f"reward.on_truncated={self.reward.on_truncated!r}: set reward.on_truncated alone")

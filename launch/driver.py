@@ -6,7 +6,8 @@ Dataflow::
       |- Ray: local head on 127.0.0.1 (or --address), placement groups per role
       |- network: listeners bind network.host (loopback, or this node's address with --address; CurveZMQ off loopback)
       |- broker process (python -m broker)       <- tickets / batches / acks / status ->
-      |- fleet actor   (FleetRunner: controller + rollout workers), on the driver's node
+      |- reward servers (--reward-gpus): one actor per judge / reward-model server, in its own bundle
+      |- fleet actor   (FleetRunner: controller + rollout workers, the OpenAI proxy), on the driver's node
       |    '- one server actor per vLLM server, in that server's placement-group bundle (its node, its GPUs)
       |- learner actor (SimLearner under --simulate; the training loop otherwise)
       |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale
@@ -59,6 +60,7 @@ class LaunchOptions:
 
     rollout_gpus: int = 0
     learner_gpus: int = 0
+    reward_gpus: int = 0  # reward servers for reward.model (launch/reward_servers.py); on CPU: servers
     address: str | None = None  # a Ray cluster to join; None: start a local one
     ray_auth: str | None = None  # "token" | "disabled"; None: token
     simulate: bool = False
@@ -100,6 +102,7 @@ class Job:
         # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
         self.interrupted = threading.Event()
         self.elastic = None  # launch.elastic.Elastic when rollout.autoscale.enabled
+        self.rewards = None  # launch.reward_servers.RewardServers with --reward-gpus
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -113,7 +116,8 @@ class Job:
                                      run_config=self.cfg.model_dump(mode="json"))
 
         for name, fn in (("ray", lambda: self._init_ray(ray)), ("placement", lambda: self._place(ray)),
-                         ("broker", self._start_broker), ("fleet", lambda: self._start_fleet(ray)),
+                         ("broker", self._start_broker), ("reward servers", self._launch_rewards),
+                         ("fleet", lambda: self._start_fleet(ray)),
                          ("learner", lambda: self._start_learner(ray))):
             t = time.monotonic()
             fn()
@@ -189,14 +193,18 @@ class Job:
 
             return place_colocated(self, ray, self.args.colocate_gpus)
         if r == 0 and lg == 0:
+            self._reward_servers([], {})  # CPU: --reward-gpus counts servers on the driver's node
             return
         if (r == 0) != (lg == 0):
             raise JobFailed(f"give GPUs to both pools or to neither (got --rollout-gpus {r} --learner-gpus {lg})")
         nodes, self._pin = self._nodes(ray)
+        rm = self.cfg.reward.model
         self.placement = plan_placement(nodes, learner_gpus=lg, rollout_gpus=r,
                                         rollout_tp=self.cfg.rollout.tensor_parallel_size,
                                         learner_mp=self.cfg.learner.megatron.tensor_model_parallel_size
-                                        if self.cfg.learner.engine == "megatron" else 1)
+                                        if self.cfg.learner.engine == "megatron" else 1,
+                                        reward_gpus=self.args.reward_gpus,
+                                        reward_tp=rm.server.tensor_parallel_size if rm is not None else 1)
         # one bundle per learner GPU: one rank actor each (simulated runs keep one bundle per node)
         learner_slots = self.placement.learner if self.simulated else [
             Slot(s.node_id, (g,)) for s in self.placement.learner for g in s.gpu_ids]
@@ -204,11 +212,24 @@ class Job:
                                               name="fleetrl-learner")
         for i, slot in enumerate(self.placement.servers):
             self._add_server_pg(i, slot)
+        self._reward_servers(self.placement.rewards, self._pin)
         self._wait_pgs(ray, list(self.pgs.values()))
         self._pin_server_gpus(ray, list(self.server_slots))
         log.info("placed learner on %d GPUs (%d nodes), fleet on %d servers x TP %d",
                  self.placement.learner_gpus(), len(self.placement.learner), len(self.placement.servers),
                  self.cfg.rollout.tensor_parallel_size)
+
+    def _reward_servers(self, slots: list[Slot], pin: dict[str, str]) -> None:
+        if self.args.reward_gpus:
+            from launch.reward_servers import place_reward_servers
+
+            place_reward_servers(self, slots, pin)
+
+    def _launch_rewards(self) -> None:
+        if self.rewards is not None:  # they start now; the fleet gets their URLs and waits for them
+            from launch.reward_servers import with_urls
+
+            self.cfg = with_urls(self.cfg, self.rewards.launch())
 
     def _add_server_pg(self, index: int, slot: Slot):
         from ray.util.placement_group import placement_group
@@ -263,18 +284,28 @@ class Job:
             {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
             self._server_pgs(self.server_slots), curve_key_data(self.cfg))
         n = self._n_servers()
-        self._get(self.fleet.start.remote(n, list(range(n))), self.cfg.rollout.startup_timeout_s, "fleet start")
+        started = self.fleet.start.remote(n, list(range(n)))
+        if self.rewards is not None:
+            self.rewards.wait_started(started, self.cfg.reward.model.server.startup_timeout_s + 60)
+        fleet = self._get(started, self.cfg.rollout.startup_timeout_s, "fleet start")
         self._write_placement()
+        from launch.reward_servers import announce
+
+        announce(self.rewards, fleet)
 
     def _write_placement(self) -> None:
         """``<run_dir>/placement.json``: each server's planned node and GPUs, and where its actor really ran."""
         if not self.server_actors:
+            if self.rewards is not None:
+                (self.run_dir / "placement.json").write_text(json.dumps({"reward_servers": self.rewards.describe()},
+                                                                        indent=2))
             return
         ips = {nid: res.split(":", 1)[1] for nid, res in self._pin.items()}
         placed = self._get(self.fleet.placements.remote(), CALL_TIMEOUT_S, "fleet placements")
         out = {"learner": [{"node_ip": ips.get(s.node_id), "gpus": list(s.gpu_ids)} for s in self.placement.learner],
                "servers": {str(i): {"planned_node_ip": ips.get(s.node_id), "planned_node_id": s.node_id,
-                                    **placed.get(i, {})} for i, s in self.server_slots.items()}}
+                                    **placed.get(i, {})} for i, s in self.server_slots.items()},
+               "reward_servers": self.rewards.describe() if self.rewards is not None else []}
         (self.run_dir / "placement.json").write_text(json.dumps(out, indent=2))
 
     def _start_learner(self, ray) -> None:
@@ -500,6 +531,7 @@ class Job:
         steps = [
             ("learner", lambda: self.learner and self._stop_learner()),
             ("fleet", lambda: self.fleet and self._get(self.fleet.stop.remote(), 60.0, "fleet stop")),
+            ("reward servers", lambda: self.rewards and self.rewards.stop()),
             ("broker", lambda: self.supervisor.final_status() if self.supervisor else {}),
         ]
         for name, fn in steps:

@@ -56,6 +56,29 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec) if isinstance(v, float) else str(v)
 
 
+def reward_server_lines(reward_model: dict[str, Any] | None) -> list[str]:
+    """One line per reward server (``reward.model``): answers per second, answers, failed attempts by reason,
+    latency, as the fleet's client saw them; and the client's totals first."""
+    if not reward_model:
+        return []
+    rm = reward_model
+    out = [f"reward model: {rm.get('calls_ok', 0)} calls ok, {rm.get('calls_failed', 0)} failed for good, "
+           f"failed attempts {rm.get('failures') or {}}"]
+    for url, s in (rm.get("servers") or {}).items():
+        out.append(f"reward server {url}: {_fmt(s.get('requests_per_s'), '.2f')} req/s, {s.get('requests_ok', 0)} ok, "
+                   f"failures {s.get('failures') or {}}, latency mean {_fmt(s.get('latency_s_mean'), '.3f')} s "
+                   f"p95 {_fmt(s.get('latency_s_p95'), '.3f')} s, in flight {s.get('inflight', 0)}")
+    return out
+
+
+def proxy_line(fleet) -> str | None:
+    if not fleet.proxy_url:
+        return None
+    return (f"OpenAI proxy: {fleet.proxy_url}/v1 (episodes: /s/<id>/v1), "
+            f"{fleet.proxy.get('proxy/requests', 0)} requests, "
+            f"{fleet.proxy.get('proxy/history_restarts', 0)} history restarts")
+
+
 def format_status(answer: dict[str, Any]) -> str:
     """Plain-text rendering of a ``status`` answer (for the ``status`` subcommand)."""
     st = JobSnapshot.from_wire(answer)
@@ -70,6 +93,9 @@ def format_status(answer: dict[str, Any]) -> str:
     for k, v in (answer.get("metrics_endpoints") or {}).items():  # launch/observe.py
         for name, url in (v.items() if isinstance(v, dict) else [(k, v)]):
             lines.append(f"prometheus {name}: {url}")
+    lines += reward_server_lines(st.fleet.reward_model)
+    if proxy_line(st.fleet):
+        lines.append(proxy_line(st.fleet))
     lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}")
     for s in st.servers:
         lines.append(f"{s.engine_id:<14}{s.state:<11}{s.version:>8}{s.inflight_groups:>9}"
@@ -247,6 +273,11 @@ class Monitor:
         dropped = {} if snap.broker is None else snap.broker.drops
         t.add_row("groups", f"produced {fl.groups_pushed}, consumed {lr.groups_consumed}, "
                   f"dropped {dropped}, re-queued {fl.groups_requeued}")
+        for line in reward_server_lines(fl.reward_model):
+            what, _, value = line.partition(": ")
+            t.add_row(what, value)
+        if proxy_line(fl):
+            t.add_row("OpenAI proxy", proxy_line(fl).partition(": ")[2])
         return t
 
     def close(self) -> None:

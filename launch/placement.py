@@ -5,7 +5,8 @@ Rules: the learner and the fleet never share a GPU; a rollout server's tensor-pa
 group lies inside one node (TP traffic needs NVLink, never the network); the learner's
 GPUs on each node are a whole number of its model-parallel groups; the learner is packed
 onto as few nodes as possible (FSDP all-gathers are cheaper inside a node) and goes first,
-servers fill what is left node by node.
+rollout servers fill what is left node by node, then reward servers (``--reward-gpus``, their own
+TP groups) what is left after them.
 
 Example::
 
@@ -39,6 +40,7 @@ class Slot:
 class Placement:
     learner: list[Slot] = field(default_factory=list)  # one slot per node the learner spans
     servers: list[Slot] = field(default_factory=list)  # one slot per rollout server (its TP group)
+    rewards: list[Slot] = field(default_factory=list)  # one slot per reward server (its TP group)
 
     def learner_gpus(self) -> int:
         return sum(len(s.gpu_ids) for s in self.learner)
@@ -46,17 +48,25 @@ class Placement:
     def rollout_gpus(self) -> int:
         return sum(len(s.gpu_ids) for s in self.servers)
 
+    def reward_gpus(self) -> int:
+        return sum(len(s.gpu_ids) for s in self.rewards)
+
     def all_gpus(self) -> list[tuple[str, int]]:
-        return [(s.node_id, g) for s in self.learner + self.servers for g in s.gpu_ids]
+        return [(s.node_id, g) for s in self.learner + self.servers + self.rewards for g in s.gpu_ids]
 
 
 def plan_placement(nodes: list[NodeGPUs], *, learner_gpus: int, rollout_gpus: int,
-                   rollout_tp: int = 1, learner_mp: int = 1) -> Placement:
+                   rollout_tp: int = 1, learner_mp: int = 1, reward_gpus: int = 0, reward_tp: int = 1) -> Placement:
     """Assign disjoint GPUs; raise :class:`PlacementError` naming the shortfall."""
-    if learner_gpus < 0 or rollout_gpus < 0:
-        raise PlacementError(f"GPU counts must be >= 0, got learner {learner_gpus}, rollout {rollout_gpus}")
-    if rollout_tp < 1 or learner_mp < 1:
-        raise PlacementError(f"parallel sizes must be >= 1, got rollout TP {rollout_tp}, learner MP {learner_mp}")
+    if learner_gpus < 0 or rollout_gpus < 0 or reward_gpus < 0:
+        raise PlacementError(f"GPU counts must be >= 0, got learner {learner_gpus}, rollout {rollout_gpus}, "
+                             f"reward {reward_gpus}")
+    if rollout_tp < 1 or learner_mp < 1 or reward_tp < 1:
+        raise PlacementError(f"parallel sizes must be >= 1, got rollout TP {rollout_tp}, learner MP {learner_mp}, "
+                             f"reward TP {reward_tp}")
+    if reward_gpus % reward_tp:
+        raise PlacementError(f"--reward-gpus {reward_gpus} is not a multiple of "
+                             f"reward.model.server.tensor_parallel_size {reward_tp}")
     if rollout_gpus % rollout_tp:
         raise PlacementError(
             f"--rollout-gpus {rollout_gpus} is not a multiple of rollout.tensor_parallel_size {rollout_tp}"
@@ -66,9 +76,11 @@ def plan_placement(nodes: list[NodeGPUs], *, learner_gpus: int, rollout_gpus: in
     if len({n.node_id for n in nodes}) != len(nodes):
         raise PlacementError(f"duplicate node ids in {[n.node_id for n in nodes]}")
     total = sum(n.gpus for n in nodes)
-    if learner_gpus + rollout_gpus > total:
+    if learner_gpus + rollout_gpus + reward_gpus > total:
+        extra = f" + {reward_gpus} reward" if reward_gpus else ""
         raise PlacementError(
-            f"asked for {learner_gpus} learner + {rollout_gpus} rollout GPUs = {learner_gpus + rollout_gpus}, "
+            f"asked for {learner_gpus} learner + {rollout_gpus} rollout{extra} GPUs = "
+            f"{learner_gpus + rollout_gpus + reward_gpus}, "
             f"but the cluster has {total} ({', '.join(f'{n.node_id}: {n.gpus}' for n in nodes) or 'no nodes'})"
         )
     free = {n.node_id: list(range(n.gpus)) for n in nodes}
@@ -89,23 +101,28 @@ def plan_placement(nodes: list[NodeGPUs], *, learner_gpus: int, rollout_gpus: in
             f"the learner needs {learner_gpus} GPUs in groups of {learner_mp} within a node; {need} did not fit"
         )
 
-    # Servers: TP groups inside one node, filling nodes in order.
-    servers: list[Slot] = []
-    want = rollout_gpus // rollout_tp
+    servers = _fill(nodes, free, rollout_gpus // rollout_tp, rollout_tp, "rollout", "the learner")
+    rewards = _fill(nodes, free, reward_gpus // reward_tp, reward_tp, "reward", "the learner and the rollout servers")
+    return Placement(learner=learner, servers=servers, rewards=rewards)
+
+
+def _fill(nodes: list[NodeGPUs], free: dict[str, list[int]], want: int, tp: int, what: str, after: str) -> list[Slot]:
+    """``want`` servers of ``tp`` GPUs each, every TP group inside one node, filling nodes in order."""
+    out: list[Slot] = []
     for node in sorted(nodes, key=lambda n: n.node_id):
         ids = free[node.node_id]
-        while want and len(ids) >= rollout_tp:
-            servers.append(Slot(node.node_id, tuple(ids[:rollout_tp])))
-            ids = ids[rollout_tp:]
+        while want and len(ids) >= tp:
+            out.append(Slot(node.node_id, tuple(ids[:tp])))
+            ids = ids[tp:]
             want -= 1
         free[node.node_id] = ids
     if want:
         left = {k: len(v) for k, v in free.items() if v}
         raise PlacementError(
-            f"{want} rollout server(s) of TP {rollout_tp} do not fit: a TP group must lie inside one node, "
-            f"and the free GPUs per node after the learner are {left or 'none'}"
+            f"{want} {what} server(s) of TP {tp} do not fit: a TP group must lie inside one node, "
+            f"and the free GPUs per node after {after} are {left or 'none'}"
         )
-    return Placement(learner=learner, servers=servers)
+    return out
 
 
 def bundles(slots: list[Slot], node_resource: dict[str, str] | None = None) -> list[dict[str, float]]:

@@ -52,7 +52,7 @@ class FleetRunner(FleetService):
         else:
             launcher = LocalLauncher(host)
         super().__init__(cfg, broker_address, slots=slots, run_dir=run_dir, launcher=launcher,
-                         eval_every=cfg.run.eval_every, eval_samples=cfg.run.eval_samples)
+                         eval_every=cfg.run.eval_every, eval_samples=cfg.run.eval_samples, proxy_host=host)
 
     async def add_placed(self, indices: list[int], slots: dict[int, Any], pgs: dict[int, Any]) -> list[str]:
         """``scale`` on a placed fleet: new servers in their new placement groups."""

@@ -88,6 +88,10 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "tokens_generated": fleet.tokens_pushed,
         "rollout_gpus": job.args.rollout_gpus,
         "learner_gpus": job.args.learner_gpus,
+        "reward_gpus": job.args.reward_gpus,
+        "reward_model": fleet.reward_model,  # reward.model: calls, failures by reason, per-server rates and latency
+        "reward_servers": job.rewards.describe() if job.rewards is not None else [],
+        "proxy": {"url": fleet.proxy_url, **fleet.proxy} if fleet.proxy_url else None,
         "learner_world_size": learner.world_size,  # ranks that trained (the simulated learner: 1)
         "learner_rank_steps": learner.rank_steps,  # steps each rank applied, rank order (real learner)
         "placement": {"learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.learner],

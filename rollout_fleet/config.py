@@ -26,21 +26,73 @@ class DataConfig(ConfigModel):
 BUILTIN_REWARDS = ("default", "exact_match", "gsm8k", "gsm8k_flexible", "math")
 
 
+class RewardServerConfig(ConfigModel):
+    """The reward servers the launcher starts with ``--reward-gpus N`` (launch/reward_servers.py): each on
+    its own GPUs (its own placement-group bundle), like the rollout servers; on CPU (``--rollout-gpus 0
+    --learner-gpus 0``) N counts vLLM CPU servers. They serve ``reward.model.model`` as their model name
+    and never take weight updates."""
+
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="sglang needs GPUs (no CPU build)")
+    model_path: str | None = Field(None, description="the judge or reward model's folder; None: model.path")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per reward server (--reward-gpus is a multiple)")
+    max_model_len: int = Field(2048, ge=16)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_num_seqs: int = Field(256, ge=1)
+    enforce_eager: bool = Field(False, description="vLLM --enforce-eager (a faster start on small CPUs)")
+    dtype: str = "auto"
+    extra_args: list[str] = Field(default_factory=list, description="extra server arguments, e.g. "
+                                  "['--runner', 'pooling'] for a classifier reward model on vLLM")
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
 class RewardModelConfig(ConfigModel):
     """A reward server the workers call instead of ``reward.function`` (rollout_fleet/reward_models.py):
     a generative judge (chat completions, a verdict parsed from its answer) or a sequence-classifier
-    reward model (vLLM ``/pooling`` or ``/classify``). Start it on its own GPUs and give its URL."""
+    reward model (vLLM ``/pooling`` or ``/classify``). Either give ``url`` (a server you started) or
+    let the launcher start them (``--reward-gpus N``, ``reward.model.server``)."""
 
     kind: Literal["judge", "classifier"]
-    url: str = Field(description="http://host:port of the reward server (vLLM or SGLang)")
+    url: str | None = Field(None, description="http://host:port of a running reward server (vLLM or SGLang); "
+                            "None: the launcher's servers (--reward-gpus)")
+    urls: list[str] = Field(default_factory=list, description="several running servers, called in turn "
+                            "(the launcher fills it from --reward-gpus)")
     model: str = Field(description="the served model name")
     template: str | None = Field(None, description="judge prompt with {question}, {response}, {reference}; "
                                  "None: reward_models.JUDGE_TEMPLATE")
+    verdict: str | None = Field(None, description="judge: a regex whose group 1 is a key of 'scores'; "
+                                "None: reward_models.VERDICT (VERDICT: CORRECT|INCORRECT)")
+    scores: dict[str, float] | None = Field(None, description="judge: verdict -> reward; None: CORRECT 1, "
+                                            "INCORRECT 0")
+    max_tokens: int = Field(64, ge=1, description="judge: the longest answer it may give")
     endpoint: Literal["pooling", "classify"] = "pooling"
     timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
     retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")
     backoff_s: float = Field(0.5, ge=0)
     max_concurrency: int = Field(64, ge=1, description="calls in flight per worker")
+    server: RewardServerConfig = RewardServerConfig()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardModelConfig:
+        if self.url is not None and self.urls:
+            raise ValueError(f"reward.model.url={self.url!r} and reward.model.urls={self.urls}: give one of them")
+        if self.template is not None:
+            import string
+
+            keys = {f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None}
+            if "response" not in keys or keys - {"question", "response", "reference"}:
+                raise ValueError(f"reward.model.template {self.template[:80]!r} must contain {{response}} and may "
+                                 f"contain {{question}} and {{reference}}; it has {sorted(keys) or 'no fields'}")
+        if self.verdict is not None:
+            try:
+                if re.compile(self.verdict).groups < 1:
+                    raise ValueError(f"reward.model.verdict {self.verdict!r} has no group: group 1 is the verdict")
+            except re.error as e:
+                raise ValueError(f"reward.model.verdict {self.verdict!r} is not a regex: {e}") from None
+        return self
+
+    def all_urls(self) -> list[str]:
+        """The servers to call: ``url``, or ``urls`` (empty until the launcher's servers are up)."""
+        return [self.url] if self.url is not None else list(self.urls)
 
 
 class RewardConfig(ConfigModel):
@@ -140,6 +192,27 @@ class EnvConfig(ConfigModel):
     env_timeout_s: float = Field(30.0, gt=0, description="one environment reset or step")
 
 
+class ProxyConfig(ConfigModel):
+    """The OpenAI-compatible proxy in front of the fleet (rollout_fleet/proxy.py), started by the fleet on
+    its node's address. Requests to ``<url>/s/<episode>/v1`` are recorded token-in-token-out; with
+    ``agent`` set the fleet runs that agent once per sample against it (rollout_fleet/envs/agent_worker.py)
+    and trains on the records; without, it serves outside clients (plain ``<url>/v1`` requests are not
+    recorded)."""
+
+    agent: str | None = Field(None, description="'package.module:function': async (base_url, prompt) -> reward, "
+                              "run once per sample of a group; None: no agent, the proxy serves outside clients")
+    port: int = Field(0, ge=0, le=65535, description="0: a free port")
+    max_sessions: int = Field(10_000, ge=1, description="episodes recorded at once (unfinished ones refuse more)")
+    max_tokens: int = Field(256, ge=1, description="a request's max_tokens when it gives none")
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_form(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"rollout.proxy.agent {v!r} is not 'package.module:function'")
+        return v
+
+
 class RolloutConfig(ConfigModel):
     engine: Literal["vllm", "sglang", "simulated"] = "vllm"
     sampling: SamplingConfig = SamplingConfig()
@@ -164,7 +237,15 @@ class RolloutConfig(ConfigModel):
         default_factory=list, description="extra command-line arguments for every SGLang server (rollout.engine=sglang)")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
     env: EnvConfig | None = Field(None, description="multi-turn episodes instead of single completions")
+    proxy: ProxyConfig | None = Field(None, description="start the OpenAI-compatible proxy in front of the fleet")
     autoscale: AutoscaleConfig = AutoscaleConfig()
+
+    @model_validator(mode="after")
+    def _one_episode_kind(self) -> RolloutConfig:
+        if self.env is not None and self.proxy is not None and self.proxy.agent is not None:
+            raise ValueError(f"rollout.env ({self.env.name}) and rollout.proxy.agent ({self.proxy.agent}) both make "
+                             "the episodes of a group: give one of them")
+        return self
 
     @field_validator("engine", mode="before")
     @classmethod

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,15 +58,49 @@ class _Try:
     retry: bool
 
 
-class _HttpRewardClient:
-    """Timeouts, retries and per-reason counters shared by both clients."""
+class _ServerStats:
+    """One reward server's requests as its client saw them: answers, failed attempts by reason, latency,
+    and answers per second over the last ``window_s``."""
 
-    def __init__(self, url: str, *, model: str, timeout_s: float, retries: int, backoff_s: float,
+    def __init__(self, t0: float, window_s: float = 30.0) -> None:
+        self.t0, self.window_s = t0, window_s
+        self.ok = 0
+        self.failures: Counter[str] = Counter()
+        self.inflight = 0
+        self.latency_sum = 0.0
+        self.recent: deque[tuple[float, float]] = deque(maxlen=4096)  # (end time, latency) of answers
+
+    def add_ok(self, now: float, latency: float) -> None:
+        self.ok += 1
+        self.latency_sum += latency
+        self.recent.append((now, latency))
+
+    def status(self, now: float) -> dict[str, Any]:
+        window = [lat for t, lat in self.recent if now - t <= self.window_s]
+        lats = sorted(lat for _, lat in self.recent)
+        span = min(self.window_s, now - self.t0)  # a young client: answers over its age so far
+        return {"requests_ok": self.ok, "failures": dict(self.failures), "inflight": self.inflight,
+                "requests_per_s": round(len(window) / max(span, 1e-9), 3),
+                "latency_s_mean": round(self.latency_sum / self.ok, 4) if self.ok else None,
+                "latency_s_p50": round(lats[len(lats) // 2], 4) if lats else None,
+                "latency_s_p95": round(lats[min(len(lats) - 1, int(0.95 * len(lats)))], 4) if lats else None}
+
+
+class _HttpRewardClient:
+    """Timeouts, retries, load balancing over the servers and per-reason, per-server counters, shared by
+    both clients. Each attempt goes to the server with the fewest requests in flight (a retry prefers
+    another server than the one that just failed)."""
+
+    def __init__(self, url: str | list[str], *, model: str, timeout_s: float, retries: int, backoff_s: float,
                  max_concurrency: int) -> None:
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_concurrency < 1:
             raise ValueError(f"need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1; got "
                              f"{timeout_s}, {retries}, {backoff_s}, {max_concurrency}")
-        self.url, self.model = url.rstrip("/"), model
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ValueError("a reward-model client needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.url, self.model = self.urls[0], model
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._sem = asyncio.Semaphore(max_concurrency)
         self._http: httpx.AsyncClient | None = None
@@ -74,6 +108,9 @@ class _HttpRewardClient:
         self.calls_failed = 0  # calls that raised after their retries
         self.calls_ok = 0
         self.seconds = 0.0  # wall time of successful calls (throughput: calls_ok / seconds per slot)
+        t0 = time.monotonic()
+        self.servers = {u: _ServerStats(t0) for u in self.urls}
+        self._turn = 0
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -85,24 +122,56 @@ class _HttpRewardClient:
         if self._http is not None:
             await self._http.aclose()
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until every server answers ``GET /health`` with 200 (vLLM and SGLang both serve it); raises
+        :class:`RewardModelError` ('unreachable') naming the servers still down after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        down = list(self.urls)
+        while down:
+            still = []
+            for u in down:
+                try:
+                    r = await self.http.get(u + "/health", timeout=min(5.0, self.timeout_s))
+                    if r.status_code != 200:
+                        still.append(u)
+                except httpx.HTTPError:
+                    still.append(u)
+            down = still
+            if down and time.monotonic() > deadline:
+                raise RewardModelError("unreachable", f"reward server(s) {down} did not answer /health "
+                                       f"within {timeout_s:g} s")
+            if down:
+                await asyncio.sleep(1.0)
+
+    def _pick(self, avoid: str | None) -> str:
+        self._turn += 1
+        order = self.urls[self._turn % len(self.urls):] + self.urls[:self._turn % len(self.urls)]
+        if avoid is not None and len(order) > 1:
+            order = [u for u in order if u != avoid]
+        return min(order, key=lambda u: self.servers[u].inflight)
+
     async def _post(self, path: str, body: dict, parse) -> Any:
         """POST with retries; ``parse(json)`` returns the value or raises ValueError (bad answer)."""
         last: _Try | None = None
+        failed: str | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            t0 = time.monotonic()
             async with self._sem:
+                url = self._pick(failed)
+                st = self.servers[url]
+                st.inflight += 1
+                t0 = time.monotonic()
                 try:
-                    r = await asyncio.wait_for(self.http.post(self.url + path, json=body), self.timeout_s)
+                    r = await asyncio.wait_for(self.http.post(url + path, json=body), self.timeout_s)
                 except (TimeoutError, httpx.TimeoutException):
-                    last = _Try(reason="timeout", message=f"no answer from {self.url}{path} in {self.timeout_s:g} s",
+                    last = _Try(reason="timeout", message=f"no answer from {url}{path} in {self.timeout_s:g} s",
                                 retry=True)
                 except httpx.TransportError as e:
-                    last = _Try(reason="unreachable", message=f"{self.url}{path}: {type(e).__name__}: {e}", retry=True)
+                    last = _Try(reason="unreachable", message=f"{url}{path}: {type(e).__name__}: {e}", retry=True)
                 else:
                     if r.status_code != 200:
-                        last = _Try(reason="http_status", message=f"{self.url}{path} -> HTTP {r.status_code}: "
+                        last = _Try(reason="http_status", message=f"{url}{path} -> HTTP {r.status_code}: "
                                     f"{r.text[:200]}", retry=r.status_code in _RETRIED_STATUS)
                     else:
                         try:
@@ -110,13 +179,19 @@ class _HttpRewardClient:
                         except _Unparsable as e:
                             last = _Try(reason="unparsable_verdict", message=str(e), retry=True)
                         except (ValueError, KeyError, IndexError, TypeError) as e:
-                            last = _Try(reason="bad_response", message=f"{self.url}{path}: {type(e).__name__}: {e}",
+                            last = _Try(reason="bad_response", message=f"{url}{path}: {type(e).__name__}: {e}",
                                         retry=False)
                         else:
+                            now = time.monotonic()
                             self.calls_ok += 1
-                            self.seconds += time.monotonic() - t0
+                            self.seconds += now - t0
+                            st.add_ok(now, now - t0)
                             return value
+                finally:
+                    st.inflight -= 1
             self.failures[last.reason] += 1
+            st.failures[last.reason] += 1
+            failed = url
             log.warning("reward model: attempt %d of %d failed (%s): %s", attempt + 1, self.retries + 1, last.reason,
                         last.message)
             if not last.retry:
@@ -125,8 +200,10 @@ class _HttpRewardClient:
         raise RewardModelError(last.reason, last.message)
 
     def status(self) -> dict[str, Any]:
+        now = time.monotonic()
         return {"calls_ok": self.calls_ok, "calls_failed": self.calls_failed, "failures": dict(self.failures),
-                "calls_per_s": round(self.calls_ok / self.seconds, 3) if self.seconds else None}
+                "calls_per_s": round(self.calls_ok / self.seconds, 3) if self.seconds else None,
+                "servers": {u: st.status(now) for u, st in self.servers.items()}}
 
 
 class _Unparsable(ValueError):
@@ -139,14 +216,13 @@ class JudgeClient(_HttpRewardClient):
     is in ``scores``) maps the judge's text to a reward. An answer without a verdict is a failure
     (``unparsable_verdict``, retried: sampling may give a verdict next time), never a 0."""
 
-    def __init__(self, url: str, *, model: str, template: str = JUDGE_TEMPLATE, verdict: re.Pattern = VERDICT,
+    def __init__(self, url: str | list[str], *, model: str, template: str = JUDGE_TEMPLATE, verdict: re.Pattern = VERDICT,
                  scores: dict[str, float] | None = None, max_tokens: int = 64, temperature: float = 0.0,
                  timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
         super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                          max_concurrency=max_concurrency)
-        for key in ("{question}", "{response}"):
-            if key not in template:
-                raise ValueError(f"judge template must contain {key}, got {template[:80]!r}")
+        if "{response}" not in template:  # a reference-based judge may leave the question out
+            raise ValueError(f"judge template must contain {{response}}, got {template[:80]!r}")
         self.template, self.verdict = template, verdict
         self.scores = {k.upper(): v for k, v in (scores or {"CORRECT": 1.0, "INCORRECT": 0.0}).items()}
         self.max_tokens, self.temperature = max_tokens, temperature
@@ -170,7 +246,7 @@ class ClassifierClient(_HttpRewardClient):
     ``data[i].data``, a float or a one-element list) or ``/classify`` (``probs[label]``). The input
     is the conversation text as the reward model's chat template renders it (the caller's job)."""
 
-    def __init__(self, url: str, *, model: str, endpoint: str = "pooling", label: int = 0, timeout_s: float = 30.0,
+    def __init__(self, url: str | list[str], *, model: str, endpoint: str = "pooling", label: int = 0, timeout_s: float = 30.0,
                  retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
         if endpoint not in ("pooling", "classify"):
             raise ValueError(f"endpoint must be 'pooling' or 'classify', got {endpoint!r}")
@@ -197,14 +273,20 @@ class ClassifierClient(_HttpRewardClient):
 
 class ModelRewardScorer:
     """The worker's ``RewardScorer`` over a judge or a classifier: the group's samples scored
-    concurrently; one failed sample fails the group (RewardFailed: dropped and counted)."""
+    concurrently; one failed sample fails the group (RewardFailed: dropped and counted). With
+    ``tokenizer`` the texts are decoded without special tokens (a judge never sees the policy's EOS)."""
 
-    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec) -> None:
-        self.model, self.codec = model, codec
+    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec, tokenizer: Any = None) -> None:
+        self.model, self.codec, self.tokenizer = model, codec, tokenizer
+
+    def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.codec.decode(ids)
 
     async def score(self, prompt: Prompt, samples: list) -> list[float]:
-        question = self.codec.decode(list(prompt.prompt_ids))
-        answers = [self.codec.decode(list(s.token_ids)) for s in samples]
+        question = self._text(list(prompt.prompt_ids))
+        answers = [self._text(list(s.token_ids)) for s in samples]
         if isinstance(self.model, ClassifierClient):
             return await self.model.score_texts([question + a for a in answers])
         return list(await asyncio.gather(*(self.model.score(question=question, response=a, reference=prompt.ground_truth)
@@ -215,10 +297,17 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
     """The scorer of ``reward.model`` (rollout_fleet.config.RewardModelConfig) for the policy at ``model_path``."""
     from rollout_fleet.envs.base import HFCodec
 
+    urls = cfg.all_urls()
+    if not urls:
+        raise ValueError("reward.model has no server: give reward.model.url, or start reward servers with "
+                         "launch/cluster.py --reward-gpus N")
     common = {"model": cfg.model, "timeout_s": cfg.timeout_s, "retries": cfg.retries, "backoff_s": cfg.backoff_s,
               "max_concurrency": cfg.max_concurrency}
     if cfg.kind == "judge":
-        client = JudgeClient(cfg.url, template=cfg.template or JUDGE_TEMPLATE, **common)
+        client = JudgeClient(urls, template=cfg.template or JUDGE_TEMPLATE,
+                             verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT, scores=cfg.scores,
+                             max_tokens=cfg.max_tokens, **common)
     else:
-        client = ClassifierClient(cfg.url, endpoint=cfg.endpoint, **common)
-    return ModelRewardScorer(client, HFCodec.from_pretrained(model_path))
+        client = ClassifierClient(urls, endpoint=cfg.endpoint, **common)
+    codec = HFCodec.from_pretrained(model_path)
+    return ModelRewardScorer(client, codec, tokenizer=codec.tokenizer)

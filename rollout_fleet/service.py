@@ -57,10 +57,11 @@ class FleetRunConfig(Protocol):
 
 class FleetService:
     def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None, eval_every: int = 0, eval_samples: int = 0, launcher=None) -> None:
+                 run_dir: str | None = None, eval_every: int = 0, eval_samples: int = 0, launcher=None,
+                 proxy_host: str = "127.0.0.1") -> None:
         """``eval_every`` / ``eval_samples``: colocated mode's evaluations during the run (run.eval_every),
         which it runs at the wake after those steps, never while the learner trains. ``launcher``: how vLLM
-        servers start (None: child processes on loopback)."""
+        servers start (None: child processes on loopback). ``proxy_host``: where ``rollout.proxy`` binds."""
         self.cfg = cfg
         self.launcher = launcher
         self.eval_every, self.eval_samples = eval_every, eval_samples
@@ -69,6 +70,8 @@ class FleetService:
         self.run_dir = run_dir
         self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
         self.simulated = self.cfg.rollout.engine == "simulated"
+        self.proxy_host = proxy_host
+        self.proxy = None  # rollout_fleet.proxy.ChatProxy with rollout.proxy
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._versions_task: asyncio.Task | None = None
@@ -102,7 +105,12 @@ class FleetService:
         prompts, rewards = await data
         if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead
             rewards = reward_model_scorer(self.cfg.reward.model, self.cfg.model.path)
+            # the launcher's reward servers start beside the fleet's: no group before they answer
+            await rewards.model.wait_ready(self.cfg.reward.model.server.startup_timeout_s)
+            log.info("reward model: %d server(s) healthy: %s", len(rewards.model.urls), rewards.model.urls)
         await self.fleet.start(0)  # servers are in; start the health loop
+        if self.cfg.rollout.proxy is not None:
+            await self._start_proxy()
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet",
                                                      curve_keys_dir=self.cfg.broker.curve_keys_dir))
         worker_cls, extra = RolloutWorker, {}
@@ -111,6 +119,10 @@ class FleetService:
             from rollout_fleet.envs.worker import MultiTurnWorker
 
             worker_cls, extra = MultiTurnWorker, worker_kwargs(self.cfg.rollout.env, self.cfg.model.path)
+        elif self.cfg.rollout.proxy is not None and self.cfg.rollout.proxy.agent:  # OpenAI-client agents
+            from rollout_fleet.envs.agent_worker import AgentWorker, resolve_agent
+
+            worker_cls, extra = AgentWorker, {"proxy": self.proxy, "agent": resolve_agent(self.cfg.rollout.proxy.agent)}
         self.worker = worker_cls(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
                                  max_inflight_groups=self.cfg.rollout.max_inflight_groups,
                                  max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
@@ -122,6 +134,22 @@ class FleetService:
         self._task = asyncio.create_task(self.worker.run(self._stop), name="rollout-worker")
         self._versions_task = asyncio.create_task(self._report_versions(), name="engine-versions")
         return self.status_now()
+
+    async def _start_proxy(self) -> None:
+        """The OpenAI-compatible proxy in front of the fleet (one for all servers: each request goes to the
+        server the controller picks, never one behind the version the episode's last turn used)."""
+        from rollout_fleet import data as rdata
+        from rollout_fleet.envs.agent_worker import fleet_generate
+        from rollout_fleet.envs.registry import stop_token_ids
+        from rollout_fleet.proxy import ChatProxy
+
+        p = self.cfg.rollout.proxy
+        tok = await asyncio.to_thread(rdata.load_tokenizer, self.cfg.model.path)
+        self.proxy = ChatProxy(fleet_generate(self.fleet), tok, model_name=self.cfg.model.path,
+                               stop_token_ids=stop_token_ids(tok), default_max_tokens=p.max_tokens,
+                               max_sessions=p.max_sessions)
+        url = await self.proxy.start(self.proxy_host, p.port)
+        log.info("OpenAI-compatible proxy at %s (agent: %s)", url, p.agent)
 
     def _colocated_gate(self):
         c = self.cfg.colocate
@@ -258,6 +286,8 @@ class FleetService:
         self._tok_hist = [(t, n) for t, n in self._tok_hist if now - t <= 10.0]
         t_old, n_old = self._tok_hist[0]
         st = self.fleet.record() if hasattr(self, "fleet") else FleetStatus()
+        if self.proxy is not None:
+            st = msgspec.structs.replace(st, proxy_url=self.proxy.url, proxy=dict(self.proxy.counts))
         return msgspec.structs.replace(
             st, **msgspec.structs.asdict(w), simulated=self.simulated,
             tok_per_s=(w.tokens_pushed - n_old) / (now - t_old) if now > t_old else None,
@@ -280,4 +310,8 @@ class FleetService:
             await self.fleet.close()
         if hasattr(self, "producer"):
             await self.producer.close()
+        if self.proxy is not None:
+            await self.proxy.stop()
+        if hasattr(self, "worker") and isinstance(self.worker.rewards, ModelRewardScorer):
+            await self.worker.rewards.model.close()
         return final

@@ -79,3 +79,5 @@ class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):
     tok_per_s: float | None = None
     fleet_idle_fraction: float = 0.0
     healthy_servers: int = 0
+    proxy_url: str | None = None  # rollout.proxy: where the OpenAI-compatible proxy serves
+    proxy: dict[str, int] = {}  # its counters (proxy/requests, proxy/history_restarts, ...)

@@ -76,6 +76,7 @@ class SGLangServerArgs:
     # SGLang 0.5.16 on H200 died on its first forward without these; see compat_args.
     compat: bool = True
     fleetrl_loader: bool = True  # --custom-weight-loader for staged updates; the server's python must import fleetrl
+    skip_tokenizer_init: bool = True  # token ids in and out (the fleet); False: text APIs too (a judge's chat)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: str | None = None
@@ -124,8 +125,9 @@ class SGLangServer:
         cmd = [a.python, "-m", "sglang.launch_server", "--model-path", a.model, "--host", a.host,
                "--port", str(a.port), "--tp-size", str(a.tensor_parallel_size), "--dtype", a.dtype,
                "--mem-fraction-static", str(a.mem_fraction_static),
-               "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed),
-               "--skip-tokenizer-init"]
+               "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed)]
+        if a.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
         if a.fleetrl_loader:  # staged updates (weight_sync/sglang_ext.py); unused otherwise
             from weight_sync.sglang_ext import LOADER
 

@@ -80,6 +80,7 @@ class VLLMServerArgs:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
     die_with_parent: bool = False  # SIGKILL the server when the process that started it dies (a Ray actor)
+    weight_transfer: bool = True  # False: no weight-transfer backend or worker extension (a reward server)
 
 
 def _pdeathsig() -> None:
@@ -132,9 +133,10 @@ class VLLMServer:
         a = self.args
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--dtype", a.dtype,
                "--max-model-len", str(a.max_model_len), "--tensor-parallel-size", str(a.tensor_parallel_size),
-               "--max-num-seqs", str(a.max_num_seqs), "--host", a.host, "--port", str(self.port), "--seed", str(a.seed),
-               "--weight-transfer-config", json.dumps({"backend": self.weight_backend}),
-               "--worker-extension-cls", "weight_sync.vllm_plugin.FleetrlWorkerExtension"]
+               "--max-num-seqs", str(a.max_num_seqs), "--host", a.host, "--port", str(self.port), "--seed", str(a.seed)]
+        if a.weight_transfer:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_backend}),
+                    "--worker-extension-cls", "weight_sync.vllm_plugin.FleetrlWorkerExtension"]
         if self.cuda:
             cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
         if a.enforce_eager:

@@ -45,6 +45,21 @@ def fleet_generate(fleet: Any) -> Callable[[list[int], SamplingParams, int], Awa
     return generate
 
 
+def resolve_agent(name: str) -> Agent:
+    """``rollout.proxy.agent`` ('package.module:function') as the async agent it names."""
+    import importlib
+    import inspect
+
+    module_name, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"rollout.proxy.agent {name!r}: {type(exc).__name__}: {exc}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.proxy.agent {name!r} must be an async function (base_url, prompt) -> reward")
+    return fn
+
+
 class AgentWorker(RolloutWorker):
     """Runs ``agent`` ``n`` times per ticket against ``proxy`` (whose engine is :func:`fleet_generate`)."""
 
