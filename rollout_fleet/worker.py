@@ -213,6 +213,21 @@ class RolloutWorker:
     def inflight(self) -> int:
         return len(self._tasks)
 
+    # the errors that give up one group (counted by kind in _drop); anything else is a bug and is logged
+    GROUP_ERRORS: tuple[type[Exception], ...] = (EngineError, RewardFailed)
+
+    def _drop(self, group_id: str, exc: Exception) -> None:
+        """Count and log a group given up for ``exc``, one of :attr:`GROUP_ERRORS`."""
+        if isinstance(exc, BadRequest):  # an EngineError whose request is at fault: no server would take it
+            self.groups_bad_request += 1
+            log.error("rollout: group %s dropped, the engine refused a request: %s", group_id, exc)
+        elif isinstance(exc, RewardFailed):
+            self.groups_reward_failed += 1
+            log.error("rollout: group %s dropped: %s", group_id, exc)
+        else:
+            self.groups_failed += 1
+            log.error("rollout: group %s failed for good: %s", group_id, exc)
+
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         params = SamplingParams(n=self.sampling.n, max_tokens=self.sampling.max_tokens,
@@ -239,17 +254,8 @@ class RolloutWorker:
                           group_id, self.logprob_retries + 1)
                 return
             rewards = await self.rewards.score(prompt, samples)
-        except BadRequest as exc:
-            self.groups_bad_request += 1
-            log.error("rollout: group %s dropped, the engine refused its request: %s", group_id, exc)
-            return
-        except EngineError as exc:
-            self.groups_failed += 1
-            log.error("rollout: group %s failed for good: %s", group_id, exc)
-            return
-        except RewardFailed as exc:
-            self.groups_reward_failed += 1
-            log.error("rollout: group %s dropped: %s", group_id, exc)
+        except self.GROUP_ERRORS as exc:
+            self._drop(group_id, exc)
             return
         if len(rewards) != len(samples):
             raise ValueError(f"reward pool returned {len(rewards)} rewards for {len(samples)} samples of {group_id}")

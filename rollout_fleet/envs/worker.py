@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from broker.schema import Trajectory
-from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.base import Sample, SamplingParams
 from rollout_fleet.envs.base import Codec, EnvError, EnvFactory, EpisodeLimits
 from rollout_fleet.envs.episode import Episode, run_episode_group
 from rollout_fleet.status import WorkerStatus
@@ -49,6 +49,15 @@ class MultiTurnWorker(RolloutWorker):
         self.episode_ends: Counter[str] = Counter()  # done / max_turns / max_tokens
         self.turns = 0
 
+    GROUP_ERRORS = (*RolloutWorker.GROUP_ERRORS, EnvError)
+
+    def _drop(self, group_id: str, exc: Exception) -> None:
+        if isinstance(exc, EnvError):
+            self.env_errors[exc.reason] += 1
+            log.error("rollout: group %s dropped, an episode failed: %s", group_id, exc)
+        else:
+            super()._drop(group_id, exc)
+
     def _generate(self, group_id: str):
         turn_no = iter(range(1 << 30))
 
@@ -67,17 +76,8 @@ class MultiTurnWorker(RolloutWorker):
                 ground_truth=prompt.ground_truth, extra_info=prompt.extra_info, limits=self.limits,
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                 stop_token_ids=self.stop_token_ids, min_version=min_version)
-        except EnvError as exc:
-            self.env_errors[exc.reason] += 1
-            log.error("rollout: group %s dropped, an episode failed: %s", group_id, exc)
-            return
-        except BadRequest as exc:
-            self.groups_bad_request += 1
-            log.error("rollout: group %s dropped, the engine refused a turn: %s", group_id, exc)
-            return
-        except EngineError as exc:
-            self.groups_failed += 1
-            log.error("rollout: group %s failed for good: %s", group_id, exc)
+        except self.GROUP_ERRORS as exc:
+            self._drop(group_id, exc)
             return
         bad = sum(1 for e in episodes if not np.isfinite(e.logprobs).all())
         if bad:  # a token the engine gave no log-prob for: the prompt runs again later, counted
