@@ -31,6 +31,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _preexec(die_with_parent: bool, own_group: bool):
+    def run() -> None:
+        if own_group:
+            os.setpgrp()
+        if die_with_parent:
+            _die_with_parent()
+    return run
+
+
 def make_curve_keys(directory: str | os.PathLike) -> Path:
     """server.key(_secret), client.key(_secret), and clients/client.key (the allowed list); secrets 0600."""
     from core.network import make_curve_keys as make
@@ -41,13 +50,19 @@ def make_curve_keys(directory: str | os.PathLike) -> Path:
 class BrokerProcess:
     def __init__(self, *, address: str = "tcp://127.0.0.1:0", startup_timeout_s: float = 30.0,
                  stop_timeout_s: float = 10.0, env: dict | None = None, cwd: str | None = None,
-                 die_with_parent: bool = True, **options) -> None:
+                 die_with_parent: bool = True, own_process_group: bool = True, **options) -> None:
         """``options`` are BrokerConfig fields (``spool_dir=..., max_staleness=...``).
 
         ``die_with_parent``: the broker gets SIGTERM when the process that started it dies
         (Linux), so a crashed test or launcher never leaves a broker behind. Linux ties this
-        to the *thread* that called start(): start it from a long-lived thread, or pass False."""
+        to the *thread* that called start(): start it from a long-lived thread, or pass False.
+
+        ``own_process_group``: the broker leads a process group of its own, so a terminal's Ctrl-C
+        (SIGINT to the foreground group) reaches only the process that started it, which stops it
+        when it is done with it: a launcher's clean stop still needs the broker (the learner's last
+        step acks, then checkpoints)."""
         self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
+        self.own_process_group = own_process_group
         self.requested_address = address
         self.options = options
         self.startup_timeout_s = startup_timeout_s
@@ -70,7 +85,8 @@ class BrokerProcess:
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = self.cwd + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=self.cwd, env=env,
-                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
+                                     preexec_fn=_preexec(self.die_with_parent, self.own_process_group)
+                                     if self.die_with_parent or self.own_process_group else None)
         deadline = time.monotonic() + self.startup_timeout_s
         buf = b""  # raw reads: a buffered readline could hide a second line from select()
         fd = self.proc.stdout.fileno()

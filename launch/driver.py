@@ -40,7 +40,7 @@ from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.monitor import Monitor, setup_logging
 from launch.netsetup import check_shared_dir, resolve_network
-from launch.observe import Endpoints
+from launch.observe import Endpoints, LearnerRows
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
 from launch.snapshot import BrokerView, JobSnapshot
 from learner.status import LearnerStatus
@@ -103,6 +103,8 @@ class Job:
         self.interrupted = threading.Event()
         self.elastic = None  # launch.elastic.Elastic when rollout.autoscale.enabled
         self.rewards = None  # launch.reward_servers.RewardServers with --reward-gpus
+        self.resume_version = 0  # the learner checkpoint this launch resumes from (launch.resume.prepare)
+        self.learner_rows_from = LearnerRows.size(self.run_dir)  # this launch's learner writes after it
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,8 +132,9 @@ class Job:
                                      curve_keys_dir=self.cfg.broker.curve_keys_dir)
         self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
                                live=not self.args.no_live, wandb=self.wandb, prometheus=self.cfg.run.prometheus,
-                               host=self.cfg.network.host)
+                               host=self.cfg.network.host, learner_rows_from=self.learner_rows_from)
         self.wandb = None  # the monitor owns it now (and finishes it)
+        self.monitor.wandb_catch_up(self.resume_version)
         self.endpoints = Endpoints(self)  # every Prometheus endpoint, printed and in metrics.json
 
     def _init_ray(self, ray) -> None:
@@ -595,9 +598,10 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
     setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
     cfg = resume.with_defaults(cfg, run_dir)  # spool in the run dir, Prometheus ports: a re-run continues
     cfg = resolve_network(cfg, args.address, run_dir)  # bind addresses, CurveZMQ keys: before any part is written
-    resume.prepare(cfg, run_dir)
+    resumed = resume.prepare(cfg, run_dir)
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)
+    job.resume_version = resumed["checkpoint_version"]
 
     def _interrupt(signum, frame):  # Ctrl-C, and SIGTERM the same clean way
         job.interrupted.set()

@@ -152,6 +152,11 @@ class WandbWriter:
     def add_scalars(self, values: dict[str, Any], step: int) -> None:
         self.run.log(values, step=int(step))
 
+    def resumed_step(self) -> int:
+        """The step a resumed run stands at, as its server knows it; 0 for a new or an offline run (an
+        offline run learns nothing of its earlier files)."""
+        return int(self.run.step) if self.run.resumed else 0
+
     def table(self, rows: list[dict[str, Any]]):
         cols = list(rows[0])
         return self._wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in rows])
@@ -162,7 +167,8 @@ class WandbWriter:
 
 class Monitor:
     def __init__(self, run_dir: Path, *, simulated: bool, tensorboard: bool, live: bool,
-                 prometheus: bool = True, wandb: WandbWriter | None = None, host: str = "127.0.0.1") -> None:
+                 prometheus: bool = True, wandb: WandbWriter | None = None, host: str = "127.0.0.1",
+                 learner_rows_from: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.host = host  # the Prometheus endpoint's interface (network.host)
         self.simulated = simulated
@@ -176,7 +182,8 @@ class Monitor:
         from launch.observe import LearnerRows, RunRecorder
 
         self.recorder = RunRecorder(self.run_dir)
-        self._learner_rows = LearnerRows(self.run_dir)  # the learner's every step, for W&B
+        # the learner's every step, for W&B: from where the file stood before this launch's learner started
+        self._learner_rows = LearnerRows(self.run_dir, learner_rows_from)
         self._wandb_step = -1  # the learner's last step logged to W&B
         if tensorboard:
             try:
@@ -241,16 +248,39 @@ class Monitor:
                      _fmt(fl.fleet_idle_fraction), _fmt(lr.learner_idle_fraction),
                      snap.queue_groups, lr.staleness_hist)
 
+    def wandb_catch_up(self, version: int) -> int:
+        """A re-run resuming from learner ``version``: log to W&B the kept steps ``1..version`` the run
+        may lack (a ``kill -9``-ed driver's W&B process dies with the steps it had not yet written).
+
+        Online the resumed run knows its last step and only later ones are sent (W&B steps only go up);
+        offline it does not, so every kept step is logged again into this launch's offline file.
+        Returns the number of steps logged."""
+        if self._wandb is None or version <= 0:
+            return 0
+        from learner.metrics_sink import effective_rows
+
+        have, n = self._wandb.resumed_step(), 0
+        for step, row in effective_rows(self.run_dir, before=version + 1).items():
+            if step >= have:
+                self._wandb.add_scalars(self._wandb_values(row), step)
+                n += 1
+        self._wandb_step = max(self._wandb_step, version)
+        log.info("W&B: %d kept step(s) of 1..%d logged (the run stood at step %d)", n, version, have)
+        return n
+
+    def _wandb_values(self, row: dict[str, Any]) -> dict[str, Any]:
+        values: dict[str, Any] = dict(row["metrics"])
+        if row.get("samples"):
+            values["rollout/samples"] = self._wandb.table(row["samples"])
+        return values
+
     def _learner_to_wandb(self) -> None:
         """Every step the learner wrote since the last tick (learner/metrics_sink.py), one log each."""
         for row in self._learner_rows.new_rows():
             step = row.get("step")
             if "metrics" not in row or step <= self._wandb_step:  # a start mark, or a step a resumed run redoes
                 continue
-            values: dict[str, Any] = dict(row["metrics"])
-            if row.get("samples"):
-                values["rollout/samples"] = self._wandb.table(row["samples"])
-            self._wandb.add_scalars(values, step)
+            self._wandb.add_scalars(self._wandb_values(row), step)
             self._wandb_step = step
 
     def render(self, snap: JobSnapshot):

@@ -66,9 +66,16 @@ class RunRecorder:
 class LearnerRows:
     """New complete lines of ``RUN_DIR/metrics/learner.jsonl`` since the last call."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, start: int | None = None) -> None:
+        """``start``: the file's size before this launch's learner started (None: its size now); a
+        resumed run reads only the new learner's lines."""
         self.path = Path(run_dir) / LEARNER_JSONL
-        self._pos = self.path.stat().st_size if self.path.exists() else 0  # a resumed run: only new lines
+        self._pos = start if start is not None else self.size(run_dir)
+
+    @staticmethod
+    def size(run_dir: Path) -> int:
+        path = Path(run_dir) / LEARNER_JSONL
+        return path.stat().st_size if path.exists() else 0
 
     def new_rows(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -3,7 +3,8 @@
 Group accounting, from the three places a group can be at the end of a run::
 
     produced  = groups the broker accepted from the fleet
-    consumed  = groups the learner trained on (acked leases)
+    consumed  = groups the learner trained on (acked leases; the broker's ack count if the
+                learner died and gave no final status)
     dropped   = groups the broker refused to hand out, by reason (e.g. ``stale``)
     queued    = groups still waiting in the broker, or leased and not acked, at shutdown
     lost      = produced - consumed - dropped - queued      (must be 0)
@@ -46,7 +47,9 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     for reason, n in fleet.env_errors.items():  # multi-turn: an episode's environment failed, named
         drops[f"env_{reason}" if not reason.startswith("env_") else reason] = n
     produced = broker.groups_accepted if broker is not None else fleet.groups_pushed
-    consumed = learner.groups_consumed
+    # the learner's own count at its end; a learner that died mid-run gave none, and its last
+    # snapshot lags the broker's acks by a step or so: the broker's ack count is the record then
+    consumed = learner.groups_consumed if final.get("learner") or broker is None else broker.groups_acked
     queued = broker.queued_groups + broker.leased_groups if broker is not None else 0
     failed = fleet.groups_failed
     lost = produced - consumed - broker_dropped - queued + failed

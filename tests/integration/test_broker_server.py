@@ -292,6 +292,35 @@ def test_client_timeout_names_the_broker():
         cons.close()
 
 
+def test_a_ctrl_c_at_the_terminal_reaches_the_starter_not_the_broker():
+    """SIGINT to the starter's process group (a terminal's Ctrl-C) leaves the broker serving: the
+    starter stops it when it is done with it (a launcher's clean stop still needs it)."""
+    import os
+    import signal
+
+    from broker.client import ping
+
+    code = ("import signal, sys; from broker.process import BrokerProcess; "
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); bp = BrokerProcess().start(); "
+            "print(bp.address, bp.pid, flush=True); sys.stdin.read(); bp.stop()")
+    starter = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        address, pid = starter.stdout.readline().split()
+        os.killpg(starter.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert ping(address, timeout_s=5.0), "the broker stopped on the starter's Ctrl-C"
+        assert os.getpgid(int(pid)) == int(pid) != starter.pid
+        starter.stdin.close()
+        assert starter.wait(30) == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait(10)
+
+
 def test_cli_rejects_bad_options_with_a_clear_message(tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "broker", *args], capture_output=True, text=True, timeout=60)
