@@ -45,8 +45,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _env(token: str) -> dict[str, str]:
+    # Every emulated host sees the machine's same cores: vLLM's automatic OpenMP binding would pin every
+    # server to core 0 (a returning server then shared it with the busy one and took 6 min to start)
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def _ray_node(hosts: EmulatedHosts, i: int, env: dict, logs: Path) -> subprocess.Popen:
