@@ -6,6 +6,12 @@ exercised, the work runs on CPU). The driver (``launch/cluster.py --address``) r
 Ray head; ``--rollout-gpus 2 --learner-gpus 1`` puts the learner on one host and one server on each of
 the other two, so broker traffic (CurveZMQ), weight sync (gloo) and engine HTTP all cross hosts.
 
+The run is not a fixed step count racing the returning server's start: it trains (``--max-steps``
+far away) until the test has seen that server take a publish, then the test ends it with
+``launch/cluster.py stop`` (the learner stops after its step, the final evaluation runs, the summary
+is written, exit status 0). vLLM's automatic CPU binding is off (``nobind``): the emulated hosts share
+the machine's cores, and every server would otherwise be pinned to core 0.
+
 Asserted:
 
 * each server ran on the host the plan chose: its actor's node address is the planned one and its
@@ -15,9 +21,15 @@ Asserted:
   without the CurveZMQ keys;
 * one fleet host is taken away mid-run (every process in its namespace SIGKILLed, its Ray node
   with them): the job goes on with the other server and loses no group;
-* the host's Ray node is started again and ``scale`` brings a server back on it, which then holds the
-  learner's current weights (it got them at the next publish, over weight sync: no shared disk);
-* eval accuracy rose.
+* the host's Ray node is started again and ``scale`` answers at once naming the server it starts
+  there; ``status`` answers meanwhile and lists it as ``starting``; once up, the server is in that
+  host's namespace on its address, takes a publish made after it joined (over weight sync: no
+  shared disk) and serves groups at the learner's current weights;
+* ``stop`` ends the job cleanly: exit status 0, 0 groups lost, the start recorded as ok, eval
+  accuracy rose.
+
+The runs seen (wall time, steps, accuracy, how long the returning server took) are in the README,
+"Running on a multi-node Ray cluster", the worked example.
 """
 
 from __future__ import annotations
@@ -73,8 +85,14 @@ def _cli(hosts: EmulatedHosts, env: dict, *args: str, timeout: float = 120) -> d
         return {"raw": p.stdout}
 
 
+_LAST_STATUS: list[dict] = []  # the latest status answer, written next to the logs at the end (diagnosis)
+
+
 def _status(hosts: EmulatedHosts, env: dict, run_dir: Path) -> dict | None:
-    return _cli(hosts, env, "status", "--run-dir", str(run_dir))
+    st = _cli(hosts, env, "status", "--run-dir", str(run_dir))
+    if st is not None:
+        _LAST_STATUS[:] = [st]
+    return st
 
 
 def _server(status: dict, engine_id: str, state: str) -> dict | None:
@@ -228,6 +246,10 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
         hosts.remove()  # every process in the namespaces, the namespaces, veths and the bridge
         for i in range(3):
             shutil.rmtree(f"/tmp/{hosts.prefix}-ray-h{i}", ignore_errors=True)
+        if _LAST_STATUS:
+            (tmp_path / "last-status.json").write_text(json.dumps(_LAST_STATUS[0], indent=2))
+        for log in run_dir.glob("vllm-*/vllm_server.log"):
+            shutil.copy(log, tmp_path / f"{log.parent.name}.log")
         for name in ("logs", "summary.json", "placement.json", "out.json"):
             src = run_dir / name
             if src.exists():
