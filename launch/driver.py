@@ -261,7 +261,8 @@ class Job:
         from launch.ray_actors import FleetActor
 
         # the controller lives with the driver: losing a fleet host must not take the controller with it
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # (hard: a soft affinity once put it on a fleet host, and the host's loss ended the job)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0, scheduling_strategy=here).remote(
             self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
             {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
