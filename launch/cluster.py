@@ -8,6 +8,7 @@ Examples::
     python launch/cluster.py --recipe tiny broker.max_staleness=0 learner.loss.correction=none
     python launch/cluster.py scale --rollout-gpus 8 --run-dir runs/tiny                # running job
     python launch/cluster.py status --run-dir runs/tiny
+    python launch/cluster.py stop --run-dir runs/tiny     # end now: final eval and summary, exit 0
     python launch/cluster.py report --run-dir runs/tiny       # PNG plots + report.md in runs/tiny/report
     python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
     python launch/cluster.py --colocate --recipe tiny                                 # colocated, synchronous (CPU)
@@ -30,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python launch/cluster.py` (not -m): make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SUBCOMMANDS = ("scale", "status")
+SUBCOMMANDS = ("scale", "status", "stop")
 VERL_RECIPE = "verl"  # the base under a verl command line when --recipe is not given
 
 
@@ -38,7 +39,7 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch/cluster.py",
         description="Run asynchronous RL: a learner pool and a rollout fleet on disjoint GPUs of a Ray cluster. "
-        "Subcommands for a running job: 'scale --rollout-gpus N', 'status' (see '<subcommand> --help'); "
+        "Subcommands for a running job: 'scale --rollout-gpus N', 'status', 'stop' (see '<subcommand> --help'); "
         "'report --run-dir D' plots a run; "
         "'verl KEY=VALUE ...' prints what a verl command line maps to.",
     )
@@ -82,8 +83,12 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def control_parser(cmd: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"launch/cluster.py {cmd}",
-                                description=f"'{cmd}' a running job through its control endpoint")
+    what = {"status": "print a running job's status",
+            "scale": "grow or drain a running job's fleet; a grow answers at once and the new servers show as "
+                     "'starting' in status until they join",
+            "stop": "end a running job now as if its last step were done: the learner stops after its current "
+                    "step, then the final evaluation and the summary (exit status 0)"}[cmd]
+    p = argparse.ArgumentParser(prog=f"launch/cluster.py {cmd}", description=f"{what} (through its control endpoint)")
     p.add_argument("--run-dir", required=True, help="the run directory of the running job")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the job's answer")
     if cmd == "scale":
@@ -108,7 +113,7 @@ def _control(argv: list[str]) -> int:
     except ControlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.json or cmd == "scale":
+    if args.json or cmd in ("scale", "stop"):
         print(json.dumps(answer, indent=2))
     else:
         from launch.monitor import format_status

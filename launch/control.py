@@ -1,4 +1,4 @@
-"""The control endpoint of a running job: ``scale`` and ``status`` from another terminal.
+"""The control endpoint of a running job: ``status``, ``scale`` and ``stop`` from another terminal.
 
 The driver binds a ZMQ REP socket on the job's host (``network.host``: loopback on one host; a free
 port) and writes its address to ``<run_dir>/control.json``; off loopback the socket is a CurveZMQ
@@ -30,7 +30,7 @@ class ControlError(RuntimeError):
 
 
 class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
-    op: Literal["status", "scale"]
+    op: Literal["status", "scale", "stop"]
     rollout_gpus: int | None = None
 
 

@@ -10,11 +10,12 @@ Dataflow::
       |- fleet actor   (FleetRunner: controller + rollout workers, the OpenAI proxy), on the driver's node
       |    '- one server actor per vLLM server, in that server's placement-group bundle (its node, its GPUs)
       |- learner actor (SimLearner under --simulate; the training loop otherwise)
-      |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale
+      |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale (returns at once;
+      |    new servers show as starting: launch/scaling.py), stop (like a last step: final eval, summary)
       '- monitor: rich view, TensorBoard, Prometheus; JSON summary at the end
 
-Shutdown (Ctrl-C, SIGTERM, a failed component, or the last step): stop the learner, stop
-the fleet (in-flight groups cancelled, engine servers stopped), stop the broker process,
+Shutdown (Ctrl-C, SIGTERM, a failed component, the last step, or ``stop``): stop the learner, let
+servers still starting end, stop the fleet (in-flight groups cancelled, engine servers stopped), stop the broker process,
 remove placement groups, shut Ray down (only if this driver started it), close the
 control socket and remove its file. Each step has a timeout and runs even if an earlier
 one failed, so no process and no port outlive the job.
@@ -42,6 +43,7 @@ from launch.monitor import Monitor, setup_logging
 from launch.netsetup import check_shared_dir, resolve_network
 from launch.observe import Endpoints, LearnerRows
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
+from launch.scaling import FleetScaler
 from launch.snapshot import BrokerView, JobSnapshot
 from learner.status import LearnerStatus
 from rollout_fleet.status import FleetStatus
@@ -105,6 +107,8 @@ class Job:
         self.rewards = None  # launch.reward_servers.RewardServers with --reward-gpus
         self.resume_version = 0  # the learner checkpoint this launch resumes from (launch.resume.prepare)
         self.learner_rows_from = LearnerRows.size(self.run_dir)  # this launch's learner writes after it
+        self.scaler = FleetScaler(self)  # `scale`: targets, placement groups, servers still starting
+        self.stop_requested = False  # the control endpoint's `stop`: finish like a last step
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -281,7 +285,8 @@ class Job:
         from launch.ray_actors import FleetActor
 
         # the controller lives with the driver: losing a fleet host must not take the controller with it
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # (hard: a soft affinity once put it on a fleet host, and the host's loss ended the job)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0, scheduling_strategy=here).remote(
             self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
             {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
@@ -347,8 +352,9 @@ class Job:
             else:
                 done = bool(ray.wait([self.run_ref], timeout=0.25)[0])
             self.snapshot = self.collect()
+            self.scaler.poll()  # servers that finished starting (or failed to)
             self._evaluate_every()
-            if self.elastic is not None and not done:
+            if self.elastic is not None and not done and not self.stop_requested:
                 self.elastic.tick(self.snapshot)
             self.monitor.update(self.snapshot)
             self.endpoints.refresh()
@@ -393,7 +399,7 @@ class Job:
                 self.eval_history.append({"step": self._eval_step, "accuracy": acc})
                 log.info("eval accuracy at step %d: %.3f", self._eval_step, acc)
         step = self.snapshot.learner.step if self.snapshot is not None else 0
-        if step >= self._eval_step + every and step < self.cfg.run.max_steps:
+        if step >= self._eval_step + every and step < self.cfg.run.max_steps and not self.stop_requested:
             self._eval_step = step
             self._eval_ref = self.fleet.evaluate.remote(self.cfg.run.eval_samples)
         if self.eval_history and self.snapshot is not None:
@@ -427,68 +433,27 @@ class Job:
     def handle(self, req: ControlRequest) -> dict[str, Any]:
         if req.op == "status":
             return {**self.collect().to_wire(), "metrics_endpoints": self.endpoints.current}
+        if req.op == "stop":
+            return self.request_stop()
         if req.rollout_gpus is None:
             raise ValueError("scale needs rollout_gpus")
         return self.scale(req.rollout_gpus)
 
     def scale(self, rollout_gpus: int) -> dict[str, Any]:
-        if self.cfg.colocate.enabled:
-            raise ValueError("a colocated fleet shares the learner's GPUs and cannot be scaled on its own")
-        if self.cfg.rollout.urls:
-            raise ValueError("the fleet is attached to rollout.urls: it neither starts nor stops servers")
-        tp = self.cfg.rollout.tensor_parallel_size
-        if self.placement.servers:  # GPU (or simulated GPU) fleet
-            if rollout_gpus % tp:
-                raise ValueError(f"--rollout-gpus {rollout_gpus} is not a multiple of TP {tp}")
-            target = rollout_gpus // tp
-        else:
-            target = rollout_gpus  # CPU: the number of servers
-        current = sorted(self.server_slots) if self.placement.servers else None
-        servers = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")["servers"]
-        n_now = len(servers)
-        if self.server_actors:  # servers the fleet dropped (their node was lost) give their bundles back
-            live = {int(s["engine_id"].rsplit("-", 1)[1]) for s in servers}
-            self._release([i for i in list(self.server_slots) if i not in live])
-        if target > n_now:
-            indices = self._grow(target - n_now) if current is not None else None
-            if indices is None:
-                self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.startup_timeout_s, "fleet scale")
-            else:
-                slots = {i: (self.server_slots[i].node_id, list(self.server_slots[i].gpu_ids)) for i in indices}
-                call = self.fleet.add_placed.remote(indices, slots, self._server_pgs(indices)) if self.server_actors \
-                    else self.fleet.add_servers.remote(indices, slots)
-                self._get(call, self.cfg.rollout.startup_timeout_s, "fleet add")
-        elif target < n_now:
-            removed = self._get(self.fleet.scale_to.remote(target), self.cfg.rollout.request_timeout_s, "fleet drain")
-            self._release(removed)
-        log.info("fleet scaled from %d to %d servers", n_now, target)
-        self._write_placement()
-        return {"servers_before": n_now, "servers_after": target}
+        """Grow (returns at once; the new servers show as ``starting``) or drain the fleet: launch/scaling.py."""
+        return self.scaler.scale(rollout_gpus)
 
-    def _grow(self, k: int) -> list[int]:
-        import ray
-
-        nodes, pin = self._nodes(ray)
-        self._pin.update(pin)  # a node that joined since the start (a host brought back)
-        used = {(s.node_id, g) for s in self.placement.learner + list(self.server_slots.values()) for g in s.gpu_ids}
-        tp = self.cfg.rollout.tensor_parallel_size
-        new: list[int] = []
-        next_index = max(self.server_slots, default=-1) + 1
-        for n in nodes:
-            free = [g for g in range(n.gpus) if (n.node_id, g) not in used]
-            while len(new) < k and len(free) >= tp:
-                slot = Slot(n.node_id, tuple(free[:tp]))
-                free = free[tp:]
-                self._add_server_pg(next_index, slot)
-                new.append(next_index)
-                next_index += 1
-        if len(new) < k:
-            for i in new:
-                self._release([i])
-            raise ValueError(f"cannot add {k} servers of TP {tp}: only {len(new)} fit on the free GPUs")
-        self._wait_pgs(ray, [self.pgs[f"server-{i}"] for i in new])
-        self._pin_server_gpus(ray, new)
-        return new
+    def request_stop(self) -> dict[str, Any]:
+        """End the run as if its last step were now: the learner stops after its current step, then the
+        fleet's workers stop, the final evaluation runs and the summary is written (exit status 0)."""
+        if not self.stop_requested:
+            self.stop_requested = True
+            log.warning("stop requested: the learner stops after its current step, then the final evaluation")
+            if self.learner_ranks is not None:
+                self.learner_ranks.request_stop()
+            elif self.learner is not None:
+                self.learner.stop.remote()
+        return {"stopping": True, "step": self.snapshot.learner.step if self.snapshot is not None else 0}
 
     def _pin_server_gpus(self, ray, indices: list[int]) -> None:
         """Replace each server slot's planned GPU ids by the ids Ray reserved for its bundle.
@@ -533,6 +498,8 @@ class Job:
         final: dict[str, Any] = {"learner": {}, "fleet": {}, "broker": {}}
         steps = [
             ("learner", lambda: self.learner and self._stop_learner()),
+            # servers still starting (scale): let them end, so the fleet's stop stops them too
+            ("starting servers", lambda: self.fleet and self.scaler.wait(self.cfg.rollout.startup_timeout_s + 30)),
             ("fleet", lambda: self.fleet and self._get(self.fleet.stop.remote(), 60.0, "fleet stop")),
             ("reward servers", lambda: self.rewards and self.rewards.stop()),
             ("broker", lambda: self.supervisor.final_status() if self.supervisor else {}),

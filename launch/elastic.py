@@ -19,7 +19,7 @@ from rollout_fleet.autoscale import Autoscaler, Observation
 from rollout_fleet.status import ServerState
 
 log = logging.getLogger(__name__)
-_LIVE = (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)
+_LIVE = (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD, ServerState.STARTING)
 
 
 def observation(snap: JobSnapshot, groups_per_step: int, max_staleness: int, max_inflight: int) -> Observation:

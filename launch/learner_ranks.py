@@ -235,10 +235,14 @@ class LearnerRanks:
     def status(self, timeout_s: float) -> dict[str, Any]:
         return ray.get(self.rank0.status.remote(), timeout=timeout_s)
 
-    def stop(self, timeout_s: float) -> dict[str, Any]:
-        """Ask every rank to stop after its step; rank 0's status plus every live rank's step."""
+    def request_stop(self) -> None:
+        """Ask every rank to stop after its current step (fire and forget: :meth:`poll` sees them finish)."""
         for a in self.actors:
             a.stop.remote()
+
+    def stop(self, timeout_s: float) -> dict[str, Any]:
+        """Ask every rank to stop after its step; rank 0's status plus every live rank's step."""
+        self.request_stop()
         # the ranks finish their step, then checkpoint and export (learner.run.StopRun) before they return
         ray.wait(self.refs, num_returns=len(self.refs), timeout=4 * timeout_s)
         st = self.status(timeout_s)

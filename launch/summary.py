@@ -101,6 +101,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
                       "servers": len(job.placement.servers)},
         "wall_s": round(_wall(job), 2),
         "simulated": job.simulated,
+        "stopped_on_request": job.stop_requested,  # `launch/cluster.py stop`: ended before run.max_steps
+        "scale_starts": job.scaler.events,  # servers started by `scale`: ids, seconds, ok / error
         "error": error,
     }
     if cfg.colocate.enabled:

@@ -31,6 +31,8 @@ Invariants and delivery semantics:
   starts on a server holding version ``>= s - k - 1``, so a server that is behind the
   learner (its publish not yet loaded) never produces a group that is stale on arrival.
 * Draining: a draining server takes no new group; it leaves once its in-flight groups end.
+* Starting: a server being started (``add_server``) is listed as ``starting`` (no engine yet, no
+  work, not a weight-sync member) and joins ``servers`` once it answers and has caught up.
 * An engine's 4xx answer (but 408/429) is the request's fault (:class:`BadRequest`): the group
   fails at once and is counted in ``groups_bad_request``; the server is not suspected.
 * Every engine call has a timeout (``request_timeout_s`` for generation,
@@ -58,7 +60,7 @@ from rollout_fleet.engines.base import (
     Sample,
     SamplingParams,
 )
-from rollout_fleet.status import FleetStatus, ServerState, ServerStatus
+from rollout_fleet.status import FleetStatus, ServerState, ServerStatus, engine_name
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ class FleetController:
         self.weight_updates = 0
         self.weight_update_s = 0.0
         self._recovering: set[asyncio.Task] = set()
+        self.starting: dict[int, float] = {}  # index -> when its start began (status: "starting")
 
     # -- membership -------------------------------------------------------------------------
     async def start(self, n_servers: int) -> None:
@@ -130,13 +133,17 @@ class FleetController:
 
     async def add_server(self, index: int | None = None) -> str:
         """Start a server (``index`` names its placement slot; default: the next free number)."""
-        used = {s.index for s in self.servers.values()}
+        used = {s.index for s in self.servers.values()} | set(self.starting)
         if index is None:
             index = next(i for i in self._next_index if i not in used)
         elif index in used:
             raise ValueError(f"fleet: a server with index {index} already exists")
-        engine = await self.factory.start(index)
-        await self._catch_up(engine)
+        self.starting[index] = time.monotonic()
+        try:
+            engine = await self.factory.start(index)
+            await self._catch_up(engine)
+        finally:
+            self.starting.pop(index, None)
         server = Server(engine=engine, index=index)
         self.servers[engine.engine_id] = server
         log.info("fleet: server %s joined at version %d", engine.engine_id, engine.weight_version)
@@ -163,9 +170,11 @@ class FleetController:
         if n_servers < 0:
             raise ValueError(f"scale_to: n_servers must be >= 0, got {n_servers}")
         live = [s for s in self.servers.values() if s.state in (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)]
-        if n_servers > len(live):
-            await asyncio.gather(*(self.add_server() for _ in range(n_servers - len(live))))
+        if n_servers > len(live) + len(self.starting):  # servers still starting count: they are on the way
+            await asyncio.gather(*(self.add_server() for _ in range(n_servers - len(live) - len(self.starting))))
         elif n_servers < len(live):
+            if self.starting:
+                raise ValueError(f"fleet: servers {sorted(self.starting)} are still starting; scale down once they joined")
             victims = sorted(live, key=lambda s: (s.state == ServerState.HEALTHY, s.outstanding_tokens))[: len(live) - n_servers]
             await asyncio.gather(*(self.drain_server(s.engine_id) for s in victims))
             return [s.index for s in victims]
@@ -371,7 +380,11 @@ class FleetController:
                                   inflight_groups=len(s.inflight), groups_done=s.groups_done,
                                   tokens_done=s.tokens_done, restarts=s.restarts, pid=getattr(s.engine, "pid", None),
                                   tok_per_s=s.tokens_done / max(1e-9, now - s.started_at))
-                     for s in sorted(self.servers.values(), key=lambda s: s.index)],
+                     for s in sorted(self.servers.values(), key=lambda s: s.index)]
+            + [ServerStatus(engine_id=engine_name(self.cfg.engine, i), index=i, state=ServerState.STARTING, version=0,
+                            simulated=self.cfg.engine == "simulated", outstanding_tokens=0, inflight_groups=0,
+                            groups_done=0, tokens_done=0, restarts=0, pid=None, tok_per_s=0.0)
+               for i in sorted(self.starting)],
             groups_requeued=self.groups_requeued,
             groups_bad_request=self.groups_bad_request,
             server_deaths=self.server_deaths,

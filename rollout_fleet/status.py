@@ -16,11 +16,17 @@ import msgspec
 class ServerState(enum.StrEnum):
     """Where a server is in the fleet controller's life cycle."""
 
+    STARTING = "starting"  # being started (scale); takes work once it answers and is in the fleet
     HEALTHY = "healthy"  # takes work
     DRAINING = "draining"  # finishing its groups before removal (scale down)
     DEAD = "dead"  # failed its health probes; its groups were re-queued
     RESTARTING = "restarting"  # being restarted by the factory
     REMOVED = "removed"  # gone from the fleet
+
+
+def engine_name(engine: str, index: int) -> str:
+    """The id the fleet gives server ``index`` of ``rollout.engine`` (``vllm-3``, ``sim-3``)."""
+    return f"{'sim' if engine == 'simulated' else engine}-{index}"
 
 
 class ServerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -33,6 +34,9 @@ def netns_usable() -> str | None:
     """None if namespaces can be made here, else why not."""
     if os.geteuid() != 0:
         return "needs root (ip netns)"
+    missing = [c for c in ("ip", "ss") if shutil.which(c) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (iproute2)"
     probe = f"fr18probe{os.getpid()}"
     r = _ip("netns", "add", probe, check=False)
     if r.returncode != 0:

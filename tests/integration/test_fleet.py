@@ -125,6 +125,30 @@ def test_scale_up_and_drain_while_running():
     assert len({eid for eid, _ in res}) >= 3  # the added servers took work
 
 
+
+def test_a_server_being_started_is_listed_as_starting_and_counts_toward_the_target():
+    async def main():
+        cfg = _cfg()
+        fleet = FleetController(cfg, SimulatedFactory(cfg.simulated.model_copy(update={"startup_s": 0.5})))
+        await fleet.start(1)
+        adding = asyncio.create_task(fleet.add_server(3))  # as `scale` does it: the caller does not wait
+        await asyncio.sleep(0.1)
+        during = {s.engine_id: (s.state, s.index) for s in fleet.record().servers}
+        again = await fleet.scale_to(2)  # 1 healthy + 1 starting: nothing more to add
+        with pytest.raises(ValueError, match=r"still starting"):
+            await fleet.scale_to(0)
+        with pytest.raises(ValueError, match="already exists"):
+            await fleet.add_server(3)
+        joined = await adding
+        after = {s.engine_id: s.state for s in fleet.record().servers}
+        await fleet.close()
+        return during, again, joined, after
+
+    during, again, joined, after = asyncio.run(main())
+    assert during == {"sim-0": ("healthy", 0), "sim-3": ("starting", 3)}
+    assert again == [] and joined == "sim-3"
+    assert after == {"sim-0": "healthy", "sim-3": "healthy"}
+
 @pytest.mark.parametrize("mode", ["pause", "inflight"])
 def test_weight_update_choreography_segments(mode):
     async def main():

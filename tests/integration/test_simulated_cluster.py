@@ -94,8 +94,14 @@ def test_status_and_scale_while_running(sim_run):
     assert all(x["engine_id"].startswith("sim-") for x in st["servers"])
     assert "staleness histogram" in c["status_text"] and "SIMULATED" in c["status_text"]
     assert c["scale_down"] == {"ok": True, "servers_before": 32, "servers_after": 16}, c["scale_down"]
-    assert c["scale_up"] == {"ok": True, "servers_before": 16, "servers_after": 24}, c["scale_up"]
+    # a grow answers at once with what it started; those servers are listed (starting, then healthy)
+    up = c["scale_up"]
+    assert {k: up[k] for k in ("ok", "servers_before", "servers_after")} == {
+        "ok": True, "servers_before": 16, "servers_after": 24}, up
+    assert len(up["starting"]) == 8 and all(x.startswith("sim-") for x in up["starting"]), up
     assert len(c["status_after"]["servers"]) == 24
+    assert {x["state"] for x in c["status_after"]["servers"]} <= {"healthy", "starting"}
+    assert [e["ok"] for e in sim_run["summary"]["scale_starts"]] == [True]
 
 
 def test_lag_view_and_metrics_populated(sim_run):
