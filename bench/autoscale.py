@@ -3,11 +3,13 @@
 Each case is one ``launch/cluster.py --simulate`` run (local Ray with fake GPUs, the real broker,
 SIMULATED engines and learner) with ``rollout.autoscale`` on and short windows, so that decisions
 happen within a couple of minutes. The fleet starts at its maximum, which outruns the simulated learner
-about twice: the queue fills and slots idle (drains), until the learner starts waiting (adds). Written: every decision (time, action, servers before and after, reason, signals,
+about twice: the queue fills and slots idle (drains), until the learner starts waiting (adds); in the
+``growth`` case responses lengthen with every version, so generation slows and the fleet must grow again. Written: every decision (time, action, servers before and after, reason, signals,
 the scale call's seconds), the staleness the learner saw (lag, in versions), the broker's per-engine
 lag at the end, and the run's totals (groups lost must be 0).
 
     python bench/autoscale.py --json bench/results/autoscale_simulated.json
+    python bench/autoscale.py --cases 32+32-growth --steps 200 --json bench/results/autoscale_simulated_growth.json
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ CASES = {
     # half of what the full fleet makes
     "32+32": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4, groups_per_step=16, learner_step_s=0.1),
     "256+32": dict(rollout_gpus=256, learner_gpus=32, min=32, step=32, groups_per_step=128, learner_step_s=0.1),
+    # responses that lengthen with training (median 16 tokens x (1 + 0.1 per version), up to 1024, at a
+    # slow 200 tokens/s): the fleet first outruns the learner (drains), then falls behind it as generation
+    # slows (adds)
+    "32+32-growth": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4, groups_per_step=16, learner_step_s=0.1,
+                         extra=["rollout.simulated.tokens_per_s=200", "rollout.simulated.length_median=16", "rollout.simulated.length_growth=0.1",
+                                "rollout.sampling.max_tokens=1024", "rollout.max_model_len=2048"]),
 }
 
 
@@ -42,7 +50,8 @@ def run_case(name: str, c: dict, steps: int, timeout_s: float) -> dict:
             "rollout.max_inflight_groups=1",
             "rollout.autoscale.enabled=true", f"rollout.autoscale.min={c['min']}",
             f"rollout.autoscale.max={c['rollout_gpus']}", f"rollout.autoscale.step={c['step']}",
-            "rollout.autoscale.window_s=4", "rollout.autoscale.sustain_s=2", "rollout.autoscale.cooldown_s=6"]
+            "rollout.autoscale.window_s=4", "rollout.autoscale.sustain_s=2", "rollout.autoscale.cooldown_s=6",
+            *c.get("extra", [])]
     cmd = [sys.executable, "launch/cluster.py", "--simulate", "--rollout-gpus", str(c["rollout_gpus"]),
            "--learner-gpus", str(c["learner_gpus"]), "--max-steps", str(steps), "--summary", str(summary),
            "--run-dir", str(run_dir), "--no-live", *over]
