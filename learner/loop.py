@@ -59,6 +59,7 @@ MetricsHook = Callable[[int, dict[str, float]], None]
 # Called on every rank once step s's batch is in, before any compute (colocated mode: rank 0 puts the
 # engines to sleep there, so the learner has the devices to itself).
 BatchHook = Callable[[int], None]
+IdleHook = Callable[[], bool]
 
 
 def publisher_hook(publisher, dtype: torch.dtype | None = None) -> PublishHook:
@@ -74,16 +75,26 @@ def publisher_hook(publisher, dtype: torch.dtype | None = None) -> PublishHook:
     return publish
 
 _STOP = -1
+_CATCH_UP = -2  # rank 0 waits for a batch while an engine lacks the current weights: every rank publishes
 
 
-def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str = "") -> pa.RecordBatch:
+class _CatchUp(Exception):
+    """Rank 0's wait for a batch is cut short to bring an engine up to the current weights."""
+
+
+def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str = "",
+                catch_up: bool = False) -> pa.RecordBatch | None:
     """Broadcast rank 0's record batch to every rank as Arrow IPC bytes (no pickle).
 
-    Rank 0 passes the batch (or None with ``error`` to make every rank raise).
+    Rank 0 passes the batch (or None with ``error`` to make every rank raise; or ``catch_up``, for
+    which every rank returns None: no batch yet, publish the current weights first).
     """
     rank = dist.get_rank()
     if rank == 0:
-        if batch is None:
+        if catch_up:
+            payload = np.zeros(0, dtype=np.uint8)
+            header = torch.tensor([_CATCH_UP, 0], dtype=torch.int64)
+        elif batch is None:
             payload = np.frombuffer(error.encode()[:4096] or b"stop", dtype=np.uint8)
             header = torch.tensor([_STOP, payload.size], dtype=torch.int64)
         else:
@@ -102,6 +113,8 @@ def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str =
     data = buf.cpu().numpy().tobytes()
     if kind == _STOP:
         raise TimeoutError(f"learner rank 0 got no batch: {data.decode(errors='replace')}")
+    if kind == _CATCH_UP:
+        return None
     if rank == 0:
         return batch
     return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
@@ -114,9 +127,16 @@ class Learner:
                  checkpoint_dir: Path | None = None, export_root: Path | None = None,
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
                  batch_timeout_s: float | None = None, engine_dtype: str = "auto",
-                 on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None) -> None:
+                 on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
+                 needs_weights: IdleHook | None = None, idle_poll_s: float = 10.0) -> None:
         """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
-        ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py)."""
+        ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py).
+
+        ``needs_weights`` (rank 0): asked every ``idle_poll_s`` while no batch comes; True when an engine
+        joined that holds no current weights. Every rank then publishes the current version again and
+        waits on: a fleet whose servers were all replaced (late joiners at version 0, no shared disk for
+        the export) cannot make the next step's groups, which are bounded by the staleness limit, until
+        the next publish, which waits for them."""
         if engine.rank == 0 and source is None:
             raise ValueError("learner rank 0 needs a BatchSource")
         self.engine, self.cfg, self.source = engine, cfg, source
@@ -129,6 +149,8 @@ class Learner:
         self.publishes_skipped = 0
         self.on_metrics = on_metrics
         self.batch_timeout_s = batch_timeout_s
+        self.needs_weights, self.idle_poll_s = needs_weights, idle_poll_s
+        self.catch_up_publishes = 0
         self.version = 0
         self.probed = False  # the engine-vs-learner log-prob check runs on the first step after start
         self.probe_tolerance = logprob_probe.resolve_tolerance(cfg.logprob_probe_tolerance, engine_dtype)
@@ -153,17 +175,42 @@ class Learner:
         return True
 
     def _pull(self, step: int):
-        lease, batch, error = None, None, ""
-        if self.engine.rank == 0:
+        deadline = None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
+        while True:
+            lease, batch, error, catch_up = None, None, "", False
+            if self.engine.rank == 0:
+                try:
+                    sb = self._next_batch(step, deadline)
+                    if sb.step != step:
+                        raise ValueError(f"source returned the batch of step {sb.step} for step {step}")
+                    lease, batch = sb.lease_id, sb.batch
+                except _CatchUp:
+                    catch_up = True
+                except (TimeoutError, ValueError) as exc:
+                    error = f"step {step}: {exc}"
+            batch = share_batch(batch, self.engine.device, error, catch_up)
+            if batch is not None:
+                return lease, batch
+            self.catch_up_publishes += 1
+            if self.engine.rank == 0:
+                logger.info("step %d: no batch yet and an engine lacks v%d: publishing it again", step, self.version)
+            self.publish(self.version, self.engine)
+
+    def _next_batch(self, step: int, deadline: float | None):
+        """Rank 0: the source's batch for ``step``; :class:`_CatchUp` when an engine needs the weights first."""
+        watch = self.needs_weights is not None and self.publish is not None and self.version > 0
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = left if not watch else self.idle_poll_s if left is None else min(left, self.idle_poll_s)
             try:
-                sb = self.source.next_batch(step, timeout_s=self.batch_timeout_s)
-                if sb.step != step:
-                    raise ValueError(f"source returned the batch of step {sb.step} for step {step}")
-                lease, batch = sb.lease_id, sb.batch
-            except (TimeoutError, ValueError) as exc:
-                error = f"step {step}: {exc}"
-        batch = share_batch(batch, self.engine.device, error)
-        return lease, batch
+                return self.source.next_batch(step, timeout_s=wait)
+            except TimeoutError as exc:
+                if not watch:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no batch within {self.batch_timeout_s:.0f} s in all; the last wait: {exc}") from None
+            if self.needs_weights():
+                raise _CatchUp
 
     def save(self) -> None:
         if self.checkpoint_dir is None:

@@ -166,6 +166,7 @@ class LearnerRank:
         self.publishes = 0  # publishes that reached at least one engine
         self.last_published_version = 0
         self.publish_errors = 0
+        self._holding: dict[str, int] = {}  # rank 0: the version each weight-sync engine was last given
         self.publishes_skipped = 0  # steps without an optimizer update: engines relabelled, no publish
         self.publish_held_s = 0.0  # the last publish: seconds the engines were held for it
         self.sink = None  # rank 0's per-step metrics (learner/metrics_sink.py), opened at its first step
@@ -202,8 +203,23 @@ class LearnerRank:
             if self.exports_shared and self.exported_version > 0 and export.exists():
                 log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
                 self.pub.add_engine(client, str(export), self.exported_version)
+                self._holding[eid] = self.exported_version
             else:
                 self.pub.add_engine(client)
+
+    def _needs_weights(self) -> bool:
+        """Rank 0, while no batch comes: has a server joined that holds none of the published weights?
+
+        Without a shared disk a late joiner starts at version 0 and gets the weights at the next
+        publish; when it is the only server left, that publish would wait for its groups forever."""
+        if self.pub is None or self.fleet is None or self.last_published_version == 0:
+            return False
+        try:
+            self._sync_members()
+        except Exception as exc:  # the fleet did not answer: ask again at the next poll
+            log.warning("weight sync: fleet membership unknown (%s)", exc)
+            return False
+        return any(self._holding.get(eid, -1) < self.last_published_version for eid in self.pub.engines)
 
     def _new_publisher(self, engine):
         """Rank 0's publisher: on CUDA its buffers live on this rank's GPU; the group kind follows the engine."""
@@ -240,6 +256,7 @@ class LearnerRank:
             if rep is not None and rep.engines:
                 self.publishes += 1
                 self.last_published_version = version
+                self._holding.update(dict.fromkeys(rep.engines, version))
                 if self.fleet is not None:
                     # vLLM 0.26 cannot tell the fleet which weights it holds (no /weight_info): we do
                     self.fleet.engines_updated(list(rep.engines), version)
@@ -398,7 +415,8 @@ class LearnerRank:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
             run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
                         on_metrics=self._metrics, batch_timeout_s=self.cfg.rollout.request_timeout_s,
-                        on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None)
+                        on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None,
+                        needs_weights=None if colo else self._needs_weights)
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
         except Exception as exc:

@@ -26,7 +26,7 @@ from pydantic import ConfigDict
 
 from core.configbase import ConfigModel, ModelConfig, RunKeys, build
 from learner.config import LearnerConfig
-from learner.loop import BatchHook, Learner, MetricsHook, PublishHook, UnchangedHook
+from learner.loop import BatchHook, IdleHook, Learner, MetricsHook, PublishHook, UnchangedHook
 from learner.source import BatchSource, InProcessSource
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ def make_engine(lc, model_path: str, *, total_steps: int, seed: int):
 
 def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: PublishHook | None = None,
                 on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None,
-                on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None) -> list[dict]:
+                on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
+                needs_weights: IdleHook | None = None) -> list[dict]:
     """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
 
     ``cfg`` is the run config (see :class:`LearnerRunLike`); the process group must be initialised
@@ -126,7 +127,7 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
                       batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype, on_unchanged=on_unchanged,
-                      on_batch=on_batch)
+                      on_batch=on_batch, needs_weights=needs_weights)
     if lc.resume:
         learner.resume()
     try:
