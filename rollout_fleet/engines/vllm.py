@@ -256,6 +256,10 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
         pause_here = self._stuck or not await self.is_paused()
         lap("is_paused")
         if pause_here:
+            # Ours until this load succeeds: if it fails, or the publish cancels this call because a peer
+            # failed, the server stays paused (its weights may be partly loaded) and the next load resumes
+            # it. Marked before the pause: a cancel can land while it is on the wire.
+            self._stuck = True
             await self.pause(self.update_pause_mode)
             lap("pause")
         try:
@@ -273,12 +277,12 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
             checksum = await self._checksum(version)
             lap("checksum")
         except EngineError as e:
-            self._stuck = pause_here  # we paused it; the next successful load resumes it
             raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
-        self._version, self._stuck = version, False
+        self._version = version
         if pause_here:
             await self.resume()
             lap("resume")
+        self._stuck = False
         self.last_update_steps = lap.steps
         return checksum
 
@@ -306,6 +310,7 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
         steps = lap.steps
         pause_here = self._stuck or (self.update_pause_mode != "keep" and not await self.is_paused())
         if pause_here:
+            self._stuck = True  # ours until the commit succeeds (see update_weights)
             await self.pause(self.update_pause_mode)
             lap("pause")
         try:
@@ -338,10 +343,11 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
                     log.error("engine %s: could not pause after a failed commit: %s", self.engine_id, pe)
             self._stuck = True
             raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
-        self._version, self._stuck = version, False
+        self._version = version
         if pause_here:
             await self.resume()
             lap("resume")
+        self._stuck = False
         self.last_update_steps = steps
         return checksum
 
@@ -362,14 +368,16 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
         """Reload every weight from an HF export on disk (vLLM's ``reload_weights``), labelled ``version``."""
         pause_here = self._stuck or not await self.is_paused()
         if pause_here:
+            self._stuck = True  # ours until the load succeeds (see update_weights)
             await self.pause(self.update_pause_mode)
         await self._request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
                         timeout_s=self.request_timeout_s)
         await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
         await self.reset_prefix_cache()
-        self._version, self._stuck = version, False
+        self._version = version
         if pause_here:
             await self.resume()
+        self._stuck = False
 
     @property
     def weight_version(self) -> int:

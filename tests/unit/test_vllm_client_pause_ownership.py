@@ -1,0 +1,127 @@
+"""The vLLM client's own pauses: a load it paused the server for, and that ended half-way (an error, or
+the publish cancelling it because another engine failed), leaves the server paused, and the next load
+through the same client resumes it.
+
+Seen on the emulated cluster (2026-12-02): a publish paused the surviving server, was cancelled when
+the other host vanished, and every later publish found the server paused, took the pause for somebody
+else's and left it so; the fleet's 32 group slots then waited on a server that generated nothing.
+
+A stand-in HTTP server here, not vLLM: the fault is a cancel landing between the pause and the load,
+which a real server gives no way to time (a load cancelled inside vLLM's receive would wedge the shared
+test server); the stand-in keeps vLLM's pause state and endpoints as fleetrl's client uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from rollout_fleet.engines.base import EngineError
+from rollout_fleet.engines.vllm import VLLMClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class StandIn:
+    def __init__(self) -> None:
+        self.paused = False
+        self.hang = asyncio.Event()  # set: reload_weights hangs (until released)
+        self.release = asyncio.Event()
+        self.in_rpc = asyncio.Event()  # a reload_weights call has arrived
+        self.fail = False
+        app = web.Application()
+        app.router.add_get("/is_paused", self._is_paused)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_post("/collective_rpc", self._rpc)
+        app.router.add_post("/update_weight_version", self._ok)
+        app.router.add_post("/reset_prefix_cache", self._ok)
+        self.app = app
+
+    async def _is_paused(self, request):
+        return web.json_response({"is_paused": self.paused})
+
+    async def _ok(self, request):
+        return web.json_response({"success": True})
+
+    async def _pause(self, request):
+        self.paused = True
+        return web.json_response({})
+
+    async def _resume(self, request):
+        self.paused = False
+        return web.json_response({})
+
+    async def _rpc(self, request):
+        self.in_rpc.set()
+        if self.hang.is_set():
+            await self.release.wait()
+        if self.fail:
+            return web.json_response({"error": "reload failed"}, status=500)
+        return web.json_response({"results": [None]})
+
+
+async def _serve(stand_in: StandIn):
+    runner = web.AppRunner(stand_in.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _client(url: str) -> VLLMClient:
+    return VLLMClient("vllm-standin", url, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait")
+
+
+def test_a_cancelled_load_leaves_the_pause_to_the_next_load():
+    async def main():
+        s = StandIn()
+        runner, url = await _serve(s)
+        c = _client(url)
+        try:
+            s.hang.set()
+            task = asyncio.create_task(c.load_weights_from_path("/exports/v3", 3))
+            await asyncio.wait_for(s.in_rpc.wait(), 10)  # paused, and inside the (hanging) load now
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            paused_after_cancel = s.paused
+            s.hang.clear()
+            s.release.set()
+            await c.load_weights_from_path("/exports/v4", 4)  # the server is paused already: ours
+            return paused_after_cancel, s.paused, c.weight_version
+        finally:
+            await c.close()
+            await runner.cleanup()
+
+    paused_after_cancel, paused_at_end, version = asyncio.run(main())
+    assert paused_after_cancel, "the cancelled load must leave the server paused (weights may be half-loaded)"
+    assert not paused_at_end, "the next load did not resume the server it had paused"
+    assert version == 4
+
+
+def test_a_failed_load_too_and_a_pause_of_somebody_else_is_left_alone():
+    async def main():
+        s = StandIn()
+        runner, url = await _serve(s)
+        c = _client(url)
+        try:
+            s.fail = True
+            with pytest.raises(EngineError):
+                await c.load_weights_from_path("/exports/v3", 3)
+            failed_paused = s.paused
+            s.fail = False
+            await c.load_weights_from_path("/exports/v4", 4)
+            resumed = not s.paused
+            s.paused = True  # paused by another client (the fleet): a load must not resume it
+            await c.load_weights_from_path("/exports/v5", 5)
+            return failed_paused, resumed, s.paused
+        finally:
+            await c.close()
+            await runner.cleanup()
+
+    failed_paused, resumed, foreign_kept = asyncio.run(main())
+    assert failed_paused and resumed and foreign_kept
