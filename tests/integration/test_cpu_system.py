@@ -5,7 +5,8 @@ Two runs on the same seed share every assertion (each costs a vLLM start, 40-80 
 * run A, ``max_staleness=2`` with staged weight updates (``weight_sync.staging``) and a
   broker spool: accuracy rises, no consumed sample past the bound, and a
   ``kill -9`` of the vLLM server mid-run: the run goes on, its groups were re-queued, no
-  group is lost, and the server comes back holding the current weights. The figures are
+  group is lost, and the server comes back holding the current weights; later a ``kill -9`` of the
+  broker: the launcher restarts it on its spool, and still no group is lost or trained twice. The figures are
   checked against a record the code under test does not compute: the spool's rows
   (exported to Parquet), from which the test derives each consumed row's staleness
   (``consumed_step - 1 - segment_versions[0]``) and every produced group's fate;
@@ -79,10 +80,12 @@ def _wait_busy(run_dir: Path, wait_s: float = 60.0) -> int:
     return n
 
 
-def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None, kill: str = "server",
-         steps: int = STEPS, flags: tuple[str, ...] = ()) -> dict:
-    """One run of launch/cluster.py; with ``kill_at_step``, ``kill -9`` of the engine server
-    (``kill="server"``) or of the broker (``kill="broker"``) once the learner is at that step."""
+def _run(run_dir: Path, overrides: list[str], *, kills: tuple[tuple[int, str], ...] = (),
+         kill_at_step: int | None = None, kill: str = "server", steps: int = STEPS, flags: tuple[str, ...] = ()) -> dict:
+    """One run of launch/cluster.py; each of ``kills`` (and ``kill_at_step``, ``kill``) is ``(step, what)``:
+    ``kill -9`` of the engine server (``"server"``, while it has groups in flight) or of the broker
+    (``"broker"``) once the learner is at that step and a server is up, in order."""
+    plan = list(kills) + ([(kill_at_step, kill)] if kill_at_step is not None else [])
     summary = run_dir / "out.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
@@ -90,19 +93,21 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
            *flags, "run.eval_samples=200", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
-    killed: dict = {}
+    done: list[dict] = []
     try:
         while proc.poll() is None:
             seen |= descendants(proc.pid)
-            if kill_at_step is not None and not killed and (run_dir / "control.json").exists():
+            if len(done) < len(plan) and (run_dir / "control.json").exists():
+                at, what = plan[len(done)]
                 st = _status(run_dir)
-                if st and st.get("step", 0) >= kill_at_step and st["servers"] and st["servers"][0].get("pid"):
-                    inflight = _wait_busy(run_dir) if kill == "server" else 0
-                    pid = st["servers"][0]["pid"] if kill == "server" else _broker_pid(proc.pid)
+                if st and st.get("step", 0) >= at and st["servers"] and st["servers"][0].get("pid"):
+                    inflight = _wait_busy(run_dir) if what == "server" else 0
+                    pid = st["servers"][0]["pid"] if what == "server" else _broker_pid(proc.pid)
                     if pid:
-                        killed = {"pid": pid, "step": st["step"], "t": time.monotonic(), "inflight": inflight}
+                        done.append({"what": what, "pid": pid, "step": st["step"], "t": time.monotonic(),
+                                     "inflight": inflight})
                         os.kill(pid, signal.SIGKILL)  # kill -9 of the engine server or the broker
-            time.sleep(1.0 if killed else 2.0)
+            time.sleep(1.0 if done else 2.0)
         t_exit = time.monotonic()
         out = proc.stdout.read()
     finally:
@@ -112,15 +117,17 @@ def _run(run_dir: Path, overrides: list[str], *, kill_at_step: int | None = None
     time.sleep(2.0)
     left = alive(seen)
     return {"rc": proc.returncode, "out": out, "run_dir": run_dir, "summary": json.loads(summary.read_text()) if summary.exists() else None,
-            "killed": killed, "left": left, "t_exit": t_exit}
+            "killed": done[0] if done else {}, "kills": done, "left": left, "t_exit": t_exit}
 
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     # staged weight updates: the server keeps generating while each publish is on the wire
     run_dir = tmp_path_factory.mktemp("cpu-k2")
+    # kill -9 of the server at step 3, and of the broker at step 12 (after the server is back): the
+    # launcher restarts the broker on its spool at the same address
     out = _run(run_dir, ["broker.max_staleness=2", "weight_sync.staging=true", f"broker.spool_dir={run_dir / 'spool'}"],
-               kill_at_step=3)
+               kills=((3, "server"), (12, "broker")))
     out["spool"] = spool_rows(run_dir / "spool", run_dir / "spool.parquet")
     return out
 
@@ -202,6 +209,15 @@ def test_kill_9_of_the_server_loses_nothing(run_a):
     assert back and back[0]["state"] == "healthy" and back[0]["restarts"] >= 1
     # the restarted server took part in weight sync again: it holds the final version
     assert back[0]["version"] == STEPS
+
+
+def test_killed_broker_with_a_spool_is_restarted_and_the_run_loses_nothing(run_a):
+    assert [k["what"] for k in run_a["kills"]] == ["server", "broker"], run_a["kills"]
+    assert run_a["rc"] == 0, run_a["out"][-4000:]
+    s = run_a["summary"]
+    assert s["broker_restarts"] == 1 and s["steps"] == STEPS
+    assert s["groups_lost"] == 0 and s["bound_violations"] == 0
+    assert s["groups_consumed"] == STEPS * GROUPS  # check_accounting (above) holds it against the spool's rows
 
 
 def test_no_process_left_behind(run_a, run_b):
