@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 SCORES = {str(d): round(0.05 + 0.1 * d, 2) for d in range(10)}
@@ -56,10 +57,7 @@ def judged_run(tmp_path_factory):
     answer = None
     try:
         while proc.poll() is None:
-            try:
-                children |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
+            children |= descendants(proc.pid)
             if proxy_seen.is_set() and answer is None:  # the run goes on: call its proxy like any agent would
                 import openai
 
@@ -75,7 +73,7 @@ def judged_run(tmp_path_factory):
             proc.wait(30)
     wall = time.monotonic() - t0
     time.sleep(2.0)
-    left = [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left = alive(children)
     out = "".join(lines)
     summary_path = run_dir / "out.json"
     return {"rc": proc.returncode, "out": out, "run_dir": run_dir, "answer": answer, "left": left, "wall_s": wall,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import alive, descendants
 
 from tests.integration.test_cpu_system import spool_rows
 from tests.integration.test_wandb_logging import history, read_wandb_records
@@ -121,10 +122,7 @@ def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> 
     deadline = time.monotonic() + 600
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                seen |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
+            seen |= descendants(proc.pid)
             step = _step(run_dir)
             if probe is not None and not probed and _has_learner(run_dir):
                 probed = True
@@ -313,8 +311,7 @@ def test_resume_trains_every_group_once_and_continues_the_data(run):
     logs = (d / "logs" / "driver.log").read_text()
     assert logs.count("=== driver starts") == len(run["launches"])  # appended, not overwritten
     time.sleep(1.0)
-    left = [p for L in run["launches"].values() for p in L["seen"]
-            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left = alive(p for L in run["launches"].values() for p in L["seen"])
     assert not left, [psutil.Process(p).cmdline() for p in left]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -75,10 +76,7 @@ def test_simulated_run_logs_its_scalars_to_wandb_offline(tmp_path):
     seen: set[int] = set()
     try:
         while proc.poll() is None:
-            try:
-                seen |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
+            seen |= descendants(proc.pid)
             time.sleep(0.3)
         out = proc.stdout.read()
     finally:
@@ -108,5 +106,5 @@ def test_simulated_run_logs_its_scalars_to_wandb_offline(tmp_path):
     assert all(row["simulated/rollout/servers"] == 2 for row in rows if "simulated/rollout/servers" in row)
 
     time.sleep(1.0)  # the W&B service process ends with the driver
-    alive = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, [psutil.Process(p).cmdline() for p in alive]
+    left = alive(seen)
+    assert not left, [psutil.Process(p).cmdline() for p in left]
