@@ -406,7 +406,10 @@ class Job:
             self.snapshot.eval_accuracy = self.eval_history[-1]["accuracy"]
 
     def collect(self) -> JobSnapshot:
-        learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
+        if self.learner_ranks is not None:  # a rank 0 found dead here is named (RankFailed), as poll names it
+            learner = self.learner_ranks.live_status(CALL_TIMEOUT_S)
+        else:
+            learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
         fleet = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")
         snap = JobSnapshot(fleet=msgspec.convert(fleet, FleetStatus), learner=msgspec.convert(learner, LearnerStatus),
                            broker=self._broker_view(), max_steps=self.cfg.run.max_steps,

@@ -235,6 +235,22 @@ class LearnerRanks:
     def status(self, timeout_s: float) -> dict[str, Any]:
         return ray.get(self.rank0.status.remote(), timeout=timeout_s)
 
+    def live_status(self, timeout_s: float) -> dict[str, Any]:
+        """Rank 0's status while the job runs; raises :class:`RankFailed` when rank 0 is dead or mute.
+
+        The driver asks for it every half second, so a killed rank 0 is often seen here before
+        its run has reported the death: :meth:`poll` gets a few seconds to name the failure with
+        the rest of it, and rank 0's death is named even when Ray reports nothing more in that time.
+        """
+        try:
+            return self.status(timeout_s)
+        except ray.exceptions.RayActorError:
+            self.poll(5.0)
+            raise RankFailed(f"learner rank 0 (pid {self.infos[0]['pid']}) died") from None
+        except ray.exceptions.GetTimeoutError:
+            raise RankFailed(f"learner rank 0 (pid {self.infos[0]['pid']}) gave no status "
+                             f"within {timeout_s:.0f} s") from None
+
     def request_stop(self) -> None:
         """Ask every rank to stop after its current step (fire and forget: :meth:`poll` sees them finish)."""
         for a in self.actors:

@@ -123,7 +123,10 @@ def test_two_ranks_train_every_step_and_stop_together(ray_local, tmp_path):
     assert not left, f"learner rank processes still alive: {left}"
 
 
-def test_a_killed_rank_fails_the_job_naming_it(ray_local, tmp_path):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_fails_the_job_naming_it(ray_local, tmp_path, victim):
+    """Rank 1's death is seen by ``poll``; rank 0's usually first by the status call the driver makes
+    every half second (``live_status``): either way the job fails naming the dead rank and its pid."""
     from launch.learner_ranks import RankFailed
 
     broker, producer, ranks = _start(ray_local, tmp_path, steps=1000)
@@ -131,13 +134,16 @@ def test_a_killed_rank_fails_the_job_naming_it(ray_local, tmp_path):
         deadline = time.monotonic() + 240
         while ranks.status(30)["step"] < 1:  # both ranks are in the training loop
             assert not ranks.poll(0.5) and time.monotonic() < deadline, "the learner never finished a step"
-        os.kill(ranks.infos[1]["pid"], signal.SIGKILL)
-        with pytest.raises(RankFailed, match=r"learner rank 1 \(pid \d+\) died"):
+        pid = ranks.infos[victim]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RankFailed, match=rf"learner rank {victim} \(pid {pid}\) died"):
             deadline = time.monotonic() + 60
-            while not ranks.poll(0.5):
-                assert time.monotonic() < deadline, "the death of rank 1 was not noticed in 60 s"
-        final = ranks.stop(30)  # rank 0 still answers (it may be blocked in a collective with rank 1)
-        assert final["rank_steps"][1] is None
+            while True:  # the driver's loop: status, then poll
+                ranks.live_status(30)
+                assert not ranks.poll(0.5) and time.monotonic() < deadline, f"rank {victim}'s death not seen in 60 s"
+        if victim == 1:
+            final = ranks.stop(30)  # rank 0 still answers (it may be blocked in a collective with rank 1)
+            assert final["rank_steps"][1] is None
     finally:
         left = _end(broker, producer, ranks)
     assert not left, f"learner rank processes still alive: {left}"
