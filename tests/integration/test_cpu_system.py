@@ -58,32 +58,44 @@ def _broker_pid(driver_pid: int) -> int | None:
     return None
 
 
-def _wait_busy(run_dir: Path, wait_s: float = 60.0) -> int:
-    """Groups in flight on server 0, polled until there are some (or ``wait_s`` passed).
-
-    At ``max_staleness=2`` the fleet is ahead of the CPU learner most of the time and waits at
-    the staleness gate with nothing in flight; a kill then has nothing to re-queue. The kill
-    waits for a burst of generation, read through the control endpoint in-process (a CLI
-    ``status`` costs a Python start-up, longer than a burst on this machine)."""
+def _inflight(run_dir: Path) -> int:
+    """Groups in flight on server 0, read through the control endpoint in-process (a CLI ``status``
+    costs a Python start-up, longer than a burst of generation on this machine)."""
     from launch.control import ControlError, request
 
+    try:
+        return request(run_dir, {"op": "status"}, timeout_s=5.0)["servers"][0].get("inflight_groups", 0)
+    except (ControlError, KeyError, IndexError):
+        return 0
+
+
+def _freeze_busy(run_dir: Path, pid: int, wait_s: float = 90.0) -> int:
+    """Stop (SIGSTOP) server 0 while it has groups in flight; returns how many it holds, frozen.
+
+    At ``max_staleness=2`` the fleet is ahead of the CPU learner most of the time and waits at
+    the staleness gate with nothing in flight, and a burst of generation is shorter than the
+    driver's status period: a count read in a burst may be stale by the time of the kill. So the
+    server is frozen at a busy reading and the count read again after two status periods: groups
+    still in flight on a frozen server are in flight at the kill. A reading of none resumes it
+    (SIGCONT) and waits for the next burst. A frozen second is far below the health probe's limit."""
     deadline = time.monotonic() + wait_s
-    n = 0
     while time.monotonic() < deadline:
-        try:
-            n = request(run_dir, {"op": "status"}, timeout_s=5.0)["servers"][0].get("inflight_groups", 0)
-        except (ControlError, KeyError, IndexError):
-            n = 0
+        if not _inflight(run_dir):
+            time.sleep(0.02)
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        n = _inflight(run_dir)
         if n:
             return n
-        time.sleep(0.02)
-    return n
+        os.kill(pid, signal.SIGCONT)
+    return 0
 
 
 def _run(run_dir: Path, overrides: list[str], *, kills: tuple[tuple[int, str], ...] = (),
          kill_at_step: int | None = None, kill: str = "server", steps: int = STEPS, flags: tuple[str, ...] = ()) -> dict:
     """One run of launch/cluster.py; each of ``kills`` (and ``kill_at_step``, ``kill``) is ``(step, what)``:
-    ``kill -9`` of the engine server (``"server"``, while it has groups in flight) or of the broker
+    ``kill -9`` of the engine server (``"server"``, frozen while it has groups in flight) or of the broker
     (``"broker"``) once the learner is at that step and a server is up, in order."""
     plan = list(kills) + ([(kill_at_step, kill)] if kill_at_step is not None else [])
     summary = run_dir / "out.json"
@@ -101,9 +113,9 @@ def _run(run_dir: Path, overrides: list[str], *, kills: tuple[tuple[int, str], .
                 at, what = plan[len(done)]
                 st = _status(run_dir)
                 if st and st.get("step", 0) >= at and st["servers"] and st["servers"][0].get("pid"):
-                    inflight = _wait_busy(run_dir) if what == "server" else 0
                     pid = st["servers"][0]["pid"] if what == "server" else _broker_pid(proc.pid)
                     if pid:
+                        inflight = _freeze_busy(run_dir, pid) if what == "server" else 0
                         done.append({"what": what, "pid": pid, "step": st["step"], "t": time.monotonic(),
                                      "inflight": inflight})
                         os.kill(pid, signal.SIGKILL)  # kill -9 of the engine server or the broker
