@@ -167,6 +167,10 @@ class LearnerRank:
         self.last_published_version = 0
         self.publish_errors = 0
         self._holding: dict[str, int] = {}  # rank 0: the version each weight-sync engine was last given
+        # rank 0: one client per server for the whole run. A client owns the pauses it made (a load that
+        # failed half-way leaves the server paused, and that client's next load resumes it): a server the
+        # publisher dropped and takes back must get the same client, or its pause would have no owner
+        self._clients: dict[str, WeightEndpoint] = {}
         self.publishes_skipped = 0  # steps without an optimizer update: engines relabelled, no publish
         self.publish_held_s = 0.0  # the last publish: seconds the engines were held for it
         self.sink = None  # rank 0's per-step metrics (learner/metrics_sink.py), opened at its first step
@@ -199,7 +203,9 @@ class LearnerRank:
         for eid, url in urls.items():
             if eid in self.pub.engines:
                 continue
-            client = self.endpoint(self.pub.backend, eid, url)
+            client = self._clients.get(eid)
+            if client is None or client.url != url:  # new, or restarted elsewhere: a new server, a new client
+                client = self._clients[eid] = self.endpoint(self.pub.backend, eid, url)
             if self.exports_shared and self.exported_version > 0 and export.exists():
                 log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
                 self.pub.add_engine(client, str(export), self.exported_version)

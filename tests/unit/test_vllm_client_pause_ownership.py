@@ -125,3 +125,67 @@ def test_a_failed_load_too_and_a_pause_of_somebody_else_is_left_alone():
 
     failed_paused, resumed, foreign_kept = asyncio.run(main())
     assert failed_paused and resumed and foreign_kept
+
+
+class _Members:
+    """The publisher's membership as the learner rank uses it (engines by id, add, remove)."""
+
+    backend = "gloo"
+
+    def __init__(self) -> None:
+        self.engines: dict = {}
+
+    def add_engine(self, client, export_path=None, version=0) -> None:
+        self.engines[client.engine_id] = client
+
+    def remove_engine(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+
+
+def test_a_server_the_publisher_dropped_and_takes_back_keeps_the_client_that_owns_its_pause(tmp_path):
+    """Seen on the emulated cluster (2026-12-02, after the fix above): a publish failed half-way and left
+    the surviving server paused; the next epoch's join failed and the publisher dropped that server; the
+    learner rank took it back with a new client, which found the server paused, took the pause for
+    somebody else's, loaded the next version and left it paused: the fleet stalled with 32 groups on it."""
+    from launch.config import load_run_config
+    from learner.rank import LearnerRank
+
+    class Fleet:
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+        def server_urls(self) -> dict[str, str]:
+            return {"vllm-standin": self.url}
+
+    async def main():
+        s = StandIn()
+        runner, url = await _serve(s)
+        made: list[VLLMClient] = []
+
+        def endpoint(backend, eid, u):
+            made.append(VLLMClient(eid, u, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait"))
+            return made[-1]
+
+        rank = LearnerRank(load_run_config("tiny", [f"run.run_dir={tmp_path}"]), "tcp://127.0.0.1:1", str(tmp_path),
+                           Fleet(url), endpoint)
+        rank.pub = _Members()
+        try:
+            rank._sync_members()
+            first = rank.pub.engines["vllm-standin"]
+            s.fail = True
+            with pytest.raises(EngineError):
+                await first.load_weights_from_path("/exports/v5", 5)  # half-way: the server stays paused
+            rank.pub.remove_engine("vllm-standin")  # the next epoch's join failed: dropped
+            s.fail = False
+            rank._sync_members()  # back in the fleet's list: taken back
+            again = rank.pub.engines["vllm-standin"]
+            await again.load_weights_from_path("/exports/v7", 7)
+            return again is first, len(made), s.paused
+        finally:
+            for c in made:
+                await c.close()
+            await runner.cleanup()
+
+    same, n_clients, paused = asyncio.run(main())
+    assert not paused, "the server stayed paused after a full load: the pause had lost its owner"
+    assert same and n_clients == 1
