@@ -96,10 +96,14 @@ def format_status(answer: dict[str, Any]) -> str:
     lines += reward_server_lines(st.fleet.reward_model)
     if proxy_line(st.fleet):
         lines.append(proxy_line(st.fleet))
-    lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}")
+    fl = st.fleet
+    lines.append(f"fleet: {fl.groups_requeued} groups re-queued, {fl.server_deaths} server deaths, "
+                 f"{fl.server_stalls} server stalls")
+    # silent: seconds with requests in flight since the server's last answer (the stall detector's clock)
+    lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}{'silent':>8}")
     for s in st.servers:
         lines.append(f"{s.engine_id:<14}{s.state:<11}{s.version:>8}{s.inflight_groups:>9}"
-                     f"{s.groups_done:>8}{_fmt(s.tok_per_s, '.0f'):>10}")
+                     f"{s.groups_done:>8}{_fmt(s.tok_per_s, '.0f'):>10}{s.silent_s:>7.0f}s")
     return "\n".join(lines)
 
 

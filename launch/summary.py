@@ -75,6 +75,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "episode_ends": fleet.episode_ends,  # multi-turn (rollout.env): done / max_turns / max_tokens
         "episode_turns": fleet.turns,
         "server_deaths": fleet.server_deaths,
+        "server_stalls": fleet.server_stalls,  # alive but answering nothing (rollout.stall_timeout_s)
         "broker_restarts": job.supervisor.restarts if job.supervisor is not None else 0,
         "broker_status_from_spool": broker is not None and broker.from_spool,
         "servers_at_end": len(fleet.servers),

@@ -11,6 +11,8 @@ Dataflow of one step ``s`` (the learner's rank 0 drives it through the fleet act
 Invariant: while the gate is closed the worker starts no group; :class:`SyncGate` records every
 closed window and the groups that were still running when it closed, so the run's summary can show
 that the fleet generated nothing while the learner trained. On CPU (level 0) only the gate acts.
+From the sleep to the KV cache's wake the fleet's stall detector is held (``FleetController.hold``):
+a sleeping server answers nothing by design.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
+ASLEEP = "colocated sleep"  # the fleet's stall-clock hold from a release to the next wake
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,8 +87,10 @@ class ColocatedEngines:
         while self.worker.inflight and time.monotonic() - t0 < self.timeout_s:  # noqa: ASYNC110 (polled count)
             await asyncio.sleep(0.01)
         drain = time.monotonic() - t0
-        sleep = await self._each("sleep", lambda e: e.sleep(self.level)) if self.level else 0.0
+        sleep = 0.0
         if self.level:
+            self.fleet.hold(ASLEEP)  # asleep, a server answers nothing by design: no stall
+            sleep = await self._each("sleep", lambda e: e.sleep(self.level))
             self.sleep_s.append(sleep)
         return {"drain_seconds": drain, "sleep_seconds": sleep, "inflight": float(self.gate.inflight_at_close)}
 
@@ -98,6 +103,7 @@ class ColocatedEngines:
         t = await self._each("wake (kv cache)", lambda e: e.wake_up(["kv_cache"])) if self.level else 0.0
         if self.level:
             self.wake_s.append(t)
+            self.fleet.unhold(ASLEEP)
         out = {"seconds": t}
         due = self.eval_every and version % self.eval_every == 0 and version < self.max_steps
         if due and self.evaluate is not None:

@@ -227,6 +227,15 @@ class RolloutConfig(ConfigModel):
     health_interval_s: float = Field(5.0, gt=0)
     health_timeout_s: float = Field(10.0, gt=0, description="limit of one health probe (a loaded CPU server is slow)")
     health_failures: int = Field(3, ge=1, description="consecutive failed probes before a live process counts as dead")
+    stall_timeout_s: float | None = Field(
+        120.0, ge=0, description="a server that answers its health probe but has held requests this long without "
+        "answering any is stalled (a hung scheduler, a server left paused): its requests are cancelled and their "
+        "groups re-run elsewhere, and it is restarted as a dead one is (counted in server_stalls). The clock runs "
+        "only while requests are in flight and starts again at every answer, so a slow server that finishes some "
+        "is not stalled; with continuous batching give it more than a full batch takes to generate max_tokens. A "
+        "timeout is no answer: a value above request_timeout_s catches a server whose every request times out. "
+        "The fleet's own weight updates and colocated sleep stop the clock; a server that says it is paused (a "
+        "weight update loading) gets this long again. 0 or None: off")
     startup_timeout_s: float = Field(600.0, gt=0)
     max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len (prompt + response)")
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no torch.compile (faster start on small CPUs)")
@@ -246,6 +255,11 @@ class RolloutConfig(ConfigModel):
             raise ValueError(f"rollout.env ({self.env.name}) and rollout.proxy.agent ({self.proxy.agent}) both make "
                              "the episodes of a group: give one of them")
         return self
+
+    @field_validator("stall_timeout_s")
+    @classmethod
+    def _zero_is_off(cls, v: float | None) -> float | None:
+        return v or None
 
     @field_validator("engine", mode="before")
     @classmethod

@@ -6,9 +6,9 @@ Dataflow::
                                                |
                                                v
                                    server_i.generate(prompt, n)  --samples--> worker
-                                               |  EngineError / health check fails
+                                               |  EngineError / health check fails / stalled
                                                v
-                           server marked dead, its in-flight groups retried on others,
+                           server marked dead, its requests cancelled, their groups retried on others,
                            server restarted (or dropped), loads the latest export,
                            joins weight sync, takes new work again
 
@@ -38,6 +38,11 @@ Invariants and delivery semantics:
 * Every engine call has a timeout (``request_timeout_s`` for generation,
   ``health_timeout_s`` for a probe). A server is dead when its process is gone, or after
   ``health_failures`` consecutive failed probes: one slow answer is not a death.
+* Stalls: a server that answers its probe but has held requests for ``stall_timeout_s`` without
+  answering any (rollout_fleet/progress.py measures it) is taken out as a dead one is, and counted
+  in ``server_stalls``. The fleet's own weight update (:meth:`update_fleet`) and colocated sleep
+  (:meth:`hold`) stop its clock; a server that says it is paused (``is_paused``: a publish from the
+  learner loading) gets ``stall_timeout_s`` more.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from rollout_fleet.engines.base import (
     Sample,
     SamplingParams,
 )
+from rollout_fleet.progress import ProgressWatch
 from rollout_fleet.status import FleetStatus, ServerState, ServerStatus, engine_name
 
 log = logging.getLogger(__name__)
@@ -87,6 +93,8 @@ class Server:
     restarts: int = 0
     failed_probes: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    progress: ProgressWatch = field(default_factory=ProgressWatch)  # the stall detector's clock
+    requests: set[asyncio.Future[list[Sample]]] = field(default_factory=set)  # generate calls in flight
 
     @property
     def engine_id(self) -> str:
@@ -95,6 +103,10 @@ class Server:
 
 class NoServerError(EngineError):
     """No healthy server is available within the wait limit."""
+
+
+class ServerTakenOut(EngineError):
+    """A request ended by the fleet because its server was found dead or stalled (its group is retried)."""
 
 
 class FleetController:
@@ -121,6 +133,7 @@ class FleetController:
         self.groups_requeued = 0
         self.groups_bad_request = 0  # refused by an engine (HTTP 4xx): failed once, server not blamed
         self.server_deaths = 0
+        self.server_stalls = 0  # alive, answering nothing for stall_timeout_s: taken out as a dead server
         self.weight_updates = 0
         self.weight_update_s = 0.0
         self._recovering: set[asyncio.Task] = set()
@@ -231,9 +244,7 @@ class FleetController:
             server.outstanding_tokens += cost
             server.inflight.add(group_id)
             try:
-                samples = await asyncio.wait_for(
-                    server.engine.generate(prompt_ids, params), timeout=self.cfg.request_timeout_s
-                )
+                samples = await self._generate(server, prompt_ids, params)
             except BadRequest as exc:
                 # the request is at fault: another server (or a retry) would refuse it the same way
                 self.groups_bad_request += 1
@@ -257,13 +268,68 @@ class FleetController:
             return server.engine_id, samples
         raise EngineError(f"fleet: group {group_id} failed {self.max_attempts} times; last error: {last_error}")
 
+    async def _generate(self, server: Server, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
+        """One request, limited by ``request_timeout_s`` and told to the stall detector's clock; a server
+        taken out (dead, stalled) cancels it, which raises :class:`ServerTakenOut`."""
+        watch = server.progress  # a server taken out gets a new clock; this request ends on its own
+        watch.sent(time.monotonic())
+        request = asyncio.ensure_future(server.engine.generate(prompt_ids, params))
+        server.requests.add(request)
+        answered = False
+        try:
+            samples = await asyncio.wait_for(request, timeout=self.cfg.request_timeout_s)
+            answered = True
+            return samples
+        except BadRequest:
+            answered = True  # a refusal is an answer: the server works
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller is cancelled (shutdown), not only the request
+            raise ServerTakenOut(f"fleet: request to {server.engine_id} cancelled: the server was taken out "
+                                 f"({server.state.value})") from None
+        finally:
+            server.requests.discard(request)
+            (watch.answered if answered else watch.failed)(time.monotonic())
+
     # -- health and recovery -----------------------------------------------------------------
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             for server in list(self.servers.values()):
                 if server.state == ServerState.HEALTHY:
-                    await self._suspect(server)
+                    await self._suspect(server)  # a death is named as one first
+                    await self._check_progress(server)
+
+    async def _check_progress(self, server: Server) -> None:
+        """The stall detector: a healthy server that has held requests for ``stall_timeout_s`` and answered
+        none is taken out, unless it says it is paused (a weight update loading; see ProgressWatch.excused)."""
+        timeout = self.cfg.stall_timeout_s
+        if timeout is None or server.state != ServerState.HEALTHY or not server.progress.stalled(time.monotonic(), timeout):
+            return
+        try:
+            paused = await asyncio.wait_for(server.engine.is_paused(), timeout=self.cfg.health_timeout_s)
+        except Exception as exc:  # whatever the reason it cannot say, its silence counts as it is
+            log.debug("fleet: %s could not say whether it is paused: %s", server.engine_id, exc)
+            paused = None
+        watch, now = server.progress, time.monotonic()
+        if server.state != ServerState.HEALTHY or not watch.stalled(now, timeout):
+            return  # an answer (or a death) came while it was asked
+        first_found = watch.paused_since is None
+        if watch.excused(paused, now, timeout):
+            if first_found:
+                log.info("fleet: %s has answered none of its %d requests for %.1f s but is paused (a weight "
+                         "update loading); it is stalled if still so in %.0f s", server.engine_id, watch.inflight,
+                         watch.silent_s(now), timeout)
+            return
+        self.server_stalls += 1
+        paused_for = "" if watch.paused_since is None else f", paused for {now - watch.paused_since:.1f} s"
+        log.error("fleet: server %s stalled: it answers its health probe but answered none of its %d requests in "
+                  "flight for %.1f s (rollout.stall_timeout_s=%g%s); they are re-queued on other servers and it is %s",
+                  server.engine_id, watch.inflight, watch.silent_s(now), timeout, paused_for,
+                  "restarted" if self.cfg.restart_dead_servers else "dropped")
+        self._take_out(server)
 
     async def _suspect(self, server: Server) -> None:
         """Probe a server; it is dead when its process is gone, or after ``health_failures``
@@ -287,10 +353,18 @@ class FleetController:
             log.warning("fleet: %s failed a health probe (%d of %d): %s", server.engine_id,
                         server.failed_probes, self.cfg.health_failures, why)
             return
-        server.state = ServerState.DEAD
         self.server_deaths += 1
         log.error("fleet: server %s is dead (%s; %d groups in flight are re-queued)",
                   server.engine_id, why, len(server.inflight))
+        self._take_out(server)
+
+    def _take_out(self, server: Server) -> None:
+        """Out of rotation (dead): cancel its requests (:meth:`run_group` retries their groups on other
+        servers), give it a new stall clock, and restart or drop it (:meth:`_recover`)."""
+        server.state = ServerState.DEAD
+        server.progress = ProgressWatch()
+        for request in list(server.requests):
+            request.cancel()
         task = asyncio.create_task(self._recover(server), name=f"recover-{server.engine_id}")
         self._recovering.add(task)
         task.add_done_callback(self._recovering.discard)
@@ -353,14 +427,31 @@ class FleetController:
         return dt
 
     async def _update_one(self, server: Server, version: int, plan_id: str, mode: str) -> None:
-        e = server.engine
+        e, watch = server.engine, server.progress
         timeout = self.cfg.request_timeout_s
-        await asyncio.wait_for(e.pause(mode), timeout=timeout)
+        watch.hold("weight update")  # paused by us: its silence is no stall
         try:
-            await asyncio.wait_for(e.update_weights(version, plan_id), timeout=timeout)
-            await asyncio.wait_for(e.reset_prefix_cache(), timeout=timeout)
+            await asyncio.wait_for(e.pause(mode), timeout=timeout)
+            try:
+                await asyncio.wait_for(e.update_weights(version, plan_id), timeout=timeout)
+                await asyncio.wait_for(e.reset_prefix_cache(), timeout=timeout)
+            finally:
+                await asyncio.wait_for(e.resume(), timeout=timeout)
         finally:
-            await asyncio.wait_for(e.resume(), timeout=timeout)
+            watch.release("weight update", time.monotonic())
+
+    def hold(self, why: str) -> None:
+        """Stop the stall clock of every healthy server until :meth:`unhold` with the same ``why``: they
+        generate nothing by design meanwhile (colocated sleep while the learner trains)."""
+        for s in self.servers.values():
+            if s.state == ServerState.HEALTHY:
+                s.progress.hold(why)
+
+    def unhold(self, why: str) -> None:
+        """End the hold ``why``; each server's silence starts again now."""
+        now = time.monotonic()
+        for s in self.servers.values():
+            s.progress.release(why, now)
 
     # -- introspection -----------------------------------------------------------------------
     def states(self) -> dict[str, str]:
@@ -379,7 +470,8 @@ class FleetController:
                                   simulated=s.engine.simulated, outstanding_tokens=s.outstanding_tokens,
                                   inflight_groups=len(s.inflight), groups_done=s.groups_done,
                                   tokens_done=s.tokens_done, restarts=s.restarts, pid=getattr(s.engine, "pid", None),
-                                  tok_per_s=s.tokens_done / max(1e-9, now - s.started_at))
+                                  tok_per_s=s.tokens_done / max(1e-9, now - s.started_at),
+                                  silent_s=round(s.progress.silent_s(now), 3))
                      for s in sorted(self.servers.values(), key=lambda s: s.index)]
             + [ServerStatus(engine_id=engine_name(self.cfg.engine, i), index=i, state=ServerState.STARTING, version=0,
                             simulated=self.cfg.engine == "simulated", outstanding_tokens=0, inflight_groups=0,
@@ -388,6 +480,7 @@ class FleetController:
             groups_requeued=self.groups_requeued,
             groups_bad_request=self.groups_bad_request,
             server_deaths=self.server_deaths,
+            server_stalls=self.server_stalls,
             weight_updates=self.weight_updates,
             weight_update_s=round(self.weight_update_s, 4),
         )

@@ -19,7 +19,7 @@ class ServerState(enum.StrEnum):
     STARTING = "starting"  # being started (scale); takes work once it answers and is in the fleet
     HEALTHY = "healthy"  # takes work
     DRAINING = "draining"  # finishing its groups before removal (scale down)
-    DEAD = "dead"  # failed its health probes; its groups were re-queued
+    DEAD = "dead"  # failed its health probes, or stalled; its groups were re-queued
     RESTARTING = "restarting"  # being restarted by the factory
     REMOVED = "removed"  # gone from the fleet
 
@@ -42,6 +42,7 @@ class ServerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     restarts: int
     pid: int | None
     tok_per_s: float
+    silent_s: float = 0.0  # with requests in flight since its last answer (the stall detector's clock)
 
 
 class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -78,7 +79,8 @@ class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):
     version: int = 0
     servers: list[ServerStatus] = []
     groups_requeued: int = 0
-    server_deaths: int = 0
+    server_deaths: int = 0  # found dead: process gone, or health_failures failed probes
+    server_stalls: int = 0  # alive but answering nothing for rollout.stall_timeout_s (taken out as a dead one)
     weight_updates: int = 0
     weight_update_s: float = 0.0
     simulated: bool = False

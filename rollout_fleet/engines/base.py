@@ -78,6 +78,11 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def resume(self) -> None: ...
 
+    async def is_paused(self) -> bool | None:
+        """Whether the server is paused (by anyone: a publish from the learner is loading); None: this
+        engine cannot say. The fleet's stall detector asks it before it takes a silent server out."""
+        return None
+
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None: ...
 

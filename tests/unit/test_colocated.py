@@ -83,6 +83,13 @@ class _Server:
 class _Fleet:
     def __init__(self, log: list) -> None:
         self.servers = {f"e{i}": _Server(_Engine(f"e{i}", log)) for i in range(2)}
+        self.log = log
+
+    def hold(self, why: str) -> None:  # the stall detector's clock (FleetController.hold)
+        self.log.append(("fleet", "hold", why))
+
+    def unhold(self, why: str) -> None:
+        self.log.append(("fleet", "unhold", why))
 
 
 class _Worker:
@@ -107,10 +114,13 @@ def test_release_and_wake_order_the_engines_calls_and_evaluate_at_the_wake():
             await ce.wake(s, "rest")
             assert ce.gate.is_open
     asyncio.run(steps())
-    assert log[:6] == [("e0", "sleep", 1), ("e1", "sleep", 1), ("e0", "wake", ("weights",)),
-                       ("e1", "wake", ("weights",)), ("e0", "wake", ("kv_cache",)), ("e1", "wake", ("kv_cache",))]
+    asleep = "colocated sleep"
+    assert log[:8] == [("fleet", "hold", asleep), ("e0", "sleep", 1), ("e1", "sleep", 1),
+                       ("e0", "wake", ("weights",)), ("e1", "wake", ("weights",)), ("e0", "wake", ("kv_cache",)),
+                       ("e1", "wake", ("kv_cache",)), ("fleet", "unhold", asleep)]
     assert ce.eval_history == [{"step": 2, "accuracy": 0.5}] and len(evals) == 1  # step 2 only: every 2nd step
-    assert evals[0][-1] == ("e1", "wake", ("kv_cache",))  # the evaluation ran on awake engines
+    # the evaluation ran on awake engines, their stall clocks running again
+    assert evals[0][-2:] == [("e1", "wake", ("kv_cache",)), ("fleet", "unhold", asleep)]
     assert [w[0] for w in ce.gate.windows] == [1, 2]
 
 
