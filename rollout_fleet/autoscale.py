@@ -20,11 +20,12 @@ Rules, with hysteresis (separate thresholds up and down, each condition must hol
   learner, not the fleet, sets the pace; the queue holds data ahead and slots go unused;
 * every decision is a trial, judged by what follows, since a fleet's rate is not proportional to its
   size where servers share hardware (CPU servers on the same cores) or the bottleneck is elsewhere:
-  an add whose new servers, over a whole window, raised ``groups_per_s`` by less than ``min_gain`` of
-  the proportional gain (``step / n``) while the learner still waits ``up_wait`` added nothing: it is
-  drained again and the fleet is not grown past its old size for the rest of the run (``ceiling``);
-  an add right after a drain (the drain starved the learner) keeps the fleet from draining below the
-  size it had before that drain (``floor``). So a wrong decision is undone once, not repeated;
+  an add whose new servers, over the first whole window after the cooldown, raised ``groups_per_s``
+  by less than ``min_gain`` of the proportional gain (``step / n``) while the learner still waits
+  ``up_wait`` added nothing: it is drained again and the fleet is not grown past its old size for the
+  rest of the run (``ceiling``); a drain after which the learner waits ``up_wait`` over that window
+  is added back and the fleet not drained below its old size again (``floor``). So a wrong decision
+  is undone once, not repeated;
 * below ``min`` (servers lost) grow without waiting for a rate; never above ``max`` nor below ``min``.
 
 A window starts afresh after every decision and while servers are starting: a decision is judged on
@@ -89,9 +90,10 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class _Trial:
-    before: int  # servers before the add
-    added: int
-    groups_per_s: float  # the fleet's rate before the add
+    action: Literal["add", "drain"]
+    before: int  # servers before the decision
+    after: int
+    groups_per_s: float  # the fleet's rate before it
 
 
 class Autoscaler:
@@ -104,7 +106,6 @@ class Autoscaler:
         self._trial: _Trial | None = None
         self.ceiling = cfg.max  # lowered when an add did not pay
         self.floor = cfg.min  # raised when a drain starved the learner
-        self._drained_from: int | None = None  # the size before the last decision, when it was a drain
         self.signals: Signals | None = None  # the last windowed signals (None: too little history)
         self.decisions: list[Decision] = []
 
@@ -153,45 +154,49 @@ class Autoscaler:
             return None
         if up and now - self._up_since >= c.sustain_s:
             target = min(self.ceiling, obs.servers + c.step)
-            reason = (f"learner waited {s.wait:.0%} of the last {s.span_s:.0f} s (>= up_wait {c.up_wait:.0%}) "
-                      f"for {now - self._up_since:.0f} s; fleet {s.groups_per_s:.2f} groups/s")
-            if self._drained_from is not None:  # the drain before starved the learner
-                self.floor = min(self.ceiling, max(self.floor, self._drained_from))
-                reason += f"; the last drain starved the learner: no fewer than {self.floor} servers from now on"
-            d = self._decide(now, "add", obs.servers, target, s, reason)
-            self._trial = _Trial(before=obs.servers, added=target - obs.servers, groups_per_s=s.groups_per_s)
-            return d
+            return self._decide(now, "add", obs.servers, target, s,
+                                f"learner waited {s.wait:.0%} of the last {s.span_s:.0f} s (>= up_wait {c.up_wait:.0%}) "
+                                f"for {now - self._up_since:.0f} s; fleet {s.groups_per_s:.2f} groups/s", trial=True)
         if down and now - self._down_since >= c.sustain_s:
             d = self._decide(now, "drain", obs.servers, obs.servers - k, s,
                              f"queue {s.fill:.0%} full (>= down_fill {c.down_fill:.0%}), fleet idle {s.idle:.0%} "
                              f"(>= down_idle {c.down_idle:.0%}), learner waited {s.wait:.0%} "
                              f"(<= down_wait {c.down_wait:.0%}) for {now - self._down_since:.0f} s; "
-                             f"fleet {s.groups_per_s:.2f} groups/s")
-            self._drained_from = obs.servers
+                             f"fleet {s.groups_per_s:.2f} groups/s", trial=True)
             return d
         return None
 
     def _judge(self, now: float, obs: Observation, s: Signals, t: _Trial) -> Decision | None:
-        """The add's trial (module docstring): None when it paid or the learner no longer starves."""
+        """The last decision's trial (module docstring): an undo, or None when it stands."""
         self._trial = None
+        c = self.cfg
+        if s.wait < c.up_wait or obs.servers != t.after:  # the learner does not starve, or the fleet changed
+            return None
+        if t.action == "drain":
+            self.floor = min(self.ceiling, t.before)
+            return self._decide(now, "add", obs.servers, self.floor, s,
+                                f"after draining {t.before} -> {t.after} servers the learner waited {s.wait:.0%} "
+                                f"(>= up_wait {c.up_wait:.0%}; fleet {t.groups_per_s:.2f} -> {s.groups_per_s:.2f} "
+                                f"groups/s): added back, no fewer than {self.floor} servers from now on")
         gain = s.groups_per_s / t.groups_per_s - 1.0 if t.groups_per_s > 0 else float("inf")
-        needed = self.cfg.min_gain * t.added / t.before if t.before else 0.0
-        if gain >= needed or s.wait < self.cfg.up_wait or obs.servers <= t.before:
+        added = t.after - t.before
+        if t.before == 0 or gain >= c.min_gain * added / t.before:
             return None
         self.ceiling = max(self.floor, t.before)
         return self._decide(now, "drain", obs.servers, self.ceiling, s,
-                            f"adding {t.added} to {t.before} servers raised the fleet's rate {gain:+.0%} "
-                            f"({t.groups_per_s:.2f} -> {s.groups_per_s:.2f} groups/s; < min_gain {self.cfg.min_gain:.0%} "
-                            f"of +{t.added / t.before:.0%}) and the learner still waited {s.wait:.0%}: "
+                            f"adding {added} to {t.before} servers raised the fleet's rate {gain:+.0%} "
+                            f"({t.groups_per_s:.2f} -> {s.groups_per_s:.2f} groups/s; < min_gain {c.min_gain:.0%} "
+                            f"of +{added / t.before:.0%}) and the learner still waited {s.wait:.0%}: "
                             f"drained back, no more than {self.ceiling} servers from now on")
 
-    def _decide(self, now, action, before, target, s: Signals | None, reason) -> Decision:
+    def _decide(self, now, action, before, target, s: Signals | None, reason, *, trial: bool = False) -> Decision:
         d = Decision(at=now, action=action, servers_before=before, target=target, reason=reason,
                      wait=None if s is None else s.wait, idle=None if s is None else s.idle,
                      fill=None if s is None else s.fill, groups_per_s=None if s is None else s.groups_per_s)
         self.decisions.append(d)
         self._last_action = now
-        self._trial = self._drained_from = None
+        # an undo, or a decision without a rate (below min), is not judged again
+        self._trial = _Trial(action, before, target, s.groups_per_s) if trial and s is not None else None
         self._up_since = self._down_since = None  # a condition must hold afresh after an action
         self._hist.clear()  # and be measured on the new fleet
         return d

@@ -68,7 +68,8 @@ def test_a_drain_that_starves_the_learner_is_undone_once_not_repeated():
     ds, servers, _ = _run(a, 2, wait=lambda n, t: 0.0 if n == 2 else 0.5, idle=lambda n, t: 0.4 if n == 2 else 0.0,
                           fill=lambda n, t: 1.0 if n == 2 else 0.0, rate=lambda n, t: 10.0 * n, t0=0, t1=600)
     assert [(d.action, d.target) for d in ds] == [("drain", 1), ("add", 2)] and servers == 2
-    assert a.floor == 2 and "no fewer than 2 servers" in ds[1].reason
+    assert a.floor == 2 and "the learner waited 50%" in ds[1].reason and "no fewer than 2 servers" in ds[1].reason
+    assert ds[1].at - ds[0].at == pytest.approx(cfg.cooldown_s)  # judged on the first whole window after it
 
 
 def test_the_queue_dipping_at_every_lease_does_not_reset_a_drain():
@@ -170,7 +171,7 @@ def test_decisions_stay_in_bounds_are_spaced_and_follow_their_rule(phases, start
             assert d.servers_before < d.target <= CFG.max or d.target == CFG.min
             assert d.servers_before < CFG.min or d.wait >= CFG.up_wait
         elif "drained back" in d.reason:  # an add's trial that failed
-            assert CFG.min <= d.target < d.servers_before and d.wait >= CFG.up_wait
+            assert a.floor <= d.target < d.servers_before and d.wait >= CFG.up_wait
         else:
             assert CFG.min <= d.target < d.servers_before
             assert d.fill >= CFG.down_fill and d.idle >= CFG.down_idle and d.wait <= CFG.down_wait
