@@ -16,8 +16,7 @@ autoscaler's default windows (``REAL_CASES``). Each decision is written with the
 fleet and the learner had in the window before it and after the fleet settled at its new size
 (from ``metrics/autoscale_signals.jsonl``, what the autoscaler saw every second)::
 
-    python bench/autoscale.py --real --cases cpu-2-servers --json bench/results/autoscale_cpu_real.json
-    python bench/autoscale.py --real --cases cpu-1-server-sync --json bench/results/autoscale_cpu_real_sync.json
+    python bench/autoscale.py --real --json bench/results/autoscale_cpu_real.json
 """
 
 from __future__ import annotations
