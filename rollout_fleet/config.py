@@ -169,7 +169,8 @@ class AutoscaleConfig(ConfigModel):
     down_idle: float = Field(0.3, gt=0, le=1, description="drain only while the fleet's slots idle this fraction")
     min_gain: float = Field(0.5, ge=0, le=1, description=(
         "an add must raise the fleet's groups/s by this fraction of the proportional gain (step / servers) while "
-        "the learner still waits, else it is drained again and the fleet is not grown past that size (0: never)"))
+        "the learner still waits, else it is drained again and the fleet is not grown past that size (0: only an add "
+        "that lowered the rate)"))
 
     @model_validator(mode="after")
     def _bands(self) -> AutoscaleConfig:
