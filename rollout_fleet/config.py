@@ -163,8 +163,14 @@ class AutoscaleConfig(ConfigModel):
     cooldown_s: float = Field(60.0, ge=0, description="no decision this long after the last one")
     up_wait: float = Field(0.3, gt=0, le=1, description="add when the learner waits for data this fraction of the time")
     down_wait: float = Field(0.05, ge=0, le=1, description="drain only while the learner waits at most this fraction")
-    down_fill: float = Field(0.9, gt=0, le=1, description="drain only while the broker queue is this full")
-    down_idle: float = Field(0.3, gt=0, le=1, description="drain only while the fleet idles this fraction of the time")
+    down_fill: float = Field(0.5, gt=0, le=1, description=(
+        "drain only while the broker queue is this full on average (of what the staleness bound lets it hold "
+        "besides the step in training: 0.5 at max_staleness 2 is a step's groups ready ahead)"))
+    down_idle: float = Field(0.3, gt=0, le=1, description="drain only while the fleet's slots idle this fraction")
+    min_gain: float = Field(0.5, ge=0, le=1, description=(
+        "an add must raise the fleet's groups/s by this fraction of the proportional gain (step / servers) while "
+        "the learner still waits, else it is drained again and the fleet is not grown past that size (0: only an add "
+        "that lowered the rate)"))
 
     @model_validator(mode="after")
     def _bands(self) -> AutoscaleConfig:
