@@ -174,6 +174,8 @@ class Autoscaler:
             return None
         if t.action == "drain":
             self.floor = min(self.ceiling, t.before)
+            if self.floor <= obs.servers:  # drained from above the ceiling (autoscale.max): none to add back
+                return None
             return self._decide(now, "add", obs.servers, self.floor, s,
                                 f"after draining {t.before} -> {t.after} servers the learner waited {s.wait:.0%} "
                                 f"(>= up_wait {c.up_wait:.0%}; fleet {t.groups_per_s:.2f} -> {s.groups_per_s:.2f} "
@@ -183,6 +185,8 @@ class Autoscaler:
         if t.before == 0 or gain >= c.min_gain * added / t.before:
             return None
         self.ceiling = max(self.floor, t.before)
+        if self.ceiling >= obs.servers:  # grown to no more than the floor: none to drain back
+            return None
         return self._decide(now, "drain", obs.servers, self.ceiling, s,
                             f"adding {added} to {t.before} servers raised the fleet's rate {gain:+.0%} "
                             f"({t.groups_per_s:.2f} -> {s.groups_per_s:.2f} groups/s; < min_gain {c.min_gain:.0%} "
