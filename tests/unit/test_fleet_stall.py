@@ -17,6 +17,7 @@ import time
 
 import pytest
 from aiohttp import web
+from vllm_standin import PausableStandIn
 
 from launch.monitor import format_status
 from launch.snapshot import JobSnapshot
@@ -34,35 +35,19 @@ pytestmark = pytest.mark.timeout(60)
 PARAMS = SamplingParams(n=2, max_tokens=8)
 
 
-class StandIn:
+class StandIn(PausableStandIn):
     """One engine server: answers ``/health`` always; generation answers after ``delay_s``, one request at a
     time if ``serial``, waits while paused, and never answers while ``hang`` (until a restart)."""
 
     def __init__(self, *, delay_s: float = 0.02, hang: bool = False, serial: bool = False) -> None:
-        self.delay_s, self.hang, self.paused = delay_s, hang, False
+        super().__init__()
+        self.delay_s, self.hang = delay_s, hang
         self._serial = asyncio.Lock() if serial else None
         self.received = self.answered = self.dropped = 0  # dropped: the client went away mid-request
-        app = web.Application()
-        app.router.add_get("/health", self._ok)
-        app.router.add_get("/is_paused", self._is_paused)
-        app.router.add_post("/pause", self._pause)
-        app.router.add_post("/resume", self._resume)
-        app.router.add_post("/v1/completions", self._completions)
-        self.app = app
-        self.url = ""
+        self.app.router.add_get("/health", self._ok)
+        self.app.router.add_post("/v1/completions", self._completions)
 
     async def _ok(self, request):
-        return web.json_response({})
-
-    async def _is_paused(self, request):
-        return web.json_response({"is_paused": self.paused})
-
-    async def _pause(self, request):
-        self.paused = True
-        return web.json_response({})
-
-    async def _resume(self, request):
-        self.paused = False
         return web.json_response({})
 
     async def _completions(self, request):
@@ -84,14 +69,6 @@ class StandIn:
         choices = [{"index": i, "token_ids": [marker, 7, 8], "logprobs": {"token_logprobs": [-0.5, -0.5, -0.5]},
                     "finish_reason": "stop"} for i in range(body["n"])]
         return web.json_response({"choices": choices})
-
-    async def serve(self) -> web.AppRunner:
-        runner = web.AppRunner(self.app, handler_cancellation=True)  # a closed connection ends its handler
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return runner
 
 
 class StandInFactory:

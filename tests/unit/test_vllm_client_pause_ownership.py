@@ -17,6 +17,7 @@ import asyncio
 
 import pytest
 from aiohttp import web
+from vllm_standin import PausableStandIn
 
 from rollout_fleet.engines.base import EngineError
 from rollout_fleet.engines.vllm import VLLMClient
@@ -24,35 +25,19 @@ from rollout_fleet.engines.vllm import VLLMClient
 pytestmark = pytest.mark.timeout(60)
 
 
-class StandIn:
+class StandIn(PausableStandIn):
     def __init__(self) -> None:
-        self.paused = False
+        super().__init__()
         self.hang = asyncio.Event()  # set: reload_weights hangs (until released)
         self.release = asyncio.Event()
         self.in_rpc = asyncio.Event()  # a reload_weights call has arrived
         self.fail = False
-        app = web.Application()
-        app.router.add_get("/is_paused", self._is_paused)
-        app.router.add_post("/pause", self._pause)
-        app.router.add_post("/resume", self._resume)
-        app.router.add_post("/collective_rpc", self._rpc)
-        app.router.add_post("/update_weight_version", self._ok)
-        app.router.add_post("/reset_prefix_cache", self._ok)
-        self.app = app
-
-    async def _is_paused(self, request):
-        return web.json_response({"is_paused": self.paused})
+        self.app.router.add_post("/collective_rpc", self._rpc)
+        self.app.router.add_post("/update_weight_version", self._ok)
+        self.app.router.add_post("/reset_prefix_cache", self._ok)
 
     async def _ok(self, request):
         return web.json_response({"success": True})
-
-    async def _pause(self, request):
-        self.paused = True
-        return web.json_response({})
-
-    async def _resume(self, request):
-        self.paused = False
-        return web.json_response({})
 
     async def _rpc(self, request):
         self.in_rpc.set()
@@ -64,12 +49,8 @@ class StandIn:
 
 
 async def _serve(stand_in: StandIn):
-    runner = web.AppRunner(stand_in.app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
+    runner = await stand_in.serve()
+    return runner, stand_in.url
 
 
 def _client(url: str) -> VLLMClient:
