@@ -158,12 +158,11 @@ class Autoscaler:
                                 f"learner waited {s.wait:.0%} of the last {s.span_s:.0f} s (>= up_wait {c.up_wait:.0%}) "
                                 f"for {now - self._up_since:.0f} s; fleet {s.groups_per_s:.2f} groups/s", trial=True)
         if down and now - self._down_since >= c.sustain_s:
-            d = self._decide(now, "drain", obs.servers, obs.servers - k, s,
-                             f"queue {s.fill:.0%} full (>= down_fill {c.down_fill:.0%}), fleet idle {s.idle:.0%} "
-                             f"(>= down_idle {c.down_idle:.0%}), learner waited {s.wait:.0%} "
-                             f"(<= down_wait {c.down_wait:.0%}) for {now - self._down_since:.0f} s; "
-                             f"fleet {s.groups_per_s:.2f} groups/s", trial=True)
-            return d
+            return self._decide(now, "drain", obs.servers, obs.servers - k, s,
+                                f"queue {s.fill:.0%} full (>= down_fill {c.down_fill:.0%}), fleet idle {s.idle:.0%} "
+                                f"(>= down_idle {c.down_idle:.0%}), learner waited {s.wait:.0%} "
+                                f"(<= down_wait {c.down_wait:.0%}) for {now - self._down_since:.0f} s; "
+                                f"fleet {s.groups_per_s:.2f} groups/s", trial=True)
         return None
 
     def _judge(self, now: float, obs: Observation, s: Signals, t: _Trial) -> Decision | None:
