@@ -15,6 +15,7 @@
 #   vllm-install    install the vLLM 0.26 bundle into /tmp/site-vllm
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
 #   vllm-fleetrl    tests/gpu/test_vllm_fleetrl_gpu.py alone (fleetrl's backend: direct and staged updates)
+#   sleep-probe     bench/sleep_probe.py: a vLLM server's sleep/wake eager, with CUDA graphs and compiled (issue 20)
 #   engine-update   bench/engine_update.py: a vLLM engine's unavailability per update, direct vs staged
 #   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
 #   rollout         bench/rollout.py (fleet vs LLM.generate)
@@ -164,6 +165,16 @@ for step in "$@"; do
                 tests/gpu/test_vllm_fleetrl_gpu.py
             for d in /tmp/vllm-tp1 /tmp/vllm-fleetrl; do
                 [ -f $d/vllm_server.log ] && { echo "--- tail of $d/vllm_server.log"; grep -v "GET /health\|POST /v1/completions" $d/vllm_server.log | tail -25; }
+            done
+            ;;
+        sleep-probe)  # bench/sleep_probe.py: sleep/wake of a vLLM server eager, with CUDA graphs, compiled
+            #  (after vllm-install and smollm2; py-spy from the base wheels dumps the stacks of a hang)
+            PATH="/tmp/site-base/bin:$PATH" VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 \
+                with_site /tmp/site-vllm timeout 560 $PY bench/sleep_probe.py \
+                --model "${MODEL:-/tmp/models/smollm2-135m-instruct}" --modes "${MODES:-eager,graphs,compiled}" \
+                --json "$OUT/sleep_probe.json" 2>&1 | tee "$OUT/sleep_probe.log" | grep -v "^INFO\|^DEBUG" | tail -40
+            for f in "$OUT"/server_*/vllm_server.log; do
+                [ -f "$f" ] && { echo "--- tail of $f"; grep -v "GET /health\|POST /v1/completions" "$f" | tail -12; }
             done
             ;;
         vllm-fleetrl)  # only fleetrl's backend over NCCL: direct and staged updates
