@@ -168,10 +168,10 @@ for step in "$@"; do
             done
             ;;
         sleep-probe)  # bench/sleep_probe.py: sleep/wake of a vLLM server eager, with CUDA graphs, compiled
-            #  (after vllm-install and smollm2; py-spy from the base wheels dumps the stacks of a hang)
+            #  (after vllm-install; PROBE_MODEL=DIR for another model than the random 0.5B; py-spy from the base wheels dumps the stacks of a hang)
             PATH="/tmp/site-base/bin:$PATH" VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 \
                 with_site /tmp/site-vllm timeout 560 $PY bench/sleep_probe.py \
-                --model "${MODEL:-/tmp/models/smollm2-135m-instruct}" --modes "${MODES:-eager,graphs,compiled}" \
+                --model "${PROBE_MODEL:-random}" --modes "${MODES:-eager,graphs,compiled}" \
                 --json "$OUT/sleep_probe.json" 2>&1 | tee "$OUT/sleep_probe.log" | grep -v "^INFO\|^DEBUG" | tail -40
             for f in "$OUT"/server_*/vllm_server.log; do
                 [ -f "$f" ] && { echo "--- tail of $f"; grep -v "GET /health\|POST /v1/completions" "$f" | tail -12; }

@@ -156,7 +156,7 @@ async def run_mode(mode: str, a, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="an HF folder, or 'random' (the GPU tests' 0.5B shape)")
     p.add_argument("--modes", default="eager,graphs,compiled")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -172,6 +172,11 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.json).resolve().parent
     out.mkdir(parents=True, exist_ok=True)
+    if a.model == "random":  # the GPU tests' random Qwen2-0.5B shape (bf16, word-level tokenizer)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+        from gpu_helpers import random_qwen2_state, save_checkpoint
+
+        a.model = str(save_checkpoint(random_qwen2_state(0), Path(os.environ.get("TMPDIR", "/tmp")) / "probe-qwen2"))
     results = []
     for mode in a.modes.split(","):
         if mode not in MODES:
