@@ -98,9 +98,9 @@ def snapshot(server) -> dict:
         "broker/spool_bytes_written_total": server.spool.bytes_written if server.spool else 0,
         # the bounds of broker.limits, each with its figure
         "broker/spool_quarantined_total": server.spool.quarantined if server.spool else 0,
-        "broker/waiters": len(server._ticket_waiters) + len(server._lease_waiters),
-        "broker/waiters_evicted_total": server.waiter_limits.evicted,
-        "broker/waiters_refused_total": server.waiter_limits.refused,
+        "broker/waiters": len(server.waiters),
+        "broker/waiters_evicted_total": server.waiters.limits.evicted,
+        "broker/waiters_refused_total": server.waiters.limits.refused,
         "broker/engine_ids": len(st.engine_versions),
         "broker/engine_ids_evicted_total": st.engine_versions.evicted,
         "broker/engine_ids_expired_total": st.engine_versions.expired,

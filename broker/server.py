@@ -115,7 +115,6 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -128,20 +127,11 @@ from broker.metrics import Hist, Rates, snapshot, start_metrics_server
 from broker.schema import JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, inspect_batches
 from broker.spool import Spool
 from broker.state import BrokerError, BrokerState
+from broker.waiters import Waiter, Waiters
 
 log = logging.getLogger(__name__)
 
 MAX_READS_PER_ITERATION = 256
-
-
-@dataclass
-class _Waiter:
-    ident: bytes
-    msg: object
-    t0: float
-    deadline: float
-    acks_duplicate: list = field(default_factory=list)  # results of a NextBatch's piggybacked acks
-    acks_late: list = field(default_factory=list)
 
 
 def _ms(seconds: float) -> int:
@@ -171,10 +161,7 @@ class BrokerServer:
         self.latest_snapshot: dict | None = None
         self.metrics_httpd = None
         self.metrics_port: int | None = None
-        self._ticket_waiters: list[_Waiter] = []
-        self._lease_waiters: list[_Waiter] = []
-        self.waiter_limits = L.WaiterLimits()
-        self._waiting: dict[bytes, int] = defaultdict(int)  # peer -> its waiters in both lists
+        self.waiters = Waiters()
         self.rlog = L.RateLimitedLog(log)
         self._out: list[list] = []
         self._ctx = zmq.Context()
@@ -228,8 +215,8 @@ class BrokerServer:
         while not stop.is_set():
             now = time.monotonic()
             timeout = 0.05
-            for w in self._ticket_waiters + self._lease_waiters:
-                timeout = min(timeout, w.deadline - now)
+            if (d := self.waiters.next_deadline()) is not None:
+                timeout = min(timeout, d - now)
             if (d := self.state.next_deadline()) is not None:
                 timeout = min(timeout, d - now)
             if poller.poll(_ms(timeout)):
@@ -242,7 +229,7 @@ class BrokerServer:
             now = time.monotonic()
             self.state.tick(now)
             self.state.expire_engines(now)
-            self._serve_waiters(now)
+            self.waiters.serve(now, self._serve_ticket_waiter, self._serve_lease_waiter, self._waiter_failed)
             if self.spool is not None:
                 self.spool.commit()
             self._flush()
@@ -425,15 +412,15 @@ class BrokerServer:
             groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer),
                                            payload=payload if len(batches) == 1 else None, view=view)
             tickets = []
-            if msg.want_tickets and not self._ticket_waiters:  # producers waiting for tickets go first
+            if msg.want_tickets and not self.waiters.tickets:  # producers waiting for tickets go first
                 tickets = st.acquire(msg.producer_id, msg.want_tickets, now)
             self._reply(ident, P.PushReply(req=msg.req, groups=groups, rows=rows, duplicates=dups, tickets=tickets))
         elif isinstance(msg, P.AcquireTickets):
-            self._room_for_waiter(ident, now)
-            self._add_waiter(self._ticket_waiters, _Waiter(ident, msg, now, now + msg.wait_s))
+            self._room_for_waiter(ident)
+            self.waiters.add(Waiter(ident, msg, now, now + msg.wait_s))
         elif isinstance(msg, P.NextBatch):
-            self._room_for_waiter(ident, now)
-            w = _Waiter(ident, msg, now, now + msg.wait_s)
+            self._room_for_waiter(ident)
+            w = Waiter(ident, msg, now, now + msg.wait_s)
             for lease_id in msg.acks:  # before the lookup: acked groups free their slots at once
                 dup, late = st.ack(lease_id, now)
                 if dup:
@@ -442,7 +429,7 @@ class BrokerServer:
                     w.acks_late.append(lease_id)
             if not st.has_lease(msg.consumer_id, msg.step):  # a retried request gets its lease
                 st.check_lease_step(msg.step)
-            self._add_waiter(self._lease_waiters, w)
+            self.waiters.add(w)
         elif isinstance(msg, P.Ack):
             dup, late = st.ack(msg.lease_id, now)
             self._reply(ident, P.AckReply(req=msg.req, duplicate=dup, late=late))
@@ -466,36 +453,13 @@ class BrokerServer:
             raise AssertionError(f"unhandled message {msg!r}")
 
     # -- waiters ---------------------------------------------------------------------------------
-    def _room_for_waiter(self, ident: bytes, now: float) -> None:
-        """Make room for one more waiter of ``ident``, or refuse it (``busy``)."""
-        wl = self.waiter_limits
-        if self._waiting.get(ident, 0) >= wl.per_peer:
-            # its oldest waiter is most likely a request it retried since: answer it now
-            oldest = min((w for lst in (self._ticket_waiters, self._lease_waiters) for w in lst
-                          if w.ident == ident), key=lambda w: w.t0)
-            self._ticket_waiters = [w for w in self._ticket_waiters if w is not oldest]
-            self._lease_waiters = [w for w in self._lease_waiters if w is not oldest]
-            self._forget_waiter(oldest)
-            self._answer_empty(oldest)
-            wl.evicted += 1
-            return
-        if len(self._ticket_waiters) + len(self._lease_waiters) >= wl.total:
-            wl.refused += 1
-            raise BrokerError(P.ErrorCode.BUSY, f"{wl.total} requests are waiting already; retry later",
-                              retry_after_s=0.5)
+    def _room_for_waiter(self, ident: bytes) -> None:
+        """Make room for one more waiter of ``ident`` (its oldest is answered now), or refuse it (``busy``)."""
+        evicted = self.waiters.make_room(ident)
+        if evicted is not None:
+            self._answer_empty(evicted)
 
-    def _add_waiter(self, lst: list, w: _Waiter) -> None:
-        lst.append(w)
-        self._waiting[w.ident] += 1
-
-    def _forget_waiter(self, w: _Waiter) -> None:
-        n = self._waiting[w.ident] - 1
-        if n > 0:
-            self._waiting[w.ident] = n
-        else:
-            self._waiting.pop(w.ident, None)
-
-    def _answer_empty(self, w: _Waiter) -> None:
+    def _answer_empty(self, w: Waiter) -> None:
         """The answer a waiter gets when its wait ends with nothing."""
         if type(w.msg) is P.AcquireTickets:
             self._reply(w.ident, P.TicketsReply(req=w.msg.req, tickets=[]))
@@ -503,26 +467,10 @@ class BrokerServer:
             self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups,
                                            acks_duplicate=w.acks_duplicate, acks_late=w.acks_late))
 
-    def _serve_waiters(self, now: float) -> None:
-        """Answer every waiter whose request can be answered now; one that fails (a bug) gets
-        ``internal`` and is gone, the others are served as usual."""
-        for name in ("_ticket_waiters", "_lease_waiters"):
-            before = getattr(self, name)
-            serve = self._serve_ticket_waiter if name == "_ticket_waiters" else self._serve_lease_waiter
-            keep = []
-            for w in before:
-                try:
-                    done = serve(w, now)
-                except Exception as e:
-                    self._internal(w.ident, w.msg.req, e)
-                    done = True
-                if done:
-                    self._forget_waiter(w)
-                else:
-                    keep.append(w)
-            setattr(self, name, keep)
+    def _waiter_failed(self, w: Waiter, e: Exception) -> None:
+        self._internal(w.ident, w.msg.req, e)
 
-    def _serve_ticket_waiter(self, w: _Waiter, now: float) -> bool:
+    def _serve_ticket_waiter(self, w: Waiter, now: float) -> bool:
         """True when ``w`` was answered (or refused)."""
         if now < w.deadline and self.state.free_slots() < min(w.msg.min_groups, w.msg.max_groups):
             return False
@@ -538,7 +486,7 @@ class BrokerServer:
             return True
         return False
 
-    def _serve_lease_waiter(self, w: _Waiter, now: float) -> bool:
+    def _serve_lease_waiter(self, w: Waiter, now: float) -> bool:
         try:
             lease = self.state.lease(w.msg.consumer_id, w.msg.step, now)
         except BrokerError as e:
