@@ -158,4 +158,7 @@ class LearnerConfig(ConfigModel):
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
                              "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        if self.engine == "megatron" and self.logprobs == "chunked" and self.megatron.tensor_model_parallel_size > 1:
+            raise ValueError("learner.logprobs=chunked with learner.engine=megatron needs tensor_model_parallel_size=1 "
+                             "(the vocab-sharded head is not chunked); use logprobs=auto or full with TP>1")
         return self
