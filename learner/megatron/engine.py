@@ -22,6 +22,10 @@ matmuls. The hook returns [n, 2] (log-prob, entropy) as the model output, which 
 ``loss_func``; earlier pipeline stages return hidden states before the hook as before. With TP>1 the head is
 vocab-sharded and ``auto`` keeps the full path (``chunked`` is refused by the config).
 
+Optimizer: without Transformer Engine or apex, Megatron's Adam is torch's AdamW in its foreach mode;
+``learner.fused_optimizer`` (auto: on GPU) sets its parameter groups to the fused kernel. ``compile_blocks``
+compiles each layer's MLP (the attention stays eager: the varlen metadata is module state).
+
 Packing: one packed row per micro-batch, sequences kept apart by a block-diagonal causal mask built
 from the restarting ``position_ids``. Megatron applies RoPE by absolute row position, which is exact
 for packing because RoPE attention scores depend only on the distance between positions.
@@ -169,6 +173,12 @@ def pad_row(mb: MicroBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, pos
 
 
+def _torch_optimizers(opt) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's (chained, distributed or fp32) optimizer wrapper."""
+    parts = getattr(opt, "chained_optimizers", None) or [opt]
+    return [p.optimizer for p in parts if isinstance(getattr(p, "optimizer", None), torch.optim.Optimizer)]
+
+
 class MegatronEngine(TrainingEngine):
     def __init__(self, cfg: LearnerConfig, model_path: str, total_steps: int, seed: int = 0) -> None:
         import_megatron()
@@ -251,13 +261,28 @@ class MegatronEngine(TrainingEngine):
                                params_dtype=torch.bfloat16 if on_gpu else torch.float32,
                                use_distributed_optimizer=mc.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        # Without Transformer Engine/apex Megatron's Adam is torch.optim.AdamW in its default (foreach) mode;
+        # learner.fused_optimizer (auto: on GPU) switches its groups to the fused CUDA kernel, as FSDP does.
+        self.fused_optimizer = on_gpu and (cfg.fused_optimizer == "on" or cfg.fused_optimizer == "auto")
+        if self.fused_optimizer:
+            for inner in _torch_optimizers(self.optimizer):
+                for g in inner.param_groups:
+                    g.update(fused=True, foreach=False)
+        # learner.compile_blocks: torch.compile of each layer's MLP (fc1, SwiGLU, fc2: shapes only, no packing
+        # state; the attention, whose varlen metadata is module state, stays eager).
+        if cfg.compile_blocks and on_gpu:
+            from torch import _dynamo
+
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 8 * len(self.layers))
+            for layer in self.gpt.decoder.layers:
+                layer.mlp.forward = torch.compile(layer.mlp.forward)
         self.lr_fn = lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio)
         self.steps_taken = 0
         n_local = sum(p.numel() for p in self.gpt.parameters())
         logger.info("Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, chunked "
-                    "log-probs %s, model %s",
+                    "log-probs %s, fused AdamW %s, model %s",
                     self.rank, self.world_size, self.tp_rank, tp, self.pp_rank, pp, self.data_rank,
-                    self.data_world_size, self.device, n_local, self.chunked, model_path)
+                    self.data_world_size, self.device, n_local, self.chunked, self.fused_optimizer, model_path)
 
     def _reference_on_gpu(self, on: bool) -> None:
         """Offloaded reference: point its parameters at GPU copies of the pinned CPU weights, or back."""
