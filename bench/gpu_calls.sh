@@ -30,6 +30,9 @@
 #   megatron-all    megatron, megatron-pp, megatron-bench in one call (~9 min: only with a 10-min limit)
 #   fast-tests      tests/gpu/test_fsdp_fast_paths_gpu.py (chunked log-probs, varlen attention, fast engine step)
 #   megatron-varlen tests/gpu/test_megatron_varlen_gpu.py (1 GPU; after base)
+#   megatron-mfu    tests/gpu/test_megatron_chunked_gpu.py, then bench/learner.py's Megatron cases (varlen with full
+#                   logits; + chunked log-probs, + fused AdamW, + compiled MLPs; 16k-64k micro-batches)
+#                   -> $OUT/learner_megatron_mfu.json (1 GPU, ~7 min; after base)
 #   learner-remedies  bench/learner.py, 128 x 1023 tokens: FSDP before and after each remedy (issue 21),
 #                   profiles of the first and the best, Megatron -> $OUT/learner_remedies.json (~7 min)
 #   megatron-vllm   tests/gpu/test_megatron_vllm_gpu.py: publish from Megatron TP=2 into vLLM, log-probs
@@ -229,6 +232,17 @@ for step in "$@"; do
         megatron-varlen)  # 1 GPU: Megatron varlen core attention vs its masked attention
             NCCL_CUMEM_ENABLE=0 with_site "" timeout 240 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \
                 tests/gpu/test_megatron_varlen_gpu.py 2>&1 | tee "$OUT/megatron_varlen.log" | quiet | grep -v "^\[rank" | tail -25
+            ;;
+        megatron-mfu)  # 1 GPU, after base (~7 min): Megatron chunked vs full log-prob test, then the MFU cases (issue 21)
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout "${MFU_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -v -s -rA \
+                -p no:cacheprovider tests/gpu/test_megatron_chunked_gpu.py 2>&1 | tee "$OUT/megatron_chunked_tests.log" \
+                | quiet | grep -v "^\[rank" | tail -20; r1=${PIPESTATUS[0]}
+            NCCL_CUMEM_ENABLE=0 with_site "" timeout "${MFU_TIMEOUT:-340}" $PY bench/learner.py --seqs 128 --steps 2 \
+                --cases "${MFU_CASES:-megatron:1:1:mvarlen@16384,megatron:1:1:mfused@32768,megatron:1:1:mfused@16384,megatron:1:1:mfused@65536,megatron:1:1:mchunked@32768,megatron:1:1:mcompile@32768}" \
+                --case-timeout "${MFU_CASE_TIMEOUT:-100}" --budget-s "${MFU_BUDGET:-320}" \
+                --json "$OUT/learner_megatron_mfu.json" 2>&1 \
+                | tee "$OUT/learner_megatron_mfu.log" | grep -v "^ " | cut -c1-1500 | tail -30; r2=${PIPESTATUS[0]}
+            (exit $((r1 | r2)))
             ;;
         learner-remedies)
             NCCL_CUMEM_ENABLE=0 with_site "" timeout "${REMEDIES_TIMEOUT:-575}" $PY bench/learner.py --seqs 128 --steps 2 \

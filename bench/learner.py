@@ -73,8 +73,18 @@ VARIANTS = {
     "ac": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
            "activation_checkpointing": True},
     "default": {},  # the config's defaults as shipped
-    "mvarlen": {"attn_implementation": "varlen"},  # Megatron: flash varlen core attention instead of the T x T mask
-    "mvarlen_ac": {"attn_implementation": "varlen", "activation_checkpointing": True},
+    # Megatron: flash varlen core attention instead of the T x T mask; full-vocabulary fp32 logits and foreach
+    # AdamW (the engine as measured before its chunked head: learner.logprobs' auto is now chunked at TP=1)
+    "mvarlen": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off"},
+    "mvarlen_ac": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off",
+                   "activation_checkpointing": True},
+    # + chunked log-probs (the output processor hook, learner/megatron/engine.py), still foreach AdamW
+    "mchunked": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "off"},
+    # + fused AdamW (torch's fused kernel in Megatron's optimizer; without TE/apex it is foreach AdamW)
+    "mfused": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on"},
+    # + torch.compile of each layer's MLP
+    "mcompile": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on",
+                 "compile_blocks": True},
 }
 
 
@@ -241,7 +251,8 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
         from learner.run import init_distributed, make_engine
 
         init_distributed("nccl", timeout_s=300)
-        over = VARIANTS[kw["variant"]]  # Megatron reads attn_implementation and activation_checkpointing
+        over = VARIANTS[kw["variant"]]  # Megatron reads attn_implementation, activation_checkpointing, logprobs,
+        # logprob_chunk, fused_optimizer and compile_blocks
         lc = LearnerConfig.model_validate({
             "engine": kw["engine"], "loss": {"correction": "tis"}, "optim": {"lr": 1e-6},
             "micro_batch_tokens": kw["micro_tokens"],

@@ -114,7 +114,8 @@ class LearnerConfig(ConfigModel):
     fused_optimizer: Literal["auto", "on", "off"] = "auto"
     meta_init: Literal["auto", "on", "off"] = Field(
         "auto", description="build on the meta device and load each rank's shards from safetensors")
-    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP)")
+    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP); "
+                                   "Megatron: each layer's MLP")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
@@ -158,4 +159,7 @@ class LearnerConfig(ConfigModel):
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
                              "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        if self.engine == "megatron" and self.logprobs == "chunked" and self.megatron.tensor_model_parallel_size > 1:
+            raise ValueError("learner.logprobs=chunked with learner.engine=megatron needs tensor_model_parallel_size=1 "
+                             "(the vocab-sharded head is not chunked); use logprobs=auto or full with TP>1")
         return self

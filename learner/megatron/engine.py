@@ -12,6 +12,20 @@ drop the vocab padding, then reuse ``learner.engine.logprobs_from_selected``. We
 ``tensor_parallel.vocab_parallel_cross_entropy`` because the entropy metric needs the whole distribution,
 the padded vocab rows must be excluded, and only n response rows (not T) are gathered.
 
+Chunked log-probs (``learner.logprobs``: ``chunked``, or ``auto`` on GPU; TP=1 only): the model never
+produces logits. ``GPTModel.forward``'s ``output_processor`` hook receives the final hidden state (after
+the final norm) on the last stage in place of the output layer call; we select the response rows and hand
+them, with the output layer's (or the tied embedding's) weight, to ``learner.logprobs.chunked_logprobs``,
+which builds at most ``learner.logprob_chunk`` rows of fp32 logits at a time (forward and backward). The
+head stays fp32 as with ``fp32_output_layer``: the hidden rows and the weight are upcast before the chunk
+matmuls. The hook returns [n, 2] (log-prob, entropy) as the model output, which the schedule hands to
+``loss_func``; earlier pipeline stages return hidden states before the hook as before. With TP>1 the head is
+vocab-sharded and ``auto`` keeps the full path (``chunked`` is refused by the config).
+
+Optimizer: without Transformer Engine or apex, Megatron's Adam is torch's AdamW in its foreach mode;
+``learner.fused_optimizer`` (auto: on GPU) sets its parameter groups to the fused kernel. ``compile_blocks``
+compiles each layer's MLP (the attention stays eager: the varlen metadata is module state).
+
 Packing: one packed row per micro-batch, sequences kept apart by a block-diagonal causal mask built
 from the restarting ``position_ids``. Megatron applies RoPE by absolute row position, which is exact
 for packing because RoPE attention scores depend only on the distance between positions.
@@ -159,6 +173,12 @@ def pad_row(mb: MicroBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, pos
 
 
+def _torch_optimizers(opt) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's (chained, distributed or fp32) optimizer wrapper."""
+    parts = getattr(opt, "chained_optimizers", None) or [opt]
+    return [p.optimizer for p in parts if isinstance(getattr(p, "optimizer", None), torch.optim.Optimizer)]
+
+
 class MegatronEngine(TrainingEngine):
     def __init__(self, cfg: LearnerConfig, model_path: str, total_steps: int, seed: int = 0) -> None:
         import_megatron()
@@ -198,6 +218,10 @@ class MegatronEngine(TrainingEngine):
         if cfg.attn_implementation == "varlen" and not self.varlen:
             logger.warning("learner.attn_implementation=varlen needs a GPU, PP=1 and no sequence parallelism; "
                            "using Megatron's masked attention")
+        # Chunked log-probs (module docstring): auto = on GPU with TP=1; chunked with TP>1 is a config error.
+        if cfg.logprobs == "chunked" and tp > 1:
+            raise ValueError("learner.logprobs=chunked needs tensor_model_parallel_size=1 on the Megatron engine")
+        self.chunked = tp == 1 and (cfg.logprobs == "chunked" or (cfg.logprobs == "auto" and on_gpu))
         self.shape = cv.ModelShape.from_hf(self.hf_config, tp=tp)
         self.shape.check_tp(tp)
         self.tcfg = transformer_config(self.hf_config, self.shape, mc, bf16=on_gpu,
@@ -237,12 +261,28 @@ class MegatronEngine(TrainingEngine):
                                params_dtype=torch.bfloat16 if on_gpu else torch.float32,
                                use_distributed_optimizer=mc.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        # Without Transformer Engine/apex Megatron's Adam is torch.optim.AdamW in its default (foreach) mode;
+        # learner.fused_optimizer (auto: on GPU) switches its groups to the fused CUDA kernel, as FSDP does.
+        self.fused_optimizer = on_gpu and (cfg.fused_optimizer == "on" or cfg.fused_optimizer == "auto")
+        if self.fused_optimizer:
+            for inner in _torch_optimizers(self.optimizer):
+                for g in inner.param_groups:
+                    g.update(fused=True, foreach=False)
+        # learner.compile_blocks: torch.compile of each layer's MLP (fc1, SwiGLU, fc2: shapes only, no packing
+        # state; the attention, whose varlen metadata is module state, stays eager).
+        if cfg.compile_blocks and on_gpu:
+            from torch import _dynamo
+
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 8 * len(self.layers))
+            for layer in self.gpt.decoder.layers:
+                layer.mlp.forward = torch.compile(layer.mlp.forward)
         self.lr_fn = lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio)
         self.steps_taken = 0
         n_local = sum(p.numel() for p in self.gpt.parameters())
-        logger.info("Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, model %s",
+        logger.info("Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, chunked "
+                    "log-probs %s, fused AdamW %s, model %s",
                     self.rank, self.world_size, self.tp_rank, tp, self.pp_rank, pp, self.data_rank,
-                    self.data_world_size, self.device, n_local, model_path)
+                    self.data_world_size, self.device, n_local, self.chunked, self.fused_optimizer, model_path)
 
     def _reference_on_gpu(self, on: bool) -> None:
         """Offloaded reference: point its parameters at GPU copies of the pinned CPU weights, or back."""
@@ -301,9 +341,30 @@ class MegatronEngine(TrainingEngine):
             ids, pos = pad_row(mb, -(-max(length, mb.n_tokens) // self.tp) * self.tp)
         return ids, pos, packed_attention_mask(pos)
 
+    def _head_kwargs(self, mb: MicroBatch) -> dict[str, Any]:
+        """GPTModel.forward kwargs: the chunked head as its output processor, or none (full logits)."""
+        if not self.chunked:
+            return {}
+        return {"output_processor": self._chunked_head, "output_processor_context": mb}
+
+    def _chunked_head(self, *, hidden_states: torch.Tensor, output_layer: torch.nn.Module,
+                      output_weight: torch.Tensor | None, context: MicroBatch, **_unused) -> torch.Tensor:
+        """GPTModel's output processor (last stage): [S, 1, H] final hidden state -> [n, 2] (log-prob, entropy)."""
+        from learner.logprobs import chunked_logprobs
+
+        mb = context
+        w = output_layer.weight if output_weight is None else output_weight  # tied: the embedding weight
+        h = hidden_states[mb.target_index, 0]  # [n, H] response positions only
+        # fp32 head, as fp32_output_layer: both operands upcast, the vocab padding rows dropped
+        logp, ent = chunked_logprobs(h.float(), w[: self.shape.vocab].float(), mb.targets, self.cfg.temperature,
+                                     self.cfg.logprob_chunk)
+        return torch.stack([logp, ent.detach()], dim=-1)
+
     def _logprobs(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+        if self.chunked:  # the model's output is already [n, 2] from _chunked_head
+            return logits[:, 0], logits[:, 1]
         sel = logits[0, mb.target_index]  # [n, Vp/tp]
         if self.tp > 1:
             sel = gather_from_tensor_model_parallel_region(sel)
@@ -314,7 +375,7 @@ class MegatronEngine(TrainingEngine):
             raise NotImplementedError("forward_logprobs of one micro-batch needs PP=1; use prepare_logprobs")
         ids, pos, mask = self._inputs(mb, self._row_length([mb]))
         with torch.set_grad_enabled(grad):
-            logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask)
+            logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **self._head_kwargs(mb))
             return self._logprobs(logits, mb)
 
     def _run(self, mbs: list[MicroBatch], loss_of, forward_only: bool,
@@ -331,7 +392,7 @@ class MegatronEngine(TrainingEngine):
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids, pos, mask = self._inputs(mb, length)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, **self._head_kwargs(mb))
 
             def loss_func(logits):
                 logp, ent = self._logprobs(logits, mb)

@@ -46,7 +46,8 @@ def bf16_model(src: Path, out: Path) -> Path:
 
 
 def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True, pp: int = 1, kl_coef: float = 0.0,
-                reference_offload: bool = True, attn: str = "auto"):
+                reference_offload: bool = True, attn: str = "auto", logprobs: str = "auto", temperature: float = 1.0,
+                logprob_chunk: int = 4096):
     from learner.config import LearnerConfig
 
     return LearnerConfig.model_validate({
@@ -54,7 +55,8 @@ def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True, pp: int = 
         # eps 1e-5: as in the CPU learner tests, Adam's first step of a near-zero gradient stays smooth.
         "optim": {"lr": 1e-3, "eps": 1e-5, "grad_clip": 1.0},
         "micro_batch_tokens": 64,
-        "reference_offload": reference_offload, "attn_implementation": attn,
+        "reference_offload": reference_offload, "attn_implementation": attn, "logprobs": logprobs, "temperature": temperature,
+        "logprob_chunk": logprob_chunk,
         "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
                      "use_distributed_optimizer": dist_opt},
     })
@@ -125,10 +127,13 @@ def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
     for i, model in enumerate(kw["models"]):
         engine = MegatronEngine(learner_cfg(kw["tp"], kw.get("sp", False), kw.get("dist_opt", True), kw.get("pp", 1),
                                             kw.get("kl_coef", 0.0), kw.get("reference_offload", True),
-                                            kw.get("attn", "auto")), model,
+                                            kw.get("attn", "auto"), kw.get("logprobs", "auto"),
+                                            kw.get("temperature", 1.0), kw.get("logprob_chunk", 4096)), model,
                                 total_steps=3, seed=0)
         res[f"build_s_{i}"] = time.time() - t0
-        if engine.post:  # the dtype the output layer's logits come out in (fp32: learner/megatron/engine.py)
+        res["chunked"] = engine.chunked
+        if engine.post:  # the dtype the output layer's logits come out in (fp32: learner/megatron/engine.py;
+            # never called with chunked log-probs, whose head takes the output layer's weight instead)
             engine.gpt.output_layer.register_forward_hook(
                 lambda _m, _i, out: res.__setitem__("head_dtype", str(out[0].dtype)))
         if kw.get("roundtrip"):

@@ -88,7 +88,9 @@ def test_qwen3_megatron_matches_fsdp_with_fp32_heads(qwen3, tmp_path):
     """Tolerances as tests/gpu/test_megatron_gpu.py's FSDP parity (bf16 bodies through different attention
     kernels: ~1e-2 nats per token through two layers; both heads fp32, so the head adds nothing)."""
     ref = _spawn(mw.fsdp_rank, {"models": [qwen3], "out": str(tmp_path / "fsdp")})
-    got = _spawn(mw.megatron_rank, {"models": [qwen3], "tp": 1, "grads": True, "out": str(tmp_path / "meg")})
+    # logprobs=full: the output layer itself runs, so its output dtype can be checked (auto would be chunked)
+    got = _spawn(mw.megatron_rank, {"models": [qwen3], "tp": 1, "grads": True, "logprobs": "full",
+                                    "out": str(tmp_path / "meg")})
     assert got["head_dtype"] == "torch.float32"
     g_ref = torch.cat([ref["grads"][k].flatten() for k in sorted(ref["grads"])])
     g_got = torch.cat([got["grads"][k].flatten() for k in sorted(ref["grads"])])

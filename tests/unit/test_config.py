@@ -139,6 +139,14 @@ def test_fsdp_offload_keys_and_megatron_refusal():
         load_run_config("tiny", ["learner.engine=megatron", "learner.param_offload=true"])
 
 
+def test_megatron_chunked_logprobs_need_tp1():
+    tp2 = ["learner.engine=megatron", "learner.megatron.tensor_model_parallel_size=2"]
+    assert load_run_config("tiny", ["learner.engine=megatron", "learner.logprobs=chunked"]).learner.logprobs == "chunked"
+    assert load_run_config("tiny", tp2).learner.logprobs == "auto"  # auto: the full head with TP>1
+    with pytest.raises(ConfigError, match="logprobs=chunked with learner.engine=megatron needs tensor_model_parallel"):
+        load_run_config("tiny", [*tp2, "learner.logprobs=chunked"])
+
+
 def test_a_hub_id_not_in_the_cache_fails_at_config_time_saying_what_to_do(tmp_path, monkeypatch):
     from launch.config import resolve_model_path
 
