@@ -154,7 +154,9 @@ class FSDPEngine(TrainingEngine):
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         kw = self.fast.forward_kwargs(mb)
         if self.fast.chunked_logprobs:
-            return head_logprobs(model, mb, self.cfg.temperature, self.fast.logprob_chunk, **kw)
+            # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
+            cd = torch.bfloat16 if self.device.type == "cuda" else None
+            return head_logprobs(model, mb, self.cfg.temperature, self.fast.logprob_chunk, cd, **kw)
         return packed_forward(model, mb, self.cfg.temperature, **kw)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

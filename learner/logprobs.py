@@ -8,9 +8,14 @@ chunk's logits are upcast to fp32, reduced to (log-prob of the target, logsumexp
 backward recomputes a chunk's logits and turns them into the gradient of hidden rows and head weight
 (d logp / d logits = onehot(target) - softmax), so peak memory is one chunk's logits, not n rows.
 
-Guarantees: the same function as the plain path. The logits are rounded exactly as the plain path
-rounds them (the head's matmul in the dtype of its inputs, then fp32), so on fp32 inputs the two differ
-only by the order of fp32 sums; entropies carry no gradient in both (the loss uses them as a metric).
+Precision: the head's operands are taken in ``compute_dtype`` (default: their own dtype) and the logits
+are fp32. bf16/fp16 operands on CUDA run on tensor cores with fp32 accumulation and an fp32 result
+(``torch.mm(..., out_dtype=float32)``, or TF32 on the upcast operands where that is missing, which is exact
+for them: TF32 keeps 10 mantissa bits, bf16 7, fp16 10), so no logit is rounded to the operands' dtype.
+That is the same function as an fp32 head on the same (bf16) weights and hidden state, at tensor-core speed,
+where an fp32 matmul would run on the GPU's much slower fp32 units. On fp32 operands (CPU) it is the plain
+path's fp32 matmul; the two differ only by the order of fp32 sums. Entropies carry no gradient in either
+(the loss uses them as a metric).
 
 Hooked into a transformers causal LM by :func:`head_logprobs`: the model is called as usual (so FSDP's
 hooks unshard and reshard the head exactly as in a normal forward), with ``logits_to_keep`` set to the
@@ -28,21 +33,47 @@ import torch
 DEFAULT_CHUNK = 4096
 
 
+_HALF = (torch.bfloat16, torch.float16)
+_out_dtype_mm: bool | None = None  # torch.mm(..., out_dtype=) runs here (probed at the first call)
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fp32. Half-precision CUDA operands: tensor cores, fp32 accumulation, fp32 result."""
+    global _out_dtype_mm
+    if not (a.is_cuda and a.dtype in _HALF):
+        return (a @ b).float()
+    if _out_dtype_mm is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _out_dtype_mm = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _out_dtype_mm = False
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # exact for upcast half operands (see the module docstring)
+    try:
+        return a.float() @ b.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.Tensor:
-    logits = (h @ weight.t()).float()  # the head's matmul in its own dtype, as nn.Linear does; then fp32
+    logits = mm_fp32(h, weight.t())
     return logits * inv_t if inv_t != 1.0 else logits
 
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int):
+    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int, compute_dtype):
         n = hidden.shape[0]
+        cd = compute_dtype or hidden.dtype
+        h_c, w_c = hidden.to(cd), weight.to(cd)  # no copy when they are in it already
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            logits = _chunk_logits(hidden[s:e], weight, inv_t)
+            logits = _chunk_logits(h_c[s:e], w_c, inv_t)
             z = torch.logsumexp(logits, dim=-1)
             lse[s:e] = z
             logp[s:e] = logits.gather(-1, targets[s:e].view(-1, 1)).squeeze(-1) - z
@@ -51,14 +82,15 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             ent[s:e] = z - expected
             del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_t, ctx.chunk = inv_t, chunk
+        ctx.inv_t, ctx.chunk, ctx.cd = inv_t, chunk, cd
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, _g_ent):
         hidden, weight, targets, lse = ctx.saved_tensors
-        inv_t, chunk = ctx.inv_t, ctx.chunk
+        inv_t, chunk, cd = ctx.inv_t, ctx.chunk, ctx.cd
+        h_c, w_c = hidden.to(cd), weight.to(cd)
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_h = torch.empty_like(hidden) if need_h else None
@@ -68,26 +100,29 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         rows = torch.arange(chunk, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            logits = _chunk_logits(hidden[s:e], weight, inv_t)
+            logits = _chunk_logits(h_c[s:e], w_c, inv_t)
             # d logp / d logits = onehot(target) - softmax; times the incoming gradient and 1/T
             grad = torch.exp_(logits.sub_(lse[s:e, None])).mul_(-g_logp[s:e, None].float())
             grad[rows[: e - s], targets[s:e]] += g_logp[s:e].float()
             if inv_t != 1.0:
                 grad.mul_(inv_t)
-            grad = grad.to(hidden.dtype)
+            grad = grad.to(cd)
             if need_h:
-                g_h[s:e] = grad @ weight
+                g_h[s:e] = mm_fp32(grad, w_c)
             if need_w:
-                g_w += (grad.t() @ hidden[s:e]).float()  # accumulated over chunks in fp32
+                g_w += mm_fp32(grad.t(), h_c[s:e])  # accumulated over chunks in fp32
             del logits, grad
-        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None
+        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk: int = DEFAULT_CHUNK, compute_dtype: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """[n] fp32 log-probs of ``targets`` and [n] fp32 entropies under softmax(hidden @ weight.T / temperature).
 
-    ``hidden`` [n, h] and ``weight`` [V, h] in the compute dtype; gradients flow to both (not to the entropy).
+    ``hidden`` [n, h] and ``weight`` [V, h]; the head's operands are cast to ``compute_dtype`` (default:
+    ``hidden``'s dtype), the logits are fp32 (module docstring). Gradients flow to both in their own dtypes
+    (not to the entropy).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [n, h] and weight [V, h] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -98,7 +133,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32)
         return z + (hidden.sum() + weight.sum()) * 0, z.clone()
-    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk)
+    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype)
 
 
 @contextmanager
@@ -111,11 +146,12 @@ def _swapped_head(head: torch.nn.Module, fn):
 
 
 def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
-                  **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                  compute_dtype: torch.dtype | None = None, **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed micro-batch through a transformers causal LM, chunked.
 
     The LM head must be a bias-free linear layer (``get_output_embeddings()``: every Llama/Qwen2-family
-    model); ``forward_kwargs`` go to the model (e.g. varlen attention metadata).
+    model); ``forward_kwargs`` go to the model (e.g. varlen attention metadata). ``compute_dtype``: the head's
+    operand dtype (FSDP on GPU passes bf16: its fp32 root would otherwise run the head on fp32 units).
     """
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None or not hasattr(head, "weight"):
@@ -124,7 +160,7 @@ def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: i
     def forward(h: torch.Tensor) -> torch.Tensor:
         # h: [1, n, hidden] (logits_to_keep selected the response positions); the head's weight here is
         # the unsharded one FSDP gathered for this forward.
-        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk)
+        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk, compute_dtype)
         # Returned as the model's "logits" [1, n, 2], so the result leaves through the model's output (FSDP
         # hooks its backward on the outputs).
         return torch.stack([logp, ent], dim=-1).unsqueeze(0)

@@ -17,8 +17,9 @@ produces logits. ``GPTModel.forward``'s ``output_processor`` hook receives the f
 the final norm) on the last stage in place of the output layer call; we select the response rows and hand
 them, with the output layer's (or the tied embedding's) weight, to ``learner.logprobs.chunked_logprobs``,
 which builds at most ``learner.logprob_chunk`` rows of fp32 logits at a time (forward and backward). The
-head stays fp32 as with ``fp32_output_layer``: the hidden rows and the weight are upcast before the chunk
-matmuls. The hook returns [n, 2] (log-prob, entropy) as the model output, which the schedule hands to
+logits are the same fp32 function as ``fp32_output_layer``'s upcast head, computed from the bf16 operands
+on tensor cores with fp32 accumulation (an fp32 matmul would run on the GPU's fp32 units, at a fraction of
+the speed: on one H200 the upcast head halved the step's throughput). The hook returns [n, 2] (log-prob, entropy) as the model output, which the schedule hands to
 ``loss_func``; earlier pipeline stages return hidden states before the hook as before. With TP>1 the head is
 vocab-sharded and ``auto`` keeps the full path (``chunked`` is refused by the config).
 
@@ -355,8 +356,9 @@ class MegatronEngine(TrainingEngine):
         mb = context
         w = output_layer.weight if output_weight is None else output_weight  # tied: the embedding weight
         h = hidden_states[mb.target_index, 0]  # [n, H] response positions only
-        # fp32 head, as fp32_output_layer: both operands upcast, the vocab padding rows dropped
-        logp, ent = chunked_logprobs(h.float(), w[: self.shape.vocab].float(), mb.targets, self.cfg.temperature,
+        # fp32 logits from the bf16 operands (tensor cores, fp32 accumulation: learner/logprobs.py), the same
+        # function as fp32_output_layer's upcast head; the vocab padding rows dropped
+        logp, ent = chunked_logprobs(h, w[: self.shape.vocab], mb.targets, self.cfg.temperature,
                                      self.cfg.logprob_chunk)
         return torch.stack([logp, ent.detach()], dim=-1)
 

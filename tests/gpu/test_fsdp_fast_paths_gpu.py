@@ -1,6 +1,6 @@
 """The FSDP engine's GPU fast paths compute what the plain paths compute (issue 21), on one GPU.
 
-- chunked log-probs/entropy from the hidden state (learner/logprobs.py) vs full bf16 logits upcast to fp32;
+- chunked log-probs/entropy from the hidden state (learner/logprobs.py) vs full fp32 logits of the bf16 operands;
 - varlen flash attention over a packed row (learner/attention.py) vs sdpa with transformers' packed mask;
 - a whole FSDP train step with every fast path (meta-device init, chunked, varlen, fused AdamW) vs the
   plain engine: the same initial shards bit for bit, the same loss and gradient norm within bf16 tolerance.
@@ -41,14 +41,15 @@ def test_chunked_logprobs_match_full_logits_bf16():
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
     coef = torch.randn(n, device="cuda", generator=g)
     for temperature in (1.0, 0.7):
-        ref_lp, ref_ent = logprobs_from_selected(hidden @ weight.t(), targets, temperature)
+        ref_lp, ref_ent = logprobs_from_selected(hidden.float() @ weight.float().t(), targets, temperature)
         (ref_lp * coef).sum().backward()
         ref_gh, ref_gw = hidden.grad.clone(), weight.grad.clone()
         hidden.grad = weight.grad = None
         lp, ent = chunked_logprobs(hidden, weight, targets, temperature, chunk=1024)  # 1024 does not divide 3000
         (lp * coef).sum().backward()
-        # Same bf16 logits, both reduced in fp32: they differ only in the order of fp32 sums over 32k terms
-        # (~1e-6 relative on values of ~10): 1e-4 absolute.
+        # The same fp32 logits of the bf16 operands (the chunked head multiplies them on tensor cores with an
+        # fp32 result, the reference upcasts them), both reduced in fp32: they differ only in the order of
+        # fp32 sums (~1e-6 relative on values of ~10): 1e-4 absolute.
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-4)
         torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-4)
         # Gradients pass through a bf16 matmul in both (8 significant bits): 2e-2 relative to each tensor's
@@ -155,3 +156,25 @@ def test_fast_engine_step_matches_plain(tmp_path, one_rank_group, tie):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
         assert abs(a["entropy"] - b["entropy"]) <= 1e-2, (a["entropy"], b["entropy"])
         assert abs(a["loss_total"] - b["loss_total"]) <= 2e-2 * (abs(a["loss_total"]) + 1e-2)
+
+
+@pytest.mark.timeout(60)
+def test_the_head_matmul_of_half_operands_is_their_exact_fp32_product():
+    """learner.logprobs.mm_fp32: bf16/fp16 operands on tensor cores with an fp32 result equal the fp32 matmul of
+    the upcast operands to the order of fp32 sums (products of half values are exact in fp32), where a plain
+    bf16 matmul rounds every logit to 8 significant bits."""
+    _need_cuda()
+    from learner import logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        a = torch.randn(512, 896, device="cuda", generator=g).to(dtype)
+        b = torch.randn(896, 4096, device="cuda", generator=g).to(dtype)
+        ref = a.double() @ b.double()
+        out = logprobs.mm_fp32(a, b)
+        assert out.dtype == torch.float32
+        err = float((out.double() - ref).abs().max() / ref.abs().max())
+        rounded = float(((a @ b).double() - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5 and rounded > 1e-4, (dtype, err, rounded, logprobs._out_dtype_mm)
+        print(f"mm_fp32 {dtype}: max rel err {err:.2e} (a half-precision result: {rounded:.2e}); "
+              f"torch.mm out_dtype used: {logprobs._out_dtype_mm}")
