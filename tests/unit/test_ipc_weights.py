@@ -246,3 +246,16 @@ def test_repacked_parameters_are_checked_by_name_and_dtype_only():
     bad["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(256, 128, dtype=torch.bfloat16)
     with pytest.raises(WeightPlanMismatch, match="gate_proj.weight: dtype bfloat16 but the engine's "):
         check_plan(_plan(bad), table, PACKED)
+
+
+def test_publisher_client_of_the_ipc_backend():
+    """The learner's rank 0 asks for its clients with the publisher's backend: 'ipc' gets the IPC client."""
+    from launch.config import load_run_config
+    from launch.learner_ranks import publish_client
+    from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
+    from weight_sync.ipc_publisher import IpcEndpoint, IpcPublisher
+
+    cfg = load_run_config("smollm2-gpu", ["colocate.enabled=true", "broker.max_staleness=0", "weight_sync.backend=gloo"])
+    c = publish_client(cfg, IpcPublisher.backend, "vllm-0", "http://127.0.0.1:1")
+    assert isinstance(c, VLLMIpcClient) and isinstance(c, IpcEndpoint)
+    assert c.weight_backend == "fleetrl" and c.update_pause_mode == "wait"
