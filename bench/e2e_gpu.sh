@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Colocated mode on ONE GPU with the real model (SmolLM2-135M-Instruct) on vLLM, in one 10-minute call:
 # learner and vLLM server share the GPU; per step the server sleeps (vLLM sleep mode, level 1) while the
-# learner trains, wakes its weights, takes the new ones (gloo on the same host: NCCL between two processes
-# on one GPU does not work), wakes its KV cache. Writes under $OUT/e2e_gpu/: summary.json (eval before /
+# learner trains, wakes its weights, takes the new ones (CUDA IPC from the learner's GPU memory:
+# colocate.weight_transport, auto = ipc on one GPU; TRANSPORT=gloo for the host path; NCCL between two
+# processes on one GPU does not work), wakes its KV cache. Writes under $OUT/e2e_gpu/: summary.json (eval before /
 # after, staleness, the colocated block), learner_steps.jsonl (per step: sleep, wake, weight-load seconds,
 # training and generation windows, mismatch), the driver/learner/fleet/server logs, and run.json
 # (the command, the date, the rc). Then bench/e2e.py's collection of the one case (e2e.json).
@@ -23,6 +24,7 @@ STEPS=${STEPS:-12}
 LIMIT_S=${LIMIT_S:-500}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
 SLEEP=${SLEEP:-level1}
 EAGER=${EAGER:-true}
+TRANSPORT=${TRANSPORT:-auto}      # colocate.weight_transport: auto (ipc here: one CUDA GPU) | ipc | gloo
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
@@ -35,7 +37,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$D/nvidia_smi_before.csv" 2>&1
 CMD=($PY launch/cluster.py --gpus 1 --recipe smollm2-gpu --max-steps "$STEPS" --no-live
      --run-dir "$D/run" --summary "$D/summary.json" "model.path=$MODEL"
-     "colocate.sleep=$SLEEP" "rollout.enforce_eager=$EAGER" run.eval_every=0 run.eval_samples=200
+     "colocate.sleep=$SLEEP" "colocate.weight_transport=$TRANSPORT" "rollout.enforce_eager=$EAGER" run.eval_every=0 run.eval_samples=200
      broker.groups_per_step=32 "$@")
 echo "${CMD[*]}" > "$D/command.txt"
 t0=$(date +%s)

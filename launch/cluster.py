@@ -221,6 +221,10 @@ def resolve_config(args: argparse.Namespace):
     if args.run_dir is not None:
         overrides.append(f"run.run_dir={args.run_dir}")
     cfg = load_run_config(recipe, overrides)
+    if cfg.colocate.weight_transport == "ipc" and (getattr(args, "gpus", None) or 1) > 1:
+        raise ConfigError(f"colocate.weight_transport=ipc loads the weights from learner rank 0's GPU into servers on "
+                          f"the same GPU; with --gpus {args.gpus} servers 1.. sit on other GPUs: use 'auto' "
+                          "(ipc on one GPU, gloo otherwise) or 'gloo'")
     if not args.simulate:  # a hub id resolves from the local HF cache, or fails here saying what to do
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
     check_reward_servers(cfg, args)

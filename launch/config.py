@@ -142,7 +142,7 @@ def _check_colocated(cfg: RunConfig) -> None:
                    "colocated mode has nothing to overlap)")
     if cfg.weight_sync.backend == "nccl":
         bad.append("weight_sync.backend='nccl' (NCCL between two processes on one GPU fails; colocated mode "
-                   "publishes over gloo on the same host)")
+                   "loads weights by CUDA IPC or gloo: colocate.weight_transport)")
     if cfg.rollout.weight_update != "pause":
         bad.append(f"rollout.weight_update={cfg.rollout.weight_update!r} (nothing is in flight at a colocated "
                    "publish: 'pause')")

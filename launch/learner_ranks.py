@@ -24,6 +24,7 @@ from launch.config import RunConfig
 from launch.monitor import setup_logging
 from launch.netsetup import curve_key_data, exports_reachable, node_host, spans_hosts
 from rollout_fleet.engines.vllm import VLLMClient
+from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
 from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
 from rollout_fleet.sglang_fleet import SGLangPublishClient
 from weight_sync.endpoint import WeightEndpoint
@@ -38,7 +39,8 @@ class RankFailed(RuntimeError):
 def publish_client(cfg: RunConfig, backend: str, eid: str, url: str) -> WeightEndpoint:
     """The publisher's client of one server: its class follows rollout.engine and the weight backend.
 
-    vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU), or with nccl_impl 'vllm'
+    vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU; backend 'ipc': CUDA IPC from the
+    colocated learner's GPU, VLLMIpcClient), or with nccl_impl 'vllm'
     vLLM's built-in NCCL backend (VLLMNcclClient: the packed settings where the installed vLLM wants
     them); sglang: SGLang's distributed update (NCCL), or with weight_sync.staging fleetrl's loader in
     SGLang's workers (weight_sync/sglang_ext.py).
@@ -50,6 +52,8 @@ def publish_client(cfg: RunConfig, backend: str, eid: str, url: str) -> WeightEn
         raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
     kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,
               update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep")
+    if backend == "ipc":  # colocated on one GPU: the learner's CUDA IPC slots (weight_sync/ipc_publisher.py)
+        return VLLMIpcClient(eid, url, **kw)
     if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":
         return VLLMNcclClient(eid, url, **kw)
     return VLLMClient(eid, url, weight_backend="fleetrl", **kw)

@@ -58,6 +58,8 @@ from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
 from weight_sync.config import NCCL_ENV, WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
+from weight_sync.ipc import choose_transport
+from weight_sync.ipc_publisher import IpcPublisher
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError
 
@@ -228,8 +230,17 @@ class LearnerRank:
         return any(self._holding.get(eid, -1) < self.last_published_version for eid in self.pub.engines)
 
     def _new_publisher(self, engine):
-        """Rank 0's publisher: on CUDA its buffers live on this rank's GPU; the group kind follows the engine."""
+        """Rank 0's publisher: on CUDA its buffers live on this rank's GPU; the group kind follows the engine.
+        Colocated with every server on this GPU (``colocate.weight_transport``): CUDA IPC, no group."""
         ws = self.cfg.weight_sync
+        colo = self.cfg.colocate
+        if colo.enabled and choose_transport(colo.weight_transport, cuda=torch.cuda.is_available(),
+                                             shared_gpu=self.world_size == 1) == "ipc":
+            plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes())
+            log.info("weight sync: CUDA IPC into the colocated engines, %d bucket(s), %d slot(s)",
+                     len(plan.buckets), colo.ipc_slots)
+            return IpcPublisher(plan, device=f"cuda:{torch.cuda.current_device()}", slots=colo.ipc_slots,
+                                timeout_s=ws.timeout_s)
         ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
         nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
         device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
@@ -283,7 +294,8 @@ class LearnerRank:
         self._colo["colocate/release_roundtrip_seconds"] = time.monotonic() - t0
 
     def _publish_colocated(self, version: int, engine) -> None:
-        """Wake the engines' weights, publish into them (same host: gloo), wake the rest, open the gate."""
+        """Wake the engines' weights, publish into them (one GPU: CUDA IPC; else gloo on the host), wake the rest,
+        open the gate."""
         if self.rank != 0 or self.fleet is None:
             self._publish(version, engine)
             return

