@@ -56,13 +56,16 @@ def test_megatron_chunked_logprobs_match_full_logits(tmp_path, tie):
     print(f"chunked vs full ({'tied' if tie else 'untied'}): {ref['logp'].numel()} tokens, max |dlogp| {dlogp:.2e}; "
           f"grad rel {diff / norm:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; grad_norm "
           f"{m0['grad_norm']:.5f} {m1['grad_norm']:.5f}; entropy {m0['entropy']:.5f} {m1['entropy']:.5f}")
-    # The same bf16 body and the same fp32 head arithmetic (both operands upcast): the log-probs differ only by
-    # the order of fp32 sums (~1e-6), the gradients also by the flash-attention backward's non-deterministic
-    # accumulation (bf16 rounding, ~1e-3 relative at most). A head without the temperature is off by ~0.1 nats
-    # and ~0.3 relative in the gradient, a softmax over the vocab padding rows by ~1e-2 nats and ~1.5e-2
-    # (measured on the CPU test's model): both far outside these bounds.
+    # The same bf16 body and the same fp32 logits (the full head upcasts both operands, the chunked one multiplies
+    # the bf16 operands with an fp32 result: the same products): the log-probs differ only by the order of fp32
+    # sums (~1e-6). The chunked head's backward takes the logits' gradient in bf16 into its two matmuls (as every
+    # other matmul of the bf16 backward does; the full head's autograd keeps it fp32): 8 significant bits,
+    # 2^-8 = 3.9e-3 relative per element, plus the flash-attention backward's non-deterministic accumulation.
+    # Measured on an H200: 5.4e-3 (tied) and 5.5e-3 (untied), hence 1e-2. A head without the temperature is off
+    # by ~0.1 nats and ~0.3 relative in the gradient, a softmax over the vocab padding rows by ~1e-2 nats (the
+    # log-prob bound catches it) and ~1.5e-2 (measured on the CPU test's model).
     assert dlogp < 2e-3
-    assert diff / norm < 5e-3
+    assert diff / norm < 1e-2
     assert m1["loss_total"] == pytest.approx(m0["loss_total"], abs=1e-4)
     assert m1["entropy"] == pytest.approx(m0["entropy"], rel=1e-3)
     assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=5e-3)
