@@ -73,10 +73,12 @@ def dump_stacks(server: VLLMServer, out: Path, tag: str) -> str:
 
 async def burst(client: httpx.AsyncClient, model: str, prompts: int, n: int, tokens: int) -> dict:
     async def one(i: int) -> int:
+        # token ids, not text: the random model's word-level tokenizer maps every word of a text to <unk>
         r = await client.post("/v1/completions", json={
-            "model": model, "prompt": f"Question {i}: what is {i} + {2 * i + 7}? Answer:", "n": n,
+            "model": model, "prompt": [(7 * i + 3 * k) % 1000 + 10 for k in range(16)], "n": n,
             "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True, "temperature": 1.0, "logprobs": 0})
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:400]}")
         return sum(len(c["logprobs"]["tokens"]) for c in r.json()["choices"])
 
     t0 = time.monotonic()
@@ -118,7 +120,8 @@ async def run_mode(mode: str, a, out: Path) -> dict:
 
         async def post(path: str, params) -> None:
             r = await client.post(path, params=params)
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"{path} -> HTTP {r.status_code}: {r.text[:400]}")
 
         def gpu_used() -> dict:  # a short blocking call between phases: nothing else runs then
             if not shutil.which("nvidia-smi"):
