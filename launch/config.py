@@ -134,9 +134,8 @@ def _check_colocated(cfg: RunConfig) -> None:
     bad = []
     if cfg.broker.max_staleness != 0:
         bad.append(f"broker.max_staleness={cfg.broker.max_staleness} (colocated mode is synchronous: 0)")
-    if cfg.rollout.engine != "vllm":
-        bad.append(f"rollout.engine={cfg.rollout.engine!r} (colocated mode sleeps and wakes vLLM servers; "
-                   "SGLang's release_memory_occupation is not wired yet)")
+    if cfg.rollout.engine not in ("vllm", "sglang"):
+        bad.append(f"rollout.engine={cfg.rollout.engine!r} (colocated mode sleeps and wakes vLLM or SGLang servers)")
     if cfg.weight_sync.staging:
         bad.append("weight_sync.staging=true (a staged update overlaps generation with the publish; "
                    "colocated mode has nothing to overlap)")
