@@ -38,7 +38,7 @@ class ColocateConfig(ConfigModel):
         "auto", description="how the new weights go into the woken engines: 'ipc' (CUDA IPC: the engine copies "
         "from the learner's GPU memory, bucket by bucket through standing slots; needs every server on learner "
         "rank 0's GPU, i.e. --gpus 1), 'gloo' (a gloo group on the host, the CPU path); auto: ipc on one CUDA GPU, "
-        "gloo otherwise (weight_sync.ipc.choose_transport)")
+        "gloo otherwise (weight_sync.ipc.choose_transport); SGLang: gloo always (SGLang's own update)")
     ipc_slots: int = Field(3, ge=1, le=16, description="CUDA IPC: standing buffers of the learner (one bucket of "
                            "weight_sync.bucket_mb each) the engines read; a publish takes ceil(buckets / slots) "
                            "round trips")

@@ -184,3 +184,5 @@ def test_colocated_sglang_is_accepted_and_its_servers_start_with_the_memory_save
     assert not SGLangFactory(off, tmp_path, {0: ("node", (0,))})._args(0).memory_saver
     assert not SGLangFactory(load_run_config("tiny", ["rollout.engine=sglang"]), tmp_path,
                              {0: ("node", (0,))})._args(0).memory_saver
+    with pytest.raises(ConfigError, match="SGLang takes the colocated publish over gloo"):
+        load_run_config("tiny", [*COLO, "rollout.engine=sglang", "colocate.weight_transport=ipc"])
