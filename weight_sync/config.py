@@ -46,14 +46,14 @@ class WeightSyncConfig(ConfigModel):
         description="with nccl, how the group is made and what the engines run: 'torch' = a ProcessGroupNCCL "
         "for fleetrl's own receivers (vLLM started with fleetrl's weight-transfer backend: checked loads, "
         "staging; SGLang through fleetrl's loader in its workers when staging); 'vllm' = vLLM's PyNccl group "
-        "and its built-in nccl backend; 'sglang' = a ProcessGroupNCCL under the store prefixes SGLang's own "
-        "update uses. auto: 'sglang' for an SGLang fleet without staging, else 'torch'",
+        "and its built-in nccl backend; 'sglang' = a ProcessGroupNCCL (gloo with backend 'gloo', colocated mode) "
+        "under the store prefixes SGLang's own update uses. auto: 'sglang' for an SGLang fleet without staging, else 'torch'",
     )
 
     def tail_bytes(self, nccl: bool) -> int:
         """``build_plan``'s ``tail_bytes`` for this config (``nccl_impl`` resolved): 0 where vLLM's built-in backend
         (its packed format cuts buckets by its own rule) or SGLang's own update (one HTTP call per bucket) runs."""
-        if nccl and self.nccl_impl in ("vllm", "sglang"):
+        if (nccl and self.nccl_impl == "vllm") or self.nccl_impl == "sglang":  # SGLang's own update, NCCL or gloo
             return 0
         return int(self.tail_bucket_mb * (1 << 20))
 

@@ -205,14 +205,14 @@ class Publisher:
         """Acks through the group need fleetrl's receivers on every rank and a group fleetrl made (vLLM's
         built-in backend and SGLang's own update run no all-gather of ours); a staged publish's commit
         RPC is its ack anyway."""
-        own_group = self._factory is None and not (self.backend == "nccl" and self.cfg.nccl_impl == "sglang")
+        own_group = self._factory is None and self.cfg.nccl_impl != "sglang"
         return (self.cfg.acks == "group" and own_group and not self.cfg.staging and bool(ids)
                 and all(self.engines[eid].supports_group_acks for eid in ids))
 
     def _open_group(self, own: GroupInfo):
         if self._factory is not None:
             return self._factory(own)
-        if self.backend == "nccl" and self.cfg.nccl_impl == "sglang":
+        if self.cfg.nccl_impl == "sglang":  # NCCL, or gloo in colocated mode (one GPU, two processes)
             # SGLang's workers join our store under their own key prefixes and run no collective at join
             return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
         return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))

@@ -44,13 +44,13 @@ def publisher_group(store, group: GroupInfo, timeout_s: float):
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if group.backend == "gloo":  # no SGLang build runs on CPU; this path checks the key layout in CPU tests
+    if group.backend == "gloo":  # colocated mode (learner and server on one GPU), and the CPU tests' key layout
         s = store
         for p in sglang_store_prefixes(group.group_epoch, "cpu"):
             s = dist.PrefixStore(p, s)
         return dist.ProcessGroupGloo(s, 0, group.world_size, timeout)
     if group.backend != "nccl":
-        raise ValueError(f"SGLang receives weights over NCCL, not {group.backend!r}")
+        raise ValueError(f"SGLang receives weights over NCCL or gloo, not {group.backend!r}")
     s = store
     for p in sglang_store_prefixes(group.group_epoch):
         s = dist.PrefixStore(p, s)

@@ -32,6 +32,21 @@ generates::
                    or, with between_steps (TP=1): a commit request in the store -> the worker's next
                    forward first copies into the model (no pause; an idle engine gets the loader call)
 
+Colocated mode (``colocate.enabled``; the server runs with ``--enable-memory-saver``): the fleet's
+sleep / wake calls become SGLang's memory release, and the publish comes over gloo on the same host
+(NCCL between two processes on one GPU fails) through the same ``/update_weights_from_distributed``
+calls, into the group SGLang's workers build with ``backend="gloo"``::
+
+    sleep(level)       -> /release_memory_occupation {"tags": ["kv_cache", "weights"]}   (nothing may run)
+    wake_up(weights)   -> /resume_memory_occupation {"tags": ["weights"]}   (contents are garbage: the
+                          publish that follows brings every tensor)
+    ... update_weights over gloo ...
+    wake_up(kv_cache)  -> /resume_memory_occupation {"tags": ["kv_cache"]}
+
+SGLang kills its scheduler on a release while a request runs (an assert) and on a resume of a tag
+that is not released (``offload_tags.remove``), and does not refuse a generation while released: so
+the client refuses all three itself, naming the engine.
+
 Versions: SGLang 0.5.16 (the release built for torch 2.11) to 0.5.23 are
 supported; :func:`rollout_fleet.engines.sglang_server.check_sglang_version` fails fast otherwise.
 
@@ -64,6 +79,9 @@ from weight_sync.sglang_group import sglang_group_name
 log = logging.getLogger(__name__)
 
 _SESSION_API = Version("0.5.23")  # update_weights_from_distributed must sit inside begin/end_weight_update
+# What a colocated sleep releases (SGLang's GPU_MEMORY_TYPE_* tags; "cuda_graph" too only where graphs run
+# under the memory saver, which compat_args turns off on 0.5.16), and what each fleet wake tag resumes.
+RELEASE_TAGS = ("kv_cache", "weights")
 
 class _Meta(msgspec.Struct):
     output_token_logprobs: list = []
@@ -104,6 +122,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
         self._plan: WeightPlan | None = None
         self._group: GroupInfo | None = None
         self._paused = ""
+        self._released: set[str] = set()  # SGLang memory tags released by sleep() and not resumed yet
+        self._releasing = False
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -145,6 +165,9 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
             if params.seed is not None:
                 sp["sampling_seed"] = params.seed
             body = {"input_ids": list(prompt_ids), "return_logprob": True, "sampling_params": dict(sp, n=params.n)}
+        if self._released or self._releasing:  # SGLang would run the batch on unmapped memory
+            raise EngineError(f"engine {self.engine_id}: generate while its GPU memory is released "
+                              f"({sorted(self._released or RELEASE_TAGS)}); wake_up first")
         start_version = self._version
         self._inflight += 1
         self._idle.clear()
@@ -209,6 +232,55 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
             return
         await self._post("/flush_cache", {})  # refused (requests still queued) -> HTTP 400 -> EngineError
 
+    # -- memory release (colocated mode: the server runs with --enable-memory-saver) ------------------
+    async def _memory_call(self, path: str, tags: list[str], what: str) -> None:
+        """One release/resume call; SGLang 0.5.16 answers ``null`` on success, an error body otherwise."""
+        try:
+            raw = await self._post(path, {"tags": tags}, self.control_timeout_s)
+        except EngineError as e:
+            raise EngineError(f"{what} of {tags} failed: {e}", e.code) from e
+        reply = msgspec.json.decode(raw) if raw.strip() else None
+        if isinstance(reply, dict) and (reply.get("success") is False or "error" in reply):
+            raise EngineError(f"engine {self.engine_id}: {what} of {tags} failed: {reply}")
+
+    async def sleep(self, level: int) -> None:
+        """Release the server's GPU memory (weights and KV cache) for the learner's step. SGLang drops the
+        weights at both levels (no CPU copy): every colocated step publishes them after :meth:`wake_up`.
+        Waits (``control_timeout_s``) for this client's requests first: SGLang's scheduler dies on a
+        release while a request runs."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._released:
+            raise EngineError(f"engine {self.engine_id}: sleep while {sorted(self._released)} are still released")
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.control_timeout_s)
+        except TimeoutError:
+            raise EngineError(f"engine {self.engine_id}: {self._inflight} requests still running after "
+                              f"{self.control_timeout_s:.0f}s; SGLang releases memory only when idle") from None
+        self._releasing = True  # no request may start between the idle check and the release
+        try:
+            await self._memory_call("/release_memory_occupation", list(RELEASE_TAGS), "memory release")
+        finally:
+            self._releasing = False
+        self._released = set(RELEASE_TAGS)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Resume what :meth:`sleep` released: ``["weights"]`` (then publish), ``["kv_cache"]`` after; None:
+        everything still released. A tag that is not released is skipped (SGLang's scheduler dies on it)."""
+        asked = list(RELEASE_TAGS) if tags is None else list(tags)
+        unknown = [t for t in asked if t not in RELEASE_TAGS]
+        if unknown:
+            raise ValueError(f"SGLang wake_up tags must be among {list(RELEASE_TAGS)}, got {unknown}")
+        todo = [t for t in asked if t in self._released]
+        if not todo:
+            return
+        await self._memory_call("/resume_memory_occupation", todo, "memory resume")
+        self._released.difference_update(todo)
+
+    async def is_sleeping(self) -> bool:
+        """Whether this client left any of the server's memory released (SGLang 0.5.16 cannot say)."""
+        return bool(self._released)
+
     # -- weights -------------------------------------------------------------------------------
     async def _detect_session_api(self) -> bool:
         if self._session_api is None:
@@ -222,8 +294,9 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         if self.staging:  # fleetrl's receivers take gloo too (the CPU tests' stand-in server)
             return await self._loader_join(group, plan)
-        if group.backend != "nccl":
-            raise EngineError(f"engine {self.engine_id}: SGLang receives weights over NCCL, not {group.backend!r}")
+        if group.backend not in ("nccl", "gloo"):  # gloo: colocated mode, learner and server on one GPU
+            raise EngineError(f"engine {self.engine_id}: SGLang receives weights over NCCL or gloo, "
+                              f"not {group.backend!r}")
         await self._detect_session_api()
         if self._group is not None:
             try:  # leave the previous epoch's group so its communicator is freed
@@ -234,7 +307,7 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
         await self._control("/init_weights_update_group", {
             "master_address": group.master_addr, "master_port": group.master_port,
             "rank_offset": group.rank_offset, "world_size": group.world_size,
-            "group_name": sglang_group_name(group.group_epoch), "backend": "nccl"})
+            "group_name": sglang_group_name(group.group_epoch), "backend": group.backend})
         self._group, self._plan = group, plan
 
     async def update_weights(self, version: int, plan_id: str) -> str:

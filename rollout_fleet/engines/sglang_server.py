@@ -77,6 +77,9 @@ class SGLangServerArgs:
     compat: bool = True
     fleetrl_loader: bool = True  # --custom-weight-loader for staged updates; the server's python must import fleetrl
     skip_tokenizer_init: bool = True  # token ids in and out (the fleet); False: text APIs too (a judge's chat)
+    # --enable-memory-saver: weights and KV cache allocated through torch_memory_saver, so that
+    # /release_memory_occupation frees them (colocated mode); without it a release succeeds and frees nothing
+    memory_saver: bool = False
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: str | None = None
@@ -134,6 +137,8 @@ class SGLangServer:
             cmd += ["--custom-weight-loader", LOADER]
         if not a.radix_cache:
             cmd.append("--disable-radix-cache")
+        if a.memory_saver:
+            cmd.append("--enable-memory-saver")
         if a.compat:
             cmd += compat_args(version)
         return cmd + list(a.extra_args)

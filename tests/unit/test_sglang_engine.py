@@ -43,6 +43,9 @@ def test_command_carries_assignment_and_version_flags():
     assert "--disable-radix-cache" in cmd and all(f in cmd for f in compat_args(check_sglang_version("0.5.16")))
     env = srv.environment()
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["NCCL_CUMEM_ENABLE"] == "0"
+    assert "--enable-memory-saver" not in cmd
+    saver = SGLangServer(SGLangServerArgs(model="m", gpus=[3], port=1234, memory_saver=True))
+    assert "--enable-memory-saver" in saver.command(check_sglang_version("0.5.16"))
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         SGLangServerArgs(model="m", gpus=[0], port=1, tensor_parallel_size=2)
 
