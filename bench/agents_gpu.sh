@@ -8,7 +8,7 @@
 # decoded samples the tool calls and the valid ones), cluster.log and logs/.
 #
 #   PYTHONPATH=/tmp/site-vllm:/tmp/site-ray:/tmp/site-base NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
-#     MODEL=/tmp/models/smollm2-135m-instruct bash bench/agents_gpu.sh      # STEPS=20 LIMIT_S=540 by default
+#     MODEL=/tmp/models/smollm2-135m-instruct bash bench/agents_gpu.sh      # STEPS=16 LIMIT_S=500 by default
 #
 # Extra arguments go to launch/cluster.py as overrides (e.g. learner.optim.lr=2e-5 broker.groups_per_step=24).
 set -uo pipefail
@@ -18,8 +18,8 @@ D="$OUT/agents_gpu"
 mkdir -p "$D/logs"
 R=${RUN_DIR:-/tmp/agents_gpu_run}   # the run directory: outside $OUT (its files lie deeper than two folders)
 rm -rf "$R"
-STEPS=${STEPS:-20}
-LIMIT_S=${LIMIT_S:-540}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
+STEPS=${STEPS:-16}
+LIMIT_S=${LIMIT_S:-500}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
 DATA=${DATA:-data/tool_word_problems}
 RECIPE=${RECIPE:-smollm2-tools-1gpu}
@@ -37,7 +37,7 @@ CMD=($PY launch/cluster.py --gpus 1 --recipe "$RECIPE" --max-steps "$STEPS" --no
      "data.train_files=[$DATA/train.parquet]" "data.test_files=[$DATA/test.parquet]" "$@")
 echo "${CMD[*]}" > "$D/command.txt"
 t0=$(date +%s)
-timeout -s TERM -k 60 "$LIMIT_S" "${CMD[@]}" > "$D/cluster.log" 2>&1
+timeout -s TERM -k 45 "$LIMIT_S" "${CMD[@]}" > "$D/cluster.log" 2>&1
 rc=$?
 t1=$(date +%s)
 printf '{"rc": %d, "wall_s": %d, "date_utc": "%s", "command": "%s"}\n' "$rc" $((t1 - t0)) "$(cat "$D/date.txt")" \

@@ -8,7 +8,7 @@
 # cluster.log, logs/ (driver, learner, fleet, the rollout and judge servers' tails), nvidia_smi_*.csv.
 #
 #   PYTHONPATH=/tmp/site-vllm:/tmp/site-ray:/tmp/site-base NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
-#     MODEL=/tmp/models/smollm2-135m-instruct bash bench/judge_gpu.sh       # STEPS=15 LIMIT_S=540 by default
+#     MODEL=/tmp/models/smollm2-135m-instruct bash bench/judge_gpu.sh       # STEPS=15 LIMIT_S=500 by default
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -17,7 +17,7 @@ mkdir -p "$D/logs"
 R=${RUN_DIR:-/tmp/judge_gpu_run}   # the run directory: outside $OUT (its files lie deeper than two folders)
 rm -rf "$R"
 STEPS=${STEPS:-15}
-LIMIT_S=${LIMIT_S:-540}
+LIMIT_S=${LIMIT_S:-500}  # then SIGTERM: a clean shutdown that still writes the summary
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
 RECIPE=${RECIPE:-smollm2-judge-1gpu}
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -35,7 +35,7 @@ echo "${CMD[*]}" > "$D/command.txt"
   > /dev/null 2>&1 &
 probe=$!
 t0=$(date +%s)
-timeout -s TERM -k 60 "$LIMIT_S" "${CMD[@]}" > "$D/cluster.log" 2>&1
+timeout -s TERM -k 45 "$LIMIT_S" "${CMD[@]}" > "$D/cluster.log" 2>&1
 rc=$?
 t1=$(date +%s)
 kill "$probe" 2>/dev/null
