@@ -4,6 +4,7 @@ handle, and the config errors at start. CPU only, no Ray cluster (the options ar
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -74,3 +75,40 @@ def test_the_job_gets_shared_reward_servers_without_placement_groups(tmp_path: P
 def test_colocated_reward_config_errors(argv, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         _resolve(*argv)
+
+
+def test_the_judge_sends_extra_body_fields_and_reads_the_chosen_verdict():
+    import asyncio
+
+    from aiohttp import web
+
+    from rollout_fleet.reward_models import JudgeClient
+
+    seen = []
+
+    async def main():
+        async def chat(request):
+            body = await request.json()
+            seen.append(body)
+            choice = body.get("structured_outputs", {}).get("choice", ["no verdict"])[0]
+            return web.json_response({"choices": [{"message": {"content": choice}}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            judge = JudgeClient(url, model="j", verdict=re.compile("(YES|NO)"),
+                                scores={"YES": 1.0, "NO": 0.0}, retries=0,
+                                extra_body={"structured_outputs": {"choice": ["YES", "NO"]}})
+            r = await judge.score(question="q", response="42", reference="42")
+            await judge.close()
+            return r
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == 1.0
+    assert seen[0]["structured_outputs"] == {"choice": ["YES", "NO"]} and seen[0]["model"] == "j"
