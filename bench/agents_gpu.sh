@@ -21,6 +21,7 @@ rm -rf "$R"
 STEPS=${STEPS:-16}
 LIMIT_S=${LIMIT_S:-500}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
+TRANSPORT=${TRANSPORT:-gloo}       # colocate.weight_transport: gloo (the path seen working on the H200) | ipc | auto
 DATA=${DATA:-data/tool_word_problems}
 RECIPE=${RECIPE:-smollm2-tools-1gpu}
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -33,7 +34,7 @@ git rev-parse --short HEAD > "$D/commit.txt" 2>/dev/null
   || { echo "tool-task data failed: $D/data.log"; tail -5 "$D/data.log"; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$D/nvidia_smi_before.csv" 2>&1
 CMD=($PY launch/cluster.py --gpus 1 --recipe "$RECIPE" --max-steps "$STEPS" --no-live
-     --run-dir "$R" --summary "$D/summary.json" "model.path=$MODEL"
+     --run-dir "$R" --summary "$D/summary.json" "model.path=$MODEL" "colocate.weight_transport=$TRANSPORT"
      "data.train_files=[$DATA/train.parquet]" "data.test_files=[$DATA/test.parquet]" "$@")
 echo "${CMD[*]}" > "$D/command.txt"
 t0=$(date +%s)
