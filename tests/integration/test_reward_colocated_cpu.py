@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def _when(log: Path, needle: str) -> datetime:
     raise AssertionError(f"{needle!r} not in {log}")
 
 
-def test_a_colocated_judge_starts_first_and_scores_every_sample(tmp_path: Path):
+def test_a_colocated_judge_starts_first_and_scores_every_sample():
+    # a short run directory: vLLM's ZMQ socket paths under it must stay within 107 characters
+    tmp_path = Path(tempfile.mkdtemp(prefix="rjc", dir="/tmp"))
     run = tmp_path / "run"
     cmd = [sys.executable, "launch/cluster.py", "--colocate", "--recipe", "tiny", "--max-steps", "3", "--no-live",
            "--run-dir", str(run), "--summary", str(tmp_path / "out.json"), "run.eval_samples=0",
