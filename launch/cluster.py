@@ -273,15 +273,33 @@ def check_reward_servers(cfg, args: argparse.Namespace) -> None:
     if n and given:
         raise ConfigError(f"reward.model.url(s) {given} and --reward-gpus {n}: either attach to running reward "
                           "servers (url) or let the launcher start them (--reward-gpus), not both")
-    if not n and not given:
+    colocate = bool(getattr(args, "colocate", False) or getattr(args, "gpus", None) is not None)
+    srv = rm.server
+    if srv.colocated:
+        if not colocate:
+            raise ConfigError("reward.model.server.colocated=true shares the colocated GPUs: it needs --gpus N (or "
+                              "--colocate on CPU); in the disaggregated mode give reward servers GPUs of their own "
+                              "(--reward-gpus N)")
+        if n or given:
+            raise ConfigError("reward.model.server.colocated=true starts the reward servers on the shared GPUs; drop "
+                              f"{'--reward-gpus' if n else 'reward.model.url(s)'}")
+        if srv.tensor_parallel_size != 1 or srv.engine != "vllm":
+            raise ConfigError("reward.model.server.colocated=true runs one vLLM server per shared GPU: engine vllm, "
+                              f"tensor_parallel_size 1 (got {srv.engine}, {srv.tensor_parallel_size})")
+        if getattr(args, "gpus", None) and cfg.rollout.gpu_memory_utilization + srv.gpu_memory_utilization > 0.9:
+            raise ConfigError(f"rollout.gpu_memory_utilization {cfg.rollout.gpu_memory_utilization} + reward.model."
+                              f"server.gpu_memory_utilization {srv.gpu_memory_utilization} > 0.9: the reward server "
+                              "shares the GPU with the rollout server and the learner (give it e.g. 0.1)")
+        n = 1  # for the model-path check below
+    elif not n and not given:
         raise ConfigError("reward.model is set but has no server: give reward.model.url=http://HOST:PORT (a server "
                           "you started) or --reward-gpus N (the launcher starts N/TP servers on their own GPUs; "
-                          "on CPU, N servers)")
+                          "on CPU, N servers), or with --gpus N reward.model.server.colocated=true")
     if not n:
         return
-    if getattr(args, "colocate", False) or getattr(args, "gpus", None) is not None:
-        raise ConfigError("--reward-gpus is for the disaggregated mode; with --colocate/--gpus give reward.model.url")
-    srv = rm.server
+    if colocate and not srv.colocated:
+        raise ConfigError("--reward-gpus is for the disaggregated mode; with --colocate/--gpus give reward.model.url "
+                          "or reward.model.server.colocated=true (a reward server on each shared GPU)")
     cpu = args.rollout_gpus == 0 and args.learner_gpus == 0
     if cpu and srv.engine == "sglang":
         raise ConfigError("reward.model.server.engine=sglang needs GPUs (SGLang has no CPU build): use engine "

@@ -198,7 +198,12 @@ class Job:
         if self.args.colocate_gpus:
             from launch.colocated import place_colocated
 
-            return place_colocated(self, ray, self.args.colocate_gpus)
+            place_colocated(self, ray, self.args.colocate_gpus)
+            if self.cfg.reward.model is not None and self.cfg.reward.model.server.colocated:
+                from launch.reward_servers import colocated_slots, place_reward_servers
+
+                place_reward_servers(self, colocated_slots(self.server_slots), self._pin)  # reward i on GPU i
+            return None
         if r == 0 and lg == 0:
             self._reward_servers([], {})  # CPU: --reward-gpus counts servers on the driver's node
             return
@@ -227,7 +232,8 @@ class Job:
                  self.cfg.rollout.tensor_parallel_size)
 
     def _reward_servers(self, slots: list[Slot], pin: dict[str, str]) -> None:
-        if self.args.reward_gpus:
+        rm = self.cfg.reward.model
+        if self.args.reward_gpus or (rm is not None and rm.server.colocated):  # colocated on CPU: one server
             from launch.reward_servers import place_reward_servers
 
             place_reward_servers(self, slots, pin)
@@ -292,6 +298,9 @@ class Job:
             {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
             self._server_pgs(self.server_slots), curve_key_data(self.cfg))
         n = self._n_servers()
+        if self.rewards is not None and self.rewards.shared:
+            # on the rollout servers' GPUs: healthy first, so that no two vLLM servers profile one GPU's memory at once
+            self.rewards.wait_started(None, self.cfg.reward.model.server.startup_timeout_s + 60)
         started = self.fleet.start.remote(n, list(range(n)))
         if self.rewards is not None:
             self.rewards.wait_started(started, self.cfg.reward.model.server.startup_timeout_s + 60)

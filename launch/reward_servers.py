@@ -59,7 +59,8 @@ class RewardServerActor:
 
     def prepare(self, spec: dict[str, Any], run_dir: str, cache_dir: str, loopback: bool) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
-        gpus = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
+        # a colocated reward server holds no GPU of Ray's (learner rank i holds the bundle): the spec names it
+        gpus = [str(g) for g in spec.get("gpus") or ctx.get_accelerator_ids().get("GPU", [])]
         ip = ray.util.get_node_ip_address()
         host = LOOPBACK if loopback else ip
         port = free_port(host)
@@ -105,13 +106,43 @@ class RewardServerActor:
             self.server = None
 
 
+def actor_options(slots: list[Slot], pgs: list[Any], index: int, *, shared: bool, here: str) -> tuple[dict, list]:
+    """(Ray options, GPU ids for the spec) of reward server ``index``'s actor.
+
+    Own GPUs: its placement group's bundle (Ray assigns the GPUs, the actor reads them). Shared
+    (colocated mode): no GPU resource (learner rank i's bundle holds GPU i), the actor pinned to the
+    slot's node and the GPU named in its spec (``CUDA_VISIBLE_DEVICES`` of the server). CPU: the driver's node.
+    """
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+
+    if shared and slots:
+        slot = slots[index]
+        return ({"num_gpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)},
+                [str(g) for g in slot.gpu_ids])
+    if pgs:
+        return ({"num_gpus": len(slots[index].gpu_ids), "scheduling_strategy":
+                 PlacementGroupSchedulingStrategy(pgs[index], placement_group_bundle_index=0)}, [])
+    # CPU reward servers: on the driver's node, as the CPU rollout servers are
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}, []
+
+
+def colocated_slots(server_slots: dict[int, Slot]) -> list[Slot]:
+    """Colocated mode's reward slots: server i's GPU (the one learner rank i shares), in server order."""
+    return [server_slots[i] for i in sorted(server_slots)]
+
+
 class RewardServers:
-    """The driver's handle of the reward servers: placement groups, actors, URLs, start and stop."""
+    """The driver's handle of the reward servers: placement groups, actors, URLs, start and stop.
+    ``shared``: colocated mode's servers on the GPUs the learner and the rollout servers share (no
+    placement groups of their own; started, and waited for, before the rollout servers)."""
 
     def __init__(self, cfg, run_dir: Path, *, count: int, slots: list[Slot], pin: dict[str, str],
-                 loopback: bool) -> None:
+                 loopback: bool, shared: bool = False) -> None:
         self.cfg, self.run_dir, self.count = cfg, Path(run_dir), count
-        self.slots, self.pin, self.loopback = list(slots), dict(pin), loopback
+        self.slots, self.pin, self.loopback, self.shared = list(slots), dict(pin), loopback, shared
         self.pgs: list[Any] = []
         self.actors: list[Any] = []
         self.info: list[dict[str, Any]] = []
@@ -121,27 +152,22 @@ class RewardServers:
         """One placement group per GPU server (its TP bundle, pinned to the planned node); none on CPU."""
         from ray.util.placement_group import placement_group
 
+        if self.shared:
+            return []
         self.pgs = [placement_group(bundles([s], self.pin), strategy="STRICT_PACK", name=f"fleetrl-reward-{i}")
                     for i, s in enumerate(self.slots)]
         return self.pgs
 
     def launch(self) -> list[str]:
         """Create the actors, let each pick its address, then start every server (not waited for here)."""
-        from ray.util.scheduling_strategies import (
-            NodeAffinitySchedulingStrategy,
-            PlacementGroupSchedulingStrategy,
-        )
-
         cache = Path(os.environ.get("FLEETRL_CACHE_DIR", Path(__file__).resolve().parent.parent / ".cache"))
         here = ray.get_runtime_context().get_node_id()
+        specs = []
         for i in range(self.count):
-            if self.pgs:
-                opts = {"num_gpus": len(self.slots[i].gpu_ids), "scheduling_strategy":
-                        PlacementGroupSchedulingStrategy(self.pgs[i], placement_group_bundle_index=0)}
-            else:  # CPU reward servers: on the driver's node, as the CPU rollout servers are
-                opts = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+            opts, gpus = actor_options(self.slots, self.pgs, i, shared=self.shared, here=here)
             self.actors.append(RewardServerActor.options(**opts).remote())
-        refs = [a.prepare.remote(server_spec(self.cfg, i), str(self.run_dir / f"reward-{i}"),
+            specs.append(dict(server_spec(self.cfg, i), gpus=gpus))
+        refs = [a.prepare.remote(specs[i], str(self.run_dir / f"reward-{i}"),
                                  str(cache / "vllm-server"), self.loopback) for i, a in enumerate(self.actors)]
         self.info = ray.get(refs, timeout=CALL_TIMEOUT_S * 2)
         self._starts = [a.start.remote() for a in self.actors]
@@ -154,7 +180,7 @@ class RewardServers:
         """Until every reward server is healthy; ``also`` (the fleet's start) is watched meanwhile so that
         its failure is not hidden behind a long reward-server start. Raises RuntimeError naming the server."""
         pending = {ref: i for i, ref in enumerate(self._starts)}
-        waiting = list(pending) + [also]
+        waiting = list(pending) + ([also] if also is not None else [])
         t_end = time.monotonic() + timeout_s
         while pending:
             left = t_end - time.monotonic()
@@ -221,8 +247,11 @@ def place_reward_servers(job, slots: list[Slot], pin: dict[str, str]) -> None:
     """The job's reward servers in ``slots`` (GPU) or, with none, ``--reward-gpus`` CPU servers."""
     from launch.netsetup import spans_hosts
 
-    job.rewards = RewardServers(job.cfg, job.run_dir, count=len(slots) or job.args.reward_gpus, slots=slots,
-                                pin=pin, loopback=not spans_hosts(job.cfg))
+    rm = job.cfg.reward.model
+    shared = rm is not None and rm.server.colocated
+    count = len(slots) or (1 if shared else job.args.reward_gpus)
+    job.rewards = RewardServers(job.cfg, job.run_dir, count=count, slots=slots, pin=pin,
+                                loopback=not spans_hosts(job.cfg), shared=shared)
     for i, pg in enumerate(job.rewards.place()):
         job.pgs[f"reward-{i}"] = pg
 

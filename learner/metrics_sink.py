@@ -66,6 +66,18 @@ def batch_metrics(batch: pa.RecordBatch, step: int) -> tuple[dict[str, float], d
            "rollout/reward_mean": float(reward.mean())}
     for src in sorted(set(sources.tolist())):
         out[source_key(src)] = float(reward[sources == src].mean())
+    if "loss_mask" in batch.schema.names:  # multi-turn episodes: turns (runs of 1) and observations (runs of 0)
+        turns, observed = [], []
+        for m in batch.column("loss_mask").to_pylist():
+            if not m:
+                continue
+            a = np.asarray(m, dtype=np.int8)
+            starts = np.flatnonzero(np.diff(np.concatenate(([0], a))) == 1)
+            turns.append(len(starts))
+            observed.append(bool((a == 0).any()))
+        if turns:
+            out["rollout/turns_mean"] = float(np.mean(turns))
+            out["rollout/observation_fraction"] = float(np.mean(observed))
     vals, counts = np.unique(stale, return_counts=True)
     hist = {str(int(v)): int(c) for v, c in zip(vals, counts, strict=True)}
     return out, hist, sorted(set(batch.column("group_id").to_pylist()))

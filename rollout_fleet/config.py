@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -43,6 +43,10 @@ class RewardServerConfig(ConfigModel):
     extra_args: list[str] = Field(default_factory=list, description="extra server arguments, e.g. "
                                   "['--runner', 'pooling'] for a classifier reward model on vLLM")
     startup_timeout_s: float = Field(600.0, gt=0)
+    colocated: bool = Field(False, description="colocated mode (--gpus N / --colocate): one reward server on each "
+                            "shared GPU, beside learner rank i and rollout server i, within its own "
+                            "gpu_memory_utilization (it never sleeps; leave room for the others); started and healthy "
+                            "before the rollout servers start. On CPU (--colocate): one vLLM CPU server")
 
 
 class RewardModelConfig(ConfigModel):
@@ -64,6 +68,9 @@ class RewardModelConfig(ConfigModel):
     scores: dict[str, float] | None = Field(None, description="judge: verdict -> reward; None: CORRECT 1, "
                                             "INCORRECT 0")
     max_tokens: int = Field(64, ge=1, description="judge: the longest answer it may give")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="judge: further fields of each chat request, "
+                                       "e.g. {structured_outputs: {choice: [YES, NO]}} (vLLM) so that a small judge "
+                                       "always answers a verdict")
     endpoint: Literal["pooling", "classify"] = "pooling"
     timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
     retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")

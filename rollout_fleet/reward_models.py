@@ -218,7 +218,8 @@ class JudgeClient(_HttpRewardClient):
 
     def __init__(self, url: str | list[str], *, model: str, template: str = JUDGE_TEMPLATE, verdict: re.Pattern = VERDICT,
                  scores: dict[str, float] | None = None, max_tokens: int = 64, temperature: float = 0.0,
-                 timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
+                 timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64,
+                 extra_body: dict[str, Any] | None = None) -> None:
         super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                          max_concurrency=max_concurrency)
         if "{response}" not in template:  # a reference-based judge may leave the question out
@@ -226,6 +227,7 @@ class JudgeClient(_HttpRewardClient):
         self.template, self.verdict = template, verdict
         self.scores = {k.upper(): v for k, v in (scores or {"CORRECT": 1.0, "INCORRECT": 0.0}).items()}
         self.max_tokens, self.temperature = max_tokens, temperature
+        self.extra_body = dict(extra_body or {})  # e.g. vLLM's structured_outputs: a verdict the judge must choose
 
     def _parse(self, body: dict) -> float:
         text = body["choices"][0]["message"]["content"] or ""
@@ -237,7 +239,7 @@ class JudgeClient(_HttpRewardClient):
     async def score(self, *, question: str, response: str, reference: str = "") -> float:
         prompt = self.template.format(question=question, response=response, reference=reference)
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": self.max_tokens, "temperature": self.temperature}
+                "max_tokens": self.max_tokens, "temperature": self.temperature, **self.extra_body}
         return await self._post("/v1/chat/completions", body, self._parse)
 
 
@@ -306,7 +308,7 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
     if cfg.kind == "judge":
         client = JudgeClient(urls, template=cfg.template or JUDGE_TEMPLATE,
                              verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT, scores=cfg.scores,
-                             max_tokens=cfg.max_tokens, **common)
+                             max_tokens=cfg.max_tokens, extra_body=cfg.extra_body, **common)
     else:
         client = ClassifierClient(urls, endpoint=cfg.endpoint, **common)
     codec = HFCodec.from_pretrained(model_path)
