@@ -277,9 +277,13 @@ class Job:
 
     @property
     def server_actors(self) -> bool:
-        """vLLM servers on GPUs (real or fake) are each started by an actor in their own bundle."""
+        """vLLM servers on GPUs (real or fake) are each started by an actor in their own bundle.
+
+        Not in colocated mode: there a server shares its GPU with a learner rank, whose bundle holds
+        the GPU, so the fleet starts it as a process on the GPU id that bundle got (launch/colocated.py).
+        """
         return bool(self.placement.servers) and not self.simulated and self.cfg.rollout.engine == "vllm" \
-            and not self.cfg.rollout.urls
+            and not self.cfg.rollout.urls and not self.args.colocate_gpus
 
     def _server_pgs(self, indices) -> dict[int, Any] | None:
         return {i: self.pgs[f"server-{i}"] for i in indices} if self.server_actors else None

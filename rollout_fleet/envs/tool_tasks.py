@@ -27,6 +27,17 @@ SYSTEM = (
     "and stop; the result comes back in <tool_response>. When you know the answer, reply with only the "
     f"final number.\nTool schema: {json.dumps(CALCULATOR_SCHEMA['function'])}"
 )
+# One worked exchange before the problem (``--shots 1``): SmolLM2-135M-Instruct given only the system
+# turn never wrote a call in 3,840 episodes on the H200 (2026-12-02), so GRPO had no signal. The
+# demonstration is rendered as the environment renders a real exchange: the call, a user turn of
+# <tool_response>, then the bare number.
+DEMO = [
+    {"role": "user", "content": "Mia buys 37 bags with 48 stickers in each bag. How many stickers does Mia buy?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n'
+                                     "</tool_call>"},
+    {"role": "user", "content": "<tool_response>\n1776\n</tool_response>"},
+    {"role": "assistant", "content": "1776"},
+]
 NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Ben", "Lily", "Max"]
 THINGS = ["apples", "marbles", "stickers", "shells", "books", "pencils", "cookies", "coins"]
 TEMPLATES = [
@@ -37,8 +48,11 @@ TEMPLATES = [
 ]
 
 
-def make_rows(n: int, seed: int, split: str, exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-    rng, rows, seen = random.Random(seed), [], set(exclude)
+def make_rows(n: int, seed: int, split: str, exclude: frozenset[str] = frozenset(),
+              shots: int = 1) -> list[dict[str, Any]]:
+    if shots not in (0, 1):
+        raise ValueError(f"shots must be 0 or 1 (one worked exchange), got {shots}")
+    rng, rows, seen = random.Random(seed), [], set(exclude) | {DEMO[0]["content"]}
     while len(rows) < n:
         template, op, ra, rb = rng.choice(TEMPLATES)
         a, b = rng.randint(*ra), rng.randint(*rb)
@@ -47,7 +61,8 @@ def make_rows(n: int, seed: int, split: str, exclude: frozenset[str] = frozenset
             continue
         seen.add(q)
         rows.append({"data_source": DATA_SOURCE,
-                     "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                     "prompt": [{"role": "system", "content": SYSTEM}, *(DEMO if shots else []),
+                                {"role": "user", "content": q}],
                      "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(op(a, b))},
                      "extra_info": {"split": split, "index": len(rows)}})
     return rows
@@ -62,9 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=int, default=8000)
     p.add_argument("--test", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shots", type=int, default=1, choices=(0, 1), help="worked tool exchanges before the problem")
     a = p.parse_args(argv)
-    test = make_rows(a.test, a.seed * 2 + 1, "test")
-    train = make_rows(a.train, a.seed * 2, "train", frozenset(r["prompt"][1]["content"] for r in test))
+    test = make_rows(a.test, a.seed * 2 + 1, "test", shots=a.shots)
+    train = make_rows(a.train, a.seed * 2, "train", frozenset(r["prompt"][-1]["content"] for r in test), a.shots)
     a.out.mkdir(parents=True, exist_ok=True)
     for split, rows in (("train", train), ("test", test)):
         pq.write_table(pa.Table.from_pylist(rows), a.out / f"{split}.parquet")
