@@ -8,7 +8,7 @@
 # decoded samples the tool calls and the valid ones), cluster.log and logs/.
 #
 #   PYTHONPATH=/tmp/site-vllm:/tmp/site-ray:/tmp/site-base NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
-#     MODEL=/tmp/models/smollm2-135m-instruct bash bench/agents_gpu.sh      # STEPS=16 LIMIT_S=500 by default
+#     MODEL=/tmp/models/smollm2-135m-instruct bash bench/agents_gpu.sh      # STEPS=50 LIMIT_S=500 by default
 #
 # Extra arguments go to launch/cluster.py as overrides (e.g. learner.optim.lr=2e-5 broker.groups_per_step=24).
 set -uo pipefail
@@ -18,7 +18,7 @@ D="$OUT/agents_gpu"
 mkdir -p "$D/logs"
 R=${RUN_DIR:-/tmp/agents_gpu_run}   # the run directory: outside $OUT (its files lie deeper than two folders)
 rm -rf "$R"
-STEPS=${STEPS:-16}
+STEPS=${STEPS:-50}
 LIMIT_S=${LIMIT_S:-500}           # the driver gets SIGTERM then (a clean shutdown that still writes the summary)
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
 TRANSPORT=${TRANSPORT:-gloo}       # colocate.weight_transport: gloo (the path seen working on the H200) | ipc | auto

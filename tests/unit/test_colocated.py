@@ -186,3 +186,18 @@ def test_colocated_sglang_is_accepted_and_its_servers_start_with_the_memory_save
                              {0: ("node", (0,))})._args(0).memory_saver
     with pytest.raises(ConfigError, match="SGLang takes the colocated publish over gloo"):
         load_run_config("tiny", [*COLO, "rollout.engine=sglang", "colocate.weight_transport=ipc"])
+
+
+def test_colocated_servers_on_gpus_are_processes_not_actors():
+    """Colocated on GPUs the learner's bundle holds the GPU: no ``server-<i>`` bundle exists (the H200 run
+    that failed with KeyError 'server-0'), so the fleet starts its servers as processes there."""
+    from launch.driver import Job, LaunchOptions
+    from launch.placement import Placement, Slot
+
+    cfg = load_run_config("smollm2-tools-1gpu")
+    colocated = Job(cfg, LaunchOptions(colocate_gpus=1))
+    colocated.placement = Placement(learner=[Slot("n", (0,))], servers=[Slot("n", (0,))])
+    assert not colocated.server_actors and colocated._server_pgs([0]) is None
+    disaggregated = Job(cfg, LaunchOptions(rollout_gpus=1, learner_gpus=1))
+    disaggregated.placement = Placement(learner=[Slot("n", (0,))], servers=[Slot("n", (1,))])
+    assert disaggregated.server_actors

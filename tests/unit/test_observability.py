@@ -146,6 +146,11 @@ def test_a_rerun_ends_the_engine_group_a_killed_driver_left(tmp_path):
     leader = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], env=env, stdout=subprocess.PIPE,
                               start_new_session=True, text=True)
     child = int(leader.stdout.readline())
+    # `$!` is known as soon as the shell forks: wait for the child to have become `sleep` (mid-exec its
+    # /proc environ reads empty, and end_leftovers would rightly not count it as this run's; seen in CI)
+    deadline = time.monotonic() + 10
+    while b"sleep" not in Path(f"/proc/{child}/cmdline").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "pids.json").write_text(json.dumps({"driver": 999999999, "engines": [leader.pid]}))
     os.kill(leader.pid, signal.SIGKILL)
