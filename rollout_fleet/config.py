@@ -71,6 +71,12 @@ class RewardModelConfig(ConfigModel):
     extra_body: dict[str, Any] = Field(default_factory=dict, description="judge: further fields of each chat request, "
                                        "e.g. {structured_outputs: {choice: [YES, NO]}} (vLLM) so that a small judge "
                                        "always answers a verdict")
+    verdict_from: Literal["text", "logprobs"] = Field(
+        "text", description="judge: 'text' parses the answer with 'verdict'; 'logprobs' scores the probability-"
+        "weighted mean of 'scores' over the judge's first-token distribution (its top_logprobs): a graded reward "
+        "from a judge too weak to answer right, whose template must make the verdict its first word")
+    top_logprobs: int = Field(20, ge=1, le=20, description="judge, verdict_from=logprobs: first tokens read "
+                              "(vLLM serves at most --max-logprobs, 20 by default)")
     endpoint: Literal["pooling", "classify"] = "pooling"
     timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
     retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")
@@ -80,6 +86,8 @@ class RewardModelConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardModelConfig:
+        if self.kind == "classifier" and self.verdict_from != "text":
+            raise ValueError("reward.model.verdict_from=logprobs is a judge's setting; a classifier gives its score")
         if self.url is not None and self.urls:
             raise ValueError(f"reward.model.url={self.url!r} and reward.model.urls={self.urls}: give one of them")
         if self.template is not None:

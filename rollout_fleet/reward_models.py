@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections import Counter, deque
@@ -177,7 +178,7 @@ class _HttpRewardClient:
                         try:
                             value = parse(r.json())
                         except _Unparsable as e:
-                            last = _Try(reason="unparsable_verdict", message=str(e), retry=True)
+                            last = _Try(reason="unparsable_verdict", message=str(e), retry=e.retry)
                         except (ValueError, KeyError, IndexError, TypeError) as e:
                             last = _Try(reason="bad_response", message=f"{url}{path}: {type(e).__name__}: {e}",
                                         retry=False)
@@ -207,27 +208,42 @@ class _HttpRewardClient:
 
 
 class _Unparsable(ValueError):
-    pass
+    def __init__(self, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry  # a sampled answer may hold a verdict next time; a greedy distribution will not
 
 
 class JudgeClient(_HttpRewardClient):
     """A generative judge behind an OpenAI-compatible ``/v1/chat/completions`` (vLLM, SGLang). The
     template gets ``{question}``, ``{response}``, ``{reference}``; ``verdict`` (a regex whose group 1
     is in ``scores``) maps the judge's text to a reward. An answer without a verdict is a failure
-    (``unparsable_verdict``, retried: sampling may give a verdict next time), never a 0."""
+    (``unparsable_verdict``, retried: sampling may give a verdict next time), never a 0.
+
+    ``verdict_from="logprobs"`` reads the judge's distribution instead of its sampled text: one token
+    is generated with its ``top_logprobs``, each top token that starts exactly one verdict of ``scores``
+    (case and surrounding space ignored: SmolLM2 writes ``YES`` as ``Y`` + ``ES``) adds its probability
+    to that verdict, and the reward is the probability-weighted mean score over the verdicts found.
+    A small judge that would answer YES to everything still ranks the answers it is surer of higher,
+    and that ranking is what a group-relative advantage uses. The template must make the verdict the
+    judge's first word. No verdict among the top tokens is ``unparsable_verdict``, not retried (the
+    same prompt gives the same distribution)."""
 
     def __init__(self, url: str | list[str], *, model: str, template: str = JUDGE_TEMPLATE, verdict: re.Pattern = VERDICT,
                  scores: dict[str, float] | None = None, max_tokens: int = 64, temperature: float = 0.0,
                  timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64,
-                 extra_body: dict[str, Any] | None = None) -> None:
+                 extra_body: dict[str, Any] | None = None, verdict_from: str = "text", top_logprobs: int = 20) -> None:
         super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                          max_concurrency=max_concurrency)
         if "{response}" not in template:  # a reference-based judge may leave the question out
             raise ValueError(f"judge template must contain {{response}}, got {template[:80]!r}")
+        if verdict_from not in ("text", "logprobs"):
+            raise ValueError(f"verdict_from must be 'text' or 'logprobs', got {verdict_from!r}")
         self.template, self.verdict = template, verdict
         self.scores = {k.upper(): v for k, v in (scores or {"CORRECT": 1.0, "INCORRECT": 0.0}).items()}
         self.max_tokens, self.temperature = max_tokens, temperature
         self.extra_body = dict(extra_body or {})  # e.g. vLLM's structured_outputs: a verdict the judge must choose
+        self.verdict_from, self.top_logprobs = verdict_from, top_logprobs
+        self.verdict_mass = 0.0  # logprobs: the summed probability of the verdict tokens, over the calls scored
 
     def _parse(self, body: dict) -> float:
         text = body["choices"][0]["message"]["content"] or ""
@@ -236,11 +252,46 @@ class JudgeClient(_HttpRewardClient):
             raise _Unparsable(f"judge answer holds no verdict matching {self.verdict.pattern!r}: {text[:120]!r}")
         return self.scores[m.group(1).upper()]
 
+    def _verdict_of(self, token: str) -> str | None:
+        t = token.strip().upper()
+        keys = [k for k in self.scores if t and k.startswith(t)]
+        return keys[0] if len(keys) == 1 else None  # a token that starts two verdicts says nothing
+
+    def _parse_logprobs(self, body: dict) -> float:
+        top = body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        mass: dict[str, float] = {}
+        for entry in top:
+            lp = float(entry["logprob"])
+            if not lp <= 0.0:  # NaN or above 0: the server's numbers are wrong (and exp would overflow)
+                raise ValueError(f"top logprob {entry['logprob']!r} is not a log-probability")
+            p = math.exp(lp)
+            key = self._verdict_of(str(entry["token"]))
+            if key is not None:
+                mass[key] = mass.get(key, 0.0) + p
+        total = sum(mass.values())
+        if total <= 0.0:
+            tokens = [e.get("token") for e in top[:8]]
+            raise _Unparsable(f"no verdict of {sorted(self.scores)} among the judge's top {len(top)} first tokens "
+                              f"(the first: {tokens})", retry=False)
+        self.verdict_mass += total
+        return sum(self.scores[k] * p for k, p in mass.items()) / total
+
     async def score(self, *, question: str, response: str, reference: str = "") -> float:
         prompt = self.template.format(question=question, response=response, reference=reference)
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": self.max_tokens, "temperature": self.temperature, **self.extra_body}
+        if self.verdict_from == "logprobs":
+            # temperature 1: the first-token distribution itself, also from a server that returns the log-probs
+            # after sampling's processing (fleetrl's vLLM servers: processed_logprobs); the sampled token is unused
+            body.update(max_tokens=1, temperature=1.0, logprobs=True, top_logprobs=self.top_logprobs)
+            return await self._post("/v1/chat/completions", body, self._parse_logprobs)
         return await self._post("/v1/chat/completions", body, self._parse)
+
+    def status(self) -> dict[str, Any]:
+        out = super().status()
+        if self.verdict_from == "logprobs":  # how sure the judge is of any verdict at all
+            out["verdict_mass_mean"] = round(self.verdict_mass / self.calls_ok, 4) if self.calls_ok else None
+        return out
 
 
 class ClassifierClient(_HttpRewardClient):
@@ -308,7 +359,8 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
     if cfg.kind == "judge":
         client = JudgeClient(urls, template=cfg.template or JUDGE_TEMPLATE,
                              verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT, scores=cfg.scores,
-                             max_tokens=cfg.max_tokens, extra_body=cfg.extra_body, **common)
+                             max_tokens=cfg.max_tokens, extra_body=cfg.extra_body, verdict_from=cfg.verdict_from,
+                             top_logprobs=cfg.top_logprobs, **common)
     else:
         client = ClassifierClient(urls, endpoint=cfg.endpoint, **common)
     codec = HFCodec.from_pretrained(model_path)

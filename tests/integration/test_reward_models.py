@@ -132,6 +132,100 @@ def test_classifier_reward_model_pooling_format():
     assert rm.failures == {"bad_response": 1}  # a malformed answer is not retried
 
 
+def first_token(*pairs):
+    """A chat answer whose first token has the top logprobs ``pairs`` ((token, logprob), ...)."""
+    top = [{"token": t, "logprob": lp, "bytes": None} for t, lp in pairs]
+    return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": pairs[0][0]},
+                              "logprobs": {"content": [{"token": pairs[0][0], "logprob": pairs[0][1],
+                                                        "top_logprobs": top}]}}]}
+
+
+def test_a_logprob_judge_scores_the_verdicts_probability_weighted():
+    """SmolLM2 writes YES as 'Y' + 'ES': a first token that starts one verdict counts for it, in any case and
+    with its leading space; tokens of no verdict, or of two, count for none; the reward is renormalised."""
+    lnp = __import__("math").log
+    answers = [
+        first_token(("Y", lnp(0.3)), ("NO", lnp(0.1)), (" Yes", lnp(0.1)), ("The", lnp(0.4)), ("no", lnp(0.05))),
+        first_token(("Maybe", lnp(0.9)), ("I", lnp(0.1))),  # no verdict: counted, not retried
+        first_token(("Y", float("nan"))),                    # not a log-probability: bad_response
+        first_token(("Y", 1e6)),                             # above 0 (exp would overflow): bad_response
+    ]
+    async def main():
+        async with CannedServer(answers) as srv:
+            judge = JudgeClient(srv.url, model="judge", template="Ref {reference}: {response}?",
+                                scores={"YES": 1.0, "NO": 0.0, "NOPE": 0.0}, verdict_from="logprobs", top_logprobs=5,
+                                timeout_s=5, retries=2, backoff_s=0.01)
+            r = await judge.score(question="q", response="7", reference="7")
+            errors = []
+            for _ in range(3):
+                with pytest.raises(RewardModelError) as e:
+                    await judge.score(question="q", response="7", reference="7")
+                errors.append(e.value.reason)
+            await judge.close()
+            return judge, r, errors, srv.bodies
+
+    judge, r, errors, bodies = asyncio.run(main())
+    # YES: 0.3 + 0.1; NO: 'NO' starts both NO and NOPE (ambiguous), 'no' too: the verdicts found are YES only
+    assert r == pytest.approx(1.0)
+    assert errors == ["unparsable_verdict", "bad_response", "bad_response"]
+    assert len(bodies) == 4  # none of the failures was retried
+    assert bodies[0]["max_tokens"] == 1 and bodies[0]["logprobs"] is True and bodies[0]["top_logprobs"] == 5
+    assert bodies[0]["temperature"] == 1.0
+    assert judge.status()["verdict_mass_mean"] == pytest.approx(0.4)
+
+
+def test_a_logprob_judge_between_two_verdicts():
+    lnp = __import__("math").log
+    async def main():
+        async with CannedServer([first_token(("NO", lnp(0.6)), ("Y", lnp(0.2)), (" yes", lnp(0.1)))]) as srv:
+            judge = JudgeClient(srv.url, model="judge", scores={"YES": 1.0, "NO": -1.0}, verdict_from="logprobs",
+                                timeout_s=5, retries=0)
+            r = await judge.score(question="q", response="r")
+            await judge.close()
+            return r
+    # (0.3 * 1.0 + 0.6 * -1.0) / 0.9
+    assert asyncio.run(main()) == pytest.approx(-1.0 / 3.0, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_the_real_vllm_server_as_logprob_judge_matches_transformers(vllm_server):
+    """The judge's graded score from the real vLLM server's top logprobs equals the same weighted mean
+    computed from a transformers forward of the same model on the same prompt. Both are fp32 on CPU
+    with different kernels: log-probs agree to ~1e-5, so the weighted mean of probabilities to 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    scores = {"1": 1.0, "2": 0.25, "9": 0.0}
+    questions = [("12+", "3="), ("40+", "45="), ("7+", "2=")]
+
+    async def main():
+        judge = JudgeClient(vllm_server.url, model="tiny-adder", template="{question}{response}", scores=scores,
+                            verdict_from="logprobs", top_logprobs=20, timeout_s=30, retries=1, backoff_s=0.01)
+        out = [await judge.score(question=q, response=r) for q, r in questions]
+        await judge.close()
+        return out, judge
+
+    got, judge = asyncio.run(main())
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32).eval()
+    for (q, r), score in zip(questions, got, strict=True):
+        ids = tok.apply_chat_template([{"role": "user", "content": q + r}], add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in newer transformers
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
+        top = probs.topk(20)
+        mass: dict[str, float] = {}
+        for p, i in zip(top.values, top.indices, strict=True):  # ids past the tokenizer's vocabulary decode to ''
+            text = tok.decode([int(i)]).strip()
+            mass[text] = mass.get(text, 0.0) + float(p)
+        found = {k: mass[k] for k in scores if k in mass}
+        assert found, f"none of {sorted(scores)} among the top tokens of {q + r!r}"
+        expected = sum(scores[k] * p for k, p in found.items()) / sum(found.values())
+        assert score == pytest.approx(expected, abs=1e-3), (q + r, score, expected, found)
+    assert judge.failures == {} and judge.calls_ok == len(questions)
+    assert len(set(round(x, 3) for x in got)) > 1  # graded, not one constant for every prompt
+
+
 @pytest.mark.slow
 def test_the_real_vllm_server_as_judge_gives_no_verdict_and_that_is_counted(vllm_server):
     async def main():
