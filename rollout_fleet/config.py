@@ -77,7 +77,10 @@ class RewardModelConfig(ConfigModel):
         "from a judge too weak to answer right, whose template must make the verdict its first word")
     top_logprobs: int = Field(20, ge=1, le=20, description="judge, verdict_from=logprobs: first tokens read "
                               "(vLLM serves at most --max-logprobs, 20 by default)")
-    endpoint: Literal["pooling", "classify"] = "pooling"
+    endpoint: Literal["pooling", "classify"] = Field(
+        "pooling", description="classifier: vLLM's /pooling (a reward model's one score per input) or /classify "
+        "(a sequence classifier's class probabilities)")
+    label: int = Field(0, ge=0, description="classifier, endpoint classify: the class whose probability is the reward")
     timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
     retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")
     backoff_s: float = Field(0.5, ge=0)

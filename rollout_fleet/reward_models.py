@@ -312,9 +312,17 @@ class ClassifierClient(_HttpRewardClient):
         if len(data) != n:
             raise ValueError(f"{len(data)} scores for {n} inputs")
         if self.endpoint == "classify":
+            if any(self.label >= len(d["probs"]) for d in data):
+                raise ValueError(f"label {self.label} asked of a classifier with {len(data[0]['probs'])} classes")
             out = [float(d["probs"][self.label]) for d in data]
         else:
-            out = [float(d["data"][0] if isinstance(d["data"], list) else d["data"]) for d in data]
+            out = []
+            for d in data:
+                v = d["data"]
+                if isinstance(v, list) and len(v) != 1:  # a classifier's probabilities, not one reward
+                    raise ValueError(f"/pooling gave {len(v)} values per input, a reward model gives 1: for a "
+                                     f"classifier use endpoint 'classify' and its label")
+                out.append(float(v[0] if isinstance(v, list) else v))
         if not all(x == x and abs(x) != float("inf") for x in out):
             raise ValueError(f"non-finite reward in {out}")
         return out
@@ -362,6 +370,6 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
                              max_tokens=cfg.max_tokens, extra_body=cfg.extra_body, verdict_from=cfg.verdict_from,
                              top_logprobs=cfg.top_logprobs, **common)
     else:
-        client = ClassifierClient(urls, endpoint=cfg.endpoint, **common)
+        client = ClassifierClient(urls, endpoint=cfg.endpoint, label=cfg.label, **common)
     codec = HFCodec.from_pretrained(model_path)
     return ModelRewardScorer(client, codec, tokenizer=codec.tokenizer)
