@@ -3,6 +3,8 @@
 # network). Run from the repository root; output goes to stdout and to files under $OUT (default
 # ./gpu-out). The engine wheels travel as part folders (.device-bundle/, see
 # ../shared/device/README.md) and the few pure-Python deps of fleetrl as wheels in .whl/.
+# A carry counts the working tree too (8.3 MB on 2026-12-03): build the vLLM bundle with PART_MB=50
+# (parts of 50 + 35.4 MiB), since its default 60 MiB part1 no longer fits beside the repository.
 #
 #   stage-vllm-1 stage-vllm-2 stage-sglang-1..4   copy a transported part folder into /tmp/stage
 #   base            pip-install .whl/*.whl into /tmp/site-base (pydantic, msgspec, megatron-core)
