@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm_cpu import cpu_vllm_server
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-adder"
 
@@ -28,18 +30,10 @@ def vllm_server(tmp_path_factory):
     """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl weight backend over gloo)."""
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m tools.pretrain_tiny`")
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-
-    run_dir = tmp_path_factory.mktemp("vllm_server")
-    args = VLLMServerArgs(model=str(TINY_MODEL), dtype="float32", max_model_len=64, max_num_seqs=16,
-                          cpu_kvcache_gb=1, enforce_eager=True, startup_timeout_s=480, served_model_name="tiny-adder",
-                          extra_args=["--block-size", "32", "--enable-prompt-tokens-details", "--enable-scale-out"])
-    server = VLLMServer(args, run_dir)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    with cpu_vllm_server(TINY_MODEL, tmp_path_factory.mktemp("vllm_server"), max_model_len=64, max_num_seqs=16,
+                         served_model_name="tiny-adder",
+                         extra_args=["--block-size", "32", "--enable-prompt-tokens-details", "--enable-scale-out"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

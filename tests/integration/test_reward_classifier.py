@@ -16,6 +16,7 @@ import pytest
 
 from rollout_fleet.reward_models import ClassifierClient, ModelRewardScorer, RewardModelError
 from rollout_fleet.worker import Prompt
+from tests.vllm_cpu import cpu_vllm_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-adder"
@@ -42,17 +43,10 @@ def classifier_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def classifier_server(classifier_dir, tmp_path_factory):
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-
-    args = VLLMServerArgs(model=str(classifier_dir), dtype="float32", max_model_len=64, max_num_seqs=8,
-                          cpu_kvcache_gb=1, enforce_eager=True, startup_timeout_s=480, served_model_name="tiny-rm",
-                          weight_transfer=False, extra_args=["--runner", "pooling"])
-    server = VLLMServer(args, tmp_path_factory.mktemp("classifier_server"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    with cpu_vllm_server(classifier_dir, tmp_path_factory.mktemp("classifier_server"), max_model_len=64,
+                         max_num_seqs=8, served_model_name="tiny-rm", weight_transfer=False,
+                         extra_args=["--runner", "pooling"]) as s:
+        yield s
 
 
 def reference_probs(classifier_dir, texts):

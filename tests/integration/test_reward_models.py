@@ -8,6 +8,7 @@ reward-model servers, labelled as such: no GPU reward model runs on this machine
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,10 +144,9 @@ def first_token(*pairs):
 def test_a_logprob_judge_scores_the_verdicts_probability_weighted():
     """SmolLM2 writes YES as 'Y' + 'ES': a first token that starts one verdict counts for it, in any case and
     with its leading space; tokens of no verdict, or of two, count for none; the reward is renormalised."""
-    lnp = __import__("math").log
     answers = [
-        first_token(("Y", lnp(0.3)), ("NO", lnp(0.1)), (" Yes", lnp(0.1)), ("The", lnp(0.4)), ("no", lnp(0.05))),
-        first_token(("Maybe", lnp(0.9)), ("I", lnp(0.1))),  # no verdict: counted, not retried
+        first_token(("Y", math.log(0.3)), ("NO", math.log(0.1)), (" Yes", math.log(0.1)), ("The", math.log(0.4)), ("no", math.log(0.05))),
+        first_token(("Maybe", math.log(0.9)), ("I", math.log(0.1))),  # no verdict: counted, not retried
         first_token(("Y", float("nan"))),                    # not a log-probability: bad_response
         first_token(("Y", 1e6)),                             # above 0 (exp would overflow): bad_response
     ]
@@ -175,9 +175,8 @@ def test_a_logprob_judge_scores_the_verdicts_probability_weighted():
 
 
 def test_a_logprob_judge_between_two_verdicts():
-    lnp = __import__("math").log
     async def main():
-        async with CannedServer([first_token(("NO", lnp(0.6)), ("Y", lnp(0.2)), (" yes", lnp(0.1)))]) as srv:
+        async with CannedServer([first_token(("NO", math.log(0.6)), ("Y", math.log(0.2)), (" yes", math.log(0.1)))]) as srv:
             judge = JudgeClient(srv.url, model="judge", scores={"YES": 1.0, "NO": -1.0}, verdict_from="logprobs",
                                 timeout_s=5, retries=0)
             r = await judge.score(question="q", response="r")

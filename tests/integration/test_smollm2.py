@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.vllm_cpu import cpu_vllm_server
+
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data" / "word_problems"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -59,16 +61,9 @@ def test_conversion_matches_the_gguf_and_catches_a_corrupted_tensor(smollm2_mode
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_model, tmp_path_factory):
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-
-    args = VLLMServerArgs(model=str(smollm2_model), dtype="float32", max_model_len=256, max_num_seqs=16,
-                          cpu_kvcache_gb=1, enforce_eager=True, startup_timeout_s=480, served_model_name="smollm2")
-    server = VLLMServer(args, tmp_path_factory.mktemp("smollm2_server"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    with cpu_vllm_server(smollm2_model, tmp_path_factory.mktemp("smollm2_server"), max_model_len=256,
+                         max_num_seqs=16, served_model_name="smollm2") as s:
+        yield s
 
 
 def test_vllm_serves_chat_templated_samples_with_the_learners_logprobs(smollm2_model, smollm2_server):
