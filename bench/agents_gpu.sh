@@ -24,11 +24,7 @@ MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
 TRANSPORT=${TRANSPORT:-gloo}       # colocate.weight_transport: gloo (the path seen working on the H200) | ipc | auto
 DATA=${DATA:-data/tool_word_problems}
 RECIPE=${RECIPE:-smollm2-tools-1gpu}
-# GRAPHS=1: the rollout server with CUDA graphs of whole decode steps and no torch.compile (the mode
-# bench/sleep_probe.py saw sleep and wake cleanly on the H200) instead of the recipe's enforce_eager
-GRAPHS_ARGS=()
-[ "${GRAPHS:-0}" = 1 ] && GRAPHS_ARGS=(rollout.enforce_eager=false
-  "rollout.vllm_server_args=['--compilation-config','{\"mode\":0,\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}']")
+# the 1-GPU recipes run the rollout server with CUDA graphs of whole decode steps, no torch.compile
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1
@@ -39,7 +35,7 @@ git rev-parse --short HEAD > "$D/commit.txt" 2>/dev/null
   || { echo "tool-task data failed: $D/data.log"; tail -5 "$D/data.log"; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$D/nvidia_smi_before.csv" 2>&1
 CMD=($PY launch/cluster.py --gpus 1 --recipe "$RECIPE" --max-steps "$STEPS" --no-live
-     --run-dir "$R" --summary "$D/summary.json" "model.path=$MODEL" "colocate.weight_transport=$TRANSPORT" "${GRAPHS_ARGS[@]}"
+     --run-dir "$R" --summary "$D/summary.json" "model.path=$MODEL" "colocate.weight_transport=$TRANSPORT"
      "data.train_files=[$DATA/train.parquet]" "data.test_files=[$DATA/test.parquet]" "$@")
 echo "${CMD[*]}" > "$D/command.txt"
 t0=$(date +%s)

@@ -21,11 +21,7 @@ LIMIT_S=${LIMIT_S:-500}  # then SIGTERM: a clean shutdown that still writes the 
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}
 TRANSPORT=${TRANSPORT:-gloo}       # colocate.weight_transport: gloo (the path seen working on the H200) | ipc | auto
 RECIPE=${RECIPE:-smollm2-judge-1gpu}
-# GRAPHS=1: the rollout server with CUDA graphs of whole decode steps and no torch.compile (the mode
-# bench/sleep_probe.py saw sleep and wake cleanly on the H200) instead of the recipe's enforce_eager
-GRAPHS_ARGS=()
-[ "${GRAPHS:-0}" = 1 ] && GRAPHS_ARGS=(rollout.enforce_eager=false
-  "rollout.vllm_server_args=['--compilation-config','{\"mode\":0,\"cudagraph_mode\":\"FULL_DECODE_ONLY\"}']")
+# the 1-GPU recipes run the rollout server with CUDA graphs of whole decode steps, no torch.compile
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1
@@ -35,7 +31,7 @@ git rev-parse --short HEAD > "$D/commit.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$D/nvidia_smi_before.csv" 2>&1
 # the judge is the policy's own folder (reward.model.server.model_path: null -> model.path)
 CMD=($PY launch/cluster.py --gpus 1 --recipe "$RECIPE" --max-steps "$STEPS" --no-live
-     --run-dir "$R" --summary "$D/summary.json" "model.path=$MODEL" "colocate.weight_transport=$TRANSPORT" "${GRAPHS_ARGS[@]}" "$@")
+     --run-dir "$R" --summary "$D/summary.json" "model.path=$MODEL" "colocate.weight_transport=$TRANSPORT" "$@")
 echo "${CMD[*]}" > "$D/command.txt"
 ( sleep 200; nvidia-smi --query-compute-apps=pid,used_memory --format=csv > "$D/nvidia_smi_apps_200s.csv" 2>&1 ) \
   > /dev/null 2>&1 &
