@@ -128,6 +128,7 @@ from broker.schema import JOINT_MAX_BYTES, TRAJECTORY_SCHEMA, inspect_batches
 from broker.spool import Spool
 from broker.state import BrokerError, BrokerState
 from broker.waiters import Waiter, Waiters
+from core.signals import SignalFlag
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class BrokerServer:
         self._auth = curve_server(sock, keys, self._ctx)
 
     # -- loop ------------------------------------------------------------------------------------
-    def serve(self, stop: threading.Event | None = None) -> None:
+    def serve(self, stop: threading.Event | SignalFlag | None = None) -> None:
         stop = stop or threading.Event()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -550,9 +551,9 @@ def run_server(cfg: BrokerConfig, *, on_bound=None) -> None:
     """Bind, announce, serve until SIGTERM/SIGINT (used by ``python -m broker``)."""
     _keep_freed_memory()
     server = BrokerServer(cfg)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = SignalFlag()  # not a threading.Event: its lock can deadlock nested handlers (core/signals.py)
+    signal.signal(signal.SIGTERM, stop.handler)
+    signal.signal(signal.SIGINT, stop.handler)
     address = server.bind()
     if on_bound is not None:
         on_bound(server, address)

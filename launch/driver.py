@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from core.signals import SignalFlag
 from launch import resume
 from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine_groups
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
@@ -102,7 +102,7 @@ class Job:
         self._eval_step = 0  # learner step at which the last evaluation started
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
         # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
-        self.interrupted = threading.Event()
+        self.interrupted = SignalFlag()  # set by the SIGINT/SIGTERM handler: no lock (core/signals.py)
         self.elastic = None  # launch.elastic.Elastic when rollout.autoscale.enabled
         self.rewards = None  # launch.reward_servers.RewardServers with --reward-gpus
         self.resume_version = 0  # the learner checkpoint this launch resumes from (launch.resume.prepare)

@@ -12,13 +12,18 @@ Dataflow of step ``s = v + 1`` (``v``: the current policy version)::
                                    the LR schedule once per step batch)  -> version s
                 publish(s, engine)            (collective; rank 0 sends the weights)
     rank 0: source.report_version(s)
+    every rank: on_metrics(s, metrics)  (the step's record: rank 0 writes it)
     every rank: checkpoint every N steps (before the ack)
     rank 0: source.ack(lease)
+    every rank: on_committed(s)         (where a requested stop is taken: learner.run.StopRun)
 
 Invariants: a batch is acked only after its step is applied, published and,
 when due, checkpointed, so a learner that dies mid-step gets the same data again
 from the broker (at-least-once into the step; the checkpoint decides which step
-is redone). Ranks never disagree about the batch: only rank 0 talks to the
+is redone). A step's record is written before its commit (checkpoint, ack): a
+learner killed between the two redoes a step whose record the re-run replaces,
+where the other order could leave a checkpointed step with no record (its metrics
+and its groups missing from the run's counts). Ranks never disagree about the batch: only rank 0 talks to the
 source and the others receive its exact bytes. If rank 0 cannot get a batch
 (timeout, source exhausted), it broadcasts a stop mark and every rank raises
 the same error instead of hanging in a collective.
@@ -56,6 +61,7 @@ PublishHook = Callable[[int, TrainingEngine], None]
 # group uniform, or a non-finite gradient): the engines' weights are already those of the new version.
 UnchangedHook = Callable[[int], None]
 MetricsHook = Callable[[int, dict[str, float]], None]
+CommittedHook = Callable[[int], None]
 # Called on every rank once step s's batch is in, before any compute (colocated mode: rank 0 puts the
 # engines to sleep there, so the learner has the devices to itself).
 BatchHook = Callable[[int], None]
@@ -128,7 +134,8 @@ class Learner:
                  publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
                  batch_timeout_s: float | None = None, engine_dtype: str = "auto",
                  on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
-                 needs_weights: IdleHook | None = None, idle_poll_s: float = 10.0) -> None:
+                 needs_weights: IdleHook | None = None, idle_poll_s: float = 10.0,
+                 on_committed: CommittedHook | None = None) -> None:
         """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
         ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py).
 
@@ -136,7 +143,10 @@ class Learner:
         joined that holds no current weights. Every rank then publishes the current version again and
         waits on: a fleet whose servers were all replaced (late joiners at version 0, no shared disk for
         the export) cannot make the next step's groups, which are bounded by the staleness limit, until
-        the next publish, which waits for them."""
+        the next publish, which waits for them.
+
+        ``on_metrics(step, metrics)`` runs before the step's checkpoint and ack, ``on_committed(step)``
+        after them: a hook that stops the run (:class:`learner.run.StopRun`) belongs in the latter."""
         if engine.rank == 0 and source is None:
             raise ValueError("learner rank 0 needs a BatchSource")
         self.engine, self.cfg, self.source = engine, cfg, source
@@ -148,6 +158,8 @@ class Learner:
         self.on_batch = on_batch
         self.publishes_skipped = 0
         self.on_metrics = on_metrics
+        self.on_committed = on_committed
+        self.commit_s = 0.0  # the previous step's checkpoint, export and ack (after its record)
         self.batch_timeout_s = batch_timeout_s
         self.needs_weights, self.idle_poll_s = needs_weights, idle_poll_s
         self.catch_up_publishes = 0
@@ -276,14 +288,6 @@ class Learner:
         t_train_end_wall = time.time()
         if self.engine.rank == 0:
             self.source.report_version(self.version)
-        t3 = time.perf_counter()
-        if self.checkpoint_dir is not None and self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
-            self.save()
-        if self.cfg.export_every and step % self.cfg.export_every == 0:
-            self.export()
-        t_ckpt = time.perf_counter() - t3
-        if self.engine.rank == 0:
-            self.source.ack(lease)
         stale = step - 1 - oldest_versions(batch)
         metrics = {f"learner/{k}": v for k, v in m.items()}
         metrics.update({f"learner/batch_{k}": v for k, v in stats.items()})
@@ -294,9 +298,11 @@ class Learner:
             "learner/pull_seconds": t_pull,
             "learner/proximal_seconds": t_prep,
             "learner/publish_seconds": t_pub,
-            "learner/checkpoint_seconds": t_ckpt,  # checkpoint and HF export, when due
+            # the previous step's checkpoint and HF export, when due: a step's record is written before
+            # its own commit (module docstring); summed over a run the steps' totals still cover it all
+            "learner/checkpoint_seconds": self.commit_s,
             "learner/publish_skipped": float(unchanged),
-            "learner/total_step_seconds": time.perf_counter() - t0,
+            "learner/total_step_seconds": time.perf_counter() - t0 + self.commit_s,
             # the step's training window (after the batch hook, through the publish) and its samples'
             # generation window, in unix seconds: colocated mode's invariant is that they never overlap
             "learner/train_start_unix": t_train_wall,
@@ -317,7 +323,21 @@ class Learner:
                         int(metrics["learner/optimizer_steps"]), metrics["learner/total_step_seconds"])
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
+        self._commit(step, lease)
+        if self.on_committed is not None:
+            self.on_committed(step)
         return metrics
+
+    def _commit(self, step: int, lease: str | None) -> None:
+        """The step's checkpoint and export when due, then its ack: after this the step is never redone."""
+        t = time.perf_counter()
+        if self.checkpoint_dir is not None and self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            self.save()
+        if self.cfg.export_every and step % self.cfg.export_every == 0:
+            self.export()
+        if self.engine.rank == 0:
+            self.source.ack(lease)
+        self.commit_s = time.perf_counter() - t
 
     def run(self) -> list[dict[str, Any]]:
         if self.version > 0 and self.publish is not None:

@@ -332,9 +332,13 @@ class LearnerRank:
         self.fleet.engines_updated(ids, version, relabel=True)
 
     def _metrics(self, step: int, m: dict[str, float]) -> None:
+        """The step's record (rank 0), written before its checkpoint and ack (learner/loop.py)."""
         self.version = step
         if self.rank == 0:
             self._count(step, m)
+
+    def _committed(self, step: int) -> None:
+        """After the step's ack: where a stop asked for on any rank is taken, on every rank."""
         if self._agree_stop():
             raise StopRequested
 
@@ -433,7 +437,7 @@ class LearnerRank:
         try:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
             run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
-                        on_metrics=self._metrics, batch_timeout_s=self.cfg.rollout.request_timeout_s,
+                        on_metrics=self._metrics, on_committed=self._committed, batch_timeout_s=self.cfg.rollout.request_timeout_s,
                         on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None,
                         needs_weights=None if colo else self._needs_weights)
         except StopRequested:

@@ -26,7 +26,15 @@ from pydantic import ConfigDict
 
 from core.configbase import ConfigModel, ModelConfig, RunKeys, build
 from learner.config import LearnerConfig
-from learner.loop import BatchHook, IdleHook, Learner, MetricsHook, PublishHook, UnchangedHook
+from learner.loop import (
+    BatchHook,
+    CommittedHook,
+    IdleHook,
+    Learner,
+    MetricsHook,
+    PublishHook,
+    UnchangedHook,
+)
 from learner.source import BatchSource, InProcessSource
 
 logger = logging.getLogger(__name__)
@@ -69,8 +77,8 @@ class LearnerRunConfig(ConfigModel):
 
 
 class StopRun(Exception):
-    """Raised from a metrics hook on every rank at the same step: the run stops there, checkpointed
-    and exported (:func:`run_learner`), so a re-run continues from that step."""
+    """Raised from the ``on_committed`` hook on every rank at the same step (after that step's ack): the
+    run stops there, checkpointed and exported (:func:`run_learner`), so a re-run continues from that step."""
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> tuple[int, int]:
@@ -111,7 +119,7 @@ def make_engine(lc, model_path: str, *, total_steps: int, seed: int):
 def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: PublishHook | None = None,
                 on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None,
                 on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
-                needs_weights: IdleHook | None = None) -> list[dict]:
+                needs_weights: IdleHook | None = None, on_committed: CommittedHook | None = None) -> list[dict]:
     """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
 
     ``cfg`` is the run config (see :class:`LearnerRunLike`); the process group must be initialised
@@ -127,7 +135,7 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
                       batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype, on_unchanged=on_unchanged,
-                      on_batch=on_batch, needs_weights=needs_weights)
+                      on_batch=on_batch, needs_weights=needs_weights, on_committed=on_committed)
     if lc.resume:
         learner.resume()
     try:

@@ -536,3 +536,24 @@ def test_broker_serves_over_a_unix_socket(broker, tmp_path):
 
     sent, lease = run(flow())
     assert lease.batch.equals(sent)
+
+
+def test_a_burst_of_signals_stops_the_broker():
+    """SIGTERMs and SIGINTs back to back (a parent's death signal and a shutdown's at once): the broker
+    still stops, within its stop timeout. A handler that took a lock (threading.Event.set) could be
+    interrupted inside it by the next signal, whose handler then waited on that lock forever: a broker
+    left serving its port and spool after its driver was gone (core/signals.py)."""
+    import os
+    import signal
+
+    from broker.process import BrokerProcess
+
+    for _ in range(3):
+        bp = BrokerProcess(die_with_parent=False).start()
+        try:
+            for i in range(400):
+                os.kill(bp.pid, signal.SIGTERM if i % 2 else signal.SIGINT)
+            bp.proc.wait(15)  # raises TimeoutExpired if it hangs
+            assert bp.proc.returncode == 0, bp.proc.returncode
+        finally:
+            bp.kill()
