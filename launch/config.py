@@ -191,6 +191,10 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
 
     if isinstance(data.get("model"), dict) and isinstance(data["model"].get("path"), str):
         data["model"]["path"] = fix(data["model"]["path"])
+    rm = (data.get("reward") or {}).get("model") if isinstance(data.get("reward"), dict) else None
+    server = rm.get("server") if isinstance(rm, dict) else None
+    if isinstance(server, dict) and isinstance(server.get("model_path"), str):  # a judge or reward model of the repo
+        server["model_path"] = fix(server["model_path"])
     d = data.get("data")
     if isinstance(d, dict):
         for k in ("train_files", "test_files"):

@@ -147,9 +147,12 @@ class LearnerRanks:
 
     @classmethod
     def start(cls, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet, *, n: int,
-              placement_group=None, gpus_per_rank: int = 0, timeout_s: float = 60.0,
+              placement_group=None, gpus_per_rank: int = 0, timeout_s: float = 180.0,
               curve_keys: dict[str, bytes] | None = None) -> LearnerRanks:
-        """Start ``n`` rank actors (bundle ``i`` of ``placement_group`` each, when given) and their run."""
+        """Start ``n`` rank actors (bundle ``i`` of ``placement_group`` each, when given) and their run.
+
+        ``timeout_s`` bounds the actors' start (a process that imports torch): on two CPU cores shared with
+        two vLLM servers it took over 60 s once (CI, 2026-12-03)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if n < 1:
@@ -163,6 +166,11 @@ class LearnerRanks:
             actors.append(LearnerActor.options(**opts).remote(cfg_data, broker_address, run_dir, fleet, curve_keys))
         try:
             infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for a in actors:
+                ray.kill(a)
+            raise TimeoutError(f"learner: {n} rank actor(s) did not start within {timeout_s:.0f} s (placed but "
+                               f"not answering; a machine too loaded, or a rank stuck importing)") from None
         except Exception:
             for a in actors:
                 ray.kill(a)

@@ -1,6 +1,6 @@
 """Train the tiny judge from scratch on CPU: a generative grader for the addition task.
 
-The judge reads ``"ref 432 ans 431 ok?"`` (the reward's template, rendered by its chat template
+The judge reads ``"ref=432;ans=431;ok?"`` (the reward's template, rendered by its chat template
 as the user message only) and answers ``Y`` or ``N`` then ``<eos>``: ``Y`` when the candidate, with
 surrounding spaces stripped, is the reference answer (the rule of ``reward.function: exact_match``).
 It never sees the question: it is a reference-based judge, the kind a run uses when a reference
@@ -34,7 +34,7 @@ from tools.pretrain_tiny import build_model, build_tokenizer, encode_batch, save
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE = "ref {reference} ans {response} ok?"  # the recipe's reward.model.template (judge-tiny.yaml)
+TEMPLATE = "ref={reference};ans={response};ok?"  # the recipe's reward.model.template (judge-tiny.yaml)
 MAX_RESPONSE_CHARS = 8  # the tiny recipes' sampling.max_tokens: one character a token
 
 
@@ -70,11 +70,11 @@ def _wrong(rng: random.Random, ref: str) -> str:
         i = rng.randrange(len(ref) - 1)
         out = ref[:i] + ref[i + 1] + ref[i] + ref[i + 2:]
     elif kind < 0.85:  # the reference and more after it
-        out = ref + "".join(rng.choice(digits + "+= ") for _ in range(rng.randint(1, 3)))
+        out = ref + "".join(rng.choice(digits + "+=") for _ in range(rng.randint(1, 3)))
     elif kind < 0.95:  # another number
         out = str(rng.randint(0, 1998))
     else:  # junk, or nothing
-        out = "".join(rng.choice(digits + "+= ") for _ in range(rng.randint(0, 6)))
+        out = "".join(rng.choice(digits + "+=") for _ in range(rng.randint(0, 6)))
     out = out[:MAX_RESPONSE_CHARS]
     return out if out.strip() != ref else _wrong(rng, ref)
 
@@ -154,6 +154,20 @@ def adder_pairs(adder: Path, n: int, seed: int) -> list[Pair]:
     return out
 
 
+def as_served(tok):
+    """The tokenizer as a server loads it back from the saved folder (``AutoTokenizer``), which is what the
+    judge reads at run time. transformers 5 loads this folder as ``Qwen2Tokenizer`` (the config's model
+    type), whose byte-level pre-tokenizer drops spaces, which the character vocabulary lacks: the judge
+    is trained on the ids it will be served, and the template holds no space."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        save_tokenizer(tok, Path(d))
+        return AutoTokenizer.from_pretrained(d)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-judge"))
@@ -184,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     val = make_pairs(2000, args.seed + 1, [p.answer for p in generate(500, seed=7, exclude=set(test_problems))])
     test = make_pairs(2000, args.seed + 2, [p.answer for p in test_problems])
     tok = build_tokenizer()
+    seen = as_served(tok)
     model = build_model(len(tok), args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, tok)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("judge: %d parameters; %d training pairs, %.0f%% right", n_params, len(train),
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
     gen = torch.Generator().manual_seed(args.seed)
-    all_ids, all_lab = encode_batch(train, tok)
+    all_ids, all_lab = encode_batch(train, seen)
     model.train()
     val_m, step = {"accuracy": 0.0}, 0
     for step in range(1, args.max_steps + 1):
@@ -203,12 +218,12 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         sched.step()
         if step % args.eval_every == 0:
-            val_m = grade(model, tok, val)
+            val_m = grade(model, seen, val)
             logger.info("step %d loss %.4f val %s (%.0f s)", step, loss.item(), val_m, time.time() - t0)
             if val_m["accuracy"] >= args.target_acc:
                 break
-    test_m = grade(model, tok, test)
-    sampled = grade(model, tok, adder_pairs(args.adder, 200, args.seed)) if args.adder.exists() else None
+    test_m = grade(model, seen, test)
+    sampled = grade(model, seen, adder_pairs(args.adder, 200, args.seed)) if args.adder.exists() else None
     wall = time.time() - t0
     logger.info("stopped at step %d: test %s; on the adder's own answers %s; %.0f s", step, test_m, sampled, wall)
     save(model, tok, args, step=step, val=val_m, test=test_m, sampled=sampled, wall=wall, n_params=n_params,

@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def without_spool(tmp_path_factory):
     # run.default_spool=false: no spool (the launcher's default puts one in the run directory)
-    return _run(tmp_path_factory.mktemp("broker-kill-nospool"), ["broker.max_staleness=2", "run.default_spool=false"],
+    # no evaluation: the kill is what is tested (an eval of 200 prompts cost ~50 s before the first step)
+    return _run(tmp_path_factory.mktemp("broker-kill-nospool"), ["broker.max_staleness=2", "run.default_spool=false",
+                                                                 "run.eval_samples=0"],
                 kill_at_step=2,
                 kill="broker", steps=STEPS)
 

@@ -1,0 +1,60 @@
+"""The shipped tiny judge (models/tiny-judge, tools/pretrain_judge.py) grades addition answers, and the
+judge-tiny recipe wires it in as the run's reward model.
+
+The judge is read the way ``reward.model.verdict_from: logprobs`` reads it from a vLLM server: P(Y) /
+(P(Y) + P(N)) of its first token after the rendered template (the server path itself is tested against
+transformers in test_reward_models.py). Held-out references, right answers and the wrong kinds a
+partly trained adder writes: a judge that cannot grade would score near AUC 0.5 (SmolLM2-135M did,
+bench/results/judge_cpu/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+JUDGE = REPO / "models" / "tiny-judge"
+
+
+@pytest.fixture(scope="module")
+def judge():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    return (AutoModelForCausalLM.from_pretrained(JUDGE, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(JUDGE))
+
+
+def test_the_tiny_judge_separates_right_from_wrong_answers(judge):
+    from rollout_fleet.tasks.addition import make_splits
+    from tools.pretrain_judge import grade, make_pairs
+
+    model, tok = judge
+    _, test = make_splits(20_000, 500, 0, 3)
+    pairs = make_pairs(600, seed=12345, refs=[p.answer for p in test])  # not the training or saved test seeds
+    m = grade(model, tok, pairs)
+    assert m["right"] > 150 and m["n"] - m["right"] > 250, m
+    # the shipped judge measured AUC 0.85 on 2000 held-out pairs and 0.87 on the adder's own answers at
+    # training time (judge.json); on 600 pairs the AUC's spread is about 0.02, and chance is 0.5
+    assert m["auc"] > 0.75 and m["accuracy"] > 0.7, m
+    assert m["mean_p_yes_right"] > m["mean_p_yes_wrong"] + 0.3, m
+
+
+def test_the_template_renders_as_the_judge_was_trained(judge):
+    """The reward client sends the recipe's template as a chat user message: the judge's chat template
+    must render it to exactly the text it was trained on (no system prompt, no role markers)."""
+    from launch.config import load_run_config
+    from tools.pretrain_judge import TEMPLATE, Pair
+
+    _, tok = judge
+    cfg = load_run_config("judge-tiny")
+    rm = cfg.reward.model
+    assert rm.template == TEMPLATE and rm.verdict_from == "logprobs" and set(rm.scores) == {"Y", "N"}
+    assert Path(rm.server.model_path).resolve() == JUDGE.resolve()  # resolved against the repo root
+    text = rm.template.format(question="347+85=", response="432", reference="432")
+    msgs = [{"role": "user", "content": text}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == Pair("432", "432").prompt
+    assert json.loads((JUDGE / "judge.json").read_text())["template"] == TEMPLATE
