@@ -193,8 +193,9 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         data["model"]["path"] = fix(data["model"]["path"])
     rm = (data.get("reward") or {}).get("model") if isinstance(data.get("reward"), dict) else None
     server = rm.get("server") if isinstance(rm, dict) else None
-    if isinstance(server, dict) and isinstance(server.get("model_path"), str):  # a judge or reward model of the repo
-        server["model_path"] = fix(server["model_path"])
+    for key in ("model_path", "tokenizer_path"):  # a judge or reward model of the repo
+        if isinstance(server, dict) and isinstance(server.get(key), str):
+            server[key] = fix(server[key])
     d = data.get("data")
     if isinstance(d, dict):
         for k in ("train_files", "test_files"):

@@ -42,10 +42,13 @@ def server_spec(cfg, index: int) -> dict[str, Any]:
     """What reward server ``index`` runs (engine, model, limits) as plain data for its actor."""
     rm = cfg.reward.model
     s = rm.server
+    extra = list(s.extra_args)
+    if s.tokenizer_path:
+        extra += ["--tokenizer-path" if s.engine == "sglang" else "--tokenizer", str(Path(s.tokenizer_path).resolve())]
     return {"engine": s.engine, "model": str(Path(s.model_path or cfg.model.path).resolve()), "served": rm.model,
             "dtype": s.dtype, "max_model_len": s.max_model_len, "tp": s.tensor_parallel_size,
             "gpu_memory_utilization": s.gpu_memory_utilization, "max_num_seqs": s.max_num_seqs,
-            "enforce_eager": s.enforce_eager, "extra_args": list(s.extra_args), "seed": cfg.run.seed + 1000 + index,
+            "enforce_eager": s.enforce_eager, "extra_args": extra, "seed": cfg.run.seed + 1000 + index,
             "startup_timeout_s": s.startup_timeout_s}
 
 

@@ -34,6 +34,8 @@ class RewardServerConfig(ConfigModel):
 
     engine: Literal["vllm", "sglang"] = Field("vllm", description="sglang needs GPUs (no CPU build)")
     model_path: str | None = Field(None, description="the judge or reward model's folder; None: model.path")
+    tokenizer_path: str | None = Field(None, description="a tokenizer folder other than the model's (vLLM "
+                                       "--tokenizer, SGLang --tokenizer-path); None: the model's own")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per reward server (--reward-gpus is a multiple)")
     max_model_len: int = Field(2048, ge=16)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)

@@ -34,7 +34,7 @@ from tools.pretrain_tiny import build_model, build_tokenizer, encode_batch, save
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE = "ref={reference};ans={response};ok?"  # the recipe's reward.model.template (judge-tiny.yaml)
+TEMPLATE = "ref {reference} ans {response} ok?"  # the recipe's reward.model.template (judge-tiny.yaml)
 MAX_RESPONSE_CHARS = 8  # the tiny recipes' sampling.max_tokens: one character a token
 
 
@@ -70,11 +70,11 @@ def _wrong(rng: random.Random, ref: str) -> str:
         i = rng.randrange(len(ref) - 1)
         out = ref[:i] + ref[i + 1] + ref[i] + ref[i + 2:]
     elif kind < 0.85:  # the reference and more after it
-        out = ref + "".join(rng.choice(digits + "+=") for _ in range(rng.randint(1, 3)))
+        out = ref + "".join(rng.choice(digits + "+= ") for _ in range(rng.randint(1, 3)))
     elif kind < 0.95:  # another number
         out = str(rng.randint(0, 1998))
     else:  # junk, or nothing
-        out = "".join(rng.choice(digits + "+=") for _ in range(rng.randint(0, 6)))
+        out = "".join(rng.choice(digits + "+= ") for _ in range(rng.randint(0, 6)))
     out = out[:MAX_RESPONSE_CHARS]
     return out if out.strip() != ref else _wrong(rng, ref)
 
@@ -155,10 +155,11 @@ def adder_pairs(adder: Path, n: int, seed: int) -> list[Pair]:
 
 
 def as_served(tok):
-    """The tokenizer as a server loads it back from the saved folder (``AutoTokenizer``), which is what the
-    judge reads at run time. transformers 5 loads this folder as ``Qwen2Tokenizer`` (the config's model
-    type), whose byte-level pre-tokenizer drops spaces, which the character vocabulary lacks: the judge
-    is trained on the ids it will be served, and the template holds no space."""
+    """The tokenizer as the judge's server loads it: from ``OUT/tokenizer``, a folder with no ``config.json``
+    (the recipe's ``reward.model.server.tokenizer_path``, vLLM's ``--tokenizer``). From the model folder
+    itself transformers 5 would load ``Qwen2Tokenizer`` (the config's model type), whose byte-level
+    pre-tokenizer drops some spaces the character vocabulary has: a judge trained on the template's
+    spaces then saw other ids and graded at chance (AUC 0.51)."""
     import tempfile
 
     from transformers import AutoTokenizer
@@ -239,6 +240,7 @@ def save(model, tok, args, *, step, val, test, sampled, wall, n_params, argv) ->
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id).save_pretrained(args.out)
     save_tokenizer(tok, args.out)
+    save_tokenizer(tok, args.out / "tokenizer")  # what the server loads (as_served)
     meta = {"step": step, "val": val, "test": test, "adder_samples": sampled, "wall_s": round(wall, 1),
             "parameters": n_params, "template": TEMPLATE, "command": "python -m tools.pretrain_judge " + " ".join(argv)}
     (args.out / "judge.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -248,7 +250,9 @@ def save(model, tok, args, *, step, val, test, sampled, wall, n_params, argv) ->
 A {n_params:,}-parameter Qwen2ForCausalLM trained from scratch on CPU to grade answers of the
 addition task against the reference (`tools/pretrain_judge.py`). Input, the user message only:
 `{TEMPLATE}`; output `Y` or `N` then `<eos>`: `Y` when the stripped candidate equals the reference
-(the rule of `exact_match`). Same character-level tokenizer as `models/tiny-adder`.
+(the rule of `exact_match`). Same character-level tokenizer as `models/tiny-adder`; serve it with
+`--tokenizer models/tiny-judge/tokenizer` (no `config.json` there: from this folder transformers 5 loads
+a byte-level `Qwen2Tokenizer` that drops spaces of the template, and the judge grades at chance).
 
 - command: `{meta['command']}` (seed {args.seed}, {args.threads} thread(s), batch {args.batch}, lr {args.lr})
 - shape: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads,
