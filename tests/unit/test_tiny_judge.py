@@ -52,7 +52,7 @@ def test_the_template_renders_as_the_judge_was_trained(judge):
     _, tok = judge
     cfg = load_run_config("judge-tiny")
     rm = cfg.reward.model
-    assert rm.template == TEMPLATE and rm.verdict_from == "logprobs" and set(rm.scores) == {"Y", "N"}
+    assert rm.template == TEMPLATE and rm.verdict_from == "text" and set(rm.scores) == {"Y", "N"}
     assert Path(rm.server.model_path).resolve() == JUDGE.resolve()  # resolved against the repo root
     assert Path(rm.server.tokenizer_path).resolve() == (JUDGE / "tokenizer").resolve()
     assert not (JUDGE / "tokenizer" / "config.json").exists()
