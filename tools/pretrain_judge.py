@@ -30,7 +30,14 @@ from pathlib import Path
 import torch
 
 from rollout_fleet.tasks.addition import generate, make_splits
-from tools.pretrain_tiny import build_model, build_tokenizer, encode_batch, save_tokenizer
+from tools.pretrain_tiny import (
+    add_training_args,
+    build_model,
+    build_tokenizer,
+    encode_batch,
+    save_tokenizer,
+    trainer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -174,20 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("models/tiny-judge"))
     ap.add_argument("--adder", type=Path, default=Path("models/tiny-adder"),
                     help="the policy whose sampled answers the final check grades")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pairs", type=int, default=60_000)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--max-steps", type=int, default=4000)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--target-acc", type=float, default=0.99, help="stop once validation accuracy reaches this")
+    add_training_args(ap, batch=256, lr=2e-3, max_steps=4000, eval_every=100, target_acc=0.99)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(args.seed)
@@ -204,20 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("judge: %d parameters; %d training pairs, %.0f%% right", n_params, len(train),
                 100 * sum(p.answer == "Y" for p in train) / len(train))
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    step_fn = trainer(model, args)
     gen = torch.Generator().manual_seed(args.seed)
     all_ids, all_lab = encode_batch(train, seen)
     model.train()
     val_m, step = {"accuracy": 0.0}, 0
     for step in range(1, args.max_steps + 1):
         pick = torch.randint(len(train), (args.batch,), generator=gen)
-        loss = model(input_ids=all_ids[pick], labels=all_lab[pick]).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = step_fn(all_ids[pick], all_lab[pick])
         if step % args.eval_every == 0:
             val_m = grade(model, seen, val)
             logger.info("step %d loss %.4f val %s (%.0f s)", step, loss.item(), val_m, time.time() - t0)

@@ -139,25 +139,48 @@ def accuracy(model, tok, problems: list[Problem]) -> float:
     return sum(g.strip() == p.answer for g, p in zip(got, problems, strict=True)) / max(1, len(problems))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("models/tiny-adder"))
+def add_training_args(ap, *, batch: int, lr: float, max_steps: int, eval_every: int, target_acc: float) -> None:
+    """The options of the tiny pre-training tools (this one, tools/pretrain_judge.py): seed, threads, the
+    model's shape, the optimizer and when to stop; the defaults that differ are the caller's."""
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--train", type=int, default=20_000, help="train problems (same split as data/addition)")
-    ap.add_argument("--test", type=int, default=500)
-    ap.add_argument("--max-digits", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--lr", type=float, default=lr)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--max-steps", type=int, default=6000)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--target-acc", type=float, default=0.35, help="stop once validation accuracy reaches this")
+    ap.add_argument("--max-steps", type=int, default=max_steps)
+    ap.add_argument("--eval-every", type=int, default=eval_every)
+    ap.add_argument("--target-acc", type=float, default=target_acc, help="stop once validation accuracy reaches this")
+
+
+def trainer(model, args):
+    """One optimizer step on ``(ids, labels)`` (AdamW, linear warm-up, grad-norm clip 1); returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        return loss
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("models/tiny-adder"))
+    ap.add_argument("--train", type=int, default=20_000, help="train problems (same split as data/addition)")
+    ap.add_argument("--test", type=int, default=500)
+    ap.add_argument("--max-digits", type=int, default=3)
+    add_training_args(ap, batch=128, lr=1e-3, max_steps=6000, eval_every=50, target_acc=0.35)
     args = ap.parse_args(argv)
     args.argv = argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -175,21 +198,14 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters, vocab %d (tokenizer %d)", n_params, model.config.vocab_size, len(tok))
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    step_fn = trainer(model, args)
     gen = torch.Generator().manual_seed(args.seed)
     all_ids, all_lab = encode_batch(train, tok)  # once: per-batch tokenizing cost a third of a step
     model.train()
     val_acc, step = 0.0, 0
     for step in range(1, args.max_steps + 1):
         pick = torch.randint(len(train), (args.batch,), generator=gen)
-        ids, lab = all_ids[pick], all_lab[pick]
-        loss = model(input_ids=ids, labels=lab).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = step_fn(all_ids[pick], all_lab[pick])
         if step % args.eval_every == 0:
             val_acc = accuracy(model, tok, val)
             logger.info("step %d loss %.4f val_acc %.3f (%.0f s)", step, loss.item(), val_acc, time.time() - t0)
