@@ -213,8 +213,10 @@ def test_a_dead_learner_rank_ends_the_job_naming_it_and_the_rerun_continues_from
     assert f"error: RankFailed: learner rank 0 (pid {r['killed']['pid']}) died" in r["text"], r["text"][-3000:]
     s = run["after"]["R"]  # the failed launch's own summary: the groups the dead rank held are not lost
     assert s["error"].startswith("RankFailed: learner rank 0") and s["groups_lost"] == 0, s
-    # the re-run starts after the newest checkpoint the dead rank wrote: at most one interval is redone
-    assert last >= first + 1 and (nxt - 1) % EVERY == 0 and last - EVERY < nxt - 1 <= last + 1, run["segments"]
+    # the re-run starts after the newest checkpoint the dead rank wrote: at most one interval is redone. A step's
+    # record is written before its checkpoint (learner/loop.py), so the last record may be of a step the
+    # rank died before committing: the re-run redoes it (and the one before, at most EVERY steps in all)
+    assert last >= first + 1 and (nxt - 1) % EVERY == 0 and last - EVERY <= nxt - 1 <= last + 1, run["segments"]
 
 
 def test_ctrl_c_checkpoints_and_exports_at_its_step_and_the_rerun_continues_from_there(run):
