@@ -20,22 +20,9 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def auc(pos: list[float], neg: list[float]) -> float:
-    """P(a right answer's reward is above a wrong one's), ties half; sorted, O(n log n)."""
-    if not pos or not neg:
-        return float("nan")
-    allv = sorted([(v, 1) for v in pos] + [(v, 0) for v in neg])
-    rank_sum, i = 0.0, 0
-    while i < len(allv):
-        j = i
-        while j < len(allv) and allv[j][0] == allv[i][0]:
-            j += 1
-        mid = (i + j + 1) / 2  # average 1-based rank of the tie block
-        rank_sum += mid * sum(1 for k in range(i, j) if allv[k][1])
-        i = j
-    return (rank_sum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
+sys.path.insert(0, str(REPO))
+from rollout_fleet.scorers import exact_match  # noqa: E402
+from tools.pretrain_judge import auc  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt = tok.decode(r["prompt_ids"], skip_special_tokens=True)
         answer = tok.decode(r["response_ids"], skip_special_tokens=True)
         a, b = prompt.rstrip("=").split("+")
-        samples.append({"step": r["step"], "right": answer.strip() == str(int(a) + int(b)), "reward": r["reward"],
+        samples.append({"step": r["step"], "right": bool(exact_match(answer, str(int(a) + int(b)))), "reward": r["reward"],
                         "answer": answer, "prompt": prompt})
     table = []
     last = max(s["step"] for s in samples)
@@ -75,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
                       "judge_reward_right": round(sum(pos) / max(1, len(pos)), 4),
                       "judge_reward_wrong": round(sum(neg) / max(1, len(neg)), 4)})
     tail = [s for s in samples if s["step"] >= last - args.window + 1 and not s["right"]]
-    liked = Counter((s["prompt"], s["answer"], round(s["reward"], 3)) for s in tail).most_common()
-    liked.sort(key=lambda x: -x[0][2])
+    # highest reward first, the most frequent first among equal rewards
+    liked = sorted(Counter((s["prompt"], s["answer"], round(s["reward"], 3)) for s in tail).items(),
+                   key=lambda x: (-x[0][2], -x[1]))
     res = {"run_dir": str(args.run_dir), "samples": len(samples), "windows": table,
            "wrong_answers_the_judge_liked_most_last_window": [
                {"prompt": p, "answer": a, "reward": r, "times": n} for (p, a, r), n in liked[:args.top]]}

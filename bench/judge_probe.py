@@ -21,12 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.pretrain_judge import auc as roc_auc  # noqa: E402
 
 TEMPLATES = {
     # launch/recipes/smollm2-judge-1gpu.yaml's
@@ -105,9 +109,8 @@ def verdict_ids(tok, word: str) -> list[int]:
 
 
 def auc(pos: list[float], neg: list[float]) -> float | None:
-    if not pos or not neg:
-        return None
-    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+    """tools.pretrain_judge.auc, None (JSON null) when a side is empty."""
+    return roc_auc(pos, neg) if pos and neg else None
 
 
 def main() -> None:

@@ -20,13 +20,12 @@ from __future__ import annotations
 class SignalFlag:
     """``set``/``is_set`` like ``threading.Event`` (the part a polling loop reads), without a lock.
 
-    Readers poll it; nothing can wait on it. ``signum`` is the first signal that set it."""
+    Readers poll it; nothing can wait on it."""
 
-    __slots__ = ("_set", "signum")
+    __slots__ = ("_set",)
 
     def __init__(self) -> None:
         self._set = False
-        self.signum: int | None = None
 
     def set(self) -> None:
         self._set = True
@@ -36,6 +35,4 @@ class SignalFlag:
 
     def handler(self, signum, frame) -> None:
         """A ``signal.signal`` handler: sets the flag, nothing else."""
-        if self.signum is None:
-            self.signum = signum
         self._set = True

@@ -191,9 +191,10 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
 
     if isinstance(data.get("model"), dict) and isinstance(data["model"].get("path"), str):
         data["model"]["path"] = fix(data["model"]["path"])
-    rm = (data.get("reward") or {}).get("model") if isinstance(data.get("reward"), dict) else None
-    server = rm.get("server") if isinstance(rm, dict) else None
-    for key in ("model_path", "tokenizer_path"):  # a judge or reward model of the repo
+    server = data.get("reward")
+    for key in ("model", "server"):  # reward.model.server: a judge or reward model of the repo
+        server = server.get(key) if isinstance(server, dict) else None
+    for key in ("model_path", "tokenizer_path"):
         if isinstance(server, dict) and isinstance(server.get(key), str):
             server[key] = fix(server[key])
     d = data.get("data")

@@ -166,14 +166,12 @@ class LearnerRanks:
             actors.append(LearnerActor.options(**opts).remote(cfg_data, broker_address, run_dir, fleet, curve_keys))
         try:
             infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        except Exception as exc:
             for a in actors:
                 ray.kill(a)
-            raise TimeoutError(f"learner: {n} rank actor(s) did not start within {timeout_s:.0f} s (placed but "
-                               f"not answering; a machine too loaded, or a rank stuck importing)") from None
-        except Exception:
-            for a in actors:
-                ray.kill(a)
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise TimeoutError(f"learner: {n} rank actor(s) did not start within {timeout_s:.0f} s (placed but "
+                                   f"not answering; a machine too loaded, or a rank stuck importing)") from None
             raise
         # rank order: by node (rank 0's node first, as placed), then GPU id, so a node's ranks are contiguous
         nodes = list(dict.fromkeys(info["ip"] for info in infos))

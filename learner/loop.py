@@ -23,7 +23,9 @@ from the broker (at-least-once into the step; the checkpoint decides which step
 is redone). A step's record is written before its commit (checkpoint, ack): a
 learner killed between the two redoes a step whose record the re-run replaces,
 where the other order could leave a checkpointed step with no record (its metrics
-and its groups missing from the run's counts). Ranks never disagree about the batch: only rank 0 talks to the
+and its groups missing from the run's counts).
+
+Ranks never disagree about the batch: only rank 0 talks to the
 source and the others receive its exact bytes. If rank 0 cannot get a batch
 (timeout, source exhausted), it broadcasts a stop mark and every rank raises
 the same error instead of hanging in a collective.

@@ -29,14 +29,16 @@ from pathlib import Path
 
 import torch
 
+from rollout_fleet.scorers import exact_match
 from rollout_fleet.tasks.addition import generate, make_splits
 from tools.pretrain_tiny import (
     add_training_args,
     build_model,
     build_tokenizer,
     encode_batch,
+    fit,
+    save_folder,
     save_tokenizer,
-    trainer,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class Pair:
 
     @property
     def answer(self) -> str:
-        return "Y" if self.response.strip() == self.reference else "N"
+        return "Y" if exact_match(self.response, self.reference) else "N"
 
 
 def _wrong(rng: random.Random, ref: str) -> str:
@@ -123,11 +125,19 @@ def p_yes(model, tok, pairs: list[Pair], batch: int = 512) -> list[float]:
 
 
 def auc(pos: list[float], neg: list[float]) -> float:
-    """P(a right answer scores above a wrong one), ties half."""
+    """P(a right answer scores above a wrong one), ties half (ROC AUC, from the rank sum: O(n log n));
+    NaN when either side is empty."""
     if not pos or not neg:
         return float("nan")
-    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
-    return wins / (len(pos) * len(neg))
+    ranked = sorted([(v, 1) for v in pos] + [(v, 0) for v in neg])
+    rank_sum, i = 0.0, 0
+    while i < len(ranked):
+        j = i
+        while j < len(ranked) and ranked[j][0] == ranked[i][0]:
+            j += 1
+        rank_sum += (i + j + 1) / 2 * sum(k for _, k in ranked[i:j])  # a tie block shares its mean rank
+        i = j
+    return (rank_sum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
 
 
 def grade(model, tok, pairs: list[Pair]) -> dict[str, float]:
@@ -199,19 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("judge: %d parameters; %d training pairs, %.0f%% right", n_params, len(train),
                 100 * sum(p.answer == "Y" for p in train) / len(train))
-    step_fn = trainer(model, args)
-    gen = torch.Generator().manual_seed(args.seed)
     all_ids, all_lab = encode_batch(train, seen)
-    model.train()
-    val_m, step = {"accuracy": 0.0}, 0
-    for step in range(1, args.max_steps + 1):
-        pick = torch.randint(len(train), (args.batch,), generator=gen)
-        loss = step_fn(all_ids[pick], all_lab[pick])
-        if step % args.eval_every == 0:
-            val_m = grade(model, seen, val)
-            logger.info("step %d loss %.4f val %s (%.0f s)", step, loss.item(), val_m, time.time() - t0)
-            if val_m["accuracy"] >= args.target_acc:
-                break
+    step, val_m = fit(model, args, all_ids, all_lab, lambda: grade(model, seen, val), t0)
+    val_m = val_m or {"accuracy": 0.0}
     test_m = grade(model, seen, test)
     sampled = grade(model, seen, adder_pairs(args.adder, 200, args.seed)) if args.adder.exists() else None
     wall = time.time() - t0
@@ -221,14 +221,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def save(model, tok, args, *, step, val, test, sampled, wall, n_params, argv) -> None:
-    from transformers import GenerationConfig
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    (args.out / "model.safetensors").chmod(0o644)
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id).save_pretrained(args.out)
-    save_tokenizer(tok, args.out)
+    save_folder(model, tok, args.out)
     save_tokenizer(tok, args.out / "tokenizer")  # what the server loads (as_served)
     meta = {"step": step, "val": val, "test": test, "adder_samples": sampled, "wall_s": round(wall, 1),
             "parameters": n_params, "template": TEMPLATE, "command": "python -m tools.pretrain_judge " + " ".join(argv)}

@@ -174,6 +174,27 @@ def trainer(model, args):
     return step
 
 
+def fit(model, args, ids: torch.Tensor, labels: torch.Tensor, evaluate, t0: float):
+    """Train on random batches of ``args.batch`` rows of ``(ids, labels)``; every ``args.eval_every`` steps
+    ``evaluate()`` gives an accuracy, or a dict with one under ``"accuracy"``, and training stops once it
+    reaches ``args.target_acc`` (or after ``args.max_steps``). Returns the last step and evaluation (None:
+    none ran)."""
+    step_fn = trainer(model, args)
+    gen = torch.Generator().manual_seed(args.seed)
+    model.train()
+    last, step = None, 0
+    for step in range(1, args.max_steps + 1):
+        pick = torch.randint(len(ids), (args.batch,), generator=gen)
+        loss = step_fn(ids[pick], labels[pick])
+        if step % args.eval_every == 0:
+            last = evaluate()
+            acc = last["accuracy"] if isinstance(last, dict) else last
+            logger.info("step %d loss %.4f val %s (%.0f s)", step, loss.item(), last, time.time() - t0)
+            if acc >= args.target_acc:
+                break
+    return step, last
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-adder"))
@@ -198,19 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters, vocab %d (tokenizer %d)", n_params, model.config.vocab_size, len(tok))
 
-    step_fn = trainer(model, args)
-    gen = torch.Generator().manual_seed(args.seed)
     all_ids, all_lab = encode_batch(train, tok)  # once: per-batch tokenizing cost a third of a step
-    model.train()
-    val_acc, step = 0.0, 0
-    for step in range(1, args.max_steps + 1):
-        pick = torch.randint(len(train), (args.batch,), generator=gen)
-        loss = step_fn(all_ids[pick], all_lab[pick])
-        if step % args.eval_every == 0:
-            val_acc = accuracy(model, tok, val)
-            logger.info("step %d loss %.4f val_acc %.3f (%.0f s)", step, loss.item(), val_acc, time.time() - t0)
-            if val_acc >= args.target_acc:
-                break
+    step, val_acc = fit(model, args, all_ids, all_lab, lambda: accuracy(model, tok, val), t0)
+    val_acc = 0.0 if val_acc is None else val_acc
 
     test_acc = accuracy(model, tok, test)
     wall = time.time() - t0
@@ -234,17 +245,22 @@ def save_tokenizer(tok, out: Path) -> None:
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: float, n_params: int) -> None:
+def save_folder(model, tok, out: Path) -> None:
+    """The Hugging Face folder a server loads: weights, generation config, tokenizer."""
     from transformers import GenerationConfig
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    (args.out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; others read the checkpoint
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; others read the checkpoint
     # Only the special ids: vLLM takes sampling defaults from this file, so set nothing else.
     GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    ).save_pretrained(args.out)
-    save_tokenizer(tok, args.out)
+    ).save_pretrained(out)
+    save_tokenizer(tok, out)
+
+
+def save(model, tok, args, *, step: int, val_acc: float, test_acc: float, wall: float, n_params: int) -> None:
+    save_folder(model, tok, args.out)
     cmd = "python -m tools.pretrain_tiny " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
     (args.out / "README.md").write_text(
         f"""# tiny-adder

@@ -86,3 +86,20 @@ def test_tokenizer_path_reaches_the_reward_servers_command_line(engine, flag):
     assert extra[-2:] == [flag, str((JUDGE / "tokenizer").resolve())], extra
     cfg = load_run_config("judge-tiny", ["reward.model.server.tokenizer_path=null"])
     assert "--tokenizer" not in server_spec(cfg, 0)["extra_args"]
+
+
+def test_auc_from_ranks_equals_the_pairwise_definition():
+    """The one AUC the judge tools use (tools.pretrain_judge.auc, from the rank sum) against the count
+    over every pair, ties half, on draws with many ties; exact but for float rounding of sums."""
+    import math
+    import random
+
+    from tools.pretrain_judge import auc
+
+    rng = random.Random(0)
+    for _ in range(200):
+        draw = lambda: [rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in range(rng.randint(1, 30))]  # noqa: E731
+        pos, neg = draw(), draw()
+        pairwise = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg) / (len(pos) * len(neg))
+        assert math.isclose(auc(pos, neg), pairwise, abs_tol=1e-12), (pos, neg)
+    assert math.isnan(auc([], [1.0])) and math.isnan(auc([1.0], []))
