@@ -115,3 +115,23 @@ def test_group_baseline_counts_every_row_of_the_group():
     adv, keep = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.int64), "mean",
                                  drop_uniform=True)
     assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25]) and keep.all()
+
+
+def test_tis_without_the_proximal_is_refused_with_several_optimizer_steps():
+    from learner.config import LearnerConfig
+
+    with pytest.raises(ValueError, match="no trust region"):
+        LearnerConfig.model_validate({"loss": {"correction": "tis"}, "ppo_mini_batch_size": 4})
+    with pytest.raises(ValueError, match="no trust region"):
+        LearnerConfig.model_validate({"loss": {"correction": "tis"}, "ppo_epochs": 2})
+    LearnerConfig.model_validate({"loss": {"correction": "tis"}, "ppo_epochs": 2, "recompute_proximal": True})
+    LearnerConfig.model_validate({"loss": {"correction": "tis"}})  # one optimizer step: the IS gradient
+
+
+def test_which_corrections_need_the_proximal_pass():
+    from learner.losses import needs_proximal
+
+    assert needs_proximal("decoupled", False, False)
+    assert needs_proximal("tis", True, False) and not needs_proximal("tis", False, False)
+    # none: sg(pi) is the pre-step policy only at the first optimizer step
+    assert needs_proximal("none", False, True) and not needs_proximal("none", False, False)
