@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 class WandbConfig(ConfigModel):
     """``run.wandb``: where the driver logs to Weights & Biases (``run.wandb.project=NAME`` turns it on)."""
 
-    project: str = Field(min_length=1)
-    entity: str | None = None
+    project: str = Field(min_length=1, description="the W&B project")
+    entity: str | None = Field(None, description="the W&B team or user; None: the API key's default")
     name: str | None = Field(None, description="run name; None: the run directory's name")
     mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="None: wandb's own choice (WANDB_MODE, else online)")
-    tags: list[str] = []
+    tags: list[str] = Field(default_factory=list, description="W&B run tags")
     init_timeout_s: float = Field(90.0, gt=0, description="wandb.init gives up after this")
 
 GAUGES = {
