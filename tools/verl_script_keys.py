@@ -1,0 +1,138 @@
+"""The key=value arguments of verl's example scripts, one JSON record per script (test data for launch/verl.py).
+
+Each script is run by bash in a sandbox: an empty ``PATH`` (no external program can start), an empty
+environment but ``HOME``, a scratch working directory, ``set -e``/``-u`` switched off, and shell
+functions standing in for ``python``/``python3``/``ray``/``torchrun`` that write their arguments to a
+file. So every variable resolves exactly as bash resolves it with the script's own defaults
+(``${VAR:-default}``, ``$((...))``, arrays, ``if`` blocks), and nothing but the argument list is kept.
+Data and model paths are replaced by placeholders (``{train_files}``, ``{val_files}``, ``{model_path}``)
+that a test fills with local files. Scripts are read from bare git repositories (the ``fetch`` tool's
+mirrors) at a given commit, never written out::
+
+    python tools/verl_script_keys.py --out tests/unit/verl/scripts.json \\
+        --repo verl-project/verl=/work/.mirror/verl-project+verl/repo@v0.9.0 \\
+        --repo verl-project/verl-recipe=/work/.mirror/verl-project+verl-recipe/repo@HEAD
+
+The folders read per repository are ``FOLDERS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FOLDERS = {
+    "verl-project/verl": ["examples/grpo_trainer", "examples/ppo_trainer",
+                          "verl/experimental/fully_async_policy/shell", "verl/experimental/one_step_off_policy/shell"],
+    "verl-project/verl-recipe": ["dapo"],
+}
+LAUNCHERS = ("python", "python3", "ray", "torchrun")
+# keys whose value is a data or model location: replaced so the record runs against local files
+PLACEHOLDERS = {
+    "data.train_files": "{train_files}",
+    "data.val_files": "{val_files}",
+    "actor_rollout_ref.model.path": "{model_path}",
+    "actor_rollout_ref.model.tokenizer_path": "{model_path}",
+    "critic.model.path": "{model_path}",
+    "critic.model.tokenizer_path": "{model_path}",
+    "data.tokenizer": "{model_path}",
+}
+
+PRELUDE = r"""
+__capture() { local a; for a in "$@"; do printf '%s\0' "$a"; done >> "$__OUT"; printf '\1\0' >> "$__OUT"; }
+python() { __capture python "$@"; }
+python3() { __capture python3 "$@"; }
+ray() { __capture ray "$@"; }
+torchrun() { __capture torchrun "$@"; }
+command_not_found_handle() { return 0; }
+"""
+
+
+def git(gitdir: str, *args: str) -> str:
+    return subprocess.run(["git", f"--git-dir={gitdir}", *args], check=True, capture_output=True, text=True).stdout
+
+
+def invocations(script: str, timeout_s: float = 30.0) -> list[list[str]]:
+    """Every launcher call the script makes, as argument lists, with the shell's own expansion."""
+    # set -e / -u would stop at the first stubbed-out command or unset variable; -x only adds noise
+    lines = [":" if ln.strip().startswith("set -") else ln for ln in script.splitlines()]
+    with tempfile.TemporaryDirectory(prefix="verl-keys-") as tmp:
+        out = Path(tmp) / "calls"
+        out.touch()
+        empty = Path(tmp) / "bin"
+        empty.mkdir()
+        env = {"HOME": "/home/user", "PATH": str(empty), "__OUT": str(out)}
+        # a variable the script demands (${NAME:?message}) and gives no default for: a placeholder
+        env.update({name: f"/placeholder/{name}" for name in re.findall(r"\$\{(\w+):?\?", script)})
+        subprocess.run(["/bin/bash", "--noprofile", "--norc", "-s"], input=PRELUDE + "\n".join(lines) + "\n",
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
+        raw = out.read_bytes().decode(errors="replace").split("\0")
+    calls, cur = [], []
+    for w in raw:
+        if w == "\1":
+            calls.append(cur)
+            cur = []
+        elif w or cur:
+            cur.append(w)
+    return calls
+
+
+def verl_call(calls: list[list[str]]) -> tuple[str | None, list[str]]:
+    """The first call that runs a verl or recipe trainer module: (module, its key=value words)."""
+    for call in calls:
+        if "-m" not in call:
+            continue
+        i = call.index("-m")
+        module = call[i + 1] if i + 1 < len(call) else ""
+        if module.startswith(("verl.", "recipe.")):
+            return module, [w for w in call[i + 2:] if "=" in w and not w.startswith("-")]
+    return None, []
+
+
+def localize(words: list[str]) -> list[str]:
+    out = []
+    for w in words:
+        key, _, _ = w.partition("=")
+        ph = PLACEHOLDERS.get(key.lstrip("+"))
+        out.append(f"{key}={ph}" if ph else w)
+    return out
+
+
+def records(repo: str, gitdir: str, ref: str) -> list[dict]:
+    commit = git(gitdir, "rev-parse", f"{ref}^{{commit}}").strip()
+    names = git(gitdir, "ls-tree", "-r", "--name-only", commit).splitlines()
+    out = []
+    for folder in FOLDERS[repo]:
+        for path in sorted(n for n in names if n.startswith(folder + "/") and n.endswith(".sh")):
+            module, words = verl_call(invocations(git(gitdir, "show", f"{commit}:{path}")))
+            out.append({"repo": repo, "path": path, "commit": commit, "entry": module, "keys": localize(words)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repo", action="append", required=True, metavar="OWNER/NAME=GITDIR@REF",
+                   help="a bare repository and the commit or tag to read")
+    p.add_argument("--out", required=True, help="the JSON file written (a list of records)")
+    args = p.parse_args(argv)
+    recs = []
+    for spec in args.repo:
+        repo, _, rest = spec.partition("=")
+        gitdir, _, ref = rest.rpartition("@")
+        if repo not in FOLDERS or not gitdir:
+            p.error(f"--repo {spec!r}: expected one of {sorted(FOLDERS)} as OWNER/NAME=GITDIR@REF")
+        recs += records(repo, os.path.expanduser(gitdir), ref or "HEAD")
+    Path(args.out).write_text(json.dumps(recs, indent=1) + "\n")
+    print(f"{len(recs)} scripts, {sum(1 for r in recs if r['entry'])} with a trainer call -> {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
