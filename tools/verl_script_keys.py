@@ -13,7 +13,9 @@ mirrors) at a given commit, never written out::
         --repo verl-project/verl=/work/.mirror/verl-project+verl/repo@v0.9.0 \\
         --repo verl-project/verl-recipe=/work/.mirror/verl-project+verl-recipe/repo@HEAD
 
-The folders read per repository are ``FOLDERS``.
+The folders read per repository are ``FOLDERS``. The same tool prints docs/verl.md's tables: verl's
+defaults (``--defaults``) and, per capability, the scripts whose translation refuses it with the data
+and model paths made local (``--table tests/unit/verl/scripts.json``).
 """
 
 from __future__ import annotations
@@ -115,12 +117,80 @@ def records(repo: str, gitdir: str, ref: str) -> list[dict]:
     return out
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOCAL = {"{train_files}": "data/word_problems/train.parquet", "{val_files}": "data/word_problems/test.parquet",
+         "{model_path}": "models/tiny-adder"}
+
+
+def local_command(rec: dict, root: Path = REPO_ROOT) -> list[str]:
+    """A record's command line with its placeholders replaced by the repository's own small files."""
+    words = ["-m", rec["entry"]]
+    for w in rec["keys"]:
+        for ph, rel in LOCAL.items():
+            w = w.replace(ph, str(root / rel))
+        words.append(w)
+    return words
+
+
+def outcomes(recs: list[dict]) -> list[tuple[dict, set[str | None] | None]]:
+    """Per record with a trainer call: None if it maps, else the capabilities its refusals name."""
+    from launch.verl import Untranslatable, translate
+
+    out = []
+    for rec in recs:
+        if not rec["entry"]:
+            continue
+        try:
+            translate(local_command(rec))
+            out.append((rec, None))
+        except Untranslatable as exc:
+            out.append((rec, {p.capability for p in exc.problems}))
+    return out
+
+
+def table(recs: list[dict]) -> str:
+    """Markdown: how many scripts map, and the scripts refused per capability."""
+    res = outcomes(recs)
+    mapped = [r["path"] for r, caps in res if caps is None]
+    by: dict[str, list[str]] = {}
+    for rec, caps in res:
+        for c in sorted(caps or [], key=str):
+            by.setdefault(str(c), []).append(Path(rec["path"]).name)
+    lines = [f"{len(mapped)} of {len(res)} scripts with a trainer call map with no refusal "
+             f"({len(recs) - len(res)} more have no trainer call).", "",
+             "| capability | scripts | which |", "|---|---|---|"]
+    lines += [f"| {c} | {len(v)} | {', '.join(v)} |" for c, v in sorted(by.items(), key=lambda kv: -len(kv[1]))]
+    return "\n".join(lines + ["", "Mapped: " + ", ".join(Path(m).name for m in mapped)])
+
+
+def defaults_table() -> str:
+    from launch.verl_defaults import DEFAULTS, ENTRY_DEFAULTS, VERL_SOURCE
+
+    lines = [f"verl's defaults ({VERL_SOURCE}):", "", "| verl key | verl 0.9 default |", "|---|---|"]
+    lines += [f"| `{k}` | `{json.dumps(v)}` |" for k, v in DEFAULTS.items()]
+    for entry, extra in ENTRY_DEFAULTS.items():
+        if extra:
+            lines += ["", f"`python -m {entry}` sets on top: " + ", ".join(f"`{k}={json.dumps(v)}`"
+                                                                           for k, v in extra.items())]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo", action="append", required=True, metavar="OWNER/NAME=GITDIR@REF",
+    p.add_argument("--repo", action="append", default=[], metavar="OWNER/NAME=GITDIR@REF",
                    help="a bare repository and the commit or tag to read")
-    p.add_argument("--out", required=True, help="the JSON file written (a list of records)")
+    p.add_argument("--out", help="the JSON file written (a list of records)")
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of refusals by capability of these records")
+    p.add_argument("--defaults", action="store_true", help="print the markdown table of verl's defaults")
     args = p.parse_args(argv)
+    if args.table or args.defaults:
+        if args.defaults:
+            print(defaults_table())
+        if args.table:
+            print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    if not args.repo or not args.out:
+        p.error("give --repo (one or more) and --out, or --table / --defaults")
     recs = []
     for spec in args.repo:
         repo, _, rest = spec.partition("=")
@@ -128,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if repo not in FOLDERS or not gitdir:
             p.error(f"--repo {spec!r}: expected one of {sorted(FOLDERS)} as OWNER/NAME=GITDIR@REF")
         recs += records(repo, os.path.expanduser(gitdir), ref or "HEAD")
-    Path(args.out).write_text(json.dumps(recs, indent=1) + "\n")
+    # one record per line: a re-extraction diffs script by script
+    Path(args.out).write_text("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n")
     print(f"{len(recs)} scripts, {sum(1 for r in recs if r['entry'])} with a trainer call -> {args.out}",
           file=sys.stderr)
     return 0
