@@ -123,6 +123,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             f"{path}: column 'reward_model.ground_truth' is missing; 'reward_model' has type {rm_type} "
             f"(expected a struct with a 'ground_truth' field)"
         )
+    for col in ("images", "videos", "audios"):  # verl's multimodal layout (data.image_key and the like)
+        if col in names and any(table.column(col).to_pylist()):
+            raise DatasetError(f"{path}: column '{col}' holds media for a vision-language model; fleetrl trains on "
+                               "text prompts only (the media would be dropped silently)")
     return table.to_pylist()
 
 
