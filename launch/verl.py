@@ -43,6 +43,8 @@ from launch.verl_rules import (
     correction,
     dump,
     engine_arg_overrides,
+    longest,
+    num,
     placement_advice,
 )
 
@@ -132,7 +134,11 @@ def _apply(key: str, value: Any, ctx: Ctx, out: Mapping, notes: list, problems: 
         problems.append(Problem(key, f"verl key '{key}' is not known to fleetrl.{suggest(key, list(RULES))}"))
         return
     try:
-        got = rule(value, ctx)
+        try:
+            got = rule(value, ctx)
+        except (TypeError, ValueError, ArithmeticError, KeyError, IndexError) as exc:
+            # a value of the wrong kind (a list where a number belongs, ...): said, never a traceback
+            raise Refused(f"value of the wrong kind ({type(exc).__name__}: {exc})") from None
     except Refused as why:
         if default and why.capability is None:
             # a default the command did not ask for and fleetrl cannot apply here: said, not fatal
@@ -162,6 +168,8 @@ def translate(text_or_args: str | list[str]) -> Mapping:
     if not problems:
         try:
             _schedule(ctx, out)
+        except (TypeError, ValueError, ArithmeticError) as exc:
+            problems.append(Problem("(schedule)", f"verl command line: a value of the wrong kind ({exc})"))
         except Refused as why:
             problems.append(Problem("(schedule)", f"verl command line: {why}", why.capability))
     if problems:
@@ -184,7 +192,8 @@ def _schedule(ctx: Ctx, out: Mapping) -> None:
     add("algorithm.rollout_correction", overrides, why)
     if ctx.entry == FULLY_ASYNC:
         add("async_training", *async_schedule(ctx))
-    warm, ratio = int(ctx.get(ARR + "actor.optim.lr_warmup_steps")), float(ctx.get(ARR + "actor.optim.lr_warmup_steps_ratio"))
+    warm = num(ctx, ARR + "actor.optim.lr_warmup_steps", int)
+    ratio = num(ctx, ARR + "actor.optim.lr_warmup_steps_ratio", float, 0.0)
     if warm > 0 or ratio <= 0:
         add("actor.optim.lr_warmup_steps", [f"learner.optim.warmup_steps={max(0, warm)}"])
     else:
@@ -196,8 +205,7 @@ def _schedule(ctx: Ctx, out: Mapping) -> None:
         add("actor.optim.lr_warmup_steps_ratio", [f"learner.optim.warmup_steps={int(ratio * steps)}"],
             f"{ratio} x {steps} steps")
     if ctx.get(ARR + "rollout.max_model_len") is None:
-        total = int(ctx.get("data.max_prompt_length")) + int(ctx.get(ARR + "rollout.response_length")
-                                                             or ctx.get("data.max_response_length"))
+        total = longest(ctx)
         # verl sizes the engine for the longest prompt plus the longest response
         add("data.max_prompt_length + data.max_response_length", [f"rollout.max_model_len={total}"])
     out.overrides.extend(engine_arg_overrides(ctx))
@@ -234,4 +242,4 @@ def describe(m: Mapping) -> str:
     width = max((len(k) for k, _ in rows), default=0)
     lines = [f"# entry: {m.entry}"] + [f"{k.ljust(width)}  ->  {v}" for k, v in rows]
     return "\n".join(lines + [f"note: {a}" for a in dict.fromkeys(m.advice)]
-                     + [f"note: differs from verl: {d}" for d in m.differences])
+                     + [f"note: {d}" for d in m.differences])

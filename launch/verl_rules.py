@@ -71,6 +71,16 @@ def dump(v: Any) -> str:
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
 
 
+def num(c: Ctx, key: str, kind: type = int, minimum: float | None = None) -> Any:
+    """``key``'s effective value as a number; a Refused that names the key otherwise."""
+    v = c.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+        raise Refused(f"{key}={dump(v)}: expected {'an integer' if kind is int else 'a number'}")
+    if minimum is not None and v < minimum:
+        raise Refused(f"{key}={dump(v)}: expected at least {minimum}")
+    return kind(v)
+
+
 def _set(*keys: str) -> Rule:
     return lambda v, _: [f"{k}={dump(v)}" for k in keys]
 
@@ -319,15 +329,17 @@ def _micro_seqs(v: Any, c: Ctx) -> list[str] | str:
     if c.get(ARR + "actor.use_dynamic_bsz"):
         return "(no setting: use_dynamic_bsz takes ppo_max_token_len_per_gpu)"
     # fleetrl packs micro-batches by tokens: room for this many sequences of the longest length
-    return [f"learner.micro_batch_tokens={int(v) * _longest(c)}"]
+    return [f"learner.micro_batch_tokens={int(v) * longest(c)}"]
 
 
-def _longest(c: Ctx) -> int:
-    return int(c.get("data.max_prompt_length")) + int(_response_len(c))
+def longest(c: Ctx) -> int:
+    return num(c, "data.max_prompt_length", int, 1) + _response_len(c)
 
 
 def _response_len(c: Ctx) -> int:
-    return int(c.get(ARR + "rollout.response_length") or c.get("data.max_response_length"))
+    if c.get(ARR + "rollout.response_length"):
+        return num(c, ARR + "rollout.response_length", int, 1)
+    return num(c, "data.max_response_length", int, 1)
 
 
 def _token_budget(v: Any, c: Ctx) -> list[str] | str:
@@ -641,6 +653,8 @@ def _wandb_part(v: Any, c: Ctx) -> str:
 def count_rows(files: Any) -> int:
     import pyarrow.parquet as pq
 
+    if not isinstance(files, (str, list)):
+        raise Refused(f"data.train_files={dump(files)}: expected a path or a list of paths")
     files = [files] if isinstance(files, str) else list(files)
     try:
         return sum(pq.ParquetFile(str(Path(f).expanduser())).metadata.num_rows for f in files)
@@ -657,7 +671,10 @@ def _epochs(v: Any, c: Ctx) -> list[str] | str:
     if files is None:
         raise Refused("trainer.total_epochs needs data.train_files on the same command line (steps = epochs x "
                       "prompts // data.train_batch_size)")
-    rows, batch = count_rows(files), int(c.get("data.train_batch_size"))
+    batch = c.get("data.train_batch_size")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        return "(no setting: data.train_batch_size is refused above)"
+    rows = count_rows(files)
     # verl's sampler drops the last incomplete batch of an epoch
     steps = int(v) * (rows // batch)
     if steps < 1:
@@ -694,9 +711,10 @@ def _placement(v: Any, c: Ctx) -> str:
 
 
 def placement_advice(c: Ctx) -> str:
-    learner = int(c.get("trainer.n_gpus_per_node")) * int(c.get("trainer.nnodes"))
+    learner = num(c, "trainer.n_gpus_per_node", int, 0) * num(c, "trainer.nnodes", int, 0)
     if c.entry in (FULLY_ASYNC, ONE_STEP_OFF) or c.get(ARR + "hybrid_engine") is False:
-        rollout = int(c.get("rollout.n_gpus_per_node", 8)) * int(c.get("rollout.nnodes", 1))
+        rollout = (num(c, "rollout.n_gpus_per_node", int, 0) if "rollout.n_gpus_per_node" in c else 8) * \
+            (num(c, "rollout.nnodes", int, 0) if "rollout.nnodes" in c else 1)
         return (f"(on the command line: --rollout-gpus {rollout} --learner-gpus {learner}; verl gives the rollout "
                 "and the trainer their own GPUs, as fleetrl does)")
     return (f"(on the command line: --rollout-gpus R --learner-gpus L, R + L = {learner}; fleetrl gives each pool "
@@ -706,15 +724,15 @@ def placement_advice(c: Ctx) -> str:
 # -- fully async -------------------------------------------------------------------------------
 def async_schedule(c: Ctx) -> tuple[list[str], str]:
     """The broker's step and staleness for verl's fully-async trainer."""
-    mini = int(c.get(ARR + "actor.ppo_mini_batch_size"))
-    req = int(c.get("async_training.require_batches"))
-    sync = int(c.get("async_training.trigger_parameter_sync_step"))
+    mini = num(c, ARR + "actor.ppo_mini_batch_size", int, 1)
+    req = num(c, "async_training.require_batches", int, 1)
+    sync = num(c, "async_training.trigger_parameter_sync_step", int, 1)
     groups = mini * req * sync
     out = [f"broker.groups_per_step={groups}",
            f"rollout.weight_update={'inflight' if c.get('async_training.partial_rollout') else 'pause'}"]
     total = c.get("rollout.total_rollout_steps")
     if total is not None:
-        out.append(f"run.max_steps={max(1, int(total) // groups)}")
+        out.append(f"run.max_steps={max(1, num(c, 'rollout.total_rollout_steps', int, 1) // groups)}")
     return out, (f"one fleetrl step = one verl parameter sync: trigger_parameter_sync_step {sync} x require_batches "
                  f"{req} x ppo_mini_batch_size {mini} = {groups} prompt groups, published once")
 

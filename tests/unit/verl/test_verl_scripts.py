@@ -235,3 +235,17 @@ def test_truncation_cuts_as_verl_does():
     assert truncate(ids, 4, "right").tolist() == [0, 1, 2, 3]
     assert truncate(ids, 5, "middle").tolist() == [0, 1, 7, 8, 9]  # 5 // 2 first, the rest from the end
     assert truncate(ids, 12, "left") is ids
+
+
+def test_no_key_value_gives_a_traceback():
+    """Every key the translator knows, with values of the wrong kind: a ConfigError naming the key, or a mapping."""
+    from launch.verl_defaults import FULLY_ASYNC, SWITCHED
+    from launch.verl_rules import PREFIX_RULES, RULES
+
+    for key in [*RULES, *(p + "x" for p in PREFIX_RULES), *SWITCHED]:
+        entry = FULLY_ASYNC if key.startswith(("async_training.", "rollout.")) else "verl.trainer.main_ppo"
+        for value in ("abc", "null", "[1,2]", "0"):
+            try:
+                translate(["-m", entry, "algorithm.adv_estimator=grpo", f"{key}={value}"])
+            except ConfigError as err:
+                assert key in str(err) or "(schedule)" in str(err) or "verl command line" in str(err), (key, value)
