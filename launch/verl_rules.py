@@ -141,7 +141,8 @@ def _adv(v: Any, c: Ctx) -> list[str] | str:
     if v == "gae":
         if not critic_available():
             raise Refused("adv_estimator 'gae' needs a value model (critic) and GAE", CRITIC)
-        out = ["learner.loss.advantage=gae"]
+        # the critic section exists once it has a model: verl's critic.model.path, else the actor's (null)
+        out = ["learner.loss.advantage=gae", f"learner.critic.model_path={dump(c.get('critic.model.path'))}"]
         for key, dest in (("algorithm.gamma", "learner.loss.gamma"), ("algorithm.lam", "learner.loss.lam")):
             out.append(f"{dest}={dump(c.get(key))}")
         return out
@@ -1024,7 +1025,7 @@ def _critic_key(key: str, v: Any, c: Ctx) -> list[str] | str:
     if not critic_available():
         raise Refused(f"{key}: a value model (critic)", CRITIC)
     if key == "critic.model.path":
-        return [f"learner.critic.model_path={dump(v)}"]
+        return "(set with algorithm.adv_estimator=gae: learner.critic.model_path)"
     if key == "critic.loss_agg_mode":
         return [f"learner.critic.aggregation={_agg(v, c)[0].split('=', 1)[1]}"]
     if key in CRITIC_KEYS:
