@@ -77,7 +77,9 @@ def invocations(script: str, timeout_s: float = 30.0) -> list[list[str]]:
                            cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             print(f"warning: a script ran past {timeout_s} s; keeping the calls it made", file=sys.stderr)
-        raw = out.read_bytes().decode(errors="replace").split("\0")
+        # the scratch directory is the script's $PWD: a fixed name keeps the records reproducible
+        text = out.read_bytes().decode(errors="replace").replace(os.path.realpath(tmp), "/cwd")
+        raw = text.split("\0")
     calls, cur = [], []
     for w in raw:
         if w == "\1":
