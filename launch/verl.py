@@ -204,7 +204,7 @@ def _schedule(ctx: Ctx, out: Mapping) -> None:
         # verl: int(ratio * total_training_steps) warm-up steps when lr_warmup_steps <= 0
         add("actor.optim.lr_warmup_steps_ratio", [f"learner.optim.warmup_steps={int(ratio * steps)}"],
             f"{ratio} x {steps} steps")
-    if ctx.get(ARR + "rollout.max_model_len") is None:
+    if not any(o.startswith("rollout.max_model_len=") for o in out.overrides):  # unless a key set it
         total = longest(ctx)
         # verl sizes the engine for the longest prompt plus the longest response
         add("data.max_prompt_length + data.max_response_length", [f"rollout.max_model_len={total}"])

@@ -438,12 +438,14 @@ def _val(dest: str) -> Rule:
     return rule
 
 
-def _engine_kwargs(key: str, v: Any, c: Ctx) -> str:
+def _engine_kwargs(key: str, v: Any, c: Ctx) -> list[str] | str:
     engine, _, name = key.removeprefix(ARR + "rollout.engine_kwargs.").partition(".")
     if engine not in c.engine_args:
         raise Refused(f"engine_kwargs for {engine!r} (fleetrl's engines are vLLM and SGLang)", OTHER_ENGINE)
     if engine == "vllm" and name == "enable_expert_parallel" and v:
         raise Refused("vLLM expert parallelism", MOE)
+    if name in ("max_model_len", "context_length"):  # fleetrl passes the engine's length itself
+        return [f"rollout.max_model_len={int(v)}"]
     top, _, sub = name.partition(".")
     if sub:  # a JSON-valued engine argument given key by key (compilation_config.cudagraph_mode=...)
         c.engine_args[engine].setdefault(top, {})[sub] = v

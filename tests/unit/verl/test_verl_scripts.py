@@ -182,6 +182,7 @@ def test_one_step_off_is_one_version_stale():
     ("data.apply_chat_template_kwargs.enable_thinking=False", {"data.chat_template_kwargs.enable_thinking": "false"}),
     ("actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8",
      {"rollout.vllm_server_args": '["--kv-cache-dtype", "fp8"]'}),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=4096", {"rollout.max_model_len": "4096"}),
     # verl 0.9 clips with clip_ratio_low/high (0.2 each); clip_ratio is their fallback only when they are null
     ("actor_rollout_ref.actor.clip_ratio=0.3", {"learner.loss.clip_low": "0.2", "learner.loss.clip_high": "0.2"}),
     ("actor_rollout_ref.actor.clip_ratio=0.3 actor_rollout_ref.actor.clip_ratio_high=null",
