@@ -57,6 +57,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
                for r in learner.reward_per_step]
     summary = {
         "steps": learner.step,
+        "learner_settings": learner.settings,  # every "auto" of the learner config as resolved (learner/fastpath.py)
         "max_staleness": cfg.broker.max_staleness,
         "max_staleness_seen": learner.max_staleness_seen,
         "staleness_hist": learner.staleness_hist,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from learner.batch import MicroBatch, StepPlan
+from learner.fastpath import ResolvedSettings
 
 
 class TrainingEngine(ABC):
@@ -34,6 +35,12 @@ class TrainingEngine(ABC):
     rank: int
     world_size: int
     device: torch.device
+    settings: ResolvedSettings  # every "auto" of the learner config, decided (learner/fastpath.py)
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of one packed micro-batch, as resolved for this device."""
+        return self.settings.micro_batch_tokens
 
     # The step batch is split over data-parallel replicas: every rank for FSDP; for Megatron the ranks of
     # one TP x PP replica share a split (they must run the same micro-batches).
