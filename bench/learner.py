@@ -76,12 +76,17 @@ VARIANTS = {
              **_EAGER},
     "compile": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
                 "compile_blocks": True, "activation_checkpointing": False},
+    # compile with the head as it was before issue 36 (fp32 root, eager per-chunk arithmetic): "_settings" are
+    # not config keys but replacements of the resolved settings (learner/fastpath.py), for this A/B only
+    "compile_oldhead": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on",
+                        "meta_init": "on", "compile_blocks": True, "activation_checkpointing": False,
+                        "_settings": {"root_dtype": "float32", "fused_head": False}},
     "ac": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
            "activation_checkpointing": True, "compile_blocks": False},
     # the config's defaults as shipped; without @TOKENS also its micro_batch_tokens (auto: sized from free memory)
     "default": {},
     # the defaults as shipped before issue 36 (compiled blocks and auto sizing off), at --micro-tokens
-    "shipped_before": dict(_EAGER),
+    "shipped_before": {**_EAGER, "_settings": {"root_dtype": "float32"}},
     # Megatron: flash varlen core attention instead of the T x T mask; full-vocabulary fp32 logits and foreach
     # AdamW (the engine as measured before its chunked head: learner.logprobs' auto is now chunked at TP=1)
     "mvarlen": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off", **_EAGER},
@@ -260,8 +265,16 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
         from learner.run import init_distributed, make_engine
 
         init_distributed("nccl", timeout_s=300)
-        over = VARIANTS[kw["variant"]]  # Megatron reads attn_implementation, activation_checkpointing, logprobs,
-        # logprob_chunk, fused_optimizer and compile_blocks
+        over = dict(VARIANTS[kw["variant"]])  # Megatron reads attn_implementation, activation_checkpointing,
+        # logprobs, logprob_chunk, fused_optimizer and compile_blocks
+        replace = over.pop("_settings", None)
+        if replace:
+            import dataclasses
+
+            import learner.fsdp as fsdp_mod
+
+            resolve = fsdp_mod.resolve_fast_path
+            fsdp_mod.resolve_fast_path = lambda *a, **k: dataclasses.replace(resolve(*a, **k), **replace)
         lc = LearnerConfig.model_validate({
             "engine": kw["engine"], "loss": {"correction": "tis"}, "optim": {"lr": 1e-6},
             **({"micro_batch_tokens": kw["micro_tokens"]} if kw["micro_tokens"] is not None else {}),

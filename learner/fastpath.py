@@ -216,6 +216,7 @@ class ResolvedSettings:
     fused_optimizer: bool
     meta_init: bool
     compile_blocks: bool
+    fused_head: bool  # the chunked head's per-chunk arithmetic compiled (with compile_blocks)
     root_dtype: str  # FSDP root's (embeddings, final norm, output layer) compute dtype
     micro_batch_tokens: int
     activation_checkpointing: bool
@@ -301,7 +302,8 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
                                                 _plan(cfg, world_size, compiled, chunked, root_dtype), ac_cfg)
     return ResolvedSettings(engine=cfg.engine, device=_device_label(device), chunked_logprobs=chunked,
                             logprob_chunk=cfg.logprob_chunk, attn_implementation=attn, fused_optimizer=fused,
-                            meta_init=meta_init, compile_blocks=compiled, root_dtype=root_dtype,
+                            meta_init=meta_init, compile_blocks=compiled, fused_head=compiled and chunked,
+                            root_dtype=root_dtype,
                             micro_batch_tokens=tokens, activation_checkpointing=bool(ac), micro_batch_source=source)
 
 

@@ -185,7 +185,7 @@ class FSDPEngine(TrainingEngine):
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
             return head_logprobs(model, mb, self.cfg.temperature, self.settings.logprob_chunk, cd,
-                                 fused=self.settings.compile_blocks, **kw)
+                                 fused=self.settings.fused_head, **kw)
         return packed_forward(model, mb, self.cfg.temperature, **kw)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -375,7 +375,7 @@ class MegatronEngine(TrainingEngine):
         # fp32 logits from the bf16 operands (tensor cores, fp32 accumulation: learner/logprobs.py), the same
         # function as fp32_output_layer's upcast head; the vocab padding rows dropped
         logp, ent = chunked_logprobs(h, w[: self.shape.vocab], mb.targets, self.cfg.temperature,
-                                     self.cfg.logprob_chunk, fused=self.settings.compile_blocks)
+                                     self.cfg.logprob_chunk, fused=self.settings.fused_head)
         return torch.stack([logp, ent.detach()], dim=-1)
 
     def _logprobs(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

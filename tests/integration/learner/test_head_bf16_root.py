@@ -41,7 +41,7 @@ def _rank(rank, world_size, port, kw):
                                                                            reduce_dtype=torch.float32),
                offload=False, root_dtype=root)
         seen = {}
-        model.model.norm.register_forward_hook(lambda m, a, o: seen.update(h=o.detach()))
+        model.model.norm.register_forward_hook(lambda m, a, o, seen=seen: seen.update(h=o.detach()))
         logp, _ = head_logprobs(model, mb, 1.0, chunk=7, compute_dtype=torch.bfloat16)
         out[name] = {"logp": logp.detach().tolist(), "h_dtype": str(seen["h"].dtype),
                      "h": seen["h"][0, mb.target_index].float().tolist(), "w": head_w.tolist()}
