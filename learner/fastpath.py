@@ -221,6 +221,7 @@ class ResolvedSettings:
     micro_batch_tokens: int
     activation_checkpointing: bool
     micro_batch_source: str  # "config" or how auto sized it
+    pending: bool = False  # budget and checkpointing not decided yet (size_now=False): sized at the first step
 
     @property
     def varlen(self) -> bool:
@@ -240,13 +241,17 @@ def _device_label(d: DeviceProps) -> str:
     return f"cuda {d.name}{cap}, {d.free_bytes / GIB:.1f} GiB free of {d.total_bytes / GIB:.1f}"
 
 
-def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None, world_size: int = 1
-                      ) -> ResolvedSettings:
+def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None, world_size: int = 1,
+                      size_now: bool = True) -> ResolvedSettings:
     """Every ``auto`` of the learner config (``learner.config.LearnerConfig``) decided for ``device``.
 
     ``shape`` is needed only to size ``micro_batch_tokens=auto`` on a GPU; ``world_size``: the ranks of the
     learner. Explicit settings win. Raises ValueError for a choice the device cannot run (varlen on CPU) or
-    an ``auto`` budget that cannot fit.
+    an ``auto`` budget that cannot fit. ``size_now=False`` leaves what depends on GPU memory (the budget and
+    checkpointing when either is auto) ``pending``: the FSDP engine decides them at its first step, when the
+    memory it will train in is known (in colocated mode the inference engines sleep only then);
+    ``device.free_bytes`` must then count the memory the learner already holds as free (the estimate
+    includes it).
 
     Example::
 
@@ -287,7 +292,11 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
     fused = pick(cfg.fused_optimizer) and (gpu or not megatron)
     root_dtype = "bfloat16" if gpu and chunked else "float32"
     ac_cfg = cfg.activation_checkpointing
-    if cfg.micro_batch_tokens != "auto":
+    pending = gpu and not size_now and "auto" in (cfg.micro_batch_tokens, ac_cfg)
+    if pending:
+        tokens = 0 if cfg.micro_batch_tokens == "auto" else int(cfg.micro_batch_tokens)
+        ac, source = ac_cfg is True, "pending: sized at the first step from the GPU memory free then"
+    elif cfg.micro_batch_tokens != "auto":
         tokens, ac, source = int(cfg.micro_batch_tokens), ac_cfg, "config"
         if ac == "auto":  # checkpoint only when the given budget is estimated not to fit without it
             ac = gpu and shape is not None and memory_estimate(
@@ -304,7 +313,8 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
                             logprob_chunk=cfg.logprob_chunk, attn_implementation=attn, fused_optimizer=fused,
                             meta_init=meta_init, compile_blocks=compiled, fused_head=compiled and chunked,
                             root_dtype=root_dtype,
-                            micro_batch_tokens=tokens, activation_checkpointing=bool(ac), micro_batch_source=source)
+                            micro_batch_tokens=tokens, activation_checkpointing=bool(ac), micro_batch_source=source,
+                            pending=pending)
 
 
 def _plan(cfg, world_size: int, compiled: bool, chunked: bool, root_dtype: str) -> MemoryPlan:

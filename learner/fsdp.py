@@ -121,8 +121,10 @@ class FSDPEngine(TrainingEngine):
         # (verl's param_offload / optimizer_offload) is one CPUOffloadPolicy: shards in pinned CPU
         # memory, copied to the GPU per unit for forward and backward, AdamW stepping on the CPU.
         self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
-        shape = ModelShape.from_folder(model_path) if on_gpu else None  # sizes micro_batch_tokens=auto
-        self.settings = fast = resolve_fast_path(cfg, self._device_props(), shape, self.world_size)
+        self.shape = ModelShape.from_folder(model_path) if on_gpu else None  # sizes micro_batch_tokens=auto
+        # The budget (and checkpointing) wait for the first step: memory is known then (settle_settings)
+        self.settings = fast = resolve_fast_path(cfg, self._device_props(), self.shape, self.world_size,
+                                                 size_now=False)
         if self.rank == 0:
             logger.info("%s", fast.describe())
         self.attn_impl = attention.register() if fast.varlen else fast.attn_implementation
@@ -145,10 +147,24 @@ class FSDPEngine(TrainingEngine):
         logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters, model %s", self.rank, self.world_size,
                     self.device, n_params, model_path)
 
-    def _device_props(self) -> DeviceProps:
+    def settle_settings(self) -> None:
+        """Size the micro-batches (and choose checkpointing) from the memory free now, counting what this
+        rank already holds as free (the estimate includes the model's state): at the first step, after a
+        colocated engine has gone to sleep."""
+        self.settings = resolve_fast_path(self.cfg, self._device_props(held=True), self.shape, self.world_size)
+        if self.settings.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.rank == 0:
+            logger.info("%s", self.settings.describe())
+
+    def _device_props(self, held: bool = False) -> DeviceProps:
         """This rank's device; on GPU the least free memory of any rank (every rank must plan the same
-        micro-batches: each forward and backward is a collective)."""
+        micro-batches: each forward and backward is a collective). ``held``: this process's cached GPU
+        memory counts as free."""
         props = DeviceProps.probe(self.device)
+        if props.is_gpu and held:
+            props = DeviceProps(type=props.type, free_bytes=props.free_bytes + torch.cuda.memory_reserved(self.device),
+                                total_bytes=props.total_bytes, name=props.name, capability=props.capability)
         if props.is_gpu and self.world_size > 1:
             free = torch.tensor([props.free_bytes], dtype=torch.int64, device=self.device)
             dist.all_reduce(free, op=dist.ReduceOp.MIN)

@@ -179,7 +179,7 @@ class LearnerRank:
         self.t0 = time.monotonic()
         self.t0_unix = time.time()
         self._colo: dict[str, float] = {}  # colocated mode: sleep / wake seconds of the current step
-        self.settings: dict[str, str | int | bool] | None = None  # the engine's resolved settings
+        self._engine = None  # the training engine, once built (its resolved settings)
 
     # -- rendezvous ----------------------------------------------------------------------------------
     def set_rank(self, rank: int) -> None:
@@ -459,7 +459,7 @@ class LearnerRank:
         return self.status()
 
     def _engine_built(self, engine) -> None:
-        self.settings = engine.settings.as_dict()  # what every "auto" became (learner/fastpath.py)
+        self._engine = engine  # its settings (what every "auto" became, learner/fastpath.py) go into the record
 
     def stop(self) -> None:
         self.stop_flag = True
@@ -480,5 +480,6 @@ class LearnerRank:
             max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
             publish_s=round(self.publish_s, 3), publishes=self.publishes,
             last_published_version=self.last_published_version, publish_errors=self.publish_errors,
-            publishes_skipped=self.publishes_skipped, settings=self.settings,
+            publishes_skipped=self.publishes_skipped,
+            settings=self._engine.settings.as_dict() if self._engine is not None else None,
             done=self.done, error=self.error)

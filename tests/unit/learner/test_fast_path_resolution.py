@@ -166,3 +166,16 @@ def test_settings_reach_the_status_record():
     st = msgspec.convert(msgspec.to_builtins(LearnerStatus(settings=s.as_dict())), LearnerStatus)
     assert st.settings["micro_batch_tokens"] == 32768 and st.settings["compile_blocks"] is True
     assert s.describe().startswith("learner settings: engine=fsdp")
+
+
+def test_memory_dependent_choices_can_wait_for_the_first_step():
+    """size_now=False (the FSDP engine at build): what depends on GPU memory stays pending, nothing else."""
+    s = resolve_fast_path(cfg(), DeviceProps(type="cuda", free_bytes=GIB), S15, size_now=False)  # would not fit now
+    assert s.pending and s.micro_batch_tokens == 0 and not s.activation_checkpointing and s.compile_blocks
+    given = resolve_fast_path(cfg(micro_batch_tokens=4096), H100, S05, size_now=False)
+    assert given.pending and given.micro_batch_tokens == 4096  # checkpointing auto still waits
+    fixed = resolve_fast_path(cfg(micro_batch_tokens=4096, activation_checkpointing=True), H100, S05, size_now=False)
+    assert not fixed.pending and fixed.activation_checkpointing
+    assert not resolve_fast_path(cfg(), CPU, size_now=False).pending
+    # settled later with the memory the learner can train in (its own held memory counted as free)
+    assert resolve_fast_path(cfg(), H100, S05).micro_batch_tokens == 32768
