@@ -64,6 +64,15 @@ run_shape 0.5b 0p5b "fsdp:1:1:default,fsdp:1:1:compile_oldhead@32768,fsdp:1:1:co
     "${BUDGET_05B:-240}" 80 250; r1=$?
 run_shape 1.5b 1p5b "fsdp:1:1:default,fsdp:1:1:compile_oldhead@16384" "${BUDGET_15B:-140}" 70 150; r2=$?
 
+# the GPU checks of the same code (tests/gpu/test_fast_default_gpu.py), when the call has time left for them
+if [ $((SECONDS)) -lt "${TESTS_BEFORE_S:-430}" ]; then
+    stamp "tests/gpu/test_fast_default_gpu.py"
+    timeout 120 $PY -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fast_default_gpu.py 2>&1 \
+        | tee "$OUT/fast_default_tests.log" | tail -8
+else
+    echo "tests/gpu/test_fast_default_gpu.py not run: ${SECONDS}s used"
+fi
+
 stamp "summary"
 $PY - "$OUT" <<'EOF'
 import json

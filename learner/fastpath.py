@@ -68,6 +68,7 @@ class DeviceProps:
     total_bytes: int = 0
     name: str = "cpu"
     capability: tuple[int, int] | None = None  # CUDA compute capability
+    compiler: bool = True  # torch.compile can generate GPU kernels here (Triton importable)
 
     @property
     def is_gpu(self) -> bool:
@@ -80,9 +81,12 @@ class DeviceProps:
 
         if device.type != "cuda":
             return cls(type="cpu")
+        import importlib.util
+
         free, total = torch.cuda.mem_get_info(device)
         return cls(type="cuda", free_bytes=int(free), total_bytes=int(total),
-                   name=torch.cuda.get_device_name(device), capability=torch.cuda.get_device_capability(device))
+                   name=torch.cuda.get_device_name(device), capability=torch.cuda.get_device_capability(device),
+                   compiler=importlib.util.find_spec("triton") is not None)
 
 
 @dataclass(frozen=True)
@@ -288,7 +292,9 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
                              "use sdpa on CPU")
         chunked = cfg.logprobs == "chunked" or (cfg.logprobs == "auto" and gpu)
         meta_init = pick(cfg.meta_init)
-    compiled = pick(cfg.compile_blocks)
+    compiled = pick(cfg.compile_blocks) and (device.compiler or cfg.compile_blocks is True)
+    if cfg.compile_blocks == "auto" and gpu and not device.compiler:
+        logger.warning("learner.compile_blocks=auto: no Triton here, so the decoder layers run eagerly")
     fused = pick(cfg.fused_optimizer) and (gpu or not megatron)
     root_dtype = "bfloat16" if gpu and chunked else "float32"
     ac_cfg = cfg.activation_checkpointing

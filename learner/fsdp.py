@@ -21,6 +21,7 @@ order of the fp32 sums.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -163,13 +164,11 @@ class FSDPEngine(TrainingEngine):
         memory counts as free."""
         props = DeviceProps.probe(self.device)
         if props.is_gpu and held:
-            props = DeviceProps(type=props.type, free_bytes=props.free_bytes + torch.cuda.memory_reserved(self.device),
-                                total_bytes=props.total_bytes, name=props.name, capability=props.capability)
+            props = dataclasses.replace(props, free_bytes=props.free_bytes + torch.cuda.memory_reserved(self.device))
         if props.is_gpu and self.world_size > 1:
             free = torch.tensor([props.free_bytes], dtype=torch.int64, device=self.device)
             dist.all_reduce(free, op=dist.ReduceOp.MIN)
-            props = DeviceProps(type=props.type, free_bytes=int(free), total_bytes=props.total_bytes,
-                                name=props.name, capability=props.capability)
+            props = dataclasses.replace(props, free_bytes=int(free))
         return props
 
     def _build(self, model_path: str, fast: ResolvedSettings, mesh, mp, *, offload: bool, train: bool) -> torch.nn.Module:

@@ -48,6 +48,7 @@ weight decay skips biases and norms (Megatron's rule; FSDP decays all). Checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -297,8 +298,7 @@ class MegatronEngine(TrainingEngine):
         if on_gpu and self.world_size > 1:
             free = torch.tensor([props.free_bytes], dtype=torch.int64, device=self.device)
             dist.all_reduce(free, op=dist.ReduceOp.MIN)
-            props = DeviceProps(type=props.type, free_bytes=int(free), total_bytes=props.total_bytes,
-                                name=props.name, capability=props.capability)
+            props = dataclasses.replace(props, free_bytes=int(free))
         return props
 
     def _reference_on_gpu(self, on: bool) -> None:

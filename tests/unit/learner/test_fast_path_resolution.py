@@ -179,3 +179,10 @@ def test_memory_dependent_choices_can_wait_for_the_first_step():
     assert not resolve_fast_path(cfg(), CPU, size_now=False).pending
     # settled later with the memory the learner can train in (its own held memory counted as free)
     assert resolve_fast_path(cfg(), H100, S05).micro_batch_tokens == 32768
+
+
+def test_compile_auto_needs_a_kernel_compiler():
+    no_triton = DeviceProps(type="cuda", free_bytes=H100.free_bytes, total_bytes=H100.total_bytes, compiler=False)
+    s = resolve_fast_path(cfg(), no_triton, S05)
+    assert not s.compile_blocks and not s.fused_head and s.chunked_logprobs  # eager layers, the rest as usual
+    assert resolve_fast_path(cfg(compile_blocks=True), no_triton, S05).compile_blocks  # asked for: tried anyway
