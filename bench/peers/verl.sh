@@ -71,6 +71,24 @@ json.dump({"case": case, "model": model, "prompts_per_step": int(prompts), "n": 
           open(out, "w"), indent=1)
 EOF
 
+# Ray and vLLM workers can outlive a run stopped by its timeout and hold the GPU: after each run, end the
+# processes it started (new since the run began, ours by command line), by PID.
+snapshot() { ps -eo pid= | tr -d ' ' | sort; }
+ours() { cat "/proc/$1/cmdline" 2> /dev/null | tr '\0' ' ' | grep -qE "ray|vllm|verl|python"; }
+end_new() {  # end_new SNAPSHOT_FILE: TERM, then KILL, the processes started since the snapshot (by PID)
+    local p sig
+    for sig in TERM KILL; do
+        for p in $(comm -13 "$1" <(snapshot)); do
+            [ "$p" != "$$" ] && ours "$p" && kill -"$sig" "$p" 2> /dev/null
+        done
+        [ "$sig" = TERM ] && sleep 5
+    done
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+}
+snapshot > "$WORK/ps_before"
+used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+[ "${used:-0}" -gt 2048 ] && echo "warning: ${used} MiB of GPU memory already in use before this run"
+
 run_fleetrl() {
     local d=$WORK/fleetrl
     rm -rf "$d" && mkdir -p "$d"
@@ -150,6 +168,7 @@ case "$SYSTEM" in
     *) echo "unknown SYSTEM $SYSTEM" >&2; exit 2 ;;
 esac
 rc=$?
+[ "$SYSTEM" = compare ] || end_new "$WORK/ps_before"
 # the comparison as far as the two runs got (either may still be missing: its part says so)
 PYTHONPATH="$REPO" $PY bench/peers/compare.py --case "$CASE" --fleetrl "$WORK/fleetrl" --verl "$WORK/verl" \
     --json "$OUT/peers_$CASE.json" || true
