@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         return _control(argv)
     if argv and argv[0] == "verl":
         return _verl(argv[1:])
+    if argv and argv[0] == "config":
+        from launch.config_keys import main as config_keys
+
+        return config_keys(argv[1:])
     if argv and argv[0] == "report":
         from launch.report import main as report
 

@@ -41,7 +41,7 @@ class RunSection(RunKeys):
     eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
     eval_samples: int = Field(256, ge=0, description="test prompts per evaluation (before and after training, "
                               "and every eval_every steps); 0: no evaluation")
-    tensorboard: bool = True
+    tensorboard: bool = Field(True, description="write TensorBoard events under RUN_DIR/tensorboard")
     default_spool: bool = Field(True, description="with broker.spool_dir unset, spool in RUN_DIR/spool (what a "
                                 "re-run on the same run_dir continues from); false: no spool unless spool_dir is set")
     prometheus: bool = Field(True, description="Prometheus endpoints of the driver, the broker and the learner "
@@ -120,6 +120,10 @@ class RunConfig(ConfigModel):
             # log-probs are renormalised over the nucleus, so the ratio would compare different distributions.
             raise ValueError(f"rollout.sampling.top_p={self.rollout.sampling.top_p} truncates the sampling "
                              "distribution, which the learner does not reproduce; use top_p=1 for training")
+        if self.rollout.sampling.top_k > 0:
+            raise ValueError(f"rollout.sampling.top_k={self.rollout.sampling.top_k} truncates the sampling "
+                             "distribution, which the learner does not reproduce (it scores log_softmax(z / T) over "
+                             "the whole vocabulary); use top_k=-1 for training (rollout.eval_sampling may truncate)")
         if t_fleet != t_learner:
             # The learner's log-probs must be of the distribution the fleet sampled from.
             raise ValueError(

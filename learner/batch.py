@@ -111,12 +111,17 @@ def _empty_micro_batch() -> MicroBatch:
                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
 
 
-def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> np.ndarray:
-    """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses)."""
+def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool,
+                   mask_truncated: bool = False) -> np.ndarray:
+    """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses, and with
+    ``mask_truncated`` no response cut at the length limit)."""
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
     _, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
-    return keep.numpy() & (_trained_lengths(batch) > 0)
+    rows = keep.numpy() & (_trained_lengths(batch) > 0)
+    if mask_truncated:
+        rows &= batch.column("finish_reason").to_numpy(zero_copy_only=False) != "length"
+    return rows
 
 
 def _trained_lengths(batch: pa.RecordBatch) -> np.ndarray:

@@ -50,7 +50,7 @@ from learner.fastpath import (
 )
 from learner.loading import load_shards, meta_model
 from learner.logprobs import head_logprobs
-from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_loss
+from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, needs_proximal, policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,8 @@ class FSDPEngine(TrainingEngine):
             return self._forward(self.model, mb)
 
     def needs_proximal(self) -> bool:
-        return self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
+        several = self.cfg.ppo_epochs > 1 or self.cfg.ppo_mini_batch_size is not None
+        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several)
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():
