@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -102,7 +102,7 @@ class LearnerConfig(ConfigModel):
                                "with GPUs the learner has one rank per GPU and this must stay 1")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig
-    micro_batch_tokens: Annotated[int, Field(ge=16)] | Literal["auto"] = Field(
+    micro_batch_tokens: int | Literal["auto"] = Field(
         "auto", description="token budget of one packed micro-batch. auto: 8192 on CPU; on GPU sized from the "
         "GPU's free memory and the model's shape (learner/fastpath.py micro_batch_budget), the resolved value is "
         "logged and reported in the run's summary")
@@ -135,6 +135,13 @@ class LearnerConfig(ConfigModel):
         "which the run fails (the learner does not score the distribution the fleet sampled). auto: 0.01 when the "
         "engines run model.dtype float32, else 0.1 (bf16 engines differ from the learner by ~0.05 on average); "
         "None: no check (synthetic behaviour log-probs, e.g. replayed test data)")
+
+    @field_validator("micro_batch_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if isinstance(v, int) and v < 16:
+            raise ValueError(f"micro_batch_tokens must be 'auto' or at least 16 tokens, got {v}")
+        return v
 
     @field_validator("logprob_probe_tolerance")
     @classmethod
