@@ -41,11 +41,12 @@ def test_fused_head_equals_eager_on_gpu():
         lp, ent = chunked_logprobs(hidden, weight, targets, 0.7, 2048, torch.bfloat16, fused=fused)
         (lp * coef).sum().backward()
         res[fused] = (lp.detach(), ent.detach(), hidden.grad.float(), weight.grad.float())
-    # Same fp32 logits (same matmul), reduced in another order by Triton: values ~10 agree to a few fp32 ulps
-    # (1e-4 absolute with margin). Gradients are rounded to bf16 after the logit gradient in both; a flipped
-    # rounding is 2^-8 relative of one entry, so compare their norms to 1e-2 relative and entries to 2e-2.
+    # Same fp32 logits (same matmul), reduced in another order by Triton: sums of 32,000 fp32 terms differ by
+    # about sqrt(32000) x 2^-24 relative, 1e-5 of values ~10, so 1e-4; 5e-4 absolute with margin. Gradients are
+    # rounded to bf16 after the logit gradient in both; a flipped rounding is 2^-8 relative of one entry, so
+    # compare their norms to 1e-2 relative and entries to 2e-2 of the largest.
     for a, b in zip(res[True][:2], res[False][:2], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-4)
     for a, b in zip(res[True][2:], res[False][2:], strict=True):
         assert abs(float(a.norm()) - float(b.norm())) <= 1e-2 * float(b.norm())
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
