@@ -41,6 +41,8 @@ class RunSection(RunKeys):
     eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
     eval_samples: int = Field(256, ge=0, description="test prompts per evaluation (before and after training, "
                               "and every eval_every steps); 0: no evaluation")
+    eval_before_train: bool = Field(True, description="evaluate the initial policy before training (verl's "
+                                    "trainer.val_before_train); false skips that evaluation only")
     tensorboard: bool = Field(True, description="write TensorBoard events under RUN_DIR/tensorboard")
     default_spool: bool = Field(True, description="with broker.spool_dir unset, spool in RUN_DIR/spool (what a "
                                 "re-run on the same run_dir continues from); false: no spool unless spool_dir is set")

@@ -394,7 +394,8 @@ class Job:
                     self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
                                                 "eval after")
                     if self.eval_after is not None:
-                        log.info("eval accuracy after training: %.3f (before %.3f)", self.eval_after, self.eval_before)
+                        log.info("eval accuracy after training: %.3f (before %s)", self.eval_after,
+                                 "skipped" if self.eval_before is None else f"{self.eval_before:.3f}")
                 return
             if self.supervisor is not None:
                 self.supervisor.check()  # restarts a dead broker on its spool, or raises BrokerGone

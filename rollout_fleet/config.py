@@ -22,6 +22,13 @@ class DataConfig(ConfigModel):
     on_bad_row: Literal["raise", "skip"] = Field(
         "raise", description="a malformed row: stop at load naming file/row/column, or skip it and count it"
     )
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error", description="a prompt over the limit that filter_overlong_prompts does not skip: 'error' refuses the "
+        "run before it starts; 'left' keeps its last tokens, 'right' its first, 'middle' its first and last halves "
+        "(verl's data.truncation)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra arguments of the tokenizer's chat template, e.g. {enable_thinking: "
+        "false} (verl's data.apply_chat_template_kwargs)")
 
 
 BUILTIN_REWARDS = ("default", "exact_match", "gsm8k", "gsm8k_flexible", "math")
