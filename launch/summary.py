@@ -62,6 +62,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         ignored = {"unreadable": str(exc)}
     summary = {
         "steps": learner.step,
+        "learner_settings": learner.settings,  # every "auto" of the learner config as resolved (learner/fastpath.py)
         "model_generation_config_not_applied": ignored,
         "max_staleness": cfg.broker.max_staleness,
         "max_staleness_seen": learner.max_staleness_seen,

@@ -102,20 +102,28 @@ class LearnerConfig(ConfigModel):
                                "with GPUs the learner has one rank per GPU and this must stay 1")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig
-    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
-    activation_checkpointing: bool = False
+    micro_batch_tokens: int | Literal["auto"] = Field(
+        "auto", description="token budget of one packed micro-batch. auto: 8192 on CPU; on GPU sized from the "
+        "GPU's free memory and the model's shape (learner/fastpath.py micro_batch_budget), the resolved value is "
+        "logged and reported in the run's summary")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder layer in the backward. auto: off on CPU; on GPU on only when "
+        "the micro-batch budget without it would be too small to run efficiently (learner/fastpath.py)")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto: varlen on GPU (document-masked flash attention, learner/attention.py), sdpa on "
         "CPU; sdpa and eager keep packed sequences apart with a mask from position_ids")
-    # FSDP fast paths (learner/fastpath.py); auto = on for GPU ranks, off on CPU
+    # Fast paths (learner/fastpath.py resolve_fast_path); auto = on for GPU ranks, off on CPU. The plain engine of
+    # before: logprobs=full attn_implementation=sdpa fused_optimizer=off meta_init=off compile_blocks=false
+    # micro_batch_tokens=8192 activation_checkpointing=false
     logprobs: Literal["auto", "chunked", "full"] = Field(
         "auto", description="chunked: log-probs/entropy from the last hidden state in vocab chunks (no full logits)")
     logprob_chunk: int = Field(4096, ge=1, description="response tokens per chunk of the chunked log-prob path")
     fused_optimizer: Literal["auto", "on", "off"] = "auto"
     meta_init: Literal["auto", "on", "off"] = Field(
         "auto", description="build on the meta device and load each rank's shards from safetensors")
-    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP); "
-                                   "Megatron: each layer's MLP")
+    compile_blocks: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder layer's forward and the chunked head's per-chunk "
+        "log-softmax (FSDP); Megatron: each layer's MLP. auto: on for GPU ranks, off on CPU")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
@@ -127,6 +135,13 @@ class LearnerConfig(ConfigModel):
         "which the run fails (the learner does not score the distribution the fleet sampled). auto: 0.01 when the "
         "engines run model.dtype float32, else 0.1 (bf16 engines differ from the learner by ~0.05 on average); "
         "None: no check (synthetic behaviour log-probs, e.g. replayed test data)")
+
+    @field_validator("micro_batch_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if isinstance(v, int) and v < 16:
+            raise ValueError(f"micro_batch_tokens must be 'auto' or at least 16 tokens, got {v}")
+        return v
 
     @field_validator("logprob_probe_tolerance")
     @classmethod

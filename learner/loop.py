@@ -256,7 +256,7 @@ class Learner:
         t_train_wall = time.time()  # unix seconds, comparable with the samples' t_start / t_end
         plans, stats = plan_mini_batches(
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
-            world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
+            world_size=self.engine.data_world_size, micro_batch_tokens=self.engine.micro_batch_tokens,
             advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
             aggregation=self.cfg.loss.aggregation, learner_version=self.version,
             mask_truncated=self.cfg.loss.mask_truncated)
