@@ -18,6 +18,7 @@ order of the fp32 sums.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from learner import checkpoint as ckpt
+from learner import ulysses
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
@@ -110,6 +112,10 @@ class FSDPEngine(TrainingEngine):
         # memory, copied to the GPU per unit for forward and backward, AdamW stepping on the CPU.
         self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
         self.fast = fast = FastPaths.resolve(cfg, on_gpu)
+        # Ulysses SP (learner/ulysses.py): models load with its attention, which wraps the resolved one.
+        self.sp = ulysses.setup_engine(cfg, model_path, fast) if cfg.sequence_parallel_size > 1 else None
+        if self.sp is not None:
+            self.fast = fast = dataclasses.replace(fast, attn_implementation=ulysses.ULYSSES)
         model = self._build(model_path, fast, mesh, mp, offload=self.offload, train=True)
         self.model = model
 
@@ -151,8 +157,19 @@ class FSDPEngine(TrainingEngine):
         return model
 
     # ---- forward ---------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int:  # the ranks of one SP group plan the same micro-batches
+        return self.sp.dp_rank if self.sp is not None else self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.sp.dp_size if self.sp is not None else self.world_size
+
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        kw = self.fast.forward_kwargs(mb)
+        if self.sp is not None:  # this rank's slice of the row (in place, once); the loss then reads its tokens
+            kw = self.sp.forward_kwargs(self.sp.shard(mb))
+        else:
+            kw = self.fast.forward_kwargs(mb)
         if self.fast.chunked_logprobs:
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
