@@ -2,7 +2,8 @@
 DP=2 on 4 ranks give the loss, the metrics and the gradients of SP=1 on one rank, for one step batch whose
 packed rows are cut unevenly by the slice boundary and hold a one-token sequence (shorter than the SP degree),
 with a KL reference model that differs from the policy (its log-probs are computed under SP too) and the
-decoupled correction's proximal pass (also under SP).
+decoupled correction's proximal pass (also under SP); and SP=4 on 4 ranks, where the tiny model's 2 key/value
+heads are repeated before the exchange.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("ulysses")
     model = make_tiny_model(d / "model")  # 4 attention heads, 2 key/value heads
-    return {"sp1": _run(1, 1, d, "sp1", model), "sp2": _run(2, 2, d, "sp2", model),
+    return {"model": model, "sp1": _run(1, 1, d, "sp1", model), "sp2": _run(2, 2, d, "sp2", model),
             "sp2dp2": _run(4, 2, d, "sp2dp2", model)}
 
 
@@ -134,3 +135,14 @@ def test_sp2_dp2_matches_sp1(runs):
     assert ranks[0]["row_tokens"] == ranks[1]["row_tokens"] and ranks[2]["row_tokens"] == ranks[3]["row_tokens"]
     assert ranks[0]["row_tokens"] != ranks[2]["row_tokens"], "the two replicas train different sequences"
     _compare(runs["sp1"], runs["sp2dp2"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sp4_with_repeated_kv_heads_matches_sp1(runs, tmp_path):
+    """SP=4 over the tiny model's 2 key/value heads: each is repeated twice before the exchange."""
+    sp4 = _run(4, 4, tmp_path, "sp4", runs["model"])
+    rows = runs["sp1"]["ranks"][0]["row_tokens"]
+    for r in sp4["ranks"]:
+        assert r["local_tokens"] == [(n + 3) // 4 for n in rows]
+    _compare(runs["sp1"], sp4)
