@@ -56,7 +56,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.fsdp import FSDPEngine
     from learner.run import init_distributed
 
-    init_distributed("gloo", timeout_s=60)
+    init_distributed("gloo", timeout_s=120)
     cfg = LearnerConfig.model_validate({
         "loss": {"correction": "decoupled", "kl_coef": 0.5, "kl_estimator": "k2"},
         # no clipping (the gradient is compared as computed), one micro-batch budget that packs a replica's
@@ -89,7 +89,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
 def _run(world: int, sp: int, d: Path, name: str, model: Path) -> dict:
     out = str(d / name)
-    run_procs(_rank, world, {"sp": sp, "model": str(model), "out": out}, 120.0, "fork")
+    run_procs(_rank, world, {"sp": sp, "model": str(model), "out": out}, 180.0, "fork")
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
     return {"ranks": ranks, "grads": torch.load(f"{out}.grads")}
 
