@@ -2,7 +2,7 @@
 DP=2 on 4 ranks give the loss, the metrics and the gradients of SP=1 on one rank, for one step batch whose
 packed rows are cut unevenly by the slice boundary and hold a one-token sequence (shorter than the SP degree),
 with a KL reference model that differs from the policy (its log-probs are computed under SP too) and the
-decoupled correction's proximal pass (also under SP); and SP=4 on 4 ranks, where the tiny model's 2 key/value
+decoupled correction's proximal pass (also under SP); SP=2 x DP=2 with activation checkpointing; and SP=4 on 4 ranks, where the tiny model's 2 key/value
 heads are repeated before the exchange.
 """
 
@@ -62,7 +62,9 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         # no clipping (the gradient is compared as computed), one micro-batch budget that packs a replica's
         # sequences into two rows
         "optim": {"lr": 1e-3, "grad_clip": 1e6},
-        "micro_batch_tokens": 24, "sequence_parallel_size": kw["sp"], "logprob_probe_tolerance": None})
+        "micro_batch_tokens": 24, "sequence_parallel_size": kw["sp"], "logprob_probe_tolerance": None,
+        # recomputing a layer in backward repeats its two exchanges on every rank alike
+        "activation_checkpointing": kw["ac"]})
     engine = FSDPEngine(cfg, kw["model"], total_steps=1, seed=0)
     with torch.no_grad():  # elementwise, so the same on every sharding: a sharper reference head, KL well above 0
         for name, p in engine.ref_model.named_parameters():
@@ -87,9 +89,9 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _run(world: int, sp: int, d: Path, name: str, model: Path) -> dict:
+def _run(world: int, sp: int, d: Path, name: str, model: Path, ac: bool = False) -> dict:
     out = str(d / name)
-    run_procs(_rank, world, {"sp": sp, "model": str(model), "out": out}, 180.0, "fork")
+    run_procs(_rank, world, {"sp": sp, "model": str(model), "out": out, "ac": ac}, 180.0, "fork")
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
     return {"ranks": ranks, "grads": torch.load(f"{out}.grads")}
 
@@ -100,7 +102,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ulysses")
     model = make_tiny_model(d / "model")  # 4 attention heads, 2 key/value heads
     return {"model": model, "sp1": _run(1, 1, d, "sp1", model), "sp2": _run(2, 2, d, "sp2", model),
-            "sp2dp2": _run(4, 2, d, "sp2dp2", model)}
+            "sp2dp2": _run(4, 2, d, "sp2dp2", model, ac=True)}
 
 
 def _compare(ref: dict, got: dict) -> None:
