@@ -29,6 +29,7 @@ gradient reduction and nothing is rescaled.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from learner import attention
 
 ULYSSES = "fleetrl_ulysses"
+logger = logging.getLogger(__name__)
 
 
 def kv_repeat(heads: int, kv_heads: int, sp: int) -> int:
@@ -224,6 +226,8 @@ class SequenceParallel:
                 mine = g
         _state = _State(group=mine, kv_repeat=rep, varlen=varlen)
         register()
+        logger.info("Ulysses SP: rank %d is SP rank %d of %d in data replica %d of %d (key/value heads x%d, %s inside)",
+                    rank, rank % sp, sp, rank // sp, world // sp, rep, "varlen" if varlen else "sdpa")
         return cls(size=sp, rank=rank % sp, dp_rank=rank // sp, dp_size=world // sp, group=mine)
 
     def shard(self, mb):
