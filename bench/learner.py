@@ -87,6 +87,11 @@ VARIANTS = {
     "default": {},
     # the defaults as shipped before issue 36 (compiled blocks and auto sizing off), at --micro-tokens
     "shipped_before": {**_EAGER, "_settings": {"root_dtype": "float32"}},
+    # long responses (bench/long_context_gpu.sh): + parameter/optimizer shards in CPU memory; + Ulysses SP=2
+    "ac_offload": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
+                   "activation_checkpointing": True, "compile_blocks": False, "param_offload": True},
+    "ac_sp2": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
+               "activation_checkpointing": True, "compile_blocks": False, "sequence_parallel_size": 2},
     # Megatron: flash varlen core attention instead of the T x T mask; full-vocabulary fp32 logits and foreach
     # AdamW (the engine as measured before its chunked head: learner.logprobs' auto is now chunked at TP=1)
     "mvarlen": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off", **_EAGER},

@@ -242,6 +242,10 @@ def resolve_config(args: argparse.Namespace):
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("run.wandb is set but the wandb package is not installed: pip install 'fleetrl[wandb]'")
+    if cfg.learner.sequence_parallel_size > 1:  # --learner-gpus 0: the CPU ranks (gloo) are split instead
+        sp_json = Path(cfg.model.path) / "config.json"
+        cfg.learner.check_sequence_parallel(args.learner_gpus or cfg.learner.cpu_processes,
+                                            json.loads(sp_json.read_text()) if sp_json.exists() else None)
     if cfg.learner.engine == "megatron" and not args.simulate:
         model_json = Path(cfg.model.path) / "config.json"
         if not model_json.exists():

@@ -67,6 +67,20 @@ class MegatronConfig(ConfigModel):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    context_parallel_size: int = Field(1, ge=1, description="Megatron context parallelism; only 1: megatron-core "
+                                       "runs CP only in TransformerEngine's attention, which fleetrl's local layer "
+                                       "spec does not use (docs/long_context.md). Use the FSDP engine's "
+                                       "learner.sequence_parallel_size for long responses")
+
+    @field_validator("context_parallel_size")
+    @classmethod
+    def _no_context_parallel(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(f"learner.megatron.context_parallel_size={v} is not supported: megatron-core implements "
+                             "context parallelism only in TransformerEngine's attention (its local DotProductAttention "
+                             "asserts context_parallel_size == 1) and fleetrl builds Megatron with the local spec, "
+                             "without TransformerEngine; use learner.engine=fsdp with learner.sequence_parallel_size")
+        return v
 
     def check_layout(self, learner_gpus: int, hf_config: dict) -> None:
         """Raise ConfigError, before any process starts, if the parallel layout cannot split
@@ -168,6 +182,36 @@ class LearnerConfig(ConfigModel):
     optimizer_offload: bool = Field(False, description="FSDP on GPU: the optimizer state in CPU memory; FSDP2 keeps "
                                     "it with the parameter shards, so this offloads those too (as param_offload)")
     megatron: MegatronConfig = MegatronConfig()
+    sequence_parallel_size: int = Field(
+        1, ge=1, description="FSDP: Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size). Groups of "
+        "this many consecutive learner ranks split each packed row between them (attention exchanges heads for "
+        "sequence, learner/ulysses.py); the step batch is split over learner ranks / this many data replicas. Must "
+        "divide the learner's ranks and the model's attention heads (key/value heads are repeated when it does not "
+        "divide them). Layout and gradient scaling: docs/long_context.md")
+
+    def check_sequence_parallel(self, ranks: int, hf_config: dict | None) -> None:
+        """Raise ConfigError if ``sequence_parallel_size`` cannot split ``ranks`` learner ranks or the model
+        described by ``hf_config`` (its config.json; None: the ranks only)."""
+        sp = self.sequence_parallel_size
+        heads = hf_config["num_attention_heads"] if hf_config is not None else sp
+        problems = []
+        if ranks % sp:
+            problems.append(f"learner.sequence_parallel_size={sp} does not divide the learner's {ranks} ranks "
+                            "(--learner-gpus, or learner.cpu_processes with --learner-gpus 0)")
+        if heads % sp:
+            problems.append(f"learner.sequence_parallel_size={sp} does not divide the model's {heads} attention heads")
+        if problems:
+            raise ConfigError("invalid sequence-parallel layout:\n  " + "\n  ".join(problems))
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> LearnerConfig:
+        if self.sequence_parallel_size > 1 and self.engine != "fsdp":
+            raise ValueError(f"learner.sequence_parallel_size={self.sequence_parallel_size} is the FSDP engine's "
+                             "Ulysses sequence parallelism; learner.engine=megatron has no sequence split of that kind")
+        if self.sequence_parallel_size > 1 and self.attn_implementation in ("eager", "flash_attention_2"):
+            raise ValueError(f"learner.sequence_parallel_size={self.sequence_parallel_size} wraps the varlen or sdpa "
+                             f"attention, not {self.attn_implementation!r}: use attn_implementation auto, varlen or sdpa")
+        return self
 
     @model_validator(mode="after")
     def _tis_trust_region(self) -> LearnerConfig:

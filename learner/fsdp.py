@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 from learner import attention
 from learner import checkpoint as ckpt
+from learner import ulysses
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
@@ -130,6 +131,10 @@ class FSDPEngine(TrainingEngine):
             logger.info("%s", fast.describe())
         self.attn_impl = attention.register() if fast.varlen else fast.attn_implementation
         self.root_dtype = torch.bfloat16 if fast.root_dtype == "bfloat16" else torch.float32
+        # Ulysses SP (learner/ulysses.py): models load with its attention, which wraps the resolved one.
+        self.sp = ulysses.setup_engine(cfg, model_path, fast) if cfg.sequence_parallel_size > 1 else None
+        if self.sp is not None:
+            self.attn_impl = ulysses.register()
         model = self._build(model_path, fast, mesh, mp, offload=self.offload, train=True)
         self.model = model
 
@@ -194,8 +199,19 @@ class FSDPEngine(TrainingEngine):
         return model
 
     # ---- forward ---------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int:  # the ranks of one SP group plan the same micro-batches
+        return self.sp.dp_rank if self.sp is not None else self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.sp.dp_size if self.sp is not None else self.world_size
+
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        kw = forward_kwargs(self.settings, mb)
+        if self.sp is not None:  # this rank's slice of the row (in place, once); the loss then reads its tokens
+            kw = self.sp.forward_kwargs(self.sp.shard(mb))
+        else:
+            kw = forward_kwargs(self.settings, mb)
         if self.settings.chunked_logprobs:
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
