@@ -35,9 +35,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from learner import attention
+from learner import attention, ulysses
 from learner import checkpoint as ckpt
-from learner import ulysses
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
