@@ -21,6 +21,7 @@ simply never used).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import msgspec
@@ -112,8 +113,16 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "scale_starts": job.scaler.events,  # servers started by `scale`: ids, seconds, ok / error
         "error": error,
     }
-    if cfg.colocate.enabled:
+    summary["mode"] = cfg.colocate.label()  # colocated-sync | shared-async | disaggregated
+    if cfg.colocate.synchronous:
         summary["colocated"] = job.colocated
+    if cfg.colocate.shared_async:
+        summary["memory_split"] = getattr(job, "memory_split", None)
+    if not job.simulated:
+        from launch.busy import busy_fractions, read_steps
+
+        summary["busy"] = busy_fractions(read_steps(job.run_dir, since_unix=time.time() - _wall(job)),
+                                         getattr(job, "fleet_busy", {}) or {})
     if job.simulated:
         summary["note"] = ("SIMULATED run: engines, rewards and learner steps are simulated; "
                            "no model was trained and accuracy is not measured")
@@ -121,6 +130,4 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
 
 
 def _wall(job) -> float:
-    import time
-
     return time.monotonic() - job.t0
