@@ -134,3 +134,33 @@ def test_busy_fractions_from_steps_and_engine_intervals():
     gpu = [{**r, "gpu_compute_seconds": 1.5} for r in steps]
     assert busy_fractions(gpu, {})["training_gpu_busy_fraction"] == 0.3
     assert busy_fractions([], engines) is None
+
+
+def test_bench_shared_cases_and_pmon_parsing():
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    mods = {}
+    for name in ("e2e", "pmon"):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    e2e, pmon = mods["e2e"], mods["pmon"]
+    assert e2e.case_args("shared_k2", 1, "decoupled") == ["--gpus", "1", "--async", "broker.max_staleness=2",
+                                                          "learner.loss.correction=decoupled"]
+    assert e2e.case_args("shared_k1", 0, "tis")[:2] == ["--colocate", "--async"]
+    with pytest.raises(ValueError, match="unknown case"):
+        e2e.case_args("shared_k0", 2, "tis")
+    # a pmon file as nvidia-smi writes it: a header, two processes, an idle line
+    text = """# gpu         pid   type     sm    mem    enc    dec    jpg    ofa     fb   command
+# Idx           #    C/G      %      %      %      %      %      %     MB   name
+    0      41000     C     60     20      -      -      -      -   30000   VLLM::EngineCor
+    0      42000     C      -      -      -      -      -      -   15000   ray::LearnerAct
+    0      41000     C     20      5      -      -      -      -   30000   VLLM::EngineCor
+    0      42000     C     70     30      -      -      -      -   15000   ray::LearnerAct
+    0          -     -      -      -      -      -      -      -       -   -
+"""
+    busy = pmon.busy_by_process(pmon.parse(text))
+    assert busy["VLLM::EngineCor"] == {"samples": 2, "sm_mean_pct": 40.0, "sm_active_fraction": 1.0, "pids": ["41000"]}
+    assert busy["ray::LearnerAct"]["sm_mean_pct"] == 35.0 and busy["ray::LearnerAct"]["sm_active_fraction"] == 0.5
