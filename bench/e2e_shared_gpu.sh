@@ -18,7 +18,7 @@
 #   runs.tar.gz          per mode: summary, learner_steps.jsonl, command, pmon samples, log tails
 #   console.log          this script's output
 #
-#   MODES="colocated shared_k1 shared_k2" STEPS=10 EVAL_EVERY=5 EVAL_SAMPLES=100 SEED=0 LIMIT_S=170 \
+#   MODES="colocated shared_k1 shared_k2" STEPS=12 EVAL_EVERY=6 EVAL_SAMPLES=100 SEED=0 LIMIT_S=170 \
 #     bash bench/e2e_shared_gpu.sh [override ...]
 #
 # Runs go to $RUNS (default /tmp/e2e_shared: machine-local, so a second call on the same warm machine with
@@ -34,12 +34,13 @@ RUNS=${RUNS:-/tmp/e2e_shared}
 mkdir -p "$D" "$RUNS"
 exec > >(tee -a "$D/console.log") 2>&1
 MODES=${MODES:-colocated shared_k1 shared_k2}
-STEPS=${STEPS:-10}
-EVAL_EVERY=${EVAL_EVERY:-5}
+STEPS=${STEPS:-12}
+EVAL_EVERY=${EVAL_EVERY:-6}
 EVAL_SAMPLES=${EVAL_SAMPLES:-100}
 SEED=${SEED:-0}
 LIMIT_S=${LIMIT_S:-170}            # per mode: SIGTERM then (a clean shutdown that still writes the summary)
-EAGER=${EAGER:-true}               # the same for every mode (colocated's sleep with CUDA graphs: FACTS.md)
+EAGER=${EAGER:-false}              # CUDA graphs, the same for every mode (colocated with graphs ran on an H100:
+                                   # FACTS.md, 2026-12-06, 3.9-4.7 s a step); EAGER=true for eager engines
 NGROUPS=${NGROUPS:-32}
 CORRECTION=${CORRECTION:-decoupled}
 MODEL=${MODEL:-.cache/models/smollm2-135m-instruct}

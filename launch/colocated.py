@@ -52,4 +52,5 @@ def place_colocated(job, ray, gpus: int) -> None:
         totals = [job._get(probe.options(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=i)).remote([str(g) for g in s.gpu_ids]), 60.0,
             f"GPU memory of colocated bundle {i}") for i, s in enumerate(servers)]
-        job.memory_split = gpu_split(job.cfg, [(f"GPU {s.gpu_ids[0]}", t[0]) for s, t in zip(servers, totals, strict=True)])
+        job.memory_split = gpu_split(job.cfg, [(f"GPU {s.gpu_ids[0]}", t[0] if t else None)
+                                               for s, t in zip(servers, totals, strict=True)])

@@ -57,12 +57,12 @@ def learner_bytes(cfg, shape: ModelShape, world_size: int, on_gpu: bool) -> int:
                           offload=on_gpu and (lc.param_offload or lc.optimizer_offload)).total
 
 
-def gpu_memory_totals(ids: list[str]) -> list[int]:
+def gpu_memory_totals(ids: list[str]) -> list[int] | None:
     """Total memory (bytes) of each physical GPU id, from nvidia-smi (no CUDA context: this process
-    would otherwise hold memory on the GPU it measures)."""
+    would otherwise hold memory on the GPU it measures); None without nvidia-smi."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        raise RuntimeError("nvidia-smi not found: cannot read the GPUs' memory for the shared async split")
+        return None
     out = []
     for g in ids:
         r = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", str(g)],
@@ -71,17 +71,25 @@ def gpu_memory_totals(ids: list[str]) -> list[int]:
     return out
 
 
-def gpu_split(cfg, gpus: list[tuple[str, int]]) -> list[dict]:
-    """Check every shared GPU (``(name, total bytes)``): the engine's fraction plus one learner rank."""
+def gpu_split(cfg, gpus: list[tuple[str, int | None]]) -> list[dict]:
+    """Check every shared GPU (``(name, total bytes)``): the engine's fraction plus one learner rank. A GPU
+    whose total is unknown (None: no nvidia-smi on its node) is recorded as skipped, with the reason."""
+    why = "nvidia-smi not found on the GPU's node: the device's total memory is unknown"
+    skipped = [{"device": name, "skipped": why} for name, total in gpus if total is None]
+    if skipped:
+        log.warning("shared async memory split NOT checked on %s: %s", [s["device"] for s in skipped], why)
+    known = [(name, total) for name, total in gpus if total is not None]
+    if not known:
+        return skipped
     shape = model_shape(cfg.model.path)
     need = learner_bytes(cfg, shape, world_size=len(gpus), on_gpu=True)
     splits = [check_memory_split(device=name, total_bytes=total, engine_fraction=cfg.rollout.gpu_memory_utilization,
                                  learner_bytes=need, headroom=cfg.colocate.memory_headroom).describe()
-              for name, total in gpus]
+              for name, total in known]
     for s in splits:
         log.info("shared async memory split on %s: engine %.2f, learner %.2f GiB (%.2f), headroom %.2f",
                  s["device"], s["engine_fraction"], s["learner_bytes"] / GiB, s["learner_fraction"], s["headroom"])
-    return splits
+    return skipped + splits
 
 
 def host_total_bytes() -> int:

@@ -164,3 +164,18 @@ def test_bench_shared_cases_and_pmon_parsing():
     busy = pmon.busy_by_process(pmon.parse(text))
     assert busy["VLLM::EngineCor"] == {"samples": 2, "sm_mean_pct": 40.0, "sm_active_fraction": 1.0, "pids": ["41000"]}
     assert busy["ray::LearnerAct"]["sm_mean_pct"] == 35.0 and busy["ray::LearnerAct"]["sm_active_fraction"] == 0.5
+
+
+def test_gpu_split_checks_each_gpu_and_records_an_unknown_total():
+    from launch.shared_gpu import gpu_split
+
+    cfg = load_run_config("tiny", [*ASYNC, "rollout.gpu_memory_utilization=0.5"])
+    (ok,) = gpu_split(cfg, [("GPU 0", 80 * GiB)])
+    assert ok["device"] == "GPU 0" and ok["engine_fraction"] == 0.5 and ok["learner_fraction"] < 0.1
+    with pytest.raises(ValueError, match=r"GPU 3: shared async mode cannot fit: engine 0.50"):
+        gpu_split(cfg, [("GPU 0", 80 * GiB), ("GPU 3", 2 * GiB)])  # 1 GiB context alone is half of it
+    skipped, checked = gpu_split(cfg, [("GPU 0", None), ("GPU 1", 80 * GiB)])
+    assert "nvidia-smi not found" in skipped["skipped"] and checked["device"] == "GPU 1"
+    stated = load_run_config("tiny", [*ASYNC, "rollout.gpu_memory_utilization=0.5", "colocate.learner_memory_gb=45"])
+    with pytest.raises(ValueError, match="learner 45.00 GiB"):
+        gpu_split(stated, [("GPU 0", 80 * GiB)])
