@@ -83,7 +83,10 @@ def gpu_split(cfg, gpus: list[tuple[str, int | None]]) -> list[dict]:
         return skipped
     shape = model_shape(cfg.model.path)
     need = learner_bytes(cfg, shape, world_size=len(gpus), on_gpu=True)
-    splits = [check_memory_split(device=name, total_bytes=total, engine_fraction=cfg.rollout.gpu_memory_utilization,
+    rm = cfg.reward.model  # a colocated reward server reserves its own fraction of the same GPU
+    engines = cfg.rollout.gpu_memory_utilization + (rm.server.gpu_memory_utilization
+                                                    if rm is not None and rm.server.colocated else 0.0)
+    splits = [check_memory_split(device=name, total_bytes=total, engine_fraction=min(1.0, engines),
                                  learner_bytes=need, headroom=cfg.colocate.memory_headroom).describe()
               for name, total in known]
     for s in splits:

@@ -121,8 +121,11 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     if not job.simulated:
         from launch.busy import busy_fractions, read_steps
 
-        summary["busy"] = busy_fractions(read_steps(job.run_dir, since_unix=time.time() - _wall(job)),
-                                         getattr(job, "fleet_busy", {}) or {})
+        try:  # a measurement: its failure must not cost the run its summary
+            summary["busy"] = busy_fractions(read_steps(job.run_dir, since_unix=time.time() - _wall(job)),
+                                             getattr(job, "fleet_busy", {}) or {})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            summary["busy"] = {"error": f"{type(exc).__name__}: {exc}"}
     if job.simulated:
         summary["note"] = ("SIMULATED run: engines, rewards and learner steps are simulated; "
                            "no model was trained and accuracy is not measured")
