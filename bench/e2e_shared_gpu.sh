@@ -33,7 +33,7 @@ D="$OUT/e2e_shared_gpu"
 RUNS=${RUNS:-/tmp/e2e_shared}
 mkdir -p "$D" "$RUNS"
 exec > >(tee -a "$D/console.log") 2>&1
-MODES=${MODES:-colocated shared_k1 shared_k2}
+MODES=${MODES-colocated shared_k1 shared_k2}   # MODES= (empty): no run, collect what $RUNS has
 STEPS=${STEPS:-12}
 EVAL_EVERY=${EVAL_EVERY:-6}
 EVAL_SAMPLES=${EVAL_SAMPLES:-100}
