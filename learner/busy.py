@@ -32,4 +32,6 @@ class StepTimer:
             end.record()
             end.synchronize()
             out["learner/gpu_compute_seconds"] = start.elapsed_time(end) / 1000.0
+            # what the learner really held, against shared async mode's estimate (core/shared_gpu.py)
+            out["learner/gpu_max_reserved_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
         return out

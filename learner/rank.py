@@ -393,7 +393,7 @@ class LearnerRank:
                 "learner/gen_end_max_unix", "learner/prompt_tokens", "learner/response_tokens", "learner/samples",
                 "learner/staleness_max_versions", "learner/staleness_mean_versions", "learner/mismatch_kl_k3",
                 "learner/mismatch_logp_diff", "learner/batch_reward_mean", "learner/compute_seconds",
-                "learner/gpu_compute_seconds")
+                "learner/gpu_compute_seconds", "learner/gpu_max_reserved_gib")
         row = {"step": step, "t_unix": time.time(), "t0_unix": self.t0_unix,
                **{k.split("/", 1)[1]: float(m[k]) for k in keys if k in m}, **self._colo}
         try:
