@@ -104,11 +104,14 @@ for f in sorted(runs.glob("*.cmd.json")):
     name = f.name[:-len(".cmd.json")]
     s = json.loads((runs / f"{name}.json").read_text()) if (runs / f"{name}.json").exists() else {}
     pm = runs / f"{name}.pmon.txt"
+    st = runs / name / "metrics" / "learner_steps.jsonl"
+    rows = [json.loads(x) for x in st.read_text().splitlines() if x.strip()] if st.exists() else []
+    peak = max((r["gpu_max_reserved_gib"] for r in rows if "gpu_max_reserved_gib" in r), default=None)
     per[name] = {**json.loads(f.read_text()), "mode": s.get("mode"), "busy": s.get("busy"),
                  "memory_split": s.get("memory_split"), "groups_lost": s.get("groups_lost"),
                  "max_staleness_seen": s.get("max_staleness_seen"), "error": s.get("error"),
                  "eval_before": s.get("eval_accuracy_before"), "eval_after": s.get("eval_accuracy_after"),
-                 "eval_history": s.get("eval_history"),
+                 "eval_history": s.get("eval_history"), "learner_peak_reserved_gib": peak,
                  "pmon": busy_by_process(parse(pm.read_text(errors="replace"))) if pm.exists() else None}
 res["per_run"] = per
 res["commit"] = (runs / "commit.txt").read_text().strip() if (runs / "commit.txt").exists() else None
@@ -119,7 +122,8 @@ for name, r in per.items():
     print(name, "rc", r["rc"], "mode", r["mode"], "acc", r["eval_before"], "->", r["eval_after"],
           "steps/s", b.get("steps_per_s"), "gen busy", b.get("generation_busy_fraction"),
           "train busy", b.get("training_busy_fraction"), "train gpu", b.get("training_gpu_busy_fraction"),
-          "overlap", b.get("overlap_fraction"), "lost", r["groups_lost"], "error", r["error"])
+          "overlap", b.get("overlap_fraction"), "learner peak GiB", r["learner_peak_reserved_gib"],
+          "lost", r["groups_lost"], "error", r["error"])
     for proc, p in (r["pmon"] or {}).items():
         print("   pmon", proc, p["sm_mean_pct"], "% sm mean,", p["sm_active_fraction"], "of samples active")
 print("headline (colocated time to its final accuracy / best shared):", res.get("headline"))
