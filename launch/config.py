@@ -111,7 +111,11 @@ class RunConfig(ConfigModel):
             raise ValueError("weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
                              f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
                              f"nccl_impl={ws.nccl_impl!r}")
-        if self.colocate.enabled:
+        if self.colocate.shared_async:
+            from launch.shared_gpu import check_shared_async
+
+            check_shared_async(self)
+        elif self.colocate.enabled:
             _check_colocated(self)
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet == 0:

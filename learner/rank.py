@@ -393,7 +393,8 @@ class LearnerRank:
                 "learner/train_start_unix", "learner/train_end_unix", "learner/gen_start_min_unix",
                 "learner/gen_end_max_unix", "learner/prompt_tokens", "learner/response_tokens", "learner/samples",
                 "learner/staleness_max_versions", "learner/staleness_mean_versions", "learner/mismatch_kl_k3",
-                "learner/mismatch_logp_diff", "learner/batch_reward_mean")
+                "learner/mismatch_logp_diff", "learner/batch_reward_mean", "learner/compute_seconds",
+                "learner/gpu_compute_seconds", "learner/gpu_max_reserved_gib")
         row = {"step": step, "t_unix": time.time(), "t0_unix": self.t0_unix,
                **{k.split("/", 1)[1]: float(m[k]) for k in keys if k in m}, **self._colo}
         try:
@@ -434,7 +435,7 @@ class LearnerRank:
                                         curve_keys_dir=self.cfg.broker.curve_keys_dir,
                                         lease_timeout_s=self.cfg.broker.lease_timeout_s)
         self.t0, self.t0_unix = time.monotonic(), time.time()
-        colo = self.cfg.colocate.enabled
+        colo = self.cfg.colocate.synchronous  # shared async (colocate.mode=async) publishes as disaggregated does
         try:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
             run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
