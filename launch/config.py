@@ -76,7 +76,8 @@ class RunConfig(ConfigModel):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         real = self.rollout.engine != "simulated"
-        if self.rollout.sampling.n < 2 and real:
+        # GAE's baseline is the critic's value, not the group: one sample per prompt is fine there
+        if self.rollout.sampling.n < 2 and real and self.learner.loss.advantage != "gae":
             raise ValueError(
                 f"rollout.sampling.n={self.rollout.sampling.n}: GRPO scores each sample against the others of its "
                 "group, so with one sample per prompt every group is uniform, every step is skipped and the run "

@@ -40,7 +40,10 @@ class LossConfig(ConfigModel):
     correction: Literal["none", "tis", "decoupled"] = Field(
         description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0"
     )
-    advantage: Literal["mean", "mean_std"] = "mean_std"
+    advantage: Literal["mean", "mean_std", "gae"] = Field("mean_std", description="mean / mean_std: GRPO's group "
+        "baseline; gae: PPO with a learned value baseline (needs learner.critic; learner/gae.py)")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per trained token (verl algorithm.gamma)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl algorithm.lam)")
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
@@ -108,6 +111,39 @@ class MegatronConfig(ConfigModel):
             problems.append("learner.megatron.sequence_parallel=true needs tensor_model_parallel_size > 1")
         if problems:
             raise ConfigError("invalid Megatron layout:\n  " + "\n  ".join(problems))
+
+
+class CriticConfig(ConfigModel):
+    """PPO's value model (learner/critic.py): verl's ``critic.*`` where the names exist."""
+
+    model_path: str | None = Field(None, description="HF causal LM folder whose body the critic starts from (a "
+                                   "fresh scalar head is added); None: the actor's model.path")
+    optim: OptimConfig = Field(OptimConfig(weight_decay=0.01), description="the critic's own AdamW and LR schedule "
+                               "(verl critic.optim: lr 1e-5, weight_decay 0.01); its grad_clip is critic.grad_clip")
+    grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip of the critic (verl critic.grad_clip)")
+    cliprange_value: float = Field(0.5, gt=0, description="the value prediction moves at most this far from the "
+                                   "values the advantages were computed with before its loss stops pulling")
+    aggregation: Literal["token", "sequence"] = Field("token", description="value-loss aggregation (verl critic."
+                                                      "loss_agg_mode: token-mean / seq-mean-token-mean)")
+    ppo_epochs: int | None = Field(None, ge=1, description="critic passes over the step batch's mini-batches; None: "
+                                   "learner.ppo_epochs")
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="must be None or learner.ppo_mini_batch_size: "
+                                            "the critic trains on the actor's mini-batches")
+    micro_batch_tokens: int | None = Field(None, ge=16, description="must be None or learner.micro_batch_tokens: "
+                                           "values, advantages and returns attach to the actor's micro-batches")
+    warmup_steps: int = Field(0, ge=0, description="the first steps train the critic only (the policy is not "
+                              "updated and not published). verl's trainer.critic_warmup=k skips the actor while "
+                              "k > global step (steps 1..k-1), i.e. warmup_steps = k - 1")
+    param_offload: bool = Field(False, description="FSDP on GPU: the critic's shards in CPU memory between uses")
+    optimizer_offload: bool = Field(False, description="FSDP on GPU: the critic's optimizer state in CPU memory "
+                                    "(FSDP2 keeps it with the shards: same effect as param_offload)")
+
+    @model_validator(mode="after")
+    def _one_clip(self) -> CriticConfig:
+        if "grad_clip" in self.optim.model_fields_set:
+            raise ValueError("set the critic's gradient clip with learner.critic.grad_clip (verl's name), not "
+                             "learner.critic.optim.grad_clip")
+        return self
 
 
 class LearnerConfig(ConfigModel):
@@ -188,6 +224,8 @@ class LearnerConfig(ConfigModel):
         "sequence, learner/ulysses.py); the step batch is split over learner ranks / this many data replicas. Must "
         "divide the learner's ranks and the model's attention heads (key/value heads are repeated when it does not "
         "divide them). Layout and gradient scaling: docs/long_context.md")
+    critic: CriticConfig | None = Field(None, description="PPO's value model, trained beside the actor on the "
+                                        "learner's devices; required by (and only used with) loss.advantage=gae")
 
     def check_sequence_parallel(self, ranks: int, hf_config: dict | None) -> None:
         """Raise ConfigError if ``sequence_parallel_size`` cannot split ``ranks`` learner ranks or the model
@@ -221,6 +259,34 @@ class LearnerConfig(ConfigModel):
                              f"(ratio = 1 at every optimizer step), yet ppo_mini_batch_size={self.ppo_mini_batch_size} "
                              f"/ ppo_epochs={self.ppo_epochs} ask for several optimizer steps per batch: set "
                              "recompute_proximal=true (or use correction=decoupled), or make one optimizer step")
+        return self
+
+    @model_validator(mode="after")
+    def _critic(self) -> LearnerConfig:
+        c = self.critic
+        if self.loss.advantage == "gae" and c is None:
+            raise ValueError("learner.loss.advantage=gae needs a value model: set learner.critic (e.g. {} for a "
+                             "critic initialised from the actor's model)")
+        if c is None:
+            return self
+        if self.loss.advantage != "gae":
+            raise ValueError(f"learner.critic is set but learner.loss.advantage={self.loss.advantage!r} never uses "
+                             "its values: use advantage=gae or remove learner.critic")
+        if self.engine == "megatron":
+            raise ValueError("learner.critic is implemented for learner.engine=fsdp only: the Megatron engine has "
+                             "no value-head model yet; use engine=fsdp for PPO with a critic")
+        if self.sequence_parallel_size > 1:
+            raise ValueError(f"learner.critic with learner.sequence_parallel_size={self.sequence_parallel_size}: the "
+                             "critic's forward does not split rows across a sequence-parallel group yet; use "
+                             "sequence_parallel_size=1 for PPO with a critic")
+        if c.ppo_mini_batch_size is not None and c.ppo_mini_batch_size != self.ppo_mini_batch_size:
+            raise ValueError(f"learner.critic.ppo_mini_batch_size={c.ppo_mini_batch_size} differs from "
+                             f"learner.ppo_mini_batch_size={self.ppo_mini_batch_size}: the critic trains on the "
+                             "actor's mini-batches; leave it unset")
+        if c.micro_batch_tokens is not None and c.micro_batch_tokens != self.micro_batch_tokens:
+            raise ValueError(f"learner.critic.micro_batch_tokens={c.micro_batch_tokens} differs from "
+                             f"learner.micro_batch_tokens={self.micro_batch_tokens}: values, advantages and returns "
+                             "attach to the actor's packed micro-batches; leave it unset")
         return self
 
     @model_validator(mode="after")

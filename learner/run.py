@@ -137,11 +137,16 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
     engine = make_engine(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
     if on_engine is not None:
         on_engine(engine)
+    critic = None
+    if lc.critic is not None:
+        from learner.critic import Critic
+
+        critic = Critic(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
                       batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype, on_unchanged=on_unchanged,
-                      on_batch=on_batch, needs_weights=needs_weights, on_committed=on_committed)
+                      on_batch=on_batch, needs_weights=needs_weights, on_committed=on_committed, critic=critic)
     if lc.resume:
         learner.resume()
     try:
