@@ -152,3 +152,37 @@ def test_whitening_across_two_gloo_ranks_equals_one_rank():
     # float64 ulps (relative ~1e-15 for 13 terms). Whitening then rounds to float32, so the two results
     # can differ by at most one float32 ulp of |w| (< 2^-23 * 4 ~ 5e-7 for |w| < 4): atol 1e-6.
     torch.testing.assert_close(two, one, atol=1e-6, rtol=0)
+
+
+# ---- config: advantage=gae, learner.critic, n=1 ----------------------------------------------------------
+
+
+def test_ppo_recipe_allows_one_sample_per_prompt_grpo_does_not():
+    from core.configbase import ConfigError
+    from launch.config import load_run_config
+
+    cfg = load_run_config("ppo", ["rollout.sampling.n=1", "broker.groups_per_step=128"])
+    assert cfg.learner.loss.advantage == "gae" and cfg.learner.critic is not None and cfg.rollout.sampling.n == 1
+    assert load_run_config("ppo", []).rollout.sampling.n == 4
+    with pytest.raises(ConfigError, match="rollout.sampling.n=1: GRPO scores each sample"):
+        load_run_config("tiny", ["rollout.sampling.n=1"])
+
+
+@pytest.mark.parametrize("learner, match", [
+    ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
+    ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
+    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {}},
+     "fsdp only"),
+    ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"micro_batch_tokens": 512}},
+     "critic.micro_batch_tokens=512 differs"),
+    ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"grad_clip": 2.0}}},
+     "learner.critic.grad_clip"),
+    ({"loss": {"correction": "decoupled", "advantage": "gae", "lam": 1.5}, "critic": {}}, "lam"),
+])
+def test_critic_config_refusals_name_the_problem(learner, match):
+    from pydantic import ValidationError
+
+    from learner.config import LearnerConfig
+
+    with pytest.raises(ValidationError, match=match):
+        LearnerConfig.model_validate(learner)
