@@ -305,6 +305,9 @@ class Monitor:
         t.add_row("mode", snap.mode)
         t.add_row("step", f"{lr.step} / {snap.max_steps}")
         t.add_row("reward (last step)", _fmt(lr.reward))
+        if lr.critic_vf_loss is not None:  # PPO with a critic
+            t.add_row("critic (last step)", f"vf_loss {_fmt(lr.critic_vf_loss, '.4f')}, "
+                      f"explained variance {_fmt(lr.critic_explained_var)}")
         t.add_row("eval accuracy", f"{_fmt(snap.eval_accuracy)} (before {_fmt(snap.eval_accuracy_before)})")
         t.add_row("throughput", f"{_fmt(fl.tok_per_s, '.0f')} tok/s, {fl.healthy_servers} servers")
         t.add_row("fleet idle", _fmt(fl.fleet_idle_fraction))

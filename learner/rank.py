@@ -180,6 +180,7 @@ class LearnerRank:
         self.t0_unix = time.time()
         self._colo: dict[str, float] = {}  # colocated mode: sleep / wake seconds of the current step
         self._engine = None  # the training engine, once built (its resolved settings)
+        self.critic_last: tuple[float | None, float | None] = (None, None)  # PPO: vf_loss, explained variance
 
     # -- rendezvous ----------------------------------------------------------------------------------
     def set_rank(self, rank: int) -> None:
@@ -377,6 +378,7 @@ class LearnerRank:
                 self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
         self._log_step(step, m)
         self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
+        self.critic_last = (m.get("critic/vf_loss"), m.get("critic/vf_explained_var"))
         self.wait_s += float(m.get("learner/pull_seconds", 0.0))
         self.groups_consumed += self.cfg.broker.groups_per_step
         stale = getattr(self._source, "last_staleness", None)
@@ -483,4 +485,5 @@ class LearnerRank:
             last_published_version=self.last_published_version, publish_errors=self.publish_errors,
             publishes_skipped=self.publishes_skipped,
             settings=self._engine.settings.as_dict() if self._engine is not None else None,
+            critic_vf_loss=self.critic_last[0], critic_explained_var=self.critic_last[1],
             done=self.done, error=self.error)

@@ -186,3 +186,25 @@ def test_critic_config_refusals_name_the_problem(learner, match):
 
     with pytest.raises(ValidationError, match=match):
         LearnerConfig.model_validate(learner)
+
+
+def test_live_view_shows_the_critic():
+    import json as _json
+
+    from rich.console import Console
+
+    from launch.monitor import Monitor
+    from launch.snapshot import FleetStatus, JobSnapshot
+    from learner.status import LearnerStatus
+
+    def view(learner: LearnerStatus) -> str:
+        snap = JobSnapshot(fleet=FleetStatus(), learner=learner, max_steps=3, max_staleness=2, simulated=False,
+                           wall_s=1.0)
+        snap = JobSnapshot.from_wire(_json.loads(_json.dumps(snap.to_wire())))  # as it crosses from the rank
+        console = Console(record=True, width=200)
+        console.print(Monitor.render(type("M", (), {"simulated": False})(), snap))
+        return console.export_text()
+
+    text = view(LearnerStatus(critic_vf_loss=0.0123, critic_explained_var=0.456))
+    assert "vf_loss 0.0123, explained variance 0.456" in text
+    assert "critic" not in view(LearnerStatus())  # GRPO runs: no critic row
