@@ -140,7 +140,8 @@ class CriticConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _one_clip(self) -> CriticConfig:
-        if "grad_clip" in self.optim.model_fields_set:
+        # compared with the default, not by fields set: the launcher writes the whole config out for the ranks
+        if self.optim.grad_clip not in (OptimConfig.model_fields["grad_clip"].default, self.grad_clip):
             raise ValueError("set the critic's gradient clip with learner.critic.grad_clip (verl's name), not "
                              "learner.critic.optim.grad_clip")
         return self

@@ -162,6 +162,8 @@ def test_ppo_recipe_allows_one_sample_per_prompt_grpo_does_not():
     from launch.config import load_run_config
 
     cfg = load_run_config("ppo", ["rollout.sampling.n=1", "broker.groups_per_step=128"])
+    # the ranks read the config back from the launcher's full dump
+    assert type(cfg).model_validate(cfg.model_dump(mode="json")) == cfg
     assert cfg.learner.loss.advantage == "gae" and cfg.learner.critic is not None and cfg.rollout.sampling.n == 1
     assert load_run_config("ppo", []).rollout.sampling.n == 4
     with pytest.raises(ConfigError, match="rollout.sampling.n=1: GRPO scores each sample"):
