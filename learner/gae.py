@@ -65,32 +65,30 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, gam
     """Advantages and returns ([n] float32 each) of the packed sequences ``seq_lens``.
 
     ``rewards``: [n] per-token rewards (:func:`token_rewards` for an outcome reward);
-    ``values``: [n] the critic's values at the same tokens. Computed in float64 (a
-    reverse scan over at most the longest sequence, all sequences at once).
+    ``values``: [n] the critic's values at the same tokens. Computed in float64, all sequences at
+    once (no Python loop over tokens: a long response costs a few vector passes).
     """
     _check_layout(values, seq_lens)
     if rewards.shape != values.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} differ")
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
-    s, L = seq_lens.shape[0], int(seq_lens.max())
-    # [s, L] padded layout; a pad position sits after its sequence's end, where V and the running A are 0.
-    pos = torch.arange(L).view(1, L)
-    valid = pos < seq_lens.view(s, 1)
-    r = torch.zeros(s, L, dtype=torch.float64)
-    v = torch.zeros(s, L, dtype=torch.float64)
-    r[valid] = rewards.double()
-    v[valid] = values.detach().double()
-    adv = torch.zeros(s, L, dtype=torch.float64)
-    next_v = torch.zeros(s, dtype=torch.float64)
-    last = torch.zeros(s, dtype=torch.float64)
-    for t in range(L - 1, -1, -1):
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        last = torch.where(valid[:, t], delta + gamma * lam * last, 0.0)
-        next_v = torch.where(valid[:, t], v[:, t], 0.0)
-        adv[:, t] = last
-    a = adv[valid]
-    return a.float(), (a + v[valid]).float()
+    n, c = values.shape[0], gamma * lam
+    v = values.detach().double()
+    seq = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), seq_lens)
+    same = seq[1:] == seq[:-1]  # token t + 1 belongs to t's sequence
+    next_v = torch.zeros(n, dtype=torch.float64)
+    next_v[:-1] = torch.where(same, v[1:], 0.0)
+    a = rewards.double() + gamma * next_v - v  # the TD errors
+    # A_t = sum_k (gamma lam)^k delta_{t+k} inside the sequence, as a log-depth suffix scan: after the pass with
+    # offset d, a_t sums the 2d terms from t on (fewer at the sequence's end), so ceil(log2(longest)) passes.
+    d, coef = 1, c
+    while d < int(seq_lens.max()):
+        shifted = torch.zeros(n, dtype=torch.float64)
+        shifted[:-d] = torch.where(seq[d:] == seq[:-d], a[d:], 0.0)
+        a = a + coef * shifted
+        d, coef = 2 * d, coef * coef
+    return a.float(), (a + v).float()
 
 
 def moments(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

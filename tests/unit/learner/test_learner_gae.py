@@ -76,6 +76,25 @@ def test_gae_over_trained_tokens_equals_verl_masked_gae():
     torch.testing.assert_close(adv, torch.tensor([0.4912, 0.21, 0.5]), atol=TOL, rtol=0)
 
 
+def test_gae_scan_equals_the_token_by_token_recursion():
+    # many packed sequences of lengths 1..300 (several scan passes), per-token rewards anywhere
+    g = torch.Generator().manual_seed(1)
+    seq_lens = torch.randint(1, 300, (40,), generator=g)
+    seq_lens[:3] = torch.tensor([1, 2, 1])
+    n = int(seq_lens.sum())
+    values, rewards = torch.randn(n, generator=g), torch.randn(n, generator=g).double()
+    adv, ret = gae(rewards, values, seq_lens, gamma=0.99, lam=0.95)
+    ref, start = [], 0
+    for L in seq_lens.tolist():
+        ref += _verl_masked_gae(rewards[start:start + L].tolist(), values[start:start + L].double().tolist(),
+                                [1] * L, 0.99, 0.95)
+        start += L
+    ref = torch.tensor(ref, dtype=torch.float64)
+    # both float64 until the final cast: the results differ by float32 rounding, 2^-24 relative (|A| < 30 here)
+    torch.testing.assert_close(adv.double(), ref, rtol=2e-7, atol=1e-6)
+    torch.testing.assert_close(ret.double(), ref + values.double(), rtol=2e-7, atol=1e-6)
+
+
 def test_gae_rejects_bad_layout():
     with pytest.raises(ValueError, match="seq_lens sum to 3"):
         gae(torch.zeros(4), torch.zeros(4), torch.tensor([1, 2]), 1.0, 1.0)
