@@ -107,7 +107,6 @@ def test_critic_warm_up_then_ppo_steps(runs):
         for k in CRITIC_KEYS:
             assert k in x and x[k] == x[k], (k, x.get(k))  # present and not NaN
         assert x["critic/optimizer_steps"] == 2 and x["critic/grad_norm"] > 0
-        print({k.split("/")[1]: round(x[k], 4) for k in CRITIC_KEYS})
     # the critic learns: its loss on fresh batches falls from the random head's
     assert h[-1]["critic/vf_loss"] < h[0]["critic/vf_loss"], [x["critic/vf_loss"] for x in h]
     # every rank reports the same (all-reduced) numbers
