@@ -74,6 +74,8 @@ def collect(out: Path) -> dict:
             "explained_var_first10_mean": _mean(ev[:10]) if ev else None,
             "explained_var_last10_mean": _mean(ev[-10:]) if ev else None,
             "max_staleness_seen": s.get("max_staleness_seen"),
+            "reward_per_step": [round(x, 4) for x in reward],
+            "explained_var_per_step": [round(x, 4) for x in ev],
         }
     return results
 
