@@ -41,7 +41,7 @@ def run(out: Path, ckpt: Path, data: Path, steps: int) -> list[dict]:
         "checkpoint_every": 2, "optim": {"lr": 1e-4}, "logprob_probe_tolerance": None})
     model = str(REPO / "models" / "tiny-adder")
     engine = FSDPEngine(cfg, model, total_steps=steps, seed=0)
-    critic = Critic(cfg, model, total_steps=steps, seed=0)
+    critic = Critic(cfg, model, total_steps=steps, seed=0, engine=engine)
     with pa.ipc.open_file(str(data)) as f:
         source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
     learner = Learner(engine, cfg, source=source, max_steps=steps, checkpoint_dir=ckpt, critic=critic)

@@ -39,7 +39,7 @@ from learner import checkpoint as ckpt
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import disable_dropout, lr_lambda
-from learner.fastpath import FastPaths
+from learner.fastpath import forward_kwargs
 from learner.gae import (
     explained_variance,
     gae,
@@ -73,7 +73,10 @@ def load_value_model(path: str, attn_implementation: str) -> torch.nn.Module:
 class Critic:
     """One rank's share of the value model, its optimizer and schedule. Every method is collective."""
 
-    def __init__(self, cfg: LearnerConfig, actor_model_path: str, *, total_steps: int, seed: int = 0) -> None:
+    def __init__(self, cfg: LearnerConfig, actor_model_path: str, *, total_steps: int, seed: int = 0,
+                 engine) -> None:
+        """``engine``: the actor's FSDP engine on this rank; the critic runs with its resolved settings
+        (attention implementation, fused AdamW) and follows its activation checkpointing."""
         if cfg.critic is None:
             raise ValueError("Critic needs learner.critic")
         if not dist.is_initialized():
@@ -85,14 +88,14 @@ class Critic:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         on_gpu = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.fast = FastPaths.resolve(cfg, on_gpu)
+        self.engine = engine
+        self.settings = engine.settings
         # The same head on every rank (each shards its own full copy): a fixed seed, without touching the
         # global RNG stream the actor's run depends on.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = load_value_model(self.model_path, self.fast.attn_implementation)
-        if cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = load_value_model(self.model_path, engine.attn_impl)
+        self._checkpointing = False
         self.offload = on_gpu and (self.c.param_offload or self.c.optimizer_offload)
         if not self.offload:
             model.to(self.device)
@@ -104,7 +107,7 @@ class Critic:
         o = self.c.optim
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay,
-                                           **({"fused": True} if self.fast.fused_optimizer else {}))
+                                           **({"fused": True} if self.settings.fused_optimizer else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio))
         self.epochs = self.c.ppo_epochs or cfg.ppo_epochs
@@ -121,12 +124,16 @@ class Critic:
         mb.to(self.device)
         with torch.set_grad_enabled(grad):
             out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                             **self.fast.forward_kwargs(mb))
+                             **forward_kwargs(self.settings, mb))
             return out.logits[0, mb.target_index, 0].float()
 
     def prepare(self, plans: list[StepPlan], gamma: float, lam: float) -> dict[str, float]:
         """Values, GAE advantages (whitened over the step batch) and returns on every micro-batch of ``plans``."""
         t0 = time.perf_counter()
+        if not self._checkpointing and self.engine.settings.activation_checkpointing:
+            # the actor decides it at its first step (learner.activation_checkpointing=auto sizes it then)
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._checkpointing = True
         self.model.eval()
         raw: list[tuple[MicroBatch, torch.Tensor]] = []
         parts = []

@@ -141,7 +141,7 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
     if lc.critic is not None:
         from learner.critic import Critic
 
-        critic = Critic(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
+        critic = Critic(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed, engine=engine)
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,

@@ -44,7 +44,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         "micro_batch_tokens": 48, "checkpoint_every": 2, "ppo_mini_batch_size": 2,
         "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5}, "logprob_probe_tolerance": None})
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
-    critic = Critic(cfg, kw["model"], total_steps=STEPS, seed=0)
+    critic = Critic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
     source = None
     if rank == 0:
         with pa.ipc.open_file(kw["data"]) as f:

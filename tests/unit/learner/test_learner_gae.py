@@ -199,6 +199,8 @@ def test_ppo_recipe_allows_one_sample_per_prompt_grpo_does_not():
     ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"grad_clip": 2.0}}},
      "learner.critic.grad_clip"),
     ({"loss": {"correction": "decoupled", "advantage": "gae", "lam": 1.5}, "critic": {}}, "lam"),
+    ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {}, "sequence_parallel_size": 2},
+     "sequence_parallel_size=1 for PPO"),
 ])
 def test_critic_config_refusals_name_the_problem(learner, match):
     from pydantic import ValidationError
