@@ -113,12 +113,19 @@ class MegatronConfig(ConfigModel):
             raise ConfigError("invalid Megatron layout:\n  " + "\n  ".join(problems))
 
 
+class CriticOptimConfig(OptimConfig):
+    """The critic's AdamW and schedule: verl's critic defaults (weight decay 0.01)."""
+
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay of the critic (verl critic.optim."
+                                "weight_decay)")
+
+
 class CriticConfig(ConfigModel):
     """PPO's value model (learner/critic.py): verl's ``critic.*`` where the names exist."""
 
     model_path: str | None = Field(None, description="HF causal LM folder whose body the critic starts from (a "
                                    "fresh scalar head is added); None: the actor's model.path")
-    optim: OptimConfig = Field(OptimConfig(weight_decay=0.01), description="the critic's own AdamW and LR schedule "
+    optim: CriticOptimConfig = Field(CriticOptimConfig(), description="the critic's own AdamW and LR schedule "
                                "(verl critic.optim: lr 1e-5, weight_decay 0.01); its grad_clip is critic.grad_clip")
     grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip of the critic (verl critic.grad_clip)")
     cliprange_value: float = Field(0.5, gt=0, description="the value prediction moves at most this far from the "

@@ -189,6 +189,14 @@ def test_ppo_recipe_allows_one_sample_per_prompt_grpo_does_not():
         load_run_config("tiny", ["rollout.sampling.n=1"])
 
 
+def test_critic_defaults_are_verls():
+    from learner.config import LearnerConfig
+
+    c = LearnerConfig.model_validate({"loss": {"correction": "decoupled", "advantage": "gae"},
+                                      "critic": {"optim": {"lr": 2e-5}}}).critic
+    assert (c.optim.lr, c.optim.weight_decay, c.cliprange_value, c.grad_clip) == (2e-5, 0.01, 0.5, 1.0)
+
+
 @pytest.mark.parametrize("learner, match", [
     ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
     ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
