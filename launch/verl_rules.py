@@ -1044,6 +1044,10 @@ def _critic_key(key: str, v: Any, c: Ctx) -> list[str] | str:
         raise Refused(f"{key}: a value model (critic)", CRITIC)
     if key == "critic.model.path":
         return "(set with algorithm.adv_estimator=gae: learner.critic.model_path)"
+    if key == "trainer.critic_warmup":  # verl skips the actor while critic_warmup > global step (from 1): k - 1 steps
+        return [f"learner.critic.warmup_steps={max(0, int(v) - 1)}"]
+    if key == "critic.optim.lr_warmup_steps" and int(v) < 0:
+        return "(no setting: -1 leaves the critic's warm-up to lr_warmup_steps_ratio)"
     if key == "critic.loss_agg_mode":
         return [f"learner.critic.aggregation={_agg(v, c)[0].split('=', 1)[1]}"]
     if key in CRITIC_KEYS:

@@ -112,10 +112,12 @@ def test_seed_script_runs_with_verl_defaults():
 
 
 def test_an_omitted_estimator_is_verls_gae():
-    with pytest.raises(ConfigError) as err:
-        translate("actor_rollout_ref.rollout.n=4")
     assert DEFAULTS["algorithm.adv_estimator"] == "gae"
-    assert "'algorithm.adv_estimator=gae' is refused: [needs critic]" in str(err.value)
+    o = _overrides(translate("actor_rollout_ref.rollout.n=1 trainer.critic_warmup=3 critic.optim.lr_warmup_steps=-1"))
+    assert o["learner.loss.advantage"] == "gae" and o["learner.critic.model_path"] == "null"
+    assert o["learner.loss.gamma"] == "1.0" and o["learner.loss.lam"] == "1.0"
+    # verl trains the critic alone while critic_warmup > global step (counted from 1): steps 1 and 2
+    assert o["learner.critic.warmup_steps"] == "2" and "learner.critic.optim.warmup_steps" not in o
 
 
 def test_fully_async_keys_onto_the_broker():
@@ -260,3 +262,23 @@ def test_ulysses_maps_onto_the_learners_sequence_parallel_size():
     with pytest.raises(Untranslatable, match="actor's sequence-parallel group"):
         translate("algorithm.adv_estimator=grpo actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 "
                   "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2")
+
+
+def test_verls_ppo_trainer_scripts_give_a_critic_or_a_named_refusal():
+    """examples/ppo_trainer: the FSDP script becomes a valid run config with a critic; the Megatron one is
+    refused at validation, naming the critic's FSDP-only engine (learner/config.py)."""
+    from launch.config import load_run_config
+
+    seen = set()
+    for rec in RECORDS:
+        if "ppo_trainer" not in rec["path"]:
+            continue
+        m = translate(local_command(rec))
+        seen.add(Path(rec["path"]).name)
+        if "megatron" in rec["path"]:
+            with pytest.raises(ConfigError, match="critic is implemented for learner.engine=fsdp only"):
+                load_run_config("verl", list(m.overrides))
+            continue
+        cfg = load_run_config("verl", list(m.overrides))
+        assert cfg.learner.loss.advantage == "gae" and cfg.learner.critic is not None
+    assert "run_qwen3_8b_fsdp.sh" in seen
