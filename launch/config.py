@@ -29,7 +29,7 @@ from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, buil
 from core.network import NetworkConfig
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
-from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
+from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
 from weight_sync.config import WeightSyncConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
@@ -69,6 +69,7 @@ class RunConfig(ConfigModel):
             learner = data.setdefault("learner", {})
             if isinstance(learner, dict) and isinstance(learner.setdefault("loss", {}), dict):
                 learner["loss"].setdefault("mask_truncated", True)
+        _default_loss_scale_factor(data)
         return data
 
     @model_validator(mode="after")
@@ -127,6 +128,20 @@ class RunConfig(ConfigModel):
                 "set both to the same value"
             )
         return self
+
+
+def _default_loss_scale_factor(data: dict[str, Any]) -> None:
+    """seq_mean_token_sum_norm divides by a constant length; verl's default is the padded response length, the
+    generation limit: rollout.sampling.max_tokens."""
+    if not isinstance(data, dict):
+        return
+    loss = (data.get("learner") or {}).get("loss") if isinstance(data.get("learner"), dict) else None
+    if not isinstance(loss, dict) or loss.get("aggregation") != "seq_mean_token_sum_norm" \
+            or loss.get("loss_scale_factor") is not None:
+        return
+    sampling = (data.get("rollout") or {}).get("sampling") if isinstance(data.get("rollout"), dict) else None
+    max_tokens = sampling.get("max_tokens") if isinstance(sampling, dict) else None
+    loss["loss_scale_factor"] = max_tokens if max_tokens is not None else SamplingConfig.model_fields["max_tokens"].default
 
 
 def _check_colocated(cfg: RunConfig) -> None:

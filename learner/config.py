@@ -40,14 +40,29 @@ class LossConfig(ConfigModel):
     correction: Literal["none", "tis", "decoupled"] = Field(
         description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0"
     )
-    advantage: Literal["mean", "mean_std"] = "mean_std"
+    advantage: Literal["mean", "mean_std", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg",
+                       "gae"] = Field(
+        "mean_std", description="advantage estimator (learner/advantages.py): mean_std / mean (verl grpo with / "
+        "without norm_adv_by_std_in_grpo), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gpg; gae needs "
+        "a critic (learner.critic)")
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip: for A < 0 the per-token loss is capped at "
                                 "clip_ratio_c * |A| (bounds a token whose ratio exploded)")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the behaviour importance weight")
-    aggregation: Literal["token", "sequence"] = "token"
+    aggregation: Literal["token", "sequence", "token_sum", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
+        "token", description="verl's loss_agg_mode: token (token-mean), sequence (seq-mean-token-mean), token_sum, "
+        "seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO: divided by loss_scale_factor); gspo and geo_mean "
+        "always use sequence")
+    loss_scale_factor: int | None = Field(
+        None, ge=1, description="the constant length seq_mean_token_sum_norm divides by (verl actor.loss_scale_factor); "
+        "None: rollout.sampling.max_tokens (verl: the padded response length)")
+    policy_loss: Literal["vanilla", "gspo", "geo_mean"] = Field(
+        "vanilla", description="verl actor.policy_loss.loss_mode: vanilla (token-level PPO clip), gspo (sequence-level "
+        "ratio), geo_mean (GMPO, geometric mean of clipped token ratios); learner/losses.py surrogate")
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus: -entropy_coeff * entropy joins each token's "
+                                 "loss (verl actor.entropy_coeff); FSDP only")
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: str = Field("k3", description="KL-to-reference term in the loss: 'k2' (alias 'mse'): gradient of "
                               "KL(pi || ref); 'k3' (alias 'low_var_kl'): value estimates KL(pi || ref), gradient is "
@@ -60,6 +75,22 @@ class LossConfig(ConfigModel):
         return v
     mask_truncated: bool = Field(False, description="leave responses cut at max_tokens (finish reason 'length') out "
                                  "of the loss; set by reward.on_truncated=mask")
+
+    @model_validator(mode="after")
+    def _algorithms(self) -> LossConfig:
+        if self.advantage == "gae":
+            raise ValueError("learner.loss.advantage='gae' needs a value model: it comes with the critic "
+                             "(learner.critic), which this build does not have; use mean_std, mean, rloo, gpg, "
+                             "reinforce_plus_plus or reinforce_plus_plus_baseline")
+        if self.aggregation == "seq_mean_token_sum_norm" and self.loss_scale_factor is None:
+            raise ValueError("learner.loss.aggregation='seq_mean_token_sum_norm' divides by a constant length: set "
+                             "learner.loss.loss_scale_factor (a run config fills it from rollout.sampling.max_tokens)")
+        return self
+
+    @property
+    def effective_aggregation(self) -> str:
+        """gspo and geo_mean are sequence-level objectives: like verl they always average over sequences."""
+        return "sequence" if self.policy_loss in ("gspo", "geo_mean") else self.aggregation
 
 
 class MegatronConfig(ConfigModel):
@@ -159,6 +190,10 @@ class LearnerConfig(ConfigModel):
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
                              "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        if self.engine == "megatron" and self.loss.entropy_coeff > 0:
+            raise ValueError("learner.loss.entropy_coeff > 0 needs learner.engine=fsdp: the Megatron engine computes "
+                             "the entropy as a metric without gradient (a vocab-parallel entropy backward is not "
+                             "wired); use entropy_coeff=0 with Megatron")
         if self.engine == "megatron" and self.logprobs == "chunked" and self.megatron.tensor_model_parallel_size > 1:
             raise ValueError("learner.logprobs=chunked with learner.engine=megatron needs tensor_model_parallel_size=1 "
                              "(the vocab-sharded head is not chunked); use logprobs=auto or full with TP>1")

@@ -153,11 +153,14 @@ class FSDPEngine(TrainingEngine):
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         kw = self.fast.forward_kwargs(mb)
+        # the entropy bonus needs the entropy's gradient; otherwise it stays a metric (no extra backward work)
+        ent_grad = self.loss.entropy_coeff > 0 and torch.is_grad_enabled() and model is self.model
         if self.fast.chunked_logprobs:
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
-            return head_logprobs(model, mb, self.cfg.temperature, self.fast.logprob_chunk, cd, **kw)
-        return packed_forward(model, mb, self.cfg.temperature, **kw)
+            return head_logprobs(model, mb, self.cfg.temperature, self.fast.logprob_chunk, cd, entropy_grad=ent_grad,
+                                 **kw)
+        return packed_forward(model, mb, self.cfg.temperature, entropy_grad=ent_grad, **kw)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         mb.to(self.device)
@@ -190,7 +193,8 @@ class FSDPEngine(TrainingEngine):
             with record_function("fleetrl.forward"):
                 logp, ent = self.forward_logprobs(mb, grad=True)
                 loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                                      prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
+                                      prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh,
+                                      seq_lens=mb.seq_lens, loss_scale=mb.loss_scale)
             with record_function("fleetrl.backward"):
                 (loss * self.world_size).backward()
             parts.append(m)

@@ -258,8 +258,8 @@ class Learner:
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
             world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
             advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
-            aggregation=self.cfg.loss.aggregation, learner_version=self.version,
-            mask_truncated=self.cfg.loss.mask_truncated)
+            aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version,
+            mask_truncated=self.cfg.loss.mask_truncated, loss_scale_factor=self.cfg.loss.loss_scale_factor)
         t1 = time.perf_counter()
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
