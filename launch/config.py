@@ -91,6 +91,7 @@ class RunConfig(ConfigModel):
             if scored_by:
                 raise ValueError(f"reward.model ({self.reward.model.kind}) is set but {scored_by} scores every "
                                  "episode itself: the reward model would never be called; remove one of them")
+        _check_dapo(self)
         if (self.reward.on_truncated == "mask") != self.learner.loss.mask_truncated:
             raise ValueError(f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
                              f"reward.on_truncated={self.reward.on_truncated!r}: set reward.on_truncated alone")
@@ -128,6 +129,19 @@ class RunConfig(ConfigModel):
                 "set both to the same value"
             )
         return self
+
+
+def _check_dapo(cfg: RunConfig) -> None:
+    """DAPO's dynamic sampling and overlong shaping run in the single-turn rollout worker."""
+    ob, fg = cfg.reward.overlong_buffer, cfg.rollout.filter_groups
+    if ob.enable and ob.len > cfg.rollout.sampling.max_tokens:
+        raise ValueError(f"reward.overlong_buffer.len={ob.len} exceeds rollout.sampling.max_tokens="
+                         f"{cfg.rollout.sampling.max_tokens}: the buffer is the tail of the generation limit")
+    multi = ("rollout.env" if cfg.rollout.env is not None else
+             "rollout.proxy.agent" if cfg.rollout.proxy is not None and cfg.rollout.proxy.agent else None)
+    if multi and (ob.enable or fg.enable):
+        raise ValueError(f"rollout.filter_groups / reward.overlong_buffer run in the single-turn rollout worker; "
+                         f"{multi} episodes are not filtered or shaped: turn them off or drop {multi}")
 
 
 def _default_loss_scale_factor(data: dict[str, Any]) -> None:
