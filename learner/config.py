@@ -93,6 +93,19 @@ class LossConfig(ConfigModel):
         return "sequence" if self.policy_loss in ("gspo", "geo_mean") else self.aggregation
 
 
+class KLRewardConfig(ConfigModel):
+    """KL to the reference as a reward penalty (verl algorithm.use_kl_in_reward / kl_penalty / kl_ctrl.*):
+    learner/kl_reward.py."""
+
+    enable: bool = Field(False, description="subtract coef * KL(old || ref) per token from the reward")
+    estimator: Literal["k1", "k2", "k3", "abs"] = Field(
+        "k1", description="per-token estimate: k1 (verl kl), k2 (mse), k3 (low_var_kl), abs")
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed coef, or adapted toward target_kl")
+    coef: float = Field(0.001, ge=0, description="the penalty's coefficient (adaptive: its start)")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token it steers toward")
+    horizon: int = Field(10000, ge=1, description="adaptive: samples over which the coefficient may change by 20%")
+
+
 class MegatronConfig(ConfigModel):
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
@@ -184,12 +197,20 @@ class LearnerConfig(ConfigModel):
     optimizer_offload: bool = Field(False, description="FSDP on GPU: the optimizer state in CPU memory; FSDP2 keeps "
                                     "it with the parameter shards, so this offloads those too (as param_offload)")
     megatron: MegatronConfig = MegatronConfig()
+    kl_reward: KLRewardConfig = Field(KLRewardConfig(), description="KL in the reward (verl use_kl_in_reward)")
 
     @model_validator(mode="after")
     def _offload_engine(self) -> LearnerConfig:
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
                              "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        if self.kl_reward.enable and self.engine == "megatron":
+            raise ValueError("learner.kl_reward needs learner.engine=fsdp (its per-row sums are reduced over the "
+                             "data-parallel ranks, which Megatron's tensor/pipeline groups would count twice)")
+        if self.kl_reward.enable and self.loss.mask_truncated:
+            raise ValueError("learner.kl_reward with reward.on_truncated=mask: masked samples get no log-probs, so "
+                             "their KL penalty (part of their group's baseline) is unknown; use on_truncated "
+                             "score or penalize")
         if self.engine == "megatron" and self.loss.entropy_coeff > 0:
             raise ValueError("learner.loss.entropy_coeff > 0 needs learner.engine=fsdp: the Megatron engine computes "
                              "the entropy as a metric without gradient (a vocab-parallel entropy backward is not "

@@ -114,7 +114,7 @@ class FSDPEngine(TrainingEngine):
         self.model = model
 
         self.ref_model = None
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.kl_coef > 0 or cfg.kl_reward.enable:
             # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
             self.ref_model = self._build(model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload,
                                          train=False)
@@ -168,7 +168,9 @@ class FSDPEngine(TrainingEngine):
             return self._forward(self.model, mb)
 
     def needs_proximal(self) -> bool:
-        return self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
+        # kl_reward's penalty is measured on the pre-step policy (verl's old_log_prob)
+        return (self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
+                or self.cfg.kl_reward.enable)
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():

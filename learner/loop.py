@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from broker.schema import oldest_versions
 from learner import checkpoint as ckpt
-from learner import logprob_probe
+from learner import kl_reward, logprob_probe
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine
 from learner.losses import finalize_metrics
@@ -152,6 +152,8 @@ class Learner:
         if engine.rank == 0 and source is None:
             raise ValueError("learner rank 0 needs a BatchSource")
         self.engine, self.cfg, self.source = engine, cfg, source
+        kr = cfg.kl_reward
+        self.kl_ctl = kl_reward.KLController(kr.type, kr.coef, kr.target_kl, kr.horizon) if kr.enable else None
         self.max_steps = max_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.export_root = Path(export_root) if export_root else None
@@ -263,6 +265,10 @@ class Learner:
         t1 = time.perf_counter()
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
+        if self.kl_ctl is not None:  # KL in the reward: advantages again, from token rewards (learner/kl_reward.py)
+            stats.update(kl_reward.apply(batch, plans, advantage=self.cfg.loss.advantage,
+                                         drop_uniform=self.cfg.loss.drop_uniform_groups,
+                                         estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl))
         t_prep = time.perf_counter() - t1
         probe = None
         if not self.probed and self.probe_tolerance is not None:

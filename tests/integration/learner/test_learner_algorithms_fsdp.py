@@ -16,6 +16,9 @@ CASES = {
     "dr_grpo_sum_rpp_entropy": dict(aggregation="seq_mean_token_sum_norm",
                                loss_extra={"advantage": "reinforce_plus_plus", "loss_scale_factor": 16,
                                            "entropy_coeff": 0.01}),
+    # KL in the reward: zero at step 1 (the reference is the start), so step 2 is compared
+    "kl_reward_reinforce_pp": dict(steps=2, loss_extra={"advantage": "reinforce_plus_plus"},
+                                   learner_extra={"kl_reward": {"enable": True, "coef": 0.5, "type": "adaptive"}}),
 }
 
 
@@ -24,15 +27,19 @@ CASES = {
 def test_new_losses_match_across_ranks(tmp_path, case):
     torch.set_num_threads(1)
     model = make_tiny_model(tmp_path / "model")
-    data = write_batches(tmp_path / "data.arrow", make_batches(1))
-    kw = dict(model=str(model), data=str(data), steps=1, correction="decoupled", micro_tokens=40, **CASES[case])
-    one = run_ranks(1, out=str(tmp_path / "one"), **kw)[0]["history"][0]
-    two = run_ranks(2, out=str(tmp_path / "two"), **kw)[0]["history"][0]
+    kw = dict(steps=1, correction="decoupled", micro_tokens=40) | CASES[case]
+    data = write_batches(tmp_path / "data.arrow", make_batches(kw["steps"]))
+    kw.update(model=str(model), data=str(data))
+    one = run_ranks(1, out=str(tmp_path / "one"), **kw)[0]["history"][-1]
+    two = run_ranks(2, out=str(tmp_path / "two"), **kw)[0]["history"][-1]
     # fp32 throughout; 1 and 2 ranks differ only in the order of sums (see test_learner_fsdp.py's tolerance)
     for key in ("learner/loss_total", "learner/loss_policy", "learner/grad_norm", "learner/entropy"):
         assert math.isfinite(one[key]), key
         assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-7), key
     assert one["learner/grad_norm"] > 0
+    if case == "kl_reward_reinforce_pp":
+        assert one["learner/batch_kl_reward_kl"] > 0
+        assert one["learner/batch_kl_reward_kl"] == pytest.approx(two["learner/batch_kl_reward_kl"], rel=1e-5)
     if case == "geo_mean_rloo_entropy":
         # the bonus reaches the gradient through the chunked head: without it the step differs
         kw["loss_extra"] = {**kw["loss_extra"], "entropy_coeff": 0.0}

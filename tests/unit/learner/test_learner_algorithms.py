@@ -274,3 +274,57 @@ def test_policy_loss_subtracts_the_entropy_bonus():
     with pytest.raises(ValueError, match="entropy"):
         policy_loss(logp, torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 0.5]), s,
                     prox_logp=torch.zeros(2), entropy=ent.detach())
+
+
+# ---- KL in the reward --------------------------------------------------------------------------------------
+
+def _kl_plan(advantage):
+    trajs = [Trajectory(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=2, step=1, prompt_ids=[5],
+                        response_ids=[7] * n, behaviour_logprobs=[-1.0] * n, reward=r)
+             for i, (n, r) in enumerate([(2, 1.0), (1, 0.0)])]
+    b = to_record_batch(trajs)
+    plan = plan_step(b, rank=0, world_size=1, micro_batch_tokens=64, advantage=advantage, drop_uniform=True,
+                     aggregation="token")
+    (mb,) = plan.micro_batches
+    assert mb.rows == [0, 1]
+    # old - ref per token: sample 0 [0.1, 0.3], sample 1 [0.2]
+    mb.prox_logp = torch.tensor([-1.0, -1.0, -1.0])
+    mb.ref_logp = torch.tensor([-1.1, -1.3, -1.2])
+    return b, plan, mb
+
+
+def test_kl_in_the_reward_for_an_outcome_estimator():
+    from learner import kl_reward
+
+    b, plan, mb = _kl_plan("mean")
+    ctl = kl_reward.KLController("adaptive", 0.5, target_kl=0.1, horizon=100)
+    m = kl_reward.apply(b, [plan], advantage="mean", drop_uniform=True, estimator="k1", controller=ctl)
+    # k1 sums: 0.4 and 0.2; beta 0.5: r' = 1 - 0.2 = 0.8 and 0 - 0.1 = -0.1; group mean 0.35 -> A = +-0.45
+    assert mb.advantages.tolist() == pytest.approx([0.45, 0.45, -0.45], abs=TOL)
+    # current KL: mean of per-sample token means (0.4 / 2, 0.2 / 1) = 0.2; error clip(0.2 / 0.1 - 1) = 0.2;
+    # beta *= 1 + 0.2 * 2 samples / 100 = 1.004
+    assert m["kl_reward_kl"] == pytest.approx(0.2) and m["kl_reward_coef"] == pytest.approx(0.5)
+    assert ctl.value == pytest.approx(0.5 * 1.004)
+
+
+def test_kl_in_the_reward_gives_reinforce_plus_plus_token_returns():
+    from learner import kl_reward
+
+    b, plan, mb = _kl_plan("reinforce_plus_plus")
+    kl_reward.apply(b, [plan], advantage="reinforce_plus_plus", drop_uniform=True, estimator="k1",
+                    controller=kl_reward.KLController("fixed", 0.5))
+    # returns (gamma 1): sample 0: 1 - 0.5 * (0.1 + 0.3) = 0.8, 1 - 0.5 * 0.3 = 0.85; sample 1: 0 - 0.5 * 0.2 = -0.1
+    # whitened over the 3 tokens: mean 0.516667, unbiased var 0.285833, std 0.534634
+    assert mb.advantages.tolist() == pytest.approx([0.529958, 0.623480, -1.153437], abs=TOL)
+
+
+def test_kl_penalty_estimators():
+    from learner.kl_reward import kl_penalty
+
+    old, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # d = old - ref = 0.5
+    assert float(kl_penalty(old, ref, "k1")) == pytest.approx(0.5)
+    assert float(kl_penalty(old, ref, "k2")) == pytest.approx(0.125)
+    assert float(kl_penalty(old, ref, "k3")) == pytest.approx(math.exp(-0.5) + 0.5 - 1)  # 0.106531
+    assert float(kl_penalty(ref, old, "abs")) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="estimator"):
+        kl_penalty(old, ref, "kl")
