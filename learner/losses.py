@@ -32,7 +32,10 @@ Plus ``kl_coef * min(r(pi, mu), tis_cap) * kl_term`` (learner/kl.py states the
 gradient direction of each estimator). Tokens are combined with aggregation
 weights (:func:`aggregation_weights`) that sum to one over the *optimizer step*
 (all micro-batches, all ranks), so summing each micro-batch's loss gives the
-mean no matter how the batch was split.
+mean no matter how the batch was split; verl's sum modes multiply that mean by a
+step-level factor (:func:`aggregation_scale`). ``LossSettings.policy_loss`` swaps
+the per-token surrogate for GSPO's or GMPO's sequence-level one (:func:`surrogate`);
+``entropy_coeff`` subtracts an entropy bonus. docs/algorithms.md maps each to verl.
 """
 
 from __future__ import annotations
