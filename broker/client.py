@@ -249,7 +249,8 @@ class _Client:
         """Every lag metric of the broker (see broker.metrics.snapshot)."""
         reply, _ = await self._call(P.StatusRequest())
         return {"status": reply.status, "drops": reply.drops, "errors": reply.errors,
-                "engine_lag": reply.engine_lag, "staleness_hist": reply.staleness_hist}
+                "engine_lag": reply.engine_lag, "staleness_hist": reply.staleness_hist,
+                "stale_drop_lengths": reply.stale_drop_lengths}
 
     async def close(self) -> None:
         for task in getattr(self, "_renewers", {}).values():
@@ -565,4 +566,4 @@ def get_status(address: str, timeout_s: float = 5.0, curve_keys_dir: str | None 
     """The broker's status as plain data (for ``python -m broker status``)."""
     r = status_reply(address, timeout_s, curve_keys_dir)
     return {"status": r.status, "drops": r.drops, "errors": r.errors, "engine_lag": r.engine_lag,
-            "staleness_hist": r.staleness_hist}
+            "staleness_hist": r.staleness_hist, "stale_drop_lengths": r.stale_drop_lengths}

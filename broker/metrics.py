@@ -113,6 +113,7 @@ def snapshot(server) -> dict:
         "errors": dict(server.errors),
         "engine_lag": st.engine_lag(),
         "staleness_hist": {str(s): n for s, n in sorted(c.staleness_hist.items())},
+        "stale_drop_lengths": {str(b): n for b, n in sorted(c.stale_drop_lengths.items())},
         "_hist": {"ticket_wait": (server.ticket_wait.cumulative(), server.ticket_wait.sum),
                   "learner_wait": (server.learner_wait.cumulative(), server.learner_wait.sum)},
     }
@@ -141,7 +142,8 @@ class SnapshotCollector:
             else:
                 yield GaugeMetricFamily(name, key, value=value)
         for fam, label, data in (("broker_drops", "reason", snap["drops"]),
-                                 ("broker_errors", "code", snap["errors"])):
+                                 ("broker_errors", "code", snap["errors"]),
+                                 ("broker_stale_drop_rows", "length_le", snap["stale_drop_lengths"])):
             m = CounterMetricFamily(fam, f"{fam.replace('_', '/', 1)} by {label}", labels=[label])
             for lab, v in data.items():
                 m.add_metric([lab], v)

@@ -238,6 +238,8 @@ class StatusReply(_Msg, tag="status_reply"):
     errors: dict[str, int]
     engine_lag: dict[str, int]
     staleness_hist: dict[str, int]
+    # rows dropped as stale, by response-length bucket (power-of-two upper bound in tokens)
+    stale_drop_lengths: dict[str, int] = {}
 
 
 class OkReply(_Msg, tag="ok"):

@@ -447,7 +447,8 @@ class BrokerServer:
             snap = self.latest_snapshot = snapshot(self)
             self._reply(ident, P.StatusReply(req=msg.req, status=snap["status"], drops=snap["drops"],
                                              errors=snap["errors"], engine_lag=snap["engine_lag"],
-                                             staleness_hist=snap["staleness_hist"]))
+                                             staleness_hist=snap["staleness_hist"],
+                                             stale_drop_lengths=snap["stale_drop_lengths"]))
         elif isinstance(msg, P.Ping):
             self._reply(ident, P.OkReply(req=msg.req))
         else:  # decode_request only returns known types

@@ -89,6 +89,14 @@ class Counters:
     drops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     drops_rows: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     staleness_hist: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    # rows dropped as stale by response length (key: the power-of-two upper bound of the bucket): long answers
+    # take longest to generate, so they are the ones a staleness bound drops, and a mean hides it
+    stale_drop_lengths: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+
+def length_bucket(n: int) -> int:
+    """The power-of-two upper bound of the bucket of a response of ``n`` tokens (0 and 1 share bucket 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class BrokerState:
@@ -378,6 +386,9 @@ class BrokerState:
             self._forget(g)
             self.counters.drops[reason] += 1
             self.counters.drops_rows[reason] += g.batch.num_rows
+            if reason == "stale":
+                for n in np.diff(g.batch.column("response_ids").offsets.to_numpy()):
+                    self.counters.stale_drop_lengths[length_bucket(n)] += 1
         log.info("dropped %d group(s): %s", len(groups), reason)
 
     def _forget(self, g: Group) -> None:

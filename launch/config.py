@@ -122,6 +122,10 @@ class RunConfig(ConfigModel):
             # log-probs are renormalised over the nucleus, so the ratio would compare different distributions.
             raise ValueError(f"rollout.sampling.top_p={self.rollout.sampling.top_p} truncates the sampling "
                              "distribution, which the learner does not reproduce; use top_p=1 for training")
+        if self.rollout.sampling.top_k > 0:
+            raise ValueError(f"rollout.sampling.top_k={self.rollout.sampling.top_k} truncates the sampling "
+                             "distribution, which the learner does not reproduce (it scores log_softmax(z / T) over "
+                             "the whole vocabulary); use top_k=-1 for training (rollout.eval_sampling may truncate)")
         if t_fleet != t_learner:
             # The learner's log-probs must be of the distribution the fleet sampled from.
             raise ValueError(

@@ -291,6 +291,15 @@ class Job:
     def _start_fleet(self, ray) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from rollout_fleet.engines.base import model_sampling_defaults
+
+        ignored = model_sampling_defaults(self.cfg.model.path)
+        if ignored:
+            log.warning("%s/generation_config.json sets %s; fleetrl does not apply it (every request pins each "
+                        "sampling field, so training samples log_softmax(z / T), the distribution the learner "
+                        "scores); rollout.eval_sampling may set top_p/top_k for evaluation", self.cfg.model.path,
+                        ", ".join(f"{k}={v}" for k, v in ignored.items()))
+
         from launch.netsetup import curve_key_data
         from launch.ray_actors import FleetActor
 

@@ -50,6 +50,11 @@ GAUGES = {
 }
 
 
+
+def stale_lengths_line(hist: dict[str, int]) -> str:
+    """``{'64': 3, '512': 9}`` as ``<=64 tok: 3, <=512 tok: 9`` (rows dropped as stale, by length bucket)."""
+    return ", ".join(f"<={b} tok: {n}" for b, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+
 def _fmt(v: Any, spec: str = ".3f") -> str:
     if v is None:
         return "-"
@@ -90,6 +95,8 @@ def format_status(answer: dict[str, Any]) -> str:
     lines.append(f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} "
                  f"(bound {st.max_staleness})")
     lines.append(f"staleness histogram (versions: samples): {lr.staleness_hist}")
+    if st.broker is not None and st.broker.stale_drop_lengths:
+        lines.append(f"stale drops by response length: {stale_lengths_line(st.broker.stale_drop_lengths)}")
     for k, v in (answer.get("metrics_endpoints") or {}).items():  # launch/observe.py
         for name, url in (v.items() if isinstance(v, dict) else [(k, v)]):
             lines.append(f"prometheus {name}: {url}")
@@ -307,6 +314,8 @@ class Monitor:
         dropped = {} if snap.broker is None else snap.broker.drops
         t.add_row("groups", f"produced {fl.groups_pushed}, consumed {lr.groups_consumed}, "
                   f"dropped {dropped}, re-queued {fl.groups_requeued}")
+        if snap.broker is not None and snap.broker.stale_drop_lengths:
+            t.add_row("stale drops by length", stale_lengths_line(snap.broker.stale_drop_lengths))
         for line in reward_server_lines(fl.reward_model):
             what, _, value = line.partition(": ")
             t.add_row(what, value)

@@ -37,6 +37,7 @@ class BrokerView(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     errors: dict[str, int] = {}
     engine_lag: dict[str, Any] = {}
     staleness_hist: dict[str, int] = {}
+    stale_drop_lengths: dict[str, int] = {}  # rows dropped as stale, by response-length bucket (upper bound)
     from_spool: bool = False  # the broker was gone: these counts were read from its spool
 
 

@@ -27,6 +27,7 @@ import msgspec
 
 from launch.snapshot import BrokerView
 from learner.status import LearnerStatus
+from rollout_fleet.engines.base import model_sampling_defaults
 from rollout_fleet.status import FleetStatus
 
 
@@ -57,8 +58,13 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     lost = produced - consumed - broker_dropped - queued + failed
     rewards = [None if (r is None or (isinstance(r, float) and math.isnan(r))) else round(r, 4)
                for r in learner.reward_per_step]
+    try:
+        ignored = model_sampling_defaults(cfg.model.path)
+    except ValueError as exc:
+        ignored = {"unreadable": str(exc)}
     summary = {
         "steps": learner.step,
+        "model_generation_config_not_applied": ignored,
         "max_staleness": cfg.broker.max_staleness,
         "max_staleness_seen": learner.max_staleness_seen,
         "staleness_hist": learner.staleness_hist,

@@ -112,10 +112,15 @@ def _empty_micro_batch() -> MicroBatch:
                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
 
 
-def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> np.ndarray:
-    """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses)."""
+def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool,
+                   mask_truncated: bool = False) -> np.ndarray:
+    """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses, and with
+    ``mask_truncated`` no response cut at the length limit)."""
     _, keep = _advantages(batch, advantage, drop_uniform)
-    return keep.numpy() & (_trained_lengths(batch) > 0)
+    rows = keep.numpy() & (_trained_lengths(batch) > 0)
+    if mask_truncated:
+        rows &= batch.column("finish_reason").to_numpy(zero_copy_only=False) != "length"
+    return rows
 
 
 def _advantages(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -200,6 +200,16 @@ class LearnerConfig(ConfigModel):
     kl_reward: KLRewardConfig = Field(KLRewardConfig(), description="KL in the reward (verl use_kl_in_reward)")
 
     @model_validator(mode="after")
+    def _tis_trust_region(self) -> LearnerConfig:
+        several = self.ppo_epochs > 1 or self.ppo_mini_batch_size is not None
+        if self.loss.correction == "tis" and several and not self.recompute_proximal:
+            raise ValueError("learner.loss.correction=tis without learner.recompute_proximal has no trust region "
+                             f"(ratio = 1 at every optimizer step), yet ppo_mini_batch_size={self.ppo_mini_batch_size} "
+                             f"/ ppo_epochs={self.ppo_epochs} ask for several optimizer steps per batch: set "
+                             "recompute_proximal=true (or use correction=decoupled), or make one optimizer step")
+        return self
+
+    @model_validator(mode="after")
     def _offload_engine(self) -> LearnerConfig:
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "

@@ -38,7 +38,7 @@ from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_fo
 from learner.fastpath import FastPaths, compile_blocks
 from learner.loading import load_shards, meta_model
 from learner.logprobs import head_logprobs
-from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_loss
+from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, needs_proximal, policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +168,9 @@ class FSDPEngine(TrainingEngine):
             return self._forward(self.model, mb)
 
     def needs_proximal(self) -> bool:
+        several = self.cfg.ppo_epochs > 1 or self.cfg.ppo_mini_batch_size is not None
         # kl_reward's penalty is measured on the pre-step policy (verl's old_log_prob)
-        return (self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
-                or self.cfg.kl_reward.enable)
+        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several) or self.cfg.kl_reward.enable
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():

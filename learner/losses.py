@@ -9,8 +9,11 @@ Corrections (``LossConfig.correction``), with ``pi`` the policy being trained,
 learner's policy before the first optimizer step of this step batch (recomputed
 once, no grad), ``r(x, y) = exp(x - y)``:
 
-* ``none``: plain PPO that treats the sampler as the old policy:
-  ``ratio = r(pi, mu)`` clipped, no weight. Only legal on-policy (k = 0).
+* ``none``: verl's PPO: ``ratio = r(pi, prox)`` clipped, no behaviour weight. The ratio's base is the
+  learner's own log-probs of the batch before its first optimizer step (the proximal pass when there are
+  several optimizer steps; with one, ``sg(pi)`` itself), never the sampler's: the engine-vs-learner gap
+  (bf16, kernels) would otherwise already sit in the first ratio and clip tokens that never moved. It
+  ignores that the sampler differed from the learner, so it is only legal on-policy (k = 0).
 * ``tis``: truncated importance sampling. Without ``prox`` (``recompute_proximal``
   off): ``ratio = r(pi, sg(pi)) = 1`` with the gradient of ``log pi``, weighted by
   ``w = min(r(sg(pi), mu), tis_cap)``: a truncated-IS policy gradient with no
@@ -49,6 +52,9 @@ from learner.advantages import sequence_advantages
 
 # exp() of a log-ratio beyond this is treated as this (e^20 ~ 5e8): keeps inf * 0 = nan out of the loss.
 LOG_RATIO_CLAMP = 20.0
+# The per-token k3 term is clamped to +-this (as verl's low_var_kl): one token whose ratio to the reference
+# exploded (k3 grows like exp(d)) would otherwise overflow fp32 and skip the whole optimizer step.
+KL_CLAMP = 10.0
 # Metric names ending in "_max" combine across micro-batches/ranks with max; all others with sum
 # (they are already weighted by aggregation weights that sum to one over the step).
 MAX_SUFFIX = "_max"
@@ -143,6 +149,17 @@ class LossSettings:
         return cls(correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    clip_ratio_c=cfg.clip_ratio_c, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                    kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff)
+
+
+def needs_proximal(correction: str, recompute_proximal: bool, several_optimizer_steps: bool) -> bool:
+    """Whether the learner must recompute its pre-step log-probs (a no-grad forward) before the first optimizer
+    step: ``decoupled`` always; ``tis`` when asked (its trust region); ``none`` when a step batch makes
+    several optimizer steps (from the second on, ``sg(pi)`` is no longer the pre-step policy)."""
+    if correction == "decoupled":
+        return True
+    if correction == "tis":
+        return recompute_proximal
+    return several_optimizer_steps
 
 
 def _k3(d: torch.Tensor) -> torch.Tensor:
@@ -251,7 +268,7 @@ def policy_loss(
     if s.correction == "decoupled" and prox_logp is None:
         raise ValueError("correction='decoupled' needs prox_logp: the learner's log-probs recomputed before the step")
     old = prox_logp.detach().to(logp.dtype) if prox_logp is not None else logp.detach()
-    base = behaviour_logp if s.correction == "none" else old
+    base = old
     if s.correction == "none":
         is_w = torch.ones_like(logp)
     else:
@@ -268,8 +285,14 @@ def policy_loss(
         if ref_logp is None:
             raise ValueError(f"kl_coef={s.kl_coef} needs ref_logp (the reference model's log-probs)")
         kl_val = kl.kl_term(logp, ref_logp.to(logp.dtype), s.kl_estimator)
+        if s.kl_estimator == "k3":
+            kl_val = kl_val.clamp(-KL_CLAMP, KL_CLAMP)
         # Tokens come from mu: weight by pi/mu (detached, truncated) so the KL gradient is pi's (learner/kl.py).
-        kl_w = torch.exp((logp.detach() - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap)
+        # `none` treats the sampler as the policy (verl): no weight there either.
+        if s.correction == "none":
+            kl_w = torch.ones_like(logp)
+        else:
+            kl_w = torch.exp((logp.detach() - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap)
         per_token = per_token + s.kl_coef * kl_w * kl_val
     w = weights.to(logp.dtype)
     loss = loss_scale * (w * per_token).sum()

@@ -10,8 +10,8 @@ second optimizer step on the policy differs from ``prox`` and the clip of
 by one per step batch (one publish).
 
 Guarantees: a mini-batch holds whole groups (GRPO advantages are per group and
-were computed over the whole step batch); only trainable groups are split, so no
-mini-batch is empty unless the whole batch is; every rank builds the same split
+were computed over the whole step batch); only groups with a trainable row (after
+``mask_truncated``) are split, so no mini-batch is empty unless the whole batch is; every rank builds the same split
 (a pure function of the batch, the step and the epoch).
 
 Example::
@@ -59,7 +59,9 @@ def plan_mini_batches(batch: pa.RecordBatch, *, groups_per_mini: int | None, ran
                       learner_version: int | None = None, mask_truncated: bool = False,
                       loss_scale_factor: int | None = None) -> tuple[list[StepPlan], dict[str, float]]:
     """One :class:`StepPlan` per mini-batch and the whole step batch's stats."""
-    trainable = trainable_rows(batch, advantage, drop_uniform)
+    # the same rows plan_step trains on: a group whose every response was cut (mask_truncated) must not make a
+    # mini-batch of its own, which would be an empty optimizer step averaged into the step's metrics
+    trainable = trainable_rows(batch, advantage, drop_uniform, mask_truncated)
     kw = dict(rank=rank, world_size=world_size, micro_batch_tokens=micro_batch_tokens, advantage=advantage,
               drop_uniform=drop_uniform, aggregation=aggregation, learner_version=learner_version,
               mask_truncated=mask_truncated, loss_scale_factor=loss_scale_factor)

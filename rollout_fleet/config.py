@@ -167,7 +167,23 @@ class SamplingConfig(ConfigModel):
     n: int = Field(8, ge=1, description="samples per prompt: the GRPO group")
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1, description="training must keep 1: the learner scores the whole "
+                         "distribution log_softmax(z / T), and no importance weight repairs a truncated support")
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: off; training must keep it off (see top_p)")
+
+
+class EvalSamplingConfig(ConfigModel):
+    """How evaluation samples (verl's ``val_kwargs``): apart from training, so it may truncate or sample."""
+
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: off")
+    n: int = Field(1, ge=1, description="samples per test prompt; the accuracy is their mean")
+    do_sample: bool = Field(False, description="False: greedy whatever temperature says (verl's val_kwargs.do_sample)")
+
+    @property
+    def effective_temperature(self) -> float:
+        return self.temperature if self.do_sample else 0.0
 
 
 class SimulatedEngineConfig(ConfigModel):
@@ -276,6 +292,8 @@ class RolloutConfig(ConfigModel):
     engine: Literal["vllm", "sglang", "simulated"] = "vllm"
     filter_groups: FilterGroupsConfig = Field(FilterGroupsConfig(), description="DAPO dynamic sampling")
     sampling: SamplingConfig = SamplingConfig()
+    eval_sampling: EvalSamplingConfig = Field(EvalSamplingConfig(), description="sampling of evaluations "
+                                              "(default greedy, one sample per prompt)")
     weight_update: Literal["pause", "inflight"] = "pause"
     servers: int = Field(1, ge=0, description="engine servers when no GPUs are given (CPU)")
     tensor_parallel_size: int = Field(1, ge=1)

@@ -259,8 +259,9 @@ def load_data(cfg) -> tuple[DatasetPrompts, PoolRewards]:
 
 
 async def evaluate(cfg, fleet, n: int) -> float | None:
-    """Greedy accuracy (the configured reward, as in training) on the first ``n`` test prompts,
-    spread over the fleet; None when there is nothing to evaluate (no test files, ``n`` = 0)."""
+    """Accuracy (the configured reward, as in training) on the first ``n`` test prompts, spread over the
+    fleet, sampled as ``rollout.eval_sampling`` says (greedy by default; with ``eval_sampling.n`` > 1 the
+    mean over each prompt's samples); None when there is nothing to evaluate (no test files, ``n`` = 0)."""
     from rollout_fleet import data as rdata
 
     if n <= 0 or not cfg.data.test_files:
@@ -269,7 +270,9 @@ async def evaluate(cfg, fleet, n: int) -> float | None:
     ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, split="test",
                            response_tokens=cfg.rollout.sampling.max_tokens, max_model_len=cfg.rollout.max_model_len)
     rows = [ds.next() for _ in range(min(n, len(ds)))]
-    params = SamplingParams(n=1, max_tokens=cfg.rollout.sampling.max_tokens, temperature=0.0)
+    ev = cfg.rollout.eval_sampling
+    params = SamplingParams(n=ev.n, max_tokens=cfg.rollout.sampling.max_tokens, temperature=ev.effective_temperature,
+                            top_p=ev.top_p, top_k=ev.top_k)
     scorer = PoolRewards(reward_pool(cfg, workers=1), tok)  # accuracy: a truncated answer is scored as it is
     sem = asyncio.Semaphore(64)
     # only servers at the newest weights present: one that just joined (version 0 until its first
@@ -280,7 +283,8 @@ async def evaluate(cfg, fleet, n: int) -> float | None:
         async with sem:
             _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params, min_version=newest)
         p = Prompt(prompt_ids=[], ground_truth=row.ground_truth, data_source=row.data_source, extra_info=row.extra_info)
-        return (await scorer.score(p, samples))[0]
+        scores = await scorer.score(p, samples)
+        return sum(scores) / len(scores)
 
     try:
         scores = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))

@@ -281,7 +281,8 @@ class RolloutWorker:
         """One generation of the ticket's group; True only when dynamic sampling filtered it (generate again)."""
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         params = SamplingParams(n=self.sampling.n, max_tokens=self.sampling.max_tokens,
-                                temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+                                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                top_k=self.sampling.top_k)
         t_start = time.time()
         try:
             # the oldest weights that may start a group for this step within the bound

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, logprobs_from_selected, lr_lambda
-from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, policy_loss
+from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, needs_proximal, policy_loss
 from learner.megatron import convert as cv
 from learner.megatron.weights import HFWeights, copy_hf_into, iter_hf_tensors, write_hf_export
 
@@ -412,7 +412,8 @@ class MegatronEngine(TrainingEngine):
         return parts
 
     def needs_proximal(self) -> bool:
-        return self.loss.correction == "decoupled" or (self.loss.correction == "tis" and self.cfg.recompute_proximal)
+        several = self.cfg.ppo_epochs > 1 or self.cfg.ppo_mini_batch_size is not None
+        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several)
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():

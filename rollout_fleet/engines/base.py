@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import abc
 import enum
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from core.net import BadRequest, EngineError
 
-__all__ = ["BadRequest", "EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams"]
+__all__ = ["BadRequest", "EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams",
+           "model_sampling_defaults"]
 
 
 class PauseMode(enum.StrEnum):
@@ -34,12 +38,60 @@ class PauseMode(enum.StrEnum):
 
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
+    """One request's sampling. Every field is sent on every request (:meth:`processing`), so a model folder's
+    ``generation_config.json`` can never fill one in behind the learner's back: training keeps ``top_p=1``,
+    ``top_k=-1`` and no penalties, the distribution ``log_softmax(z / T)`` that the learner scores."""
+
     n: int
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1: off (both engines accept it)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+
+    def processing(self) -> dict[str, float | int]:
+        """The logits-processing fields, named as vLLM's and SGLang's sampling parameters both name them."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty}
+
+
+# A generation_config.json field and the value under which it leaves the distribution log_softmax(z / T) alone.
+NEUTRAL_SAMPLING = {"top_k": (0, -1, None), "top_p": (1, 1.0, None), "min_p": (0, 0.0, None),
+                    "repetition_penalty": (1, 1.0, None), "presence_penalty": (0, 0.0, None),
+                    "frequency_penalty": (0, 0.0, None), "typical_p": (1, 1.0, None),
+                    "no_repeat_ngram_size": (0, None), "temperature": (1, 1.0, None)}
+
+
+def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling fields a model folder's ``generation_config.json`` sets to a non-neutral value.
+
+    vLLM (``--generation-config auto``) and SGLang (``--sampling-defaults model``) would fill a request's unset
+    fields from them; fleetrl pins every field instead, so these are reported, never applied. Example::
+
+        model_sampling_defaults("Qwen2.5-7B-Instruct")  # {'top_k': 20, 'repetition_penalty': 1.05, ...}
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    found = {}
+    for key, neutral in NEUTRAL_SAMPLING.items():
+        if key in raw and raw[key] not in neutral:
+            found[key] = raw[key]
+    if raw.get("do_sample") is False:
+        found["do_sample"] = False
+    return found
 
 
 @dataclass(kw_only=True, slots=True)

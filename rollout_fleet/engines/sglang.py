@@ -154,7 +154,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     # -- generation ------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        sp = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        # every processing field pinned: SGLang's --sampling-defaults=model would fill unset ones from the model
+        sp = {"max_new_tokens": params.max_tokens, **params.processing()}
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None and params.n > 1:

@@ -122,8 +122,8 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        sp = {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
-              "top_p": params.top_p, "logprobs": 0, "stop_token_ids": params.stop_token_ids}
+        sp = {"n": params.n, "max_tokens": params.max_tokens, **params.processing(), "logprobs": 0,
+              "stop_token_ids": params.stop_token_ids}
         if params.seed is not None:
             sp["seed"] = params.seed
         # Without per-token spans a sample is tagged with the version the server held when it started:

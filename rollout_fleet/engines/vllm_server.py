@@ -147,7 +147,11 @@ class VLLMServer:
             raise ValueError(f"--logprobs-mode is set by fleetrl ({a.logprobs_mode}: the sampled distribution's "
                              f"log-probs, which the learner's importance ratios need); remove it from the extra "
                              f"server arguments {a.extra_args}")
-        cmd += ["--logprobs-mode", a.logprobs_mode]
+        if any(x == "--generation-config" or x.startswith("--generation-config=") for x in a.extra_args):
+            raise ValueError("--generation-config is set by fleetrl ('vllm': a model folder's generation_config.json "
+                             "must not change how training samples are drawn; fleetrl pins every sampling field "
+                             f"itself); remove it from the extra server arguments {a.extra_args}")
+        cmd += ["--logprobs-mode", a.logprobs_mode, "--generation-config", "vllm"]
         return cmd + list(a.extra_args)
 
     def environment(self) -> dict[str, str]:

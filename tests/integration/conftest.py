@@ -8,6 +8,10 @@ hit the prefix cache, and ``--enable-prompt-tokens-details`` so responses
 report cached prompt tokens (the prefix-cache-reset test reads them), and
 ``--enable-scale-out`` for the token-in/token-out ``/inference/v1/generate``
 API (the one that reports per-sample ``weight_versions``).
+
+It serves a copy of the tiny model whose ``generation_config.json`` asks for ``top_k=2`` and
+``repetition_penalty=1.3`` (what instruct checkpoints such as Qwen2.5's ship, made extreme): every test
+on it then checks that fleetrl's samples follow fleetrl's sampling, never the model folder's.
 """
 
 from __future__ import annotations
@@ -25,12 +29,29 @@ TINY_MODEL = REPO / "models" / "tiny-adder"
 log = logging.getLogger(__name__)
 
 
+# Sampling defaults a model folder may carry; fleetrl must neither apply them nor be fooled by them.
+HOSTILE_GENERATION_CONFIG = {"top_k": 2, "repetition_penalty": 1.3}
+
+
+def hostile_generation_config_copy(out: Path) -> Path:
+    """The tiny model's files (symlinked) with a generation_config.json that adds HOSTILE_GENERATION_CONFIG."""
+    import json
+
+    for f in TINY_MODEL.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f)
+    gen = json.loads((TINY_MODEL / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**gen, **HOSTILE_GENERATION_CONFIG}, indent=2))
+    return out
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
     """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl weight backend over gloo)."""
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m tools.pretrain_tiny`")
-    with cpu_vllm_server(TINY_MODEL, tmp_path_factory.mktemp("vllm_server"), max_model_len=64, max_num_seqs=16,
+    model = hostile_generation_config_copy(tmp_path_factory.mktemp("tiny-adder-topk2"))
+    with cpu_vllm_server(model, tmp_path_factory.mktemp("vllm_server"), max_model_len=64, max_num_seqs=16,
                          served_model_name="tiny-adder",
                          extra_args=["--block-size", "32", "--enable-prompt-tokens-details", "--enable-scale-out"]) as s:
         yield s

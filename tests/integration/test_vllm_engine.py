@@ -109,6 +109,47 @@ def test_generate_n_samples_with_logprobs_matching_transformers(vllm_server):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_model_folders_sampling_defaults_are_not_applied(vllm_server):
+    """The served folder's generation_config.json says top_k=2, repetition_penalty=1.3 (conftest): vLLM would
+    fill every request's unset fields from it. fleetrl's samples must follow the learner's distribution:
+    more than 2 distinct first tokens, and each sample's log-prob that of log_softmax(z / T)."""
+    from rollout_fleet.engines.base import model_sampling_defaults
+    from tests.integration.conftest import HOSTILE_GENERATION_CONFIG
+
+    assert model_sampling_defaults(vllm_server.args.model) == HOSTILE_GENERATION_CONFIG
+    tok, model = _tokenizer(), _hf_model()
+    # the prompt whose next token is most uncertain: P(200 samples within its 2 likeliest tokens) = p2^200
+    candidates = [tok(x)["input_ids"] for x in ("1", "12+", "9+9=18 5+", "100+23=123 9+9=", LONG_PROMPT)]
+    with torch.no_grad():
+        probs = [torch.softmax(model(input_ids=torch.tensor([p])).logits[0, -1].float(), -1) for p in candidates]
+    p2 = [float(pr.topk(2).values.sum()) for pr in probs]
+    best = min(range(len(candidates)), key=lambda i: p2[i])
+    prompt = candidates[best]
+    assert p2[best] ** 200 < 1e-6, f"no candidate prompt spreads its next token enough (top-2 mass {p2})"
+
+    async def run():
+        c = _client(vllm_server)
+        try:
+            one = await c.generate(prompt, SamplingParams(n=200, max_tokens=1, temperature=1.0, seed=3))
+            long = await c.generate(prompt, SamplingParams(n=8, max_tokens=12, temperature=1.0, seed=4))
+            return one, long
+        finally:
+            await c.close()
+
+    one, long = asyncio.run(run())
+    firsts = [int(s.token_ids[0]) for s in one]
+    assert len(set(firsts)) > 2, f"only {sorted(set(firsts))}: the folder's top_k=2 was applied"
+    # each first token's engine log-prob is the unprocessed one (top-k renormalisation would raise it)
+    ref = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1).detach()
+    got = torch.tensor([float(s.logprobs[0]) for s in one])
+    assert (got - ref[firsts]).abs().max().item() < TOL
+    # longer samples: a repetition penalty would change the log-probs of repeated tokens
+    err = _max_err(model, prompt, long)
+    assert err < TOL, f"engine log-probs differ from log_softmax(z / T) by {err:.2e} nats (> {TOL})"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pause_keep_freezes_requests_until_resume(vllm_server):
     tok = _tokenizer()

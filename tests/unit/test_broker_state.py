@@ -73,6 +73,18 @@ def test_stale_groups_are_dropped_never_leased():
     assert s.counters.drops["stale"] == 1 and not s.has_seen("x") and s.has_seen("old")
 
 
+def test_stale_drops_are_counted_by_response_length_bucket():
+    from broker.state import length_bucket
+    assert [length_bucket(n) for n in (0, 1, 2, 3, 64, 65, 1000)] == [1, 1, 2, 4, 64, 128, 1024]
+    s = new_state(k=1, G=2)
+    s.accept("w", make_groups(["long", "short"], step=1, version=0, resp_len=300), now=0)
+    s.accept("w", make_groups(["tiny"], step=2, version=0, resp_len=20), now=0)
+    s.set_version(2)
+    # step 3 is trained at version 2: every group (version 0) has staleness 2 > 1 and is dropped
+    assert s.lease("L", 3, now=0) is None
+    assert dict(s.counters.stale_drop_lengths) == {512: 4, 32: 2}  # two rows a group
+
+
 def test_incomplete_groups_duplicates_and_budget():
     s = new_state(k=3, G=1, budget=60_000)
     with pytest.raises(BrokerError) as e:

@@ -18,8 +18,10 @@ V = 6
 
 def setup(seed=0):
     g = torch.Generator().manual_seed(seed)
-    theta = (torch.randn(V, generator=g, dtype=torch.float64) * 1.5).requires_grad_(True)
-    ref_logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
+    # scale 1: every |log pi - log ref| stays well under the k3 clamp (learner.losses.KL_CLAMP), so the
+    # expectation below is of the unclamped estimator
+    theta = (torch.randn(V, generator=g, dtype=torch.float64) * 1.0).requires_grad_(True)
+    ref_logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.0
     mu_logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
     return theta, ref_logits, mu_logits
 
@@ -83,3 +85,18 @@ def test_k1_in_the_loss_would_have_zero_expected_gradient():
     assert g.abs().max() < 1e-12
     with pytest.raises(ValueError, match="zero expected gradient"):
         LossSettings(correction="tis", kl_coef=1.0, kl_estimator="k1")
+
+
+def test_k3_is_clamped_like_verls_low_var_kl():
+    """A token whose log-ratio to the reference exploded gives k3 = e^|d|: clamped to KL_CLAMP, no gradient,
+    so one token cannot overflow fp32 and skip the optimizer step."""
+    from learner.losses import KL_CLAMP
+    logp = torch.tensor([-0.5, -30.0], dtype=torch.float32, requires_grad=True)
+    ref = torch.tensor([-0.6, -0.1], dtype=torch.float32)
+    s = LossSettings(correction="tis", kl_coef=1.0, kl_estimator="k3", tis_cap=1e9)
+    loss, m = policy_loss(logp, logp.detach(), torch.zeros(2), torch.tensor([0.5, 0.5]), s, ref_logp=ref)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss)
+    d = ref[0] - logp[0].detach()  # k3 of token 0: e^d - d - 1, far below the clamp
+    assert m["loss_kl"].item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).item() + 0.5 * KL_CLAMP, rel=1e-5)
+    assert g[1] == 0 and g[0] != 0

@@ -61,22 +61,44 @@ def test_group_advantages_use_each_groups_own_std():
     assert keep.all()
 
 
-def test_correction_none_clips_against_behaviour():
+def test_correction_none_is_verls_ratio_against_the_learner_not_the_sampler():
+    # verl's meaning: the ratio's base is the learner's own pre-step log-probs, never the sampler's.
+    # Without prox (one optimizer step) the base is sg(logp): ratio 1 everywhere, nothing clipped,
+    # no behaviour weight, although logp - behaviour = [0.5, 0, -1] (a large engine-vs-learner gap).
     loss, m, grad = run("none")
-    # ratio = exp([0.5, 0, -1]) = [1.6487213, 1, 0.3678794]; clip range [0.8, 1.28]
-    # tok1 A=+1: min(1.6487, 1.28) = 1.28 (clipped)       -> -1.28
-    # tok2 A=-1: ratio 1                                   -> +1
-    # tok3 A=-2: min(-0.7357589, 0.8 * -2 = -1.6) = -1.6 (clipped) -> +1.6
-    assert loss == pytest.approx((-1.28 + 1 + 1.6) / 3)  # 0.44
-    assert m["clip_frac"] == pytest.approx(2 / 3)
-    assert m["ratio_mean"] == pytest.approx((1.6487213 + 1 + 0.3678794) / 3)
+    # per token -1 * A = [-1, 1, 2], mean over 3
+    assert loss == pytest.approx((-1 + 1 + 2) / 3)
+    assert m["clip_frac"] == 0.0 and m["clip_dual_frac"] == 0.0
+    assert m["ratio_mean"] == pytest.approx(1.0)
     assert m["is_weight_mean"] == pytest.approx(1.0) and m["is_weight_max"] == 1.0
-    # mismatch k3 = exp(d) - d - 1 for d = [0.5, 0, -1]: [0.1487213, 0, 0.3678794]
+    # the mismatch is still measured: k3 = exp(d) - d - 1 for d = [0.5, 0, -1]: [0.1487213, 0, 0.3678794]
     assert m["mismatch_kl_k3"] == pytest.approx((0.1487213 + 0.3678794) / 3)
     assert m["mismatch_logp_diff"] == pytest.approx((-0.5 + 0 + 1) / 3)
     assert m["entropy"] == pytest.approx(2.0)
-    # clipped tokens carry no gradient; tok2: d/dlogp(-ratio * A) = -1 * -1 = 1, over 3
-    assert grad == pytest.approx([0.0, 1 / 3, 0.0])
+    # every token has the plain policy gradient -A / 3
+    assert grad == pytest.approx([-1 / 3, 1 / 3, 2 / 3])
+
+
+def test_correction_none_first_mini_batch_has_no_clip_when_the_sampler_is_off_by_0_3_nats():
+    # The case: behaviour = learner + 0.3 nats on some tokens, first mini-batch (pi == prox).
+    logp = t([-1.0, -0.5, -2.0, -0.7], grad=True)
+    behaviour = logp.detach() + t([0.3, 0.0, 0.3, 0.0])
+    s = LossSettings(correction="none", clip_low=0.2, clip_high=0.2)
+    _, m = policy_loss(logp, behaviour, t([1.0, -1.0, -1.0, 1.0]), t([0.25] * 4), s, prox_logp=logp.detach())
+    assert m["clip_frac"] == 0.0 and m["ratio_mean"] == pytest.approx(1.0)
+    # the old meaning (ratio against the sampler: exp(-0.3) = 0.741 < 0.8) would clip the A = -1 token at 0.3
+    assert m["is_weight_max"] == 1.0
+
+
+def test_correction_none_clips_against_proximal_from_the_second_optimizer_step():
+    prox = [-1.4, -0.5, -1.8]
+    loss, m, grad = run("none", prox=prox)
+    # ratio = exp(logp - prox) = exp([0.4, 0, -0.2]) = [1.4918247, 1, 0.8187308]; no weight
+    # tok1 A=+1: clipped at 1.28 -> -1.28; tok2: +1; tok3 A=-2: inside -> 0.8187308 * 2 = 1.6374615
+    assert loss == pytest.approx((-1.28 + 1 + 1.6374615) / 3, abs=1e-7)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    assert m["is_weight_mean"] == pytest.approx(1.0)
+    assert grad == pytest.approx([0.0, 1 / 3, 1.6374615 / 3])
 
 
 def test_correction_tis_truncates_weight():
@@ -119,12 +141,17 @@ def test_kl_k2_k3_values_importance_weight_and_total():
     assert kl_term(t(LOGP), t(ref), "k2").tolist() == pytest.approx([0.005, 0.02, 0.0])
     assert kl_term(t(LOGP), t(ref), "mse").tolist() == pytest.approx([0.005, 0.02, 0.0])
     assert kl_term(t(LOGP), t(ref), "low_var_kl").tolist() == pytest.approx([0.0048374, 0.0187308, 0.0], abs=1e-7)
-    # The KL term is weighted by min(pi / mu, tis_cap) = min(exp([0.5, 0, -1]), 2) = [1.6487213, 1, 0.3678794]
+    # tis: the KL term is weighted by min(pi / mu, tis_cap) = min(exp([0.5, 0, -1]), 2) = [1.6487213, 1, 0.3678794];
+    # the policy part with no prox: -w * A = [-1.6487213, 1, 0.7357589] / 3 = 0.0290459
+    pol = (-1.6487213 + 1 + 0.7357589) / 3
+    loss, m, _ = run("tis", ref=ref, kl_coef=0.5, kl_estimator="k2")
+    assert m["loss_kl"] == pytest.approx(0.025 / 3) and m["loss_policy"] == pytest.approx(pol, abs=1e-7)
+    assert loss == pytest.approx(pol + 0.5 * (1.6487213 * 0.005 + 0.02) / 3, abs=1e-7)
+    loss, m, _ = run("tis", ref=ref, kl_coef=0.5, kl_estimator="k3")
+    assert loss == pytest.approx(pol + 0.5 * (1.6487213 * 0.0048374 + 0.0187308) / 3, abs=1e-7)
+    # none (verl's meaning): neither the policy term nor the KL term is weighted; policy -A / 3 summed = 2 / 3
     loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k2")
-    assert m["loss_kl"] == pytest.approx(0.025 / 3) and m["loss_policy"] == pytest.approx(0.44)
-    assert loss == pytest.approx(0.44 + 0.5 * (1.6487213 * 0.005 + 0.02) / 3)
-    loss, m, _ = run("none", ref=ref, kl_coef=0.5, kl_estimator="k3")
-    assert loss == pytest.approx(0.44 + 0.5 * (1.6487213 * 0.0048374 + 0.0187308) / 3, abs=1e-7)
+    assert loss == pytest.approx(2 / 3 + 0.5 * 0.025 / 3)
     with pytest.raises(ValueError, match="ref_logp"):
         run("none", kl_coef=0.5)
     with pytest.raises(ValueError, match="zero expected gradient"):
@@ -147,7 +174,8 @@ def test_dual_clip_bounds_negative_advantage_tokens():
     def one(logp, behav, adv, c=3.0):
         lp = t([logp], grad=True)
         s = LossSettings(correction="none", clip_ratio_c=c)
-        loss, m = policy_loss(lp, t([behav]), t([adv]), t([1.0]), s)
+        # the ratio's base is the proximal policy (here the old weights, 'behav'), as from a second optimizer step
+        loss, m = policy_loss(lp, t([behav]), t([adv]), t([1.0]), s, prox_logp=t([behav]))
         loss.backward()
         return loss.item(), lp.grad.item(), m
 
@@ -170,7 +198,7 @@ def test_log_ratio_is_clamped_before_exp():
     # fp32: exp(100) = inf and inf * 0 = nan; clamped at 20 the zero-advantage token contributes exactly 0.
     lp = torch.tensor([0.0, -1.0], requires_grad=True)
     loss, m = policy_loss(lp, torch.tensor([-100.0, -1.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]),
-                          LossSettings(correction="none"))
+                          LossSettings(correction="none"), prox_logp=torch.tensor([-100.0, -1.0]))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert loss.item() == pytest.approx(-0.5)  # token 2: ratio 1, A = 1, weight 0.5
@@ -195,7 +223,8 @@ def test_aggregation_weights_token_and_sequence():
     # sequence: 1 / (len * total sequences): [1/(2*2), 1/(2*2), 1/(1*2)]
     w = aggregation_weights(lens, "sequence", total_tokens=3, total_seqs=2)
     assert w.tolist() == pytest.approx([0.25, 0.25, 0.5])
-    loss, _, _ = run("none", weights=w.tolist())
+    # against the proximal BEHAV (ratio exp([0.5, 0, -1]): per-token losses [-1.28, 1, 1.6], see the dual-clip test)
+    loss, _, _ = run("none", prox=BEHAV, weights=w.tolist())
     assert loss == pytest.approx(0.25 * -1.28 + 0.25 * 1 + 0.5 * 1.6)  # 0.73
     with pytest.raises(ValueError, match="aggregation"):
         aggregation_weights(lens, "batch", 3, 2)
@@ -203,11 +232,11 @@ def test_aggregation_weights_token_and_sequence():
 
 def test_split_micro_batches_sum_to_the_whole():
     # The loss of a batch split into micro-batches sums to the loss of the whole batch.
-    whole, mw, _ = run("none")
+    whole, mw, _ = run("none", prox=BEHAV)
     s = LossSettings(correction="none")
     parts = []
     for idx in ([0, 1], [2]):
-        _, m = policy_loss(t(LOGP)[idx], t(BEHAV)[idx], t(ADV)[idx], t(THIRD)[idx], s)
+        _, m = policy_loss(t(LOGP)[idx], t(BEHAV)[idx], t(ADV)[idx], t(THIRD)[idx], s, prox_logp=t(BEHAV)[idx])
         parts.append(m)
     c = combine_metrics(parts)
     assert c["loss_total"].item() == pytest.approx(whole)

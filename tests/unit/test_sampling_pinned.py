@@ -1,0 +1,129 @@
+"""Engines sample what the learner scores: every request pins every sampling field, vLLM is told to ignore the
+model folder's generation_config.json, training refuses truncated sampling, evaluation samples apart.
+
+The request bodies are read off a real local HTTP server (a thread of http.server) the clients talk to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rollout_fleet.engines.base import SamplingParams, model_sampling_defaults
+from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs
+
+PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+          "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    bodies: list = []
+    reply: bytes = b"{}"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        n = int(self.headers.get("Content-Length", 0))
+        type(self).bodies.append((self.path, json.loads(self.rfile.read(n))))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(type(self).reply)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def recorder():
+    handler = type("H", (_Recorder,), {"bodies": []})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        yield handler, f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_vllm_requests_pin_every_sampling_field(recorder):
+    from rollout_fleet.engines.vllm import VLLMClient
+
+    handler, url = recorder
+    handler.reply = json.dumps({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop",
+                                             "logprobs": {"token_logprobs": [-0.1]}}]}).encode()
+
+    async def run():
+        c = VLLMClient("e", url, model="m", timeout_s=5, request_timeout_s=5)
+        try:
+            return await c.generate([1, 2], SamplingParams(n=1, max_tokens=3))
+        finally:
+            await c.close()
+
+    (s,) = asyncio.run(run())
+    assert s.token_ids.tolist() == [5]
+    path, body = handler.bodies[-1]
+    assert path == "/v1/completions"
+    assert {k: body[k] for k in PINNED} == PINNED
+
+
+def test_sglang_requests_pin_every_sampling_field(recorder):
+    from rollout_fleet.engines.sglang import SGLangClient
+
+    handler, url = recorder
+    handler.reply = json.dumps({"output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.2, 7, None]],
+                                                                  "finish_reason": {"type": "stop"}}}).encode()
+
+    async def run():
+        c = SGLangClient("e", url, timeout_s=5, control_timeout_s=5)
+        try:
+            return await c.generate([1, 2], SamplingParams(n=1, max_tokens=3, top_k=-1))
+        finally:
+            await c.close()
+
+    (s,) = asyncio.run(run())
+    assert s.token_ids.tolist() == [7]
+    path, body = handler.bodies[-1]
+    assert path == "/generate"
+    assert {k: body["sampling_params"][k] for k in PINNED} == PINNED
+
+
+def test_vllm_server_ignores_the_folders_generation_config(tmp_path):
+    cmd = VLLMServer(VLLMServerArgs(model="m"), tmp_path).command()
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+    server = VLLMServer(VLLMServerArgs(model="m", extra_args=["--generation-config=auto"]), tmp_path)
+    with pytest.raises(ValueError, match="--generation-config is set by fleetrl"):
+        server.command()
+
+
+def test_a_models_sampling_defaults_are_read_and_reported(tmp_path):
+    assert model_sampling_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+         "repetition_penalty": 1.05, "min_p": 0.0}))
+    assert model_sampling_defaults(tmp_path) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                 "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        model_sampling_defaults(tmp_path)
+
+
+def _cfg(**rollout):
+    from launch.config import load_run_config
+
+    overrides = [f"rollout.{k}={v}" for k, v in rollout.items()]
+    return load_run_config("tiny", overrides)
+
+
+def test_training_refuses_truncated_sampling_and_evaluation_may_truncate():
+    with pytest.raises(Exception, match="top_k=20 truncates"):
+        _cfg(**{"sampling.top_k": 20})
+    cfg = _cfg(**{"sampling.top_k": -1, "eval_sampling.top_k": 20, "eval_sampling.top_p": 0.9,
+                  "eval_sampling.temperature": 0.6, "eval_sampling.n": 4, "eval_sampling.do_sample": True})
+    ev = cfg.rollout.eval_sampling
+    assert (ev.top_k, ev.top_p, ev.n, ev.effective_temperature) == (20, 0.9, 4, 0.6)
+    # verl's val_kwargs default: greedy unless do_sample
+    assert _cfg().rollout.eval_sampling.effective_temperature == 0.0
