@@ -142,7 +142,8 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         raise ValueError(f"chunk must be positive, got {chunk}")
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32)
-        return z + (hidden.sum() + weight.sum()) * 0, z.clone()
+        tie = (hidden.sum() + weight.sum()) * 0  # keeps both in the graph (empty gradients, no special case)
+        return z + tie, (z + tie if entropy_grad else z.clone())
     return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype, entropy_grad)
 
 
