@@ -271,7 +271,10 @@ class RolloutWorker:
             tries += 1
             if not await self._group_once(ticket, prompt, tries):
                 return
-            # filtered: the same ticket, the next prompt (now the one in flight for the checkpoint)
+            # filtered: the same ticket, the next prompt (now the one in flight for the checkpoint); colocated
+            # mode's gate is honoured as for a new ticket
+            while self.gate is not None and not self.gate():  # noqa: ASYNC110 (the gate is a predicate)
+                await asyncio.sleep(0.02)
             prompt = self._next_prompt()
             task = asyncio.current_task()
             if task in self._tasks:
