@@ -1,11 +1,17 @@
-import json, math, statistics as st, sys
+"""Collect the numbers of bench/results/dapo_cpu/README.md from runs' summaries and learner metrics.
+
+    python bench/results/dapo_cpu/extract.py SUMMARY_PREFIX RUN_DIR_PREFIX > results.json
+reads SUMMARY_PREFIX{tiny,dapo}.json and RUN_DIR_PREFIX{tiny,dapo}/metrics/learner.jsonl.
+"""
+import json
+import statistics as st
+import sys
+
+summary_prefix, run_prefix = sys.argv[1], sys.argv[2]
 out = {}
 for r in ("tiny", "dapo"):
-    try:
-        s = json.load(open(f"/tmp/algos-summary-{r}.json"))
-    except FileNotFoundError:
-        continue
-    rows = [json.loads(l.replace("NaN", "null")) for l in open(f"/tmp/algos-run-{r}/metrics/learner.jsonl")]
+    s = json.load(open(f"{summary_prefix}{r}.json"))
+    rows = [json.loads(line.replace("NaN", "null")) for line in open(f"{run_prefix}{r}/metrics/learner.jsonl")]
     rows = [x["metrics"] for x in rows if "metrics" in x]
     frac = [m["learner/batch_samples_trained"] / m["learner/batch_samples"] for m in rows]
     out[r] = {k: s.get(k) for k in ["steps", "eval_accuracy_before", "eval_accuracy_after", "groups_produced",
