@@ -18,7 +18,8 @@ class BrokerConfig(ConfigModel):
     request_timeout_s: float = Field(30.0, gt=0, description="client-side timeout of every request")
     byte_budget_mb: float = Field(1024.0, gt=0, description="bytes the broker holds before producers are slowed")
     spool_dir: str | None = Field(None, description="directory for the durable spool; None keeps trajectories in memory only")
-    fsync: Literal["never", "batch", "always"] = "batch"
+    fsync: Literal["never", "batch", "always"] = Field(
+        "batch", description="spool durability: fsync never, once per batch of writes, or after every write")
     curve_keys_dir: str | None = Field(None, description="CurveZMQ key directory for traffic across hosts")
     max_message_mb: float = Field(512.0, gt=0, description="largest ZMQ message accepted; a larger one drops its connection")
     socket_hwm: int = Field(1000, ge=1, description="ZMQ high-water mark (messages) of the broker socket, each direction")

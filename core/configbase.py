@@ -29,15 +29,16 @@ class ModelConfig(ConfigModel):
     """The policy model: the fleet serves it and the learner trains it."""
 
     path: str = Field(description="HF model folder (config.json, model.safetensors, tokenizer.json)")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="the engines' weights dtype (auto: the folder's torch_dtype); float32 engines make the log-prob probe's tolerance 0.01 nats, bf16 0.1")
 
 
 class RunKeys(ConfigModel):
     """The keys of the run section every process reads (the launcher's ``RunSection`` adds its own)."""
 
-    seed: int = 0
-    max_steps: int = Field(20, ge=0)
-    run_dir: str = "runs/latest"
+    seed: int = Field(0, description="seeds the data order, the engines' sampling and the learner's init")
+    max_steps: int = Field(20, ge=0, description="learner steps (policy versions) of the run")
+    run_dir: str = Field("runs/latest", description="logs, metrics, checkpoints, spool and keys of the run; "
+                         "running again on the same directory resumes")
 
 
 class ConfigError(ValueError):

@@ -41,7 +41,9 @@ class RunSection(RunKeys):
     eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
     eval_samples: int = Field(256, ge=0, description="test prompts per evaluation (before and after training, "
                               "and every eval_every steps); 0: no evaluation")
-    tensorboard: bool = True
+    eval_before_train: bool = Field(True, description="evaluate the initial policy before training (verl's "
+                                    "trainer.val_before_train); false skips that evaluation only")
+    tensorboard: bool = Field(True, description="write TensorBoard events under RUN_DIR/tensorboard")
     default_spool: bool = Field(True, description="with broker.spool_dir unset, spool in RUN_DIR/spool (what a "
                                 "re-run on the same run_dir continues from); false: no spool unless spool_dir is set")
     prometheus: bool = Field(True, description="Prometheus endpoints of the driver, the broker and the learner "
@@ -111,7 +113,11 @@ class RunConfig(ConfigModel):
             raise ValueError("weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
                              f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
                              f"nccl_impl={ws.nccl_impl!r}")
-        if self.colocate.enabled:
+        if self.colocate.shared_async:
+            from launch.shared_gpu import check_shared_async
+
+            check_shared_async(self)
+        elif self.colocate.enabled:
             _check_colocated(self)
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet == 0:

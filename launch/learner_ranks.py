@@ -291,9 +291,10 @@ class LearnerRanks:
 def start_learner(job) -> tuple[LearnerRanks, float | None]:
     """Evaluate the initial policy through the fleet, then start the learner's ranks."""
     t = time.monotonic()
-    before = job._get(job.fleet.evaluate.remote(job.cfg.run.eval_samples), 600, "eval before")
-    log.info("eval accuracy before training: %s (%.1f s)", "skipped (run.eval_samples=0)" if before is None
-             else f"{before:.3f}", time.monotonic() - t)
+    n = job.cfg.run.eval_samples if job.cfg.run.eval_before_train else 0
+    before = job._get(job.fleet.evaluate.remote(n), 600, "eval before")
+    log.info("eval accuracy before training: %s (%.1f s)", "skipped (run.eval_samples=0 or run.eval_before_train="
+             "false)" if before is None else f"{before:.3f}", time.monotonic() - t)
     gpus = job.placement.learner_gpus()
     ranks = LearnerRanks.start(job.cfg.model_dump(mode="json"), job.broker.address, str(job.run_dir), job.fleet,
                                n=gpus or job.cfg.learner.cpu_processes, placement_group=job.pgs.get("learner"),

@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 class WandbConfig(ConfigModel):
     """``run.wandb``: where the driver logs to Weights & Biases (``run.wandb.project=NAME`` turns it on)."""
 
-    project: str = Field(min_length=1)
-    entity: str | None = None
+    project: str = Field(min_length=1, description="the W&B project")
+    entity: str | None = Field(None, description="the W&B team or user; None: the API key's default")
     name: str | None = Field(None, description="run name; None: the run directory's name")
     mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="None: wandb's own choice (WANDB_MODE, else online)")
-    tags: list[str] = []
+    tags: list[str] = Field(default_factory=list, description="W&B run tags")
     init_timeout_s: float = Field(90.0, gt=0, description="wandb.init gives up after this")
 
 GAUGES = {
@@ -92,7 +92,7 @@ def format_status(answer: dict[str, Any]) -> str:
     lr = st.learner
     lines = []
     tag = " [SIMULATED]" if st.simulated else ""
-    lines.append(f"fleetrl job{tag}: step {lr.step} / {st.max_steps}  wall {_fmt(st.wall_s, '.1f')} s")
+    lines.append(f"fleetrl job{tag} ({st.mode}): step {lr.step} / {st.max_steps}  wall {_fmt(st.wall_s, '.1f')} s")
     lines.append(f"learner: wait {_fmt(lr.learner_wait_s, '.2f')} s total, idle {_fmt(lr.learner_idle_fraction)}")
     lines.append(f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} "
                  f"(bound {st.max_staleness})")
@@ -305,6 +305,7 @@ class Monitor:
         t.add_column("what", style="cyan")
         t.add_column("value")
         lr, fl = snap.learner, snap.fleet
+        t.add_row("mode", snap.mode)
         t.add_row("step", f"{lr.step} / {snap.max_steps}")
         t.add_row("reward (last step)", _fmt(lr.reward))
         t.add_row("eval accuracy", f"{_fmt(snap.eval_accuracy)} (before {_fmt(snap.eval_accuracy_before)})")

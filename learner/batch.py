@@ -51,6 +51,8 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
+    # (SP rank, SP size) once learner/ulysses.py cut this row to one sequence-parallel slice; None: whole row
+    sp_shard: tuple[int, int] | None = None
     ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
 
     @property

@@ -111,6 +111,20 @@ class MegatronConfig(ConfigModel):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    context_parallel_size: int = Field(1, ge=1, description="Megatron context parallelism; only 1: megatron-core "
+                                       "runs CP only in TransformerEngine's attention, which fleetrl's local layer "
+                                       "spec does not use (docs/long_context.md). Use the FSDP engine's "
+                                       "learner.sequence_parallel_size for long responses")
+
+    @field_validator("context_parallel_size")
+    @classmethod
+    def _no_context_parallel(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(f"learner.megatron.context_parallel_size={v} is not supported: megatron-core implements "
+                             "context parallelism only in TransformerEngine's attention (its local DotProductAttention "
+                             "asserts context_parallel_size == 1) and fleetrl builds Megatron with the local spec, "
+                             "without TransformerEngine; use learner.engine=fsdp with learner.sequence_parallel_size")
+        return v
 
     def check_layout(self, learner_gpus: int, hf_config: dict) -> None:
         """Raise ConfigError, before any process starts, if the parallel layout cannot split
@@ -146,20 +160,28 @@ class LearnerConfig(ConfigModel):
                                "with GPUs the learner has one rank per GPU and this must stay 1")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig
-    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
-    activation_checkpointing: bool = False
+    micro_batch_tokens: int | Literal["auto"] = Field(
+        "auto", description="token budget of one packed micro-batch. auto: 8192 on CPU; on GPU sized from the "
+        "GPU's free memory and the model's shape (learner/fastpath.py micro_batch_budget), the resolved value is "
+        "logged and reported in the run's summary")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder layer in the backward. auto: off on CPU; on GPU on only when "
+        "the micro-batch budget without it would be too small to run efficiently (learner/fastpath.py)")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto: varlen on GPU (document-masked flash attention, learner/attention.py), sdpa on "
         "CPU; sdpa and eager keep packed sequences apart with a mask from position_ids")
-    # FSDP fast paths (learner/fastpath.py); auto = on for GPU ranks, off on CPU
+    # Fast paths (learner/fastpath.py resolve_fast_path); auto = on for GPU ranks, off on CPU. The plain engine of
+    # before: logprobs=full attn_implementation=sdpa fused_optimizer=off meta_init=off compile_blocks=false
+    # micro_batch_tokens=8192 activation_checkpointing=false
     logprobs: Literal["auto", "chunked", "full"] = Field(
         "auto", description="chunked: log-probs/entropy from the last hidden state in vocab chunks (no full logits)")
     logprob_chunk: int = Field(4096, ge=1, description="response tokens per chunk of the chunked log-prob path")
     fused_optimizer: Literal["auto", "on", "off"] = "auto"
     meta_init: Literal["auto", "on", "off"] = Field(
         "auto", description="build on the meta device and load each rank's shards from safetensors")
-    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP); "
-                                   "Megatron: each layer's MLP")
+    compile_blocks: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder layer's forward and the chunked head's per-chunk "
+        "log-softmax (FSDP); Megatron: each layer's MLP. auto: on for GPU ranks, off on CPU")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
@@ -171,6 +193,13 @@ class LearnerConfig(ConfigModel):
         "which the run fails (the learner does not score the distribution the fleet sampled). auto: 0.01 when the "
         "engines run model.dtype float32, else 0.1 (bf16 engines differ from the learner by ~0.05 on average); "
         "None: no check (synthetic behaviour log-probs, e.g. replayed test data)")
+
+    @field_validator("micro_batch_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if isinstance(v, int) and v < 16:
+            raise ValueError(f"micro_batch_tokens must be 'auto' or at least 16 tokens, got {v}")
+        return v
 
     @field_validator("logprob_probe_tolerance")
     @classmethod
@@ -198,6 +227,36 @@ class LearnerConfig(ConfigModel):
                                     "it with the parameter shards, so this offloads those too (as param_offload)")
     megatron: MegatronConfig = MegatronConfig()
     kl_reward: KLRewardConfig = Field(KLRewardConfig(), description="KL in the reward (verl use_kl_in_reward)")
+    sequence_parallel_size: int = Field(
+        1, ge=1, description="FSDP: Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size). Groups of "
+        "this many consecutive learner ranks split each packed row between them (attention exchanges heads for "
+        "sequence, learner/ulysses.py); the step batch is split over learner ranks / this many data replicas. Must "
+        "divide the learner's ranks and the model's attention heads (key/value heads are repeated when it does not "
+        "divide them). Layout and gradient scaling: docs/long_context.md")
+
+    def check_sequence_parallel(self, ranks: int, hf_config: dict | None) -> None:
+        """Raise ConfigError if ``sequence_parallel_size`` cannot split ``ranks`` learner ranks or the model
+        described by ``hf_config`` (its config.json; None: the ranks only)."""
+        sp = self.sequence_parallel_size
+        heads = hf_config["num_attention_heads"] if hf_config is not None else sp
+        problems = []
+        if ranks % sp:
+            problems.append(f"learner.sequence_parallel_size={sp} does not divide the learner's {ranks} ranks "
+                            "(--learner-gpus, or learner.cpu_processes with --learner-gpus 0)")
+        if heads % sp:
+            problems.append(f"learner.sequence_parallel_size={sp} does not divide the model's {heads} attention heads")
+        if problems:
+            raise ConfigError("invalid sequence-parallel layout:\n  " + "\n  ".join(problems))
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> LearnerConfig:
+        if self.sequence_parallel_size > 1 and self.engine != "fsdp":
+            raise ValueError(f"learner.sequence_parallel_size={self.sequence_parallel_size} is the FSDP engine's "
+                             "Ulysses sequence parallelism; learner.engine=megatron has no sequence split of that kind")
+        if self.sequence_parallel_size > 1 and self.attn_implementation in ("eager", "flash_attention_2"):
+            raise ValueError(f"learner.sequence_parallel_size={self.sequence_parallel_size} wraps the varlen or sdpa "
+                             f"attention, not {self.attn_implementation!r}: use attn_implementation auto, varlen or sdpa")
+        return self
 
     @model_validator(mode="after")
     def _tis_trust_region(self) -> LearnerConfig:
@@ -214,6 +273,11 @@ class LearnerConfig(ConfigModel):
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
                              "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        if self.sequence_parallel_size > 1 and (self.loss.policy_loss != "vanilla" or self.kl_reward.enable):
+            what = "learner.kl_reward" if self.kl_reward.enable else f"learner.loss.policy_loss={self.loss.policy_loss!r}"
+            raise ValueError(f"{what} needs whole sequences on a rank, but learner.sequence_parallel_size="
+                             f"{self.sequence_parallel_size} splits each row's tokens over ranks; use vanilla / no "
+                             "kl_reward with sequence parallelism, or sequence_parallel_size=1")
         if self.kl_reward.enable and self.engine == "megatron":
             raise ValueError("learner.kl_reward needs learner.engine=fsdp (its per-row sums are reduced over the "
                              "data-parallel ranks, which Megatron's tensor/pipeline groups would count twice)")

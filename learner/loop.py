@@ -48,6 +48,7 @@ import torch.distributed as dist
 from broker.schema import oldest_versions
 from learner import checkpoint as ckpt
 from learner import kl_reward, logprob_probe
+from learner.busy import StepTimer
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine
 from learner.losses import finalize_metrics
@@ -256,9 +257,10 @@ class Learner:
         if self.on_batch is not None:
             self.on_batch(step)
         t_train_wall = time.time()  # unix seconds, comparable with the samples' t_start / t_end
+        timer = StepTimer()  # the step's compute, host and CUDA clocks (learner/busy.py)
         plans, stats = plan_mini_batches(
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
-            world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
+            world_size=self.engine.data_world_size, micro_batch_tokens=self.engine.micro_batch_tokens,
             advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
             aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version,
             mask_truncated=self.cfg.loss.mask_truncated, loss_scale_factor=self.cfg.loss.loss_scale_factor)
@@ -284,6 +286,7 @@ class Learner:
         m.update(probe or {})
         self.version = step
         t2 = time.perf_counter()
+        busy = timer.stop()
         # weights unchanged only if every optimizer step of the batch was skipped; the decision is
         # identical on every rank (the same plans; grad norms are all-reduced)
         unchanged = all(p.get("step_skipped", 0.0) for p in parts) and self.on_unchanged is not None
@@ -299,6 +302,7 @@ class Learner:
         stale = step - 1 - oldest_versions(batch)
         metrics = {f"learner/{k}": v for k, v in m.items()}
         metrics.update({f"learner/batch_{k}": v for k, v in stats.items()})
+        metrics.update(busy)
         metrics.update({
             "learner/version": float(self.version),
             "learner/staleness_max_versions": float(stale.max()),

@@ -32,3 +32,4 @@ class LearnerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     done: bool = False
     error: str | None = None
     rank_steps: list[int | None] | None = None  # steps each rank applied, in rank order (set at stop)
+    settings: dict[str, str | int | bool] | None = None  # the learner's resolved fast path (learner/fastpath.py)

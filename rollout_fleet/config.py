@@ -12,8 +12,9 @@ from core.configbase import ConfigModel
 
 class DataConfig(ConfigModel):
     train_files: list[str] = Field(min_length=1, description="Parquet files in verl's column layout")
-    test_files: list[str] = Field(default_factory=list)
-    shuffle: bool = True
+    test_files: list[str] = Field(default_factory=list, description="Parquet files evaluated before, during "
+                                  "(run.eval_every) and after training")
+    shuffle: bool = Field(True, description="shuffle the training rows (seeded by run.seed) each epoch")
     max_prompt_tokens: int = Field(1024, ge=1, description="longest prompt (chat template applied) a row may have")
     filter_overlong_prompts: bool = Field(
         False, description="skip (and count) prompts over the limit (max_prompt_tokens, and rollout.max_model_len "
@@ -21,6 +22,13 @@ class DataConfig(ConfigModel):
     on_bad_row: Literal["raise", "skip"] = Field(
         "raise", description="a malformed row: stop at load naming file/row/column, or skip it and count it"
     )
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error", description="a prompt over the limit that filter_overlong_prompts does not skip: 'error' refuses the "
+        "run before it starts; 'left' keeps its last tokens, 'right' its first, 'middle' its first and last halves "
+        "(verl's data.truncation)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra arguments of the tokenizer's chat template, e.g. {enable_thinking: "
+        "false} (verl's data.apply_chat_template_kwargs)")
 
 
 BUILTIN_REWARDS = ("default", "exact_match", "gsm8k", "gsm8k_flexible", "math")
@@ -37,14 +45,14 @@ class RewardServerConfig(ConfigModel):
     tokenizer_path: str | None = Field(None, description="a tokenizer folder other than the model's (vLLM "
                                        "--tokenizer, SGLang --tokenizer-path); None: the model's own")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per reward server (--reward-gpus is a multiple)")
-    max_model_len: int = Field(2048, ge=16)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int = Field(2048, ge=16, description="the reward server's --max-model-len (prompt + verdict)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="the reward server's share of its GPUs' memory")
+    max_num_seqs: int = Field(256, ge=1, description="requests the reward server batches at once")
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager (a faster start on small CPUs)")
-    dtype: str = "auto"
+    dtype: str = Field("auto", description="the reward server's weights dtype")
     extra_args: list[str] = Field(default_factory=list, description="extra server arguments, e.g. "
                                   "['--runner', 'pooling'] for a classifier reward model on vLLM")
-    startup_timeout_s: float = Field(600.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0, description="a reward server not healthy after this counts as failed")
     colocated: bool = Field(False, description="colocated mode (--gpus N / --colocate): one reward server on each "
                             "shared GPU, beside learner rank i and rollout server i, within its own "
                             "gpu_memory_utilization (it never sleeps; leave room for the others); started and healthy "
@@ -57,7 +65,8 @@ class RewardModelConfig(ConfigModel):
     reward model (vLLM ``/pooling`` or ``/classify``). Either give ``url`` (a server you started) or
     let the launcher start them (``--reward-gpus N``, ``reward.model.server``)."""
 
-    kind: Literal["judge", "classifier"]
+    kind: Literal["judge", "classifier"] = Field(description="judge: a generative model whose answer holds a "
+                                                 "verdict; classifier: a sequence classifier or reward model")
     url: str | None = Field(None, description="http://host:port of a running reward server (vLLM or SGLang); "
                             "None: the launcher's servers (--reward-gpus)")
     urls: list[str] = Field(default_factory=list, description="several running servers, called in turn "
@@ -85,7 +94,7 @@ class RewardModelConfig(ConfigModel):
     label: int = Field(0, ge=0, description="classifier, endpoint classify: the class whose probability is the reward")
     timeout_s: float = Field(30.0, gt=0, description="one call; past it the attempt counts as 'timeout'")
     retries: int = Field(2, ge=0, description="further attempts after a timeout, refused connection or 5xx")
-    backoff_s: float = Field(0.5, ge=0)
+    backoff_s: float = Field(0.5, ge=0, description="pause before a retry, doubled each time")
     max_concurrency: int = Field(64, ge=1, description="calls in flight per worker")
     server: RewardServerConfig = RewardServerConfig()
 
@@ -165,8 +174,9 @@ class RewardConfig(ConfigModel):
 
 class SamplingConfig(ConfigModel):
     n: int = Field(8, ge=1, description="samples per prompt: the GRPO group")
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(256, ge=1, description="longest response; a longer one is cut (finish reason 'length')")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; the learner scores log_softmax(z / T) at "
+                               "the same T (learner.temperature)")
     top_p: float = Field(1.0, gt=0, le=1, description="training must keep 1: the learner scores the whole "
                          "distribution log_softmax(z / T), and no importance weight repairs a truncated support")
     top_k: int = Field(-1, ge=-1, description="-1 or 0: off; training must keep it off (see top_p)")
@@ -176,7 +186,7 @@ class EvalSamplingConfig(ConfigModel):
     """How evaluation samples (verl's ``val_kwargs``): apart from training, so it may truncate or sample."""
 
     temperature: float = Field(0.0, ge=0, description="0: greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus of evaluation sampling (1: off)")
     top_k: int = Field(-1, ge=-1, description="-1 or 0: off")
     n: int = Field(1, ge=1, description="samples per test prompt; the accuracy is their mean")
     do_sample: bool = Field(False, description="False: greedy whatever temperature says (verl's val_kwargs.do_sample)")
@@ -199,7 +209,7 @@ class SimulatedEngineConfig(ConfigModel):
     length_growth: float = Field(0.0, ge=0, description=(
         "the median grows by this fraction of itself per weight version the server holds: responses that "
         "lengthen as training goes on, as in reasoning RL (0: constant)"))
-    vocab_size: int = Field(1024, ge=2)
+    vocab_size: int = Field(1024, ge=2, description="token ids the simulated engine draws from")
     weight_bytes: float = Field(1.0e9, gt=0, description="simulated model size moved by one weight update")
     transfer_gb_per_s: float = Field(100.0, gt=0, description="simulated weight-transfer bandwidth")
     load_s: float = Field(0.005, ge=0, description="simulated time to load an export from disk (late joiner)")
@@ -210,7 +220,7 @@ class SimulatedEngineConfig(ConfigModel):
 class AutoscaleConfig(ConfigModel):
     """The fleet's autoscaler (rollout_fleet/autoscale.py): off unless enabled; thresholds are fractions."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="add and drain servers while the job runs, by the rules below")
     min: int = Field(1, ge=0, description="never fewer servers (below it, e.g. after a loss, add at once)")
     max: int = Field(8, ge=1, description="never more servers")
     step: int = Field(1, ge=1, description="servers added or drained per decision")
@@ -289,20 +299,23 @@ class FilterGroupsConfig(ConfigModel):
 
 
 class RolloutConfig(ConfigModel):
-    engine: Literal["vllm", "sglang", "simulated"] = "vllm"
+    engine: Literal["vllm", "sglang", "simulated"] = Field("vllm", description="the rollout engine; simulated: no "
+                                                           "model, for control-plane runs at scale (--simulate)")
     filter_groups: FilterGroupsConfig = Field(FilterGroupsConfig(), description="DAPO dynamic sampling")
     sampling: SamplingConfig = SamplingConfig()
     eval_sampling: EvalSamplingConfig = Field(EvalSamplingConfig(), description="sampling of evaluations "
                                               "(default greedy, one sample per prompt)")
-    weight_update: Literal["pause", "inflight"] = "pause"
+    weight_update: Literal["pause", "inflight"] = Field(
+        "pause", description="pause: a publish waits for running requests to pause; inflight: requests keep running "
+        "and finish under the new weights (their tokens carry both versions)")
     servers: int = Field(1, ge=0, description="engine servers when no GPUs are given (CPU)")
-    tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    max_num_seqs: int = Field(256, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine server (--rollout-gpus is a multiple)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="an engine's share of its GPUs' memory")
+    max_num_seqs: int = Field(256, ge=1, description="sequences an engine batches at once")
     urls: list[str] = Field(default_factory=list, description="attach to running servers instead of starting them")
     max_inflight_groups: int = Field(16, ge=1, description="groups a worker keeps in flight per server")
-    request_timeout_s: float = Field(600.0, gt=0)
-    health_interval_s: float = Field(5.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="limit of one generation request")
+    health_interval_s: float = Field(5.0, gt=0, description="seconds between health probes of each server")
     health_timeout_s: float = Field(10.0, gt=0, description="limit of one health probe (a loaded CPU server is slow)")
     health_failures: int = Field(3, ge=1, description="consecutive failed probes before a live process counts as dead")
     stall_timeout_s: float | None = Field(
@@ -314,7 +327,7 @@ class RolloutConfig(ConfigModel):
         "timeout is no answer: a value above request_timeout_s catches a server whose every request times out. "
         "The fleet's own weight updates and colocated sleep stop the clock; a server that says it is paused (a "
         "weight update loading) gets this long again. 0 or None: off")
-    startup_timeout_s: float = Field(600.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0, description="a server not healthy after this counts as failed")
     max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len (prompt + response)")
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no torch.compile (faster start on small CPUs)")
     restart_dead_servers: bool = Field(True, description="restart a server that died; False drops it")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +60,21 @@ class PromptRow:
     def uid(self) -> str:
         """Stable id of the prompt across runs: file name and row."""
         return f"{Path(self.file).name}:{self.row}"
+
+
+def truncate(ids: np.ndarray, limit: int, side: str) -> np.ndarray:
+    """A prompt cut to ``limit`` tokens as verl cuts it: 'left' keeps the last tokens, 'right' the first,
+    'middle' the first ``limit // 2`` and the last ``limit - limit // 2``."""
+    if len(ids) <= limit:
+        return ids
+    if side == "left":
+        return ids[len(ids) - limit:]
+    if side == "right":
+        return ids[:limit]
+    if side == "middle":
+        head = limit // 2
+        return np.concatenate([ids[:head], ids[len(ids) - (limit - head):]])
+    raise ValueError(f"truncation side must be 'left', 'right' or 'middle', got {side!r}")
 
 
 def _bad(file: str, row: int, column: str, problem: str) -> DatasetError:
@@ -108,6 +123,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             f"{path}: column 'reward_model.ground_truth' is missing; 'reward_model' has type {rm_type} "
             f"(expected a struct with a 'ground_truth' field)"
         )
+    for col in ("images", "videos", "audios"):  # verl's multimodal layout (data.image_key and the like)
+        if col in names and any(table.column(col).to_pylist()):
+            raise DatasetError(f"{path}: column '{col}' holds media for a vision-language model; fleetrl trains on "
+                               "text prompts only (the media would be dropped silently)")
     return table.to_pylist()
 
 
@@ -126,12 +145,18 @@ class PromptDataset:
         max_model_len: int | None = None,
         response_tokens: int = 0,
         filter_overlong: bool = False,
+        truncation: Literal["error", "left", "right", "middle"] = "error",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if on_bad_row not in ("raise", "skip"):
             raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
         if not files:
             raise ValueError("PromptDataset needs at least one file")
+        if truncation not in ("error", "left", "right", "middle"):
+            raise ValueError(f"truncation must be 'error', 'left', 'right' or 'middle', got {truncation!r}")
         self.seed, self.shuffle = seed, shuffle
+        self.truncation, self.template_kwargs = truncation, dict(chat_template_kwargs or {})
+        self.truncated = 0  # prompts cut to the limit (truncation left/right/middle)
         # A prompt leaves room for the whole response: the engine would otherwise cut it short
         # silently (vLLM) or refuse the request.
         self.limit, self.limit_why = max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
@@ -152,12 +177,18 @@ class PromptDataset:
                         raise
                     self.skipped.append(str(err))
                     continue
+                if len(row.prompt_ids) > self.limit and not filter_overlong and truncation != "error":
+                    row = replace(row, prompt_ids=truncate(row.prompt_ids, self.limit, truncation))
+                    self.truncated += 1
                 if len(row.prompt_ids) > self.limit:
                     self.overlong.append((len(row.prompt_ids), row.file, row.row))
                 else:
                     self.rows.append(row)
         if self.overlong:
             self._report_overlong(files, response_tokens, filter_overlong)
+        if self.truncated:
+            logger.warning("data.truncation=%s: cut %d prompts to %d tokens (%s)", truncation, self.truncated,
+                           self.limit, self.limit_why)
         if self.skipped:
             logger.warning(
                 "skipped %d bad rows of %d in %s; first: %s",
@@ -196,7 +227,8 @@ class PromptDataset:
         # Render, then encode without special tokens: the template already holds what it
         # needs, and this path returns plain ids on both transformers 4 and 5.
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **self.template_kwargs)
         except Exception as exc:
             raise _bad(file, i, "prompt", f"chat template failed: {exc}") from exc
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -296,4 +328,6 @@ def from_config(cfg: Any, tokenizer: Any, *, seed: int, split: Literal["train", 
         max_model_len=max_model_len,
         response_tokens=response_tokens,
         filter_overlong=cfg.filter_overlong_prompts,
+        truncation=cfg.truncation,
+        chat_template_kwargs=cfg.chat_template_kwargs,
     )

@@ -39,7 +39,8 @@ class WeightSyncConfig(ConfigModel):
         "epoch supports it and the group is fleetrl's own (gloo, or nccl_impl 'torch'); 'rpc' = wait for each "
         "engine's answer")
     timeout_s: float = Field(60.0, gt=0, description="limit of every step of a publish; a timeout aborts it and names the peer")
-    master_addr: str = "127.0.0.1"
+    master_addr: str = Field("127.0.0.1", description="host of the weight-sync group's store (learner rank 0 "
+                             "replaces it by its own node's address on a cluster)")
     master_port: int = Field(0, ge=0, le=65535, description="TCP store port; 0 picks a free one")
     nccl_impl: Literal["auto", "vllm", "sglang", "torch"] = Field(
         "auto",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -183,6 +184,46 @@ def test_prompt_plus_response_must_fit_the_model_length(tmp_path, tok):
     ds = PromptDataset([path], tok, max_model_len=64, response_tokens=32, filter_overlong=True)
     assert len(ds) == 2 and ds.overlong == [(42, str(path), 2)]
     assert len(PromptDataset([path], tok, max_model_len=74, response_tokens=32)) == 3
+
+
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
+def test_truncation_cuts_overlong_prompts_as_verl(tmp_path, tok, side):
+    """verl's data.truncation: the prompt ids cut to the limit (filter_overlong_prompts still skips first)."""
+    rows = _addition_rows(3)
+    rows[1]["prompt"] = [{"role": "user", "content": "1+" * 40 + "1="}]  # 82 tokens
+    path = _write(tmp_path / "long.parquet", rows)
+    ds = PromptDataset([path], tok, max_prompt_tokens=32, truncation=side)
+    whole = PromptDataset([path], tok, max_prompt_tokens=128).rows[1].prompt_ids
+    cut = ds.rows[1].prompt_ids
+    assert len(ds) == 3 and ds.truncated == 1 and len(cut) == 32 and len(whole) == 82
+    expect = {"left": whole[-32:], "right": whole[:32], "middle": np.concatenate([whole[:16], whole[-16:]])}[side]
+    assert cut.tolist() == expect.tolist()
+    assert len(PromptDataset([path], tok, max_prompt_tokens=32, truncation=side, filter_overlong=True)) == 2
+
+
+def test_media_columns_are_refused_not_dropped(tmp_path, tok):
+    rows = [{**r, "images": [{"bytes": b"x"}] if i == 1 else []} for i, r in enumerate(_addition_rows(2))]
+    with pytest.raises(DatasetError, match="column 'images' holds media for a vision-language model"):
+        PromptDataset([_write(tmp_path / "vl.parquet", rows)], tok)
+    empty = [{**r, "images": []} for r in _addition_rows(2)]
+    assert len(PromptDataset([_write(tmp_path / "text.parquet", empty)], tok)) == 2
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tok):
+    path = _write(tmp_path / "a.parquet", _addition_rows(2))
+    seen = []
+    real = tok.apply_chat_template
+
+    def spy(messages, **kw):
+        seen.append(kw.get("enable_thinking"))
+        return real(messages, add_generation_prompt=kw["add_generation_prompt"], tokenize=kw["tokenize"])
+
+    tok.apply_chat_template = spy
+    try:
+        PromptDataset([path], tok, chat_template_kwargs={"enable_thinking": False})
+    finally:
+        del tok.apply_chat_template
+    assert seen == [False, False]
 
 
 def test_skip_mode_counts_bad_rows_and_warns(tmp_path, tok, caplog):
