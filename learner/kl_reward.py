@@ -17,8 +17,8 @@ How the token rewards reach the advantage (as verl's estimators read them):
 
 ``beta`` comes from a fixed or adaptive controller (Ziegler et al. 2019, verl's AdaptiveKLController):
 after each step ``beta *= 1 + clip(kl / target_kl - 1, -0.2, 0.2) * n / horizon`` with ``kl`` the batch
-mean of each sample's token-mean KL and ``n`` the number of samples. The controller's value is not part of
-a checkpoint: a resumed run starts again from ``coef``.
+mean of each sample's token-mean KL and ``n`` the number of samples. The coefficient is saved with each
+checkpoint (``kl_reward_coef``) and restored on resume.
 
 Advantages are computed on every rank from the whole step batch (learner/batch.py), but each rank holds
 log-probs only for its own rows, so the per-row KL sums (and, for reinforce++, the whitening moments) are

@@ -188,6 +188,8 @@ class Learner:
         self.version = int(extra["version"])
         if self.engine.rank == 0 and extra.get("source_position") is not None and hasattr(self.source, "restore"):
             self.source.restore(extra["source_position"])
+        if self.kl_ctl is not None and extra.get("kl_reward_coef") is not None:  # the adaptive coefficient
+            self.kl_ctl.value = float(extra["kl_reward_coef"])
         logger.info("resumed at policy version %d from %s", self.version, path)
         return True
 
@@ -234,7 +236,8 @@ class Learner:
             raise ValueError("no checkpoint_dir configured")
         pos = self.source.position() if self.engine.rank == 0 and hasattr(self.source, "position") else None
         self.engine.save_checkpoint(ckpt.step_dir(self.checkpoint_dir, self.version),
-                                    {"version": self.version, "source_position": pos})
+                                    {"version": self.version, "source_position": pos,
+                                     "kl_reward_coef": self.kl_ctl.value if self.kl_ctl is not None else None})
         if self.engine.rank == 0:
             ckpt.prune(self.checkpoint_dir, self.cfg.keep_checkpoints)
 

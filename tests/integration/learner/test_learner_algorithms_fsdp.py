@@ -5,6 +5,7 @@ on 1 and 2 ranks (the normalisation is global, whatever the split)."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ CASES = {
                                loss_extra={"advantage": "reinforce_plus_plus", "loss_scale_factor": 16,
                                            "entropy_coeff": 0.01}),
     # KL in the reward: zero at step 1 (the reference is the start), so step 2 is compared
-    "kl_reward_reinforce_pp": dict(steps=2, loss_extra={"advantage": "reinforce_plus_plus"},
-                                   learner_extra={"kl_reward": {"enable": True, "coef": 0.5, "type": "adaptive"}}),
+    "kl_reward_reinforce_pp": dict(steps=3, loss_extra={"advantage": "reinforce_plus_plus"},
+                                   learner_extra={"kl_reward": {"enable": True, "coef": 0.5, "type": "adaptive",
+                                                               "estimator": "k3"}}),
 }
 
 
@@ -30,7 +32,8 @@ def test_new_losses_match_across_ranks(tmp_path, case):
     kw = dict(steps=1, correction="decoupled", micro_tokens=40) | CASES[case]
     data = write_batches(tmp_path / "data.arrow", make_batches(kw["steps"]))
     kw.update(model=str(model), data=str(data))
-    one = run_ranks(1, out=str(tmp_path / "one"), **kw)[0]["history"][-1]
+    ckpt = tmp_path / "ckpt"
+    one = run_ranks(1, out=str(tmp_path / "one"), ckpt=str(ckpt), checkpoint_every=1, **kw)[0]["history"][-1]
     two = run_ranks(2, out=str(tmp_path / "two"), **kw)[0]["history"][-1]
     # fp32 throughout; 1 and 2 ranks differ only in the order of sums (see test_learner_fsdp.py's tolerance)
     for key in ("learner/loss_total", "learner/loss_policy", "learner/grad_norm", "learner/entropy"):
@@ -40,6 +43,13 @@ def test_new_losses_match_across_ranks(tmp_path, case):
     if case == "kl_reward_reinforce_pp":
         assert one["learner/batch_kl_reward_kl"] > 0
         assert one["learner/batch_kl_reward_kl"] == pytest.approx(two["learner/batch_kl_reward_kl"], rel=1e-5)
+        # the adaptive coefficient moved (0.5 at step 1) and a resume from step 2 continues with its value:
+        # bit-identical, as the rest of a resume (test_learner_fsdp.py)
+        assert one["learner/batch_kl_reward_coef"] != 0.5
+        shutil.rmtree(ckpt / "step_00000003")
+        resumed = run_ranks(1, out=str(tmp_path / "resumed"), ckpt=str(ckpt), checkpoint_every=1, **kw)[0]
+        assert resumed["resumed"]
+        assert resumed["history"][-1]["learner/batch_kl_reward_coef"] == one["learner/batch_kl_reward_coef"]
     if case == "geo_mean_rloo_entropy":
         # the bonus reaches the gradient through the chunked head: without it the step differs
         kw["loss_extra"] = {**kw["loss_extra"], "entropy_coeff": 0.0}
