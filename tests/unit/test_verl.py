@@ -74,7 +74,6 @@ def test_seed_script_resolves_to_a_config(tmp_path):
 
 # entropy_coeff, data.truncation, use_kl_in_reward and the other estimators map now (test_verl_scripts.py)
 @pytest.mark.parametrize(("arg", "needle"), [
-    ("algorithm.adv_estimator=gae", "'algorithm.adv_estimator=gae' is refused: [needs critic]"),
     ("data.truncation=sideways", "verl has error, left, right and middle"),
     ("actor_rollout_ref.model.lora_rank=32", "[needs lora] LoRA adapters"),
     ("actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=kl",

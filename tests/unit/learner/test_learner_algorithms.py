@@ -86,8 +86,13 @@ def test_grpo_modes_unchanged_and_unknown_mode_named():
 
 
 def test_config_refuses_gae_naming_the_critic_and_needs_a_norm_length():
+    from learner.config import LearnerConfig
+
     with pytest.raises(ValueError, match="critic"):
-        LossConfig(correction="none", advantage="gae")
+        LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}})
+    with pytest.raises(ValueError, match="not supported yet"):
+        LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}, "critic": {},
+                                      "kl_reward": {"enable": True}})
     with pytest.raises(ValueError, match="loss_scale_factor"):
         LossConfig(correction="none", aggregation="seq_mean_token_sum_norm")
     cfg = LossConfig(correction="none", aggregation="token_sum", policy_loss="gspo")
