@@ -26,13 +26,14 @@ def resolve_kl_estimator(name: str) -> str:
 
 
 class OptimConfig(ConfigModel):
-    lr: float = Field(1e-5, gt=0, le=1.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    grad_clip: float = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0, le=1.0, description="peak learning rate of AdamW")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up over this many step batches")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="learning-rate schedule after warm-up, over run.max_steps step batches")
+    grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the cosine/linear decay, as a fraction of lr")
 
 
@@ -48,8 +49,8 @@ class LossConfig(ConfigModel):
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per trained token (verl algorithm.gamma)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl algorithm.lam)")
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
-    clip_low: float = Field(0.2, gt=0, lt=1)
-    clip_high: float = Field(0.28, gt=0)
+    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below: the ratio is held at >= 1 - clip_low")
+    clip_high: float = Field(0.28, gt=0, description="PPO clip above (DAPO's clip-higher): ratio <= 1 + clip_high")
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip: for A < 0 the per-token loss is capped at "
                                 "clip_ratio_c * |A| (bounds a token whose ratio exploded)")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the behaviour importance weight")
@@ -65,7 +66,7 @@ class LossConfig(ConfigModel):
         "ratio), geo_mean (GMPO, geometric mean of clipped token ratios); learner/losses.py surrogate")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus: -entropy_coeff * entropy joins each token's "
                                  "loss (verl actor.entropy_coeff); FSDP only")
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL-to-reference loss term (0: no reference model)")
     kl_estimator: str = Field("k3", description="KL-to-reference term in the loss: 'k2' (alias 'mse'): gradient of "
                               "KL(pi || ref); 'k3' (alias 'low_var_kl'): value estimates KL(pi || ref), gradient is "
                               "that of KL(ref || pi). 'k1' is refused (zero expected gradient). See learner/kl.py")
@@ -105,10 +106,10 @@ class KLRewardConfig(ConfigModel):
 
 
 class MegatronConfig(ConfigModel):
-    tensor_model_parallel_size: int = Field(1, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallelism (divides heads)")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline stages (divides layers)")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (needs TP > 1)")
+    use_distributed_optimizer: bool = Field(True, description="shard optimizer state over data-parallel ranks")
     context_parallel_size: int = Field(1, ge=1, description="Megatron context parallelism; only 1: megatron-core "
                                        "runs CP only in TransformerEngine's attention, which fleetrl's local layer "
                                        "spec does not use (docs/long_context.md). Use the FSDP engine's "
@@ -194,7 +195,8 @@ class CriticConfig(ConfigModel):
 
 
 class LearnerConfig(ConfigModel):
-    engine: Literal["fsdp", "megatron"] = "fsdp"
+    engine: Literal["fsdp", "megatron"] = Field("fsdp", description="training engine: PyTorch FSDP2 or "
+                                                "Megatron-core (GPUs, megatron-core installed)")
     cpu_processes: int = Field(1, ge=1, le=64, description="learner ranks (gloo) with --learner-gpus 0; "
                                "with GPUs the learner has one rank per GPU and this must stay 1")
     optim: OptimConfig = OptimConfig()
@@ -215,7 +217,8 @@ class LearnerConfig(ConfigModel):
     logprobs: Literal["auto", "chunked", "full"] = Field(
         "auto", description="chunked: log-probs/entropy from the last hidden state in vocab chunks (no full logits)")
     logprob_chunk: int = Field(4096, ge=1, description="response tokens per chunk of the chunked log-prob path")
-    fused_optimizer: Literal["auto", "on", "off"] = "auto"
+    fused_optimizer: Literal["auto", "on", "off"] = Field("auto", description="torch's fused AdamW kernel; auto: on "
+                                                          "for GPU ranks")
     meta_init: Literal["auto", "on", "off"] = Field(
         "auto", description="build on the meta device and load each rank's shards from safetensors")
     compile_blocks: bool | Literal["auto"] = Field(

@@ -289,7 +289,8 @@ class FilterGroupsConfig(ConfigModel):
     """DAPO's dynamic sampling (verl algorithm.filter_groups.*): a group whose metric is the same for all of its
     samples never reaches a step; the worker samples a new prompt on the same ticket instead."""
 
-    enable: bool = False
+    enable: bool = Field(False, description="DAPO dynamic sampling: a group whose metric is uniform never counts "
+                         "toward a step; the worker samples another prompt on the same ticket")
     metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field(
         "acc", description="acc / score: the reward function's score; seq_reward / seq_final_reward: the reward "
         "after shaping (overlong penalty); the fleet has no KL-in-reward term, so the two are the same")
