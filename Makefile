@@ -11,7 +11,7 @@ export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test lint install lock
+.PHONY: demo test test-fast lint install lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ lint: install
 
 test: lint
 	$(PY) -m pytest tests
+
+# The quick loop while changing code: lint, then every test not marked slow (no real engine servers, no
+# training runs); the full `make test` stays what CI runs.
+test-fast: lint
+	$(PY) -m pytest -m "not slow" -q tests
 
 # Regenerate the lock from the current venv (maintainers only).
 lock:
