@@ -102,11 +102,14 @@ stage() {  # stage BUNDLE PART
 }
 
 base() {
-    [ -f /tmp/site-base/.done ] && return 0
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base \
-        "$REPO"/.whl/*.whl
+    if [ ! -f /tmp/site-base/.done ]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base \
+            "$REPO"/.whl/*.whl
+    fi
     # fleetrl runs from the checkout (PYTHONPATH); its vllm.general_plugins entry point (the `fleetrl`
-    # weight-transfer backend) needs a dist-info on the path for vLLM's processes to find it.
+    # weight-transfer backend) needs a dist-info on the path for vLLM's processes to find it. Written every
+    # time: bench/gpu_fast_default.sh installs the same wheels (and the .done mark) without it, and vLLM then
+    # fails at start with "Invalid weight transfer backend: fleetrl" (seen 2026-12-06).
     local di=/tmp/site-base/fleetrl_checkout-0.dist-info
     mkdir -p $di && printf 'Metadata-Version: 2.1\nName: fleetrl-checkout\nVersion: 0\n' > $di/METADATA
     printf '[vllm.general_plugins]\nfleetrl_weight_sync = weight_sync.vllm_plugin:register\n' > $di/entry_points.txt
