@@ -64,3 +64,29 @@ def test_structurally_invalid_spooled_batches_are_quarantined_and_the_rest_repla
         sp2.close()
     reasons = sorted(p.read_text() for p in (tmp_path / "quarantine").glob("*.reason.txt"))
     assert len(reasons) == 2 and all(r.startswith("bad_arrow") for r in reasons), reasons
+
+
+def test_each_distinct_internal_error_is_logged_with_its_traceback_once(caplog):
+    from broker.config import BrokerConfig
+    from broker.server import BrokerServer
+
+    server = BrokerServer(BrokerConfig(address="tcp://127.0.0.1:0"))
+
+    def bug_a():
+        raise KeyError("a")
+
+    def bug_b():
+        raise KeyError("b")
+
+    try:
+        with caplog.at_level("ERROR", logger="broker.server"):
+            for bug in (bug_a, bug_a, bug_b, bug_a, bug_b):
+                try:
+                    bug()
+                except KeyError as e:
+                    server._internal(b"peer", 1, e)
+        with_tb = [r for r in caplog.records if r.exc_info]
+        assert len(with_tb) == 2 and {r.exc_info[1].args[0] for r in with_tb} == {"a", "b"}
+        assert server.errors["internal"] == 5 and len(server._out) == 5  # each still answered internal
+    finally:
+        server.close()
