@@ -46,8 +46,8 @@ from tests.integration.test_cpu_system import spool_rows  # noqa: E402
 
 SEED = int(os.environ.get("FLEETRL_CHAOS_SEED", "40"))
 STEPS, GROUPS, EVERY, K = 14, 8, 2, 2  # steps, groups per step, checkpoint interval, max staleness
-LAUNCH_LIMIT_S = 420.0  # one launch, vLLM start (40-80 s on 2 cores) and a server restart included
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+LAUNCH_LIMIT_S = 900.0  # one launch: a vLLM start (40-80 s on 2 quiet cores, 150+ s loaded) and a server restart
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def schedule(seed: int) -> list[dict]:
