@@ -129,9 +129,9 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
                         done.append({**k, "pid": pid, "step_at_kill": step, "t": time.monotonic(),
                                      "unix": time.time()})
                         armed = None
-            for d in done:  # recovery: the learner trains a step past the one it was at
-                if d["what"] in ("server", "broker") and "recovered_s" not in d and step > d["step_at_kill"]:
-                    d["recovered_s"] = round(time.monotonic() - d["t"], 2)
+            for d in done:  # the learner trains a step past the one it was at (it may never have stalled)
+                if d["what"] in ("server", "broker") and "learner_next_step_s" not in d and step > d["step_at_kill"]:
+                    d["learner_next_step_s"] = round(time.monotonic() - d["t"], 2)
             time.sleep(0.25)
     finally:
         if proc.poll() is None:
@@ -143,8 +143,32 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
                 proc.wait(30)
     for d in done:
         d.pop("t")
+        back = {"server": (run_dir / "logs" / "fleet.log", "rollout_fleet.engines.vllm_server: vLLM server",
+                           "healthy after"),
+                "broker": (log, "launch.broker_supervisor: broker restarted", "")}.get(d["what"])
+        if back is not None:  # the process back in service: its first "up" line after the kill
+            d["back_s"] = _first_after(*back, d["unix"])
     return {"rc": proc.returncode, "kills": done, "seen": seen, "seconds": round(time.monotonic() - t0, 1),
             "text": log.read_text()}
+
+
+def _first_after(path: Path, marker: str, also: str, unix: float) -> float | None:
+    """Seconds from ``unix`` to the first log line of ``path`` after it holding ``marker`` (and ``also``)."""
+    from datetime import datetime
+
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if marker in line and also in line:
+            try:  # logging's asctime: local time, milliseconds after the comma
+                t = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue
+            if t > unix:
+                return round(t - unix, 2)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +186,7 @@ def soak(tmp_path_factory):
     if terminal is not None:
         firsts = [r["wall_time"] for r in _records(run_dir) if "metrics" in r and r["wall_time"] > terminal["unix"]]
         resume_s = round(min(firsts) - terminal["unix"], 2) if firsts else None
-        terminal["recovered_s"] = resume_s  # kill to the resumed run's first step (a vLLM start included)
+        terminal["back_s"] = resume_s  # kill to the resumed run's first step (a vLLM start included)
     time.sleep(2.0)
     left = alive(first["seen"] | second["seen"])
     rows = spool_rows(run_dir / "spool", run_dir / "spool.parquet")
