@@ -2,6 +2,7 @@
 
     python bench/broker.py --quick --json bench/results/broker.json     # < 60 s
     python bench/broker.py --json out.json                              # full sweep
+    python bench/broker.py --validation-only --json bench/results/chaos/validation.json  # seconds
 
 For each batch size (one prompt group of realistic rows per batch: ~1,000 response
 token ids and log-probs, 100 prompt ids) it runs, in separate processes:
@@ -96,6 +97,44 @@ def stamp(base: pa.RecordBatch, gid: str, step: int) -> pa.RecordBatch:
                                        pa.array(np.full(n, max(0, step - 1), np.int64)))
     cols[14] = pa.array(np.full(n, time.time()))
     return pa.RecordBatch.from_arrays(cols, schema=TRAJECTORY_SCHEMA)
+
+
+# -- structural validation -----------------------------------------------------------------------
+def validation_cost(sizes: list[int], seconds_per_size: float = 1.0) -> dict:
+    """What Arrow's full structural validation (broker.schema.check_structure, run on every
+    pushed batch) costs, per batch and per MiB of IPC payload, next to the whole admission
+    check (broker.schema.inspect_batch, which includes it). Batches are read from their IPC
+    bytes the way the broker reads a push; the best of five timed rounds is kept (shared
+    machine: the minimum is the least disturbed)."""
+    from broker import protocol as P
+    from broker.schema import check_structure, inspect_batch
+
+    out = []
+    for size in sizes:
+        payload = P.batch_to_ipc(stamp(base_batch(size), "v", 1)).to_pybytes()
+        (batch,) = P.ipc_to_batches(payload)
+        mib = len(payload) / (1 << 20)
+        row = {"batch_bytes": len(payload), "rows": batch.num_rows}
+        for name, fn in (("check_structure", check_structure), ("inspect_batch", inspect_batch)):
+            fn(batch)
+            reps = max(1, int(seconds_per_size / 5 / max(_time_once(fn, batch), 1e-6)))
+            best = min(_time_once(fn, batch, reps) for _ in range(5))
+            row[f"{name}_ms_per_batch"] = best * 1e3
+            row[f"{name}_ms_per_mib"] = best * 1e3 / mib
+        out.append(row)
+        print(f"validation {len(payload) >> 10:>6} KiB: full structural {row['check_structure_ms_per_batch']:.3f} ms "
+              f"({row['check_structure_ms_per_mib']:.3f} ms/MiB), whole admission check "
+              f"{row['inspect_batch_ms_per_batch']:.3f} ms")
+    big = out[-1]
+    return {"cases": out, "structural_ms_per_mib": big["check_structure_ms_per_mib"],
+            "structural_ms_per_mib_at_bytes": big["batch_bytes"]}
+
+
+def _time_once(fn, batch, reps: int = 1) -> float:
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn(batch)
+    return (time.perf_counter() - t) / reps
 
 
 # -- raw PUSH/PULL -------------------------------------------------------------------------------
@@ -387,6 +426,8 @@ def main() -> int:
                     help="tcp (loopback; the default) or ipc (Unix sockets), for raw and broker alike")
     ap.add_argument("--groups-per-step", type=int, default=1,
                     help="groups (= pushed batches) per learner step (k = 64 // G - 1)")
+    ap.add_argument("--validation-only", action="store_true",
+                    help="only the cost of the structural validation per MiB (a few seconds)")
     ap.add_argument("--versus", type=Path, help="another checkout: run the quick bench from both, alternately")
     ap.add_argument("--rounds", type=int, default=5, help="with --versus: runs of each broker per case")
     ap.add_argument("--versus-batches", type=int, default=4000, help="with --versus: 64 KiB batches a run (1 MiB: 1/8)")
@@ -397,6 +438,14 @@ def main() -> int:
         ap.error(f"--groups-per-step must be in 1..{IN_FLIGHT}")
     args.repeat = args.repeat or (1 if args.quick else 2)
     sizes = [64 << 10, 1 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    validation = validation_cost([64 << 10, 1 << 20, 4 << 20])
+    if args.validation_only:
+        validation["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                 "load_avg_1m": os.getloadavg()[0]}
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"structural_validation": validation}, indent=2))
+        return 0
     volume = (48 << 20) if args.quick else (512 << 20)
     t_start = time.time()
     load_start = os.getloadavg()[0]
@@ -406,7 +455,7 @@ def main() -> int:
         n -= n % args.groups_per_step
         for spool in (False, True):
             cases.append(case(size, n, spool, args.repeat, args.groups_per_step, args.transport))
-    result = {"cases": cases, "quick": args.quick, "repeat": args.repeat, "groups_per_step": args.groups_per_step,
+    result = {"cases": cases, "structural_validation": validation, "quick": args.quick, "repeat": args.repeat, "groups_per_step": args.groups_per_step,
               "transport": args.transport, "seconds": time.time() - t_start,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],

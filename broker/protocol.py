@@ -69,6 +69,7 @@ class ErrorCode(enum.StrEnum):
     OLD_PROTOCOL = "old_protocol"  # proto differs from PROTOCOL_VERSION
     BAD_REQUEST = "bad_request"  # fields of the wrong type or value
     BAD_SCHEMA = "bad_schema"  # batch fails broker.schema.validate_batch
+    BAD_ARROW = "bad_arrow"  # batch's Arrow data structurally invalid (offsets, lengths, nulls, UTF-8)
     INCOMPLETE_GROUP = "incomplete_group"  # a push holds part of a group only
     NO_TICKET = "no_ticket"  # no ticket for that step and no room for an unticketed group
     BUSY = "busy"  # byte budget full: retry after retry_after_s (backpressure)
@@ -76,7 +77,7 @@ class ErrorCode(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"  # ack of a lease whose groups were handed out again
     UNKNOWN_LEASE = "unknown_lease"
     STEP_AHEAD = "step_ahead"  # next_batch for a step past v + k + 1: report_version first (a resumed learner)
-    INTERNAL = "internal"
+    INTERNAL = "internal"  # the broker's own bug, never a client's mistake (logged with its traceback)
 
 
 class BrokerError(Exception):

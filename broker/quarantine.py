@@ -20,7 +20,7 @@ import pyarrow as pa
 from broker import limits as L
 from broker.groups import split_groups
 from broker.protocol import BrokerError
-from broker.schema import SchemaError, inspect_batch
+from broker.schema import ArrowDataError, SchemaError, inspect_batch
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ def batch_problem(batch: pa.RecordBatch) -> str | None:
     try:
         view = inspect_batch(batch)
         groups = split_groups(batch, None, view)
+    except ArrowDataError as e:
+        return f"bad_arrow: {e}"
     except SchemaError as e:
         return f"bad_schema: {e}"
     except BrokerError as e:

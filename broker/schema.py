@@ -183,6 +183,23 @@ _SCALAR_FIELDS = tuple(f.name for f in TRAJECTORY_SCHEMA if not pa.types.is_list
 _SCHEMAS_SEEN_OK: set[pa.Schema] = set()  # producers send one schema again and again
 
 
+class ArrowDataError(SchemaError):
+    """The batch's Arrow data is structurally invalid: offsets, lengths, null counts or
+    UTF-8 that a full validation refuses. Reading such a batch can run out of bounds, so
+    it is refused (``bad_arrow``) before any check reads its values."""
+
+
+def check_structure(batch: pa.RecordBatch) -> None:
+    """Arrow's full structural validation of ``batch`` (``RecordBatch.validate(full=True)``:
+    every offset inside its buffer and monotonic, lengths and null counts consistent, strings
+    UTF-8); raises :class:`ArrowDataError`. Every pushed batch passes here before anything
+    reads its buffers; bench/broker.py measures its cost per megabyte."""
+    try:
+        batch.validate(full=True)
+    except (pa.ArrowException, ValueError) as e:
+        raise ArrowDataError(f"trajectory batch is not valid Arrow data: {e}") from None
+
+
 def _check_schema(batch: pa.RecordBatch) -> None:
     if batch.schema.equals(TRAJECTORY_SCHEMA) or batch.schema in _SCHEMAS_SEEN_OK:
         return
@@ -261,10 +278,7 @@ def inspect_batch(batch: pa.RecordBatch) -> BatchView:
 
 def _inspect(batch: pa.RecordBatch) -> BatchView:
     _check_schema(batch)
-    try:
-        batch.validate(full=True)
-    except pa.ArrowException as e:
-        raise SchemaError(f"trajectory batch is not valid Arrow data: {e}") from None
+    check_structure(batch)
     if (view := _whole_view(batch)) is not None:  # one push of one group: the usual case
         return view
     view = _fast_view(batch)
@@ -320,8 +334,8 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
         if not b.schema.equals(schema, check_metadata=True):
             return None
         try:
-            b.validate(full=True)
-        except pa.ArrowException:
+            check_structure(b)
+        except ArrowDataError:
             return None
     if nbytes <= _JOINT_COPY_MAX * len(batches):
         view = _fast_view(pa.concat_batches(batches))

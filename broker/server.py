@@ -164,6 +164,7 @@ class BrokerServer:
         self.metrics_port: int | None = None
         self.waiters = Waiters()
         self.rlog = L.RateLimitedLog(log)
+        self._bugs_seen: set[str] = set()  # internal errors logged with their traceback (see _internal)
         self._out: list[list] = []
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -299,8 +300,21 @@ class BrokerServer:
             self._internal(frames[0].bytes, 0, e)
 
     def _internal(self, ident: bytes, req: int, e: Exception) -> None:
-        self.rlog.log(logging.ERROR, "internal", "internal error handling a request: %s: %s", type(e).__name__, e,
-                      exc_info=e)
+        # A bug, never a client's mistake (those all have their own codes): each distinct one
+        # (exception type and the line that raised it) is logged with its traceback the first
+        # time, then rate-limited to one line.
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+        key = f"{type(e).__name__}@{where}"
+        if key not in self._bugs_seen and len(self._bugs_seen) < 256:
+            self._bugs_seen.add(key)
+            log.error("internal error handling a request (a broker bug; first time at %s): %s: %s", where,
+                      type(e).__name__, e, exc_info=e)
+        else:
+            self.rlog.log(logging.ERROR, "internal", "internal error handling a request: %s: %s (at %s)",
+                          type(e).__name__, e, where)
         try:
             self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {str(e)[:300]}")
         except Exception:  # not even the error reply encodes: count it, send nothing

@@ -81,9 +81,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class UndecodableBatch(str):
+    """In place of a batch in :func:`read_segment_entries`: a whole message that does not
+    decode as a record batch; the text says why."""
+
+
 def read_segments(root: Path) -> tuple[list[pa.RecordBatch], int]:
     entries, torn = read_segment_entries(root)
-    return [b for _, _, _, b in entries], torn
+    return [b for _, _, _, b in entries if not isinstance(b, UndecodableBatch)], torn
 
 
 def read_segment_entries(root: Path) -> tuple[list[tuple[Path, int, int, pa.RecordBatch]], int]:
@@ -104,8 +109,6 @@ def read_segment_entries(root: Path) -> tuple[list[tuple[Path, int, int, pa.Reco
         while True:
             try:
                 msg = reader.read_next_message()
-                size = 8 + msg.metadata.size + msg.body.size
-                batch = pa.ipc.read_record_batch(msg, schema)
             except StopIteration:
                 break
             except (pa.ArrowException, OSError, ValueError):
@@ -113,6 +116,14 @@ def read_segment_entries(root: Path) -> tuple[list[tuple[Path, int, int, pa.Reco
                 log.warning("spool segment %s ends in a torn batch at offset %d (crash while writing); ignored",
                             path, pos)
                 break
+            size = 8 + msg.metadata.size + msg.body.size
+            try:
+                batch = pa.ipc.read_record_batch(msg, schema)
+            except (pa.ArrowException, OSError, ValueError) as e:
+                # The message is whole (its length prefix and body are there) but its batch
+                # does not decode: a damaged record, not a torn tail. Recovery quarantines
+                # it and replays the rest of the segment.
+                batch = UndecodableBatch(f"bad_arrow: record batch does not decode: {e}")
             entries.append((path, pos, size, batch))
             pos += size
     return entries, torn
@@ -177,7 +188,8 @@ class Spool:
         entries, torn = read_segment_entries(self.root)
         batches = []
         for path, offset, size, batch in entries:
-            if (why := batch_problem(batch)) is None:
+            why = batch if isinstance(batch, UndecodableBatch) else batch_problem(batch)
+            if why is None:
                 batches.append(batch)
             else:
                 with open(path, "rb") as fh:

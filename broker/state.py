@@ -38,7 +38,7 @@ import pyarrow as pa
 from broker import limits as L
 from broker.groups import Group, split_groups
 from broker.protocol import BrokerError, ErrorCode, Ticket
-from broker.schema import TRAJECTORY_SCHEMA, BatchView, SchemaError, inspect_batch
+from broker.schema import TRAJECTORY_SCHEMA, ArrowDataError, BatchView, SchemaError, inspect_batch
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,8 @@ class BrokerState:
         if view is None:
             try:
                 view = inspect_batch(batch)
+            except ArrowDataError as e:
+                raise BrokerError(ErrorCode.BAD_ARROW, str(e)) from None
             except SchemaError as e:
                 raise BrokerError(ErrorCode.BAD_SCHEMA, str(e)) from None
         if not batch.schema.equals(TRAJECTORY_SCHEMA):  # e.g. nullable fields: same data, our schema

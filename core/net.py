@@ -15,6 +15,8 @@ import socket
 
 import httpx
 
+from core.engine_auth import auth_headers
+
 
 class EngineErrorCode(enum.StrEnum):
     """Why an engine call failed, as far as the caller can tell."""
@@ -73,7 +75,8 @@ class HttpEngineClient:
         # Created on first use, so the client binds to the event loop that uses it.
         if self._http is None:
             kw = {"limits": self._http_limits} if self._http_limits is not None else {}
-            self._http = httpx.AsyncClient(timeout=self.timeout_s, **kw)
+            # the run's engine token on every call (core.engine_auth; none outside a run)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=auth_headers(), **kw)
         return self._http
 
     async def _request(self, method: str, path: str, *, timeout_s: float | None = None, check_status: bool = True,

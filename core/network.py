@@ -8,8 +8,8 @@ nothing listens on every interface by accident. :class:`NetworkConfig` holds the
 
 ZMQ traffic that leaves loopback (broker, control) is CurveZMQ by default: :func:`make_curve_keys`
 makes one server and one client keypair at start, in the run directory, secret files 0600.
-The engines' HTTP endpoints have no authentication of their own: they bind only the node's
-address on the job's network (README, "Running on a multi-node Ray cluster", says how to fence it).
+The engines' HTTP endpoints bind only the node's address on the job's network and require the
+run's token (:mod:`core.engine_auth`, kept like the keys: 0600 in the run directory).
 
 Example::
 

@@ -169,7 +169,10 @@ class Job:
                     log.warning("Ray start attempt %d failed (%s); retrying", attempt, exc)
             self.started_ray = True
         else:
-            ray.init(address=self.args.address, runtime_env={"env_vars": {"PYTHONPATH": pypath}}, **kw)
+            from core.engine_auth import TOKEN_ENV
+
+            ray.init(address=self.args.address, runtime_env={"env_vars": {
+                "PYTHONPATH": pypath, TOKEN_ENV: os.environ.get(TOKEN_ENV, "")}}, **kw)
         log.info("Ray up (%s, auth %s); resources %s", "local" if local else self.args.address, mode,
                  ray.cluster_resources())
         check_shared_dir(ray, self.cfg)
@@ -599,6 +602,9 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
     setup_logging(run_dir, "driver", simulated=bool(args.simulate), level=args.log_level, stderr=args.no_live)
     cfg = resume.with_defaults(cfg, run_dir)  # spool in the run dir, Prometheus ports: a re-run continues
     cfg = resolve_network(cfg, args.address, run_dir)  # bind addresses, CurveZMQ keys: before any part is written
+    from core.engine_auth import TOKEN_ENV, make_engine_token
+
+    os.environ[TOKEN_ENV] = make_engine_token(run_dir)  # engine HTTP token, inherited by Ray and every server
     resumed = resume.prepare(cfg, run_dir)
     write_subconfigs(cfg, run_dir)
     job = Job(cfg, args)

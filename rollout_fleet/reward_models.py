@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from core.engine_auth import auth_headers
 from rollout_fleet.envs.base import Codec
 from rollout_fleet.worker import Prompt, RewardFailed
 
@@ -116,7 +117,7 @@ class _HttpRewardClient:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self.timeout_s)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=auth_headers())  # core.engine_auth
         return self._http
 
     async def close(self) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 from packaging.version import Version
 
+from core.engine_auth import auth_headers, engine_token
 from rollout_fleet.engines.base import EngineError
 from weight_sync.config import NCCL_ENV
 
@@ -141,6 +142,8 @@ class SGLangServer:
             cmd.append("--enable-memory-saver")
         if a.compat:
             cmd += compat_args(version)
+        if token := engine_token({**os.environ, **a.env}):  # SGLang takes its key on the command line only
+            cmd += ["--api-key", token]
         return cmd + list(a.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -169,7 +172,7 @@ class SGLangServer:
             cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True)
         t0 = time.monotonic()
-        async with httpx.AsyncClient(timeout=5.0) as http:
+        async with httpx.AsyncClient(timeout=5.0, headers=auth_headers(engine_token(self.environment()))) as http:
             while time.monotonic() - t0 < timeout_s:
                 if self.proc.poll() is not None:
                     raise EngineError(f"sglang server on port {self.args.port} exited with {self.proc.returncode} "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from core.engine_auth import engine_token
 from core.net import free_port
 from rollout_fleet.engines.base import EngineError
 
@@ -152,6 +153,8 @@ class VLLMServer:
                              "must not change how training samples are drawn; fleetrl pins every sampling field "
                              f"itself); remove it from the extra server arguments {a.extra_args}")
         cmd += ["--logprobs-mode", a.logprobs_mode, "--generation-config", "vllm"]
+        if engine_token({**os.environ, **a.env}):  # the run's token on every route (core.engine_auth)
+            cmd += ["--middleware", "core.engine_auth.RequireEngineToken"]
         return cmd + list(a.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -167,6 +170,8 @@ class VLLMServer:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                            os.environ.get("PYTHONPATH")]))}
         env.update(self.args.env)
+        if token := engine_token(env):
+            env["VLLM_API_KEY"] = token  # vLLM's own check of /v1 too; in the environment, not on the command line
         return env
 
     def start(self) -> None:

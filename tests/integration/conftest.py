@@ -17,11 +17,18 @@ on it then checks that fleetrl's samples follow fleetrl's sampling, never the mo
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from pathlib import Path
 
 import pytest
 
+from core.engine_auth import TOKEN_ENV
 from tests.vllm_cpu import cpu_vllm_server
+
+# The session's engine token, as a launcher run has one (core.engine_auth): the shared server
+# requires it, every client of this process and of the processes the tests start sends it.
+os.environ.setdefault(TOKEN_ENV, "session-" + secrets.token_urlsafe(24))
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-adder"

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from core.engine_auth import auth_headers
 from rollout_fleet.engines.base import SamplingParams
 from rollout_fleet.engines.vllm import VLLMClient
 
@@ -74,7 +75,7 @@ def _cached_tokens(server, prompt: list[int], cache_salt: str | None = None) -> 
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60, headers=auth_headers())
     r.raise_for_status()
     return int(((r.json()["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
@@ -213,7 +214,7 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
 
     # ...and the update reset it: the first request after the load recomputes the prompt.
     assert _cached_tokens(vllm_server, prompt) == 0, "prefix cache was not reset after the weight load"
-    r = httpx.get(vllm_server.url + "/weight_info", timeout=10)
+    r = httpx.get(vllm_server.url + "/weight_info", timeout=10, headers=auth_headers())
     assert r.json()["weight_version"] == "2"
 
     async def run():
@@ -348,7 +349,7 @@ def test_staged_update_keeps_serving_during_the_broadcast(vllm_server):
     err_new, err_old = _max_err(_hf_model(new), prompt, after), _max_err(_hf_model(), prompt, after)
     assert err_new < TOL, f"after the staged commit log-probs differ from the new weights by {err_new:.2e} nats"
     assert err_old > 10 * TOL, f"the perturbation was too small to tell old from new weights ({err_old:.2e})"
-    assert httpx.get(vllm_server.url + "/weight_info", timeout=10).json()["weight_version"] == "8"
+    assert httpx.get(vllm_server.url + "/weight_info", timeout=10, headers=auth_headers()).json()["weight_version"] == "8"
     assert _max_err(_hf_model(), prompt, asyncio.run(_generate(vllm_server, prompt))) < TOL
 
 
