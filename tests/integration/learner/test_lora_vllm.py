@@ -67,7 +67,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         "loss": {"correction": "decoupled"}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
         "checkpoint_every": 0, "optim": {"lr": 2e-2}, "lora": {"rank": 8, "alpha": 16}})
     engine = FSDPEngine(cfg, str(TINY), total_steps=STEPS, seed=0)
-    client = VLLMClient("vllm-lora", kw["url"], model="tiny-adder", adapter_prefix="policy")
+    client = VLLMClient("vllm-lora", kw["url"], model=kw["served"], adapter_prefix="policy")
     pub = AdapterPublisher([client], Path(kw["root"]))
     records = []
 
@@ -96,7 +96,8 @@ def test_lora_adapters_published_into_vllm_match_learner_logprobs(tmp_path):
                          extra_args=args, env=env) as server:
         base_server = _server_logprobs(server.url, "tiny-adder")
         out = tmp_path / "result.json"
-        run_procs(_rank, 1, {"url": server.url, "root": str(tmp_path / "adapters"), "out": str(out)}, 300, "fork")
+        run_procs(_rank, 1, {"url": server.url, "served": "tiny-adder", "root": str(tmp_path / "adapters"),
+                                  "out": str(out)}, 300, "fork")
     res = json.loads(out.read_text())
     recs = res["records"]
     assert [r["version"] for r in recs] == list(range(1, STEPS + 1))
