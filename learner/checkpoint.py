@@ -74,8 +74,9 @@ def _rng_state(device_is_cuda: bool) -> dict[str, torch.Tensor]:
 
 
 def _options(trained_only: bool) -> StateDictOptions | None:
-    # LoRA: the frozen base is the model folder's; only the adapters (and their optimizer state) change.
-    return StateDictOptions(ignore_frozen_params=True) if trained_only else None
+    # LoRA: the frozen base is the model folder's; only the adapters (and their optimizer state) change. Not
+    # strict, since the frozen keys are absent by design; dcp.load still fails on a trained key the files lack.
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trained_only else None
 
 
 def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: int, world_size: int,

@@ -66,7 +66,7 @@ async def load_adapter(client: VLLMClient, path: str, version: int) -> dict[str,
     client._version = version
     if previous > 0 and previous < version - 1:
         await _unload(client, lora_name(client.adapter_prefix, previous))
-    if version >= 2:
+    if version > 2:  # version 0 is the base model, not an adapter
         await _unload(client, lora_name(client.adapter_prefix, version - 2))
     steps["unload_old"] = time.perf_counter() - t
     client.last_update_steps = steps
