@@ -43,11 +43,14 @@ class AdapterPublishError(RuntimeError):
 
 class AdapterPublisher:
     def __init__(self, endpoints: list[AdapterEndpoint], root: str | Path, *, keep: int = 3,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, dtype=None) -> None:
+        """``dtype``: of the adapter tensors written (a torch dtype; None: as trained). bf16 halves the bytes and
+        is what a bf16 engine computes with anyway."""
         if keep < 2:
             raise ValueError(f"keep must be >= 2 (the newest adapter and the one a lagging server may reload), "
                              f"got {keep}")
         self.endpoints, self.root, self.keep, self.timeout_s = list(endpoints), Path(root), keep, timeout_s
+        self.dtype = dtype
         self.last: dict[str, Any] = {}
 
     def folder(self, version: int) -> Path:
@@ -57,7 +60,7 @@ class AdapterPublisher:
         """The learner loop's publish hook (every rank calls it; rank 0 talks to the engines)."""
         t0 = time.perf_counter()
         folder = self.folder(version)
-        n_bytes = engine.export_adapter(folder)
+        n_bytes = engine.export_adapter(folder, self.dtype)
         if engine.rank != 0:
             return
         written = time.perf_counter() - t0
