@@ -26,6 +26,15 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
+# Requests at policy version v > 0 name the adapter ADAPTER_PREFIX-v<v> (rollout_fleet/engines/vllm_lora.py).
+ADAPTER_PREFIX = "policy"
+
+
+def adapter_publish(cfg) -> bool:
+    """Does this run (a launch RunConfig) publish LoRA adapters instead of weights? With ``learner.lora`` on a
+    vLLM fleet that is not colocated; colocated engines take the merged weights over CUDA IPC as before."""
+    return cfg.learner.lora is not None and cfg.rollout.engine == "vllm" and not cfg.colocate.enabled
+
 
 class AdapterEndpoint(Protocol):
     engine_id: str
