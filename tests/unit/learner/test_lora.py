@@ -116,3 +116,13 @@ def test_vllm_server_settings_round_the_rank_up():
     assert args[args.index("--max-lora-rank") + 1] == "16" and env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     with pytest.raises(ValueError, match="512"):
         lora_server_settings(600)
+
+
+def test_adapter_publish_only_for_a_lora_vllm_fleet_not_colocated():
+    from launch.config import load_run_config
+    from rollout_fleet.engines.sglang_lora import sglang_lora_server_args
+    from weight_sync.adapter_publisher import adapter_publish
+
+    assert adapter_publish(load_run_config("tiny-lora"))
+    assert not adapter_publish(load_run_config("tiny"))
+    assert "--enable-lora" in sglang_lora_server_args(8)
