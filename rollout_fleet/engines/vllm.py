@@ -371,6 +371,9 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
         """Reload every weight from an HF export on disk (vLLM's ``reload_weights``), labelled ``version``."""
+        if self.adapter_prefix:  # LoRA: the base stays; the export's adapter/ folder is the policy (docs/lora.md)
+            await load_adapter(self, f"{path.rstrip('/')}/adapter", version)
+            return
         pause_here = self._stuck or not await self.is_paused()
         if pause_here:
             self._stuck = True  # ours until the load succeeds (see update_weights)

@@ -49,6 +49,13 @@ def _learner_logprobs(model: torch.nn.Module) -> list[list[float]]:
     return out
 
 
+async def _load_export(client, path: str, version: int) -> None:
+    try:
+        await client.load_weights_from_path(path, version)
+    finally:
+        await client.close()
+
+
 def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     import os
 
@@ -81,8 +88,16 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
     base = _learner_logprobs(engine.model)
     learner = Learner(engine, cfg, source=InProcessSource(make_batches(STEPS, seed=3)), max_steps=STEPS,
-                      publish=publish)
+                      publish=publish, export_root=Path(kw["root"]) / "export")
     learner.run()
+    # A server that restarts loads the latest export: with LoRA, its adapter/ folder, as the next version.
+    import asyncio
+
+    asyncio.run(_load_export(client, str(learner.export()), STEPS + 1))
+    records.append({"version": STEPS + 1, "bytes": pub.last["bytes"], "seconds": 0.0,
+                    "learner": _learner_logprobs(engine.model),
+                    "server": _server_logprobs(kw["url"], client.served_model(STEPS + 1)),
+                    "models": [m["id"] for m in __import__("httpx").get(kw["url"] + "/v1/models").json()["data"]]})
     full_bytes = sum(t.numel() * 4 for _, t in engine.full_tensors())
     Path(kw["out"]).write_text(json.dumps({"records": records, "base": base, "full_bytes": full_bytes}))
     torch.distributed.destroy_process_group()
@@ -101,7 +116,7 @@ def test_lora_publish_vllm(tmp_path):
                                   "out": str(out)}, 300, "fork")
     res = json.loads(out.read_text())
     recs = res["records"]
-    assert [r["version"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["version"] for r in recs] == list(range(1, STEPS + 2))  # the last: from the export's adapter/
     flat = lambda rows: torch.tensor([x for row in rows for x in row], dtype=torch.float64)  # noqa: E731
     # Both sides are fp32 (the learner on CPU, the server with dtype float32): the probe's fp32 bound on the
     # mean |difference| (learner/logprob_probe.py) and 10x that on any single token.
