@@ -10,7 +10,8 @@ one PNG (eval accuracy against the learner's wall time, every case and seed)::
 
 Cases: ``colocated`` (a: ``--gpus G``, or ``--colocate`` on CPU), ``sync_k0`` (b: disaggregated,
 ``broker.max_staleness=0``), ``async_k1|2|4`` (c: disaggregated, ``broker.max_staleness=k``, the
-``--correction`` chosen). The target accuracy of a seed is what (a) reaches at the end of its budget
+``--correction`` chosen), ``shared_k1|2`` (shared async mode on colocated's devices: ``--gpus G --async``,
+``broker.max_staleness=k``; bench/e2e_shared_gpu.sh, docs/shared_gpu.md). The target accuracy of a seed is what (a) reaches at the end of its budget
 (its final evaluation); a case's time to target is the learner wall time (from the learner's start,
 so server start-up is left out for every case alike; colocated runs' in-line evaluations are taken
 off too) of its first evaluation at or above it. The
@@ -33,12 +34,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = ("colocated", "sync_k0", "async_k1", "async_k2", "async_k4")
+SHARED_CASES = ("colocated", "shared_k1", "shared_k2")  # one set of devices: bench/e2e_shared_gpu.sh
 
 
 def case_args(case: str, gpus: int, correction: str) -> list[str]:
     """The launch/cluster.py flags and overrides that make ``case`` (on ``gpus`` GPUs in all)."""
     if case == "colocated":
         return ["--gpus", str(gpus)] if gpus else ["--colocate"]
+    if case.startswith("shared_k") and case[8:].isdigit() and int(case[8:]) >= 1:  # shared async, same devices
+        return [*(["--gpus", str(gpus)] if gpus else ["--colocate"]), "--async",
+                f"broker.max_staleness={int(case[8:])}", f"learner.loss.correction={correction}"]
     if gpus % 2:
         raise ValueError(f"--gpus {gpus}: the disaggregated cases split the GPUs in two halves (give an even count)")
     pools = ["--rollout-gpus", str(gpus // 2), "--learner-gpus", str(gpus // 2)]
@@ -46,7 +51,8 @@ def case_args(case: str, gpus: int, correction: str) -> list[str]:
         return pools + ["broker.max_staleness=0"]
     if case.startswith("async_k") and case[7:].isdigit() and int(case[7:]) >= 1:
         return pools + [f"broker.max_staleness={int(case[7:])}", f"learner.loss.correction={correction}"]
-    raise ValueError(f"unknown case {case!r}; expected one of {', '.join(CASES)} (or async_kN, N >= 1)")
+    raise ValueError(f"unknown case {case!r}; expected one of {', '.join(CASES + SHARED_CASES)} (or async_kN, "
+                     "shared_kN, N >= 1)")
 
 
 def run_case(out: Path, case: str, seed: int, a: argparse.Namespace) -> dict:
@@ -113,6 +119,8 @@ def collect_run(summary: dict, steps: list[dict]) -> dict:
         "mismatch_kl_k3_per_step": [r.get("mismatch_kl_k3") for r in steps],
         "mismatch_kl_k3_mean": _mean([r.get("mismatch_kl_k3") for r in steps]),
         "colocated_seconds_per_step": colo if any(v is not None for v in colo.values()) else None,
+        "steps_per_s": len(steps) / wall if wall > 0 else None,
+        "mode": summary.get("mode"), "busy": summary.get("busy"),  # launch/busy.py: generation/training fractions
     }
 
 
@@ -131,7 +139,7 @@ def analyse(runs: dict[tuple[str, int], dict]) -> dict:
         colo = runs.get(("colocated", seed))
         target = colo["final_accuracy"] if colo else None
         times = {case: time_to(r["curve"], target) for (case, s), r in runs.items() if s == seed}
-        asyncs = {c: t for c, t in times.items() if c.startswith("async_k") and t is not None}
+        asyncs = {c: t for c, t in times.items() if c.startswith(("async_k", "shared_k")) and t is not None}
         best = min(asyncs, key=asyncs.get) if asyncs else None
         t_colo = times.get("colocated")
         t_full = colo["learner_wall_s"] if colo else None
@@ -141,15 +149,19 @@ def analyse(runs: dict[tuple[str, int], dict]) -> dict:
             "headline_colocated_over_best_async": (t_colo / asyncs[best]) if best and t_colo and asyncs[best] > 0
             else None,
             # (a) charged its whole budget (the target is by definition its final accuracy)
-            "headline_full_budget": (t_full / asyncs[best]) if best and t_full and asyncs[best] > 0 else None}
+            "headline_full_budget": (t_full / asyncs[best]) if best and t_full and asyncs[best] > 0 else None,
+            # steps per second of each case over colocated's, equal step counts (no accuracy involved)
+            "per_step_speedup_over_colocated": {
+                c: r["steps_per_s"] / colo["steps_per_s"] for (c, s), r in runs.items()
+                if s == seed and colo and r.get("steps_per_s") and colo.get("steps_per_s")}}
     cases = {}
     for case in dict.fromkeys(c for c, _ in runs):
         rs = [runs[(case, s)] for s in seeds if (case, s) in runs]
         agg = {}
         for key in ("final_accuracy", "samples_per_s", "generated_tok_per_s", "learner_tok_per_s", "learner_wall_s",
                     "learner_idle_fraction", "fleet_idle_fraction", "staleness_mean", "staleness_max",
-                    "mismatch_kl_k3_mean"):
-            xs = [r[key] for r in rs if r[key] is not None]
+                    "mismatch_kl_k3_mean", "steps_per_s"):
+            xs = [r.get(key) for r in rs if r.get(key) is not None]
             agg[key] = {"mean": _mean(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None}
         tt = [per_seed[str(s)]["time_to_target_s"].get(case) for s in seeds if (case, s) in runs]
         agg["time_to_target_s"] = {"per_seed": tt, "mean": _mean(tt) if all(t is not None for t in tt) else None}
@@ -173,17 +185,21 @@ def plot(runs: dict[tuple[str, int], dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (by_step, ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(c for c, _ in sorted(runs)))}
     for (case, seed), r in sorted(runs.items()):
         pts = [p for p in r["curve"] if p["accuracy"] is not None]
-        ax.plot([p["t"] for p in pts], [p["accuracy"] for p in pts], marker="o", ms=3, color=colors[case],
-                linestyle="-" if seed == min(s for c, s in runs if c == case) else "--", label=f"{case} seed {seed}")
-    ax.set_xlabel("learner wall time (s, from the learner's start; colocated: in-line evaluations left out)")
-    ax.set_ylabel("eval accuracy (greedy)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
+        style = dict(marker="o", ms=3, color=colors[case],
+                     linestyle="-" if seed == min(s for c, s in runs if c == case) else "--", label=f"{case} seed {seed}")
+        ax.plot([p["t"] for p in pts], [p["accuracy"] for p in pts], **style)
+        by_step.plot([p["step"] for p in pts], [p["accuracy"] for p in pts], **style)
+    ax.set_xlabel("learner wall time (s, from the learner's start; colocated: in-line evaluations left out)", fontsize=8)
+    by_step.set_xlabel("learner step")
+    for a in (by_step, ax):
+        a.set_ylabel("eval accuracy (greedy)")
+        a.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -53,6 +53,8 @@
 #                   after sglang-install)
 #   agents-gpu      bench/agents_gpu.sh: SmolLM2 learns a calculator tool, colocated on 1 GPU (after vllm-install,
 #                   ray-install, base, smollm2) -> $OUT/agents_gpu/ (~9 min: a 10-min call of its own)
+#   shared-gpu      bench/e2e_shared_gpu.sh: colocated sync vs shared async (k=1, k=2) on one GPU, SmolLM2 word
+#                   problems (after vllm-install, ray-install, base, smollm2) -> $OUT/e2e_shared_gpu/ (~8 min)
 #   judge-gpu       bench/judge_gpu.sh: word problems scored by a SmolLM2 judge server on the same GPU as the
 #                   colocated learner and rollout server -> $OUT/judge_gpu/ (~9 min: a 10-min call of its own)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
@@ -302,6 +304,10 @@ for step in "$@"; do
             echo "--- tail of the SGLang server log"; grep -v "GET /health" "$OUT/sglang-colocated.log" | tail -25
             (exit $rc)
             ;;
+        shared-gpu)  # bench/e2e_shared_gpu.sh: colocated sync vs shared async k=1, k=2 on one GPU (issue 37;
+            # after vllm-install, ray-install, base, smollm2); MODES, STEPS, SEED, LIMIT_S pass through
+            OUT="$OUT" MODEL="${MODEL:-/tmp/models/smollm2-135m-instruct}" \
+                with_site /tmp/site-vllm:/tmp/site-ray bash bench/e2e_shared_gpu.sh ;;
         agents-gpu|judge-gpu)  # one GPU, colocated; MODEL, STEPS, LIMIT_S pass through (defaults in the scripts)
             NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 OUT="$OUT" MODEL="${MODEL:-/tmp/models/smollm2-135m-instruct}" \
                 with_site /tmp/site-vllm:/tmp/site-ray bash "bench/${step%-gpu}_gpu.sh" ;;

@@ -21,7 +21,8 @@ Tokens/s counts the whole step batch (all data-parallel ranks together) over the
     python bench/learner.py --cases fsdp:1:1,megatron:1:1 --steps 2
 
 A case is ``ENGINE:TP:GPUS[:VARIANT[@TOKENS]]``: VARIANT names learner-config overrides (``VARIANTS``: the
-engine before issue 21's remedies, then each remedy added in turn), TOKENS the micro-batch token budget.
+engine before issue 21's remedies, then each remedy added in turn), TOKENS the micro-batch token budget
+(``--micro-tokens`` when omitted, except for ``default``: the config as shipped, micro-batch budget included).
 Each case also reports peak GPU memory, the host RSS peak while the engine is built (sampled every 10 ms,
 relative to the process before), and with ``--profile VARIANT,...`` a torch.profiler breakdown (GPU time by
 phase and kernel category) of the step's first 4 micro-batches; ``--shape 1.5b`` runs the Qwen2-1.5B shape.
@@ -62,29 +63,47 @@ SHAPES = {"0.5b": QWEN2_05B, "1.5b": QWEN2_15B}
 # Learner-config overrides of each named variant (case spec ENGINE:TP:GPUS[:VARIANT]). "before" is the engine
 # as it was before issue 21 (full logits, sdpa with a packed mask, foreach AdamW, fp32 copy per rank); each
 # later variant adds one remedy to the one before it, so the JSON keeps the before and after of each.
+_EAGER = {"compile_blocks": False, "activation_checkpointing": False}  # what "auto" would otherwise turn on
 VARIANTS = {
-    "before": {"logprobs": "full", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off"},
-    "chunked": {"logprobs": "chunked", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off"},
-    "varlen": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "off", "meta_init": "off"},
-    "fused": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "off"},
-    "meta": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on"},
+    "before": {"logprobs": "full", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off", **_EAGER},
+    "chunked": {"logprobs": "chunked", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off",
+                **_EAGER},
+    "varlen": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "off", "meta_init": "off",
+               **_EAGER},
+    "fused": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "off",
+              **_EAGER},
+    "meta": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
+             **_EAGER},
     "compile": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-                "compile_blocks": True},
+                "compile_blocks": True, "activation_checkpointing": False},
+    # compile with the head as it was before issue 36 (fp32 root, eager per-chunk arithmetic): "_settings" are
+    # not config keys but replacements of the resolved settings (learner/fastpath.py), for this A/B only
+    "compile_oldhead": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on",
+                        "meta_init": "on", "compile_blocks": True, "activation_checkpointing": False,
+                        "_settings": {"root_dtype": "float32", "fused_head": False}},
     "ac": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-           "activation_checkpointing": True},
-    "default": {},  # the config's defaults as shipped
+           "activation_checkpointing": True, "compile_blocks": False},
+    # the config's defaults as shipped; without @TOKENS also its micro_batch_tokens (auto: sized from free memory)
+    "default": {},
+    # the defaults as shipped before issue 36 (compiled blocks and auto sizing off), at --micro-tokens
+    "shipped_before": {**_EAGER, "_settings": {"root_dtype": "float32"}},
+    # long responses (bench/long_context_gpu.sh): + parameter/optimizer shards in CPU memory; + Ulysses SP=2
+    "ac_offload": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
+                   "activation_checkpointing": True, "compile_blocks": False, "param_offload": True},
+    "ac_sp2": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
+               "activation_checkpointing": True, "compile_blocks": False, "sequence_parallel_size": 2},
     # Megatron: flash varlen core attention instead of the T x T mask; full-vocabulary fp32 logits and foreach
     # AdamW (the engine as measured before its chunked head: learner.logprobs' auto is now chunked at TP=1)
-    "mvarlen": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off"},
+    "mvarlen": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off", **_EAGER},
     "mvarlen_ac": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off",
-                   "activation_checkpointing": True},
+                   "activation_checkpointing": True, "compile_blocks": False},
     # + chunked log-probs (the output processor hook, learner/megatron/engine.py), still foreach AdamW
-    "mchunked": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "off"},
+    "mchunked": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "off", **_EAGER},
     # + fused AdamW (torch's fused kernel in Megatron's optimizer; without TE/apex it is foreach AdamW)
-    "mfused": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on"},
+    "mfused": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on", **_EAGER},
     # + torch.compile of each layer's MLP
     "mcompile": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on",
-                 "compile_blocks": True},
+                 "compile_blocks": True, "activation_checkpointing": False},
 }
 
 
@@ -251,11 +270,19 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
         from learner.run import init_distributed, make_engine
 
         init_distributed("nccl", timeout_s=300)
-        over = VARIANTS[kw["variant"]]  # Megatron reads attn_implementation, activation_checkpointing, logprobs,
-        # logprob_chunk, fused_optimizer and compile_blocks
+        over = dict(VARIANTS[kw["variant"]])  # Megatron reads attn_implementation, activation_checkpointing,
+        # logprobs, logprob_chunk, fused_optimizer and compile_blocks
+        replace = over.pop("_settings", None)
+        if replace:
+            import dataclasses
+
+            import learner.fsdp as fsdp_mod
+
+            resolve = fsdp_mod.resolve_fast_path
+            fsdp_mod.resolve_fast_path = lambda *a, **k: dataclasses.replace(resolve(*a, **k), **replace)
         lc = LearnerConfig.model_validate({
             "engine": kw["engine"], "loss": {"correction": "tis"}, "optim": {"lr": 1e-6},
-            "micro_batch_tokens": kw["micro_tokens"],
+            **({"micro_batch_tokens": kw["micro_tokens"]} if kw["micro_tokens"] is not None else {}),
             "megatron": {"tensor_model_parallel_size": kw["tp"]}, **over})
         with RssSampler() as rss:
             engine = make_engine(lc, kw["model"], total_steps=100, seed=0)
@@ -264,7 +291,7 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
         with pa.ipc.open_file(kw["batch"]) as f:
             batch = f.get_batch(0)
         plan = plan_step(batch, rank=engine.data_rank, world_size=engine.data_world_size,
-                         micro_batch_tokens=kw["micro_tokens"], advantage="mean_std", drop_uniform=True,
+                         micro_batch_tokens=engine.micro_batch_tokens, advantage="mean_std", drop_uniform=True,
                          aggregation="token")
         build_s = time.perf_counter() - t_start
         times = []
@@ -287,7 +314,8 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
                 "grad_norm": m.get("grad_norm"), "start_to_engine_s": build_s, "warmup_step_s": warmup_s,
                 "host_rss_load_delta_gib": float(t[2]), "host_rss_before_load_gib": rss.start,
                 "host_rss_after_steps_gib": float(t[3]), "gpu_mem_after_load_gib": load_gpu_gib,
-                "micro_batches": int(plan.stats["micro_batches"]), "config_overrides": over, "profile": None}))
+                "micro_batches": int(plan.stats["micro_batches"]), "config_overrides": over, "profile": None,
+                "micro_batch_tokens": engine.micro_batch_tokens, "settings": engine.settings.as_dict()}))
         if kw["profile"]:
             # Profiler post-processing of a full 32-micro-batch step takes minutes: profile the step's first
             # (at most) 4 micro-batches plus its clip and optimizer step (the per-micro-batch costs are alike).
@@ -314,7 +342,7 @@ def run_case(engine: str, tp: int, gpus: int, variant: str, kw: dict, timeout: f
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    name = f"{engine}_{tp}_{gpus}_{variant}_{kw['micro_tokens']}"
+    name = f"{engine}_{tp}_{gpus}_{variant}_{kw['micro_tokens'] or 'auto'}"
     prof = variant in kw["profile_variants"]
     kw = dict(kw, engine=engine, tp=tp, variant=variant, out=f"{kw['tmp']}/case_{name}.json", profile=prof,
               profile_table=f"{kw['profile_dir']}/profile_{name}.txt" if prof and kw["profile_dir"] else None)
@@ -392,13 +420,15 @@ def main(argv: list[str] | None = None) -> int:
             if "@" in variant:  # VARIANT@TOKENS: the variant with another micro-batch token budget
                 variant, micro = variant.split("@")
                 micro = int(micro)
+            elif variant != "default":
+                micro = args.micro_tokens  # "default" alone keeps the shipped micro_batch_tokens (auto)
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
             if gpus > torch.cuda.device_count():
                 log.warning("skipping %s: needs %d GPUs", spec, gpus)
                 continue
             case = {"engine": engine, "tp": tp, "gpus": gpus, "variant": variant,
-                    "micro_batch_tokens": micro or args.micro_tokens, "model": f"qwen2-{args.shape}-shaped (random, bf16)"}
+                    "micro_batch_tokens": micro or "auto", "model": f"qwen2-{args.shape}-shaped (random, bf16)"}
             if time.time() - t_begin > args.budget_s - args.case_timeout:
                 case.update(error=f"skipped: --budget-s {args.budget_s:.0f} s would be exceeded", tokens_per_s=None,
                             mfu=None)
@@ -406,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append(case)
                 write()
                 continue
-            r = run_case(engine, tp, gpus, variant, dict(kw, micro_tokens=micro or args.micro_tokens),
-                         args.case_timeout)
+            r = run_case(engine, tp, gpus, variant, dict(kw, micro_tokens=micro), args.case_timeout)
             if "error" in r:
                 case.update(error=r["error"], tokens_per_s=None, mfu=None)
             else:
@@ -418,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                             warmup_step_s=r["warmup_step_s"],
                             **{k: r[k] for k in ("host_rss_load_delta_gib", "host_rss_before_load_gib",
                                                  "host_rss_after_steps_gib", "gpu_mem_after_load_gib",
-                                                 "micro_batches", "config_overrides", "profile")},
+                                                 "micro_batches", "config_overrides", "profile", "micro_batch_tokens",
+                                                 "settings")},
                             **({"error_after_steps": r["error_after_steps"]} if "error_after_steps" in r else {}))
             log.info("%s", json.dumps(case))
             cases.append(case)

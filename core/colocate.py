@@ -1,4 +1,5 @@
-"""Colocated mode's config: learner and fleet on the same devices, synchronous and on-policy.
+"""Colocated mode's config: learner and fleet on the same devices, synchronous and on-policy (``mode: sync``),
+or resident together and asynchronous (``mode: async``, core/shared_gpu.py).
 
 Both the fleet (sleep and wake of its engines) and the learner (when to ask for them) read it,
 so it lives here, below both. The schedule it selects, per step ``s``::
@@ -21,6 +22,7 @@ from pydantic import Field
 from core.configbase import ConfigModel
 
 SleepChoice = Literal["auto", "off", "level1", "level2"]
+ModeChoice = Literal["sync", "async"]
 TransportChoice = Literal["auto", "ipc", "gloo"]
 
 
@@ -42,8 +44,35 @@ class ColocateConfig(ConfigModel):
     ipc_slots: int = Field(3, ge=1, le=16, description="CUDA IPC: standing buffers of the learner (one bucket of "
                            "weight_sync.bucket_mb each) the engines read; a publish takes ceil(buckets / slots) "
                            "round trips")
+    mode: ModeChoice = Field(
+        "sync", description="'sync': the schedule above (max_staleness 0, engines sleep while the learner trains); "
+        "'async' (launch/cluster.py --async): shared asynchronous mode (core/shared_gpu.py): engines and learner "
+        "resident at once, the fleet generates for steps s+1..s+k while the learner trains step s "
+        "(broker.max_staleness = k >= 1), weights published in place (CUDA IPC on one GPU, gloo otherwise), "
+        "rollout.weight_update 'pause' or 'inflight'")
+    learner_memory_gb: float | None = Field(
+        None, gt=0, description="async: the learner's peak memory per device in GiB, stated; None: estimated from "
+        "the model and learner settings (core/shared_gpu.learner_memory). Checked at start: "
+        "rollout.gpu_memory_utilization + learner / device total + memory_headroom <= 1")
+    memory_headroom: float = Field(0.05, ge=0, lt=1, description="async: share of each device left to neither "
+                                   "(allocator fragmentation, the estimate's error)")
+
+    @property
+    def synchronous(self) -> bool:
+        """The sleep/wake schedule runs (colocated sync); false for disaggregated and shared async."""
+        return self.enabled and self.mode == "sync"
+
+    @property
+    def shared_async(self) -> bool:
+        return self.enabled and self.mode == "async"
+
+    def label(self) -> str:
+        """The mode a run's live view and summary name."""
+        return "disaggregated" if not self.enabled else "colocated-sync" if self.mode == "sync" else "shared-async"
 
     def sleep_level(self, cuda: bool) -> int:
-        """0 (no sleep), 1 or 2 for this config on a CUDA (``cuda``) or CPU machine."""
+        """0 (no sleep), 1 or 2 for this config on a CUDA (``cuda``) or CPU machine; async mode never sleeps."""
+        if self.mode == "async":
+            return 0
         choice = self.sleep if self.sleep != "auto" else ("level1" if cuda else "off")
         return {"off": 0, "level1": 1, "level2": 2}[choice]

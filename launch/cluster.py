@@ -13,6 +13,7 @@ Examples::
     python launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe smollm2                 # a real model
     python launch/cluster.py --colocate --recipe tiny                                 # colocated, synchronous (CPU)
     python launch/cluster.py --gpus 1 --recipe smollm2-gpu                            # colocated on one GPU
+    python launch/cluster.py --gpus 1 --async --recipe smollm2-gpu broker.max_staleness=2   # shared GPU, async
     python launch/cluster.py --rollout-gpus 4 --learner-gpus 2 --reward-gpus 2 --recipe R \
         'reward.model={kind: judge, model: judge, server: {model_path: models/judge}}'    # judge servers
     python launch/cluster.py verl 'algorithm.adv_estimator=grpo data.train_batch_size=1024 ...'  # verl's keys
@@ -62,6 +63,10 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="colocated mode on N GPUs shared by the learner (one rank each) and the fleet (one server "
                    "each); implies --colocate, excludes --rollout-gpus/--learner-gpus")
+    p.add_argument("--async", dest="shared_async", action="store_true",
+                   help="with --gpus N (or --colocate on CPU): shared asynchronous mode (colocate.mode=async): engines "
+                   "and learner resident on the same devices at once, the fleet generating up to "
+                   "broker.max_staleness (>= 1) steps ahead while the learner trains; memory split checked at start")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--ray-auth", choices=("token", "disabled"), default=None,
                    help="Ray token auth (default 'token': a fresh per-job token for a local cluster, "
@@ -201,6 +206,10 @@ def resolve_config(args: argparse.Namespace):
     overrides = list(args.overrides)
     recipe = args.recipe or "tiny"
     colocate = bool(getattr(args, "colocate", False) or getattr(args, "gpus", None) is not None)
+    shared_async = bool(getattr(args, "shared_async", False))
+    if shared_async and not colocate:
+        raise ConfigError("--async shares the devices between learner and fleet: give it with --gpus N (or "
+                          "--colocate on CPU); the disaggregated mode is asynchronous already (broker.max_staleness)")
     if colocate:
         if args.gpus is not None and (args.gpus < 0 or args.rollout_gpus or args.learner_gpus):
             raise ConfigError(f"--gpus N shares N GPUs between learner and fleet: give it alone (N >= 0), not with "
@@ -211,7 +220,8 @@ def resolve_config(args: argparse.Namespace):
         if args.simulate:
             raise ConfigError("--colocate runs real engines and a real learner; it does not combine with --simulate")
         # before the user's overrides: a contrary one is then refused by name (launch/config.py)
-        overrides = ["colocate.enabled=true", "broker.max_staleness=0", "weight_sync.backend=gloo"] + overrides
+        mode = ["colocate.mode=async"] if shared_async else ["broker.max_staleness=0"]  # async: the recipe's k
+        overrides = ["colocate.enabled=true", *mode, "weight_sync.backend=gloo"] + overrides
     if getattr(args, "verl", None):
         from launch.verl import translate
 
@@ -231,6 +241,10 @@ def resolve_config(args: argparse.Namespace):
                           "(ipc on one GPU, gloo otherwise) or 'gloo'")
     if not args.simulate:  # a hub id resolves from the local HF cache, or fails here saying what to do
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
+    if cfg.colocate.shared_async and not getattr(args, "gpus", None) and not args.simulate:
+        from launch.shared_gpu import host_split
+
+        host_split(cfg)  # CPU: servers and learner ranks share the host's RAM (on GPUs: launch/colocated.py)
     check_reward_servers(cfg, args)
     if cfg.rollout.engine == "simulated" and not args.simulate:
         raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")
@@ -242,6 +256,10 @@ def resolve_config(args: argparse.Namespace):
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("run.wandb is set but the wandb package is not installed: pip install 'fleetrl[wandb]'")
+    if cfg.learner.sequence_parallel_size > 1:  # --learner-gpus 0: the CPU ranks (gloo) are split instead
+        sp_json = Path(cfg.model.path) / "config.json"
+        cfg.learner.check_sequence_parallel(args.learner_gpus or cfg.learner.cpu_processes,
+                                            json.loads(sp_json.read_text()) if sp_json.exists() else None)
     if cfg.learner.engine == "megatron" and not args.simulate:
         model_json = Path(cfg.model.path) / "config.json"
         if not model_json.exists():

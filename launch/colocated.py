@@ -45,3 +45,12 @@ def place_colocated(job, ray, gpus: int) -> None:
         job.server_slots[i] = servers[-1]
     job.placement = Placement(learner=plan.learner, servers=servers)
     log.info("colocated: learner rank i and server i share GPU i: %s", [list(s.gpu_ids) for s in servers])
+    if job.cfg.colocate.shared_async:  # both resident at once: the split must fit before anything starts
+        from launch.shared_gpu import gpu_memory_totals, gpu_split
+
+        probe = ray.remote(num_cpus=0)(gpu_memory_totals)
+        totals = [job._get(probe.options(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=i)).remote([str(g) for g in s.gpu_ids]), 60.0,
+            f"GPU memory of colocated bundle {i}") for i, s in enumerate(servers)]
+        job.memory_split = gpu_split(job.cfg, [(f"GPU {s.gpu_ids[0]}", t[0] if t else None)
+                                               for s, t in zip(servers, totals, strict=True)])

@@ -76,7 +76,8 @@ class RunConfig(ConfigModel):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         real = self.rollout.engine != "simulated"
-        if self.rollout.sampling.n < 2 and real:
+        # GAE's baseline is the critic's value, not the group: one sample per prompt is fine there
+        if self.rollout.sampling.n < 2 and real and self.learner.loss.advantage != "gae":
             raise ValueError(
                 f"rollout.sampling.n={self.rollout.sampling.n}: GRPO scores each sample against the others of its "
                 "group, so with one sample per prompt every group is uniform, every step is skipped and the run "
@@ -111,7 +112,11 @@ class RunConfig(ConfigModel):
             raise ValueError("weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
                              f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
                              f"nccl_impl={ws.nccl_impl!r}")
-        if self.colocate.enabled:
+        if self.colocate.shared_async:
+            from launch.shared_gpu import check_shared_async
+
+            check_shared_async(self)
+        elif self.colocate.enabled:
             _check_colocated(self)
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet == 0:

@@ -98,6 +98,8 @@ class Job:
         self.eval_after: float | None = None
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
         self.colocated: dict[str, Any] = {}  # colocated mode's schedule figures (rollout_fleet/colocated.py)
+        self.memory_split: list[dict] | None = None  # shared async mode: each device's split (launch/shared_gpu.py)
+        self.fleet_busy: dict[str, list] = {}  # per engine: when it had a group in flight (launch/busy.py)
         self._eval_ref = None  # the evaluation in flight, if any
         self._eval_step = 0  # learner step at which the last evaluation started
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
@@ -205,6 +207,10 @@ class Job:
                 place_reward_servers(self, colocated_slots(self.server_slots), self._pin)  # reward i on GPU i
             return None
         if r == 0 and lg == 0:
+            if self.cfg.colocate.shared_async:  # checked before the run too (launch/cluster.py); here for the summary
+                from launch.shared_gpu import host_split
+
+                self.memory_split = host_split(self.cfg)
             self._reward_servers([], {})  # CPU: --reward-gpus counts servers on the driver's node
             return
         if (r == 0) != (lg == 0):
@@ -387,7 +393,8 @@ class Job:
                     self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
                 if not self.simulated:
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
-                    if self.cfg.colocate.enabled:  # its evaluations ran at the wakes, never during training
+                    self.fleet_busy = self._get(self.fleet.busy_intervals.remote(), CALL_TIMEOUT_S, "fleet busy")
+                    if self.cfg.colocate.synchronous:  # its evaluations ran at the wakes, never during training
                         self.colocated = self._get(self.fleet.colocated_summary.remote(), CALL_TIMEOUT_S,
                                                    "colocated summary")
                         self.eval_history = list(self.colocated.pop("eval_history", []))
@@ -410,7 +417,7 @@ class Job:
         import ray
 
         every = self.cfg.run.eval_every
-        if self.simulated or not every or self.cfg.colocate.enabled:  # colocated: the fleet evaluates at a wake
+        if self.simulated or not every or self.cfg.colocate.synchronous:  # colocated sync: the fleet evaluates at a wake
             return
         if self._eval_ref is not None:
             done, _ = ray.wait([self._eval_ref], timeout=0)
@@ -438,6 +445,7 @@ class Job:
                            broker=self._broker_view(), max_steps=self.cfg.run.max_steps,
                            max_staleness=self.cfg.broker.max_staleness, simulated=self.simulated,
                            wall_s=time.monotonic() - self.t0, eval_accuracy_before=self.eval_before,
+                           mode=self.cfg.colocate.label(),
                            eval_accuracy=self.eval_history[-1]["accuracy"] if self.eval_history else None)
         self.engine_pgids |= engine_groups(snap.to_wire())
         return snap

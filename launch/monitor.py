@@ -90,7 +90,7 @@ def format_status(answer: dict[str, Any]) -> str:
     lr = st.learner
     lines = []
     tag = " [SIMULATED]" if st.simulated else ""
-    lines.append(f"fleetrl job{tag}: step {lr.step} / {st.max_steps}  wall {_fmt(st.wall_s, '.1f')} s")
+    lines.append(f"fleetrl job{tag} ({st.mode}): step {lr.step} / {st.max_steps}  wall {_fmt(st.wall_s, '.1f')} s")
     lines.append(f"learner: wait {_fmt(lr.learner_wait_s, '.2f')} s total, idle {_fmt(lr.learner_idle_fraction)}")
     lines.append(f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} "
                  f"(bound {st.max_staleness})")
@@ -302,8 +302,12 @@ class Monitor:
         t.add_column("what", style="cyan")
         t.add_column("value")
         lr, fl = snap.learner, snap.fleet
+        t.add_row("mode", snap.mode)
         t.add_row("step", f"{lr.step} / {snap.max_steps}")
         t.add_row("reward (last step)", _fmt(lr.reward))
+        if lr.critic_vf_loss is not None:  # PPO with a critic
+            t.add_row("critic (last step)", f"vf_loss {_fmt(lr.critic_vf_loss, '.4f')}, "
+                      f"explained variance {_fmt(lr.critic_explained_var)}")
         t.add_row("eval accuracy", f"{_fmt(snap.eval_accuracy)} (before {_fmt(snap.eval_accuracy_before)})")
         t.add_row("throughput", f"{_fmt(fl.tok_per_s, '.0f')} tok/s, {fl.healthy_servers} servers")
         t.add_row("fleet idle", _fmt(fl.fleet_idle_fraction))

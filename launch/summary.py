@@ -21,6 +21,7 @@ simply never used).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import msgspec
@@ -62,6 +63,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         ignored = {"unreadable": str(exc)}
     summary = {
         "steps": learner.step,
+        "learner_settings": learner.settings,  # every "auto" of the learner config as resolved (learner/fastpath.py)
         "model_generation_config_not_applied": ignored,
         "max_staleness": cfg.broker.max_staleness,
         "max_staleness_seen": learner.max_staleness_seen,
@@ -112,8 +114,19 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "scale_starts": job.scaler.events,  # servers started by `scale`: ids, seconds, ok / error
         "error": error,
     }
-    if cfg.colocate.enabled:
+    summary["mode"] = cfg.colocate.label()  # colocated-sync | shared-async | disaggregated
+    if cfg.colocate.synchronous:
         summary["colocated"] = job.colocated
+    if cfg.colocate.shared_async:
+        summary["memory_split"] = getattr(job, "memory_split", None)
+    if not job.simulated:
+        from launch.busy import busy_fractions, read_steps
+
+        try:  # a measurement: its failure must not cost the run its summary
+            summary["busy"] = busy_fractions(read_steps(job.run_dir, since_unix=time.time() - _wall(job)),
+                                             getattr(job, "fleet_busy", {}) or {})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            summary["busy"] = {"error": f"{type(exc).__name__}: {exc}"}
     if job.simulated:
         summary["note"] = ("SIMULATED run: engines, rewards and learner steps are simulated; "
                            "no model was trained and accuracy is not measured")
@@ -121,6 +134,4 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
 
 
 def _wall(job) -> float:
-    import time
-
     return time.monotonic() - job.t0

@@ -107,6 +107,22 @@ def _above_one(capability: str, what: str) -> Rule:
     return rule
 
 
+def _sp_size(v: Any, _: Ctx) -> list[str] | str:
+    """Ulysses SP onto the FSDP learner's ``learner.sequence_parallel_size`` (learner/ulysses.py)."""
+    if v in (None, "", 0, 1):
+        return "(no setting: size 1)"
+    return [f"learner.sequence_parallel_size={dump(v)}"]
+
+
+def _ref_sp_size(v: Any, c: Ctx) -> str:
+    actor = c.get(ARR + "actor.ulysses_sequence_parallel_size") or c.get(
+        ARR + "actor.fsdp_config.ulysses_sequence_parallel_size") or 1
+    if v not in (None, "", 0, 1) and v != actor:
+        raise Refused(f"ref ulysses_sequence_parallel_size={v} differs from the actor's {actor}: fleetrl runs the "
+                      "reference model in the actor's sequence-parallel group")
+    return "(no setting: the reference model runs in the actor's sequence-parallel group)"
+
+
 def _when_true(capability: str, what: str, why_off: str = "off") -> Rule:
     def rule(v: Any, _: Ctx) -> str:
         if not v:
@@ -924,8 +940,8 @@ RULES: dict[str, Rule] = {
     ARR + "actor.fsdp_config.optimizer_offload": _set("learner.optimizer_offload"),
     ARR + "actor.fsdp_config.offload_policy": lambda v, _: ["learner.param_offload=true"] if v else "(no setting: off)",
     ARR + "actor.fsdp_config.model_dtype": _dtype,
-    ARR + "actor.ulysses_sequence_parallel_size": _above_one(ULYSSES, "Ulysses sequence parallelism (size)"),
-    ARR + "actor.fsdp_config.ulysses_sequence_parallel_size": _above_one(ULYSSES, "Ulysses sequence parallelism (size)"),
+    ARR + "actor.ulysses_sequence_parallel_size": _sp_size,
+    ARR + "actor.fsdp_config.ulysses_sequence_parallel_size": _sp_size,
     ARR + "actor.megatron.tensor_model_parallel_size": _megatron_size("tensor_model_parallel_size"),
     ARR + "actor.megatron.pipeline_model_parallel_size": _megatron_size("pipeline_model_parallel_size"),
     ARR + "actor.megatron.virtual_pipeline_model_parallel_size": _vpp,
@@ -948,8 +964,8 @@ RULES: dict[str, Rule] = {
     # reference
     ARR + "ref.fsdp_config.param_offload": _set("learner.reference_offload"),
     ARR + "ref.strategy": _ref_strategy,
-    ARR + "ref.ulysses_sequence_parallel_size": _above_one(ULYSSES, "Ulysses sequence parallelism (size)"),
-    ARR + "ref.fsdp_config.ulysses_sequence_parallel_size": _above_one(ULYSSES, "Ulysses sequence parallelism (size)"),
+    ARR + "ref.ulysses_sequence_parallel_size": _ref_sp_size,
+    ARR + "ref.fsdp_config.ulysses_sequence_parallel_size": _ref_sp_size,
     ARR + "ref.megatron.context_parallel_size": _above_one(CP, "Megatron context_parallel_size"),
     ARR + "ref.megatron.expert_model_parallel_size": _above_one(MOE, "Megatron expert_model_parallel_size"),
     ARR + "ref.megatron.expert_tensor_parallel_size": _above_one(MOE, "Megatron expert_tensor_parallel_size"),
@@ -1066,6 +1082,10 @@ def _critic_key(key: str, v: Any, c: Ctx) -> list[str] | str:
         raise Refused(f"{key}: a value model (critic)", CRITIC)
     if key == "critic.model.path":
         return "(set with algorithm.adv_estimator=gae: learner.critic.model_path)"
+    if key == "trainer.critic_warmup":  # verl skips the actor while critic_warmup > global step (from 1): k - 1 steps
+        return [f"learner.critic.warmup_steps={max(0, int(v) - 1)}"]
+    if key == "critic.optim.lr_warmup_steps" and int(v) < 0:
+        return "(no setting: -1 leaves the critic's warm-up to lr_warmup_steps_ratio)"
     if key == "critic.loss_agg_mode":
         return [f"learner.critic.aggregation={_agg(v, c)[0].split('=', 1)[1]}"]
     if key in CRITIC_KEYS:

@@ -50,7 +50,14 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
+    # (SP rank, SP size) once learner/ulysses.py cut this row to one sequence-parallel slice; None: whole row
+    sp_shard: tuple[int, int] | None = None
     ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
+    # advantage=gae (learner/critic.py): [s] each sequence's reward (on its last trained token), then, filled
+    # by the critic before training, [n] its values (no grad) and the value targets
+    rewards: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -111,13 +118,22 @@ def _empty_micro_batch() -> MicroBatch:
                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
 
 
+def sequence_advantages(rewards: torch.Tensor, group_index: torch.Tensor, advantage: str,
+                        drop_uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's group advantages; for ``gae`` zeros and every row kept: its advantages are per token, from the
+    critic's values at training time (learner/critic.py), and a group of one sample is legal."""
+    if advantage == "gae":
+        return torch.zeros_like(rewards), torch.ones(rewards.shape, dtype=torch.bool)
+    return group_advantages(rewards, group_index, advantage, drop_uniform)
+
+
 def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool,
                    mask_truncated: bool = False) -> np.ndarray:
     """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses, and with
     ``mask_truncated`` no response cut at the length limit)."""
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
-    _, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
+    _, keep = sequence_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
     rows = keep.numpy() & (_trained_lengths(batch) > 0)
     if mask_truncated:
         rows &= batch.column("finish_reason").to_numpy(zero_copy_only=False) != "length"
@@ -165,7 +181,7 @@ def plan_step(
         raise ValueError(f"row {int(np.flatnonzero(bad)[0])}: a trajectory needs at least one prompt token")
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
-    adv, keep = group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
+    adv, keep = sequence_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
     t_len = _trained_lengths(batch)  # masked-out tokens (observations) are fed but not trained on
     keep_np = keep.numpy() & (t_len > 0)
     truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
@@ -234,6 +250,7 @@ def plan_step(
             advantages=torch.from_numpy(np.concatenate(advs)),
             weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)),
             seq_lens=seq_lens, rows=used, fresh=torch.from_numpy(np.concatenate(fr)),
+            rewards=rewards[used].double(),
             cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(in_lens)]), dtype=torch.int32),
             max_seqlen=max(in_lens),
         ))

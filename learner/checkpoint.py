@@ -125,6 +125,34 @@ def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int,
     return meta["extra"]
 
 
+PART_SCHEDULER = "scheduler.json"
+
+
+def save_part(path: Path, model, optimizer, scheduler, rank: int) -> None:
+    """Collective: a second trained module of the same checkpoint (the critic, learner/critic.py) in the
+    subfolder ``path``: its shards and schedule. Written before the checkpoint's own :func:`save`, whose
+    ``meta.json`` then marks the whole folder, part included, complete."""
+    path.mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+    if rank == 0:
+        (path / PART_SCHEDULER).write_text(json.dumps(scheduler.state_dict()))
+    dist.barrier()
+
+
+def load_part(path: Path, model, optimizer, scheduler) -> None:
+    """Collective: restore what :func:`save_part` wrote."""
+    if not (path / PART_SCHEDULER).exists():
+        raise FileNotFoundError(f"{path} holds no saved module (no {PART_SCHEDULER}): the checkpoint was written "
+                                "without it (e.g. by a run without learner.critic)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(json.loads((path / PART_SCHEDULER).read_text()))
+    logger.info("checkpoint part loaded: %s", path)
+
+
 EXPORT_VERSION_FILE = "fleetrl_version.json"
 
 

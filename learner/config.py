@@ -41,7 +41,10 @@ class LossConfig(ConfigModel):
     correction: Literal["none", "tis", "decoupled"] = Field(
         description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0"
     )
-    advantage: Literal["mean", "mean_std"] = "mean_std"
+    advantage: Literal["mean", "mean_std", "gae"] = Field("mean_std", description="mean / mean_std: GRPO's group "
+        "baseline; gae: PPO with a learned value baseline (needs learner.critic; learner/gae.py)")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per trained token (verl algorithm.gamma)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl algorithm.lam)")
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
@@ -68,6 +71,20 @@ class MegatronConfig(ConfigModel):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    context_parallel_size: int = Field(1, ge=1, description="Megatron context parallelism; only 1: megatron-core "
+                                       "runs CP only in TransformerEngine's attention, which fleetrl's local layer "
+                                       "spec does not use (docs/long_context.md). Use the FSDP engine's "
+                                       "learner.sequence_parallel_size for long responses")
+
+    @field_validator("context_parallel_size")
+    @classmethod
+    def _no_context_parallel(cls, v: int) -> int:
+        if v > 1:
+            raise ValueError(f"learner.megatron.context_parallel_size={v} is not supported: megatron-core implements "
+                             "context parallelism only in TransformerEngine's attention (its local DotProductAttention "
+                             "asserts context_parallel_size == 1) and fleetrl builds Megatron with the local spec, "
+                             "without TransformerEngine; use learner.engine=fsdp with learner.sequence_parallel_size")
+        return v
 
     def check_layout(self, learner_gpus: int, hf_config: dict) -> None:
         """Raise ConfigError, before any process starts, if the parallel layout cannot split
@@ -97,26 +114,75 @@ class MegatronConfig(ConfigModel):
             raise ConfigError("invalid Megatron layout:\n  " + "\n  ".join(problems))
 
 
+class CriticOptimConfig(OptimConfig):
+    """The critic's AdamW and schedule: verl's critic defaults (weight decay 0.01)."""
+
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay of the critic (verl critic.optim."
+                                "weight_decay)")
+
+
+class CriticConfig(ConfigModel):
+    """PPO's value model (learner/critic.py): verl's ``critic.*`` where the names exist."""
+
+    model_path: str | None = Field(None, description="HF causal LM folder whose body the critic starts from (a "
+                                   "fresh scalar head is added); None: the actor's model.path")
+    optim: CriticOptimConfig = Field(CriticOptimConfig(), description="the critic's own AdamW and LR schedule "
+                               "(verl critic.optim: lr 1e-5, weight_decay 0.01); its grad_clip is critic.grad_clip")
+    grad_clip: float = Field(1.0, gt=0, description="gradient-norm clip of the critic (verl critic.grad_clip)")
+    cliprange_value: float = Field(0.5, gt=0, description="the value prediction moves at most this far from the "
+                                   "values the advantages were computed with before its loss stops pulling")
+    aggregation: Literal["token", "sequence"] = Field("token", description="value-loss aggregation (verl critic."
+                                                      "loss_agg_mode: token-mean / seq-mean-token-mean)")
+    ppo_epochs: int | None = Field(None, ge=1, description="critic passes over the step batch's mini-batches; None: "
+                                   "learner.ppo_epochs")
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="must be None or learner.ppo_mini_batch_size: "
+                                            "the critic trains on the actor's mini-batches")
+    micro_batch_tokens: int | None = Field(None, ge=16, description="must be None or learner.micro_batch_tokens: "
+                                           "values, advantages and returns attach to the actor's micro-batches")
+    warmup_steps: int = Field(0, ge=0, description="the first steps train the critic only (the policy is not "
+                              "updated and not published). verl's trainer.critic_warmup=k skips the actor while "
+                              "k > global step (steps 1..k-1), i.e. warmup_steps = k - 1")
+    param_offload: bool = Field(False, description="FSDP on GPU: the critic's shards in CPU memory between uses")
+    optimizer_offload: bool = Field(False, description="FSDP on GPU: the critic's optimizer state in CPU memory "
+                                    "(FSDP2 keeps it with the shards: same effect as param_offload)")
+
+    @model_validator(mode="after")
+    def _one_clip(self) -> CriticConfig:
+        # compared with the default, not by fields set: the launcher writes the whole config out for the ranks
+        if self.optim.grad_clip not in (OptimConfig.model_fields["grad_clip"].default, self.grad_clip):
+            raise ValueError("set the critic's gradient clip with learner.critic.grad_clip (verl's name), not "
+                             "learner.critic.optim.grad_clip")
+        return self
+
+
 class LearnerConfig(ConfigModel):
     engine: Literal["fsdp", "megatron"] = "fsdp"
     cpu_processes: int = Field(1, ge=1, le=64, description="learner ranks (gloo) with --learner-gpus 0; "
                                "with GPUs the learner has one rank per GPU and this must stay 1")
     optim: OptimConfig = OptimConfig()
     loss: LossConfig
-    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch")
-    activation_checkpointing: bool = False
+    micro_batch_tokens: int | Literal["auto"] = Field(
+        "auto", description="token budget of one packed micro-batch. auto: 8192 on CPU; on GPU sized from the "
+        "GPU's free memory and the model's shape (learner/fastpath.py micro_batch_budget), the resolved value is "
+        "logged and reported in the run's summary")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder layer in the backward. auto: off on CPU; on GPU on only when "
+        "the micro-batch budget without it would be too small to run efficiently (learner/fastpath.py)")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto: varlen on GPU (document-masked flash attention, learner/attention.py), sdpa on "
         "CPU; sdpa and eager keep packed sequences apart with a mask from position_ids")
-    # FSDP fast paths (learner/fastpath.py); auto = on for GPU ranks, off on CPU
+    # Fast paths (learner/fastpath.py resolve_fast_path); auto = on for GPU ranks, off on CPU. The plain engine of
+    # before: logprobs=full attn_implementation=sdpa fused_optimizer=off meta_init=off compile_blocks=false
+    # micro_batch_tokens=8192 activation_checkpointing=false
     logprobs: Literal["auto", "chunked", "full"] = Field(
         "auto", description="chunked: log-probs/entropy from the last hidden state in vocab chunks (no full logits)")
     logprob_chunk: int = Field(4096, ge=1, description="response tokens per chunk of the chunked log-prob path")
     fused_optimizer: Literal["auto", "on", "off"] = "auto"
     meta_init: Literal["auto", "on", "off"] = Field(
         "auto", description="build on the meta device and load each rank's shards from safetensors")
-    compile_blocks: bool = Field(False, description="torch.compile each decoder layer's forward (FSDP); "
-                                   "Megatron: each layer's MLP")
+    compile_blocks: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder layer's forward and the chunked head's per-chunk "
+        "log-softmax (FSDP); Megatron: each layer's MLP. auto: on for GPU ranks, off on CPU")
     temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
@@ -128,6 +194,13 @@ class LearnerConfig(ConfigModel):
         "which the run fails (the learner does not score the distribution the fleet sampled). auto: 0.01 when the "
         "engines run model.dtype float32, else 0.1 (bf16 engines differ from the learner by ~0.05 on average); "
         "None: no check (synthetic behaviour log-probs, e.g. replayed test data)")
+
+    @field_validator("micro_batch_tokens")
+    @classmethod
+    def _budget(cls, v):
+        if isinstance(v, int) and v < 16:
+            raise ValueError(f"micro_batch_tokens must be 'auto' or at least 16 tokens, got {v}")
+        return v
 
     @field_validator("logprob_probe_tolerance")
     @classmethod
@@ -163,6 +236,39 @@ class LearnerConfig(ConfigModel):
             raise ValueError(MEGATRON_REFUSED)
         return self
 
+    sequence_parallel_size: int = Field(
+        1, ge=1, description="FSDP: Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size). Groups of "
+        "this many consecutive learner ranks split each packed row between them (attention exchanges heads for "
+        "sequence, learner/ulysses.py); the step batch is split over learner ranks / this many data replicas. Must "
+        "divide the learner's ranks and the model's attention heads (key/value heads are repeated when it does not "
+        "divide them). Layout and gradient scaling: docs/long_context.md")
+    critic: CriticConfig | None = Field(None, description="PPO's value model, trained beside the actor on the "
+                                        "learner's devices; required by (and only used with) loss.advantage=gae")
+
+    def check_sequence_parallel(self, ranks: int, hf_config: dict | None) -> None:
+        """Raise ConfigError if ``sequence_parallel_size`` cannot split ``ranks`` learner ranks or the model
+        described by ``hf_config`` (its config.json; None: the ranks only)."""
+        sp = self.sequence_parallel_size
+        heads = hf_config["num_attention_heads"] if hf_config is not None else sp
+        problems = []
+        if ranks % sp:
+            problems.append(f"learner.sequence_parallel_size={sp} does not divide the learner's {ranks} ranks "
+                            "(--learner-gpus, or learner.cpu_processes with --learner-gpus 0)")
+        if heads % sp:
+            problems.append(f"learner.sequence_parallel_size={sp} does not divide the model's {heads} attention heads")
+        if problems:
+            raise ConfigError("invalid sequence-parallel layout:\n  " + "\n  ".join(problems))
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> LearnerConfig:
+        if self.sequence_parallel_size > 1 and self.engine != "fsdp":
+            raise ValueError(f"learner.sequence_parallel_size={self.sequence_parallel_size} is the FSDP engine's "
+                             "Ulysses sequence parallelism; learner.engine=megatron has no sequence split of that kind")
+        if self.sequence_parallel_size > 1 and self.attn_implementation in ("eager", "flash_attention_2"):
+            raise ValueError(f"learner.sequence_parallel_size={self.sequence_parallel_size} wraps the varlen or sdpa "
+                             f"attention, not {self.attn_implementation!r}: use attn_implementation auto, varlen or sdpa")
+        return self
+
     @model_validator(mode="after")
     def _tis_trust_region(self) -> LearnerConfig:
         several = self.ppo_epochs > 1 or self.ppo_mini_batch_size is not None
@@ -171,6 +277,34 @@ class LearnerConfig(ConfigModel):
                              f"(ratio = 1 at every optimizer step), yet ppo_mini_batch_size={self.ppo_mini_batch_size} "
                              f"/ ppo_epochs={self.ppo_epochs} ask for several optimizer steps per batch: set "
                              "recompute_proximal=true (or use correction=decoupled), or make one optimizer step")
+        return self
+
+    @model_validator(mode="after")
+    def _critic(self) -> LearnerConfig:
+        c = self.critic
+        if self.loss.advantage == "gae" and c is None:
+            raise ValueError("learner.loss.advantage=gae needs a value model: set learner.critic (e.g. {} for a "
+                             "critic initialised from the actor's model)")
+        if c is None:
+            return self
+        if self.loss.advantage != "gae":
+            raise ValueError(f"learner.critic is set but learner.loss.advantage={self.loss.advantage!r} never uses "
+                             "its values: use advantage=gae or remove learner.critic")
+        if self.engine == "megatron":
+            raise ValueError("learner.critic is implemented for learner.engine=fsdp only: the Megatron engine has "
+                             "no value-head model yet; use engine=fsdp for PPO with a critic")
+        if self.sequence_parallel_size > 1:
+            raise ValueError(f"learner.critic with learner.sequence_parallel_size={self.sequence_parallel_size}: the "
+                             "critic's forward does not split rows across a sequence-parallel group yet; use "
+                             "sequence_parallel_size=1 for PPO with a critic")
+        if c.ppo_mini_batch_size is not None and c.ppo_mini_batch_size != self.ppo_mini_batch_size:
+            raise ValueError(f"learner.critic.ppo_mini_batch_size={c.ppo_mini_batch_size} differs from "
+                             f"learner.ppo_mini_batch_size={self.ppo_mini_batch_size}: the critic trains on the "
+                             "actor's mini-batches; leave it unset")
+        if c.micro_batch_tokens is not None and c.micro_batch_tokens != self.micro_batch_tokens:
+            raise ValueError(f"learner.critic.micro_batch_tokens={c.micro_batch_tokens} differs from "
+                             f"learner.micro_batch_tokens={self.micro_batch_tokens}: values, advantages and returns "
+                             "attach to the actor's packed micro-batches; leave it unset")
         return self
 
     @model_validator(mode="after")

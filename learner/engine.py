@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from learner.batch import MicroBatch, StepPlan
+from learner.fastpath import ResolvedSettings
 
 
 class TrainingEngine(ABC):
@@ -34,6 +35,19 @@ class TrainingEngine(ABC):
     rank: int
     world_size: int
     device: torch.device
+    settings: ResolvedSettings  # every "auto" of the learner config, decided (learner/fastpath.py)
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of one packed micro-batch, as resolved for this device (a collective the first
+        time when it is still pending: every rank plans its micro-batches at the same point)."""
+        if self.settings.pending:
+            self.settle_settings()
+        return self.settings.micro_batch_tokens
+
+    def settle_settings(self) -> None:
+        """Decide what ``settings`` left pending (learner/fastpath.py); engines that defer sizing override it."""
+        raise NotImplementedError(f"{type(self).__name__} left its settings pending but cannot settle them")
 
     # The step batch is split over data-parallel replicas: every rank for FSDP; for Megatron the ranks of
     # one TP x PP replica share a split (they must run the same micro-batches).

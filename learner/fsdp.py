@@ -3,9 +3,12 @@
 Each decoder layer (the model's ``_no_split_modules``) is its own FSDP unit and the
 root holds embeddings, final norm and head. On GPU parameters are stored in fp32;
 the decoder layers compute in bf16 (``MixedPrecisionPolicy``, gradients reduced in
-fp32) while the root (embeddings, final norm, output layer) computes in fp32, so the
-logits and the log-softmax of the log-probs are fp32 (a bf16 output layer adds
-about 1e-2 nats of noise per token against the engine); on CPU everything is fp32.
+fp32). The logits and the log-softmax of the log-probs are always fp32 (a bf16-rounded
+logit adds about 1e-2 nats of noise per token against the engine): with the chunked head
+(the GPU default) the root computes in bf16 as the inference engines do and the head's
+matmul turns bf16 operands into fp32 logits (learner/logprobs.py); with the full-logits
+head the root computes in fp32. On CPU everything is fp32. Which applies is decided once,
+with every other ``auto``, by learner/fastpath.py ``resolve_fast_path``.
 Dropout is forced to 0 (:func:`learner.engine.disable_dropout`). The same code runs over gloo (CPU) and NCCL (GPU): the
 process group must be initialised before construction.
 
@@ -18,6 +21,7 @@ order of the fp32 sums.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -31,12 +35,20 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from learner import attention, ulysses
 from learner import checkpoint as ckpt
 from learner import lora as lora_mod
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
-from learner.fastpath import FastPaths, compile_blocks
+from learner.fastpath import (
+    DeviceProps,
+    ModelShape,
+    ResolvedSettings,
+    compile_blocks,
+    forward_kwargs,
+    resolve_fast_path,
+)
 from learner.loading import load_shards, meta_model
 from learner.logprobs import head_logprobs
 from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, needs_proximal, policy_loss
@@ -72,7 +84,8 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in block_names]
 
 
-def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offload: bool) -> None:
+def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offload: bool,
+           root_dtype: torch.dtype = torch.float32) -> None:
     kw: dict[str, Any] = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -88,8 +101,8 @@ def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offloa
             fully_shard(m.lora_B, **kw)
     for m in blocks:
         fully_shard(m, **kw)
-    if mp is not None:  # the root (embeddings, final norm, output layer) in fp32: fp32 logits and log-softmax
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    if mp is not None:  # the root (embeddings, final norm, output layer): fp32 for the full-logits head
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=root_dtype, reduce_dtype=torch.float32)
     fully_shard(model, **kw)
 
 
@@ -116,7 +129,18 @@ class FSDPEngine(TrainingEngine):
         # (verl's param_offload / optimizer_offload) is one CPUOffloadPolicy: shards in pinned CPU
         # memory, copied to the GPU per unit for forward and backward, AdamW stepping on the CPU.
         self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
-        self.fast = fast = FastPaths.resolve(cfg, on_gpu)
+        self.shape = ModelShape.from_folder(model_path) if on_gpu else None  # sizes micro_batch_tokens=auto
+        # The budget (and checkpointing) wait for the first step: memory is known then (settle_settings)
+        self.settings = fast = resolve_fast_path(cfg, self._device_props(), self.shape, self.world_size,
+                                                 size_now=False)
+        if self.rank == 0:
+            logger.info("%s", fast.describe())
+        self.attn_impl = attention.register() if fast.varlen else fast.attn_implementation
+        self.root_dtype = torch.bfloat16 if fast.root_dtype == "bfloat16" else torch.float32
+        # Ulysses SP (learner/ulysses.py): models load with its attention, which wraps the resolved one.
+        self.sp = ulysses.setup_engine(cfg, model_path, fast) if cfg.sequence_parallel_size > 1 else None
+        if self.sp is not None:
+            self.attn_impl = ulysses.register()
         model = self._build(model_path, fast, mesh, mp, offload=self.offload, train=True)
         self.model = model
 
@@ -137,27 +161,50 @@ class FSDPEngine(TrainingEngine):
         logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters (%d trained), model %s", self.rank,
                     self.world_size, self.device, n_params, n_train, model_path)
 
-    def _build(self, model_path: str, fast: FastPaths, mesh, mp, *, offload: bool, train: bool) -> torch.nn.Module:
+    def settle_settings(self) -> None:
+        """Size the micro-batches (and choose checkpointing) from the memory free now, counting what this
+        rank already holds as free (the estimate includes the model's state): at the first step, after a
+        colocated engine has gone to sleep."""
+        self.settings = resolve_fast_path(self.cfg, self._device_props(held=True), self.shape, self.world_size)
+        if self.settings.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.rank == 0:
+            logger.info("%s", self.settings.describe())
+
+    def _device_props(self, held: bool = False) -> DeviceProps:
+        """This rank's device; on GPU the least free memory of any rank (every rank must plan the same
+        micro-batches: each forward and backward is a collective). ``held``: this process's cached GPU
+        memory counts as free."""
+        props = DeviceProps.probe(self.device)
+        if props.is_gpu and held:
+            props = dataclasses.replace(props, free_bytes=props.free_bytes + torch.cuda.memory_reserved(self.device))
+        if props.is_gpu and self.world_size > 1:
+            free = torch.tensor([props.free_bytes], dtype=torch.int64, device=self.device)
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+            props = dataclasses.replace(props, free_bytes=int(free))
+        return props
+
+    def _build(self, model_path: str, fast: ResolvedSettings, mesh, mp, *, offload: bool, train: bool) -> torch.nn.Module:
         if fast.meta_init:
-            model = meta_model(model_path, fast.attn_implementation)
+            model = meta_model(model_path, self.attn_impl)
             if disable_dropout(model):
                 logger.warning("%s had dropout > 0: set to 0 (the proximal and training passes must score alike)",
                                model_path)
         else:
-            model = _load_model(model_path, fast.attn_implementation)
+            model = _load_model(model_path, self.attn_impl)
         if not train:
             model.eval().requires_grad_(False)
         lora = self.cfg.lora if train else None
         if lora is not None:
             lora_mod.inject(model, lora)  # before sharding, so the adapters are sharded with their layers
-        if train and self.cfg.activation_checkpointing:
+        if train and fast.activation_checkpointing:
             # HF's own checkpointing keeps parameter names unchanged (a checkpoint wrapper would add a prefix).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if fast.compile_blocks:
             compile_blocks(_decoder_blocks(model))
         if not fast.meta_init and not offload:
             model.to(self.device)  # plain load: on CPU, moved whole, then sharded (each rank keeps its shard)
-        _shard(model, mesh, mp, offload=offload)
+        _shard(model, mesh, mp, offload=offload, root_dtype=self.root_dtype)
         if fast.meta_init:
             load_shards(model, model_path, torch.device("cpu") if offload else self.device,
                         skip=lora_mod.is_adapter_name if lora is not None else None)
@@ -168,12 +215,24 @@ class FSDPEngine(TrainingEngine):
         return model
 
     # ---- forward ---------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int:  # the ranks of one SP group plan the same micro-batches
+        return self.sp.dp_rank if self.sp is not None else self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.sp.dp_size if self.sp is not None else self.world_size
+
     def _forward(self, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        kw = self.fast.forward_kwargs(mb)
-        if self.fast.chunked_logprobs:
+        if self.sp is not None:  # this rank's slice of the row (in place, once); the loss then reads its tokens
+            kw = self.sp.forward_kwargs(self.sp.shard(mb))
+        else:
+            kw = forward_kwargs(self.settings, mb)
+        if self.settings.chunked_logprobs:
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
-            return head_logprobs(model, mb, self.cfg.temperature, self.fast.logprob_chunk, cd, **kw)
+            return head_logprobs(model, mb, self.cfg.temperature, self.settings.logprob_chunk, cd,
+                                 fused=self.settings.fused_head, **kw)
         return packed_forward(model, mb, self.cfg.temperature, **kw)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

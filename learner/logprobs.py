@@ -17,6 +17,14 @@ where an fp32 matmul would run on the GPU's much slower fp32 units. On fp32 oper
 path's fp32 matmul; the two differ only by the order of fp32 sums. Entropies carry no gradient in either
 (the loss uses them as a metric).
 
+Fused chunk arithmetic (``fused=True``; the FSDP engine sets it with ``learner.compile_blocks``): what
+happens to a chunk's fp32 logits after the matmul (temperature, logsumexp, target gather, entropy; in the
+backward softmax, one-hot and scaling into the operand dtype) is a few reading and writing passes over
+[chunk, vocab] fp32 each, memory-bound and, at a 150k vocabulary, a large share of a step. ``torch.compile``
+of :func:`_chunk_stats` and :func:`_chunk_grad` turns them into one or two passes (the softmax is never
+stored; the gradient is written straight in the operand dtype). Same formulas, fp32 throughout; the eager
+path below stays the reference (and the CPU path).
+
 Hooked into a transformers causal LM by :func:`head_logprobs`: the model is called as usual (so FSDP's
 hooks unshard and reshard the head exactly as in a normal forward), with ``logits_to_keep`` set to the
 response positions and the output embedding's forward swapped, for that one call, for the chunked one.
@@ -38,8 +46,11 @@ _out_dtype_mm: bool | None = None  # torch.mm(..., out_dtype=) runs here (probed
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as fp32. Half-precision CUDA operands: tensor cores, fp32 accumulation, fp32 result."""
+    """``a @ b`` as fp32. Half-precision CUDA operands: tensor cores, fp32 accumulation, fp32 result; on the
+    CPU the same function from the upcast operands (a CPU half matmul would round its result to half)."""
     global _out_dtype_mm
+    if a.dtype in _HALF and not a.is_cuda:
+        return a.float() @ b.float()
     if not (a.is_cuda and a.dtype in _HALF):
         return (a @ b).float()
     if _out_dtype_mm is not False:
@@ -62,17 +73,48 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_t: float) -> torch.
     return logits * inv_t if inv_t != 1.0 else logits
 
 
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float):
+    """(log-prob of the target, logsumexp, entropy) of raw fp32 logits at temperature 1/inv_t."""
+    z = logits * inv_t
+    lse = torch.logsumexp(z, dim=-1)
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+    return z.gather(-1, targets.view(-1, 1)).squeeze(-1) - lse, lse, entropy
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, inv_t: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """d(sum g * logp) / d(raw logits) = g * inv_t * (onehot(target) - softmax), written in ``out_dtype``."""
+    p = torch.exp(logits * inv_t - lse[:, None])
+    hit = torch.arange(logits.shape[-1], device=logits.device)[None, :] == targets[:, None]
+    return ((hit.to(p.dtype) - p) * (g * inv_t)[:, None]).to(out_dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _fused(name: str):
+    """The compiled chunk function (compiled once per process, on first use)."""
+    fn = _compiled.get(name)
+    if fn is None:
+        fn = _compiled[name] = torch.compile({"stats": _chunk_stats, "grad": _chunk_grad}[name])
+    return fn
+
+
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int, compute_dtype):
+    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int, compute_dtype, fused: bool = False):
         n = hidden.shape[0]
         cd = compute_dtype or hidden.dtype
         h_c, w_c = hidden.to(cd), weight.to(cd)  # no copy when they are in it already
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp)
+        stats = _fused("stats") if fused else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
+            if stats is not None:
+                logp[s:e], lse[s:e], ent[s:e] = stats(mm_fp32(h_c[s:e], w_c.t()), targets[s:e], inv_t)
+                continue
             logits = _chunk_logits(h_c[s:e], w_c, inv_t)
             z = torch.logsumexp(logits, dim=-1)
             lse[s:e] = z
@@ -82,7 +124,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             ent[s:e] = z - expected
             del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_t, ctx.chunk, ctx.cd = inv_t, chunk, cd
+        ctx.inv_t, ctx.chunk, ctx.cd, ctx.fused = inv_t, chunk, cd, fused
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -98,31 +140,36 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         rows = torch.arange(chunk, device=hidden.device)
+        fused_grad = _fused("grad") if ctx.fused else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            logits = _chunk_logits(h_c[s:e], w_c, inv_t)
-            # d logp / d logits = onehot(target) - softmax; times the incoming gradient and 1/T
-            grad = torch.exp_(logits.sub_(lse[s:e, None])).mul_(-g_logp[s:e, None].float())
-            grad[rows[: e - s], targets[s:e]] += g_logp[s:e].float()
-            if inv_t != 1.0:
-                grad.mul_(inv_t)
-            grad = grad.to(cd)
+            if fused_grad is not None:
+                logits = mm_fp32(h_c[s:e], w_c.t())
+                grad = fused_grad(logits, lse[s:e], targets[s:e], g_logp[s:e].float(), inv_t, cd)
+            else:
+                logits = _chunk_logits(h_c[s:e], w_c, inv_t)
+                # d logp / d logits = onehot(target) - softmax; times the incoming gradient and 1/T
+                grad = torch.exp_(logits.sub_(lse[s:e, None])).mul_(-g_logp[s:e, None].float())
+                grad[rows[: e - s], targets[s:e]] += g_logp[s:e].float()
+                if inv_t != 1.0:
+                    grad.mul_(inv_t)
+                grad = grad.to(cd)
             if need_h:
                 g_h[s:e] = mm_fp32(grad, w_c)
             if need_w:
                 g_w += mm_fp32(grad.t(), h_c[s:e])  # accumulated over chunks in fp32
             del logits, grad
-        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk: int = DEFAULT_CHUNK, compute_dtype: torch.dtype | None = None
+                     chunk: int = DEFAULT_CHUNK, compute_dtype: torch.dtype | None = None, fused: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """[n] fp32 log-probs of ``targets`` and [n] fp32 entropies under softmax(hidden @ weight.T / temperature).
 
     ``hidden`` [n, h] and ``weight`` [V, h]; the head's operands are cast to ``compute_dtype`` (default:
     ``hidden``'s dtype), the logits are fp32 (module docstring). Gradients flow to both in their own dtypes
-    (not to the entropy).
+    (not to the entropy). ``fused``: the per-chunk arithmetic compiled (module docstring).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [n, h] and weight [V, h] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -133,7 +180,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32)
         return z + (hidden.sum() + weight.sum()) * 0, z.clone()
-    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype)
+    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype, fused)
 
 
 @contextmanager
@@ -146,12 +193,14 @@ def _swapped_head(head: torch.nn.Module, fn):
 
 
 def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
-                  compute_dtype: torch.dtype | None = None, **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                  compute_dtype: torch.dtype | None = None, fused: bool = False,
+                  **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed micro-batch through a transformers causal LM, chunked.
 
     The LM head must be a bias-free linear layer (``get_output_embeddings()``: every Llama/Qwen2-family
     model); ``forward_kwargs`` go to the model (e.g. varlen attention metadata). ``compute_dtype``: the head's
-    operand dtype (FSDP on GPU passes bf16: its fp32 root would otherwise run the head on fp32 units).
+    operand dtype (FSDP on GPU passes bf16: with an fp32 root the head would otherwise run on fp32 units);
+    ``fused``: compiled per-chunk arithmetic.
     """
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None or not hasattr(head, "weight"):
@@ -160,7 +209,7 @@ def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: i
     def forward(h: torch.Tensor) -> torch.Tensor:
         # h: [1, n, hidden] (logits_to_keep selected the response positions); the head's weight here is
         # the unsharded one FSDP gathered for this forward.
-        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk, compute_dtype)
+        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk, compute_dtype, fused)
         # Returned as the model's "logits" [1, n, 2], so the result leaves through the model's output (FSDP
         # hooks its backward on the outputs).
         return torch.stack([logp, ent], dim=-1).unsqueeze(0)

@@ -5,11 +5,14 @@ Dataflow of step ``s = v + 1`` (``v``: the current policy version)::
     rank 0: source.next_batch(s) --Arrow IPC bytes, uint8 broadcast--> every rank
     every rank: plan_mini_batches (advantages, whole groups into ppo mini-batches, rank split,
                                    packed micro-batches)
+                [advantage=gae: critic.prepare, values + GAE on every mini-batch: learner/critic.py]
                 engine.prepare_logprobs on every mini-batch (proximal / reference, no grad,
                                    all before the first optimizer step)
                 [first step after start: logprob_probe.check, engine vs learner on fresh tokens]
                 ppo_epochs x engine.train_step per mini-batch (accumulate, clip, AdamW;
                                    the LR schedule once per step batch)  -> version s
+                                  (skipped in the critic's warm-up steps)
+                [critic.train: the value loss over the same mini-batches]
                 publish(s, engine)            (collective; rank 0 sends the weights)
     rank 0: source.report_version(s)
     every rank: on_metrics(s, metrics)  (the step's record: rank 0 writes it)
@@ -48,6 +51,7 @@ import torch.distributed as dist
 from broker.schema import oldest_versions
 from learner import checkpoint as ckpt
 from learner import logprob_probe
+from learner.busy import StepTimer
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine
 from learner.losses import finalize_metrics
@@ -137,7 +141,7 @@ class Learner:
                  batch_timeout_s: float | None = None, engine_dtype: str = "auto",
                  on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
                  needs_weights: IdleHook | None = None, idle_poll_s: float = 10.0,
-                 on_committed: CommittedHook | None = None) -> None:
+                 on_committed: CommittedHook | None = None, critic=None) -> None:
         """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
         ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py).
 
@@ -148,10 +152,15 @@ class Learner:
         the next publish, which waits for them.
 
         ``on_metrics(step, metrics)`` runs before the step's checkpoint and ack, ``on_committed(step)``
-        after them: a hook that stops the run (:class:`learner.run.StopRun`) belongs in the latter."""
+        after them: a hook that stops the run (:class:`learner.run.StopRun`) belongs in the latter.
+
+        ``critic``: PPO's value model (:class:`learner.critic.Critic`) with ``learner.loss.advantage=gae``."""
         if engine.rank == 0 and source is None:
             raise ValueError("learner rank 0 needs a BatchSource")
         self.engine, self.cfg, self.source = engine, cfg, source
+        if (critic is None) != (cfg.loss.advantage != "gae"):
+            raise ValueError("learner.loss.advantage=gae and a critic go together: pass critic= exactly when gae")
+        self.critic = critic
         self.max_steps = max_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.export_root = Path(export_root) if export_root else None
@@ -182,6 +191,8 @@ class Learner:
             return False
         path = ckpt.step_dir(self.checkpoint_dir, int(found))
         extra = self.engine.load_checkpoint(path)
+        if self.critic is not None:
+            self.critic.load(path / "critic")
         self.version = int(extra["version"])
         if self.engine.rank == 0 and extra.get("source_position") is not None and hasattr(self.source, "restore"):
             self.source.restore(extra["source_position"])
@@ -230,8 +241,10 @@ class Learner:
         if self.checkpoint_dir is None:
             raise ValueError("no checkpoint_dir configured")
         pos = self.source.position() if self.engine.rank == 0 and hasattr(self.source, "position") else None
-        self.engine.save_checkpoint(ckpt.step_dir(self.checkpoint_dir, self.version),
-                                    {"version": self.version, "source_position": pos})
+        path = ckpt.step_dir(self.checkpoint_dir, self.version)
+        if self.critic is not None:  # before the actor's meta.json, which marks the folder complete
+            self.critic.save(path / "critic")
+        self.engine.save_checkpoint(path, {"version": self.version, "source_position": pos})
         if self.engine.rank == 0:
             ckpt.prune(self.checkpoint_dir, self.cfg.keep_checkpoints)
 
@@ -254,13 +267,15 @@ class Learner:
         if self.on_batch is not None:
             self.on_batch(step)
         t_train_wall = time.time()  # unix seconds, comparable with the samples' t_start / t_end
+        timer = StepTimer()  # the step's compute, host and CUDA clocks (learner/busy.py)
         plans, stats = plan_mini_batches(
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
-            world_size=self.engine.data_world_size, micro_batch_tokens=self.cfg.micro_batch_tokens,
+            world_size=self.engine.data_world_size, micro_batch_tokens=self.engine.micro_batch_tokens,
             advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
             aggregation=self.cfg.loss.aggregation, learner_version=self.version,
             mask_truncated=self.cfg.loss.mask_truncated)
         t1 = time.perf_counter()
+        critic_m = self.critic.prepare(plans, self.cfg.loss.gamma, self.cfg.loss.lam) if self.critic else {}
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
         t_prep = time.perf_counter() - t1
@@ -271,13 +286,17 @@ class Learner:
         orders = epoch_orders(len(plans), self.cfg.ppo_epochs, step)
         n_opt = sum(len(o) for o in orders)
         parts = []
-        for order in orders:
+        warm_up = self.critic is not None and step <= self.critic.warmup_steps  # the critic alone learns
+        for order in orders if not warm_up else []:
             for k in order:
                 parts.append(self.engine.train_step(plans[k], step_scheduler=len(parts) == n_opt - 1))
-        m = finalize_metrics(combine_steps(parts))
+        if self.critic is not None:
+            critic_m.update(self.critic.train(plans, step))
+        m = finalize_metrics(combine_steps(parts)) if parts else {"optimizer_steps": 0.0, "step_skipped": 1.0}
         m.update(probe or {})
         self.version = step
         t2 = time.perf_counter()
+        busy = timer.stop()
         # weights unchanged only if every optimizer step of the batch was skipped; the decision is
         # identical on every rank (the same plans; grad norms are all-reduced)
         unchanged = all(p.get("step_skipped", 0.0) for p in parts) and self.on_unchanged is not None
@@ -293,6 +312,8 @@ class Learner:
         stale = step - 1 - oldest_versions(batch)
         metrics = {f"learner/{k}": v for k, v in m.items()}
         metrics.update({f"learner/batch_{k}": v for k, v in stats.items()})
+        metrics.update(busy)
+        metrics.update(critic_m)
         metrics.update({
             "learner/version": float(self.version),
             "learner/staleness_max_versions": float(stale.max()),
@@ -317,11 +338,11 @@ class Learner:
         })
         self.history.append(metrics)
         if self.engine.rank == 0:
+            g = lambda k: metrics.get(k, float("nan"))  # noqa: E731 (a critic warm-up step has no actor loss)
             logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e fresh_mismatch_kl %.2e "
                         "grad_norm %.3f opt_steps %d (%.2fs)",
-                        step, metrics["learner/loss_total"], metrics["learner/batch_reward_mean"],
-                        metrics["learner/clip_frac"], metrics["learner/mismatch_kl_k3"],
-                        metrics["learner/mismatch_kl_k3_fresh"], metrics["learner/grad_norm"],
+                        step, g("learner/loss_total"), g("learner/batch_reward_mean"), g("learner/clip_frac"),
+                        g("learner/mismatch_kl_k3"), g("learner/mismatch_kl_k3_fresh"), g("learner/grad_norm"),
                         int(metrics["learner/optimizer_steps"]), metrics["learner/total_step_seconds"])
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)

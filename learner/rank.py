@@ -181,6 +181,8 @@ class LearnerRank:
         self.t0 = time.monotonic()
         self.t0_unix = time.time()
         self._colo: dict[str, float] = {}  # colocated mode: sleep / wake seconds of the current step
+        self._engine = None  # the training engine, once built (its resolved settings)
+        self.critic_last: tuple[float | None, float | None] = (None, None)  # PPO: vf_loss, explained variance
 
     # -- rendezvous ----------------------------------------------------------------------------------
     def set_rank(self, rank: int) -> None:
@@ -417,6 +419,7 @@ class LearnerRank:
                 self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
         self._log_step(step, m)
         self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
+        self.critic_last = (m.get("critic/vf_loss"), m.get("critic/vf_explained_var"))
         self.wait_s += float(m.get("learner/pull_seconds", 0.0))
         self.groups_consumed += self.cfg.broker.groups_per_step
         stale = getattr(self._source, "last_staleness", None)
@@ -433,7 +436,8 @@ class LearnerRank:
                 "learner/train_start_unix", "learner/train_end_unix", "learner/gen_start_min_unix",
                 "learner/gen_end_max_unix", "learner/prompt_tokens", "learner/response_tokens", "learner/samples",
                 "learner/staleness_max_versions", "learner/staleness_mean_versions", "learner/mismatch_kl_k3",
-                "learner/mismatch_logp_diff", "learner/batch_reward_mean")
+                "learner/mismatch_logp_diff", "learner/batch_reward_mean", "learner/compute_seconds",
+                "learner/gpu_compute_seconds", "learner/gpu_max_reserved_gib")
         row = {"step": step, "t_unix": time.time(), "t0_unix": self.t0_unix,
                **{k.split("/", 1)[1]: float(m[k]) for k in keys if k in m}, **self._colo}
         try:
@@ -474,13 +478,13 @@ class LearnerRank:
                                         curve_keys_dir=self.cfg.broker.curve_keys_dir,
                                         lease_timeout_s=self.cfg.broker.lease_timeout_s)
         self.t0, self.t0_unix = time.monotonic(), time.time()
-        colo = self.cfg.colocate.enabled
+        colo = self.cfg.colocate.synchronous  # shared async (colocate.mode=async) publishes as disaggregated does
         try:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
             run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
                         on_metrics=self._metrics, on_committed=self._committed, batch_timeout_s=self.cfg.rollout.request_timeout_s,
                         on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None,
-                        needs_weights=None if colo else self._needs_weights)
+                        needs_weights=None if colo else self._needs_weights, on_engine=self._engine_built)
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
         except Exception as exc:
@@ -497,6 +501,9 @@ class LearnerRank:
                 self.sink.close()
             dist.destroy_process_group()
         return self.status()
+
+    def _engine_built(self, engine) -> None:
+        self._engine = engine  # its settings (what every "auto" became, learner/fastpath.py) go into the record
 
     def stop(self) -> None:
         self.stop_flag = True
@@ -518,4 +525,6 @@ class LearnerRank:
             publish_s=round(self.publish_s, 3), publishes=self.publishes,
             last_published_version=self.last_published_version, publish_errors=self.publish_errors,
             publishes_skipped=self.publishes_skipped,
+            settings=self._engine.settings.as_dict() if self._engine is not None else None,
+            critic_vf_loss=self.critic_last[0], critic_explained_var=self.critic_last[1],
             done=self.done, error=self.error)

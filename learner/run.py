@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -26,6 +27,7 @@ from pydantic import ConfigDict
 
 from core.configbase import ConfigModel, ModelConfig, RunKeys, build
 from learner.config import LearnerConfig
+from learner.engine import TrainingEngine
 from learner.loop import (
     BatchHook,
     CommittedHook,
@@ -119,11 +121,13 @@ def make_engine(lc, model_path: str, *, total_steps: int, seed: int):
 def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: PublishHook | None = None,
                 on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None,
                 on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
-                needs_weights: IdleHook | None = None, on_committed: CommittedHook | None = None) -> list[dict]:
+                needs_weights: IdleHook | None = None, on_committed: CommittedHook | None = None,
+                on_engine: Callable[[TrainingEngine], None] | None = None) -> list[dict]:
     """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
 
     ``cfg`` is the run config (see :class:`LearnerRunLike`); the process group must be initialised
-    (:func:`init_distributed`). Rank 0 needs ``source``; other ranks may pass None.
+    (:func:`init_distributed`). Rank 0 needs ``source``; other ranks may pass None. ``on_engine`` sees the
+    engine once it is built (its resolved ``settings`` go into the run's summary).
     Checkpoints go to ``learner.checkpoint_dir`` (default ``RUN_DIR/checkpoints``),
     HF exports to ``RUN_DIR/export/step_XXXXXXXX`` with the symlink ``RUN_DIR/export/latest``. Returns the per-step metrics.
     """
@@ -131,11 +135,18 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
     torch.manual_seed(cfg.run.seed)
     run_dir = Path(cfg.run.run_dir)
     engine = make_engine(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed)
+    if on_engine is not None:
+        on_engine(engine)
+    critic = None
+    if lc.critic is not None:
+        from learner.critic import Critic
+
+        critic = Critic(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed, engine=engine)
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
                       checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
                       export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
                       batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype, on_unchanged=on_unchanged,
-                      on_batch=on_batch, needs_weights=needs_weights, on_committed=on_committed)
+                      on_batch=on_batch, needs_weights=needs_weights, on_committed=on_committed, critic=critic)
     if lc.resume:
         learner.resume()
     try:

@@ -31,4 +31,8 @@ class LearnerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     publishes_skipped: int = 0  # steps that changed no weights: engines relabelled, nothing published
     done: bool = False
     error: str | None = None
+    # PPO (learner.critic): the last step's value loss and explained variance (learner/critic.py)
+    critic_vf_loss: float | None = None
+    critic_explained_var: float | None = None
     rank_steps: list[int | None] | None = None  # steps each rank applied, in rank order (set at stop)
+    settings: dict[str, str | int | bool] | None = None  # the learner's resolved fast path (learner/fastpath.py)

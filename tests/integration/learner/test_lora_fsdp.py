@@ -11,7 +11,7 @@ import pytest
 import torch
 from learner_testkit import make_batches, make_tiny_model, run_procs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # ~15-25 s on the loaded 2-core box
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # 3 s on a quiet box, 15-25 s on the loaded one
 STEPS = 2
 
 

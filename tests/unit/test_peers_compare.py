@@ -1,0 +1,63 @@
+"""bench/peers/compare.py reads verl's console lines and fleetrl's step log, leaves the warm-up out, and takes
+the ratio against verl's fastest attempt that ran (a failed attempt is kept with its error, never chosen)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from bench.peers.compare import build, parse_verl_log
+
+
+def _verl_line(step: int, total: float, gen: float) -> str:
+    # verl's LocalLogger: "step:N - key:value - ...", numpy scalars as np.float64(...)
+    return (f"(TaskRunner pid=1) step:{step} - actor/pg_loss:np.float64(-0.0123) - timing_s/gen:{gen} - "
+            f"timing_s/old_log_prob:np.float64(3.5) - timing_s/update_actor:10.25 - timing_s/step:{total} - "
+            f"perf/mfu/actor:0.05 - response_length/mean:511.2")
+
+
+def test_verl_lines_parse():
+    rows = parse_verl_log("noise\n" + _verl_line(3, 20.5, 4.25) + "\nstep:4 without timing\n")
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["step"], r["timing_s/step"], r["timing_s/gen"], r["timing_s/old_log_prob"]) == (3, 20.5, 4.25, 3.5)
+    assert r["actor/pg_loss"] == -0.0123 and r["perf/mfu/actor"] == 0.05
+
+
+def test_ratio_against_the_fastest_verl_attempt_that_ran(tmp_path):
+    fl, vd = tmp_path / "fleetrl", tmp_path / "verl"
+    fl.mkdir()
+    (fl / "case.json").write_text(json.dumps({"case": "smol", "device": "NVIDIA H100 80GB HBM3"}))
+    t0, rows, t = 1000.0, [], 1000.0
+    for step, dt in enumerate([60.0, 4.0, 5.0, 4.5, 6.0], start=1):  # the first step carries the start-up
+        t += dt
+        rows.append({"step": step, "t_unix": t, "t0_unix": t0, "pull_seconds": dt - 1.0,
+                     "train_start_unix": t - 0.8, "train_end_unix": t - 0.2, "colocate/weight_load_seconds": 0.08})
+    (fl / "learner_steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (fl / "rc").write_text("0")
+    for name, totals, rc in (("best", None, "1"), ("nofused", [90.0, 20.0, 22.0, 21.0], "0"),
+                             ("as_written", [95.0, 24.0, 25.0], "0")):
+        a = vd / f"attempt_{name}"
+        a.mkdir(parents=True)
+        (a / "rc").write_text(rc)
+        (a / "overrides.txt").write_text(f"{name} keys")
+        if totals is None:
+            (a / "verl.log").write_text("Traceback (most recent call last):\nImportError: flash_attn\n")
+            (a / "error.txt").write_text("ImportError: flash_attn")
+        else:
+            (a / "verl.log").write_text("\n".join(_verl_line(i + 1, x, 4.0 + i) for i, x in enumerate(totals)))
+    r = build("smol", fl, vd, skip=1)
+    assert r["device"] == "NVIDIA H100 80GB HBM3" and r["verl"]["best"] == "nofused"
+    failed = {a["name"]: a for a in r["verl"]["attempts"]}["best"]
+    assert failed["summary"] is None and "flash_attn" in failed["error"] and failed["rc"] == "1"
+    fleet_median = statistics.median([5.0, 4.5, 6.0, 4.0])  # steps 2-5
+    assert abs(r["fleetrl"]["step_s"]["median"] - fleet_median) < 1e-9
+    assert abs(r["ratio"] - fleet_median / statistics.median([20.0, 22.0, 21.0])) < 1e-9
+    gen = statistics.median([3.0, 4.0, 3.5, 5.0]) / statistics.median([5.0, 6.0, 7.0])
+    assert abs(r["generation_ratio"] - gen) < 1e-9
+    assert r["fleetrl"]["weight_update_s"]["median"] == 0.08
+
+
+def test_missing_runs_give_no_ratio(tmp_path):
+    r = build("q15-1k", tmp_path / "nofleet", tmp_path / "noverl")
+    assert r["ratio"] is None and r["verl"]["best"] is None and "error" in r["fleetrl"]
