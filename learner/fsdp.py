@@ -145,7 +145,7 @@ class FSDPEngine(TrainingEngine):
         self.model = model
 
         self.ref_model = None
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.kl_coef > 0 and cfg.lora is None:  # with LoRA the reference is the base: adapters off
             # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
             self.ref_model = self._build(model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload,
                                          train=False)
@@ -254,6 +254,11 @@ class FSDPEngine(TrainingEngine):
                 mb.to(self.device)
                 with torch.no_grad():
                     mb.ref_logp, _ = self._forward(self.ref_model, mb)
+        elif self.cfg.lora is not None and self.cfg.loss.kl_coef > 0:
+            for mb in plan.micro_batches:
+                mb.to(self.device)
+                with torch.no_grad(), lora_mod.adapters_off(self.model):
+                    mb.ref_logp, _ = self._forward(self.model, mb)
 
     # ---- step ------------------------------------------------------------------------------
     def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:

@@ -22,6 +22,7 @@ import json
 import math
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,9 +44,12 @@ class LoraLinear(nn.Linear):
     lora_B: nn.Linear
     lora_dropout: nn.Module
     lora_scale: float
+    lora_off: bool = False  # set by adapters_off: the base layer alone (the KL reference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if self.lora_off:
+            return out
         a = self.lora_A.weight
         # bf16 adapters beside an fp32 base (CPU, no mixed-precision policy): compute the branch in its own dtype
         delta = self.lora_B(self.lora_A(self.lora_dropout(x).to(a.dtype)))
@@ -100,6 +104,19 @@ def inject(model: nn.Module, cfg: LoraConfig) -> list[str]:
         m.lora_scale = cfg.alpha / cfg.rank
         m.__class__ = LoraLinear
     return names
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model`` computes its frozen base exactly: the KL reference without a second copy of the model."""
+    mods = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for m in mods:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.lora_off = False
 
 
 def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -33,7 +33,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
     def config(meta_init: str) -> LearnerConfig:
         return LearnerConfig.model_validate({
-            "loss": {"correction": "decoupled"}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
+            "loss": {"correction": "decoupled", "kl_coef": 0.01}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
             "checkpoint_every": STEPS, "optim": {"lr": 1e-2, "weight_decay": 0.01}, "meta_init": meta_init,
             "lora": {"rank": 4, "alpha": 8, "exclude_modules": ["down_proj"]}})
 
@@ -46,12 +46,13 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     ckpt_dir = Path(kw["tmp"]) / "ckpt"
     learner = Learner(engine, cfg, source=source, max_steps=STEPS, checkpoint_dir=ckpt_dir,
                       export_root=Path(kw["tmp"]) / "export")
-    learner.run()
+    history = learner.run()
     base1 = {n: t for n, t in engine.model.state_dict().items() if not lora.is_adapter_name(n)}
     base1 = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in base1.items()}
     ad1 = {n: t.clone() for n, t in lora.adapter_tensors(engine.model)}
     merged = {n: t.clone() for n, t in engine.full_tensors()}
     n_opt_state = len(engine.optimizer.state)
+    no_ref_copy = engine.ref_model is None  # the KL reference is the base with the adapters off
     n_adapter = len(lora.adapter_parameters(engine.model))
     exported = learner.export()
 
@@ -82,7 +83,8 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
             "a_changed": all(not torch.equal(ad0[n], ad1[n]) for n in ad0 if ".lora_A." in n),
             "b_changed": all(not torch.equal(ad0[n], ad1[n]) for n in ad0 if ".lora_B." in n),
             "b_started_zero": all(not ad0[n].any() for n in ad0 if ".lora_B." in n),
-            "n_adapter": n_adapter, "n_opt_state": n_opt_state,
+            "n_adapter": n_adapter, "n_opt_state": n_opt_state, "no_ref_copy": no_ref_copy,
+            "kl": [h.get("learner/loss_kl") for h in history],
             "excluded": not any("down_proj" in n for n in ad0),
             "resumed": resumed, "fresh_differs": any(not torch.equal(ad_fresh[n], ad1[n]) for n in ad1),
             "resume_bit_exact": all(torch.equal(ad1[n], ad2[n]) for n in ad1), "opt_bit_exact": opt_equal,
@@ -102,6 +104,8 @@ def test_lora_trains_only_adapters_and_resumes_bit_exact(tmp_path):
     run_procs(_rank, 2, {"model": str(model), "tmp": str(tmp_path), "out": str(out)}, 240, "fork")
     r = json.loads(out.read_text())
     assert r["base_unchanged"] and r["b_started_zero"] and r["a_changed"] and r["b_changed"], r
+    # KL to the base: zero at step 1 (B = 0: the policy is the base), positive once the adapters moved.
+    assert r["no_ref_copy"] and r["kl"][0] == 0 and r["kl"][1] > 0, r["kl"]
     assert r["excluded"] and r["n_opt_state"] == r["n_adapter"] == 2 * 2 * 6  # 2 layers x 6 linears x (A, B)
     assert r["resumed"] and r["fresh_differs"] and r["resume_bit_exact"] and r["opt_bit_exact"], r
     assert r["peft_prefix_ok"] and r["peft_equal"] and r["merged_equal"], r

@@ -42,6 +42,12 @@ def test_inject_freezes_base_and_starts_at_the_base_model():
     assert len(trainable) == 2 * len(names)
     # B = 0: exactly the base function (the adapter branch adds zeros).
     assert torch.equal(_logits(model, ids), before)
+    with torch.no_grad():
+        for _, p in lora.adapter_parameters(model):
+            p.add_(0.1)
+    assert not torch.equal(_logits(model, ids), before)
+    with lora.adapters_off(model):  # the KL reference: the base exactly, no second model
+        assert torch.equal(_logits(model, ids), before)
 
 
 def test_merged_weights_give_the_adapted_model():
