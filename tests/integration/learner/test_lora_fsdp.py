@@ -35,7 +35,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         return LearnerConfig.model_validate({
             "loss": {"correction": "decoupled", "kl_coef": 0.01}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
             "checkpoint_every": STEPS, "optim": {"lr": 1e-2, "weight_decay": 0.01}, "meta_init": meta_init,
-            "lora": {"rank": 4, "alpha": 8, "exclude_modules": ["down_proj"]}})
+            "lora": {"rank": 4, "alpha": 8, "exclude_modules": ["down_proj"], "dtype": kw["dtype"]}})
 
     cfg = config("off")
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS + 1, seed=0)
@@ -98,10 +98,11 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     torch.distributed.destroy_process_group()
 
 
-def test_lora_trains_only_adapters_and_resumes_bit_exact(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: each adapter its own FSDP unit
+def test_lora_trains_only_adapters_and_resumes_bit_exact(tmp_path, dtype):
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "result.json"
-    run_procs(_rank, 2, {"model": str(model), "tmp": str(tmp_path), "out": str(out)}, 240, "fork")
+    run_procs(_rank, 2, {"model": str(model), "tmp": str(tmp_path), "out": str(out), "dtype": dtype}, 240, "fork")
     r = json.loads(out.read_text())
     assert r["base_unchanged"] and r["b_started_zero"] and r["a_changed"] and r["b_changed"], r
     # KL to the base: zero at step 1 (B = 0: the policy is the base), positive once the adapters moved.
