@@ -483,7 +483,9 @@ class LearnerRank:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
             run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
                         on_metrics=self._metrics, on_committed=self._committed, batch_timeout_s=self.cfg.rollout.request_timeout_s,
-                        on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None,
+                        # adapter publishing: a step without an update still publishes (a relabel alone would
+                        # make the fleet name an adapter version no server has loaded); it costs an adapter
+                        on_unchanged=None if colo or adapter_publish(self.cfg) else self._unchanged, on_batch=self._release if colo else None,
                         needs_weights=None if colo else self._needs_weights, on_engine=self._engine_built)
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
