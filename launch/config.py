@@ -29,7 +29,7 @@ from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, buil
 from core.network import NetworkConfig
 from launch.monitor import WandbConfig
 from learner.config import LearnerConfig
-from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
+from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
 from weight_sync.config import WeightSyncConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
@@ -71,6 +71,7 @@ class RunConfig(ConfigModel):
             learner = data.setdefault("learner", {})
             if isinstance(learner, dict) and isinstance(learner.setdefault("loss", {}), dict):
                 learner["loss"].setdefault("mask_truncated", True)
+        _default_loss_scale_factor(data)
         return data
 
     @model_validator(mode="after")
@@ -93,6 +94,7 @@ class RunConfig(ConfigModel):
             if scored_by:
                 raise ValueError(f"reward.model ({self.reward.model.kind}) is set but {scored_by} scores every "
                                  "episode itself: the reward model would never be called; remove one of them")
+        _check_dapo(self)
         if (self.reward.on_truncated == "mask") != self.learner.loss.mask_truncated:
             raise ValueError(f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
                              f"reward.on_truncated={self.reward.on_truncated!r}: set reward.on_truncated alone")
@@ -138,6 +140,33 @@ class RunConfig(ConfigModel):
                 "set both to the same value"
             )
         return self
+
+
+def _check_dapo(cfg: RunConfig) -> None:
+    """DAPO's dynamic sampling and overlong shaping run in the single-turn rollout worker."""
+    ob, fg = cfg.reward.overlong_buffer, cfg.rollout.filter_groups
+    if ob.enable and ob.len > cfg.rollout.sampling.max_tokens:
+        raise ValueError(f"reward.overlong_buffer.len={ob.len} exceeds rollout.sampling.max_tokens="
+                         f"{cfg.rollout.sampling.max_tokens}: the buffer is the tail of the generation limit")
+    multi = ("rollout.env" if cfg.rollout.env is not None else
+             "rollout.proxy.agent" if cfg.rollout.proxy is not None and cfg.rollout.proxy.agent else None)
+    if multi and (ob.enable or fg.enable):
+        raise ValueError(f"rollout.filter_groups / reward.overlong_buffer run in the single-turn rollout worker; "
+                         f"{multi} episodes are not filtered or shaped: turn them off or drop {multi}")
+
+
+def _default_loss_scale_factor(data: dict[str, Any]) -> None:
+    """seq_mean_token_sum_norm divides by a constant length; verl's default is the padded response length, the
+    generation limit: rollout.sampling.max_tokens."""
+    if not isinstance(data, dict):
+        return
+    loss = (data.get("learner") or {}).get("loss") if isinstance(data.get("learner"), dict) else None
+    if not isinstance(loss, dict) or loss.get("aggregation") != "seq_mean_token_sum_norm" \
+            or loss.get("loss_scale_factor") is not None:
+        return
+    sampling = (data.get("rollout") or {}).get("sampling") if isinstance(data.get("rollout"), dict) else None
+    max_tokens = sampling.get("max_tokens") if isinstance(sampling, dict) else None
+    loss["loss_scale_factor"] = max_tokens if max_tokens is not None else SamplingConfig.model_fields["max_tokens"].default
 
 
 def _check_colocated(cfg: RunConfig) -> None:

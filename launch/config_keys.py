@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from core.configbase import ConfigError, suggest
 
@@ -48,7 +47,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _default(field) -> str:
-    if field.default is PydanticUndefined and field.default_factory is None:
+    if field.is_required():
         return "(required)"
     value = field.default_factory() if field.default_factory is not None else field.default
     if isinstance(value, BaseModel):

@@ -47,6 +47,8 @@ GAUGES = {
     "broker_queue_groups": "broker/queue_groups: groups waiting in the broker",
     "rollout_staleness_max_versions": "rollout/staleness_max_versions: max staleness consumed so far",
     "eval_accuracy": "eval/accuracy: test-set accuracy of the latest evaluation",
+    "rollout_groups_filtered": "rollout/groups_filtered: uniform groups dropped by dynamic sampling "
+                               "(rollout.filter_groups), regenerated on their ticket",
 }
 
 
@@ -232,6 +234,7 @@ class Monitor:
             "broker_queue_groups": snap.queue_groups,
             "rollout_staleness_max_versions": lr.max_staleness_seen,
             "eval_accuracy": snap.eval_accuracy,
+            "rollout_groups_filtered": fl.groups_filtered,
         }
         for k, v in values.items():
             if v is not None and k in self._gauges:

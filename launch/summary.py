@@ -44,6 +44,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     broker_dropped = sum(drops.values())
     if fleet.groups_reward_failed:  # never pushed: the fleet dropped them (no made-up rewards)
         drops["reward_error"] = fleet.groups_reward_failed
+    if fleet.groups_filtered:  # DAPO dynamic sampling: uniform groups never pushed (regenerated on their ticket)
+        drops["filtered_uniform"] = fleet.groups_filtered
     if fleet.groups_bad_request:  # refused by an engine (HTTP 4xx): the request's fault
         drops["bad_request"] = fleet.groups_bad_request
     for reason, n in fleet.env_errors.items():  # multi-turn: an episode's environment failed, named
@@ -95,6 +97,11 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "publish_errors": learner.publish_errors,
         "publishes_skipped": learner.publishes_skipped,  # steps that changed no weights
         "samples_truncated": fleet.samples_truncated,  # finish reason 'length'
+        # DAPO (rollout.filter_groups): groups scored per group pushed; 1.0 without dynamic sampling
+        "groups_generated": fleet.groups_generated,
+        "generation_per_pushed_group": (round(fleet.groups_generated / fleet.groups_pushed, 4)
+                                        if fleet.groups_pushed else None),
+        "samples_overlong_penalised": fleet.samples_overlong_penalised,
         "learner_idle_fraction": learner.learner_idle_fraction,
         "fleet_idle_fraction": fleet.fleet_idle_fraction,
         "tokens_generated": fleet.tokens_pushed,

@@ -26,7 +26,7 @@ import pyarrow as pa
 import torch
 
 from broker.schema import loss_mask_of, token_versions, validate_batch
-from learner.losses import aggregation_weights, group_advantages
+from learner.losses import aggregation_scale, aggregation_weights, group_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class MicroBatch:
     behaviour_logp: torch.Tensor  # [n] float32
     advantages: torch.Tensor  # [n] float32 (the sequence's advantage repeated)
     weights: torch.Tensor  # [n] aggregation weights (sum to 1 over the whole step)
+    loss_scale: float = 1.0  # the sum modes' factor on sum(weights * loss) (learner.losses.aggregation_scale)
     seq_lens: torch.Tensor  # [s] trained response tokens of the packed sequences (loss mask applied)
     rows: list[int] = field(default_factory=list)  # rows of the step batch packed here
     fresh: torch.Tensor | None = None  # [n] bool: sampled by the policy version the learner holds (staleness 0)
@@ -118,26 +119,28 @@ def _empty_micro_batch() -> MicroBatch:
                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
 
 
-def sequence_advantages(rewards: torch.Tensor, group_index: torch.Tensor, advantage: str,
-                        drop_uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's group advantages; for ``gae`` zeros and every row kept: its advantages are per token, from the
-    critic's values at training time (learner/critic.py), and a group of one sample is legal."""
-    if advantage == "gae":
-        return torch.zeros_like(rewards), torch.ones(rewards.shape, dtype=torch.bool)
-    return group_advantages(rewards, group_index, advantage, drop_uniform)
-
-
 def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool,
                    mask_truncated: bool = False) -> np.ndarray:
     """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses, and with
     ``mask_truncated`` no response cut at the length limit)."""
-    rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
-    _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
-    _, keep = sequence_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
+    _, keep = _advantages(batch, advantage, drop_uniform)
     rows = keep.numpy() & (_trained_lengths(batch) > 0)
     if mask_truncated:
         rows &= batch.column("finish_reason").to_numpy(zero_copy_only=False) != "length"
     return rows
+
+
+def _advantages(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row advantages and keep mask over the whole step batch (learner/advantages.py); for ``gae`` zeros and
+    every row kept: its advantages are per token, from the critic's values at training time
+    (learner/critic.py), and a group of one sample is legal."""
+    rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
+    if advantage == "gae":
+        return torch.zeros_like(rewards), torch.ones(rewards.shape, dtype=torch.bool)
+    _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
+    lengths = torch.from_numpy(_trained_lengths(batch).astype(np.int64))
+    return group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform,
+                            lengths=lengths)
 
 
 def _trained_lengths(batch: pa.RecordBatch) -> np.ndarray:
@@ -155,7 +158,7 @@ def _trained_lengths(batch: pa.RecordBatch) -> np.ndarray:
 def plan_step(
     batch: pa.RecordBatch, *, rank: int, world_size: int, micro_batch_tokens: int,
     advantage: str, drop_uniform: bool, aggregation: str, select: np.ndarray | None = None,
-    learner_version: int | None = None, mask_truncated: bool = False,
+    learner_version: int | None = None, mask_truncated: bool = False, loss_scale_factor: int | None = None,
 ) -> StepPlan:
     """Advantages, the rank split and this rank's micro-batches for one optimizer step.
 
@@ -164,7 +167,8 @@ def plan_step(
     on, and the aggregation weights sum to one over the selection. ``learner_version``:
     the version the learner holds; tokens sampled by it are marked ``fresh``.
     ``mask_truncated``: responses cut at the length limit (finish reason ``length``) still
-    count in their group's advantage baseline but are not trained on.
+    count in their group's advantage baseline but are not trained on. ``loss_scale_factor``: the
+    constant length of ``aggregation='seq_mean_token_sum_norm'`` (learner.losses.aggregation_scale).
     """
     validate_batch(batch)
     if batch.num_rows == 0:
@@ -180,8 +184,7 @@ def plan_step(
     if (bad := p_len < 1).any():
         raise ValueError(f"row {int(np.flatnonzero(bad)[0])}: a trajectory needs at least one prompt token")
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
-    _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
-    adv, keep = sequence_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform)
+    adv, keep = _advantages(batch, advantage, drop_uniform)
     t_len = _trained_lengths(batch)  # masked-out tokens (observations) are fed but not trained on
     keep_np = keep.numpy() & (t_len > 0)
     truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
@@ -191,6 +194,7 @@ def plan_step(
         keep_np = keep_np & select
     rows = [int(i) for i in np.flatnonzero(keep_np)]
     total_tokens = int(t_len[rows].sum())
+    loss_scale = aggregation_scale(aggregation, total_tokens, len(rows), loss_scale_factor)
     stats = {
         "samples": float(batch.num_rows),
         "samples_trained": float(len(rows)),
@@ -248,7 +252,7 @@ def plan_step(
             targets=torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
             behaviour_logp=torch.from_numpy(np.concatenate(blp).astype(np.float32)),
             advantages=torch.from_numpy(np.concatenate(advs)),
-            weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)),
+            weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)), loss_scale=loss_scale,
             seq_lens=seq_lens, rows=used, fresh=torch.from_numpy(np.concatenate(fr)),
             rewards=rewards[used].double(),
             cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(in_lens)]), dtype=torch.int32),

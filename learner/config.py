@@ -41,8 +41,11 @@ class LossConfig(ConfigModel):
     correction: Literal["none", "tis", "decoupled"] = Field(
         description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0"
     )
-    advantage: Literal["mean", "mean_std", "gae"] = Field("mean_std", description="mean / mean_std: GRPO's group "
-        "baseline; gae: PPO with a learned value baseline (needs learner.critic; learner/gae.py)")
+    advantage: Literal["mean", "mean_std", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg",
+                       "gae"] = Field(
+        "mean_std", description="advantage estimator (learner/advantages.py): mean_std / mean (verl grpo with / "
+        "without norm_adv_by_std_in_grpo), rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gpg; gae: PPO "
+        "with a learned value baseline (needs learner.critic; learner/gae.py)")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per trained token (verl algorithm.gamma)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl algorithm.lam)")
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
@@ -51,7 +54,18 @@ class LossConfig(ConfigModel):
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip: for A < 0 the per-token loss is capped at "
                                 "clip_ratio_c * |A| (bounds a token whose ratio exploded)")
     tis_cap: float = Field(2.0, ge=1.0, description="truncation of the behaviour importance weight")
-    aggregation: Literal["token", "sequence"] = "token"
+    aggregation: Literal["token", "sequence", "token_sum", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
+        "token", description="verl's loss_agg_mode: token (token-mean), sequence (seq-mean-token-mean), token_sum, "
+        "seq_mean_token_sum, seq_mean_token_sum_norm (Dr. GRPO: divided by loss_scale_factor); gspo and geo_mean "
+        "always use sequence")
+    loss_scale_factor: int | None = Field(
+        None, ge=1, description="the constant length seq_mean_token_sum_norm divides by (verl actor.loss_scale_factor); "
+        "None: rollout.sampling.max_tokens (verl: the padded response length)")
+    policy_loss: Literal["vanilla", "gspo", "geo_mean"] = Field(
+        "vanilla", description="verl actor.policy_loss.loss_mode: vanilla (token-level PPO clip), gspo (sequence-level "
+        "ratio), geo_mean (GMPO, geometric mean of clipped token ratios); learner/losses.py surrogate")
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus: -entropy_coeff * entropy joins each token's "
+                                 "loss (verl actor.entropy_coeff); FSDP only")
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: str = Field("k3", description="KL-to-reference term in the loss: 'k2' (alias 'mse'): gradient of "
                               "KL(pi || ref); 'k3' (alias 'low_var_kl'): value estimates KL(pi || ref), gradient is "
@@ -64,6 +78,31 @@ class LossConfig(ConfigModel):
         return v
     mask_truncated: bool = Field(False, description="leave responses cut at max_tokens (finish reason 'length') out "
                                  "of the loss; set by reward.on_truncated=mask")
+
+    @model_validator(mode="after")
+    def _algorithms(self) -> LossConfig:
+        if self.aggregation == "seq_mean_token_sum_norm" and self.loss_scale_factor is None:
+            raise ValueError("learner.loss.aggregation='seq_mean_token_sum_norm' divides by a constant length: set "
+                             "learner.loss.loss_scale_factor (a run config fills it from rollout.sampling.max_tokens)")
+        return self
+
+    @property
+    def effective_aggregation(self) -> str:
+        """gspo and geo_mean are sequence-level objectives: like verl they always average over sequences."""
+        return "sequence" if self.policy_loss in ("gspo", "geo_mean") else self.aggregation
+
+
+class KLRewardConfig(ConfigModel):
+    """KL to the reference as a reward penalty (verl algorithm.use_kl_in_reward / kl_penalty / kl_ctrl.*):
+    learner/kl_reward.py."""
+
+    enable: bool = Field(False, description="subtract coef * KL(old || ref) per token from the reward")
+    estimator: Literal["k1", "k2", "k3", "abs"] = Field(
+        "k1", description="per-token estimate: k1 (verl kl), k2 (mse), k3 (low_var_kl), abs")
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed coef, or adapted toward target_kl")
+    coef: float = Field(0.001, ge=0, description="the penalty's coefficient (adaptive: its start)")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token it steers toward")
+    horizon: int = Field(10000, ge=1, description="adaptive: samples over which the coefficient may change by 20%")
 
 
 class MegatronConfig(ConfigModel):
@@ -236,6 +275,7 @@ class LearnerConfig(ConfigModel):
             raise ValueError(MEGATRON_REFUSED)
         return self
 
+    kl_reward: KLRewardConfig = Field(KLRewardConfig(), description="KL in the reward (verl use_kl_in_reward)")
     sequence_parallel_size: int = Field(
         1, ge=1, description="FSDP: Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size). Groups of "
         "this many consecutive learner ranks split each packed row between them (attention exchanges heads for "
@@ -282,6 +322,10 @@ class LearnerConfig(ConfigModel):
     @model_validator(mode="after")
     def _critic(self) -> LearnerConfig:
         c = self.critic
+        if self.loss.advantage == "gae" and self.kl_reward.enable:
+            raise ValueError("learner.kl_reward with learner.loss.advantage=gae is not supported yet: the KL penalty "
+                             "would have to enter the critic's token rewards; use the KL loss (learner.loss.kl_coef) "
+                             "or an outcome estimator")
         if self.loss.advantage == "gae" and c is None:
             raise ValueError("learner.loss.advantage=gae needs a value model: set learner.critic (e.g. {} for a "
                              "critic initialised from the actor's model)")
@@ -312,6 +356,22 @@ class LearnerConfig(ConfigModel):
         if self.engine == "megatron" and (self.param_offload or self.optimizer_offload):
             raise ValueError("learner.param_offload / optimizer_offload are FSDP's (CPUOffloadPolicy); with "
                              "learner.engine=megatron use tensor/pipeline parallelism and the distributed optimizer")
+        if self.sequence_parallel_size > 1 and (self.loss.policy_loss != "vanilla" or self.kl_reward.enable):
+            what = "learner.kl_reward" if self.kl_reward.enable else f"learner.loss.policy_loss={self.loss.policy_loss!r}"
+            raise ValueError(f"{what} needs whole sequences on a rank, but learner.sequence_parallel_size="
+                             f"{self.sequence_parallel_size} splits each row's tokens over ranks; use vanilla / no "
+                             "kl_reward with sequence parallelism, or sequence_parallel_size=1")
+        if self.kl_reward.enable and self.engine == "megatron":
+            raise ValueError("learner.kl_reward needs learner.engine=fsdp (its per-row sums are reduced over the "
+                             "data-parallel ranks, which Megatron's tensor/pipeline groups would count twice)")
+        if self.kl_reward.enable and self.loss.mask_truncated:
+            raise ValueError("learner.kl_reward with reward.on_truncated=mask: masked samples get no log-probs, so "
+                             "their KL penalty (part of their group's baseline) is unknown; use on_truncated "
+                             "score or penalize")
+        if self.engine == "megatron" and self.loss.entropy_coeff > 0:
+            raise ValueError("learner.loss.entropy_coeff > 0 needs learner.engine=fsdp: the Megatron engine computes "
+                             "the entropy as a metric without gradient (a vocab-parallel entropy backward is not "
+                             "wired); use entropy_coeff=0 with Megatron")
         if self.engine == "megatron" and self.logprobs == "chunked" and self.megatron.tensor_model_parallel_size > 1:
             raise ValueError("learner.logprobs=chunked with learner.engine=megatron needs tensor_model_parallel_size=1 "
                              "(the vocab-sharded head is not chunked); use logprobs=auto or full with TP>1")

@@ -163,25 +163,28 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return f
 
 
-def logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Select the response positions first (the full-vocab softmax of prompt tokens is never built)."""
-    return logprobs_from_selected(logits[0, mb.target_index], mb.targets, temperature)
+    return logprobs_from_selected(logits[0, mb.target_index], mb.targets, temperature, entropy_grad)
 
 
-def logprobs_from_selected(sel: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_from_selected(sel: torch.Tensor, targets: torch.Tensor, temperature: float,
+                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies from the [n, vocab] logits of the response positions
-    (shared by every backend, so FSDP and Megatron compute them identically)."""
+    (shared by every backend, so FSDP and Megatron compute them identically). The entropy carries a
+    gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
     sel = sel.float()
     if temperature != 1.0:
         sel = sel / temperature
     logp_all = torch.log_softmax(sel, dim=-1)
     logp = logp_all.gather(-1, targets.view(-1, 1)).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
-def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0,
+def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, entropy_grad: bool = False,
                    **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed row through a transformers causal LM.
 
@@ -191,4 +194,4 @@ def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 
     attention's segments, learner/attention.py).
     """
     out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **forward_kwargs)
-    return logprobs_from_logits(out.logits, mb, temperature)
+    return logprobs_from_logits(out.logits, mb, temperature, entropy_grad)

@@ -145,7 +145,8 @@ class FSDPEngine(TrainingEngine):
         self.model = model
 
         self.ref_model = None
-        if cfg.loss.kl_coef > 0 and cfg.lora is None:  # with LoRA the reference is the base: adapters off
+        # with LoRA the reference is the base: the same model with its adapters off (prepare_logprobs)
+        if (cfg.loss.kl_coef > 0 or cfg.kl_reward.enable) and cfg.lora is None:
             # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
             self.ref_model = self._build(model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload,
                                          train=False)
@@ -228,12 +229,14 @@ class FSDPEngine(TrainingEngine):
             kw = self.sp.forward_kwargs(self.sp.shard(mb))
         else:
             kw = forward_kwargs(self.settings, mb)
+        # the entropy bonus needs the entropy's gradient; otherwise it stays a metric (no extra backward work)
+        ent_grad = self.loss.entropy_coeff > 0 and torch.is_grad_enabled() and model is self.model
         if self.settings.chunked_logprobs:
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
             return head_logprobs(model, mb, self.cfg.temperature, self.settings.logprob_chunk, cd,
-                                 fused=self.settings.fused_head, **kw)
-        return packed_forward(model, mb, self.cfg.temperature, **kw)
+                                 fused=self.settings.fused_head, entropy_grad=ent_grad, **kw)
+        return packed_forward(model, mb, self.cfg.temperature, entropy_grad=ent_grad, **kw)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         mb.to(self.device)
@@ -242,7 +245,8 @@ class FSDPEngine(TrainingEngine):
 
     def needs_proximal(self) -> bool:
         several = self.cfg.ppo_epochs > 1 or self.cfg.ppo_mini_batch_size is not None
-        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several)
+        # kl_reward's penalty is measured on the pre-step policy (verl's old_log_prob)
+        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several) or self.cfg.kl_reward.enable
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():
@@ -254,7 +258,7 @@ class FSDPEngine(TrainingEngine):
                 mb.to(self.device)
                 with torch.no_grad():
                     mb.ref_logp, _ = self._forward(self.ref_model, mb)
-        elif self.cfg.lora is not None and self.cfg.loss.kl_coef > 0:
+        elif self.cfg.lora is not None and (self.cfg.loss.kl_coef > 0 or self.cfg.kl_reward.enable):
             for mb in plan.micro_batches:
                 mb.to(self.device)
                 with torch.no_grad(), lora_mod.adapters_off(self.model):
@@ -272,7 +276,8 @@ class FSDPEngine(TrainingEngine):
             with record_function("fleetrl.forward"):
                 logp, ent = self.forward_logprobs(mb, grad=True)
                 loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                                      prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
+                                      prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh,
+                                      seq_lens=mb.seq_lens, loss_scale=mb.loss_scale)
             with record_function("fleetrl.backward"):
                 (loss * self.world_size).backward()
             parts.append(m)

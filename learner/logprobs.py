@@ -14,8 +14,9 @@ are fp32. bf16/fp16 operands on CUDA run on tensor cores with fp32 accumulation 
 for them: TF32 keeps 10 mantissa bits, bf16 7, fp16 10), so no logit is rounded to the operands' dtype.
 That is the same function as an fp32 head on the same (bf16) weights and hidden state, at tensor-core speed,
 where an fp32 matmul would run on the GPU's much slower fp32 units. On fp32 operands (CPU) it is the plain
-path's fp32 matmul; the two differ only by the order of fp32 sums. Entropies carry no gradient in either
-(the loss uses them as a metric).
+path's fp32 matmul; the two differ only by the order of fp32 sums. Entropies carry a gradient only when asked
+(``entropy_grad``: the loss has an entropy bonus, learner.loss.entropy_coeff); the backward then adds
+d H / d logits = -p * (log p + H) per chunk, still without keeping a chunk's logits.
 
 Fused chunk arithmetic (``fused=True``; the FSDP engine sets it with ``learner.compile_blocks``): what
 happens to a chunk's fp32 logits after the matmul (temperature, logsumexp, target gather, entropy; in the
@@ -102,7 +103,8 @@ def _fused(name: str):
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int, compute_dtype, fused: bool = False):
+    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int, compute_dtype, fused: bool = False,
+                entropy_grad: bool = False):
         n = hidden.shape[0]
         cd = compute_dtype or hidden.dtype
         h_c, w_c = hidden.to(cd), weight.to(cd)  # no copy when they are in it already
@@ -123,14 +125,16 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             expected = (torch.softmax(logits, dim=-1) * logits).sum(-1)
             ent[s:e] = z - expected
             del logits
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.inv_t, ctx.chunk, ctx.cd, ctx.fused = inv_t, chunk, cd, fused
-        ctx.mark_non_differentiable(ent)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zero tensor
         return logp, ent
 
     @staticmethod
-    def backward(ctx, g_logp, _g_ent):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
         inv_t, chunk, cd = ctx.inv_t, ctx.chunk, ctx.cd
         h_c, w_c = hidden.to(cd), weight.to(cd)
         n = hidden.shape[0]
@@ -143,13 +147,20 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         fused_grad = _fused("grad") if ctx.fused else None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            if fused_grad is not None:
+            if fused_grad is not None and g_ent is None:
                 logits = mm_fp32(h_c[s:e], w_c.t())
                 grad = fused_grad(logits, lse[s:e], targets[s:e], g_logp[s:e].float(), inv_t, cd)
             else:
                 logits = _chunk_logits(h_c[s:e], w_c, inv_t)
                 # d logp / d logits = onehot(target) - softmax; times the incoming gradient and 1/T
-                grad = torch.exp_(logits.sub_(lse[s:e, None])).mul_(-g_logp[s:e, None].float())
+                logits.sub_(lse[s:e, None])  # log-softmax, in place
+                if g_ent is not None:
+                    # d H / d logits = -p * (log p + H): the softmax-weighted coefficient folds into one buffer
+                    coef = logits.add(ent[s:e, None]).mul_(-g_ent[s:e, None].float()).sub_(g_logp[s:e, None].float())
+                    grad = torch.exp_(logits).mul_(coef)
+                    del coef
+                else:
+                    grad = torch.exp_(logits).mul_(-g_logp[s:e, None].float())
                 grad[rows[: e - s], targets[s:e]] += g_logp[s:e].float()
                 if inv_t != 1.0:
                     grad.mul_(inv_t)
@@ -159,17 +170,18 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if need_w:
                 g_w += mm_fp32(grad.t(), h_c[s:e])  # accumulated over chunks in fp32
             del logits, grad
-        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk: int = DEFAULT_CHUNK, compute_dtype: torch.dtype | None = None, fused: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk: int = DEFAULT_CHUNK, compute_dtype: torch.dtype | None = None, fused: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[n] fp32 log-probs of ``targets`` and [n] fp32 entropies under softmax(hidden @ weight.T / temperature).
 
     ``hidden`` [n, h] and ``weight`` [V, h]; the head's operands are cast to ``compute_dtype`` (default:
-    ``hidden``'s dtype), the logits are fp32 (module docstring). Gradients flow to both in their own dtypes
-    (not to the entropy). ``fused``: the per-chunk arithmetic compiled (module docstring).
+    ``hidden``'s dtype), the logits are fp32 (module docstring). Gradients flow to both in their own dtypes,
+    from the entropy too when ``entropy_grad``. ``fused``: the per-chunk arithmetic compiled (module docstring;
+    the entropy's backward runs the eager path).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [n, h] and weight [V, h] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -179,8 +191,10 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         raise ValueError(f"chunk must be positive, got {chunk}")
     if hidden.shape[0] == 0:
         z = hidden.new_zeros(0, dtype=torch.float32)
-        return z + (hidden.sum() + weight.sum()) * 0, z.clone()
-    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype, fused)
+        tie = (hidden.sum() + weight.sum()) * 0  # keeps both in the graph (empty gradients, no special case)
+        return z + tie, (z + tie if entropy_grad else z.clone())
+    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype, fused,
+                                      entropy_grad)
 
 
 @contextmanager
@@ -193,7 +207,7 @@ def _swapped_head(head: torch.nn.Module, fn):
 
 
 def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
-                  compute_dtype: torch.dtype | None = None, fused: bool = False,
+                  compute_dtype: torch.dtype | None = None, fused: bool = False, entropy_grad: bool = False,
                   **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed micro-batch through a transformers causal LM, chunked.
 
@@ -209,7 +223,8 @@ def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: i
     def forward(h: torch.Tensor) -> torch.Tensor:
         # h: [1, n, hidden] (logits_to_keep selected the response positions); the head's weight here is
         # the unsharded one FSDP gathered for this forward.
-        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk, compute_dtype, fused)
+        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk, compute_dtype, fused,
+                                     entropy_grad)
         # Returned as the model's "logits" [1, n, 2], so the result leaves through the model's output (FSDP
         # hooks its backward on the outputs).
         return torch.stack([logp, ent], dim=-1).unsqueeze(0)
@@ -217,4 +232,5 @@ def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: i
     with _swapped_head(head, forward):
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                     logits_to_keep=mb.target_index, **forward_kwargs)
-    return out.logits[0, :, 0], out.logits[0, :, 1].detach()
+    ent = out.logits[0, :, 1]
+    return out.logits[0, :, 0], (ent if entropy_grad else ent.detach())

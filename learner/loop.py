@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from broker.schema import oldest_versions
 from learner import checkpoint as ckpt
-from learner import logprob_probe
+from learner import kl_reward, logprob_probe
 from learner.busy import StepTimer
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine
@@ -161,6 +161,8 @@ class Learner:
         if (critic is None) != (cfg.loss.advantage != "gae"):
             raise ValueError("learner.loss.advantage=gae and a critic go together: pass critic= exactly when gae")
         self.critic = critic
+        kr = cfg.kl_reward
+        self.kl_ctl = kl_reward.KLController(kr.type, kr.coef, kr.target_kl, kr.horizon) if kr.enable else None
         self.max_steps = max_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.export_root = Path(export_root) if export_root else None
@@ -196,6 +198,8 @@ class Learner:
         self.version = int(extra["version"])
         if self.engine.rank == 0 and extra.get("source_position") is not None and hasattr(self.source, "restore"):
             self.source.restore(extra["source_position"])
+        if self.kl_ctl is not None and extra.get("kl_reward_coef") is not None:  # the adaptive coefficient
+            self.kl_ctl.value = float(extra["kl_reward_coef"])
         logger.info("resumed at policy version %d from %s", self.version, path)
         return True
 
@@ -244,7 +248,8 @@ class Learner:
         path = ckpt.step_dir(self.checkpoint_dir, self.version)
         if self.critic is not None:  # before the actor's meta.json, which marks the folder complete
             self.critic.save(path / "critic")
-        self.engine.save_checkpoint(path, {"version": self.version, "source_position": pos})
+        self.engine.save_checkpoint(path, {"version": self.version, "source_position": pos,
+                                           "kl_reward_coef": self.kl_ctl.value if self.kl_ctl is not None else None})
         if self.engine.rank == 0:
             ckpt.prune(self.checkpoint_dir, self.cfg.keep_checkpoints)
 
@@ -272,12 +277,16 @@ class Learner:
             batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
             world_size=self.engine.data_world_size, micro_batch_tokens=self.engine.micro_batch_tokens,
             advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
-            aggregation=self.cfg.loss.aggregation, learner_version=self.version,
-            mask_truncated=self.cfg.loss.mask_truncated)
+            aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version,
+            mask_truncated=self.cfg.loss.mask_truncated, loss_scale_factor=self.cfg.loss.loss_scale_factor)
         t1 = time.perf_counter()
         critic_m = self.critic.prepare(plans, self.cfg.loss.gamma, self.cfg.loss.lam) if self.critic else {}
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
+        if self.kl_ctl is not None:  # KL in the reward: advantages again, from token rewards (learner/kl_reward.py)
+            stats.update(kl_reward.apply(batch, plans, advantage=self.cfg.loss.advantage,
+                                         drop_uniform=self.cfg.loss.drop_uniform_groups,
+                                         estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl))
         t_prep = time.perf_counter() - t1
         probe = None
         if not self.probed and self.probe_tolerance is not None:

@@ -35,7 +35,10 @@ Plus ``kl_coef * min(r(pi, mu), tis_cap) * kl_term`` (learner/kl.py states the
 gradient direction of each estimator). Tokens are combined with aggregation
 weights (:func:`aggregation_weights`) that sum to one over the *optimizer step*
 (all micro-batches, all ranks), so summing each micro-batch's loss gives the
-mean no matter how the batch was split.
+mean no matter how the batch was split; verl's sum modes multiply that mean by a
+step-level factor (:func:`aggregation_scale`). ``LossSettings.policy_loss`` swaps
+the per-token surrogate for GSPO's or GMPO's sequence-level one (:func:`surrogate`);
+``entropy_coeff`` subtracts an entropy bonus. docs/algorithms.md maps each to verl.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from learner import kl
+from learner.advantages import sequence_advantages
 
 # exp() of a log-ratio beyond this is treated as this (e^20 ~ 5e8): keeps inf * 0 = nan out of the loss.
 LOG_RATIO_CLAMP = 20.0
@@ -57,50 +61,62 @@ MAX_SUFFIX = "_max"
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_index: torch.Tensor, mode: str, drop_uniform: bool, eps: float = 1e-6
+    rewards: torch.Tensor, group_index: torch.Tensor, mode: str, drop_uniform: bool, eps: float = 1e-6,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-normalised advantages (GRPO) and the mask of samples to keep.
+    """Per-sample advantages and the mask of samples to keep: learner/advantages.py's estimators.
 
     ``rewards``: [n] float; ``group_index``: [n] int64 (any labels, equal = same group).
-    ``mode``: ``mean`` (A = r - mean_g) or ``mean_std`` (A = (r - mean_g) / (std_g + eps),
-    std with Bessel's correction, as DeepSeekMath's GRPO; a group of one has std 0).
+    ``mode``: ``mean`` (A = r - mean_g), ``mean_std`` (A = (r - mean_g) / (std_g + eps),
+    std with Bessel's correction, as DeepSeekMath's GRPO; a group of one has std 0) or any
+    other of ``learner.advantages.ESTIMATORS`` (the reinforce++ ones need ``lengths``).
     ``drop_uniform``: samples of groups whose rewards are all equal get keep=False
     (their advantage is zero, so they only dilute the normalisation).
     """
-    if mode not in ("mean", "mean_std"):
-        raise ValueError(f"advantage mode must be 'mean' or 'mean_std', got {mode!r}")
-    if rewards.shape != group_index.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} must be equal 1-D shapes")
-    rewards = rewards.double()
-    _, inv = torch.unique(group_index, return_inverse=True)
-    n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, rewards) / count
-    centred = rewards - mean[inv]
-    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, inv, centred**2)
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    adv = centred / (std[inv] + eps) if mode == "mean_std" else centred
-    # Exact comparison: a group is uniform only if every reward equals its first.
-    gmax = torch.zeros(n_groups, dtype=torch.float64).scatter_reduce_(0, inv, rewards, "amax", include_self=False)
-    gmin = torch.zeros(n_groups, dtype=torch.float64).scatter_reduce_(0, inv, rewards, "amin", include_self=False)
-    uniform = (gmax == gmin)[inv]
-    keep = ~uniform if drop_uniform else torch.ones_like(uniform)
-    return adv.float(), keep
+    return sequence_advantages(rewards, group_index, mode, drop_uniform, lengths=lengths, eps=eps)
+
+
+AGGREGATIONS = ("token", "sequence", "token_sum", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def aggregation_weights(seq_lens: torch.Tensor, mode: str, total_tokens: int, total_seqs: int) -> torch.Tensor:
-    """Per-token weights of the sequences ``seq_lens`` (response tokens of each).
+    """Per-token weights of the sequences ``seq_lens`` (response tokens of each); they sum to one over the step.
 
     ``token``: every token of the step weighs 1 / total_tokens (long answers weigh more).
     ``sequence``: each sequence weighs 1 / total_seqs, shared by its tokens (mean of means).
+    The three sum modes weigh tokens as ``token`` and get their size from :func:`aggregation_scale`.
     ``total_*`` count the whole optimizer step across micro-batches and ranks.
     """
-    if mode == "token":
+    if mode in ("token", "token_sum", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
         return torch.full((int(seq_lens.sum()),), 1.0 / max(total_tokens, 1))
     if mode == "sequence":
         per_seq = 1.0 / (seq_lens.clamp(min=1).double() * max(total_seqs, 1))
         return torch.repeat_interleave(per_seq, seq_lens).float()
-    raise ValueError(f"aggregation must be 'token' or 'sequence', got {mode!r}")
+    raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
+
+
+def aggregation_scale(mode: str, total_tokens: int, total_seqs: int, loss_scale_factor: int | None = None) -> float:
+    """The factor on ``sum(weights * loss)`` that turns the token mean into verl's sum modes.
+
+    With T tokens and S sequences in the optimizer step and token-mean weights 1 / T:
+    ``token_sum`` = sum of all token losses = T * mean; ``seq_mean_token_sum`` = (1 / S) * that sum
+    = (T / S) * mean; ``seq_mean_token_sum_norm`` (Dr. GRPO) divides that by a constant length
+    ``loss_scale_factor`` (verl: that, else the padded response length, i.e. the generation limit).
+    Metrics keep the normalised weights, so they stay means whatever the mode.
+    """
+    if mode in ("token", "sequence"):
+        return 1.0
+    t, n = max(total_tokens, 1), max(total_seqs, 1)
+    if mode == "token_sum":
+        return float(t)
+    if mode == "seq_mean_token_sum":
+        return t / n
+    if mode == "seq_mean_token_sum_norm":
+        if not loss_scale_factor or loss_scale_factor < 1:
+            raise ValueError(f"aggregation 'seq_mean_token_sum_norm' needs loss_scale_factor >= 1 (a constant "
+                             f"length, e.g. rollout.sampling.max_tokens), got {loss_scale_factor!r}")
+        return t / (n * loss_scale_factor)
+    raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,10 +130,16 @@ class LossSettings:
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    policy_loss: str = "vanilla"
+    entropy_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         if self.correction not in ("none", "tis", "decoupled"):
             raise ValueError(f"correction must be 'none', 'tis' or 'decoupled', got {self.correction!r}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {list(POLICY_LOSSES)}, got {self.policy_loss!r}")
+        if not self.entropy_coeff >= 0:
+            raise ValueError(f"entropy_coeff must be >= 0, got {self.entropy_coeff}")
         if not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip bound on -A * ratio), got {self.clip_ratio_c}")
         self.kl_estimator = kl.resolve(self.kl_estimator)
@@ -126,7 +148,7 @@ class LossSettings:
     def from_config(cls, cfg) -> LossSettings:
         return cls(correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    clip_ratio_c=cfg.clip_ratio_c, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                   kl_estimator=cfg.kl_estimator)
+                   kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff)
 
 
 def needs_proximal(correction: str, recompute_proximal: bool, several_optimizer_steps: bool) -> bool:
@@ -145,6 +167,73 @@ def _k3(d: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+POLICY_LOSSES = ("vanilla", "gspo", "geo_mean")
+
+
+def _segments(seq_lens: torch.Tensor | None, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token sequence index [n] and token counts [s] of a packed micro-batch's sequences."""
+    if seq_lens is None or int(seq_lens.sum()) != n:
+        raise ValueError(f"a sequence-level policy loss needs seq_lens summing to the {n} tokens, got "
+                         f"{None if seq_lens is None else seq_lens.tolist()}")
+    lens = seq_lens.to(device)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens), lens.clamp(min=1)
+
+
+def _seq_mean(x: torch.Tensor, seg: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(lens.numel(), dtype=x.dtype, device=x.device).index_add(0, seg, x) / lens.to(x.dtype)
+
+
+def surrogate(
+    logp: torch.Tensor, base: torch.Tensor, advantages: torch.Tensor, is_w: torch.Tensor, s: LossSettings,
+    seq_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token policy-gradient loss of ``s.policy_loss`` and (ratio, clip_active, dual_active) for metrics.
+
+    ``base``: the log-probs the ratio is taken against (detached); ``is_w``: the detached behaviour weight.
+
+    * ``vanilla``: PPO's clipped token ratio with dual-clip (module docstring).
+    * ``gspo`` (GSPO, Zheng et al. 2025): the sequence ratio ``s_i = exp(mean_t(log pi - base))`` used at
+      every token as ``sg(s_i) * pi / sg(pi)`` (so each token's gradient is ``s_i * grad log pi``),
+      clipped with clip_low/clip_high like PPO, no dual-clip, log-ratio capped at 10 (as verl's
+      compute_policy_loss_gspo); the behaviour weight stays per token.
+    * ``geo_mean`` (GMPO, Zhao et al. 2025): the geometric mean of the token ratios, each token's
+      log-ratio clipped to [-clip_low, clip_high] only on the side that would increase the objective
+      (sign of A), times the sequence's mean advantage; the behaviour weight is the sequence's
+      geometric mean. The per-sequence loss is put on each of its tokens, so sequence weights
+      (effective_aggregation) give the mean over sequences.
+    """
+    n = logp.shape[0]
+    if s.policy_loss == "vanilla":
+        ratio = torch.exp((logp - base).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        unclipped = ratio * advantages
+        clipped = ratio.clamp(1 - s.clip_low, 1 + s.clip_high) * advantages
+        surr = -torch.minimum(unclipped, clipped)
+        dual_bound = -s.clip_ratio_c * advantages
+        dual_active = (advantages < 0) & (surr > dual_bound)
+        # Clipping is active where min() took the clipped term and it differs: there the gradient is zero.
+        return is_w * torch.where(dual_active, dual_bound, surr), ratio, clipped < unclipped, dual_active
+    seg, lens = _segments(seq_lens, n, logp.device)
+    no_dual = torch.zeros(n, dtype=torch.bool, device=logp.device)
+    if s.policy_loss == "gspo":
+        seq_log = _seq_mean((logp - base).detach(), seg, lens)
+        ratio = torch.exp((logp - logp.detach() + seq_log[seg]).clamp(max=10.0))
+        loss_un = -advantages * ratio
+        loss_cl = -advantages * ratio.clamp(1 - s.clip_low, 1 + s.clip_high)
+        return is_w * torch.maximum(loss_un, loss_cl), ratio, loss_cl > loss_un, no_dual
+    if s.policy_loss == "geo_mean":
+        d = (logp - base).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        sgn = torch.sign(advantages)
+        dc = d.clamp(-s.clip_low, s.clip_high)
+        d_min = sgn * torch.minimum(sgn * d, sgn * dc)
+        seq_ratio = torch.exp(_seq_mean(d_min, seg, lens))
+        seq_adv = _seq_mean(advantages.to(logp.dtype), seg, lens)
+        # verl's 1e-10 keeps log() finite for a zero weight
+        seq_is = torch.exp(_seq_mean(torch.log(is_w + 1e-10), seg, lens))
+        pg_seq = -seq_adv * seq_ratio * seq_is
+        return pg_seq[seg], seq_ratio[seg], (d != dc) & (advantages != 0), no_dual
+    raise ValueError(f"policy_loss must be one of {list(POLICY_LOSSES)}, got {s.policy_loss!r}")
+
+
 def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -155,6 +244,8 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    loss_scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted loss of one micro-batch and its metrics (all tensors are [n_tokens]).
 
@@ -164,7 +255,10 @@ def policy_loss(
     the learner is engine mismatch alone. Returns ``(loss, metrics)``: ``loss`` =
     sum(weights * per-token loss); metrics are weighted sums (or maxima for names
     ending in ``_max``), detached, to be combined over micro-batches and ranks and
-    then :func:`finalize_metrics`.
+    then :func:`finalize_metrics`. ``seq_lens``: the micro-batch's sequences (gspo/geo_mean need them);
+    ``loss_scale``: :func:`aggregation_scale` of the step (the sum modes); ``entropy`` must carry its
+    gradient when ``s.entropy_coeff > 0`` (the bonus ``-entropy_coeff * entropy`` joins each token's loss,
+    aggregated like it, as verl).
     """
     n = logp.shape[0]
     for name, t in (("behaviour_logp", behaviour_logp), ("advantages", advantages), ("weights", weights)):
@@ -174,19 +268,18 @@ def policy_loss(
     if s.correction == "decoupled" and prox_logp is None:
         raise ValueError("correction='decoupled' needs prox_logp: the learner's log-probs recomputed before the step")
     old = prox_logp.detach().to(logp.dtype) if prox_logp is not None else logp.detach()
-    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    base = old
     if s.correction == "none":
         is_w = torch.ones_like(logp)
     else:
         is_w = torch.exp((old - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap).detach()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - s.clip_low, 1 + s.clip_high) * advantages
-    surrogate = -torch.minimum(unclipped, clipped)
-    dual_bound = -s.clip_ratio_c * advantages
-    dual_active = (advantages < 0) & (surrogate > dual_bound)
-    pg = is_w * torch.where(dual_active, dual_bound, surrogate)
+    pg, ratio, clip_active, dual_active = surrogate(logp, base.detach(), advantages, is_w, s, seq_lens)
     per_token = pg
+    if s.entropy_coeff > 0:
+        if entropy is None or not entropy.requires_grad and logp.requires_grad:
+            raise ValueError(f"entropy_coeff={s.entropy_coeff} needs the entropy with its gradient "
+                             "(forward with entropy_grad=True)")
+        per_token = per_token - s.entropy_coeff * entropy.to(logp.dtype)
     kl_val = None
     if s.kl_coef > 0:
         if ref_logp is None:
@@ -200,15 +293,14 @@ def policy_loss(
             kl_w = torch.ones_like(logp)
         else:
             kl_w = torch.exp((logp.detach() - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap)
-        per_token = pg + s.kl_coef * kl_w * kl_val
+        per_token = per_token + s.kl_coef * kl_w * kl_val
     w = weights.to(logp.dtype)
-    loss = (w * per_token).sum()
+    loss = loss_scale * (w * per_token).sum()
 
     with torch.no_grad():
         wd = w.detach()
         lp = logp.detach()
-        # Clipping is active where min() took the clipped term and it differs: there the gradient is zero.
-        clip_active = (clipped.detach() < unclipped.detach()).to(wd.dtype)
+        clip_active = clip_active.to(wd.dtype)
         # Tokens come from mu, so KL(mu || pi) = E_mu[log mu - log pi]; k3 is its non-negative estimator.
         d = lp - behaviour_logp
         # Engine mismatch vs drift: the learner's pre-step log-probs (prox when computed) against mu, split by

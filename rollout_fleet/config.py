@@ -124,6 +124,24 @@ class RewardModelConfig(ConfigModel):
         return [self.url] if self.url is not None else list(self.urls)
 
 
+class OverlongBufferConfig(ConfigModel):
+    """DAPO's soft overlong punishment (verl reward_model.overlong_buffer.*): a response longer than
+    ``max_tokens - len`` loses ``penalty_factor`` times the share of the buffer it ran into."""
+
+    enable: bool = Field(False, description="add the linear length penalty to every scored reward")
+    len: int = Field(0, ge=0, description="the buffer: the last this-many tokens before rollout.sampling.max_tokens, "
+                     "over which the penalty grows from 0 to penalty_factor")
+    penalty_factor: float = Field(1.0, ge=0, description="the penalty at rollout.sampling.max_tokens")
+    log: bool = Field(False, description="verl's flag to log the penalty; fleetrl always counts penalised samples")
+
+    @model_validator(mode="after")
+    def _positive_len(self) -> OverlongBufferConfig:
+        if self.enable and self.len < 1:
+            raise ValueError(f"reward.overlong_buffer.len must be >= 1 when enabled, got {self.len} (to turn the "
+                             "penalty off set reward.overlong_buffer.enable=false)")
+        return self
+
+
 class RewardConfig(ConfigModel):
     function: str = Field("default", description="a built-in ('default' routes by data_source; 'exact_match', "
                           "'gsm8k', 'gsm8k_flexible', 'math') or 'package.module:function' (fleetrl's or verl's "
@@ -140,6 +158,8 @@ class RewardConfig(ConfigModel):
         "'score' them like finished ones, 'penalize' (reward = truncated_reward), or 'mask' them out of the loss")
     truncated_reward: float = Field(0.0, description="the reward of a truncated response with on_truncated=penalize")
     model: RewardModelConfig | None = Field(None, description="score with a reward model or judge server instead")
+    overlong_buffer: OverlongBufferConfig = Field(OverlongBufferConfig(), description="DAPO's soft overlong "
+                                                  "penalty (rollout_fleet/shaping.py)")
 
     @field_validator("function")
     @classmethod
@@ -265,9 +285,23 @@ class ProxyConfig(ConfigModel):
         return v
 
 
+class FilterGroupsConfig(ConfigModel):
+    """DAPO's dynamic sampling (verl algorithm.filter_groups.*): a group whose metric is the same for all of its
+    samples never reaches a step; the worker samples a new prompt on the same ticket instead."""
+
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field(
+        "acc", description="acc / score: the reward function's score; seq_reward / seq_final_reward: the reward "
+        "after shaping (overlong penalty); the fleet has no KL-in-reward term, so the two are the same")
+    max_num_gen_batches: int = Field(0, ge=0, description="generations per ticket before a uniform group is pushed "
+                                     "anyway (logged, counted; the learner's drop_uniform_groups leaves it out); "
+                                     "0: no limit")
+
+
 class RolloutConfig(ConfigModel):
     engine: Literal["vllm", "sglang", "simulated"] = Field("vllm", description="the rollout engine; simulated: no "
                                                            "model, for control-plane runs at scale (--simulate)")
+    filter_groups: FilterGroupsConfig = Field(FilterGroupsConfig(), description="DAPO dynamic sampling")
     sampling: SamplingConfig = SamplingConfig()
     eval_sampling: EvalSamplingConfig = Field(EvalSamplingConfig(), description="sampling of evaluations "
                                               "(default greedy, one sample per prompt)")

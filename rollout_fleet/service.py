@@ -113,7 +113,8 @@ class FleetService:
             await self._start_proxy()
         self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet",
                                                      curve_keys_dir=self.cfg.broker.curve_keys_dir))
-        worker_cls, extra = RolloutWorker, {}
+        worker_cls, extra = RolloutWorker, {"filter_groups": self.cfg.rollout.filter_groups,
+                                             "overlong": self.cfg.reward.overlong_buffer}
         if self.cfg.rollout.env is not None:  # multi-turn episodes (rollout_fleet/envs)
             from rollout_fleet.envs.registry import worker_kwargs
             from rollout_fleet.envs.worker import MultiTurnWorker

@@ -63,6 +63,12 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens_pushed: int = 0
     mean_reward: float | None = None
     idle_s: float = 0.0
+    # DAPO (rollout_fleet/shaping.py): groups scored, uniform groups filtered by dynamic sampling (never pushed),
+    # uniform ones pushed after max_num_gen_batches tries, samples that got an overlong penalty
+    groups_generated: int = 0
+    groups_filtered: int = 0
+    groups_filter_exhausted: int = 0
+    samples_overlong_penalised: int = 0
     # multi-turn episodes (rollout.env): groups dropped by the reason of their failing episode, how
     # episodes ended (done / max_turns / max_tokens), model turns pushed
     env_errors: dict[str, int] = {}

@@ -10,7 +10,10 @@ Dataflow of one group::
 Invariants: a ticket yields at most one pushed group; a group is pushed whole (all ``n``
 samples) or not at all; the policy version of every token comes from the engine that
 produced it (``Sample.segment_versions``); rewards are scored after the engine slot is
-freed, so a slow reward function never holds up generation. The read position of the
+freed, so a slow reward function never holds up generation. With DAPO's dynamic sampling
+(``filter_groups``) a scored group whose metric is the same for every sample is dropped, counted, and
+the ticket's group is generated again from the next prompt (rollout_fleet/shaping.py); overlong
+shaping (``overlong``) adjusts the rewards before that test. The read position of the
 dataset plus the prompts of groups still in flight form the worker's checkpoint: on
 resume those prompts run first, then reading continues where it stopped.
 """
@@ -33,6 +36,7 @@ from broker.schema import Trajectory, to_record_batch
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
+from rollout_fleet.shaping import RAW_METRICS, shape, uniform
 from rollout_fleet.status import WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -108,9 +112,11 @@ class RolloutWorker:
     def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
                  rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
                  max_staleness: int, seed: int = 0, push_retries: int = 3, logprob_retries: int = 2,
-                 gate: Callable[[], bool] | None = None) -> None:
+                 gate: Callable[[], bool] | None = None, filter_groups: Any = None, overlong: Any = None) -> None:
         """``gate``: colocated mode's ``() -> may start groups`` (rollout_fleet/colocated.py); while it says
-        False no ticket is taken and no group starts."""
+        False no ticket is taken and no group starts. ``filter_groups`` (rollout.filter_groups) and
+        ``overlong`` (reward.overlong_buffer): DAPO's dynamic sampling and length penalty, off when None or
+        not enabled."""
         self.fleet = fleet
         self.producer = producer
         self.prompts = prompts
@@ -122,6 +128,12 @@ class RolloutWorker:
         self.push_retries = push_retries
         self.logprob_retries = logprob_retries
         self.gate = gate
+        self.filter_groups = filter_groups if filter_groups is not None and filter_groups.enable else None
+        self.overlong = overlong if overlong is not None and overlong.enable else None
+        self.groups_generated = 0  # groups scored (pushed, filtered or dropped after scoring)
+        self.groups_filtered = 0  # dynamic sampling: uniform groups never pushed
+        self.groups_filter_exhausted = 0  # uniform groups pushed anyway after max_num_gen_batches tries
+        self.samples_overlong_penalised = 0
         self.tickets_held_at_gate = 0  # tickets that arrived as the gate closed (colocated; 0 under k = 0)
         self._tasks: dict[asyncio.Task, Prompt] = {}
         self._replay: list[Prompt] = []
@@ -228,7 +240,48 @@ class RolloutWorker:
             self.groups_failed += 1
             log.error("rollout: group %s failed for good: %s", group_id, exc)
 
+    def _shaped(self, rewards: list[float], samples: list[Sample]) -> list[float]:
+        """The rewards to push: with overlong shaping, each plus its length penalty."""
+        if self.overlong is None:
+            return rewards
+        out = shape(rewards, [len(s.token_ids) for s in samples], self.sampling.max_tokens, self.overlong.len,
+                    self.overlong.penalty_factor)
+        self.samples_overlong_penalised += sum(1 for a, b in zip(out, rewards, strict=True) if a < b)
+        return out
+
+    def _keep(self, group_id: str, raw: list[float], shaped: list[float], tries: int) -> bool:
+        """Dynamic sampling's verdict on a scored group; counts what it filters."""
+        if self.filter_groups is None:
+            return True
+        if not uniform(raw if self.filter_groups.metric in RAW_METRICS else shaped):
+            return True
+        limit = self.filter_groups.max_num_gen_batches
+        if limit and tries >= limit:
+            self.groups_filter_exhausted += 1
+            log.error("rollout: group %s still uniform after %d generations (rollout.filter_groups."
+                      "max_num_gen_batches=%d): pushed anyway; are the prompts too easy or too hard?",
+                      group_id, tries, limit)
+            return True
+        self.groups_filtered += 1
+        return False
+
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
+        tries = 0
+        while True:
+            tries += 1
+            if not await self._group_once(ticket, prompt, tries):
+                return
+            # filtered: the same ticket, the next prompt (now the one in flight for the checkpoint); colocated
+            # mode's gate is honoured as for a new ticket
+            while self.gate is not None and not self.gate():  # noqa: ASYNC110 (the gate is a predicate)
+                await asyncio.sleep(0.02)
+            prompt = self._next_prompt()
+            task = asyncio.current_task()
+            if task in self._tasks:
+                self._tasks[task] = prompt
+
+    async def _group_once(self, ticket: Any, prompt: Prompt, tries: int) -> bool:
+        """One generation of the ticket's group; True only when dynamic sampling filtered it (generate again)."""
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         params = SamplingParams(n=self.sampling.n, max_tokens=self.sampling.max_tokens,
                                 temperature=self.sampling.temperature, top_p=self.sampling.top_p,
@@ -253,13 +306,18 @@ class RolloutWorker:
                 self._replay.append(prompt)
                 log.error("rollout: group %s: prompt requeued after %d attempts with non-finite log-probs",
                           group_id, self.logprob_retries + 1)
-                return
+                return False
             rewards = await self.rewards.score(prompt, samples)
         except self.GROUP_ERRORS as exc:
             self._drop(group_id, exc)
-            return
+            return False
         if len(rewards) != len(samples):
             raise ValueError(f"reward pool returned {len(rewards)} rewards for {len(samples)} samples of {group_id}")
+        self.groups_generated += 1
+        raw = [float(r) for r in rewards]
+        rewards = self._shaped(raw, samples)
+        if not self._keep(group_id, raw, rewards, tries):
+            return True
         t_end = time.time()
         trajs = [
             Trajectory(
@@ -272,6 +330,7 @@ class RolloutWorker:
             for i, (s, r) in enumerate(zip(samples, rewards, strict=True))
         ]
         await self._push(group_id, trajs)
+        return False
 
     async def _push(self, group_id: str, trajs: list[Trajectory]) -> bool:
         """Push one whole group (retried); counts it pushed or failed."""
@@ -308,6 +367,9 @@ class RolloutWorker:
             groups_resampled_nonfinite=self.groups_resampled_nonfinite,
             prompts_requeued_nonfinite=self.prompts_requeued_nonfinite,
             samples_pushed=self.samples_pushed, tokens_pushed=self.tokens_pushed,
+            groups_generated=self.groups_generated, groups_filtered=self.groups_filtered,
+            groups_filter_exhausted=self.groups_filter_exhausted,
+            samples_overlong_penalised=self.samples_overlong_penalised,
             mean_reward=self.reward_sum / self.samples_pushed if self.samples_pushed else None,
             idle_s=round(self.idle_s, 3),
         )

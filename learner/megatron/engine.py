@@ -476,7 +476,8 @@ class MegatronEngine(TrainingEngine):
 
         def loss_of(logp, ent, mb):
             return policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                               prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh)
+                               prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh,
+                               seq_lens=mb.seq_lens, loss_scale=mb.loss_scale)
 
         parts = self._run(plan.micro_batches, loss_of, forward_only=False)
         lr = self.cfg.optim.lr * self.lr_fn(self.steps_taken)

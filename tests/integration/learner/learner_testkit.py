@@ -142,7 +142,8 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
            ckpt: str | None = None, checkpoint_every: int = 0, export: str | None = None,
            dump_at: tuple[int, ...] = (), dump_path: str | None = None, activation_checkpointing: bool = False,
            backend: str = "gloo", mini_batch: int | None = None, epochs: int = 1,
-           recompute_proximal: bool = False, lr: float = 1e-3) -> None:
+           recompute_proximal: bool = False, lr: float = 1e-3, loss_extra: dict | None = None,
+           learner_extra: dict | None = None) -> None:
     """One learner rank: FSDP2 engine + loop on an in-process source; writes ``out.rank{r}`` (JSON).
 
     ``dump_at``: versions whose full weights rank 0 writes to ``dump_path.format(version=v)``
@@ -159,7 +160,7 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
 
     init_distributed(backend, timeout_s=120)
     cfg = LearnerConfig.model_validate({
-        "loss": {"correction": correction, "aggregation": aggregation, "kl_coef": kl_coef},
+        "loss": {"correction": correction, "aggregation": aggregation, "kl_coef": kl_coef, **(loss_extra or {})},
         "optim": {"lr": lr, "warmup_steps": 1, "schedule": "cosine", "grad_clip": 1.0, "weight_decay": 0.01,
                   # Adam's first step is ~lr * g / (|g| + eps): with the default 1e-8 a gradient that is zero up
                   # to rounding (contributions cancelling inside a GRPO group) becomes a step of random sign.
@@ -170,6 +171,7 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
         "activation_checkpointing": activation_checkpointing,
         "ppo_mini_batch_size": mini_batch, "ppo_epochs": epochs, "recompute_proximal": recompute_proximal,
         "logprob_probe_tolerance": None,  # synthetic behaviour log-probs (make_batches), not a model's
+        **(learner_extra or {}),
     })
     engine = FSDPEngine(cfg, model, total_steps=total_steps or steps, seed=0)
     # Count executions of one MLP (forward hooks do not fire in checkpoint recomputes, a wrapper does).
