@@ -27,6 +27,7 @@ from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
 from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
 from rollout_fleet.sglang_fleet import SGLangPublishClient
+from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.endpoint import WeightEndpoint
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ def publish_client(cfg: RunConfig, backend: str, eid: str, url: str) -> WeightEn
         return VLLMIpcClient(eid, url, **kw)
     if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":
         return VLLMNcclClient(eid, url, **kw)
+    if adapter_publish(cfg):  # LoRA: the publisher loads adapters through this client (learner/rank.py)
+        kw["adapter_prefix"] = ADAPTER_PREFIX
     return VLLMClient(eid, url, weight_backend="fleetrl", **kw)
 
 

@@ -775,6 +775,43 @@ def _no_verl(what: str) -> Rule:
     return _no_effect(f"verl 0.9 does not read {what}")
 
 
+# -- LoRA (learner.lora; docs/lora.md) ----------------------------------------------------------
+LORA_KEYS = {"lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None, "lora_adapter_path": None}
+
+
+def _lora_on(c: Ctx) -> bool:
+    return num(c, ARR + "model.lora_rank", minimum=0) > 0
+
+
+def _names(key: str, v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, str) for x in v):
+        return list(v)
+    raise Refused(f"{key}={dump(v)}: expected a module name or a list of module names")
+
+
+def _lora_rank(v: Any, c: Ctx) -> list[str] | str:
+    """lora_rank > 0 creates the learner.lora section from verl's LoRA keys (their verl defaults if unset)."""
+    if not _lora_on(c):
+        return "(no setting: full fine-tuning)"
+    get = {k: c.get(ARR + "model." + k, d) for k, d in LORA_KEYS.items()}
+    out = [f"learner.lora.rank={int(v)}", f"learner.lora.alpha={dump(get['lora_alpha'])}"]
+    targets = get["target_modules"]
+    out.append("learner.lora.target_modules=" + (
+        "all-linear" if targets == "all-linear" else dump(_names(ARR + "model.target_modules", targets))))
+    if get["exclude_modules"] not in (None, "", []):
+        out.append("learner.lora.exclude_modules=" + dump(_names(ARR + "model.exclude_modules",
+                                                                   get["exclude_modules"])))
+    if get["lora_adapter_path"]:
+        out.append(f"learner.lora.adapter_path={get['lora_adapter_path']}")
+    return out
+
+
+def _lora_part(v: Any, c: Ctx) -> str:
+    return "(set with lora_rank)" if _lora_on(c) else "(no setting: read only with lora_rank > 0)"
+
+
 RULES: dict[str, Rule] = {
     # algorithm
     "algorithm.adv_estimator": _adv,
@@ -853,11 +890,11 @@ RULES: dict[str, Rule] = {
     ARR + "model.use_remove_padding": _no_effect("fleetrl always packs sequences without padding; the numbers are the same"),
     ARR + "model.enable_gradient_checkpointing": _set("learner.activation_checkpointing"),
     ARR + "model.enable_activation_offload": _no_effect("a memory choice; fleetrl has activation checkpointing only"),
-    ARR + "model.lora_rank": _only(0, "full fine-tuning", "LoRA adapters (lora_rank > 0)", LORA),
+    ARR + "model.lora_rank": _lora_rank,
     ARR + "model.trust_remote_code": _trust_remote_code,
     ARR + "model.use_fused_kernels": _no_effect("a kernel choice; fleetrl's chunked log-prob path keeps no full logits"),
     ARR + "model.use_liger": _no_effect("a kernel choice"),
-    ARR + "model.use_shm": _no_effect("the model loads from its folder"),
+    ARR + "model.use_shm": _no_effect("the model loads from its folder (and, with LoRA, the adapters too)"),
     ARR + "model.external_lib": _refuse(OTHER_ENGINE, "a model class from an external library"),
     ARR + "model.mtp.enable": _when_true(OTHER_ENGINE, "multi-token-prediction (MTP) heads"),
     ARR + "hybrid_engine": _placement,
@@ -978,7 +1015,8 @@ RULES: dict[str, Rule] = {
     ARR + "rollout.enable_prefix_caching": _no_effect("the engine's default; the cache is reset at every weight update"),
     ARR + "rollout.disable_log_stats": _no_effect("engine logging"),
     ARR + "rollout.load_format": _no_effect("engines load the model folder; weights arrive by weight sync"),
-    ARR + "rollout.layered_summon": _no_effect("weights are gathered by fleetrl's publisher"),
+    ARR + "rollout.layered_summon": _no_effect("weights are gathered by fleetrl's publisher (with LoRA only the "
+                                               "adapters are gathered)"),
     ARR + "rollout.agent.num_workers": _no_effect("reward.workers and the fleet's workers scale with the servers"),
     ARR + "rollout.enable_rollout_routing_replay": _when_true(MOE, "MoE routing replay"),
     ARR + "rollout.multi_turn.enable": _multi_turn,
@@ -1079,8 +1117,9 @@ PREFIX_RULES: dict[str, Callable[[str, Any, Ctx], list[str] | str]] = {
     ARR + "model.mtp.": lambda k, v, c: "(set with model.mtp.enable)",
     ARR + "model.lora.": lambda k, v, c: _only((0, None, False), "no LoRA", "LoRA adapters", LORA)(v, c)
     if k.endswith((".rank", ".adapter_path")) else "(no setting: read only with LoRA)",
-    ARR + "model.lora_": lambda k, v, c: "(no setting: read only with lora_rank > 0)",
-    ARR + "model.target_modules": lambda k, v, c: "(no setting: read only with lora_rank > 0)",
+    ARR + "model.lora_": lambda k, v, c: _lora_part(v, c),
+    ARR + "model.target_modules": lambda k, v, c: _lora_part(v, c),
+    ARR + "model.exclude_modules": lambda k, v, c: _lora_part(v, c),
     ARR + "actor.megatron.": _megatron_prefix,
     ARR + "ref.megatron.": _megatron_prefix,
     ARR + "actor.fsdp_config.": lambda k, v, c: "(no setting: an FSDP sharding, prefetch or compile choice; the "

@@ -73,10 +73,18 @@ def _rng_state(device_is_cuda: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: int, world_size: int) -> None:
-    """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all shards are on disk."""
+def _options(trained_only: bool) -> StateDictOptions | None:
+    # LoRA: the frozen base is the model folder's; only the adapters (and their optimizer state) change. Not
+    # strict, since the frozen keys are absent by design; dcp.load still fails on a trained key the files lack.
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trained_only else None
+
+
+def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: int, world_size: int,
+         trained_only: bool = False) -> None:
+    """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all shards are on disk.
+    ``trained_only``: the parameters that require grad only (LoRA adapters)."""
     path.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trained_only))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     (path / "rng").mkdir(exist_ok=True)
     on_cuda = next(model.parameters()).device.type == "cuda"
@@ -91,16 +99,18 @@ def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: i
     dist.barrier()
 
 
-def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int) -> dict[str, Any]:
+def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int,
+         trained_only: bool = False) -> dict[str, Any]:
     """Collective: restore model, optimizer, scheduler and RNG; returns the saved ``extra``."""
     meta_path = path / META
     if not meta_path.exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META}); it was interrupted while saving")
     meta = json.loads(meta_path.read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trained_only))
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(trained_only))
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank{rank}.pt"
     if meta["world_size"] == world_size and rng_file.exists():
@@ -163,13 +173,16 @@ def publish_export(root: Path, version: int, keep: int = 2) -> Path:
     return root / "latest"
 
 
-def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype | None = None) -> None:
+def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype | None = None,
+              transform=None) -> None:
     """Collective: gather the full state dict to rank 0 and write an HF folder there.
 
     ``dtype`` casts floating tensors (e.g. bf16 for inference engines); the
     config's ``dtype`` is set to match. Tokenizer files come from ``source_dir``.
     """
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0 and transform is not None:  # e.g. LoRA adapters merged into their base weights
+        sd = transform(sd)
     if rank == 0:
         from safetensors.torch import save_file
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from core.configbase import ConfigError, ConfigModel
+from learner.lora_config import MEGATRON_REFUSED, LoraConfig
 
 # KL estimator names (verl's aliases included) -> the estimator used; learner/kl.py explains each.
 KL_ALIASES = {"k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
@@ -268,6 +269,15 @@ class LearnerConfig(ConfigModel):
     optimizer_offload: bool = Field(False, description="FSDP on GPU: the optimizer state in CPU memory; FSDP2 keeps "
                                     "it with the parameter shards, so this offloads those too (as param_offload)")
     megatron: MegatronConfig = MegatronConfig()
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on a frozen base (docs/lora.md); "
+                                    "None: full fine-tuning")
+
+    @model_validator(mode="after")
+    def _lora_engine(self) -> LearnerConfig:
+        if self.lora is not None and self.engine == "megatron":
+            raise ValueError(MEGATRON_REFUSED)
+        return self
+
     kl_reward: KLRewardConfig = Field(KLRewardConfig(), description="KL in the reward (verl use_kl_in_reward)")
     sequence_parallel_size: int = Field(
         1, ge=1, description="FSDP: Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size). Groups of "

@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 from learner import attention, ulysses
 from learner import checkpoint as ckpt
+from learner import lora as lora_mod
 from learner.batch import MicroBatch, StepPlan
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine, disable_dropout, lr_lambda, packed_forward
@@ -93,6 +94,11 @@ def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offloa
     blocks = _decoder_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers to shard")
+    # bf16 adapters beside fp32 base weights: FSDP2 wants one original dtype per unit, so each adapter is its own
+    for m in model.modules():
+        if isinstance(m, lora_mod.LoraLinear) and m.lora_A.weight.dtype != m.weight.dtype:
+            fully_shard(m.lora_A, **kw)
+            fully_shard(m.lora_B, **kw)
     for m in blocks:
         fully_shard(m, **kw)
     if mp is not None:  # the root (embeddings, final norm, output layer): fp32 for the full-logits head
@@ -114,6 +120,7 @@ class FSDPEngine(TrainingEngine):
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(seed)
+        self.seed = seed
         on_gpu = self.device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else None
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -138,19 +145,22 @@ class FSDPEngine(TrainingEngine):
         self.model = model
 
         self.ref_model = None
-        if cfg.loss.kl_coef > 0 or cfg.kl_reward.enable:
+        # with LoRA the reference is the base: the same model with its adapters off (prepare_logprobs)
+        if (cfg.loss.kl_coef > 0 or cfg.kl_reward.enable) and cfg.lora is None:
             # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
             self.ref_model = self._build(model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload,
                                          train=False)
 
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+        # With LoRA only the adapters require grad: the optimizer (and its state) covers them alone.
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay, **({"fused": True} if fast.fused_optimizer else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio))
         n_params = sum(p.numel() for p in model.parameters())
-        logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters, model %s", self.rank, self.world_size,
-                    self.device, n_params, model_path)
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters (%d trained), model %s", self.rank,
+                    self.world_size, self.device, n_params, n_train, model_path)
 
     def settle_settings(self) -> None:
         """Size the micro-batches (and choose checkpointing) from the memory free now, counting what this
@@ -185,6 +195,9 @@ class FSDPEngine(TrainingEngine):
             model = _load_model(model_path, self.attn_impl)
         if not train:
             model.eval().requires_grad_(False)
+        lora = self.cfg.lora if train else None
+        if lora is not None:
+            lora_mod.inject(model, lora)  # before sharding, so the adapters are sharded with their layers
         if train and fast.activation_checkpointing:
             # HF's own checkpointing keeps parameter names unchanged (a checkpoint wrapper would add a prefix).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -194,7 +207,12 @@ class FSDPEngine(TrainingEngine):
             model.to(self.device)  # plain load: on CPU, moved whole, then sharded (each rank keeps its shard)
         _shard(model, mesh, mp, offload=offload, root_dtype=self.root_dtype)
         if fast.meta_init:
-            load_shards(model, model_path, torch.device("cpu") if offload else self.device)
+            load_shards(model, model_path, torch.device("cpu") if offload else self.device,
+                        skip=lora_mod.is_adapter_name if lora is not None else None)
+        if lora is not None:
+            lora_mod.init_adapters(model, self.seed)
+            if lora.adapter_path:
+                lora_mod.load_adapter(lora.adapter_path, model, lora)
         return model
 
     # ---- forward ---------------------------------------------------------------------------
@@ -240,6 +258,11 @@ class FSDPEngine(TrainingEngine):
                 mb.to(self.device)
                 with torch.no_grad():
                     mb.ref_logp, _ = self._forward(self.ref_model, mb)
+        elif self.cfg.lora is not None and (self.cfg.loss.kl_coef > 0 or self.cfg.kl_reward.enable):
+            for mb in plan.micro_batches:
+                mb.to(self.device)
+                with torch.no_grad(), lora_mod.adapters_off(self.model):
+                    mb.ref_logp, _ = self._forward(self.model, mb)
 
     # ---- step ------------------------------------------------------------------------------
     def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
@@ -294,25 +317,46 @@ class FSDPEngine(TrainingEngine):
     # ---- weights out -----------------------------------------------------------------------
     def param_plan(self, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], torch.dtype]]:
         return [(n, list(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
-                for n, t in self.model.state_dict().items()]
+                for n, t in self.model.state_dict().items() if not lora_mod.is_adapter_name(n)]
 
     def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         # One all-gather per tensor, issued only when the consumer asks for it, so a publisher can
-        # broadcast one bucket while the next is being gathered.
+        # broadcast one bucket while the next is being gathered. With LoRA the full weights are the
+        # merged ones (W + scale * B A): a full-weight publish still serves the current policy.
+        merged = {n + ".weight": m for n, m in self.model.named_modules() if isinstance(m, lora_mod.LoraLinear)}
         for name, t in self.model.state_dict().items():
+            if lora_mod.is_adapter_name(name):
+                continue
             if isinstance(t, DTensor) and self.offload:  # an offloaded shard: gather on the GPU
                 t = t.to(self.device)
             full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+            if name in merged:
+                full = lora_mod.merged_weight(merged[name], full)
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             yield name, full
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        ckpt.save(Path(path), self.model, self.optimizer, self.scheduler, extra, self.rank, self.world_size)
+        ckpt.save(Path(path), self.model, self.optimizer, self.scheduler, extra, self.rank, self.world_size,
+                  trained_only=self.cfg.lora is not None)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return ckpt.load(Path(path), self.model, self.optimizer, self.scheduler, self.rank, self.world_size)
+        return ckpt.load(Path(path), self.model, self.optimizer, self.scheduler, self.rank, self.world_size,
+                         trained_only=self.cfg.lora is not None)
 
     def export_hf(self, path: Path, dtype: torch.dtype | None = None) -> None:
-        ckpt.export_hf(Path(path), self.model, self.model_path, self.rank, dtype)
+        """With LoRA: the merged model (what every HF consumer and a late-joining engine loads) and, in its
+        ``adapter/`` subfolder, the peft adapter alone."""
+        scales = {n: m.lora_scale for n, m in self.model.named_modules() if isinstance(m, lora_mod.LoraLinear)}
+        ckpt.export_hf(Path(path), self.model, self.model_path, self.rank, dtype,
+                       transform=(lambda sd: lora_mod.merge_state_dict(sd, scales)) if scales else None)
+        if scales:
+            self.export_adapter(Path(path) / "adapter", dtype)
+
+    def export_adapter(self, path: Path, dtype: torch.dtype | None = None) -> int:
+        """Collective: write the peft adapter folder (rank 0); returns its tensor bytes on rank 0."""
+        if self.cfg.lora is None:
+            raise RuntimeError("export_adapter needs learner.lora (this learner fine-tunes the whole model)")
+        return lora_mod.save_adapter(path, self.model, self.cfg.lora, base_model_path=self.model_path,
+                                     rank=self.rank, dtype=dtype)

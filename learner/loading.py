@@ -72,8 +72,10 @@ def _rebuild_nonpersistent_buffers(model: torch.nn.Module, device: torch.device)
             setattr(mod, n, getattr(fresh, n).to(device))
 
 
-def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device) -> dict[str, int]:
-    """Allocate ``model``'s (already ``fully_shard``-ed, meta) shards on ``device`` and fill them from ``path``.
+def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device,
+                skip=None) -> dict[str, int]:
+    """Allocate ``model``'s (already ``fully_shard``-ed, meta) shards on ``device`` and fill them from ``path``;
+    parameters whose name ``skip(name)`` accepts (LoRA adapters) are allocated but left for the caller to fill.
 
     Returns ``{"tensors": n, "bytes_read": b}`` (bytes of this rank's slices as stored in the files).
     """
@@ -86,7 +88,7 @@ def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device) 
     for f in _files(path):
         with safe_open(str(f), framework="pt") as h:
             where.update({k: f for k in h.keys()})  # noqa: SIM118 - safe_open handles are not mappings
-    targets = dict(model.named_parameters())
+    targets = {n: p for n, p in model.named_parameters() if skip is None or not skip(n)}
     targets.update((n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] not in _nonpersistent(model, n))
     written: set[int] = set()
     pending: dict[Path, list[str]] = {}

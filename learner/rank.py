@@ -56,6 +56,7 @@ from core.colocate import ColocateConfig
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
+from weight_sync.adapter_publisher import AdapterPublisher, AdapterPublishError, adapter_publish
 from weight_sync.config import NCCL_ENV, WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.ipc import choose_transport
@@ -151,6 +152,7 @@ class LearnerRank:
         self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
         self.endpoint = endpoint
         self.pub = None
+        self.adapter_pub: AdapterPublisher | None = None  # learner.lora on a vLLM fleet (_publish_adapter)
         self._source = None
         self.world_size = 0  # known once the process group is up
         self.version = 0
@@ -252,7 +254,46 @@ class LearnerRank:
                  "nccl" if nccl else "gloo", ws.nccl_impl, device, len(plan.buckets))
         return Publisher(ws, plan, rank=0, device=device)
 
+    def _publish_adapter(self, version: int, engine) -> None:
+        """learner.lora on a vLLM fleet: only the adapter folder goes out (weight_sync/adapter_publisher.py)."""
+        t0 = time.monotonic()
+        if self.adapter_pub is None:
+            if not self.exports_shared:
+                raise RuntimeError("learner.lora publishes adapter folders by path, but the servers on other nodes "
+                                   "cannot read this run directory: set network.shared_dir")
+            self.adapter_pub = AdapterPublisher([], self.run_dir / "adapters", timeout_s=self.cfg.weight_sync.timeout_s,
+                                                dtype=self._wire_dtype())
+        if self.rank == 0 and self.fleet is not None:
+            try:
+                urls = self.fleet.server_urls()
+            except Exception as exc:  # the fleet did not answer: publish to the members we know
+                log.warning("weight sync: fleet membership unknown (%s)", exc)
+                urls = {ep.engine_id: ep.url for ep in self.adapter_pub.endpoints}
+            for eid, url in urls.items():
+                if eid not in self._clients or self._clients[eid].url != url:
+                    self._clients[eid] = self.endpoint("gloo", eid, url)
+            self.adapter_pub.endpoints = [self._clients[eid] for eid in urls]
+        try:
+            self.adapter_pub.publish(version, engine)  # collective: every rank gathers the adapters
+            if self.rank == 0 and self.adapter_pub.endpoints:
+                ids = [ep.engine_id for ep in self.adapter_pub.endpoints]
+                self.publishes += 1
+                self.last_published_version = version
+                self.publish_held_s = 0.0  # nothing is paused
+                self._holding.update(dict.fromkeys(ids, version))
+                if self.fleet is not None:
+                    self.fleet.engines_updated(ids, version)
+                log.info("published LoRA adapter v%d (%d bytes) to %s in %.2fs", version,
+                         self.adapter_pub.last["bytes"], ids, time.monotonic() - t0)
+        except AdapterPublishError as exc:
+            self.publish_errors += 1
+            log.error("publish of adapter v%d failed: %s", version, exc)
+        self.publish_s += time.monotonic() - t0
+
     def _publish(self, version: int, engine) -> None:
+        if adapter_publish(self.cfg):
+            self._publish_adapter(version, engine)
+            return
         t0 = time.monotonic()
         buckets = engine.iter_full_params(self._bucket_bytes(), self._wire_dtype())
         tensors = (item for bucket in buckets for item in bucket)
@@ -442,7 +483,9 @@ class LearnerRank:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
             run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
                         on_metrics=self._metrics, on_committed=self._committed, batch_timeout_s=self.cfg.rollout.request_timeout_s,
-                        on_unchanged=None if colo else self._unchanged, on_batch=self._release if colo else None,
+                        # adapter publishing: a step without an update still publishes (a relabel alone would
+                        # make the fleet name an adapter version no server has loaded); it costs an adapter
+                        on_unchanged=None if colo or adapter_publish(self.cfg) else self._unchanged, on_batch=self._release if colo else None,
                         needs_weights=None if colo else self._needs_weights, on_engine=self._engine_built)
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)

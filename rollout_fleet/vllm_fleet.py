@@ -17,8 +17,10 @@ from typing import Any
 
 from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
 from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
+from rollout_fleet.engines.vllm_lora import lora_server_settings
 from rollout_fleet.rewards import RewardError
 from rollout_fleet.worker import Prompt, RewardFailed
+from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class VLLMFactory(ServerFactory):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.slots[index][1])
             # every process of the weight-sync group must agree (the learner sets the same)
             env.update({k: os.environ.get(k, v) for k, v in NCCL_ENV.items()})
+        if adapter_publish(self.cfg):  # LoRA: the policy arrives as adapters loaded at runtime
+            env.update(lora_server_settings(self.cfg.learner.lora.rank)[1])
         args = VLLMServerArgs(model=self.cfg.model.path, dtype=self.cfg.model.dtype,
                               max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
                               gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
@@ -132,7 +136,12 @@ class VLLMFactory(ServerFactory):
         # a server with a GPU slot runs on CUDA (this actor may see no GPU of its own)
         if c.enabled and c.sleep_level(index in self.slots) and "--enable-sleep-mode" not in args:
             args.append("--enable-sleep-mode")  # colocated: the engines sleep while the learner trains
+        if adapter_publish(self.cfg):
+            args += lora_server_settings(self.cfg.learner.lora.rank)[0]
         return args
+
+    def _adapter_prefix(self) -> str | None:
+        return ADAPTER_PREFIX if adapter_publish(self.cfg) else None
 
     async def start(self, index: int) -> FleetVLLMClient:
         if self.urls:
@@ -140,7 +149,7 @@ class VLLMFactory(ServerFactory):
         server = await self.launcher.start(index, self._server_args(index), self.run_dir / f"vllm-{index}",
                                            self.cache_dir / "vllm-server")
         client = FleetVLLMClient(f"vllm-{index}", server.url, model=server.model_name,
-                                 weight_backend=server.weight_backend,
+                                 weight_backend=server.weight_backend, adapter_prefix=self._adapter_prefix(),
                                  request_timeout_s=self.cfg.rollout.request_timeout_s)
         client.server = server
         return client
@@ -151,7 +160,8 @@ class VLLMFactory(ServerFactory):
                              f"{index} to attach, and the fleet starts none of its own")
         url = self.urls[index].rstrip("/")
         client = FleetVLLMClient(f"vllm-{index}", url, model=self.cfg.model.path, weight_backend="fleetrl",
-                                 request_timeout_s=self.cfg.rollout.request_timeout_s)
+                                 request_timeout_s=self.cfg.rollout.request_timeout_s,
+                                 adapter_prefix=self._adapter_prefix())
         deadline = asyncio.get_running_loop().time() + self.cfg.rollout.startup_timeout_s
         while True:
             try:

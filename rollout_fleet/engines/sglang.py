@@ -72,6 +72,8 @@ from packaging.version import Version
 
 from core.net import HttpEngineClient
 from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
+from rollout_fleet.engines.sglang_lora import load_adapter as sglang_load_adapter
+from rollout_fleet.engines.vllm_lora import lora_name
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
 from weight_sync.sglang_group import sglang_group_name
@@ -103,7 +105,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
                  radix_cache: bool = True, timeout_s: float = 600.0, control_timeout_s: float = 120.0,
-                 max_connections: int = 1024, staging: bool = False, between_steps: bool = True) -> None:
+                 max_connections: int = 1024, staging: bool = False, between_steps: bool = True,
+                 adapter_prefix: str | None = None) -> None:
         """``staging``: weights arrive through fleetrl's loader in the server's workers (the server must run
         with :data:`weight_sync.sglang_ext.LOADER` as ``--custom-weight-loader``, as
         :class:`~rollout_fleet.engines.sglang_server.SGLangServer` starts it) and the publisher's group is fleetrl's own (``nccl_impl='torch'``).
@@ -139,6 +142,7 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
         self._call_laps: dict[str, float] = {}
         self._stage_steps: dict[str, float] = {}
         self.last_update_steps: dict[str, float] = {}
+        self.adapter_prefix = adapter_prefix  # LoRA: version v > 0 is adapter '<prefix>-v<v>' (sglang_lora.py)
 
     async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
         r = await self._request("POST", path, timeout_s=timeout_s or self.control_timeout_s,
@@ -170,6 +174,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
             raise EngineError(f"engine {self.engine_id}: generate while its GPU memory is released "
                               f"({sorted(self._released or RELEASE_TAGS)}); wake_up first")
         start_version = self._version
+        if self.adapter_prefix and start_version > 0:
+            body["lora_path"] = lora_name(self.adapter_prefix, start_version)
         self._inflight += 1
         self._idle.clear()
         try:
@@ -503,4 +509,8 @@ class SGLangClient(HttpEngineClient, EngineClient, WeightEndpoint):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    async def load_adapter(self, path: str, version: int) -> dict[str, float]:
+        """Serve the peft adapter folder ``path`` as policy ``version`` (rollout_fleet/engines/sglang_lora.py)."""
+        return await sglang_load_adapter(self, path, version)
 

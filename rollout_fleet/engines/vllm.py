@@ -41,6 +41,7 @@ import numpy as np
 
 from core.net import HttpEngineClient
 from rollout_fleet.engines.base import EngineClient, EngineError, Sample, SamplingParams
+from rollout_fleet.engines.vllm_lora import load_adapter, lora_name
 from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs, check_vllm_version  # noqa: F401
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
@@ -89,7 +90,8 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl",
                  timeout_s: float = 60.0, request_timeout_s: float = 600.0, group_ranks: int = 1,
-                 initial_version: int = 0, api: str = "completions", update_pause_mode: str = "keep") -> None:
+                 initial_version: int = 0, api: str = "completions", update_pause_mode: str = "keep",
+                 adapter_prefix: str | None = None) -> None:
         """``update_pause_mode``: how a weight update pauses the server: ``wait`` lets running
         requests finish under the old weights first (``rollout.weight_update: pause``), ``keep``
         freezes them and lets them continue under the new weights (``inflight``).
@@ -118,6 +120,8 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
         self._join_timeout_s = timeout_s
         self._stage_steps: dict[str, float] = {}
         self._label_api = True  # /update_weight_version exists (vLLM >= 0.32)
+        # LoRA (learner.lora): policy version v > 0 is served as adapter '<adapter_prefix>-v<v>' (load_adapter)
+        self.adapter_prefix = adapter_prefix
         self.prefix_cache_resets_refused = 0  # see reset_prefix_cache
 
     # ---- generation ---------------------------------------------------------------
@@ -133,11 +137,12 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
         # The prefix cache is salted with the weight version, so a request never reuses KV computed under
         # other weights; vLLM's reset cannot promise that while requests run (see reset_prefix_cache).
         salt = f"fleetrl-v{start_version}"
+        model = self.served_model(start_version)
         if self.api == "generate":
-            body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sp, "cache_salt": salt}
+            body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": sp, "cache_salt": salt}
             r = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)
         else:
-            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, "cache_salt": salt, **sp}
+            body = {"model": model, "prompt": list(prompt_ids), "return_token_ids": True, "cache_salt": salt, **sp}
             r = await self._request("POST", "/v1/completions", json=body, timeout_s=self.request_timeout_s)
         return [self._sample(c, start_version) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
@@ -366,6 +371,9 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
         """Reload every weight from an HF export on disk (vLLM's ``reload_weights``), labelled ``version``."""
+        if self.adapter_prefix:  # LoRA: the base stays; the export's adapter/ folder is the policy (docs/lora.md)
+            await load_adapter(self, f"{path.rstrip('/')}/adapter", version)
+            return
         pause_here = self._stuck or not await self.is_paused()
         if pause_here:
             self._stuck = True  # ours until the load succeeds (see update_weights)
@@ -382,4 +390,13 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    # ---- LoRA adapters (rollout_fleet/engines/vllm_lora.py) ---------------------------------
+    def served_model(self, version: int) -> str:
+        """The model name requests at ``version`` name: the base, or that version's adapter."""
+        return lora_name(self.adapter_prefix, version) if self.adapter_prefix and version > 0 else self.model
+
+    async def load_adapter(self, path: str, version: int) -> dict[str, float]:
+        """Serve the peft adapter folder ``path`` as policy ``version``; returns seconds per HTTP call."""
+        return await load_adapter(self, path, version)
 

@@ -75,7 +75,7 @@ def test_seed_script_resolves_to_a_config(tmp_path):
 # entropy_coeff, data.truncation, use_kl_in_reward and the other estimators map now (test_verl_scripts.py)
 @pytest.mark.parametrize(("arg", "needle"), [
     ("data.truncation=sideways", "verl has error, left, right and middle"),
-    ("actor_rollout_ref.model.lora_rank=32", "[needs lora] LoRA adapters"),
+    ("actor_rollout_ref.model.lora.rank=32", "[needs lora] LoRA adapters"),  # verl's nested (Megatron) section
     ("actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=kl",
      "'kl' (k1) has zero expected gradient"),
     ("actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=full",
@@ -93,10 +93,10 @@ def test_refused_keys_are_named_with_the_reason(arg, needle):
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        translate("algorithm.adv_estimator=grpo actor_rollout_ref.model.lora_rank=8 data.truncation=sideways "
+        translate("algorithm.adv_estimator=grpo actor_rollout_ref.model.lora.rank=8 data.truncation=sideways "
                   "trainer.nosuch=1")
     msg = str(err.value)
-    assert "lora_rank" in msg and "truncation" in msg and "trainer.nosuch" in msg
+    assert "lora.rank" in msg and "truncation" in msg and "trainer.nosuch" in msg
 
 
 def test_small_mappings():

