@@ -40,6 +40,18 @@ def make_tiny_model(out: Path, seed: int = 0, tie: bool = False) -> Path:
     return out
 
 
+def join_gloo(rank: int, world_size: int, port: int, timeout_s: float = 120) -> None:
+    """One forked test rank: the rendezvous environment, one thread, and the gloo default group."""
+    import torch
+
+    from learner.run import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    init_distributed("gloo", timeout_s=timeout_s)
+
+
 def make_batches(n_steps: int, groups: int = 4, group_size: int = 4, seed: int = 0):
     """Synthetic step batches in the trajectory schema: varied lengths, one all-equal group per step."""
     from broker.schema import Trajectory, to_record_batch

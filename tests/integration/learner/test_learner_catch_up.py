@@ -15,27 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_testkit import make_batches, make_tiny_model, run_procs, write_batches
+from learner_testkit import join_gloo, make_batches, make_tiny_model, run_procs, write_batches
 
 STEPS = 3
 pytestmark = pytest.mark.timeout(240)
 
 
 def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
-    import os
 
     import pyarrow as pa
 
     from learner.config import LearnerConfig
     from learner.fsdp import FSDPEngine
     from learner.loop import Learner
-    from learner.run import init_distributed
     from learner.source import InProcessSource
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    init_distributed("gloo", timeout_s=120)
+    join_gloo(rank, world_size, port)
     cfg = LearnerConfig.model_validate({"loss": {"correction": "decoupled"}, "micro_batch_tokens": 64,
                                         "logprob_probe_tolerance": None,
                                         "optim": {"lr": 1e-3, "warmup_steps": 1}})
