@@ -28,15 +28,27 @@ PROBES = [[5, 9, 12, 40, 7, 3, 66, 21], [1, 30, 31, 32, 90, 4, 4, 100, 17, 2], [
 def _server_logprobs(url: str, model: str) -> list[list[float]]:
     import httpx
 
+    from core.engine_auth import auth_headers
+
     out = []
     for ids in PROBES:
         # generous: a server's first LoRA request on a loaded 2-core box took over 60 s once
-        r = httpx.post(url + "/v1/completions", timeout=240, json={
+        r = httpx.post(url + "/v1/completions", timeout=240, headers=auth_headers(), json={
             "model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
         r.raise_for_status()
         pl = r.json()["choices"][0]["prompt_logprobs"]
         out.append([pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))])
     return out
+
+
+def _served_models(url: str) -> list[str]:
+    import httpx
+
+    from core.engine_auth import auth_headers
+
+    r = httpx.get(url + "/v1/models", timeout=60, headers=auth_headers())
+    r.raise_for_status()
+    return [m["id"] for m in r.json()["data"]]
 
 
 def _learner_logprobs(model: torch.nn.Module) -> list[list[float]]:
@@ -84,7 +96,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         records.append({"version": version, "bytes": pub.last["bytes"], "seconds": pub.last["seconds"],
                         "learner": _learner_logprobs(eng.model),
                         "server": _server_logprobs(kw["url"], client.served_model(version)),
-                        "models": [m["id"] for m in __import__("httpx").get(kw["url"] + "/v1/models").json()["data"]]})
+                        "models": _served_models(kw["url"])})
 
     base = _learner_logprobs(engine.model)
     learner = Learner(engine, cfg, source=InProcessSource(make_batches(STEPS, seed=3)), max_steps=STEPS,
@@ -97,7 +109,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     records.append({"version": STEPS + 1, "bytes": pub.last["bytes"], "seconds": 0.0,
                     "learner": _learner_logprobs(engine.model),
                     "server": _server_logprobs(kw["url"], client.served_model(STEPS + 1)),
-                    "models": [m["id"] for m in __import__("httpx").get(kw["url"] + "/v1/models").json()["data"]]})
+                    "models": _served_models(kw["url"])})
     full_bytes = sum(t.numel() * 4 for _, t in engine.full_tensors())
     Path(kw["out"]).write_text(json.dumps({"records": records, "base": base, "full_bytes": full_bytes}))
     torch.distributed.destroy_process_group()
