@@ -271,6 +271,71 @@ class ProtocolError(Exception):
         self.message = message
 
 
+# Nesting deeper than this is refused before msgspec sees a header. msgspec recurses once per level, so
+# without this the interpreter's recursion limit would be the bound, and torch.compile (in the same process,
+# e.g. a test run) raises that limit: a 1,200-deep header then decoded instead of being refused.
+MAX_NESTING = 64
+_CONTAINERS = frozenset([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+_NOT_CONTAINER = bytes(b for b in range(256) if b not in _CONTAINERS)
+# msgpack type byte -> (bytes of the length field, fixed payload bytes) for the scalar types with a length
+_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+          0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
+          0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+
+
+def _nesting_depth(data: bytes) -> int:
+    """The deepest container nesting of a msgpack message (iterative; a truncated or malformed message is
+    scanned as far as it goes: msgspec reports it)."""
+    pos, n, depth, deepest = 0, len(data), 0, 0
+    left: list[int] = []  # items still to read in each open container
+    while pos < n:
+        t = data[pos]
+        pos += 1
+        items = -1
+        if t <= 0x7F or t >= 0xE0:
+            pass
+        elif t <= 0x8F:
+            items = 2 * (t & 0x0F)
+        elif t <= 0x9F:
+            items = t & 0x0F
+        elif t <= 0xBF:
+            pos += t & 0x1F
+        elif t in _FIXED:
+            pos += _FIXED[t]
+        elif t in _SIZED:
+            k, extra = _SIZED[t]
+            pos += k + extra + int.from_bytes(data[pos:pos + k], "big")
+        elif t in (0xDC, 0xDE):
+            items = int.from_bytes(data[pos:pos + 2], "big") * (2 if t == 0xDE else 1)
+            pos += 2
+        elif t in (0xDD, 0xDF):
+            items = int.from_bytes(data[pos:pos + 4], "big") * (2 if t == 0xDF else 1)
+            pos += 4
+        else:
+            return deepest  # 0xC1 (never used): malformed
+        if left:
+            left[-1] -= 1
+        if items > 0:
+            left.append(items)
+            depth = len(left)
+            deepest = max(deepest, depth)
+            if deepest > MAX_NESTING:
+                return deepest
+        while left and left[-1] == 0:
+            left.pop()
+    return deepest
+
+
+def _check_nesting(header: bytes | memoryview) -> None:
+    data = bytes(header)
+    if len(data.translate(None, _NOT_CONTAINER)) <= MAX_NESTING:
+        return  # fewer container type bytes than the limit: it cannot nest deeper
+    if _nesting_depth(data) > MAX_NESTING:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"header nests msgpack containers too deeply (more than "
+                                                 f"{MAX_NESTING} levels)")
+
+
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
@@ -278,6 +343,7 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decode_envelope(header: bytes | memoryview) -> Envelope:
     if len(header) > L.MAX_HEADER_BYTES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header of {len(header)} bytes; at most {L.MAX_HEADER_BYTES}")
+    _check_nesting(header)
     try:
         env = _envelope_decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:

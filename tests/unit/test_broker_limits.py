@@ -227,3 +227,27 @@ def test_refusals_are_logged_at_a_bounded_rate_with_counts(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and rl.suppressed_total == 999
     assert lines[2] == "refused y (999 similar lines suppressed in the last 10 s)"
+
+
+def test_nesting_is_bounded_whatever_the_recursion_limit():
+    """torch.compile raises the interpreter's recursion limit in the processes that use it; the depth bound must
+    not depend on it (it did: in a full test run a 1,200-deep header decoded)."""
+    import sys
+
+    import msgspec
+
+    deep = b"\x83\xa5proto\x03\xa4type\xa4ping\xa1x" + b"\x91" * 1200 + b"\xc0"
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        with pytest.raises(P.ProtocolError) as e:
+            P.decode_envelope(deep)
+        assert e.value.code == P.ErrorCode.BAD_FRAME and "too deeply" in e.value.message
+    finally:
+        sys.setrecursionlimit(old)
+    # the scan agrees with msgpack on depth, and a deep-but-allowed message passes the check
+    nested: object = 1
+    for _ in range(P.MAX_NESTING):
+        nested = [nested, {"k": "v" * 300}]  # strings hold container-like bytes the scan must skip
+    assert P._nesting_depth(msgspec.msgpack.encode(nested)) == P.MAX_NESTING + 1  # the dicts add a level
+    P._check_nesting(msgspec.msgpack.encode({"a": [[1, 2], {"b": b"\x91" * 500}]}))
