@@ -312,10 +312,14 @@ class LearnerConfig(ConfigModel):
                              f"attention, not {self.attn_implementation!r}: use attn_implementation auto, varlen or sdpa")
         return self
 
+    @property
+    def several_optimizer_steps(self) -> bool:
+        """Whether a step batch may make more than one optimizer step (mini-batches or epochs)."""
+        return self.ppo_epochs > 1 or self.ppo_mini_batch_size is not None
+
     @model_validator(mode="after")
     def _tis_trust_region(self) -> LearnerConfig:
-        several = self.ppo_epochs > 1 or self.ppo_mini_batch_size is not None
-        if self.loss.correction == "tis" and several and not self.recompute_proximal:
+        if self.loss.correction == "tis" and self.several_optimizer_steps and not self.recompute_proximal:
             raise ValueError("learner.loss.correction=tis without learner.recompute_proximal has no trust region "
                              f"(ratio = 1 at every optimizer step), yet ppo_mini_batch_size={self.ppo_mini_batch_size} "
                              f"/ ppo_epochs={self.ppo_epochs} ask for several optimizer steps per batch: set "

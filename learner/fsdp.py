@@ -244,9 +244,9 @@ class FSDPEngine(TrainingEngine):
             return self._forward(self.model, mb)
 
     def needs_proximal(self) -> bool:
-        several = self.cfg.ppo_epochs > 1 or self.cfg.ppo_mini_batch_size is not None
         # kl_reward's penalty is measured on the pre-step policy (verl's old_log_prob)
-        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several) or self.cfg.kl_reward.enable
+        return (needs_proximal(self.loss.correction, self.cfg.recompute_proximal, self.cfg.several_optimizer_steps)
+                or self.cfg.kl_reward.enable)
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():

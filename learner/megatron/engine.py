@@ -428,8 +428,7 @@ class MegatronEngine(TrainingEngine):
         return parts
 
     def needs_proximal(self) -> bool:
-        several = self.cfg.ppo_epochs > 1 or self.cfg.ppo_mini_batch_size is not None
-        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, several)
+        return needs_proximal(self.loss.correction, self.cfg.recompute_proximal, self.cfg.several_optimizer_steps)
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():
