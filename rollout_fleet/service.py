@@ -96,11 +96,20 @@ class FleetService:
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
 
-    async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
+    async def start(self, n_servers: int, indices: list[int] | None = None,
+                    catch_up: int | None = None) -> dict[str, Any]:
+        """``catch_up``: a fleet restarted mid-run (launch/fleet_recovery.py), with the learner's version then:
+        its servers load the learner's latest export (RUN_DIR/export/latest; SIMULATED engines: that version)
+        before they take work, as a restarted server does."""
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
         factory, loader = self._components()
         data = asyncio.create_task(asyncio.to_thread(loader))  # tokenizing overlaps the servers' start
         self.fleet = FleetController(self.cfg.rollout, factory)
+        if catch_up is not None:
+            latest = (catch_up, f"simulated://v{catch_up}") if self.simulated else position.latest_export(self._run_dir())
+            if latest is not None:
+                self.fleet.set_latest_export(*latest)
+                log.info("restarted fleet: servers load v%d (%s) before taking work", *latest)
         await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
         prompts, rewards = await data
         if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead

@@ -3,7 +3,11 @@
 A schedule drawn from ``FLEETRL_CHAOS_SEED`` (default 40) picks the kills and when they land:
 
 * during launch 1, one process the job survives on its own: the engine server (the fleet
-  restarts it; its groups are re-queued) or the broker (the launcher restarts it on its spool);
+  restarts it; its groups are re-queued), the broker (the launcher restarts it on its spool), the
+  fleet actor (the Ray actor of the controller and the rollout workers: Ray restarts it, the driver
+  starts it again, launch/fleet_recovery.py) or the reward server (the launcher restarts it on its
+  address, the fleet's scorers wait for it; only this kill gives the run a reward server: the
+  judge-tiny recipe, a second vLLM CPU server);
 * then one that ends the launch: a learner rank (the driver names it and ends the job) or the
   driver itself; launch 2, the same command on the same run directory, resumes from the last
   checkpoint and finishes the run.
@@ -47,18 +51,23 @@ from procs import alive, descendants  # noqa: E402
 from tests.integration.test_cpu_system import spool_rows  # noqa: E402
 
 SEED = int(os.environ.get("FLEETRL_CHAOS_SEED", "40"))
+JUDGE = "tiny-judge"  # reward.model.model of launch/recipes/judge-tiny.yaml: the reward server's served name
 STEPS, GROUPS, EVERY, K = 14, 8, 2, 2  # steps, groups per step, checkpoint interval, max staleness
 LINGER_S = 60.0  # a process of the job may take this long to exit after the job ended
 LAUNCH_LIMIT_S = 900.0  # one launch: a vLLM start (40-80 s on 2 quiet cores, 150+ s loaded) and a server restart
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
+SURVIVED = ("server", "broker", "fleet", "reward")  # the first kill: the run recovers on its own
+ENDING = ("rank", "driver")  # the second: it ends launch 1
+
+
 def schedule(seed: int) -> list[dict]:
     """The seeded kills: one the run survives, then one that ends launch 1 (resumed by launch 2)."""
     rng = random.Random(seed)
-    first = {"what": rng.choice(["server", "broker"]), "at_step": rng.randint(2, 4),
+    first = {"what": rng.choice(SURVIVED), "at_step": rng.randint(2, 4),
              "delay_s": round(rng.uniform(0.0, 1.5), 2)}
-    second = {"what": rng.choice(["rank", "driver"]), "at_step": rng.randint(first["at_step"] + 3, 9),
+    second = {"what": rng.choice(ENDING), "at_step": rng.randint(first["at_step"] + 3, 9),
               "delay_s": round(rng.uniform(0.0, 1.5), 2)}
     return [first, second]
 
@@ -80,7 +89,8 @@ def _last_step(run_dir: Path) -> int:
 
 
 def _target(driver: int, what: str) -> int | None:
-    """The pid to kill: the driver, its broker child, the learner rank actor, or the vLLM server."""
+    """The pid to kill: the driver, its broker child, the learner rank actor, the fleet actor, the rollout
+    vLLM server or the reward (judge) vLLM server."""
     if what == "driver":
         return driver
     try:
@@ -92,18 +102,29 @@ def _target(driver: int, what: str) -> int | None:
             cmd = p.cmdline()
         except psutil.Error:
             continue
+        vllm = "vllm.entrypoints.openai.api_server" in cmd
+        judge = JUDGE in cmd  # the reward server serves the judge under its reward.model.model name
         if ((what == "broker" and cmd[1:3] == ["-m", "broker"])
                 or (what == "rank" and "LearnerActor" in " ".join(cmd))
-                or (what == "server" and "vllm.entrypoints.openai.api_server" in cmd)):
+                or (what == "fleet" and "ray::FleetActor" in " ".join(cmd))
+                or (what == "server" and vllm and not judge)
+                or (what == "reward" and vllm and judge)):
             return p.pid
     return None
 
 
-def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
-    """One launch of the tiny recipe; each of ``kills`` in order once the learner reached its step."""
+def _recipe(plan: list[dict]) -> list[str]:
+    """The tiny recipe; with a reward-server kill in the plan, its judge variant and one CPU reward server."""
+    if any(k["what"] == "reward" for k in plan):
+        return ["--recipe", "judge-tiny", "--reward-gpus", "1"]
+    return ["--recipe", "tiny"]
+
+
+def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
+    """One launch of the plan's recipe; each of ``kills`` in order once the learner reached its step."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("FLEETRL_ENGINE_TOKEN", None)  # the run makes its own token (core.engine_auth)
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
+    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", *_recipe(plan),
            "--max-steps", str(STEPS), "--run-dir", str(run_dir), "--no-live", f"broker.groups_per_step={GROUPS}",
            f"broker.max_staleness={K}", "run.eval_samples=0", f"learner.checkpoint_every={EVERY}"]
     log = run_dir.parent / f"{run_dir.name}-launch-{n}.out"
@@ -133,7 +154,7 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
                                      "unix": time.time()})
                         armed = None
             for d in done:  # the learner trains a step past the one it was at (it may never have stalled)
-                if d["what"] in ("server", "broker") and "learner_next_step_s" not in d and step > d["step_at_kill"]:
+                if d["what"] in SURVIVED and "learner_next_step_s" not in d and step > d["step_at_kill"]:
                     d["learner_next_step_s"] = round(time.monotonic() - d["t"], 2)
             time.sleep(0.25)
     finally:
@@ -148,7 +169,9 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
         d.pop("t")
         back = {"server": (run_dir / "logs" / "fleet.log", "rollout_fleet.engines.vllm_server: vLLM server",
                            "healthy after"),
-                "broker": (log, "launch.broker_supervisor: broker restarted", "")}.get(d["what"])
+                "broker": (log, "launch.broker_supervisor: broker restarted", ""),
+                "fleet": (log, "launch.fleet_recovery: fleet back in service", ""),
+                "reward": (log, "launch.reward_servers: reward server", "restarted and healthy")}.get(d["what"])
         if back is not None:  # the process back in service: its first "up" line after the kill
             d["back_s"] = _first_after(*back, d["unix"])
     return {"rc": proc.returncode, "kills": done, "seen": seen, "seconds": round(time.monotonic() - t0, 1),
@@ -179,10 +202,10 @@ def soak(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos")
     plan = schedule(SEED)
     t_start = time.time()
-    first = _launch(run_dir, plan, 1)
+    first = _launch(run_dir, plan, plan, 1)
     time.sleep(3.0)  # the driver's children die with it (PR_SET_PDEATHSIG); give them the moment
     resumed_from = _last_step(run_dir)
-    second = _launch(run_dir, [], 2)
+    second = _launch(run_dir, plan, [], 2)
     starts = [r["step"] for r in _records(run_dir) if "event" in r]
     resume_s = None
     terminal = first["kills"][-1] if first["kills"] else None

@@ -1,0 +1,139 @@
+"""The fleet actor dies mid-run (``kill -9``, a crash): Ray restarts it, the driver starts it again.
+
+Dataflow::
+
+    fleet actor process dies   (its vLLM servers are child processes: orphaned, still running)
+      -> Ray restarts the actor (FleetActor's max_restarts): __init__ again, same arguments, same handle
+         (the learner ranks' handle stays valid)
+      -> the driver's next fleet call fails (RayActorError): FleetRecovery.on_death
+           ends the dead fleet's engine servers (their process groups, from the last snapshots)
+      -> FleetRecovery.poll, once per driver loop, never blocking:
+           the restarted actor answers ``incarnation`` -> ``start(n, indices, catch_up=True)``:
+           its servers start, load RUN_DIR/export/latest before taking work (the late-joiner path),
+           its data position (fleet_state.json) is restored: the prompts in flight at the last
+           save are replayed first
+      -> the learner trains on the groups the broker holds meanwhile; its next publish finds the
+         new server in the fleet's membership (launch/learner_ranks.py _RayFleet)
+
+What is kept: every group the broker accepted (the broker and the spool are not touched). The
+groups in flight in the dead actor never reached the broker; their tickets expire after
+``broker.ticket_timeout_s`` (until then they count against the window: the fleet runs with fewer
+tickets), and their prompts are replayed from the saved position. Nothing is trained twice: a
+group id is its ticket's, and a dead actor's ticket is never used again.
+
+Every wait has a limit: the restarted actor must answer within ``RESTART_WAIT_S`` and its start
+finish within ``rollout.startup_timeout_s``; more than ``MAX_RESTARTS`` deaths end the job
+(JobFailed, naming the fleet), as does a death Ray does not restart (ActorDiedError).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3  # fleet actor deaths a run survives (FleetActor's max_restarts)
+RESTART_WAIT_S = 120.0  # from the death to the restarted actor answering (a Ray worker start, loaded host)
+
+
+class FleetRecovery:
+    """The driver's side of a fleet actor restart (``job``: launch.driver.Job)."""
+
+    def __init__(self, job) -> None:
+        self.job = job
+        self.restarts = 0
+        self.since: float | None = None  # monotonic time of the death now being recovered from
+        self.died_unix: float | None = None
+        self._probe = None  # ObjectRef of the restarted actor's ``incarnation``
+        self._start = None  # ObjectRef of its ``start``
+        self.log: list[dict[str, Any]] = []  # each recovery: when, how long, what was ended
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def on_death(self, exc: BaseException) -> None:
+        """The fleet actor did not answer because it died; begin (or go on with) a recovery."""
+        from launch.broker_supervisor import end_engine_groups
+        from launch.driver import JobFailed
+
+        if self.active:
+            return
+        if self.restarts >= MAX_RESTARTS:
+            raise JobFailed(f"fleet actor died a {self.restarts + 1}th time (at most {MAX_RESTARTS} restarts): "
+                            f"{exc}") from None
+        self.restarts += 1
+        self.since, self.died_unix = time.monotonic(), time.time()
+        self._probe = self._start = None
+        # its servers were its child processes: orphaned now, they would hold CPU, memory and ports
+        orphans = set(self.job.engine_pgids)
+        ended = end_engine_groups(orphans) if orphans else []
+        self.job.engine_pgids -= orphans
+        log.error("fleet actor died (%s); restart %d of %d: ended %d engine process(es) it left, waiting for Ray "
+                  "to restart it", type(exc).__name__, self.restarts, MAX_RESTARTS, len(ended))
+        self.log.append({"died_unix": round(self.died_unix, 3), "engine_processes_ended": len(ended)})
+
+    def poll(self) -> None:
+        """One non-blocking step of the recovery; raises JobFailed when it cannot finish."""
+        import ray
+
+        from launch.driver import JobFailed
+
+        if not self.active:
+            return
+        job = self.job
+        waited = time.monotonic() - self.since
+        if self._start is None:
+            if self._probe is None:
+                self._probe = job.fleet.incarnation.remote()
+            done, _ = ray.wait([self._probe], timeout=0)
+            if not done:
+                if waited > RESTART_WAIT_S:
+                    raise JobFailed(f"fleet actor not back within {RESTART_WAIT_S:.0f} s of its death")
+                return
+            try:
+                inc = ray.get(self._probe)
+            except ray.exceptions.RayActorError as exc:  # still restarting (or not restarted at all): ask again
+                self._probe = None
+                if waited > RESTART_WAIT_S:
+                    raise JobFailed(f"fleet actor not back within {RESTART_WAIT_S:.0f} s of its death: {exc}") from None
+                return
+            if inc["started"]:  # it answers as the started fleet: it did not die (a call failed on the way)
+                log.warning("fleet actor answers as started (%s): no restart needed; its health loop restarts "
+                            "the servers ended above", inc)
+                self.log[-1]["false_alarm"] = True
+                self.since, self._probe = None, None
+                return
+            n = job._n_servers()
+            version = job.snapshot.learner.step if job.snapshot is not None else 0  # its policy version
+            self._start = job.fleet.start.remote(n, list(range(n)), catch_up=version)
+            log.warning("fleet actor restarted (%.1f s after its death); starting its %d server(s)", waited, n)
+            return
+        done, _ = ray.wait([self._start], timeout=0)
+        if not done:
+            if waited > RESTART_WAIT_S + job.cfg.rollout.startup_timeout_s:
+                raise JobFailed("restarted fleet actor: start not done within "
+                                f"{RESTART_WAIT_S + job.cfg.rollout.startup_timeout_s:.0f} s of its death")
+            return
+        try:
+            ray.get(self._start)
+        except Exception as exc:
+            raise JobFailed(f"restarted fleet actor failed to start: {exc}") from None
+        back = time.monotonic() - self.since
+        self.log[-1]["back_s"] = round(back, 2)
+        log.warning("fleet back in service %.1f s after its death (restart %d)", back, self.restarts)
+        self.since, self._probe, self._start = None, None, None
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a recovery in progress is done (the end of the run needs a started fleet)."""
+        t_end = time.monotonic() + timeout_s
+        while self.active:
+            if time.monotonic() > t_end:
+                from launch.driver import JobFailed
+
+                raise JobFailed(f"fleet recovery not done within {timeout_s:.0f} s")
+            self.poll()
+            time.sleep(0.25)
+
