@@ -60,6 +60,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SURVIVED = ("server", "broker", "fleet", "reward")  # the first kill: the run recovers on its own
 ENDING = ("rank", "driver")  # the second: it ends launch 1
+WAIT_BACK = ("fleet", "reward")  # the second kill waits until this first one is back in service
 
 
 def schedule(seed: int) -> list[dict]:
@@ -142,8 +143,11 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
             if len(done) < len(kills):
                 k = kills[len(done)]
                 # a kill is armed once the learner reached its step and recovered from the kill before
-                # (trained past it): kills that overlap test the restart of a restart, not each one
-                settled = not done or step > done[-1]["step_at_kill"]
+                # (trained past it): kills that overlap test the restart of a restart, not each one. A fleet
+                # actor or a reward server must also be back in service: the learner trains past the step
+                # on queued groups long before either is, and their recovery is what their kill tests.
+                settled = not done or (step > done[-1]["step_at_kill"]
+                                       and (done[-1]["what"] not in WAIT_BACK or _back(run_dir, log, done[-1])))
                 if armed is None and settled and step >= k["at_step"]:
                     armed = time.monotonic() + k["delay_s"]
                 if armed is not None and time.monotonic() >= armed:
@@ -167,15 +171,20 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
                 proc.wait(30)
     for d in done:
         d.pop("t")
-        back = {"server": (run_dir / "logs" / "fleet.log", "rollout_fleet.engines.vllm_server: vLLM server",
-                           "healthy after"),
-                "broker": (log, "launch.broker_supervisor: broker restarted", ""),
-                "fleet": (log, "launch.fleet_recovery: fleet back in service", ""),
-                "reward": (log, "launch.reward_servers: reward server", "restarted and healthy")}.get(d["what"])
-        if back is not None:  # the process back in service: its first "up" line after the kill
-            d["back_s"] = _first_after(*back, d["unix"])
+        if d["what"] in SURVIVED:
+            d["back_s"] = _back(run_dir, log, d)
     return {"rc": proc.returncode, "kills": done, "seen": seen, "seconds": round(time.monotonic() - t0, 1),
             "text": log.read_text()}
+
+
+def _back(run_dir: Path, log: Path, kill: dict) -> float | None:
+    """Seconds from ``kill`` to the killed process back in service (its first "up" log line after it)."""
+    path, marker, also = {
+        "server": (run_dir / "logs" / "fleet.log", "rollout_fleet.engines.vllm_server: vLLM server", "healthy after"),
+        "broker": (log, "launch.broker_supervisor: broker restarted", ""),
+        "fleet": (log, "launch.fleet_recovery: fleet back in service", ""),
+        "reward": (log, "launch.reward_servers: reward server", "restarted and healthy")}[kill["what"]]
+    return _first_after(path, marker, also, kill["unix"])
 
 
 def _first_after(path: Path, marker: str, also: str, unix: float) -> float | None:
@@ -249,6 +258,9 @@ def test_chaos_soak_loses_nothing_trains_nothing_twice_and_leaves_no_process(soa
         assert [k["what"] for k in first["kills"]] == [p["what"] for p in soak["plan"]], (
             first["kills"], first["text"][-3000:])
         assert first["rc"] != 0 and second["rc"] == 0, (first["rc"], second["text"][-4000:])
+        survived = first["kills"][0]
+        if survived["what"] in WAIT_BACK:  # it came back within launch 1, before the second kill
+            assert survived.get("back_s") is not None, (survived, first["text"][-3000:])
         rows = _effective(soak["dir"])
         assert list(rows) == list(range(1, STEPS + 1)), sorted(rows)
         trained = [g for r in rows.values() for g in r["groups"]]

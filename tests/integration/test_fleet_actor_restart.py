@@ -20,7 +20,7 @@ from procs import alive, descendants
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 60
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # a Ray start and a launcher run: about 25 s
 
 
 def _fleet_actor(driver: int) -> int | None:
