@@ -327,9 +327,19 @@ class Job:
             # on the rollout servers' GPUs: healthy first, so that no two vLLM servers profile one GPU's memory at once
             self.rewards.wait_started(None, self.cfg.reward.model.server.startup_timeout_s + 60)
         started = self.fleet.start.remote(n, list(range(n)))
-        if self.rewards is not None:
-            self.rewards.wait_started(started, self.cfg.reward.model.server.startup_timeout_s + 60)
-        fleet = self._get(started, self.cfg.rollout.startup_timeout_s, "fleet start")
+        try:
+            if self.rewards is not None:
+                self.rewards.wait_started(started, self.cfg.reward.model.server.startup_timeout_s + 60)
+            fleet = ray.get(started, timeout=self.cfg.rollout.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailed(f"fleet start: no answer within {self.cfg.rollout.startup_timeout_s:.0f} s") from None
+        except ray.exceptions.RayActorError as exc:
+            # it died while starting (Ray's memory monitor has killed it on a loaded host): Ray restarts it,
+            # the recovery starts it again (not as a mid-run restart: no export to catch up to)
+            self.fleet_recovery.on_death(exc, initial=True)
+            if self.rewards is not None:
+                self.rewards.wait_started(None, self.cfg.reward.model.server.startup_timeout_s + 60)
+            fleet = self.fleet_recovery.wait(self.cfg.rollout.startup_timeout_s + 180)
         self._write_placement()
         from launch.reward_servers import announce
 

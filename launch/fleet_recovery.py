@@ -29,7 +29,9 @@ finish within ``rollout.startup_timeout_s``; more than ``MAX_RESTARTS`` deaths e
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -48,14 +50,17 @@ class FleetRecovery:
         self.died_unix: float | None = None
         self._probe = None  # ObjectRef of the restarted actor's ``incarnation``
         self._start = None  # ObjectRef of its ``start``
+        self.initial = False  # the death being recovered from came during the job's start
+        self.result: dict[str, Any] | None = None  # the restarted fleet's answer to ``start``
         self.log: list[dict[str, Any]] = []  # each recovery: when, how long, what was ended
 
     @property
     def active(self) -> bool:
         return self.since is not None
 
-    def on_death(self, exc: BaseException) -> None:
-        """The fleet actor did not answer because it died; begin (or go on with) a recovery."""
+    def on_death(self, exc: BaseException, initial: bool = False) -> None:
+        """The fleet actor did not answer because it died; begin (or go on with) a recovery. ``initial``: it
+        died during the job's start (its restart starts like the first one, with no version to catch up to)."""
         from launch.broker_supervisor import end_engine_groups
         from launch.driver import JobFailed
 
@@ -65,10 +70,12 @@ class FleetRecovery:
             raise JobFailed(f"fleet actor died a {self.restarts + 1}th time (at most {MAX_RESTARTS} restarts): "
                             f"{exc}") from None
         self.restarts += 1
+        self.initial = initial
         self.since, self.died_unix = time.monotonic(), time.time()
         self._probe = self._start = None
-        # its servers were its child processes: orphaned now, they would hold CPU, memory and ports
-        orphans = set(self.job.engine_pgids)
+        # its servers were its child processes: orphaned now, they would hold CPU, memory and ports (those in
+        # its last snapshots, and those still starting, which no snapshot shows yet)
+        orphans = set(self.job.engine_pgids) | orphaned_engines(self.job.run_dir)
         ended = end_engine_groups(orphans) if orphans else []
         self.job.engine_pgids -= orphans
         log.error("fleet actor died (%s); restart %d of %d: ended %d engine process(es) it left, waiting for Ray "
@@ -107,7 +114,8 @@ class FleetRecovery:
                 self.since, self._probe = None, None
                 return
             n = job._n_servers()
-            version = job.snapshot.learner.step if job.snapshot is not None else 0  # its policy version
+            # the learner's policy version now; None at the job's start (a resumed run's export may be ahead)
+            version = None if self.initial else job.snapshot.learner.step if job.snapshot is not None else 0
             self._start = job.fleet.start.remote(n, list(range(n)), catch_up=version)
             log.warning("fleet actor restarted (%.1f s after its death); starting its %d server(s)", waited, n)
             return
@@ -118,7 +126,7 @@ class FleetRecovery:
                                 f"{RESTART_WAIT_S + job.cfg.rollout.startup_timeout_s:.0f} s of its death")
             return
         try:
-            ray.get(self._start)
+            self.result = ray.get(self._start)
         except Exception as exc:
             raise JobFailed(f"restarted fleet actor failed to start: {exc}") from None
         back = time.monotonic() - self.since
@@ -126,8 +134,9 @@ class FleetRecovery:
         log.warning("fleet back in service %.1f s after its death (restart %d)", back, self.restarts)
         self.since, self._probe, self._start = None, None, None
 
-    def wait(self, timeout_s: float) -> None:
-        """Until a recovery in progress is done (the end of the run needs a started fleet)."""
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        """Until a recovery in progress is done (the end of the run needs a started fleet); the restarted
+        fleet's answer to ``start``, or None if none was in progress."""
         t_end = time.monotonic() + timeout_s
         while self.active:
             if time.monotonic() > t_end:
@@ -136,4 +145,41 @@ class FleetRecovery:
                 raise JobFailed(f"fleet recovery not done within {timeout_s:.0f} s")
             self.poll()
             time.sleep(0.25)
+        return self.result
 
+
+ENGINE_COMMANDS = ("vllm.entrypoints.openai.api_server", "sglang.launch_server")
+
+
+def orphaned_engines(run_dir) -> set[int]:
+    """Engine servers of ``run_dir`` whose starter died: group leaders (an engine server leads its own process
+    group) running an engine command, naming the run directory (launch.resume._of_run), whose parent is no
+    Ray worker any more (a live fleet, server or reward-server actor is its parent while it lives)."""
+    import psutil
+
+    from launch.resume import _of_run
+
+    out = set()
+    for p in psutil.process_iter():
+        try:
+            cmd = " ".join(p.cmdline())
+            if not any(c in cmd for c in ENGINE_COMMANDS) or os.getpgid(p.pid) != p.pid:
+                continue
+            if _ray_parent(p) or not _of_run(p.pid, Path(run_dir).resolve()):
+                continue
+            out.add(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+def _ray_parent(p) -> bool:
+    """Whether ``p``'s parent is a live Ray worker (a dying or zombie one is not)."""
+    import psutil
+
+    try:
+        parent = p.parent()
+        return (parent is not None and parent.status() != psutil.STATUS_ZOMBIE
+                and " ".join(parent.cmdline()).startswith("ray::"))
+    except psutil.Error:
+        return False
