@@ -173,8 +173,14 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
         d.pop("t")
         if d["what"] in SURVIVED:
             d["back_s"] = _back(run_dir, log, d)
+    text = log.read_text()
+    # recoveries the launch logged, the soak's kills and any other (Ray's memory monitor kills a restartable
+    # actor first when the host runs short: on the shared dev box it has killed the fleet actor while it started)
+    recovered = {"fleet": text.count("launch.fleet_recovery: fleet back in service"),
+                 "reward": text.count("restarted and healthy at http"),
+                 "ray_memory_monitor_kills": text.count("killed due to the node running low on memory")}
     return {"rc": proc.returncode, "kills": done, "seen": seen, "seconds": round(time.monotonic() - t0, 1),
-            "text": log.read_text()}
+            "text": text, "recovered": recovered}
 
 
 def _back(run_dir: Path, log: Path, kill: dict) -> float | None:
@@ -253,7 +259,8 @@ def test_chaos_soak_loses_nothing_trains_nothing_twice_and_leaves_no_process(soa
     outcome: dict = {"seed": SEED, "schedule": soak["plan"], "steps": STEPS, "groups_per_step": GROUPS,
                      "max_staleness": K, "kills": first["kills"], "launch_rc": [first["rc"], second["rc"]],
                      "launch_seconds": [first["seconds"], second["seconds"]], "learner_starts": soak["starts"],
-                     "seconds": soak["seconds"], "processes_lingered": soak["lingered"]}
+                     "seconds": soak["seconds"], "processes_lingered": soak["lingered"],
+                     "recoveries_logged": [first["recovered"], second["recovered"]]}
     try:
         assert [k["what"] for k in first["kills"]] == [p["what"] for p in soak["plan"]], (
             first["kills"], first["text"][-3000:])
