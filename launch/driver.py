@@ -623,6 +623,15 @@ class Job:
             t = time.monotonic()
             ray.shutdown()
             log.info("Ray shut down in %.1f s", time.monotonic() - t)
+        try:  # engine processes of this run no snapshot showed, or whose server was killed: none outlives the job
+            from launch.fleet_recovery import engine_groups_of_run
+
+            left = engine_groups_of_run(self.run_dir)
+            if left:
+                log.warning("shutdown: engine process groups %s of this run were left; ending them", sorted(left))
+                end_engine_groups(left)
+        except Exception as exc:
+            log.error("shutdown: ending this run's engine processes: %s", exc)
         return final
 
     def _stop_learner(self) -> dict[str, Any]:

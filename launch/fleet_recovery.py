@@ -183,3 +183,25 @@ def _ray_parent(p) -> bool:
                 and " ".join(parent.cmdline()).startswith("ray::"))
     except psutil.Error:
         return False
+
+
+def engine_groups_of_run(run_dir) -> set[int]:
+    """Process groups of every engine process of ``run_dir`` still running: servers and their engine cores
+    and workers (``VLLM::``), whoever started them. For the end of a job: none may outlive it, even one
+    whose group leader is gone (a ``kill -9``-ed server's engine core lives on) or that no snapshot showed
+    (a server still starting when the job failed)."""
+    import psutil
+
+    from launch.resume import _of_run
+
+    root = Path(run_dir).resolve()
+    out = set()
+    for p in psutil.process_iter():
+        try:
+            cmd = " ".join(p.cmdline())
+            if (any(c in cmd for c in ENGINE_COMMANDS) or cmd.startswith(("VLLM::", "sglang::"))) and _of_run(p.pid, root):
+                out.add(os.getpgid(p.pid))
+        except (psutil.Error, OSError):
+            pass
+    out.discard(os.getpgrp())  # never the caller's own group (the driver's)
+    return out
