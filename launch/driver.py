@@ -485,12 +485,17 @@ class Job:
 
         if not self.fleet_recovery.active:
             try:
-                self._fleet_last = ray.get(self.fleet.status.remote(), timeout=CALL_TIMEOUT_S)
-                return self._fleet_last
+                st = ray.get(self.fleet.status.remote(), timeout=CALL_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 raise JobFailed(f"fleet status: no answer within {CALL_TIMEOUT_S:.0f} s") from None
             except ray.exceptions.RayActorError as exc:
                 self.fleet_recovery.on_death(exc)
+            else:
+                if st.pop("started_here", True):
+                    self._fleet_last = st
+                    return st
+                # Ray restarted it between two calls (none of ours failed): the new one was never started
+                self.fleet_recovery.on_death(RuntimeError("the fleet actor answers unstarted: Ray restarted it"))
         return dict(self._fleet_last or {}, servers=[], healthy_servers=0)
 
     def _broker_view(self) -> BrokerView | None:

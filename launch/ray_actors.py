@@ -83,6 +83,11 @@ class FleetActor(FleetRunner):
     async def ping(self) -> bool:
         return True
 
+    async def status(self) -> dict[str, Any]:
+        """The fleet's status, and whether ``start`` ran in this incarnation: Ray may restart a dead fleet actor
+        between two of the driver's calls, and the new one answers like an idle fleet (launch/fleet_recovery.py)."""
+        return {**self.status_now(), "started_here": hasattr(self, "worker")}
+
     async def incarnation(self) -> dict[str, Any]:
         """Whether Ray restarted this actor after a death, and whether ``start`` ran in this incarnation."""
         return {"reconstructed": ray.get_runtime_context().was_current_actor_reconstructed,

@@ -217,7 +217,10 @@ class FleetService:
             await asyncio.wait({self._task}, timeout=30.0)
 
     async def server_urls(self) -> dict[str, str]:
-        """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet)."""
+        """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet); none before
+        ``start`` (a fleet actor restarted mid-run answers before the driver starts it again)."""
+        if not hasattr(self, "fleet"):
+            return {}
         return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
                 if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")}
 
@@ -250,12 +253,18 @@ class FleetService:
             await asyncio.sleep(0.5)
 
     async def update_weights(self, version: int, export_path: str | None = None) -> float:
-        """Fleet-side choreography of one publish (the SIMULATED publisher calls this)."""
+        """Fleet-side choreography of one publish (the SIMULATED publisher calls this). Before ``start`` (a
+        restarted fleet actor) there is no server to update: its start loads the learner's version."""
+        if not hasattr(self, "fleet"):
+            log.warning("publish of v%d to a fleet not started (restarted): nothing to update", version)
+            return 0.0
         return await self.fleet.update_fleet(version, export_path)
 
     async def engines_updated(self, engine_ids: list[str], version: int, relabel: bool = False) -> None:
         """The learner's publisher loaded ``version`` into these servers (vLLM 0.26 cannot report it itself);
         ``relabel``: nothing was loaded, the step changed no weights (not counted as a weight update)."""
+        if not hasattr(self, "fleet"):  # a restarted fleet actor not started again: its start catches up
+            return
         if not relabel:
             self.fleet.weight_updates += 1
         for eid in engine_ids:
@@ -264,7 +273,8 @@ class FleetService:
                 s.engine._version = max(s.engine._version, int(version))
 
     async def set_latest_export(self, version: int, path: str) -> None:
-        self.fleet.set_latest_export(version, path)
+        if hasattr(self, "fleet"):  # a restarted fleet actor not started again reads export/latest at its start
+            self.fleet.set_latest_export(version, path)
 
     async def add_servers(self, indices: list[int], slots: dict[int, Any] | None = None) -> list[str]:
         self.slots.update(slots or {})
