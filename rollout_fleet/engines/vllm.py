@@ -331,13 +331,7 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
             if not self._pause_emptied_cache(pause_here):
                 await self.reset_prefix_cache()
                 lap("reset_prefix_cache")
-            if self._label_api:  # the label of per-token versions (api="generate"); vLLM < 0.32 has neither
-                r = await self._request("POST", "/update_weight_version", json={"new_version": str(version)},
-                                        check_status=False)
-                if r.status_code == 404:
-                    self._label_api = False
-                elif r.status_code != 200:
-                    raise EngineError(f"engine {self.engine_id}: POST /update_weight_version -> HTTP {r.status_code}")
+            if await self.label_version(version):
                 lap("label_version")
         except EngineError as e:
             # Unpaused, a half-loaded model would go on generating: stop it until a load succeeds.
@@ -355,6 +349,21 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
         self._stuck = False
         self.last_update_steps = steps
         return checksum
+
+    async def label_version(self, version: int) -> bool:
+        """Label the server's weights ``version`` (the per-token versions of api="generate"); False where the
+        server has no label route (vLLM < 0.32, e.g. the 0.26 GPU bundle): there the client's own version is
+        the only record, as for every update."""
+        if not self._label_api:
+            return False
+        r = await self._request("POST", "/update_weight_version", json={"new_version": str(version)},
+                                check_status=False)
+        if r.status_code == 404:
+            self._label_api = False
+            return False
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.engine_id}: POST /update_weight_version -> HTTP {r.status_code}")
+        return True
 
     async def _checksum(self, version: int) -> str:
         if self.weight_backend == "nccl":
@@ -380,7 +389,7 @@ class VLLMClient(HttpEngineClient, EngineClient, WeightEndpoint):
             await self.pause(self.update_pause_mode)
         await self._request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
                         timeout_s=self.request_timeout_s)
-        await self._request("POST", "/update_weight_version", json={"new_version": str(version)})
+        await self.label_version(version)
         await self.reset_prefix_cache()
         self._version = version
         if pause_here:

@@ -60,7 +60,7 @@ async def load_adapter(client: VLLMClient, path: str, version: int) -> dict[str,
     await client._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
                           timeout_s=client.request_timeout_s)
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
-    await client._request("POST", "/update_weight_version", json={"new_version": str(version)})
+    await client.label_version(version)
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
     previous = client.weight_version
     client._version = version
