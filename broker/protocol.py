@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import typing
 from typing import Annotated, Union
 
 import msgspec
@@ -184,7 +185,7 @@ MAX_MULTI = 4096  # requests in one Multi
 
 Request = Union[AcquireTickets, Push, EngineVersion, NextBatch, Ack, Renew, ReportVersion, StatusRequest, Ping,
                 Multi]
-REQUEST_TYPES = {c.__struct_config__.tag: c for c in Request.__args__}
+REQUEST_TYPES = {c.__struct_config__.tag: c for c in typing.get_args(Request)}
 
 
 # -- replies -----------------------------------------------------------------------------------
@@ -494,7 +495,9 @@ def _check_uncompressed(msg: pa.ipc.Message) -> None:
 
 
 _schemas: dict[bytes, pa.Schema] = {}  # schema message -> schema: producers send one again and again
-_TRAJ_HEAD_BYTES = schema_message(TRAJECTORY_SCHEMA)
+_head = schema_message(TRAJECTORY_SCHEMA)
+assert _head is not None  # the trajectory schema has no dictionary columns
+_TRAJ_HEAD_BYTES: bytes = _head
 _TRAJ_HEAD = pa.py_buffer(_TRAJ_HEAD_BYTES)
 _EOS_BUF = pa.py_buffer(EOS)
 

@@ -171,7 +171,7 @@ class BrokerState:
     def acquire(self, producer_id: str, max_groups: int, now: float) -> list[Ticket]:
         if max_groups < 1:
             raise BrokerError(ErrorCode.BAD_REQUEST, f"max_groups must be >= 1, got {max_groups}")
-        out = []
+        out: list[Ticket] = []
         while len(out) < max_groups and (supply := self._supply()) < self._demand():
             step = self.version + 1 + supply // self.G
             tid = self._next_ticket
@@ -511,8 +511,8 @@ class BrokerState:
                 if rec.kind == "lease":
                     leases[rec.lease_id] = (rec.step, rec.consumer_id, rec.group_ids)
                 elif rec.kind == "expire":
-                    if (lease := leases.pop(rec.lease_id, None)) is not None:
-                        expired[rec.lease_id] = lease
+                    if (ended := leases.pop(rec.lease_id, None)) is not None:
+                        expired[rec.lease_id] = ended
                 elif rec.kind == "ack":
                     leases.pop(rec.lease_id, None)
                     expired.pop(rec.lease_id, None)
@@ -541,8 +541,8 @@ class BrokerState:
                     elif g.group_id not in self.pending:
                         self._add(g)
             for lid, (step, consumer_id, gids) in leases.items():
-                gs = [self.pending.get(gid) for gid in gids]
-                if all(g is not None and g.lease_id is None for g in gs):
+                gs = [pg for gid in gids if (pg := self.pending.get(gid)) is not None and pg.lease_id is None]
+                if len(gs) == len(gids):  # every group of the lease is pending and unleased
                     staleness = np.concatenate([(step - 1) - g.versions for g in gs]).astype(np.int32)
                     lease = Lease(lid, step, consumer_id, gids, [g.batch for g in gs], staleness,
                                   now + self.lease_timeout_s, [None] * len(gs))
