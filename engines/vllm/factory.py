@@ -1,10 +1,11 @@
-"""The fleet's real parts: vLLM servers, the Parquet dataset, the reward pool, and evaluation.
+"""The fleet's vLLM servers: :class:`VLLMFactory` starts them (or attaches to running ones) and hands out
+:class:`FleetVLLMClient`.
 
-Adapters between the fleet (rollout_fleet.controller / worker) and the pieces other
-packages own: :class:`VLLMFactory` starts :class:`VLLMServer` processes and hands out
-:class:`FleetVLLMClient` (a VLLMClient that also learns the version its server holds,
-because with vLLM the weights arrive from the learner's publisher, not through the
-fleet); :class:`DatasetPrompts` and :class:`PoolRewards` wrap PromptDataset and RewardPool.
+A :class:`FleetVLLMClient` is the generation client that also owns its server process (``pid``, ``alive``,
+``kill`` for fault injection) and learns the version its server holds by asking it, because with vLLM the
+weights arrive from the learner's publisher, not through the fleet. Where the server runs is the launcher's
+choice: a child process of the fleet (:class:`LocalLauncher`) or a Ray actor per placement bundle
+(``launch/server_actor.py``).
 """
 
 from __future__ import annotations
@@ -15,19 +16,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollout_fleet.engines.base import EngineError, Sample, SamplingParams
-from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
-from rollout_fleet.engines.vllm_lora import lora_server_settings
-from rollout_fleet.rewards import RewardError
-from rollout_fleet.worker import Prompt, RewardFailed
+from engines.base import EngineError, ServerFactory
+from engines.vllm.generation import VLLMGenerationClient
+from engines.vllm.lora import lora_server_settings
+from engines.vllm.server import VLLMServer, VLLMServerArgs
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class FleetVLLMClient(VLLMClient):
+class FleetVLLMClient(VLLMGenerationClient):
     """The fleet's client of one server: generation, health, and the version the server holds."""
 
     server: VLLMServer | None = None
@@ -56,26 +56,6 @@ class FleetVLLMClient(VLLMClient):
             raise ValueError(f"engine {self.engine_id} is attached (rollout.urls): the fleet does not own it")
         log.warning("killing vLLM server %s (pid %s) with SIGKILL", self.engine_id, self.server.pid)
         self.server.kill()
-
-
-class ServerFactory:
-    """What the fleet asks of an engine factory besides ``start(index)``: restart and stop a server.
-
-    Clients are named ``<engine>-<index>`` and hold their server process in ``.server``.
-    """
-
-    async def start(self, index: int):
-        raise NotImplementedError
-
-    async def restart(self, engine):
-        index = int(engine.engine_id.rsplit("-", 1)[1])
-        await self.stop(engine)
-        return await self.start(index)
-
-    async def stop(self, engine) -> None:
-        await engine.close()
-        if engine.server is not None:  # None: attached (rollout.urls), not ours to stop
-            await asyncio.to_thread(engine.server.stop)
 
 
 class LocalLauncher:
@@ -149,8 +129,7 @@ class VLLMFactory(ServerFactory):
         server = await self.launcher.start(index, self._server_args(index), self.run_dir / f"vllm-{index}",
                                            self.cache_dir / "vllm-server")
         client = FleetVLLMClient(f"vllm-{index}", server.url, model=server.model_name,
-                                 weight_backend=server.weight_backend, adapter_prefix=self._adapter_prefix(),
-                                 request_timeout_s=self.cfg.rollout.request_timeout_s)
+                                 adapter_prefix=self._adapter_prefix(), request_timeout_s=self.cfg.rollout.request_timeout_s)
         client.server = server
         return client
 
@@ -159,7 +138,7 @@ class VLLMFactory(ServerFactory):
             raise ValueError(f"attach mode (rollout.urls) has {len(self.urls)} server(s); there is no server "
                              f"{index} to attach, and the fleet starts none of its own")
         url = self.urls[index].rstrip("/")
-        client = FleetVLLMClient(f"vllm-{index}", url, model=self.cfg.model.path, weight_backend="fleetrl",
+        client = FleetVLLMClient(f"vllm-{index}", url, model=self.cfg.model.path,
                                  request_timeout_s=self.cfg.rollout.request_timeout_s,
                                  adapter_prefix=self._adapter_prefix())
         deadline = asyncio.get_running_loop().time() + self.cfg.rollout.startup_timeout_s
@@ -183,121 +162,3 @@ class VLLMFactory(ServerFactory):
         log.info("fleet: attached vllm-%d at %s serving %r (not started, never restarted by the fleet)",
                  index, url, client.model)
         return client
-
-
-class DatasetPrompts:
-    """PromptDataset (shuffled epochs, checkpointable position) as the worker's PromptSource."""
-
-    def __init__(self, dataset) -> None:
-        self.ds = dataset
-
-    def next(self) -> Prompt:
-        row = self.ds.next()
-        return Prompt(prompt_ids=row.prompt_ids.tolist(), ground_truth=row.ground_truth, data_source=row.data_source,
-                      extra_info=row.extra_info)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.ds.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ds.load_state_dict(state)
-
-
-class PoolRewards:
-    """Decodes responses and scores them in the RewardPool (threads/processes off the event loop).
-
-    The reward function sees the row's ``data_source`` and ``extra_info`` besides the ground
-    truth. A truncated response (finish reason ``length``) is scored, or with
-    ``on_truncated="penalize"`` given ``truncated_reward`` instead (``mask``: scored, and the
-    learner leaves it out of the loss).
-    """
-
-    def __init__(self, pool, tokenizer, *, on_truncated: str = "score", truncated_reward: float = 0.0) -> None:
-        self.pool, self.tok = pool, tokenizer
-        self.on_truncated, self.truncated_reward = on_truncated, truncated_reward
-
-    def text(self, s: Sample) -> str:
-        return self.tok.decode(s.token_ids.tolist(), skip_special_tokens=True)
-
-    async def score(self, prompt: Prompt, samples: list[Sample]) -> list[float]:
-        extra = {"data_source": prompt.data_source, "extra_info": prompt.extra_info}
-        items = [(self.text(s), prompt.ground_truth, f"sample {i}", extra) for i, s in enumerate(samples)]
-        if self.pool.batched:
-            try:
-                out = list(await self.pool.score_batch(items))
-            except RewardError as err:
-                raise RewardFailed(f"batched reward failed for the group: {err}") from err
-        else:
-            out = await self.pool.score_many(items)
-        bad = [r for r in out if not isinstance(r, float | int)]
-        if bad:
-            # never train on a made-up reward: the group is dropped and counted by the worker
-            raise RewardFailed(f"reward failed for {len(bad)} of {len(out)} samples: {bad[0]}")
-        if self.on_truncated == "penalize":
-            out = [self.truncated_reward if s.finish_reason == "length" else r for s, r in zip(samples, out, strict=True)]
-        return [float(r) for r in out]
-
-
-def reward_pool(cfg, workers: int | None = None):
-    """The configured reward pool; ``reward.function: default`` is checked against the data's sources first."""
-    from rollout_fleet.rewards import RewardPool
-
-    r = cfg.reward
-    return RewardPool(r.function, workers=workers or r.workers, timeout_s=r.timeout_s, mode=r.mode, batched=r.batched)
-
-
-def check_reward_sources(cfg, *datasets) -> None:
-    if cfg.reward.function == "default":
-        from rollout_fleet.scorers import check_sources
-
-        check_sources({row.data_source for ds in datasets for row in ds.rows})
-
-
-def load_data(cfg) -> tuple[DatasetPrompts, PoolRewards]:
-    """The training prompts (tokenized) and the reward pool."""
-    from rollout_fleet import data as rdata
-
-    if cfg.rollout.engine not in ("vllm", "sglang"):
-        raise ValueError(f"launch/cluster.py runs rollout.engine 'vllm', 'sglang' or 'simulated'; "
-                         f"got {cfg.rollout.engine!r}")
-    tok = rdata.load_tokenizer(cfg.model.path)
-    ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, response_tokens=cfg.rollout.sampling.max_tokens,
-                           max_model_len=cfg.rollout.max_model_len)
-    check_reward_sources(cfg, ds)
-    return DatasetPrompts(ds), PoolRewards(reward_pool(cfg), tok, on_truncated=cfg.reward.on_truncated,
-                                           truncated_reward=cfg.reward.truncated_reward)
-
-
-async def evaluate(cfg, fleet, n: int) -> float | None:
-    """Accuracy (the configured reward, as in training) on the first ``n`` test prompts, spread over the
-    fleet, sampled as ``rollout.eval_sampling`` says (greedy by default; with ``eval_sampling.n`` > 1 the
-    mean over each prompt's samples); None when there is nothing to evaluate (no test files, ``n`` = 0)."""
-    from rollout_fleet import data as rdata
-
-    if n <= 0 or not cfg.data.test_files:
-        return None
-    tok = rdata.load_tokenizer(cfg.model.path)
-    ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, split="test",
-                           response_tokens=cfg.rollout.sampling.max_tokens, max_model_len=cfg.rollout.max_model_len)
-    rows = [ds.next() for _ in range(min(n, len(ds)))]
-    ev = cfg.rollout.eval_sampling
-    params = SamplingParams(n=ev.n, max_tokens=cfg.rollout.sampling.max_tokens, temperature=ev.effective_temperature,
-                            top_p=ev.top_p, top_k=ev.top_k)
-    scorer = PoolRewards(reward_pool(cfg, workers=1), tok)  # accuracy: a truncated answer is scored as it is
-    sem = asyncio.Semaphore(64)
-    # only servers at the newest weights present: one that just joined (version 0 until its first
-    # publish) must not answer for the trained policy
-    newest = max((s.engine.weight_version for s in fleet.servers.values() if s.state == "healthy"), default=0)
-
-    async def one(i: int, row) -> float:
-        async with sem:
-            _, samples = await fleet.run_group(f"eval-{i}", row.prompt_ids.tolist(), params, min_version=newest)
-        p = Prompt(prompt_ids=[], ground_truth=row.ground_truth, data_source=row.data_source, extra_info=row.extra_info)
-        scores = await scorer.score(p, samples)
-        return sum(scores) / len(scores)
-
-    try:
-        scores = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
-    finally:
-        scorer.pool.close()
-    return sum(scores) / len(scores)
