@@ -2,7 +2,7 @@
 after an NCCL publish from this process (the learner, GPU 0).
 
 One server for the module. The publish uses fleetrl's plan and bucket packing, and
-the SGLang side of the group from engines.sglang.weights (the store prefixes
+the SGLang side of the group from weight_sync.sglang_group (the store prefixes
 SGLang's workers use); every bucket is one /update_weights_from_distributed call
 with load_format='flattened_bucket'. Timings go to $FLEETRL_GPU_RESULTS (jsonl) when set.
 """
