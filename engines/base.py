@@ -36,7 +36,7 @@ from core.net import BadRequest, EngineError, HttpEngineClient
 from weight_sync.endpoint import ServerHandle
 
 __all__ = ["BadRequest", "EngineClient", "EngineError", "HttpServerHandle", "PauseMode", "Sample", "SamplingParams",
-           "ServerFactory", "model_sampling_defaults"]
+           "ServerFactory", "lora_name", "model_sampling_defaults"]
 
 
 class PauseMode(enum.StrEnum):
@@ -103,6 +103,11 @@ def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     if raw.get("do_sample") is False:
         found["do_sample"] = False
     return found
+
+
+def lora_name(prefix: str, version: int) -> str:
+    """The name policy ``version`` is served under when LoRA adapters carry the policy (both engines)."""
+    return f"{prefix}-v{version}"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,9 +15,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from engines.base import EngineClient, EngineError, Sample, SamplingParams
+from engines.base import EngineClient, EngineError, Sample, SamplingParams, lora_name
 from engines.sglang.handle import RELEASE_TAGS, SGLangHandle
-from engines.vllm.lora import lora_name
 
 
 class _Meta(msgspec.Struct):

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from core.net import EngineError
-from engines.vllm.lora import lora_name
+from engines.base import lora_name
 
 if TYPE_CHECKING:
     from engines.sglang.handle import SGLangHandle

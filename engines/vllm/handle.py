@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from engines.base import HttpServerHandle
-from engines.vllm.lora import load_adapter, lora_name
+from engines.base import HttpServerHandle, lora_name
+from engines.vllm.lora import load_adapter
 
 log = logging.getLogger(__name__)
 

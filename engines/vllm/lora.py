@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from core.net import EngineError
+from engines.base import lora_name
 
 if TYPE_CHECKING:
     from engines.vllm.handle import VLLMHandle
@@ -32,10 +33,6 @@ log = logging.getLogger(__name__)
 
 # vLLM's --max-lora-rank accepts only these (vllm/config/lora.py MaxLoRARanks, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_name(prefix: str, version: int) -> str:
-    return f"{prefix}-v{version}"
 
 
 def lora_server_settings(rank: int) -> tuple[list[str], dict[str, str]]:
