@@ -19,13 +19,13 @@ import ray
 
 from core.configbase import build
 from core.network import is_loopback, write_curve_keys
+from engines.vllm.factory import LocalLauncher
 from launch.config import RunConfig
 from launch.monitor import setup_logging
 from launch.netsetup import node_host
 from launch.server_actor import RayServerLauncher
 from learner.simulated import SimLearner
 from rollout_fleet.service import FleetService
-from rollout_fleet.vllm_fleet import LocalLauncher
 
 try:  # the actors' event loops are created after this module is imported: make them uvloop
     import uvloop

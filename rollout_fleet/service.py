@@ -82,16 +82,17 @@ class FleetService:
         """(engine factory, a loader of (prompts, rewards)); the loader runs while servers start."""
         r, seed = self.cfg.rollout, self.cfg.run.seed
         if self.simulated:
-            from rollout_fleet.engines.simulated import SimulatedFactory
+            from engines.simulated import SimulatedFactory
             from rollout_fleet.simulation import SimulatedRewards, SyntheticPrompts
 
             return SimulatedFactory(r.simulated, seed=seed), lambda: (
                 SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
-        from rollout_fleet.vllm_fleet import VLLMFactory, load_data
+        from engines.vllm.factory import VLLMFactory
+        from rollout_fleet.prompts_and_rewards import load_data
 
         run_dir = self.run_dir or self.cfg.run.run_dir
         if r.engine == "sglang":
-            from rollout_fleet.sglang_fleet import SGLangFactory
+            from engines.sglang.factory import SGLangFactory
 
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
@@ -197,7 +198,7 @@ class FleetService:
             from rollout_fleet.envs.registry import evaluate_episodes
 
             return await evaluate_episodes(self.cfg, self.fleet, n)
-        from rollout_fleet.vllm_fleet import evaluate
+        from rollout_fleet.evaluation import evaluate
 
         return await evaluate(self.cfg, self.fleet, n)
 
@@ -251,8 +252,8 @@ class FleetService:
             self.fleet.weight_updates += 1
         for eid in engine_ids:
             s = self.fleet.servers.get(eid)
-            if s is not None and hasattr(s.engine, "_version"):
-                s.engine._version = max(s.engine._version, int(version))
+            if s is not None:
+                s.engine.record_version(version)
 
     async def set_latest_export(self, version: int, path: str) -> None:
         self.fleet.set_latest_export(version, path)

@@ -33,9 +33,9 @@ import msgspec
 import numpy as np
 
 from broker.schema import Trajectory, to_record_batch
+from engines.base import BadRequest, EngineError, Sample, SamplingParams
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
 from rollout_fleet.shaping import RAW_METRICS, shape, uniform
 from rollout_fleet.status import WorkerStatus
 

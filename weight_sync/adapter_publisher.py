@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-# Requests at policy version v > 0 name the adapter ADAPTER_PREFIX-v<v> (rollout_fleet/engines/vllm_lora.py).
+# Requests at policy version v > 0 name the adapter ADAPTER_PREFIX-v<v> (engines/vllm/lora.py).
 ADAPTER_PREFIX = "policy"
 
 

@@ -106,7 +106,7 @@ def broadcast_async(pg, buf: torch.Tensor):
         return pg.broadcast_async(buf)
     if isinstance(pg, (dist.ProcessGroup, _Backend)):  # ProcessGroupGloo/NCCL are Backends, not ProcessGroups
         return TorchGroup(pg).broadcast_async(buf)
-    return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
+    return pg.broadcast([buf], None)  # any other object shaped like a torch ProcessGroup (none of fleetrl's own)
 
 
 def all_gather_async(pg, out: torch.Tensor, inp: torch.Tensor):

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 class IpcEndpoint(WeightEndpoint):
-    """An engine that takes weights from CUDA IPC slots (fleetrl's vLLM backend: rollout_fleet.engines.vllm_ipc)."""
+    """An engine that takes weights from CUDA IPC slots (fleetrl's vLLM backend: engines.vllm.ipc)."""
 
     @abc.abstractmethod
     async def ipc_join(self, plan: WeightPlan, init: IpcInit, epoch: int) -> None:

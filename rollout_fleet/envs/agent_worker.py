@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from broker.schema import Trajectory
-from rollout_fleet.engines.base import Sample, SamplingParams
+from engines.base import Sample, SamplingParams
 from rollout_fleet.proxy import ChatProxy
 from rollout_fleet.status import WorkerStatus
 from rollout_fleet.worker import Prompt, RolloutWorker

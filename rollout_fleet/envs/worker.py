@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from broker.schema import Trajectory
-from rollout_fleet.engines.base import Sample, SamplingParams
+from engines.base import Sample, SamplingParams
 from rollout_fleet.envs.base import Codec, EnvError, EnvFactory, EpisodeLimits
 from rollout_fleet.envs.episode import Episode, run_episode_group
 from rollout_fleet.status import WorkerStatus

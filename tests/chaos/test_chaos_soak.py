@@ -146,7 +146,7 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
                 proc.wait(30)
     for d in done:
         d.pop("t")
-        back = {"server": (run_dir / "logs" / "fleet.log", "rollout_fleet.engines.vllm_server: vLLM server",
+        back = {"server": (run_dir / "logs" / "fleet.log", "engines.vllm.server: vLLM server",
                            "healthy after"),
                 "broker": (log, "launch.broker_supervisor: broker restarted", "")}.get(d["what"])
         if back is not None:  # the process back in service: its first "up" line after the kill

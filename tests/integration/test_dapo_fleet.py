@@ -14,6 +14,7 @@ import pytest
 
 from broker.client import ConsumerClient, ProducerClient, new_event_loop
 from broker.process import BrokerProcess
+from engines.simulated import SimulatedFactory
 from rollout_fleet.config import (
     FilterGroupsConfig,
     OverlongBufferConfig,
@@ -22,7 +23,6 @@ from rollout_fleet.config import (
     SimulatedEngineConfig,
 )
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.simulated import SimulatedFactory
 from rollout_fleet.shaping import overlong_penalty, shape, uniform
 from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
 

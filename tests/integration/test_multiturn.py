@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from broker.schema import from_record_batch, validate_batch
+from engines.vllm.generation import VLLMGenerationClient
 from learner.batch import plan_step
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.envs.base import EpisodeLimits, HFCodec, StepResult
 from rollout_fleet.envs.chain_addition import ChainAdditionEnv
 from rollout_fleet.envs.worker import MultiTurnWorker
@@ -43,8 +43,8 @@ class SharedServerFactory:
     def __init__(self, url: str, versions: list[int]) -> None:
         self.url, self.versions, self.calls = url, versions, []
 
-    async def start(self, index: int) -> VLLMClient:
-        client = VLLMClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=self.versions[index])
+    async def start(self, index: int) -> VLLMGenerationClient:
+        client = VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=self.versions[index])
         inner = client.generate
 
         async def generate(prompt_ids, params):  # records what the engine was asked and what it sampled

@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from rollout_fleet.engines.vllm import VLLMClient
+from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.envs.tools import CALCULATOR_SCHEMA
 from rollout_fleet.proxy import ChatProxy
 
@@ -35,7 +35,7 @@ def proxy(vllm_server):
     box = {}
 
     async def setup():
-        client = VLLMClient("vllm-0", vllm_server.url, model="tiny-adder", initial_version=4)
+        client = VLLMGenerationClient("vllm-0", vllm_server.url, model="tiny-adder", initial_version=4)
 
         async def generate(context, params, min_version):
             (s,) = await client.generate(context, params)
@@ -118,7 +118,7 @@ class _Factory:
         self.url = url
 
     async def start(self, index):
-        return VLLMClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=2)
+        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=2)
 
     async def restart(self, engine):
         return engine

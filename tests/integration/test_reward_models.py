@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.envs.base import HFCodec
 from rollout_fleet.reward_models import (
     ClassifierClient,
@@ -250,7 +250,7 @@ class Factory:
         self.url = url
 
     async def start(self, index):
-        return VLLMClient(f"vllm-{index}", self.url, model="tiny-adder")
+        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder")
 
     async def restart(self, engine):
         return engine

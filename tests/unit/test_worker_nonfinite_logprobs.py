@@ -14,9 +14,9 @@ import pyarrow as pa
 import pytest
 
 from broker.schema import validate_batch
+from engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
 
 pytestmark = pytest.mark.timeout(60)

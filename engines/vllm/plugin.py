@@ -1,7 +1,7 @@
 """fleetrl's weight-transfer backend for vLLM, and the worker extension that reports checksums.
 
 ``register()`` is the ``vllm.general_plugins`` entry point (pyproject:
-``fleetrl_weight_sync = "weight_sync.vllm_plugin:register"``); vLLM calls it in
+``fleetrl_weight_sync = "engines.vllm.plugin:register"``); vLLM calls it in
 every process, so ``--weight-transfer-config '{"backend": "fleetrl"}'`` (or its
 older name ``fleetrl_gloo``) resolves in the workers. The group's transport
 comes with each epoch's init info: gloo on CPU, NCCL on GPU (a
@@ -41,7 +41,7 @@ scheduler steps, so the commit is the whole of the engine's unavailability.
 vLLM's HTTP ``/update_weights`` returns no payload, so the checksum of the
 received bytes is read back with ``/collective_rpc`` method
 ``fleetrl_weight_sync_status`` from :class:`FleetrlWorkerExtension`
-(``--worker-extension-cls weight_sync.vllm_plugin.FleetrlWorkerExtension``).
+(``--worker-extension-cls engines.vllm.plugin.FleetrlWorkerExtension``).
 On GPU the choice is ``weight_sync`` config's: this backend over NCCL (checked
 loads, pipelined receives) or vLLM's built-in ``nccl`` backend, whose packed
 wire format the publisher also speaks (see weight_sync/plan.py).
@@ -276,7 +276,7 @@ def _engine() -> GlooWeightTransferEngine:
 def register() -> None:
     """vLLM general-plugin hook: make ``fleetrl_gloo`` a weight-transfer backend in this process."""
     if _IMPORT_ERROR is not None:
-        raise ImportError(f"weight_sync.vllm_plugin needs vLLM: {_IMPORT_ERROR}")
+        raise ImportError(f"engines.vllm.plugin needs vLLM: {_IMPORT_ERROR}")
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     # vLLM loads general plugins once per process, but tests and re-imports may call this twice.

@@ -4,7 +4,7 @@ SGLang (0.5.16 and newer) runs a function named by ``--custom-weight-loader`` in
 every TP worker when ``/update_weights_from_tensor`` gives its import path as
 ``load_format``: ``fn(model, named_tensors)``, called by the scheduler between two
 batches. The SGLang server fleetrl starts registers :func:`fleetrl_loader`, and
-:class:`rollout_fleet.engines.sglang.SGLangClient` uses it as a remote procedure:
+:class:`engines.sglang.weights.SGLangWeightClient` uses it as a remote procedure:
 the single named tensor's *name* carries a command (``fleetrl:`` + JSON), the
 tensor is a one-byte placeholder (SGLang unpickles the payload with an allowlist
 that admits torch tensors; nothing else travels that way)::
@@ -22,7 +22,7 @@ The stage does not go through SGLang's scheduler: ``join`` starts a thread in ea
 worker that takes requests from fleetrl's TCP store (:func:`request_key`), and a stage
 is posted by that thread while the engine generates. The commit runs in the loader,
 inside an ``in_place`` pause (SGLang freezes the running batch without retracting it),
-or, with TP=1 and an engine that is not paused (``SGLangClient(between_steps=True)``, the
+or, with TP=1 and an engine that is not paused (``SGLangWeightClient(between_steps=True)``, the
 default; run on 2 H200s with SGLang 0.5.16), without any SGLang call: the request thread leaves it
 pending and the model's forward, which ``join`` wraps, runs it before the next batch,
 in the scheduler's own thread. An engine that runs no forward then (idle, or decoding
@@ -51,7 +51,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-LOADER = "weight_sync.sglang_ext.fleetrl_loader"  # the --custom-weight-loader / load_format value
+LOADER = "engines.sglang.loader.fleetrl_loader"  # the --custom-weight-loader / load_format value
 PREFIX = "fleetrl:"
 COMMANDS = ("join", "stage", "commit", "leave")
 
