@@ -94,4 +94,5 @@ class AdapterPublisher:
                   for ep, r in zip(self.endpoints, results, strict=True) if isinstance(r, BaseException)}
         if failed:
             raise AdapterPublishError(version, failed)
-        return {ep.engine_id: r for ep, r in zip(self.endpoints, results, strict=True)}
+        return {ep.engine_id: r for ep, r in zip(self.endpoints, results, strict=True)
+                if not isinstance(r, BaseException)}  # every one, after the check above

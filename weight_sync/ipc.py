@@ -192,7 +192,7 @@ def export_slot(buf: torch.Tensor) -> IpcHandle:
                          f"on {buf.device}")
     (_device, handle, size, offset, ref_handle, ref_offset, event_handle,
      event_sync) = buf.untyped_storage()._share_cuda_()
-    return IpcHandle(nbytes=buf.numel(), tensor_offset=buf.storage_offset(), handle=bytes(handle),
+    return IpcHandle(nbytes=buf.numel(), tensor_offset=int(buf.storage_offset()), handle=bytes(handle),
                      storage_size_bytes=int(size), storage_offset_bytes=int(offset),
                      ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
                      event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))

@@ -96,7 +96,10 @@ class PublishRun:
 
     def __init__(self, pub: RunHost, version: int, tensors: Iterator, t0: float, rebuild_s: float) -> None:
         self.pub, self.version, self.it, self.t0, self.rebuild_s = pub, version, tensors, t0, rebuild_s
-        self.plan, self.depth, self.ring, self.dev = pub.plan, pub.cfg.inflight_buckets, pub._ring, pub.device
+        if pub._ring is None:
+            raise RuntimeError(f"publish of v{version} before a group was joined (the send ring is made on join)")
+        self.ring: SendRing = pub._ring
+        self.plan, self.depth, self.dev = pub.plan, pub.cfg.inflight_buckets, pub.device
         self.timeout_s = pub.cfg.timeout_s
         self.mark = pub._mark
         self.prints: list[torch.Tensor] = []
@@ -280,7 +283,7 @@ class GroupAcks(AckMode):
     """The acks are every rank's fingerprints, all-gathered right behind the last bucket; the RPC
     answers are checked later (``Publisher.settle``)."""
 
-    acks_in = None
+    acks_in: AcksIn | None = None
 
     def after_broadcast(self, run: PublishRun) -> None:
         # Every rank's fingerprints, each receiver's queued behind its last load: the acks, on the wire
@@ -301,6 +304,7 @@ class GroupAcks(AckMode):
             run.inflight.clear()  # NCCL: one stream, in order, so every broadcast before the acks is done
 
     def report(self, run: PublishRun) -> PublishReport:
+        assert self.acks_in is not None  # after_broadcast sets it before the report
         return run.pub._group_acked(run.version, run.futs, self.acks_in.host, run.t0, run.sent, run.broadcast_s,
                                     run.rebuild_s)
 
