@@ -48,9 +48,11 @@ class WeightEndpoint(ServerHandle):
 
     group_ranks: int = 1  # ranks this engine takes in the weight-sync group (its TP x PP workers)
 
-    #: True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
-    #: copy while it keeps generating, and pauses only for the copy into the model.
-    supports_staging: bool = False
+    @property
+    def supports_staging(self) -> bool:
+        """True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
+        copy while it keeps generating, and pauses only for the copy into the model."""
+        return False
 
     #: True if the engine's receivers end each (unstaged) publish with the group's ack all-gather when the
     #: epoch's :attr:`GroupInfo.group_acks` says so (fleetrl's standalone receiver does).

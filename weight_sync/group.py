@@ -65,8 +65,7 @@ def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float)
         raise ValueError(f"rank {rank} outside weight-sync group of size {group.world_size}")
     prefixed = dist.PrefixStore(f"fleetrl/weight_sync/epoch{group.group_epoch}", store)
     if group.backend == "gloo":
-        # torch's stubs omit the private options class
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _td(timeout_s)
         opts._devices = [_gloo_device(group.master_addr)]
         return dist.ProcessGroupGloo(prefixed, rank, group.world_size, opts)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 import torch
@@ -208,7 +208,9 @@ def open_slot(h: IpcHandle, device: torch.device) -> torch.Tensor:
                                h.ref_counter_offset, h.event_handle, h.event_sync_required)
 
 
-def decode(kind: type, data) -> object:
+_M = TypeVar("_M")
+
+def decode(kind: type[_M], data) -> _M:
     """A message of this module from plain data (an HTTP body's JSON), type-checked, naming what is wrong."""
     try:
         return msgspec.convert(data, kind)

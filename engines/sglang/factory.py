@@ -42,7 +42,7 @@ class FleetSGLangClient(SGLangGenerationClient):
         r = await self.http.get(self.url + "/model_info", timeout=5.0)
         v = r.json().get("weight_version") if r.status_code == 200 else None
         try:
-            self._version = max(self._version, int(v))
+            self._version = max(self._version, int(v))  # type: ignore[arg-type]  # None: TypeError, below
         except (TypeError, ValueError):
             pass  # the initial label ("default") means version 0
         return self._version

@@ -12,6 +12,8 @@ process); this client learns the version the server holds from the fleet or the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -39,7 +41,7 @@ class SGLangGenerationClient(SGLangHandle, EngineClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         # every processing field pinned: SGLang's --sampling-defaults=model would fill unset ones from the model
-        sp = {"max_new_tokens": params.max_tokens, **params.processing()}
+        sp: dict[str, Any] = {"max_new_tokens": params.max_tokens, **params.processing()}
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None and params.n > 1:

@@ -45,9 +45,12 @@ import logging
 import pickle
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from weight_sync.copy_plan import CopyPlanLoader
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ class _Requests(threading.Thread):
                 self.worker.pending = cmd  # the next forward runs it
                 continue
             try:
-                outcome = {"ok": True, **self.worker.run(None, cmd)}
+                outcome = {"ok": True, **(self.worker.run(None, cmd) or {})}  # (None only for commits)
             except Exception as e:  # noqa: BLE001 - reported to the client, which names this engine
                 log.exception("fleetrl requests: stage %d failed", n)
                 outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -158,15 +161,17 @@ class _Worker:
         self.tp_rank = _tp_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.receiver = WeightReceiver("sglang", device=device)
-        self.store, self.store_at = None, None
-        self.copy_loader = None
+        self.store: Any = None  # the publisher's torch TCPStore (requests in, outcomes out)
+        self.store_at: tuple[str, int] | None = None
+        self.copy_loader: CopyPlanLoader | None = None
         self.model = None
         self.requests: _Requests | None = None
         self.pending: dict | None = None  # a commit request for the next forward
         self.committed_seq = -1  # the request seq of the last commit run
         self.lock = threading.Lock()  # one commit at a time: the forward hook or the loader
 
-    def run(self, model, cmd: dict) -> dict:
+    def run(self, model, cmd: dict) -> dict | None:
+        """The outcome of ``cmd``; None where there is nothing to report (its outcome is in the store already)."""
         what = cmd["cmd"]
         if what == "join":
             return self.join(model, cmd)
@@ -239,17 +244,21 @@ class _Worker:
 
     def commit(self, model, version: int) -> dict:
         t0 = time.perf_counter()
+        plan = self.receiver.plan
+        if plan is None:
+            raise RuntimeError(f"commit of v{version} before this worker joined a weight-sync group")
         if self.copy_loader is None or self.model is not model:
             from weight_sync.copy_plan import CopyPlanLoader
 
             self.copy_loader, self.model = CopyPlanLoader(model, model.load_weights), model
-        replayed = self.copy_loader.replayed
-        self.copy_loader.start_commit(len(self.receiver.plan.buckets))
-        checksum = self.receiver.commit(version, self.copy_loader.load)
+        loader = self.copy_loader
+        replayed = loader.replayed
+        loader.start_commit(len(plan.buckets))
+        checksum = self.receiver.commit(version, loader.load)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the next batch must see every copy, whatever stream it runs on
         return {"checksum": checksum, "version": version, "commit_s": time.perf_counter() - t0,
-                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": self.copy_loader.replayed - replayed}
+                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": loader.replayed - replayed}
 
 
 _WORKER: _Worker | None = None

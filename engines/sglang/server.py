@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 from packaging.version import Version
@@ -119,7 +120,7 @@ class SGLangServer:
         self.args = args
         self.proc: subprocess.Popen | None = None
         self.version: Version | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:

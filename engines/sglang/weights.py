@@ -45,6 +45,7 @@ import asyncio
 import datetime
 import logging
 import time
+from typing import Any
 
 from packaging.version import Version
 
@@ -80,7 +81,7 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         self._plan: WeightPlan | None = None
         self._group: GroupInfo | None = None
         self.staging = staging
-        self._store = None  # fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
+        self._store: Any = None  # a torch TCPStore: fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
         self._store_at: tuple[str, int] | None = None
         self._seq = 0
         self._req_n = 0
@@ -125,11 +126,10 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         The cache is flushed by :meth:`reset_prefix_cache`, not here: SGLang >= 0.5.23 fails an
         update whose flush is refused (requests queued during an in-flight update).
         """
-        self._check_plan(version, plan_id)
+        plan, group = self._check_plan(version, plan_id)
         if self.staging:  # through fleetrl's loader: stage, then a commit that waits for the bytes in the engine
             await self.begin_update(version, plan_id)
             return await self.commit_update(version)
-        plan, group = self._plan, self._group
         name = sglang_group_name(group.group_epoch)
         if self._session_api:
             await self._control("/begin_weight_update", {})
@@ -144,12 +144,14 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         self._version = version
         return ""  # SGLang's own update computes no checksum; tests compare outputs instead
 
-    def _check_plan(self, version: int, plan_id: str) -> None:
-        plan = self._plan
-        if plan is None or self._group is None:
+    def _check_plan(self, version: int, plan_id: str) -> tuple[WeightPlan, GroupInfo]:
+        """The joined plan and group, if ``plan_id`` is that plan."""
+        plan, group = self._plan, self._group
+        if plan is None or group is None:
             raise EngineError(f"engine {self.engine_id}: update_weights(v{version}) before init_weight_transfer")
         if plan_id != plan.plan_id:
             raise EngineError(f"engine {self.engine_id}: publish uses plan {plan_id!r}, announced {plan.plan_id!r}")
+        return plan, group
 
     # -- staged updates: fleetrl's loader in SGLang's workers (engines/sglang/loader.py) ------------------
     @property
@@ -177,8 +179,9 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         generation was held. A failed commit leaves the engine paused: its weights may be half loaded."""
         from engines.sglang import loader
 
-        if self._store is None:
+        if self._store is None or self._store_at is None:
             raise EngineError(f"engine {self.engine_id}: {cmd} before init_weight_transfer")
+        store_addr, store_port = self._store_at
         seq = args.pop("seq", None)
         if seq is None:
             self._seq += 1
@@ -186,7 +189,7 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         caller = self._caller()
         body = {"serialized_named_tensors": [loader.payload(
                     cmd, engine_id=caller, seq=seq, timeout_s=self.control_timeout_s,
-                    store={"addr": self._store_at[0], "port": self._store_at[1]}, **args)] * self.group_ranks,
+                    store={"addr": store_addr, "port": store_port}, **args)] * self.group_ranks,
                 "load_format": loader.LOADER, "flush_cache": False}
         if cmd == "commit":
             body["weight_version"] = str(args["version"])
@@ -222,6 +225,8 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         """Leave a stage or commit request in the store for the workers' request threads; returns its seq."""
         from engines.sglang import loader
 
+        if self._group is None or self._store is None:
+            raise EngineError(f"engine {self.engine_id}: {cmd} before the loader joined a weight-sync group")
         self._seq += 1
         self._req_n += 1
         key = loader.request_key(self._group.group_epoch, self._group.rank_offset, self._req_n)
@@ -230,17 +235,22 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         self._req_keys.append(key)
         return self._seq
 
-    async def _outcomes(self, seq: int, what: str, wait_s: float | None = None) -> list[dict] | None:
+    async def _outcomes_within(self, seq: int, what: str, wait_s: float) -> list[dict] | None:
         """The TP workers' outcomes of request ``seq``; ``None`` if ``wait_s`` passes without them."""
         from engines.sglang import loader
 
+        keys = [loader.outcome_key(self._caller(), seq, r) for r in range(self.group_ranks)]
         try:
-            if wait_s is not None:
-                keys = [loader.outcome_key(self._caller(), seq, r) for r in range(self.group_ranks)]
-                try:
-                    await asyncio.to_thread(self._store.wait, keys, datetime.timedelta(seconds=wait_s))
-                except Exception:  # noqa: BLE001 - not there within wait_s
-                    return None
+            await asyncio.to_thread(self._store.wait, keys, datetime.timedelta(seconds=wait_s))
+        except Exception:  # noqa: BLE001 - not there within wait_s
+            return None
+        return await self._outcomes(seq, what)
+
+    async def _outcomes(self, seq: int, what: str) -> list[dict]:
+        """The TP workers' outcomes of request ``seq`` (waits for them within the store's timeout)."""
+        from engines.sglang import loader
+
+        try:
             outs = await asyncio.to_thread(loader.read_outcomes, self._store, self._caller(), seq, self.group_ranks)
         except Exception as e:  # noqa: BLE001 - the store or a worker's thread is gone: this engine fails
             raise EngineError(f"engine {self.engine_id}: {what} failed: {e}") from e
@@ -270,7 +280,7 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         outs, held, laps = None, 0.0, {}
         if self.between_steps and self.group_ranks == 1 and not self._paused:
             seq = await self._ask("commit", version=version)
-            outs = await self._outcomes(seq, f"commit of v{version}", self.between_steps_wait_s)
+            outs = await self._outcomes_within(seq, f"commit of v{version}", self.between_steps_wait_s)
             if outs is not None:
                 held = max(o["commit_s"] for o in outs)  # the step it ran before was delayed by this
                 laps["commit_between_steps_s"] = time.perf_counter() - t0

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,7 @@ class VLLMGenerationClient(VLLMHandle, EngineClient):
         self.api = api
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        sp = {"n": params.n, "max_tokens": params.max_tokens, **params.processing(), "logprobs": 0,
+        sp: dict[str, Any] = {"n": params.n, "max_tokens": params.max_tokens, **params.processing(), "logprobs": 0,
               "stop_token_ids": params.stop_token_ids}
         if params.seed is not None:
             sp["seed"] = params.seed
@@ -74,6 +75,7 @@ class VLLMGenerationClient(VLLMHandle, EngineClient):
         # other weights; vLLM's reset cannot promise that while requests run (see reset_prefix_cache).
         salt = f"fleetrl-v{start_version}"
         model = self.served_model(start_version)
+        body: dict[str, Any]
         if self.api == "generate":
             body = {"model": model, "token_ids": list(prompt_ids), "sampling_params": sp, "cache_salt": salt}
             r = await self._request("POST", "/inference/v1/generate", json=body, timeout_s=self.request_timeout_s)

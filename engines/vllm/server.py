@@ -202,6 +202,8 @@ class VLLMServer:
     def wait_healthy(self, timeout_s: float) -> None:
         t0 = time.monotonic()
         while True:
+            if self.proc is None:
+                raise EngineError(f"vLLM server {self.url}: wait_healthy before start()")
             rc = self.proc.poll()
             if rc is not None:
                 self.proc = None
