@@ -190,11 +190,20 @@ REQUEST_TYPES = {c.__struct_config__.tag: c for c in typing.get_args(Request)}
 
 # -- replies -----------------------------------------------------------------------------------
 
+def min_version(step: int, max_staleness: int) -> int:
+    """The oldest weights version a group for learner step ``step`` may be sampled with: trained at step
+    ``s`` by the learner at version ``s - 1``, its staleness ``(s - 1) - version`` stays within ``k``. The one
+    place this rule is written; the broker stamps it on every ticket, and the workers read it there."""
+    return max(0, step - max_staleness - 1)
+
+
 class Ticket(msgspec.Struct, frozen=True):
-    """Permission to start one prompt group for learner step ``step``."""
+    """Permission to start one prompt group for learner step ``step``, sampled by weights of version
+    ``min_version`` or newer (:func:`min_version`; 0 from a broker that predates the field)."""
 
     ticket_id: int
     step: int
+    min_version: int = 0
 
 
 class TicketsReply(_Msg, tag="tickets"):

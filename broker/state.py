@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from broker import limits as L
 from broker.groups import Group, split_groups
-from broker.protocol import BrokerError, ErrorCode, Ticket
+from broker.protocol import BrokerError, ErrorCode, Ticket, min_version
 from broker.schema import TRAJECTORY_SCHEMA, ArrowDataError, BatchView, SchemaError, inspect_batch
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class BrokerState:
             self._next_ticket += 1
             self._tickets[tid] = _TicketRec(producer_id, step, now + self.ticket_timeout_s)
             self._tickets_of.setdefault((producer_id, step), []).append(tid)
-            out.append(Ticket(tid, step))
+            out.append(Ticket(tid, step, min_version(step, self.k)))
         if out:
             self._min_deadline = min(self._min_deadline, now + self.ticket_timeout_s)
         self.counters.tickets_granted += len(out)
@@ -344,7 +344,7 @@ class BrokerState:
             if g is None or g.lease_id is not None or g.seq != seq or gid in taken:
                 continue  # acked, dropped, leased since it was queued, or a second entry of one group
             taken.add(gid)
-            if (step - 1) - g.vmin > self.k:
+            if g.vmin < min_version(step, self.k):  # its oldest row is more than k versions behind
                 stale.append(g)
                 continue
             picked.append(g)

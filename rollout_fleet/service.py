@@ -127,7 +127,7 @@ class FleetService:
             worker_cls, extra = AgentWorker, {"proxy": self.proxy, "agent": resolve_agent(self.cfg.rollout.proxy.agent)}
         self.worker = worker_cls(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
                                  max_inflight_groups=self.cfg.rollout.max_inflight_groups,
-                                 max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
+                                 seed=self.cfg.run.seed,
                                  gate=self._colocated_gate(), **extra)
         state = None if self.simulated else position.load(self._run_dir())
         if state is not None:  # a re-run on this run directory: the data continues where it stopped

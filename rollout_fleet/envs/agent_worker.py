@@ -71,7 +71,7 @@ class AgentWorker(RolloutWorker):
 
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
-        floor = max(0, int(ticket.step) - self.max_staleness - 1)
+        floor = int(ticket.min_version)
         sids = [f"{group_id}.{i}" for i in range(self.sampling.n)]  # one path segment: no "/"
         for sid in sids:
             self.proxy.floors[sid] = floor

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from broker.protocol import Ticket
 from broker.schema import from_record_batch, validate_batch
 from engines.vllm.generation import VLLMGenerationClient
 from learner.batch import plan_step
@@ -70,11 +70,6 @@ class MemoryProducer:
         self.batches.append(validate_batch(batch))
 
 
-@dataclass
-class Ticket:
-    step: int
-    ticket_id: int
-
 
 class ExplodingEnv(ChainAdditionEnv):
     name = "exploding"
@@ -105,7 +100,7 @@ def run_group(url: str, versions: list[int], env_factory, prompt: Prompt, n: int
         producer = MemoryProducer()
         worker = MultiTurnWorker(fleet, AsyncProducer(producer), None, None,
                                  SamplingConfig(n=n, max_tokens=6, temperature=1.0), max_inflight_groups=4,
-                                 max_staleness=8, env_factory=env_factory, codec=HFCodec.from_pretrained(str(TINY_MODEL)),
+                                 env_factory=env_factory, codec=HFCodec.from_pretrained(str(TINY_MODEL)),
                                  limits=LIMITS, stop_token_ids=[EOS])
         try:
             await worker._group(Ticket(step=step, ticket_id=0), prompt)
