@@ -1,25 +1,25 @@
-"""verl's algorithm.* and actor/reference keys (advantage, KL, dynamic sampling, rollout correction, the
-policy loss, optimizer and the learner's parallel layout) as fleetrl overrides; the rest of the rules
-(rollout, data, rewards, trainer, critic) are in launch/verl_rules.py, which joins both tables."""
+"""verl's algorithm.* and actor/reference keys (advantage, KL, dynamic sampling, the policy loss, optimizer and
+the learner's parallel layout) as fleetrl overrides, with the rollout-correction keys of
+launch/verl_correction_rules.py; the rest of the rules (rollout, data, rewards, trainer, critic) are in
+launch/verl_rules.py, which joins both tables."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from launch.verl_correction_rules import CORRECTION_RULES
 from launch.verl_rule_kit import (
     ARR,
     CP,
     CRITIC,
     MOE,
     OTHER_ENGINE,
-    ROLLOUT_CORRECTION,
     Ctx,
     Refused,
     Rule,
     _above_one,
     _no_effect,
     _only,
-    _refuse,
     _set,
     _when_true,
     dump,
@@ -122,67 +122,6 @@ def _filter_groups(v: Any, c: Ctx) -> list[str] | str:
 def _filter_part(v: Any, c: Ctx) -> str:
     return "(set with algorithm.filter_groups.enable)" if c.get("algorithm.filter_groups.enable") \
         else "(no setting: algorithm.filter_groups.enable is false)"
-
-
-RC = "algorithm.rollout_correction."
-
-
-def _threshold(c: Ctx) -> float:
-    t = c.get(RC + "rollout_is_threshold", 2.0)
-    try:
-        return float(t)
-    except (TypeError, ValueError):
-        raise Refused(f"rollout_is_threshold {t!r} (IcePop's lower_upper band zeroes weights outside it; fleetrl "
-                      "truncates above tis_cap only)", ROLLOUT_CORRECTION) from None
-
-
-def correction(c: Ctx) -> tuple[list[str], str]:
-    """learner.loss.correction (and tis_cap) for verl's rollout_correction under this entry's staleness."""
-    is_, bypass, stale = c.get(RC + "rollout_is"), bool(c.get(RC + "bypass_mode")), c.stale()
-    if is_ == "token":
-        cap = _threshold(c)
-        return ["learner.loss.correction=decoupled", f"learner.loss.tis_cap={dump(cap)}"], (
-            "token-level truncated IS: ratio against the learner's pre-step log-probs, weighted by "
-            f"min(prox/behaviour, {cap})" + (" (verl's bypass anchors the ratio at the sampler instead)" if bypass else ""))
-    if stale == 0:
-        return ["learner.loss.correction=none"], ("on-policy: ratio against the learner's pre-step log-probs, no "
-                                                  "behaviour weight" + (" (verl's bypass anchors it at the sampler's)"
-                                                                        if bypass else ""))
-    return ["learner.loss.correction=decoupled"], (
-        f"samples up to {stale} version(s) old: fleetrl requires a correction, so decoupled PPO (ratio against the "
-        "pre-step log-probs, behaviour weight truncated at learner.loss.tis_cap)"
-        + ("; verl's bypass anchors the ratio at the sampler with no weight" if bypass else ""))
-
-
-def _rc_is(v: Any, c: Ctx) -> str:
-    if v in (None, "token"):
-        return "(set with the correction: see the schedule lines)"
-    if v == "sequence":
-        raise Refused("rollout_is=sequence: a sequence-level IS weight (product of token ratios)", ROLLOUT_CORRECTION)
-    raise Refused(f"rollout_is {v!r}: verl has null, token and sequence")
-
-
-def _rc_rs(v: Any, c: Ctx) -> str:
-    if v in (None, ""):
-        return "(no setting: no rejection sampling)"
-    raise Refused(f"rollout_rs={v}: rejection sampling of tokens/sequences by their IS ratio", ROLLOUT_CORRECTION)
-
-
-def _rc_part(v: Any, c: Ctx) -> str:
-    return "(no setting: read only with rollout_rs)" if not c.get(RC + "rollout_rs") else "(set with rollout_rs)"
-
-
-def _rc_threshold(v: Any, c: Ctx) -> str:
-    if c.get(RC + "rollout_is") == "token":
-        _threshold(c)
-        return "(set with rollout_is=token: learner.loss.tis_cap)"
-    return "(no setting: read only with rollout_is)"
-
-
-def _rc_loss_type(v: Any, c: Ctx) -> str:
-    if v == "ppo_clip" or not c.get(RC + "bypass_mode"):
-        return "(no setting: the clipped PPO loss)"
-    raise Refused(f"bypass loss_type {v!r}: REINFORCE with explicit IS weights and no clip", ROLLOUT_CORRECTION)
 
 
 # -- actor -------------------------------------------------------------------------------------
@@ -362,16 +301,7 @@ ALGORITHM_RULES: dict[str, Rule] = {
     "algorithm.filter_groups.max_num_gen_batches": _filter_part,
     "algorithm.filter_groups.max_inflight_gen_batches": _no_effect("the fleet keeps generating until a step is full"),
     "algorithm.use_pf_ppo": _only(False, "off", "preference-feedback PPO reweighting is not in fleetrl"),
-    RC + "rollout_is": _rc_is,
-    RC + "rollout_is_threshold": _rc_threshold,
-    RC + "rollout_is_batch_normalize": _when_true(ROLLOUT_CORRECTION, "IS weights normalised to mean 1 per batch"),
-    RC + "rollout_rs": _rc_rs,
-    RC + "rollout_rs_threshold": _rc_part,
-    RC + "rollout_rs_threshold_lower": _rc_part,
-    RC + "rollout_token_veto_threshold": lambda v, c: _rc_part(v, c) if v is None else _refuse(
-        ROLLOUT_CORRECTION, f"token veto: a sequence with any token ratio below {v} is rejected")(v, c),
-    RC + "bypass_mode": lambda v, c: "(set with the correction: see the schedule lines)",
-    RC + "loss_type": _rc_loss_type,
+    **CORRECTION_RULES,
 }
 
 

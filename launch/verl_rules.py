@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from launch.verl_correction_rules import correction
 from launch.verl_defaults import FULLY_ASYNC, ONE_STEP_OFF
 from launch.verl_policy_rules import (
     ACTOR_RULES,
@@ -28,7 +29,6 @@ from launch.verl_policy_rules import (
     _kl_reward_part,
     _override_transformer,
     _response_len,
-    correction,
     critic_available,
     longest,
 )
