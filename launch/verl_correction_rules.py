@@ -2,9 +2,9 @@
 
 * ``bypass_mode=true`` (verl's default in its one-step-off and fully-async entries): the ratio is anchored at the
   sampler's log-probs, ``learner.loss.correction=bypass`` (``loss_type=ppo_clip``: no IS weight; verl computes
-  ``rollout_is`` weights there for metrics only). ``loss_type=reinforce`` with token TIS is ``tis`` without the
-  proximal pass (the same gradient: ``w * A * grad log pi``). Rejection sampling in bypass mode is measured per
-  micro-batch against the policy being trained: refused (not built).
+  ``rollout_is`` weights there for metrics only); ``rollout_rs`` rules are measured per micro-batch against the
+  policy being trained, as verl's. ``loss_type=reinforce`` with token TIS is ``tis`` without the proximal pass
+  (the same gradient: ``w * A * grad log pi``); reinforce with other weights or rejection is refused.
 * decoupled (``bypass_mode=false``): ``rollout_is=token`` with one threshold T alone is
   ``correction=decoupled tis_cap=T``; sequence IS, IcePop bands (``"lo_hi"``), batch normalisation, ``rollout_rs``
   rules and the older ``geometric`` / veto keys turn on ``learner.rollout_correction`` (FSDP only).
@@ -105,21 +105,22 @@ def correction(c: Ctx) -> tuple[list[str], str]:
     upper, lower = is_band(c) if is_ else (2.0, None)
     if bypass:
         loss_type = c.get(RC + "loss_type") or "ppo_clip"
-        if rules:
-            raise Refused("rejection sampling in bypass mode (verl measures it per micro-batch against the policy "
-                          "being trained; fleetrl's rejection is measured on the pre-step policy, decoupled mode)",
-                          ROLLOUT_CORRECTION)
         if loss_type == "ppo_clip":
-            return ["learner.loss.correction=bypass"], (
+            out = ["learner.loss.correction=bypass"]
+            if rules:
+                out += [f"{SECTION}.enable=true", f"{SECTION}.is_level=none", f"{SECTION}.rejection={_flow(rules)}"]
+            return out, (
                 "verl's bypass: the clipped ratio against the sampler's log-probs, no proximal pass, no IS weight"
-                + (" (verl computes the rollout_is weights for metrics only)" if is_ else ""))
+                + (" (verl computes the rollout_is weights for metrics only)" if is_ else "")
+                + (f"; rejection by {', '.join(r['name'] for r in rules)} per micro-batch on the policy being trained"
+                   if rules else ""))
         if loss_type != "reinforce":
             raise Refused(f"rollout_correction.loss_type {loss_type!r}: verl has ppo_clip and reinforce")
-        if is_ == "token" and lower is None and not normalize:
+        if is_ == "token" and lower is None and not normalize and not rules:
             return ["learner.loss.correction=tis", "learner.recompute_proximal=false", f"learner.loss.tis_cap={dump(upper)}"], (
                 f"bypass REINFORCE with token TIS: gradient min(pi/mu, {upper}) * A * grad log pi, no clip")
-        raise Refused("bypass loss_type=reinforce with " + ("no IS weight" if not is_ else
-                      f"{is_}-level, {'IcePop' if lower else 'batch-normalised' if normalize else 'truncated'} "
+        raise Refused("bypass loss_type=reinforce with " + ("rejection sampling" if rules else "no IS weight" if not is_
+                      else f"{is_}-level, {'IcePop' if lower else 'batch-normalised' if normalize else 'truncated'} "
                       "IS weights") + " measured per micro-batch on the policy being trained", ROLLOUT_CORRECTION)
     if is_ == "token" and lower is None and not normalize and not rules:
         return ["learner.loss.correction=decoupled", f"learner.loss.tis_cap={dump(upper)}"], (

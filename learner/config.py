@@ -373,12 +373,22 @@ class LearnerConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _rollout_correction(self) -> LearnerConfig:
-        if not self.rollout_correction.enable:
+        rc = self.rollout_correction
+        if not rc.enable:
+            return self
+        if self.loss.correction == "bypass":
+            if rc.is_level != "none" or rc.is_batch_normalize:
+                raise ValueError("learner.rollout_correction with correction=bypass takes rejection rules only: the "
+                                 "clipped ratio against the sampler is the correction (verl's bypass PPO-clip applies "
+                                 "no IS weight); set is_level=none")
+            if self.sequence_parallel_size > 1:
+                raise ValueError("learner.rollout_correction's sequence rules need whole rows: use "
+                                 "sequence_parallel_size=1")
             return self
         if self.loss.correction != "decoupled":
             raise ValueError("learner.rollout_correction measures the pre-step policy against the sampler and weights "
-                             f"the decoupled ratio: it needs learner.loss.correction=decoupled, got "
-                             f"{self.loss.correction!r}")
+                             f"the decoupled ratio: it needs learner.loss.correction=decoupled (or bypass for "
+                             f"rejection alone), got {self.loss.correction!r}")
         if self.engine != "fsdp" or self.sequence_parallel_size > 1:
             raise ValueError("learner.rollout_correction needs learner.engine=fsdp with sequence_parallel_size=1 (its "
                              "sums are reduced over the data-parallel ranks and its sequence rules need whole rows)")

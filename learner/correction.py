@@ -29,6 +29,12 @@ ratio ``pi / prox`` stays the clipped PPO ratio and these weights replace decoup
 
 Collective over the default process group when it is initialised (every rank calls :func:`apply` with its
 own plans): FSDP only, whole sequences per rank (learner/config.py refuses Megatron and Ulysses with it).
+
+With ``correction=bypass`` (verl's bypass mode with the PPO-clip loss) there is no pre-step pass: the
+rejection rules are measured per micro-batch in the loss (learner/losses.py) on ``d = sg(pi) - mu``, the
+policy being trained against the sampler, as verl's compute_policy_loss_bypass_mode; a rejected token's
+policy term is zeroed but stays in the denominator (verl's batch_num_tokens comes from the unmodified mask);
+there is no IS weight (the ratio against the sampler is the correction).
 """
 
 from __future__ import annotations
@@ -46,19 +52,20 @@ LEVELS = ("token", "seq_sum", "seq_mean", "seq_max", "seq_min")
 
 
 def _segments(seq_lens: torch.Tensor) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens)
+    return torch.repeat_interleave(torch.arange(seq_lens.numel(), device=seq_lens.device), seq_lens)
 
 
 def _seq_reduce(x: torch.Tensor, seq_lens: torch.Tensor, how: str) -> torch.Tensor:
     """Per-sequence sum/mean/max/min of a packed [n] tensor, as [s]."""
+    seq_lens = seq_lens.to(x.device)
     seg = _segments(seq_lens)
     s = seq_lens.numel()
     if how == "sum":
-        return torch.zeros(s, dtype=x.dtype).index_add(0, seg, x)
+        return torch.zeros(s, dtype=x.dtype, device=x.device).index_add(0, seg, x)
     if how == "mean":
-        return torch.zeros(s, dtype=x.dtype).index_add(0, seg, x) / seq_lens.clamp(min=1).to(x.dtype)
+        return torch.zeros(s, dtype=x.dtype, device=x.device).index_add(0, seg, x) / seq_lens.clamp(min=1).to(x.dtype)
     fill = float("-inf") if how == "max" else float("inf")
-    out = torch.full((s,), fill, dtype=x.dtype).scatter_reduce(0, seg, x, reduce="amax" if how == "max" else "amin")
+    out = torch.full((s,), fill, dtype=x.dtype, device=x.device).scatter_reduce(0, seg, x, reduce="amax" if how == "max" else "amin")
     return torch.where(torch.isinf(out), torch.zeros_like(out), out)  # an empty sequence: 0, as verl
 
 
@@ -69,7 +76,7 @@ def is_weights(d: torch.Tensor, seq_lens: torch.Tensor, level: str, upper: float
     if level == "token":
         raw = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     elif level == "sequence":
-        raw = torch.exp(_seq_reduce(d, seq_lens, "sum").clamp(-SAFETY_BOUND, SAFETY_BOUND))[_segments(seq_lens)]
+        raw = torch.exp(_seq_reduce(d, seq_lens, "sum").clamp(-SAFETY_BOUND, SAFETY_BOUND))[_segments(seq_lens.to(d.device))]
     else:
         raise ValueError(f"IS level must be 'token' or 'sequence', got {level!r}")
     if lower is None:
@@ -95,14 +102,14 @@ def keep_mask(d: torch.Tensor, seq_lens: torch.Tensor, rules: list) -> tuple[tor
 
     ``rules``: objects with ``statistic``, ``level``, ``lower``, ``upper`` (learner.config.RejectionRule).
     """
-    keep = torch.ones(d.shape[0], dtype=torch.bool)
+    keep = torch.ones(d.shape[0], dtype=torch.bool, device=d.device)
     each = []
     for r in rules:
         st = statistic(d, r.statistic)
         if r.level != "token":
             if r.level not in LEVELS:
                 raise ValueError(f"rejection level must be one of {list(LEVELS)}, got {r.level!r}")
-            st = _seq_reduce(st, seq_lens, r.level.removeprefix("seq_"))[_segments(seq_lens)]
+            st = _seq_reduce(st, seq_lens, r.level.removeprefix("seq_"))[_segments(seq_lens.to(d.device))]
         k = torch.ones_like(keep)
         if r.lower is not None:
             k &= st >= r.lower

@@ -113,7 +113,7 @@ class FSDPEngine(TrainingEngine):
         self.cfg = cfg
         self.model_path = model_path
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.loss = LossSettings.from_config(cfg.loss)
+        self.loss = LossSettings.from_config(cfg.loss, cfg.rollout_correction)
         backend = dist.get_backend()
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -287,7 +287,7 @@ class Learner:
             stats.update(kl_reward.apply(batch, plans, advantage=self.cfg.loss.advantage,
                                          drop_uniform=self.cfg.loss.drop_uniform_groups,
                                          estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl))
-        if self.cfg.rollout_correction.enable:  # IS weights and rejection from prox vs behaviour (learner/correction.py)
+        if self.cfg.rollout_correction.enable and self.cfg.loss.correction == "decoupled":  # IS weights and rejection from prox vs behaviour (learner/correction.py)
             stats.update(correction.apply(plans, self.cfg.rollout_correction,
                                           aggregation=self.cfg.loss.effective_aggregation,
                                           loss_scale_factor=self.cfg.loss.loss_scale_factor))

@@ -141,6 +141,8 @@ class LossSettings:
     kl_estimator: str = "k3"
     policy_loss: str = "vanilla"
     entropy_coeff: float = 0.0
+    # bypass only: learner.rollout_correction's rejection rules, measured per micro-batch (learner/correction.py)
+    rejection: tuple = ()
 
     def __post_init__(self) -> None:
         if self.correction not in CORRECTIONS:
@@ -152,12 +154,19 @@ class LossSettings:
         if not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip bound on -A * ratio), got {self.clip_ratio_c}")
         self.kl_estimator = kl.resolve(self.kl_estimator)
+        if self.rejection and self.correction != "bypass":
+            raise ValueError("per-micro-batch rejection rules are bypass mode's; decoupled measures them once per "
+                             "step (learner/correction.py apply)")
 
     @classmethod
-    def from_config(cls, cfg) -> LossSettings:
+    def from_config(cls, cfg, rollout_correction=None) -> LossSettings:
+        """``cfg``: learner.loss; ``rollout_correction``: learner.rollout_correction (its rules, with bypass)."""
+        rc = rollout_correction
+        rules = tuple(rc.rejection) if rc is not None and rc.enable and cfg.correction == "bypass" else ()
         return cls(correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    clip_ratio_c=cfg.clip_ratio_c, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                   kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff)
+                   kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff,
+                   rejection=rules)
 
 
 def needs_proximal(correction: str, recompute_proximal: bool, several_optimizer_steps: bool) -> bool:
@@ -295,6 +304,15 @@ def policy_loss(
     else:
         is_w = torch.exp((old - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap).detach()
     pg, ratio, clip_active, dual_active = surrogate(logp, base.detach(), advantages, is_w, s, seq_lens)
+    rejected = None
+    if s.rejection:  # bypass: verl's rejection on the policy being trained vs the sampler, this micro-batch
+        from learner.correction import keep_mask
+
+        if seq_lens is None:
+            raise ValueError("bypass rejection rules need seq_lens (sequence-level rules)")
+        keep, each = keep_mask((logp.detach() - behaviour_logp).double(), seq_lens, list(s.rejection))
+        pg = pg * keep.to(pg.dtype)
+        rejected = [~keep, *(~k for k in each)]
     per_token = pg
     if s.entropy_coeff > 0:
         if entropy is None or not entropy.requires_grad and logp.requires_grad:
@@ -350,6 +368,11 @@ def policy_loss(
             metrics["loss_kl"] = (wd * kl_val.detach()).sum()
         if entropy is not None:
             metrics["entropy"] = (wd * entropy.detach().to(wd.dtype)).sum()
+        if rejected is not None:  # weighted shares of the step's tokens, as the other metrics
+            names = ["rollout_rs_masked_fraction"] + [f"rollout_rs_{r.name or i}_masked_fraction"
+                                                      for i, r in enumerate(s.rejection)]
+            for name, r in zip(names, rejected, strict=True):
+                metrics[name] = (wd * r.to(wd.dtype)).sum()
     return loss, metrics
 
 

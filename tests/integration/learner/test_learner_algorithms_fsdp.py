@@ -26,6 +26,9 @@ CASES = {
     "rollout_correction_seq_is_rs": dict(learner_extra={"rollout_correction": {
         "enable": True, "is_level": "sequence", "is_upper": 2.0, "is_batch_normalize": True,
         "rejection": [{"statistic": "k3", "level": "token", "upper": 0.05, "name": "token_k3"}]}}),
+    # verl's bypass (ratio against the sampler) with a sequence rejection rule measured in the loss
+    "bypass_seq_rejection": dict(correction="bypass", learner_extra={"rollout_correction": {
+        "enable": True, "rejection": [{"statistic": "k3", "level": "seq_max", "upper": 0.05, "name": "seq_max_k3"}]}}),
 }
 
 
@@ -62,6 +65,9 @@ def test_new_losses_match_across_ranks(tmp_path, case):
         # the rule rejects some tokens and keeps others (0.32 of 57 when written), so both paths run
         assert 0 < one["learner/batch_rollout_rs_masked_fraction"] < 1
         assert one["learner/batch_rollout_is_max"] <= 2.0
+    if case == "bypass_seq_rejection":
+        assert 0 < one["learner/rollout_rs_masked_fraction"] < 1
+        assert one["learner/rollout_rs_masked_fraction"] == pytest.approx(two["learner/rollout_rs_masked_fraction"])
     if case == "geo_mean_rloo_entropy":
         # the bonus reaches the gradient through the chunked head: without it the step differs
         kw["loss_extra"] = {**kw["loss_extra"], "entropy_coeff": 0.0}

@@ -164,6 +164,28 @@ def test_bypass_takes_the_ratio_against_the_sampler_with_no_weight():
     assert not needs_proximal("bypass", recompute_proximal=True, several_optimizer_steps=True)
 
 
+def test_bypass_rejection_is_measured_per_micro_batch_and_keeps_the_denominator():
+    # pi = 1, mu = 1/[2, 0.5, 4]: d = [ln 2, ln 0.5, ln 4], the running example; seq_mean_k1 rejects sequence 2
+    rc = RolloutCorrectionConfig(enable=True, rejection=[rule("seq_mean_k1", 0.999, 1.001)])
+    s = LossSettings(correction="bypass", rejection=tuple(rc.rejection))
+    logp = torch.zeros(3, requires_grad=True)
+    behaviour = -D.float()
+    w = torch.full((3,), 1 / 3)
+    loss, met = policy_loss(logp, behaviour, torch.ones(3), w, s, seq_lens=LENS)
+    # ratios [2, 0.5, 4] clipped to [1.28, 0.5, 1.28] (A = 1); the rejected token is 0 and still weighs 1/3
+    assert float(loss.detach()) == pytest.approx(-(1.28 + 0.5) / 3, abs=1e-6)
+    assert float(met["rollout_rs_masked_fraction"]) == pytest.approx(1 / 3)
+    assert float(met["rollout_rs_seq_mean_k1_masked_fraction"]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="bypass mode"):
+        LossSettings(correction="decoupled", rejection=tuple(rc.rejection))
+    lc = LearnerConfig.model_validate({"loss": {"correction": "bypass"}, "engine": "megatron",
+                                       "rollout_correction": {"enable": True, "rejection": [rc.rejection[0].model_dump()]}})
+    assert LossSettings.from_config(lc.loss, lc.rollout_correction).rejection == tuple(rc.rejection)
+    with pytest.raises(ValueError, match="is_level=none"):
+        LearnerConfig.model_validate({"loss": {"correction": "bypass"},
+                                      "rollout_correction": {"enable": True, "is_level": "token"}})
+
+
 def test_config_refuses_rollout_correction_without_decoupled_or_on_megatron():
     base = {"loss": {"correction": "decoupled"}, "rollout_correction": {"enable": True}}
     LearnerConfig.model_validate(base)

@@ -172,6 +172,11 @@ def test_one_step_off_is_one_version_stale():
     ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
      {"learner.loss.correction": "decoupled", "learner.loss.tis_cap": "3.0"}),
     ("algorithm.rollout_correction.bypass_mode=True", {"learner.loss.correction": "bypass"}),
+    # verl's fully-async MIS scripts: bypass (the entry's default) with seq_mean_k1 rejection, per micro-batch
+    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.rollout_is=null "
+     "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001",
+     {"learner.loss.correction": "bypass", "learner.rollout_correction.enable": "true",
+      "learner.rollout_correction.is_level": "none"}),
     ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
      "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
      {"learner.loss.correction": "tis", "learner.loss.tis_cap": "3.0"}),
@@ -241,8 +246,9 @@ def test_rollout_correction_scripts_map_to_verls_rules():
     ("actor_rollout_ref.model.lora.rank=32", "lora"),  # verl's nested (Megatron) LoRA section
     ("actor_rollout_ref.rollout.name=trtllm", "other_engine"),
     ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "other_engine"),
-    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.rollout_rs=seq_mean_k1 "
-     "algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01", "rollout_correction"),
+    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
+     "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01",
+     "rollout_correction"),
     ("algorithm.rollout_correction.rollout_is=sequence actor_rollout_ref.actor.strategy=megatron",
      "rollout_correction"),
 ])
