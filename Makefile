@@ -31,10 +31,12 @@ demo: install
 	$(PY) launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe tiny --summary runs/tiny/summary.json
 
 # Lint first: ruff (pyflakes, import order, bug-finding rules), then the import contracts
-# (import-linter, [tool.importlinter] in pyproject.toml: layers, independence, light configs).
+# (import-linter, [tool.importlinter] in pyproject.toml: layers, independence, light configs), then
+# mypy over the lower layers ([tool.mypy] in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest tests

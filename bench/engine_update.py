@@ -50,7 +50,8 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from bench.report import run_info, write_json  # noqa: E402
-from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs  # noqa: E402
+from engines.vllm.server import VLLMServer, VLLMServerArgs  # noqa: E402
+from engines.vllm.weights import VLLMWeightClient  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.plan import build_plan  # noqa: E402
 from weight_sync.publisher import Publisher  # noqa: E402
@@ -135,8 +136,8 @@ def unavailable(mode: tuple[str, str], steps: dict[str, float]) -> float:
 
 def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, vocab, prompt_len) -> dict:
     staged, pause = mode[0] == "staged", mode[1]
-    client = VLLMClient(f"bench-{mode[0]}-{pause}", server.url, model=server.model_name, timeout_s=120,
-                        request_timeout_s=300, update_pause_mode=pause)
+    client = VLLMWeightClient(f"bench-{mode[0]}-{pause}", server.url, model=server.model_name, timeout_s=120,
+                              request_timeout_s=300, update_pause_mode=pause)
     pub = Publisher(WeightSyncConfig(staging=staged, **ws_kw), plan, rank=0, engines=[client], device=device)
     rows, windows = [], []
     try:

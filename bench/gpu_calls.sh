@@ -112,7 +112,7 @@ base() {
     # fails at start with "Invalid weight transfer backend: fleetrl" (seen 2026-12-06).
     local di=/tmp/site-base/fleetrl_checkout-0.dist-info
     mkdir -p $di && printf 'Metadata-Version: 2.1\nName: fleetrl-checkout\nVersion: 0\n' > $di/METADATA
-    printf '[vllm.general_plugins]\nfleetrl_weight_sync = weight_sync.vllm_plugin:register\n' > $di/entry_points.txt
+    printf '[vllm.general_plugins]\nfleetrl_weight_sync = engines.vllm.plugin:register\n' > $di/entry_points.txt
     touch /tmp/site-base/.done
 }
 

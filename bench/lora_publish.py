@@ -9,7 +9,7 @@ the GPU (the shared-GPU layout a 7B model needs on one card). The model is rando
 shape, bf16 on disk; nothing is downloaded), so only what needs no learning is measured:
 
 * ``adapter``: per publish, the learner writes its peft folder and the server loads it under a new name
-  (AdapterPublisher -> VLLMClient.load_adapter): seconds end to end, the export alone, the server's calls;
+  (AdapterPublisher -> VLLMWeightClient.load_adapter): seconds end to end, the export alone, the server's calls;
   bytes of the adapter tensors;
 * ``full``: per publish, the merged HF export to disk and the server's reload from it
   (``load_weights_from_path``), the path a server without LoRA takes from disk; bytes of the model. (The
@@ -83,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import asyncio
 
+    from engines.vllm.lora import lora_server_settings
+    from engines.vllm.server import VLLMServer, VLLMServerArgs
+    from engines.vllm.weights import VLLMWeightClient
     from learner.batch import plan_step
     from learner.config import LearnerConfig
     from learner.fsdp import FSDPEngine
     from learner.run import init_distributed
-    from rollout_fleet.engines.vllm import VLLMClient, VLLMServer, VLLMServerArgs
-    from rollout_fleet.engines.vllm_lora import lora_server_settings
     from weight_sync.adapter_publisher import AdapterPublisher
 
     server_args, server_env = lora_server_settings(args.rank)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             "activation_checkpointing": not args.cpu, "logprob_probe_tolerance": None,
             "lora": {"rank": args.rank, "alpha": args.alpha}})
         engine = FSDPEngine(cfg, model, total_steps=100, seed=0)
-        client = VLLMClient("bench", server.url, model="base", adapter_prefix="policy")
+        client = VLLMWeightClient("bench", server.url, model="base", adapter_prefix="policy")
         pub = AdapterPublisher([client], run_dir / "adapters", timeout_s=600,
                                dtype=None if args.cpu else torch.bfloat16)
         batch = bench_learner().make_batch(seqs, prompt, response, vocab)

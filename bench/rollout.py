@@ -2,7 +2,7 @@
 offline throughput, same model, prompts and sampling, in the same run.
 
 * ``fleet``: a vLLM server started by fleetrl (``VLLMServer``) behind a ``FleetController``;
-  every GRPO group goes through ``FleetController.run_group`` -> ``VLLMClient.generate``
+  every GRPO group goes through ``FleetController.run_group`` -> ``VLLMGenerationClient.generate``
   (HTTP ``/v1/completions`` with token ids, ``n``, per-token log-probs), all groups in
   flight at once, as rollout workers would keep them.
 * ``engine``: vLLM's own ``LLM.generate`` on the same prompts and ``SamplingParams``
@@ -79,14 +79,14 @@ class _OneServer:
 
 
 async def run_fleet(args, url: str, model_name: str) -> dict:
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
     from rollout_fleet.config import RolloutConfig
     from rollout_fleet.controller import FleetController
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
 
     cfg = RolloutConfig(engine="vllm", max_num_seqs=args.max_num_seqs, request_timeout_s=1200.0,
                         health_interval_s=30.0)
-    client = VLLMClient("vllm-bench", url, model=model_name, weight_backend="nccl", request_timeout_s=1200.0)
+    client = VLLMGenerationClient("vllm-bench", url, model=model_name, request_timeout_s=1200.0)
     fleet = FleetController(cfg, _OneServer(client))
     await fleet.start(1)
     prompts = make_prompts(args.prompts, args.prompt_len)
@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(save_checkpoint(random_qwen2_state(0), work / "qwen2-0.5b-random"))
 
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-    from rollout_fleet.engines.vllm_server import check_vllm_version
+    from engines.vllm.server import VLLMServer, VLLMServerArgs, check_vllm_version
 
     vllm_version = check_vllm_version()
     child_out = work / "engine_offline.json"

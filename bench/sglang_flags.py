@@ -43,8 +43,8 @@ def _port() -> int:
 
 
 async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path, timeout_s: float) -> dict:
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
+    from engines.base import SamplingParams
+    from engines.sglang.server import SGLangServer, SGLangServerArgs
 
     home = work / name
     home.mkdir(parents=True, exist_ok=True)

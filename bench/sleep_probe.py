@@ -3,7 +3,7 @@
 Colocated mode puts every engine to sleep while the learner trains and wakes it for the next step. With
 ``enforce_eager`` that is cheap (bench/results/e2e_gpu/), but eager decoding of a small model is slow; a
 first probe with CUDA graphs on never finished. This bench starts fleetrl's own vLLM server command
-(rollout_fleet/engines/vllm_server.py) once per mode, in a fresh process each, and times every phase of
+(engines/vllm/server.py) once per mode, in a fresh process each, and times every phase of
 ``cycles`` colocated steps: generate a burst, sleep (level L), wake the weights, wake the KV cache. Each
 phase has its own timeout; at a timeout the stacks of every process of the server are dumped (py-spy, if
 it is on PATH) with nvidia-smi, so a hang says where it is, and the next mode still runs.
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs  # noqa: E402
+from engines.vllm.server import VLLMServer, VLLMServerArgs  # noqa: E402
 
 MODES = {
     "eager": {"enforce_eager": True, "extra": []},

@@ -27,7 +27,7 @@ def _serve(argv: list[str]) -> int:
     for name, f in fields.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=f.description)
     args = ap.parse_args(argv)
-    data = {}
+    data: dict = {}
     if args.config:
         import yaml
 

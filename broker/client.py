@@ -44,6 +44,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -122,8 +123,9 @@ class _Client:
         self._pending: dict[int, asyncio.Future] = {}
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd: int | None = None
+        # _loop and _fd are set with the socket (_socket), and read only once it exists
+        self._loop: asyncio.AbstractEventLoop
+        self._fd: int
         self._drain_scheduled = False
         self._outbox: list[tuple[int, list]] = []  # (req, frames) to send at the end of this loop turn
         self._flush_handle: asyncio.Handle | None = None
@@ -138,7 +140,7 @@ class _Client:
             sock.connect(self.address)
             self._sock = sock
             self._loop = asyncio.get_running_loop()
-            self._fd = sock.getsockopt(zmq.FD)
+            self._fd = cast(int, sock.getsockopt(zmq.FD))
             self._loop.add_reader(self._fd, self._drain)
         return self._sock
 
@@ -170,7 +172,8 @@ class _Client:
 
     def _after_send(self) -> None:
         # A send may consume the FD's edge for a reply that arrived meanwhile.
-        if not self._drain_scheduled and self._sock.get(_EVENTS) & _POLLIN:
+        sock = self._sock
+        if not self._drain_scheduled and sock is not None and cast(int, sock.get(_EVENTS)) & _POLLIN:
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)
 
@@ -265,7 +268,8 @@ class _Client:
             except (ValueError, OSError, RuntimeError):
                 pass  # the loop is closing or the FD is gone already
             self._sock.close(0)
-            self._ctx.term()
+            if self._ctx is not None:
+                self._ctx.term()
             self._sock = self._ctx = None
         for fut in self._pending.values():
             if not fut.done():
@@ -458,11 +462,14 @@ class _SyncClient:
     """Runs an asyncio client on a private loop thread, so synchronous code can call it."""
 
     def __init__(self, client, timeout_s: float) -> None:
-        self._lt = _LoopThread()
+        self._lt: _LoopThread | None = _LoopThread()
         self.client = client
         self._slack = timeout_s + 5.0  # the client's own timeout fires first and names the broker
 
     def _call(self, coro, extra_s: float = 0.0):
+        if self._lt is None:
+            coro.close()
+            raise RuntimeError(f"broker {self.client.address}: this client is closed")
         return self._lt.run(coro, self._slack + extra_s)
 
     def close(self) -> None:

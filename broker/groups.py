@@ -46,7 +46,7 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
     view = view if view is not None else batch_view(batch)
     si, gs, step, ver = view.sample_index, view.group_size, view.step, view.oldest_version
     total = payload_bytes if payload_bytes is not None else batch.nbytes
-    if view.whole:  # checked already, for all the pushes of a message at once (inspect_batches)
+    if view.whole and view.single_group is not None:  # checked already, for all the pushes of a message at once (inspect_batches)
         # a copy: ``ver`` is a view of that joint check's concatenation, which would live on with it
         return [Group(view.single_group, view.label, 0, batch, max(1, total), ver.copy(), view.vmin, view.vmax)]
     if view.single_group is not None and n == int(gs[0]) and (gs == n).all() and (step == step[0]).all():

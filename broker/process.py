@@ -89,6 +89,7 @@ class BrokerProcess:
                                      if self.die_with_parent or self.own_process_group else None)
         deadline = time.monotonic() + self.startup_timeout_s
         buf = b""  # raw reads: a buffered readline could hide a second line from select()
+        assert self.proc.stdout is not None  # stdout=PIPE
         fd = self.proc.stdout.fileno()
         while self.address is None or ("metrics_port" in self.options and self.metrics_port is None):
             left = deadline - time.monotonic()

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import typing
 from typing import Annotated, Union
 
 import msgspec
@@ -184,16 +185,25 @@ MAX_MULTI = 4096  # requests in one Multi
 
 Request = Union[AcquireTickets, Push, EngineVersion, NextBatch, Ack, Renew, ReportVersion, StatusRequest, Ping,
                 Multi]
-REQUEST_TYPES = {c.__struct_config__.tag: c for c in Request.__args__}
+REQUEST_TYPES = {c.__struct_config__.tag: c for c in typing.get_args(Request)}
 
 
 # -- replies -----------------------------------------------------------------------------------
 
+def min_version(step: int, max_staleness: int) -> int:
+    """The oldest weights version a group for learner step ``step`` may be sampled with: trained at step
+    ``s`` by the learner at version ``s - 1``, its staleness ``(s - 1) - version`` stays within ``k``. The one
+    place this rule is written; the broker stamps it on every ticket, and the workers read it there."""
+    return max(0, step - max_staleness - 1)
+
+
 class Ticket(msgspec.Struct, frozen=True):
-    """Permission to start one prompt group for learner step ``step``."""
+    """Permission to start one prompt group for learner step ``step``, sampled by weights of version
+    ``min_version`` or newer (:func:`min_version`; 0 from a broker that predates the field)."""
 
     ticket_id: int
     step: int
+    min_version: int = 0
 
 
 class TicketsReply(_Msg, tag="tickets"):
@@ -494,7 +504,9 @@ def _check_uncompressed(msg: pa.ipc.Message) -> None:
 
 
 _schemas: dict[bytes, pa.Schema] = {}  # schema message -> schema: producers send one again and again
-_TRAJ_HEAD_BYTES = schema_message(TRAJECTORY_SCHEMA)
+_head = schema_message(TRAJECTORY_SCHEMA)
+assert _head is not None  # the trajectory schema has no dictionary columns
+_TRAJ_HEAD_BYTES: bytes = _head
 _TRAJ_HEAD = pa.py_buffer(_TRAJ_HEAD_BYTES)
 _EOS_BUF = pa.py_buffer(EOS)
 

@@ -294,9 +294,9 @@ def _whole_view(batch: pa.RecordBatch) -> BatchView | None:
     g = group_check.whole_group(batch, _LAYOUT)
     if g is None:
         return None
-    v = BatchView(*g[:6], whole=True)
-    v.label, v.vmin, v.vmax = g[6:]
-    return v
+    group_ids, single_group, sample_index, group_size, step, oldest_version, label, vmin, vmax = g
+    return BatchView(group_ids, single_group, sample_index, group_size, step, oldest_version, whole=True,
+                     label=label, vmin=vmin, vmax=vmax)
 
 
 JOINT_MAX_BYTES = 64 << 20  # batches checked together at most (bytes)
@@ -471,7 +471,8 @@ def _fast_view_cols(cols: list, n: int, tokens_checked: bool = False) -> BatchVi
         if c is not None and (c.null_count or (i in _LIST_IDX and c.values.null_count)):
             return None
     if n == 0:
-        return BatchView([], None, *(np.zeros(0, t) for t in (np.int32, np.int32, np.int64, np.int64)))
+        return BatchView([], None, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64),
+                         np.zeros(0, np.int64))
     if _distinct(cols[_COL["traj_id"]], n) != n:
         return None
     s_off, starts = _list_np(cols[_COL["segment_starts"]], n, np.int32)
@@ -534,8 +535,10 @@ def _find_error(batch: pa.RecordBatch) -> None:
     tids = batch.column("traj_id").to_pylist()
     if len(set(tids)) != n:
         seen: set[str] = set()
-        dup = next(t for t in tids if t in seen or seen.add(t))
-        raise SchemaError(f"row {tids.index(dup, tids.index(dup) + 1)}: 'traj_id' {dup!r} appears twice in the batch")
+        for row, t in enumerate(tids):
+            if t in seen:
+                raise SchemaError(f"row {row}: 'traj_id' {t!r} appears twice in the batch")
+            seen.add(t)
 
     _, resp_len, _ = lists["response_ids"]
     lp_off, lp_len, lp = lists["behaviour_logprobs"]

@@ -116,6 +116,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import zmq
@@ -355,7 +356,9 @@ class BrokerServer:
     def _prepare_pushes(subs: list) -> dict:
         """Parse the pushes of one message and validate their batches together (see
         broker.schema.inspect_batches): index -> (batches, view or None) or the parse error."""
-        prepared, chunks, chunk_bytes = {}, [[]], 0
+        prepared: dict[int, Any] = {}
+        chunks: list[list[int]] = [[]]
+        chunk_bytes = 0
         for j, (sub, part) in enumerate(subs):
             if type(sub) is not P.Push or len(part) != 2:
                 continue

@@ -48,7 +48,9 @@ from broker.schema import TRAJECTORY_SCHEMA
 log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<II")
-_SCHEMA_MSG = schema_message(TRAJECTORY_SCHEMA)
+_SCHEMA = schema_message(TRAJECTORY_SCHEMA)
+assert _SCHEMA is not None  # the trajectory schema has no dictionary columns
+_SCHEMA_MSG: bytes = _SCHEMA
 
 
 class LogRecord(msgspec.Struct, omit_defaults=True):
@@ -175,7 +177,7 @@ class Spool:
         (self.root / "segments").mkdir(parents=True, exist_ok=True)
         self._log_path = self.root / "log.bin"
         self._log_fd: int | None = None
-        self._sink = None
+        self._sink: pa.OSFile | None = None
         self._data_fd: int | None = None
         self._dirty = False
         self._log_buf: list[bytes] = []  # records not written yet (see commit)
@@ -215,10 +217,10 @@ class Spool:
         existing = sorted((self.root / "segments").glob("seg-*.arrows"))
         n = int(existing[-1].stem.split("-")[1]) + 1 if existing else 1
         path = self.root / "segments" / f"seg-{n:08d}.arrows"
-        self._sink = pa.OSFile(str(path), "wb")
+        self._sink = sink = pa.OSFile(str(path), "wb")
         # An IPC stream written message by message (the schema now, then each batch's
         # encapsulated message, the end marker at close): what pa.ipc.new_stream writes.
-        self._sink.write(_SCHEMA_MSG)
+        sink.write(_SCHEMA_MSG)
         self._data_fd = os.open(path, os.O_RDONLY)
         self._seg_bytes = len(_SCHEMA_MSG)
         if self.fsync != "never":
@@ -228,7 +230,8 @@ class Spool:
         if self._sink is not None:
             self._sink.write(EOS)
             self._sink.close()
-            os.close(self._data_fd)
+            if self._data_fd is not None:
+                os.close(self._data_fd)
             self._sink = self._data_fd = None
 
     def _after_write(self, fd: int) -> None:
@@ -243,6 +246,8 @@ class Spool:
         appended as it came, instead of serialising the batch again (a copy of all of it)."""
         if self._sink is None or self._seg_bytes > self.segment_max_bytes:
             self._open_segment()
+        sink, data_fd = self._sink, self._data_fd
+        assert sink is not None and data_fd is not None  # _open_segment sets both
         msg = None
         if payload is not None:
             msg = batch_message(payload.buffer if hasattr(payload, "buffer") else payload)
@@ -250,11 +255,11 @@ class Spool:
             if not batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True):
                 batch = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
             msg = batch.serialize()  # the encapsulated message a stream writer writes
-        self._sink.write(msg)
+        sink.write(msg)
         written = msg.nbytes if isinstance(msg, memoryview) else msg.size
         self._seg_bytes += written
         self.bytes_written += written
-        self._after_write(self._data_fd)
+        self._after_write(data_fd)
 
     def _append(self, rec: LogRecord) -> None:
         body = _rec_enc.encode(rec)

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from broker import limits as L
 from broker.groups import Group, split_groups
-from broker.protocol import BrokerError, ErrorCode, Ticket
+from broker.protocol import BrokerError, ErrorCode, Ticket, min_version
 from broker.schema import TRAJECTORY_SCHEMA, ArrowDataError, BatchView, SchemaError, inspect_batch
 
 log = logging.getLogger(__name__)
@@ -171,14 +171,14 @@ class BrokerState:
     def acquire(self, producer_id: str, max_groups: int, now: float) -> list[Ticket]:
         if max_groups < 1:
             raise BrokerError(ErrorCode.BAD_REQUEST, f"max_groups must be >= 1, got {max_groups}")
-        out = []
+        out: list[Ticket] = []
         while len(out) < max_groups and (supply := self._supply()) < self._demand():
             step = self.version + 1 + supply // self.G
             tid = self._next_ticket
             self._next_ticket += 1
             self._tickets[tid] = _TicketRec(producer_id, step, now + self.ticket_timeout_s)
             self._tickets_of.setdefault((producer_id, step), []).append(tid)
-            out.append(Ticket(tid, step))
+            out.append(Ticket(tid, step, min_version(step, self.k)))
         if out:
             self._min_deadline = min(self._min_deadline, now + self.ticket_timeout_s)
         self.counters.tickets_granted += len(out)
@@ -344,7 +344,7 @@ class BrokerState:
             if g is None or g.lease_id is not None or g.seq != seq or gid in taken:
                 continue  # acked, dropped, leased since it was queued, or a second entry of one group
             taken.add(gid)
-            if (step - 1) - g.vmin > self.k:
+            if g.vmin < min_version(step, self.k):  # its oldest row is more than k versions behind
                 stale.append(g)
                 continue
             picked.append(g)
@@ -511,8 +511,8 @@ class BrokerState:
                 if rec.kind == "lease":
                     leases[rec.lease_id] = (rec.step, rec.consumer_id, rec.group_ids)
                 elif rec.kind == "expire":
-                    if (lease := leases.pop(rec.lease_id, None)) is not None:
-                        expired[rec.lease_id] = lease
+                    if (ended := leases.pop(rec.lease_id, None)) is not None:
+                        expired[rec.lease_id] = ended
                 elif rec.kind == "ack":
                     leases.pop(rec.lease_id, None)
                     expired.pop(rec.lease_id, None)
@@ -541,8 +541,8 @@ class BrokerState:
                     elif g.group_id not in self.pending:
                         self._add(g)
             for lid, (step, consumer_id, gids) in leases.items():
-                gs = [self.pending.get(gid) for gid in gids]
-                if all(g is not None and g.lease_id is None for g in gs):
+                gs = [pg for gid in gids if (pg := self.pending.get(gid)) is not None and pg.lease_id is None]
+                if len(gs) == len(gids):  # every group of the lease is pending and unleased
                     staleness = np.concatenate([(step - 1) - g.versions for g in gs]).astype(np.int32)
                     lease = Lease(lid, step, consumer_id, gids, [g.batch for g in gs], staleness,
                                   now + self.lease_timeout_s, [None] * len(gs))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker import limits as L
 from broker import protocol as P
@@ -21,7 +22,7 @@ from broker.state import BrokerError
 @dataclass
 class Waiter:
     ident: bytes
-    msg: object
+    msg: Any  # a P.AcquireTickets in the ticket queue, a P.NextBatch in the lease queue
     t0: float
     deadline: float
     acks_duplicate: list = field(default_factory=list)  # results of a NextBatch's piggybacked acks

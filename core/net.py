@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import socket
+from typing import Any
 
 import httpx
 
@@ -74,7 +75,7 @@ class HttpEngineClient:
     def http(self) -> httpx.AsyncClient:
         # Created on first use, so the client binds to the event loop that uses it.
         if self._http is None:
-            kw = {"limits": self._http_limits} if self._http_limits is not None else {}
+            kw: dict[str, Any] = {"limits": self._http_limits} if self._http_limits is not None else {}
             # the run's engine token on every call (core.engine_auth; none outside a run)
             self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=auth_headers(), **kw)
         return self._http

@@ -6,7 +6,7 @@ cannot drift from what the loader accepts. ``docs/configuration.md`` is this lis
 (tests/unit/test_config_keys.py)::
 
     python launch/cluster.py config --keys learner.loss
-    learner.loss.correction  Literal['none', 'tis', 'decoupled']  (required)  off-policy correction; ...
+    learner.loss.correction  Literal['none', 'tis', 'decoupled', 'bypass']  (required)  off-policy correction; ...
 """
 
 from __future__ import annotations

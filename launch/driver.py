@@ -303,7 +303,7 @@ class Job:
     def _start_fleet(self, ray) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from rollout_fleet.engines.base import model_sampling_defaults
+        from engines.base import model_sampling_defaults
 
         ignored = model_sampling_defaults(self.cfg.model.path)
         if ignored:

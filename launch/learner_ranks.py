@@ -1,6 +1,5 @@
 """The learner's rank actors: thin ``@ray.remote`` wrappers of :class:`learner.rank.LearnerRank`, and
-the composition the learner does not know about (which engine client the publisher uses per engine
-and backend; the fleet actor's handle as a :class:`learner.rank.FleetView`).
+the composition the learner does not know about (the fleet actor's handle as a :class:`learner.rank.FleetView`).
 
 The rank logic (training loop, publisher, membership, the stop all-reduce) is ``learner/rank.py``;
 the actor builds it inside its own process, so the driver never imports torch. How the driver
@@ -23,43 +22,12 @@ from core.network import write_curve_keys
 from launch.config import RunConfig
 from launch.monitor import setup_logging
 from launch.netsetup import curve_key_data, exports_reachable, node_host, spans_hosts
-from rollout_fleet.engines.vllm import VLLMClient
-from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
-from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
-from rollout_fleet.sglang_fleet import SGLangPublishClient
-from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
-from weight_sync.endpoint import WeightEndpoint
 
 log = logging.getLogger(__name__)
 
 
 class RankFailed(RuntimeError):
     """A learner rank raised or its process died; the message names the rank."""
-
-
-def publish_client(cfg: RunConfig, backend: str, eid: str, url: str) -> WeightEndpoint:
-    """The publisher's client of one server: its class follows rollout.engine and the weight backend.
-
-    vllm: fleetrl's weight-transfer backend (gloo on CPU, NCCL on GPU; backend 'ipc': CUDA IPC from the
-    colocated learner's GPU, VLLMIpcClient), or with nccl_impl 'vllm'
-    vLLM's built-in NCCL backend (VLLMNcclClient: the packed settings where the installed vLLM wants
-    them); sglang: SGLang's distributed update (NCCL), or with weight_sync.staging fleetrl's loader in
-    SGLang's workers (weight_sync/sglang_ext.py).
-    """
-    engine, ws = cfg.rollout.engine, cfg.weight_sync
-    if engine == "sglang":
-        return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
-    if engine != "vllm":
-        raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
-    kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,
-              update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep")
-    if backend == "ipc":  # colocated on one GPU: the learner's CUDA IPC slots (weight_sync/ipc_publisher.py)
-        return VLLMIpcClient(eid, url, **kw)
-    if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":
-        return VLLMNcclClient(eid, url, **kw)
-    if adapter_publish(cfg):  # LoRA: the publisher loads adapters through this client (learner/rank.py)
-        kw["adapter_prefix"] = ADAPTER_PREFIX
-    return VLLMClient(eid, url, weight_backend="fleetrl", **kw)
 
 
 class _RayFleet:
@@ -104,7 +72,6 @@ class LearnerActor:
         self.run_dir = Path(run_dir)
         wait = cfg.colocate.timeout_s * 2 + 600.0  # sleep/wake, plus a due evaluation at the wake
         self.rank = LearnerRank(cfg, broker_address, run_dir, None if fleet is None else _RayFleet(fleet, wait),
-                                endpoint=lambda backend, eid, url: publish_client(cfg, backend, eid, url),
                                 exports_shared=exports_reachable(cfg))
 
     def set_rank(self, rank: int) -> None:

@@ -20,6 +20,7 @@ import ray
 
 from core.configbase import build
 from core.network import is_loopback, write_curve_keys
+from engines.vllm.factory import LocalLauncher
 from launch.config import RunConfig
 from launch.fleet_recovery import MAX_RESTARTS as FLEET_MAX_RESTARTS
 from launch.monitor import setup_logging
@@ -27,7 +28,6 @@ from launch.netsetup import node_host
 from launch.server_actor import RayServerLauncher
 from learner.simulated import SimLearner
 from rollout_fleet.service import FleetService
-from rollout_fleet.vllm_fleet import LocalLauncher
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ import ray
 
 from core.net import free_port
 from core.network import LOOPBACK
+from engines.vllm.server import VLLMServer, VLLMServerArgs
 from launch.placement import Slot, bundles
-from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0
@@ -75,7 +75,7 @@ class RewardServerActor:
         self.engine = spec["engine"]
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         if self.engine == "sglang":
-            from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
+            from engines.sglang.server import SGLangServer, SGLangServerArgs
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             dtype = "bfloat16" if spec["dtype"] == "auto" else spec["dtype"]

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from core.network import LOOPBACK
-from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs
+from engines.vllm.server import VLLMServer, VLLMServerArgs
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import msgspec
 
+from engines.base import model_sampling_defaults
 from launch.snapshot import BrokerView
 from learner.status import LearnerStatus
-from rollout_fleet.engines.base import model_sampling_defaults
 from rollout_fleet.status import FleetStatus
 
 

@@ -17,7 +17,8 @@ refused with the nearest known one. All problems are reported at once, before an
 
 Then the schedule: verl's entry module fixes the staleness (main_ppo and DAPO are synchronous: 0;
 one-step-off: 1; fully-async: ``ceil(async_training.staleness_threshold)``), which with
-``algorithm.rollout_correction.*`` gives ``learner.loss.correction``; the fully-async keys give the
+``algorithm.rollout_correction.*`` gives ``learner.loss.correction`` and ``learner.rollout_correction``
+(launch/verl_correction_rules.py); the fully-async keys give the
 broker's step; warm-up from ``lr_warmup_steps(_ratio)``; the engine length from prompt + response.
 What still differs from verl is printed as a note (:func:`describe`).
 """

@@ -1,6 +1,8 @@
 """What each verl key becomes in fleetrl: a rule per key (RULES) or per key family (PREFIX_RULES).
 
-A rule takes the key's value and the context (every key's effective value: the command's, else
+The algorithm.* and actor/reference rules are in launch/verl_policy_rules.py and the building blocks in
+launch/verl_rule_kit.py; this module holds the rollout, data, reward, trainer, fully-async, LoRA and
+critic rules and joins the tables. A rule takes the key's value and the context (every key's effective value: the command's, else
 verl's default) and returns the fleetrl overrides it maps to, or a string that says why the key
 needs none (``(no setting: ...)``), or raises :class:`Refused`. A refusal for something fleetrl
 does not have names exactly one capability of :data:`CAPABILITIES`, so a user (and the corpus test
@@ -17,418 +19,45 @@ from typing import Any
 
 import yaml
 
-from launch.verl_defaults import FULLY_ASYNC, ONE_STEP_OFF, SWITCHED
-
-ARR = "actor_rollout_ref."
-
-# What a refusal may name as missing (docs/verl.md counts verl's scripts by it).
-VLM = "vlm"
-MOE = "moe_expert_parallel"
-ULYSSES = "ulysses_sequence_parallel"
-CP = "context_parallel"
-CRITIC = "critic"
-LORA = "lora"
-OTHER_ENGINE = "other_engine"
-ROLLOUT_CORRECTION = "rollout_correction"  # verl's sequence-level IS / rejection-sampling modes
-CAPABILITIES = (VLM, MOE, ULYSSES, CP, CRITIC, LORA, OTHER_ENGINE, ROLLOUT_CORRECTION)
-
-
-class Refused(Exception):
-    """One key's value has no fleetrl equivalent; ``capability`` names what is missing (None: a bad value)."""
-
-    def __init__(self, why: str, capability: str | None = None) -> None:
-        if capability is not None and capability not in CAPABILITIES:
-            raise ValueError(f"unknown capability {capability!r}; expected one of {CAPABILITIES}")
-        super().__init__(f"[needs {capability}] {why}" if capability else why)
-        self.capability = capability
-
-
-class Ctx(dict):
-    """Effective verl values (the command's over verl's defaults), the keys given, the entry module, and
-    arguments collected for the engines' command lines."""
-
-    def __init__(self, eff: dict[str, Any], given: set[str], entry: str) -> None:
-        super().__init__(eff)
-        self.given, self.entry = given, entry
-        self.engine_args: dict[str, dict[str, Any]] = {"vllm": {}, "sglang": {}}
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if key in self:
-            return self[key]
-        return SWITCHED.get(key, default)
-
-    def stale(self) -> int:
-        """The staleness bound in versions that the entry point (and its async keys) gives."""
-        if self.entry == FULLY_ASYNC:
-            return math.ceil(float(self.get("async_training.staleness_threshold", 0.1)))
-        return 1 if self.entry == ONE_STEP_OFF else 0
-
-
-Rule = Callable[[Any, Ctx], list[str] | str]
-
-
-def dump(v: Any) -> str:
-    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-def num(c: Ctx, key: str, kind: type = int, minimum: float | None = None) -> Any:
-    """``key``'s effective value as a number; a Refused that names the key otherwise."""
-    v = c.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise Refused(f"{key}={dump(v)}: expected {'an integer' if kind is int else 'a number'}")
-    if minimum is not None and v < minimum:
-        raise Refused(f"{key}={dump(v)}: expected at least {minimum}")
-    return kind(v)
-
-
-def _set(*keys: str) -> Rule:
-    return lambda v, _: [f"{k}={dump(v)}" for k in keys]
-
-
-def _no_effect(why: str) -> Rule:
-    return lambda v, _: f"(no setting: {why})"
-
-
-def _only(expected: Any, why: str, refuse: str, capability: str | None = None) -> Rule:
-    """Accept ``expected`` (fleetrl always behaves so: ``why``); refuse any other value."""
-    def rule(v: Any, _: Ctx) -> str:
-        if v == expected or (isinstance(expected, tuple) and v in expected):
-            return f"(no setting: {why})"
-        raise Refused(refuse, capability)
-    return rule
-
-
-def _above_one(capability: str, what: str) -> Rule:
-    """A parallel size: 1 (or unset) is what fleetrl does; more needs ``capability``."""
-    def rule(v: Any, _: Ctx) -> str:
-        if v in (None, "", 0, 1):
-            return "(no setting: size 1)"
-        raise Refused(f"{what} = {v}", capability)
-    return rule
-
-
-def _sp_size(v: Any, _: Ctx) -> list[str] | str:
-    """Ulysses SP onto the FSDP learner's ``learner.sequence_parallel_size`` (learner/ulysses.py)."""
-    if v in (None, "", 0, 1):
-        return "(no setting: size 1)"
-    return [f"learner.sequence_parallel_size={dump(v)}"]
-
-
-def _ref_sp_size(v: Any, c: Ctx) -> str:
-    actor = c.get(ARR + "actor.ulysses_sequence_parallel_size") or c.get(
-        ARR + "actor.fsdp_config.ulysses_sequence_parallel_size") or 1
-    if v not in (None, "", 0, 1) and v != actor:
-        raise Refused(f"ref ulysses_sequence_parallel_size={v} differs from the actor's {actor}: fleetrl runs the "
-                      "reference model in the actor's sequence-parallel group")
-    return "(no setting: the reference model runs in the actor's sequence-parallel group)"
-
-
-def _when_true(capability: str, what: str, why_off: str = "off") -> Rule:
-    def rule(v: Any, _: Ctx) -> str:
-        if not v:
-            return f"(no setting: {why_off})"
-        raise Refused(what, capability)
-    return rule
-
-
-def _refuse(capability: str, what: str) -> Rule:
-    def rule(v: Any, _: Ctx) -> str:
-        raise Refused(what, capability)
-    return rule
-
-
-# -- algorithm ---------------------------------------------------------------------------------
-ESTIMATORS = {"rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "gpg": "gpg"}
-
-
-def critic_available() -> bool:
-    """The critic lands with its own branch: until learner.critic exists, GAE is refused by capability."""
-    from learner.config import LearnerConfig
-
-    return "critic" in LearnerConfig.model_fields
-
-
-def _adv(v: Any, c: Ctx) -> list[str] | str:
-    if v == "grpo":
-        return [f"learner.loss.advantage={'mean_std' if c.get('algorithm.norm_adv_by_std_in_grpo', True) else 'mean'}"]
-    if v in ESTIMATORS:
-        return [f"learner.loss.advantage={ESTIMATORS[v]}"]
-    if v == "gae":
-        if not critic_available():
-            raise Refused("adv_estimator 'gae' needs a value model (critic) and GAE", CRITIC)
-        # the critic section exists once it has a model: verl's critic.model.path, else the actor's (null)
-        out = ["learner.loss.advantage=gae", f"learner.critic.model_path={dump(c.get('critic.model.path'))}"]
-        for key, dest in (("algorithm.gamma", "learner.loss.gamma"), ("algorithm.lam", "learner.loss.lam")):
-            out.append(f"{dest}={dump(c.get(key))}")
-        return out
-    raise Refused(f"adv_estimator {v!r}: fleetrl has grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
-                  "gpg and gae (with the critic); remax needs a greedy baseline rollout per prompt, which the fleet "
-                  "does not generate")
-
-
-def _norm_std(v: Any, c: Ctx) -> str:
-    return "(set with algorithm.adv_estimator=grpo)" if c.get("algorithm.adv_estimator") == "grpo" \
-        else "(no setting: read only by adv_estimator=grpo)"
-
-
-def _gamma_lam(v: Any, c: Ctx) -> str:
-    est = c.get("algorithm.adv_estimator")
-    if est == "gae":
-        return "(set with algorithm.adv_estimator=gae)"
-    if est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") and v != 1.0:
-        raise Refused(f"a discount gamma={v} for {est}: fleetrl's REINFORCE++ returns are undiscounted (gamma 1)")
-    return f"(no setting: {est} does not discount)"
-
-
-KL_PENALTY = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3", "abs": "abs"}
-
-
-def _kl_in_reward(v: Any, c: Ctx) -> list[str] | str:
-    if not v:
-        return "(no setting: no KL in the reward, fleetrl's default)"
-    pen = c.get("algorithm.kl_penalty")
-    if pen not in KL_PENALTY:
-        raise Refused(f"algorithm.kl_penalty {pen!r}: fleetrl has kl (k1), mse (k2), low_var_kl (k3) and abs")
-    kind = c.get("algorithm.kl_ctrl.type")
-    if kind not in ("fixed", "adaptive"):
-        raise Refused(f"algorithm.kl_ctrl.type {kind!r}: fleetrl has 'fixed' and 'adaptive'")
-    return ["learner.kl_reward.enable=true", f"learner.kl_reward.estimator={KL_PENALTY[pen]}",
-            f"learner.kl_reward.type={kind}", f"learner.kl_reward.coef={dump(c.get('algorithm.kl_ctrl.kl_coef'))}",
-            f"learner.kl_reward.target_kl={dump(c.get('algorithm.kl_ctrl.target_kl'))}",
-            f"learner.kl_reward.horizon={dump(c.get('algorithm.kl_ctrl.horizon'))}"]
-
-
-def _kl_reward_part(v: Any, c: Ctx) -> str:
-    return "(set with algorithm.use_kl_in_reward)" if c.get("algorithm.use_kl_in_reward") \
-        else "(no setting: algorithm.use_kl_in_reward is false)"
-
-
-def _filter_groups(v: Any, c: Ctx) -> list[str] | str:
-    if not v:
-        return "(no setting: no dynamic sampling, fleetrl's default)"
-    metric = c.get("algorithm.filter_groups.metric") or "acc"
-    return ["rollout.filter_groups.enable=true", f"rollout.filter_groups.metric={dump(metric)}",
-            f"rollout.filter_groups.max_num_gen_batches={max(0, int(c.get('algorithm.filter_groups.max_num_gen_batches') or 0))}"]
-
-
-def _filter_part(v: Any, c: Ctx) -> str:
-    return "(set with algorithm.filter_groups.enable)" if c.get("algorithm.filter_groups.enable") \
-        else "(no setting: algorithm.filter_groups.enable is false)"
-
-
-RC = "algorithm.rollout_correction."
-
-
-def _threshold(c: Ctx) -> float:
-    t = c.get(RC + "rollout_is_threshold", 2.0)
-    try:
-        return float(t)
-    except (TypeError, ValueError):
-        raise Refused(f"rollout_is_threshold {t!r} (IcePop's lower_upper band zeroes weights outside it; fleetrl "
-                      "truncates above tis_cap only)", ROLLOUT_CORRECTION) from None
-
-
-def correction(c: Ctx) -> tuple[list[str], str]:
-    """learner.loss.correction (and tis_cap) for verl's rollout_correction under this entry's staleness."""
-    is_, bypass, stale = c.get(RC + "rollout_is"), bool(c.get(RC + "bypass_mode")), c.stale()
-    if is_ == "token":
-        cap = _threshold(c)
-        return ["learner.loss.correction=decoupled", f"learner.loss.tis_cap={dump(cap)}"], (
-            "token-level truncated IS: ratio against the learner's pre-step log-probs, weighted by "
-            f"min(prox/behaviour, {cap})" + (" (verl's bypass anchors the ratio at the sampler instead)" if bypass else ""))
-    if stale == 0:
-        return ["learner.loss.correction=none"], ("on-policy: ratio against the learner's pre-step log-probs, no "
-                                                  "behaviour weight" + (" (verl's bypass anchors it at the sampler's)"
-                                                                        if bypass else ""))
-    return ["learner.loss.correction=decoupled"], (
-        f"samples up to {stale} version(s) old: fleetrl requires a correction, so decoupled PPO (ratio against the "
-        "pre-step log-probs, behaviour weight truncated at learner.loss.tis_cap)"
-        + ("; verl's bypass anchors the ratio at the sampler with no weight" if bypass else ""))
-
-
-def _rc_is(v: Any, c: Ctx) -> str:
-    if v in (None, "token"):
-        return "(set with the correction: see the schedule lines)"
-    if v == "sequence":
-        raise Refused("rollout_is=sequence: a sequence-level IS weight (product of token ratios)", ROLLOUT_CORRECTION)
-    raise Refused(f"rollout_is {v!r}: verl has null, token and sequence")
-
-
-def _rc_rs(v: Any, c: Ctx) -> str:
-    if v in (None, ""):
-        return "(no setting: no rejection sampling)"
-    raise Refused(f"rollout_rs={v}: rejection sampling of tokens/sequences by their IS ratio", ROLLOUT_CORRECTION)
-
-
-def _rc_part(v: Any, c: Ctx) -> str:
-    return "(no setting: read only with rollout_rs)" if not c.get(RC + "rollout_rs") else "(set with rollout_rs)"
-
-
-def _rc_threshold(v: Any, c: Ctx) -> str:
-    if c.get(RC + "rollout_is") == "token":
-        _threshold(c)
-        return "(set with rollout_is=token: learner.loss.tis_cap)"
-    return "(no setting: read only with rollout_is)"
-
-
-def _rc_loss_type(v: Any, c: Ctx) -> str:
-    if v == "ppo_clip" or not c.get(RC + "bypass_mode"):
-        return "(no setting: the clipped PPO loss)"
-    raise Refused(f"bypass loss_type {v!r}: REINFORCE with explicit IS weights and no clip", ROLLOUT_CORRECTION)
-
-
-# -- actor -------------------------------------------------------------------------------------
-def _kl_loss(v: Any, c: Ctx) -> list[str]:
-    return [f"learner.loss.kl_coef={dump(c.get(ARR + 'actor.kl_loss_coef')) if v else '0.0'}"]
-
-
-def _kl_coef(v: Any, c: Ctx) -> str:
-    return "(set with actor.use_kl_loss)" if c.get(ARR + "actor.use_kl_loss") else "(no setting: actor.use_kl_loss is false)"
-
-
-def _kl_type(v: Any, c: Ctx) -> list[str] | str:
-    if not c.get(ARR + "actor.use_kl_loss"):
-        return "(no setting: actor.use_kl_loss is false)"
-    if v in ("kl", "k1"):
-        raise Refused("kl_loss_type 'kl' (k1) has zero expected gradient as a loss term; use 'low_var_kl' (k3) "
-                      "or 'mse' (k2)")
-    est = {"low_var_kl": "k3", "k3": "k3", "mse": "k2", "k2": "k2"}.get(v)
-    if est is None:
-        raise Refused(f"kl_loss_type {v!r}: fleetrl has 'low_var_kl' (k3) and 'mse' (k2)")
-    return [f"learner.loss.kl_estimator={est}"]
-
-
-AGG = {"token-mean": "token", "seq-mean-token-mean": "sequence", "token-sum": "token_sum",
-       "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
-
-
-def _agg(v: Any, _: Ctx) -> list[str]:
-    if v not in AGG:
-        raise Refused(f"loss_agg_mode {v!r}: verl's modes are {', '.join(AGG)}")
-    return [f"learner.loss.aggregation={AGG[v]}"]
-
-
-def _scale_factor(v: Any, _: Ctx) -> list[str] | str:
-    return "(no setting: none, fleetrl's default)" if v is None else [f"learner.loss.loss_scale_factor={int(v)}"]
-
-
-def _policy_loss(v: Any, _: Ctx) -> list[str] | str:
-    if v == "vanilla":
-        return "(no setting: the clipped PPO loss, fleetrl's default)"
-    if v in ("gspo", "geo_mean"):
-        return [f"learner.loss.policy_loss={v}"]
-    raise Refused(f"policy_loss.loss_mode {v!r}: fleetrl has vanilla, gspo and geo_mean (clip_cov and kl_cov "
-                  "select tokens by their covariance, which is not built)")
-
-
-def _entropy(v: Any, _: Ctx) -> list[str] | str:
-    if not v:
-        return "(no setting: no entropy bonus, fleetrl's default)"
-    return [f"learner.loss.entropy_coeff={dump(v)}"]
-
-
-def _clip_side(dest: str) -> Rule:
-    def rule(v: Any, c: Ctx) -> list[str]:
-        # verl reads clip_ratio only where clip_ratio_low/high are null
-        return [f"{dest}={dump(c.get(ARR + 'actor.clip_ratio') if v is None else v)}"]
-    return rule
-
-
-def _clip_ratio(v: Any, c: Ctx) -> str:
-    return "(no setting: verl 0.9 clips with clip_ratio_low/clip_ratio_high, 0.2 each by default; clip_ratio " \
-           "is their fallback only where they are null)"
-
-
-def _micro_seqs(v: Any, c: Ctx) -> list[str] | str:
-    if v is None:
-        return "(no setting: null)"
-    if c.get(ARR + "actor.use_dynamic_bsz"):
-        return "(no setting: use_dynamic_bsz takes ppo_max_token_len_per_gpu)"
-    # fleetrl packs micro-batches by tokens: room for this many sequences of the longest length
-    return [f"learner.micro_batch_tokens={int(v) * longest(c)}"]
-
-
-def longest(c: Ctx) -> int:
-    return num(c, "data.max_prompt_length", int, 1) + _response_len(c)
-
-
-def _response_len(c: Ctx) -> int:
-    if c.get(ARR + "rollout.response_length"):
-        return num(c, ARR + "rollout.response_length", int, 1)
-    return num(c, "data.max_response_length", int, 1)
-
-
-def _token_budget(v: Any, c: Ctx) -> list[str] | str:
-    if not c.get(ARR + "actor.use_dynamic_bsz"):
-        return "(no setting: read only with use_dynamic_bsz=True)"
-    return [f"learner.micro_batch_tokens={int(v)}"]
-
-
-def _strategy(v: Any, _: Ctx) -> list[str]:
-    if v in ("fsdp", "fsdp2"):
-        return ["learner.engine=fsdp"]
-    if v == "megatron":
-        return ["learner.engine=megatron"]
-    raise Refused(f"trainer strategy {v!r} (fleetrl's learner engines are FSDP2 and Megatron)", OTHER_ENGINE)
-
-
-def _model_engine(v: Any, c: Ctx) -> list[str]:
-    return _strategy({"fsdp": "fsdp", "megatron": "megatron"}.get(v, v), c)
-
-
-def _ref_strategy(v: Any, c: Ctx) -> str:
-    if v in ("fsdp", "fsdp2", "megatron"):
-        return "(no setting: the reference runs in the learner's engine)"
-    raise Refused(f"reference strategy {v!r} (fleetrl's learner engines are FSDP2 and Megatron)", OTHER_ENGINE)
-
-
-def _megatron_size(dest: str) -> Rule:
-    def rule(v: Any, c: Ctx) -> list[str] | str:
-        if v is None:
-            return "(no setting: null)"
-        return [f"learner.megatron.{dest}={int(v)}"]
-    return rule
-
-
-def _vpp(v: Any, _: Ctx) -> list[str] | str:
-    from learner.config import MegatronConfig
-
-    if v in (None, 1):
-        return "(no setting: no virtual pipeline stages)"
-    if "virtual_pipeline_model_parallel_size" in MegatronConfig.model_fields:
-        return [f"learner.megatron.virtual_pipeline_model_parallel_size={int(v)}"]
-    raise Refused(f"virtual_pipeline_model_parallel_size={v}: learner.megatron has no virtual_pipeline_model_parallel_"
-                  "size (the interleaved pipeline schedule)", OTHER_ENGINE)
-
-
-def _dtype(v: Any, _: Ctx) -> str:
-    if v in ("bfloat16", "bf16", "float32", "fp32"):
-        return "(no setting: fleetrl trains in float32 master weights with bfloat16 compute where model.dtype says)"
-    raise Refused(f"dtype {v!r}: fleetrl trains and serves in bfloat16 or float32 (float16 needs loss scaling)",
-                  OTHER_ENGINE)
-
-
-def _recompute(v: Any, _: Ctx) -> list[str] | str:
-    if v in (None, "", "null"):
-        return "(no setting: no recomputation)"
-    return ["learner.activation_checkpointing=true"]
-
-
-def _override_transformer(key: str, v: Any, c: Ctx) -> list[str] | str:
-    leaf = key.rsplit(".", 1)[-1]
-    if leaf.startswith("moe_") or leaf == "router_replay":
-        raise Refused(f"{leaf}: a setting of Megatron-Core's MoE layers (fleetrl's Megatron engine builds dense "
-                      "decoders; FSDP trains the HF MoE model without expert parallelism)", MOE)
-    if leaf == "context_parallel_size":
-        return _above_one(CP, "Megatron context_parallel_size")(v, c)
-    if leaf.startswith("recompute_"):
-        return _recompute(v, c) if leaf == "recompute_granularity" else "(set with recompute_granularity)"
-    if leaf.startswith("fp8"):
-        raise Refused(f"{leaf}={v}: FP8 training", OTHER_ENGINE)
-    if leaf.startswith("dsa_"):
-        raise Refused(f"{leaf}: DeepSeek sparse attention (DSA) layers", OTHER_ENGINE)
-    return "(no setting: a Megatron-Core kernel or layout choice; the numbers it computes are the same)"
+from launch.verl_correction_rules import correction
+from launch.verl_defaults import FULLY_ASYNC, ONE_STEP_OFF
+from launch.verl_policy_rules import (
+    ACTOR_RULES,
+    ALGORITHM_RULES,
+    _agg,
+    _dtype,
+    _kl_reward_part,
+    _override_transformer,
+    _response_len,
+    critic_available,
+    longest,
+)
+from launch.verl_rule_kit import (
+    ARR,
+    CAPABILITIES,
+    CP,
+    CRITIC,
+    LORA,
+    MOE,
+    OTHER_ENGINE,
+    ROLLOUT_CORRECTION,
+    ULYSSES,
+    VLM,
+    Ctx,
+    Refused,
+    Rule,
+    _above_one,
+    _no_effect,
+    _only,
+    _refuse,
+    _set,
+    _when_true,
+    dump,
+    num,
+)
+
+__all__ = ["ARR", "CAPABILITIES", "CP", "CRITIC", "LORA", "MOE", "OTHER_ENGINE", "PREFIX_RULES", "ROLLOUT_CORRECTION",
+           "RULES", "ULYSSES", "VLM", "Ctx", "Refused", "correction", "dump", "longest", "num"]
 
 
 # -- rollout -----------------------------------------------------------------------------------
@@ -811,34 +440,8 @@ def _lora_rank(v: Any, c: Ctx) -> list[str] | str:
 def _lora_part(v: Any, c: Ctx) -> str:
     return "(set with lora_rank)" if _lora_on(c) else "(no setting: read only with lora_rank > 0)"
 
-
 RULES: dict[str, Rule] = {
-    # algorithm
-    "algorithm.adv_estimator": _adv,
-    "algorithm.norm_adv_by_std_in_grpo": _norm_std,
-    "algorithm.gamma": _gamma_lam,
-    "algorithm.lam": _gamma_lam,
-    "algorithm.use_kl_in_reward": _kl_in_reward,
-    "algorithm.kl_penalty": _kl_reward_part,
-    "algorithm.kl_ctrl.type": _kl_reward_part,
-    "algorithm.kl_ctrl.kl_coef": _kl_reward_part,
-    "algorithm.kl_ctrl.horizon": _kl_reward_part,
-    "algorithm.kl_ctrl.target_kl": _kl_reward_part,
-    "algorithm.filter_groups.enable": _filter_groups,
-    "algorithm.filter_groups.metric": _filter_part,
-    "algorithm.filter_groups.max_num_gen_batches": _filter_part,
-    "algorithm.filter_groups.max_inflight_gen_batches": _no_effect("the fleet keeps generating until a step is full"),
-    "algorithm.use_pf_ppo": _only(False, "off", "preference-feedback PPO reweighting is not in fleetrl"),
-    RC + "rollout_is": _rc_is,
-    RC + "rollout_is_threshold": _rc_threshold,
-    RC + "rollout_is_batch_normalize": _when_true(ROLLOUT_CORRECTION, "IS weights normalised to mean 1 per batch"),
-    RC + "rollout_rs": _rc_rs,
-    RC + "rollout_rs_threshold": _rc_part,
-    RC + "rollout_rs_threshold_lower": _rc_part,
-    RC + "rollout_token_veto_threshold": lambda v, c: _rc_part(v, c) if v is None else _refuse(
-        ROLLOUT_CORRECTION, f"token veto: a sequence with any token ratio below {v} is rejected")(v, c),
-    RC + "bypass_mode": lambda v, c: "(set with the correction: see the schedule lines)",
-    RC + "loss_type": _rc_loss_type,
+    **ALGORITHM_RULES,
     # fully async / one-step-off
     "async_training.staleness_threshold": _staleness,
     "async_training.trigger_parameter_sync_step": _async_part,
@@ -899,78 +502,7 @@ RULES: dict[str, Rule] = {
     ARR + "model.mtp.enable": _when_true(OTHER_ENGINE, "multi-token-prediction (MTP) heads"),
     ARR + "hybrid_engine": _placement,
     ARR + "nccl_timeout": _no_effect("weight_sync has its own timeouts"),
-    # actor
-    ARR + "actor.strategy": _strategy,
-    ARR + "actor.fsdp_config.strategy": _strategy,
-    "model_engine": _model_engine,
-    ARR + "actor.optim.lr": _set("learner.optim.lr"),
-    ARR + "actor.optim.lr_warmup_steps": lambda v, c: "(set with the schedule lines: learner.optim.warmup_steps)",
-    ARR + "actor.optim.lr_warmup_steps_ratio": lambda v, c: "(set with the schedule lines: learner.optim.warmup_steps)",
-    ARR + "actor.optim.weight_decay": _set("learner.optim.weight_decay"),
-    ARR + "actor.optim.betas": lambda v, _: [f"learner.optim.betas=[{float(v[0])}, {float(v[1])}]"],
-    ARR + "actor.optim.clip_grad": _set("learner.optim.grad_clip"),
-    ARR + "actor.grad_clip": _set("learner.optim.grad_clip"),
-    ARR + "actor.optim.warmup_style": lambda v, c: "(no setting: null)" if v is None else _schedule(v, c),
-    ARR + "actor.optim.lr_scheduler_type": lambda v, c: _schedule(v, c),
-    ARR + "actor.optim.lr_decay_style": lambda v, c: _schedule(v, c),
-    ARR + "actor.optim.lr_decay_steps": _no_effect("fleetrl decays over run.max_steps"),
-    ARR + "actor.optim.min_lr_ratio": lambda v, _: [f"learner.optim.min_lr_ratio={dump(v or 0.0)}"],
-    ARR + "actor.optim.min_lr": lambda v, c: [f"learner.optim.min_lr_ratio={dump(float(v) / float(c.get(ARR + 'actor.optim.lr')))}"],
-    ARR + "actor.optim.num_cycles": _only(0.5, "a half cosine", "fleetrl's cosine is one half cycle (num_cycles 0.5)"),
-    ARR + "actor.optim.optimizer": _only("AdamW", "AdamW", "fleetrl's optimizer is AdamW"),
-    ARR + "actor.optim.optimizer_impl": _no_effect("torch's AdamW"),
-    ARR + "actor.ppo_mini_batch_size": lambda v, _: [f"learner.ppo_mini_batch_size={int(v)}"],
-    ARR + "actor.ppo_epochs": lambda v, _: [f"learner.ppo_epochs={int(v)}"],
-    ARR + "actor.ppo_micro_batch_size": _micro_seqs,
-    ARR + "actor.ppo_micro_batch_size_per_gpu": _micro_seqs,
-    ARR + "actor.use_dynamic_bsz": _no_effect("fleetrl always packs micro-batches by tokens"),
-    ARR + "actor.ppo_max_token_len_per_gpu": _token_budget,
-    ARR + "actor.clip_ratio": _clip_ratio,
-    ARR + "actor.clip_ratio_low": _clip_side("learner.loss.clip_low"),
-    ARR + "actor.clip_ratio_high": _clip_side("learner.loss.clip_high"),
-    ARR + "actor.clip_ratio_c": _set("learner.loss.clip_ratio_c"),
-    ARR + "actor.use_kl_loss": _kl_loss,
-    ARR + "actor.kl_loss_coef": _kl_coef,
-    ARR + "actor.kl_loss_type": _kl_type,
-    ARR + "actor.entropy_coeff": _entropy,
-    ARR + "actor.loss_agg_mode": _agg,
-    ARR + "actor.loss_scale_factor": _scale_factor,
-    ARR + "actor.policy_loss.loss_mode": _policy_loss,
-    ARR + "actor.fsdp_config.param_offload": _set("learner.param_offload"),
-    ARR + "actor.fsdp_config.optimizer_offload": _set("learner.optimizer_offload"),
-    ARR + "actor.fsdp_config.offload_policy": lambda v, _: ["learner.param_offload=true"] if v else "(no setting: off)",
-    ARR + "actor.fsdp_config.model_dtype": _dtype,
-    ARR + "actor.ulysses_sequence_parallel_size": _sp_size,
-    ARR + "actor.fsdp_config.ulysses_sequence_parallel_size": _sp_size,
-    ARR + "actor.megatron.tensor_model_parallel_size": _megatron_size("tensor_model_parallel_size"),
-    ARR + "actor.megatron.pipeline_model_parallel_size": _megatron_size("pipeline_model_parallel_size"),
-    ARR + "actor.megatron.virtual_pipeline_model_parallel_size": _vpp,
-    ARR + "actor.megatron.context_parallel_size": _above_one(CP, "Megatron context_parallel_size"),
-    ARR + "actor.megatron.expert_model_parallel_size": _above_one(MOE, "Megatron expert_model_parallel_size"),
-    ARR + "actor.megatron.expert_tensor_parallel_size": _above_one(MOE, "Megatron expert_tensor_parallel_size"),
-    ARR + "actor.megatron.sequence_parallel": _set("learner.megatron.sequence_parallel"),
-    ARR + "actor.megatron.use_distributed_optimizer": _set("learner.megatron.use_distributed_optimizer"),
-    ARR + "actor.megatron.param_offload": _no_effect("fleetrl's Megatron engine does not offload (memory only)"),
-    ARR + "actor.megatron.optimizer_offload": _no_effect("fleetrl's Megatron engine does not offload (memory only)"),
-    ARR + "actor.megatron.grad_offload": _no_effect("fleetrl's Megatron engine does not offload (memory only)"),
-    ARR + "actor.megatron.dtype": _dtype,
-    ARR + "actor.megatron.use_megatron_fsdp": _when_true(OTHER_ENGINE, "Megatron-FSDP"),
-    ARR + "actor.megatron.router_replay.mode": _only("disabled", "off", "MoE router replay", MOE),
-    ARR + "actor.megatron.use_mbridge": _no_effect("fleetrl converts HF weights itself (learner/megatron/convert.py)"),
-    ARR + "actor.megatron.vanilla_mbridge": _no_effect("fleetrl converts HF weights itself"),
-    ARR + "actor.megatron.use_dist_checkpointing": _no_effect("fleetrl loads the HF folder and writes its own checkpoints"),
-    ARR + "actor.megatron.dist_checkpointing_path": _no_effect("fleetrl loads the HF folder"),
-    ARR + "actor.megatron.use_remove_padding": _no_effect("fleetrl always packs sequences without padding"),
-    # reference
-    ARR + "ref.fsdp_config.param_offload": _set("learner.reference_offload"),
-    ARR + "ref.strategy": _ref_strategy,
-    ARR + "ref.ulysses_sequence_parallel_size": _ref_sp_size,
-    ARR + "ref.fsdp_config.ulysses_sequence_parallel_size": _ref_sp_size,
-    ARR + "ref.megatron.context_parallel_size": _above_one(CP, "Megatron context_parallel_size"),
-    ARR + "ref.megatron.expert_model_parallel_size": _above_one(MOE, "Megatron expert_model_parallel_size"),
-    ARR + "ref.megatron.expert_tensor_parallel_size": _above_one(MOE, "Megatron expert_tensor_parallel_size"),
-    ARR + "ref.megatron.virtual_pipeline_model_parallel_size": _vpp,
-    ARR + "ref.megatron.use_megatron_fsdp": _when_true(OTHER_ENGINE, "Megatron-FSDP"),
+    **ACTOR_RULES,
     # rollout
     ARR + "rollout.name": _engine,
     ARR + "rollout.mode": _no_effect("fleetrl's engines are always servers generating asynchronously"),
@@ -1059,11 +591,6 @@ RULES: dict[str, Rule] = {
     "actor@actor_rollout_ref.actor": _refuse(OTHER_ENGINE, "a verl actor config group from another trainer backend"),
 }
 
-
-def _schedule(v: Any, _: Ctx) -> list[str]:
-    if v not in ("constant", "cosine", "linear"):
-        raise Refused(f"lr schedule {v!r}: fleetrl has constant, cosine and linear")
-    return [f"learner.optim.schedule={v}"]
 
 
 CRITIC_KEYS = {  # verl critic.* -> learner.critic.* (keys.md); mapped only when the run has a critic (GAE)

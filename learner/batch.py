@@ -51,6 +51,7 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     prox_logp: torch.Tensor | None = None  # filled by the engine when the correction needs it
+    is_weights: torch.Tensor | None = None  # [n] decoupled's behaviour weight from learner/correction.py
     # (SP rank, SP size) once learner/ulysses.py cut this row to one sequence-parallel slice; None: whole row
     sp_shard: tuple[int, int] | None = None
     ref_logp: torch.Tensor | None = None  # filled by the engine when kl_coef > 0
@@ -66,7 +67,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights",
-                     "fresh", "cu_seqlens"):
+                     "fresh", "cu_seqlens", "is_weights"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))

@@ -39,8 +39,10 @@ class OptimConfig(ConfigModel):
 
 
 class LossConfig(ConfigModel):
-    correction: Literal["none", "tis", "decoupled"] = Field(
-        description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0"
+    correction: Literal["none", "tis", "decoupled", "bypass"] = Field(
+        description="off-policy correction; required. 'none' is legal only with broker.max_staleness = 0; "
+        "'bypass' (verl's rollout_correction.bypass_mode): the clipped ratio is taken against the sampler's "
+        "log-probs, no proximal pass and no behaviour weight"
     )
     advantage: Literal["mean", "mean_std", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg",
                        "gae"] = Field(
@@ -104,6 +106,47 @@ class KLRewardConfig(ConfigModel):
     coef: float = Field(0.001, ge=0, description="the penalty's coefficient (adaptive: its start)")
     target_kl: float = Field(0.1, gt=0, description="adaptive: the KL per token it steers toward")
     horizon: int = Field(10000, ge=1, description="adaptive: samples over which the coefficient may change by 20%")
+
+
+class RejectionRule(ConfigModel):
+    """One rejection-sampling rule of learner.rollout_correction (learner/correction.py)."""
+
+    statistic: Literal["log_ratio", "k1", "k2", "k3"] = Field(
+        description="per token, with d = prox - behaviour log-prob: log_ratio d, k1 -d, k2 d^2/2, k3 exp(d)-1-d")
+    level: Literal["token", "seq_sum", "seq_mean", "seq_max", "seq_min"] = Field(
+        description="token: each token alone; seq_*: the sequence's sum/mean/max/min decides for all its tokens")
+    lower: float | None = Field(None, description="keep where the statistic >= this (None: no lower bound)")
+    upper: float | None = Field(None, description="keep where the statistic <= this (None: no upper bound)")
+    name: str | None = Field(None, description="the metric's name (rollout_rs_<name>_masked_fraction)")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> RejectionRule:
+        if self.lower is None and self.upper is None:
+            raise ValueError("a rejection rule needs lower, upper or both")
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise ValueError(f"rejection rule lower {self.lower} > upper {self.upper}")
+        return self
+
+
+class RolloutCorrectionConfig(ConfigModel):
+    """verl's algorithm.rollout_correction beyond token TIS: learner/correction.py (with correction=decoupled)."""
+
+    enable: bool = Field(False, description="IS weights and rejection measured on the pre-step policy against the "
+                         "sampler replace decoupled's min(exp(prox - behaviour), tis_cap) weight")
+    is_level: Literal["none", "token", "sequence"] = Field(
+        "none", description="IS weight per token, or the product of a sequence's token ratios; none: weight 1")
+    is_upper: float = Field(2.0, gt=0, description="IS weights above are truncated to it (is_lower None) or zeroed")
+    is_lower: float | None = Field(None, gt=0, description="IcePop: weights outside [is_lower, is_upper] are zeroed; "
+                                   "None: truncation at is_upper only")
+    is_batch_normalize: bool = Field(False, description="divide the IS weights by their mean over the optimizer step")
+    rejection: list[RejectionRule] = Field([], description="tokens (or sequences) kept only where every rule holds; "
+                                           "rejected tokens leave the loss and its denominator")
+
+    @model_validator(mode="after")
+    def _band(self) -> RolloutCorrectionConfig:
+        if self.is_lower is not None and self.is_lower > self.is_upper:
+            raise ValueError(f"rollout_correction.is_lower {self.is_lower} > is_upper {self.is_upper}")
+        return self
 
 
 class MegatronConfig(ConfigModel):
@@ -279,6 +322,8 @@ class LearnerConfig(ConfigModel):
         return self
 
     kl_reward: KLRewardConfig = Field(KLRewardConfig(), description="KL in the reward (verl use_kl_in_reward)")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        RolloutCorrectionConfig(), description="verl's rollout_correction IS levels and rejection sampling")
     sequence_parallel_size: int = Field(
         1, ge=1, description="FSDP: Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size). Groups of "
         "this many consecutive learner ranks split each packed row between them (attention exchanges heads for "
@@ -324,6 +369,29 @@ class LearnerConfig(ConfigModel):
                              f"(ratio = 1 at every optimizer step), yet ppo_mini_batch_size={self.ppo_mini_batch_size} "
                              f"/ ppo_epochs={self.ppo_epochs} ask for several optimizer steps per batch: set "
                              "recompute_proximal=true (or use correction=decoupled), or make one optimizer step")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_correction(self) -> LearnerConfig:
+        rc = self.rollout_correction
+        if not rc.enable:
+            return self
+        if self.loss.correction == "bypass":
+            if rc.is_level != "none" or rc.is_batch_normalize:
+                raise ValueError("learner.rollout_correction with correction=bypass takes rejection rules only: the "
+                                 "clipped ratio against the sampler is the correction (verl's bypass PPO-clip applies "
+                                 "no IS weight); set is_level=none")
+            if self.sequence_parallel_size > 1:
+                raise ValueError("learner.rollout_correction's sequence rules need whole rows: use "
+                                 "sequence_parallel_size=1")
+            return self
+        if self.loss.correction != "decoupled":
+            raise ValueError("learner.rollout_correction measures the pre-step policy against the sampler and weights "
+                             f"the decoupled ratio: it needs learner.loss.correction=decoupled (or bypass for "
+                             f"rejection alone), got {self.loss.correction!r}")
+        if self.engine != "fsdp" or self.sequence_parallel_size > 1:
+            raise ValueError("learner.rollout_correction needs learner.engine=fsdp with sequence_parallel_size=1 (its "
+                             "sums are reduced over the data-parallel ranks and its sequence rules need whole rows)")
         return self
 
     @model_validator(mode="after")

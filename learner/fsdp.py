@@ -113,7 +113,7 @@ class FSDPEngine(TrainingEngine):
         self.cfg = cfg
         self.model_path = model_path
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.loss = LossSettings.from_config(cfg.loss)
+        self.loss = LossSettings.from_config(cfg.loss, cfg.rollout_correction)
         backend = dist.get_backend()
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -277,7 +277,7 @@ class FSDPEngine(TrainingEngine):
                 logp, ent = self.forward_logprobs(mb, grad=True)
                 loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
                                       prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh,
-                                      seq_lens=mb.seq_lens, loss_scale=mb.loss_scale)
+                                      seq_lens=mb.seq_lens, loss_scale=mb.loss_scale, is_weights=mb.is_weights)
             with record_function("fleetrl.backward"):
                 (loss * self.world_size).backward()
             parts.append(m)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from broker.schema import oldest_versions
 from learner import checkpoint as ckpt
-from learner import kl_reward, logprob_probe
+from learner import correction, kl_reward, logprob_probe
 from learner.busy import StepTimer
 from learner.config import LearnerConfig
 from learner.engine import TrainingEngine
@@ -287,6 +287,10 @@ class Learner:
             stats.update(kl_reward.apply(batch, plans, advantage=self.cfg.loss.advantage,
                                          drop_uniform=self.cfg.loss.drop_uniform_groups,
                                          estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl))
+        if self.cfg.rollout_correction.enable and self.cfg.loss.correction == "decoupled":  # IS weights and rejection from prox vs behaviour (learner/correction.py)
+            stats.update(correction.apply(plans, self.cfg.rollout_correction,
+                                          aggregation=self.cfg.loss.effective_aggregation,
+                                          loss_scale_factor=self.cfg.loss.loss_scale_factor))
         t_prep = time.perf_counter() - t1
         probe = None
         if not self.probed and self.probe_tolerance is not None:

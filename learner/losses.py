@@ -20,7 +20,13 @@ once, no grad), ``r(x, y) = exp(x - y)``:
   trust region. With ``prox`` it is the same objective as ``decoupled``.
 * ``decoupled`` (AReaL's decoupled PPO): ``ratio = r(pi, prox)`` clipped (the
   trust region, measured against weights the learner really held),
-  ``w = min(r(prox, mu), tis_cap)`` (the behaviour correction).
+  ``w = min(r(prox, mu), tis_cap)`` (the behaviour correction). With
+  ``learner.rollout_correction`` on, ``w`` is instead the step's precomputed weight
+  (``is_weights``: token or sequence level, truncated or IcePop, rejected tokens
+  already out of the aggregation weights; learner/correction.py).
+* ``bypass`` (verl's ``rollout_correction.bypass_mode`` with the PPO-clip loss):
+  ``ratio = r(pi, mu)`` clipped, no behaviour weight and no proximal pass: the clip
+  is the only correction (the engine-vs-learner gap sits in the first ratio).
 
 The clip binds only once ``pi`` has moved from ``prox``: with several optimizer
 steps per step batch (``learner.ppo_mini_batch_size`` / ``ppo_epochs``,
@@ -119,6 +125,9 @@ def aggregation_scale(mode: str, total_tokens: int, total_seqs: int, loss_scale_
     raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
 
 
+CORRECTIONS = ("none", "tis", "decoupled", "bypass")
+
+
 @dataclass(kw_only=True, slots=True)
 class LossSettings:
     """The loss part of ``LossConfig`` as plain values (no pydantic in the hot path)."""
@@ -132,10 +141,12 @@ class LossSettings:
     kl_estimator: str = "k3"
     policy_loss: str = "vanilla"
     entropy_coeff: float = 0.0
+    # bypass only: learner.rollout_correction's rejection rules, measured per micro-batch (learner/correction.py)
+    rejection: tuple = ()
 
     def __post_init__(self) -> None:
-        if self.correction not in ("none", "tis", "decoupled"):
-            raise ValueError(f"correction must be 'none', 'tis' or 'decoupled', got {self.correction!r}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {list(CORRECTIONS)}, got {self.correction!r}")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {list(POLICY_LOSSES)}, got {self.policy_loss!r}")
         if not self.entropy_coeff >= 0:
@@ -143,22 +154,32 @@ class LossSettings:
         if not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip bound on -A * ratio), got {self.clip_ratio_c}")
         self.kl_estimator = kl.resolve(self.kl_estimator)
+        if self.rejection and self.correction != "bypass":
+            raise ValueError("per-micro-batch rejection rules are bypass mode's; decoupled measures them once per "
+                             "step (learner/correction.py apply)")
 
     @classmethod
-    def from_config(cls, cfg) -> LossSettings:
+    def from_config(cls, cfg, rollout_correction=None) -> LossSettings:
+        """``cfg``: learner.loss; ``rollout_correction``: learner.rollout_correction (its rules, with bypass)."""
+        rc = rollout_correction
+        rules = tuple(rc.rejection) if rc is not None and rc.enable and cfg.correction == "bypass" else ()
         return cls(correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    clip_ratio_c=cfg.clip_ratio_c, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                   kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff)
+                   kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff,
+                   rejection=rules)
 
 
 def needs_proximal(correction: str, recompute_proximal: bool, several_optimizer_steps: bool) -> bool:
     """Whether the learner must recompute its pre-step log-probs (a no-grad forward) before the first optimizer
     step: ``decoupled`` always; ``tis`` when asked (its trust region); ``none`` when a step batch makes
-    several optimizer steps (from the second on, ``sg(pi)`` is no longer the pre-step policy)."""
+    several optimizer steps (from the second on, ``sg(pi)`` is no longer the pre-step policy); ``bypass`` never
+    (its ratio is against the sampler)."""
     if correction == "decoupled":
         return True
     if correction == "tis":
         return recompute_proximal
+    if correction == "bypass":
+        return False
     return several_optimizer_steps
 
 
@@ -246,6 +267,7 @@ def policy_loss(
     fresh: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
     loss_scale: float = 1.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted loss of one micro-batch and its metrics (all tensors are [n_tokens]).
 
@@ -258,7 +280,8 @@ def policy_loss(
     then :func:`finalize_metrics`. ``seq_lens``: the micro-batch's sequences (gspo/geo_mean need them);
     ``loss_scale``: :func:`aggregation_scale` of the step (the sum modes); ``entropy`` must carry its
     gradient when ``s.entropy_coeff > 0`` (the bonus ``-entropy_coeff * entropy`` joins each token's loss,
-    aggregated like it, as verl).
+    aggregated like it, as verl). ``is_weights``: decoupled's behaviour weight precomputed for the step
+    (learner/correction.py), used instead of ``min(r(prox, mu), tis_cap)``.
     """
     n = logp.shape[0]
     for name, t in (("behaviour_logp", behaviour_logp), ("advantages", advantages), ("weights", weights)):
@@ -269,11 +292,27 @@ def policy_loss(
         raise ValueError("correction='decoupled' needs prox_logp: the learner's log-probs recomputed before the step")
     old = prox_logp.detach().to(logp.dtype) if prox_logp is not None else logp.detach()
     base = old
-    if s.correction == "none":
+    if s.correction == "bypass":
+        base = behaviour_logp
+    if s.correction in ("none", "bypass"):
         is_w = torch.ones_like(logp)
+    elif is_weights is not None:
+        if s.correction != "decoupled" or is_weights.shape != (n,):
+            raise ValueError(f"is_weights (shape {tuple(is_weights.shape)}) are decoupled's behaviour weight for "
+                             f"the {n} tokens; correction={s.correction!r}")
+        is_w = is_weights.detach().to(logp.dtype)
     else:
         is_w = torch.exp((old - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap).detach()
     pg, ratio, clip_active, dual_active = surrogate(logp, base.detach(), advantages, is_w, s, seq_lens)
+    rejected = None
+    if s.rejection:  # bypass: verl's rejection on the policy being trained vs the sampler, this micro-batch
+        from learner.correction import keep_mask
+
+        if seq_lens is None:
+            raise ValueError("bypass rejection rules need seq_lens (sequence-level rules)")
+        keep, each = keep_mask((logp.detach() - behaviour_logp).double(), seq_lens, list(s.rejection))
+        pg = pg * keep.to(pg.dtype)
+        rejected = [~keep, *(~k for k in each)]
     per_token = pg
     if s.entropy_coeff > 0:
         if entropy is None or not entropy.requires_grad and logp.requires_grad:
@@ -329,6 +368,11 @@ def policy_loss(
             metrics["loss_kl"] = (wd * kl_val.detach()).sum()
         if entropy is not None:
             metrics["entropy"] = (wd * entropy.detach().to(wd.dtype)).sum()
+        if rejected is not None:  # weighted shares of the step's tokens, as the other metrics
+            names = ["rollout_rs_masked_fraction"] + [f"rollout_rs_{r.name or i}_masked_fraction"
+                                                      for i, r in enumerate(s.rejection)]
+            for name, r in zip(names, rejected, strict=True):
+                metrics[name] = (wd * r.to(wd.dtype)).sum()
     return loss, metrics
 
 

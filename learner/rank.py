@@ -5,8 +5,8 @@ The engine is whatever ``learner.engine`` names (FSDP2 or Megatron-core), built 
 (``param_plan`` / ``iter_full_params``), so both engines publish the same HF-named tensors.
 
 :mod:`launch.learner_ranks` wraps :class:`LearnerRank` in a ``@ray.remote`` actor, one per rank,
-and hands it the engine clients' factory (``endpoint``) and a view of the fleet (``fleet``): the
-learner never imports the fleet. Ranks and placement::
+and hands it a view of the fleet (``fleet``): the learner never imports the fleet. Its client of each
+engine server comes from :func:`engines.registry.weight_client`. Ranks and placement::
 
     GPU (--learner-gpus N):  N actors, one per bundle of the learner's placement group
                              (one GPU each); NCCL
@@ -44,7 +44,6 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from core.colocate import ColocateConfig
+from engines.registry import weight_client
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
@@ -128,10 +128,6 @@ class FleetView(Protocol):
         their KV cache, runs a due evaluation and opens the gate (after it); blocks until done."""
 
 
-#: The publisher's client of one server: ``(backend, engine_id, url) -> endpoint``; the launcher picks it.
-EndpointFactory = Callable[[str, str, str], WeightEndpoint]
-
-
 class StopRequested(StopRun):
     """The driver asked the learner to stop after the current step."""
 
@@ -143,14 +139,13 @@ def _nccl_env(cfg: RankConfig) -> dict[str, str]:
 
 class LearnerRank:
     def __init__(self, cfg: RankConfig, broker_address: str, run_dir: str, fleet: FleetView | None,
-                 endpoint: EndpointFactory, exports_shared: bool = True) -> None:
+                 exports_shared: bool = True) -> None:
         self.rank = 0
         self.cfg = cfg
         # False on a multi-node job without network.shared_dir: the run directory's exports are on this
         # node only, so a late joiner is never sent a path; it gets the weights at the next publish
         self.exports_shared = exports_shared
         self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
-        self.endpoint = endpoint
         self.pub = None
         self.adapter_pub: AdapterPublisher | None = None  # learner.lora on a vLLM fleet (_publish_adapter)
         self._source = None
@@ -211,7 +206,7 @@ class LearnerRank:
                 continue
             client = self._clients.get(eid)
             if client is None or client.url != url:  # new, or restarted elsewhere: a new server, a new client
-                client = self._clients[eid] = self.endpoint(self.pub.backend, eid, url)
+                client = self._clients[eid] = weight_client(self.cfg, self.pub.backend, eid, url)
             if self.exports_shared and self.exported_version > 0 and export.exists():
                 log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
                 self.pub.add_engine(client, str(export), self.exported_version)
@@ -271,7 +266,7 @@ class LearnerRank:
                 urls = {ep.engine_id: ep.url for ep in self.adapter_pub.endpoints}
             for eid, url in urls.items():
                 if eid not in self._clients or self._clients[eid].url != url:
-                    self._clients[eid] = self.endpoint("gloo", eid, url)
+                    self._clients[eid] = weight_client(self.cfg, "gloo", eid, url)
             self.adapter_pub.endpoints = [self._clients[eid] for eid in urls]
         try:
             self.adapter_pub.publish(version, engine)  # collective: every rank gathers the adapters

@@ -8,7 +8,7 @@ Dataflow of one step ``s`` (the learner's rank 0 drives it through the fleet act
     learner publishes v=s -> wake(s, 'rest'): KV cache back (/wake_up?tags=kv_cache), a due evaluation
         (run.eval_every) on the new weights, gate open
 
-SGLang engines do the same through their memory release (rollout_fleet/engines/sglang.py):
+SGLang engines do the same through their memory release (engines/sglang/handle.py):
 /release_memory_occupation of kv_cache and weights, /resume_memory_occupation of weights, then of kv_cache.
 
 Invariant: while the gate is closed the worker starts no group; :class:`SyncGate` records every

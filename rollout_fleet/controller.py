@@ -14,7 +14,7 @@ Dataflow::
 
     simulated publisher --update_fleet(v)--> pause -> load v -> reset prefix -> resume   (each server)
     vLLM: the learner's weight_sync Publisher drives the same steps per server over HTTP and
-    the fleet learns each server's version by polling it (rollout_fleet/vllm_fleet.py)
+    the fleet learns each server's version by polling it (engines/vllm/factory.py)
 
 Invariants and delivery semantics:
 
@@ -56,9 +56,7 @@ from typing import Protocol
 
 import msgspec
 
-from rollout_fleet.busy import BusyClock
-from rollout_fleet.config import RolloutConfig
-from rollout_fleet.engines.base import (
+from engines.base import (
     BadRequest,
     EngineClient,
     EngineError,
@@ -66,6 +64,8 @@ from rollout_fleet.engines.base import (
     Sample,
     SamplingParams,
 )
+from rollout_fleet.busy import BusyClock
+from rollout_fleet.config import RolloutConfig
 from rollout_fleet.progress import ProgressWatch
 from rollout_fleet.status import FleetStatus, ServerState, ServerStatus, engine_name
 
@@ -410,7 +410,9 @@ class FleetController:
         ``pause``: stop admitting and let running requests finish (``wait``), load, reset
         the prefix cache (stale KV from old weights), resume. ``inflight``: freeze running
         requests (``keep``), load, reset, resume: they continue on the new weights and
-        record the change as a new segment.
+        record the change as a new segment. The load goes through each engine's in-process weight client
+        (``engine.weights``: :class:`engines.simulated.SimulatedWeightClient`); real engines take their
+        weights from the learner's publisher instead.
         """
         mode = PauseMode.WAIT if self.cfg.weight_update == "pause" else PauseMode.KEEP
         t0 = time.monotonic()
@@ -438,7 +440,7 @@ class FleetController:
         try:
             await asyncio.wait_for(e.pause(mode), timeout=timeout)
             try:
-                await asyncio.wait_for(e.update_weights(version, plan_id), timeout=timeout)
+                await asyncio.wait_for(e.weights.update_weights(version, plan_id), timeout=timeout)
                 await asyncio.wait_for(e.reset_prefix_cache(), timeout=timeout)
             finally:
                 await asyncio.wait_for(e.resume(), timeout=timeout)

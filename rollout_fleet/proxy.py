@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from rollout_fleet.engines.base import BadRequest, EngineError, SamplingParams
+from engines.base import BadRequest, EngineError, SamplingParams
 from rollout_fleet.envs.episode import GenerateFn, TokenRecord
 from rollout_fleet.envs.tools import ToolCallError, parse_tool_calls, strip_tool_calls
 

@@ -82,16 +82,17 @@ class FleetService:
         """(engine factory, a loader of (prompts, rewards)); the loader runs while servers start."""
         r, seed = self.cfg.rollout, self.cfg.run.seed
         if self.simulated:
-            from rollout_fleet.engines.simulated import SimulatedFactory
+            from engines.simulated import SimulatedFactory
             from rollout_fleet.simulation import SimulatedRewards, SyntheticPrompts
 
             return SimulatedFactory(r.simulated, seed=seed), lambda: (
                 SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
-        from rollout_fleet.vllm_fleet import VLLMFactory, load_data
+        from engines.vllm.factory import VLLMFactory
+        from rollout_fleet.prompts_and_rewards import load_data
 
         run_dir = self.run_dir or self.cfg.run.run_dir
         if r.engine == "sglang":
-            from rollout_fleet.sglang_fleet import SGLangFactory
+            from engines.sglang.factory import SGLangFactory
 
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
@@ -135,7 +136,7 @@ class FleetService:
             worker_cls, extra = AgentWorker, {"proxy": self.proxy, "agent": resolve_agent(self.cfg.rollout.proxy.agent)}
         self.worker = worker_cls(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
                                  max_inflight_groups=self.cfg.rollout.max_inflight_groups,
-                                 max_staleness=self.cfg.broker.max_staleness, seed=self.cfg.run.seed,
+                                 seed=self.cfg.run.seed,
                                  gate=self._colocated_gate(), **extra)
         state = None if self.simulated else position.load(self._run_dir())
         if state is not None:  # a re-run on this run directory: the data continues where it stopped
@@ -206,7 +207,7 @@ class FleetService:
             from rollout_fleet.envs.registry import evaluate_episodes
 
             return await evaluate_episodes(self.cfg, self.fleet, n)
-        from rollout_fleet.vllm_fleet import evaluate
+        from rollout_fleet.evaluation import evaluate
 
         return await evaluate(self.cfg, self.fleet, n)
 
@@ -269,8 +270,8 @@ class FleetService:
             self.fleet.weight_updates += 1
         for eid in engine_ids:
             s = self.fleet.servers.get(eid)
-            if s is not None and hasattr(s.engine, "_version"):
-                s.engine._version = max(s.engine._version, int(version))
+            if s is not None:
+                s.engine.record_version(version)
 
     async def set_latest_export(self, version: int, path: str) -> None:
         if hasattr(self, "fleet"):  # a restarted fleet actor not started again reads export/latest at its start

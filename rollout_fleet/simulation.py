@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_fleet.engines.base import Sample
+from engines.base import Sample
 from rollout_fleet.worker import Prompt
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ import msgspec
 import numpy as np
 
 from broker.schema import Trajectory, to_record_batch
+from engines.base import BadRequest, EngineError, Sample, SamplingParams
 from rollout_fleet.config import SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import BadRequest, EngineError, Sample, SamplingParams
 from rollout_fleet.shaping import RAW_METRICS, shape, uniform
 from rollout_fleet.status import WorkerStatus
 
@@ -111,7 +111,7 @@ class RolloutWorker:
 
     def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
                  rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
-                 max_staleness: int, seed: int = 0, push_retries: int = 3, logprob_retries: int = 2,
+                 seed: int = 0, push_retries: int = 3, logprob_retries: int = 2,
                  gate: Callable[[], bool] | None = None, filter_groups: Any = None, overlong: Any = None) -> None:
         """``gate``: colocated mode's ``() -> may start groups`` (rollout_fleet/colocated.py); while it says
         False no ticket is taken and no group starts. ``filter_groups`` (rollout.filter_groups) and
@@ -123,7 +123,6 @@ class RolloutWorker:
         self.rewards = rewards
         self.sampling = sampling
         self.max_inflight_groups = max_inflight_groups
-        self.max_staleness = max_staleness
         self.seed = seed
         self.push_retries = push_retries
         self.logprob_retries = logprob_retries
@@ -289,7 +288,7 @@ class RolloutWorker:
         t_start = time.time()
         try:
             # the oldest weights that may start a group for this step within the bound
-            min_version = max(0, int(ticket.step) - self.max_staleness - 1)
+            min_version = int(ticket.min_version)  # the broker's staleness floor for this step
             for attempt in range(self.logprob_retries + 1):
                 engine_id, samples = await self.fleet.run_group(group_id, prompt.prompt_ids, params, min_version)
                 bad = sum(1 for s in samples if not np.isfinite(s.logprobs).all())

@@ -10,10 +10,10 @@ from typing import Any
 
 @contextmanager
 def cpu_vllm_server(model: str | Path, run_dir: str | Path, **args: Any) -> Iterator[Any]:
-    """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on CPU: fp32, ``--enforce-eager`` (a far quicker
+    """A running :class:`engines.vllm.server.VLLMServer` on CPU: fp32, ``--enforce-eager`` (a far quicker
     start on 2 cores), 1 GB of KV cache, 480 s to become healthy; ``args`` are further or other
     ``VLLMServerArgs``. Stopped (its whole process group) on the way out."""
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+    from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     settings = {"dtype": "float32", "cpu_kvcache_gb": 1, "enforce_eager": True, "startup_timeout_s": 480, **args}
     server = VLLMServer(VLLMServerArgs(model=str(model), **settings), run_dir)

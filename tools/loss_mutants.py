@@ -24,6 +24,11 @@ MUTANTS = [
  ("learner/loop.py", "aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version,", "aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version + 1,", "tests/integration/learner/test_learner_loop_contract.py"),
  ("learner/losses.py", "    base = old\n", "    base = behaviour_logp if s.correction == 'none' else old\n", "tests/unit/learner"),
  ("learner/losses.py", "            kl_val = kl_val.clamp(-KL_CLAMP, KL_CLAMP)", "            pass", "tests/unit/learner"),
+ # rollout correction (learner/correction.py): verl's k1 sign, TIS truncation, the kept-token denominator, bypass
+ ("learner/correction.py", "        return -d\n", "        return d\n", "tests/unit/learner/test_learner_correction.py"),
+ ("learner/correction.py", "        return raw.clamp(max=upper)", "        return raw", "tests/unit/learner/test_learner_correction.py"),
+ ("learner/correction.py", "new_w[keep] = aggregation_weights(kept_lens, aggregation, t_kept, n_seqs)", "new_w[keep] = aggregation_weights(kept_lens, aggregation, d.numel(), n_seqs)", "tests/unit/learner/test_learner_correction.py"),
+ ("learner/losses.py", "        base = behaviour_logp\n", "        base = old\n", "tests/unit/learner/test_learner_correction.py"),
 ]
 
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-# Requests at policy version v > 0 name the adapter ADAPTER_PREFIX-v<v> (rollout_fleet/engines/vllm_lora.py).
+# Requests at policy version v > 0 name the adapter ADAPTER_PREFIX-v<v> (engines/vllm/lora.py).
 ADAPTER_PREFIX = "policy"
 
 
@@ -94,4 +94,5 @@ class AdapterPublisher:
                   for ep, r in zip(self.endpoints, results, strict=True) if isinstance(r, BaseException)}
         if failed:
             raise AdapterPublishError(version, failed)
-        return {ep.engine_id: r for ep, r in zip(self.endpoints, results, strict=True)}
+        return {ep.engine_id: r for ep, r in zip(self.endpoints, results, strict=True)
+                if not isinstance(r, BaseException)}  # every one, after the check above

@@ -1,9 +1,11 @@
-"""The receiving side of weight sync as the publisher sees it: one :class:`WeightEndpoint` per engine.
+"""An engine server as the publisher sees it: :class:`ServerHandle` (what every client of one server has) and
+:class:`WeightEndpoint` (its weight-receiving side).
 
-The vLLM and SGLang clients (``rollout_fleet.engines``) and the standalone receiver's client
-(:class:`weight_sync.receiver_client.ReceiverClient`) implement it; the publisher
-(:mod:`weight_sync.publisher`) knows nothing else about an engine. Generation is not part of it:
-that is ``rollout_fleet.engines.base.EngineClient``.
+Both roles of an engine client derive from :class:`ServerHandle`: the generation clients
+(``engines.base.EngineClient``, what the fleet uses) and the weight clients (:class:`WeightEndpoint`,
+what the publisher uses: ``engines.vllm.weights``, ``engines.sglang.weights``, and the standalone
+receiver's :class:`weight_sync.receiver_client.ReceiverClient`). It lives here, the lowest layer that needs
+it, so the publisher (:mod:`weight_sync.publisher`) knows nothing else about an engine.
 
 A publish of version ``v`` to one endpoint is ``init_weight_transfer`` (once per group epoch),
 then ``update_weights(v)`` (or ``send_update``), or, staged, ``begin_update(v)`` ... broadcast ...
@@ -19,23 +21,42 @@ import concurrent.futures
 from weight_sync.messages import GroupInfo, WeightPlan
 
 
-class WeightEndpoint(abc.ABC):
-    """An engine's weight-receiving side. ``engine_id`` is unique in the fleet."""
+class ServerHandle(abc.ABC):
+    """A client of one engine server, in either role. ``engine_id`` is unique in the fleet."""
 
     engine_id: str
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True if the server answers (the fleet probes it; the publisher probes it to assign blame)."""
+
+    @abc.abstractmethod
+    async def load_weights_from_path(self, path: str, version: int) -> None:
+        """Load a published HF safetensors export (a server that (re)joins late: its first load)."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The policy version the server holds."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook: most clients hold nothing)
+        """Release client resources (HTTP sessions); does not stop the server."""
+
+
+class WeightEndpoint(ServerHandle):
+    """An engine's weight-receiving side."""
+
     group_ranks: int = 1  # ranks this engine takes in the weight-sync group (its TP x PP workers)
 
-    #: True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
-    #: copy while it keeps generating, and pauses only for the copy into the model.
-    supports_staging: bool = False
+    @property
+    def supports_staging(self) -> bool:
+        """True if the engine takes a staged publish (``weight_sync.staging``): it receives into a standing
+        copy while it keeps generating, and pauses only for the copy into the model."""
+        return False
 
     #: True if the engine's receivers end each (unstaged) publish with the group's ack all-gather when the
     #: epoch's :attr:`GroupInfo.group_acks` says so (fleetrl's standalone receiver does).
     supports_group_acks: bool = False
-
-    @abc.abstractmethod
-    async def health(self) -> bool:
-        """True if the server answers (the publisher probes it to assign blame)."""
 
     @abc.abstractmethod
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
@@ -60,15 +81,3 @@ class WeightEndpoint(abc.ABC):
     async def commit_update(self, version: int) -> str:
         """Staged publish, phase 2 (after the broadcast): load what was received; return the checksum."""
         raise NotImplementedError(f"engine {self.engine_id} ({type(self).__name__}) takes no staged publish")
-
-    @abc.abstractmethod
-    async def load_weights_from_path(self, path: str, version: int) -> None:
-        """Load a published HF safetensors export (a late joiner's first load)."""
-
-    @property
-    @abc.abstractmethod
-    def weight_version(self) -> int:
-        """The policy version the server holds."""
-
-    async def close(self) -> None:  # noqa: B027 (optional hook: most clients hold nothing)
-        """Release client resources (HTTP sessions); does not stop the server."""

@@ -16,6 +16,7 @@ import datetime
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,11 @@ def _gloo_device(master_addr: str):
     return dist.ProcessGroupGloo.create_device(hostname=route_ip(master_addr))
 
 
-def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float) -> dist.ProcessGroup:
+def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float) -> Any:
     """Join the group of ``group.group_epoch`` as ``rank``; returns when every rank has joined.
+
+    The group is a c10d backend object (``ProcessGroupGloo`` or ``ProcessGroupNCCL``), used only through
+    this module's collectives; torch's type stubs describe neither fully, hence ``Any``.
 
     gloo connects the full mesh in its constructor, so this is the join
     barrier; it raises after ``timeout_s`` if a rank never comes.
@@ -70,7 +74,7 @@ def make_group(store: dist.Store, group: GroupInfo, rank: int, timeout_s: float)
             raise RuntimeError("weight-sync backend 'nccl' needs CUDA; use 'gloo' on CPU")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _td(timeout_s)
-        pg = dist.ProcessGroupNCCL(prefixed, rank, group.world_size, opts)
+        pg: Any = dist.ProcessGroupNCCL(prefixed, rank, group.world_size, opts)  # (stubs lack its collectives)
         # NCCL connects lazily; a one-element all-reduce makes this the join barrier like gloo's.
         t = torch.zeros(1, device="cuda")
         pg.allreduce([t]).wait(_td(timeout_s))
@@ -106,7 +110,7 @@ def broadcast_async(pg, buf: torch.Tensor):
         return pg.broadcast_async(buf)
     if isinstance(pg, (dist.ProcessGroup, _Backend)):  # ProcessGroupGloo/NCCL are Backends, not ProcessGroups
         return TorchGroup(pg).broadcast_async(buf)
-    return pg.broadcast([buf], None)  # ProcessGroup-shaped adapters (rollout_fleet.engines.vllm_nccl.PyNcclGroup)
+    return pg.broadcast([buf], None)  # any other object shaped like a torch ProcessGroup (none of fleetrl's own)
 
 
 def all_gather_async(pg, out: torch.Tensor, inp: torch.Tensor):

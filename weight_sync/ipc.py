@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 import torch
@@ -192,7 +192,7 @@ def export_slot(buf: torch.Tensor) -> IpcHandle:
                          f"on {buf.device}")
     (_device, handle, size, offset, ref_handle, ref_offset, event_handle,
      event_sync) = buf.untyped_storage()._share_cuda_()
-    return IpcHandle(nbytes=buf.numel(), tensor_offset=buf.storage_offset(), handle=bytes(handle),
+    return IpcHandle(nbytes=buf.numel(), tensor_offset=int(buf.storage_offset()), handle=bytes(handle),
                      storage_size_bytes=int(size), storage_offset_bytes=int(offset),
                      ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
                      event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
@@ -208,7 +208,9 @@ def open_slot(h: IpcHandle, device: torch.device) -> torch.Tensor:
                                h.ref_counter_offset, h.event_handle, h.event_sync_required)
 
 
-def decode(kind: type, data) -> object:
+_M = TypeVar("_M")
+
+def decode(kind: type[_M], data) -> _M:
     """A message of this module from plain data (an HTTP body's JSON), type-checked, naming what is wrong."""
     try:
         return msgspec.convert(data, kind)

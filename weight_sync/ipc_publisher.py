@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class IpcEndpoint(WeightEndpoint):
-    """An engine that takes weights from CUDA IPC slots (fleetrl's vLLM backend: rollout_fleet.engines.vllm_ipc)."""
+    """An engine that takes weights from CUDA IPC slots (fleetrl's vLLM backend: engines.vllm.ipc)."""
 
     @abc.abstractmethod
     async def ipc_join(self, plan: WeightPlan, init: IpcInit, epoch: int) -> None:
@@ -80,7 +81,7 @@ class IpcPublisher:
         self.joined: set[str] = set()
         self.epoch = 0
         self.timeline: list[tuple[str, float]] = []
-        self._loop = asyncio.new_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="weight-sync-ipc-rpc", daemon=True).start()
         for e in engines:
             self.add_engine(e)
@@ -103,9 +104,19 @@ class IpcPublisher:
         self.engines.pop(engine_id, None)
         self.joined.discard(engine_id)
 
+    def _rpc_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("IPC weight publisher is closed")
+        return self._loop
+
     def call(self, coro, what: str, timeout_s: float | None = None):
         """Run an engine coroutine on the RPC loop, bounded; a timeout names the call."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            loop = self._rpc_loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
         limit = timeout_s or self.timeout_s
         try:
             return fut.result(limit)
@@ -113,9 +124,10 @@ class IpcPublisher:
             fut.cancel()
             raise TimeoutError(f"{what}: no answer within {limit:.0f}s") from None
 
-    def _each(self, ids: list[str], step: str, make) -> dict[str, object]:
+    def _each(self, ids: list[str], step: str, make) -> dict[str, Any]:
         """``make(engine)`` on every engine of ``ids`` at once; waits (bounded) for all, raises naming the failed."""
-        futs = {eid: asyncio.run_coroutine_threadsafe(make(self.engines[eid]), self._loop) for eid in ids}
+        loop = self._rpc_loop()
+        futs = {eid: asyncio.run_coroutine_threadsafe(make(self.engines[eid]), loop) for eid in ids}
         cf.wait(list(futs.values()), timeout=self.timeout_s)
         failed = {}
         for eid, f in futs.items():

@@ -102,9 +102,11 @@ def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], b
     if current:
         buckets.append(current)
     if tail_bytes > 0 and sum(sizes[i] for i in buckets[-1]) > tail_bytes:  # (a last bucket that small stays whole)
-        last, pieces, limit = buckets.pop(), [], tail_bytes
+        last, limit = buckets.pop(), tail_bytes
+        pieces: list[list[int]] = []
         while len(last) > 1:
-            piece, size = [], 0
+            piece: list[int] = []
+            size = 0
             while len(last) > 1 and size + sizes[last[-1]] <= limit:
                 size += sizes[last[-1]]
                 piece.insert(0, last.pop())

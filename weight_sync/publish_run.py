@@ -30,16 +30,15 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from weight_sync import group as wgroup
+from weight_sync.config import WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint
-from weight_sync.plan import bucket_fingerprint, combine_fingerprints
-
-if TYPE_CHECKING:  # the publisher makes the runs; a run only calls back into it
-    from weight_sync.publisher import Publisher
+from weight_sync.messages import WeightPlan
+from weight_sync.plan import SendRing, bucket_fingerprint, combine_fingerprints
 
 log = logging.getLogger("weight_sync.publisher")
 
@@ -65,12 +64,42 @@ class PublishReport:
     per_engine_checksums: dict[str, str] = field(default_factory=dict)
 
 
+class RunHost(Protocol):
+    """What a run reads and calls of the publisher that made it (:class:`weight_sync.publisher.Publisher`):
+    declared here so this module does not import the publisher (which imports this one)."""
+
+    cfg: WeightSyncConfig
+    plan: WeightPlan
+    device: torch.device
+    engines: dict[str, WeightEndpoint]
+    members: list[str]
+    pg: Any
+    epoch: int
+    world_size: int
+    group_acks: bool
+    _ring: SendRing | None
+
+    def _mark(self, event: str) -> None: ...
+    def _submit(self, coro) -> cf.Future: ...
+    def _let_out(self, written: cf.Future) -> None: ...
+    def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]: ...
+    def _check_acks(self, futs: dict[str, cf.Future], step: str) -> None: ...
+    def _reject(self, version: int, checksum: str, bad: dict[str, str], where: str) -> None: ...
+    def _fail(self, version: int, step: str, err: Exception, futs: dict[str, cf.Future]): ...
+    def _acks_to_host(self, work, gathered: torch.Tensor) -> AcksIn: ...
+    def _group_acked(self, version: int, futs: dict[str, cf.Future], gathered: torch.Tensor, t0: float, sent: int,
+                     broadcast_s: float, rebuild_s: float) -> PublishReport: ...
+
+
 class PublishRun:
     """Publish ``version`` from ``tensors`` (name, full tensor in plan order) to the publisher's members."""
 
-    def __init__(self, pub: Publisher, version: int, tensors: Iterator, t0: float, rebuild_s: float) -> None:
+    def __init__(self, pub: RunHost, version: int, tensors: Iterator, t0: float, rebuild_s: float) -> None:
         self.pub, self.version, self.it, self.t0, self.rebuild_s = pub, version, tensors, t0, rebuild_s
-        self.plan, self.depth, self.ring, self.dev = pub.plan, pub.cfg.inflight_buckets, pub._ring, pub.device
+        if pub._ring is None:
+            raise RuntimeError(f"publish of v{version} before a group was joined (the send ring is made on join)")
+        self.ring: SendRing = pub._ring
+        self.plan, self.depth, self.dev = pub.plan, pub.cfg.inflight_buckets, pub.device
         self.timeout_s = pub.cfg.timeout_s
         self.mark = pub._mark
         self.prints: list[torch.Tensor] = []
@@ -254,7 +283,7 @@ class GroupAcks(AckMode):
     """The acks are every rank's fingerprints, all-gathered right behind the last bucket; the RPC
     answers are checked later (``Publisher.settle``)."""
 
-    acks_in = None
+    acks_in: AcksIn | None = None
 
     def after_broadcast(self, run: PublishRun) -> None:
         # Every rank's fingerprints, each receiver's queued behind its last load: the acks, on the wire
@@ -275,6 +304,7 @@ class GroupAcks(AckMode):
             run.inflight.clear()  # NCCL: one stream, in order, so every broadcast before the acks is done
 
     def report(self, run: PublishRun) -> PublishReport:
+        assert self.acks_in is not None  # after_broadcast sets it before the report
         return run.pub._group_acked(run.version, run.futs, self.acks_in.host, run.t0, run.sent, run.broadcast_s,
                                     run.rebuild_s)
 

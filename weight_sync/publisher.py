@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from core.net import EngineErrorCode, free_port
 from weight_sync import group as wgroup
@@ -93,8 +94,8 @@ class Publisher:
         self.epoch = 0
         self.pg = None
         self._dirty = True
-        self._store = None
-        self._loop = None
+        self._store: dist.TCPStore | None = None  # hosted here unless a group factory is given
+        self._loop: asyncio.AbstractEventLoop | None = None  # the RPC loop's thread; None once closed
         self._ring: SendRing | None = None
         self.group_acks = False  # this epoch's publishes are acknowledged through the group
         self.world_size = 1
@@ -111,10 +112,11 @@ class Publisher:
         try:
             import uvloop
 
-            self._loop = uvloop.new_event_loop()
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
         except ImportError:
-            self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="weight-sync-rpc", daemon=True).start()
+            loop = asyncio.new_event_loop()
+        self._loop = loop
+        threading.Thread(target=loop.run_forever, name="weight-sync-rpc", daemon=True).start()
 
     # ---- membership -------------------------------------------------------------
     def _add(self, client: WeightEndpoint) -> None:
@@ -139,7 +141,15 @@ class Publisher:
 
     # ---- async RPCs from sync code ---------------------------------------------------
     def _submit(self, coro) -> cf.Future:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("weight-sync publisher is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _hosted_store(self) -> dist.TCPStore:
+        if self._store is None:
+            raise RuntimeError("weight-sync publisher: no store is hosted here (a group factory was given)")
+        return self._store
 
     @staticmethod
     def _let_out(written: cf.Future) -> None:
@@ -174,7 +184,7 @@ class Publisher:
                 offsets[eid] = world
                 world += self.engines[eid].group_ranks
             # vLLM's NCCL workers rendezvous through a store that rank 0 hosts itself: a fresh port per epoch.
-            port = free_port(self.cfg.master_addr) if self._factory else self._store.port
+            port = free_port(self.cfg.master_addr) if self._factory else self._hosted_store().port
             acks = self._group_acks_possible(ids)
             infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=port,
                                     rank_offset=offsets[eid], world_size=world, backend=self.backend,
@@ -214,8 +224,8 @@ class Publisher:
             return self._factory(own)
         if self.cfg.nccl_impl == "sglang":  # NCCL, or gloo in colocated mode (one GPU, two processes)
             # SGLang's workers join our store under their own key prefixes and run no collective at join
-            return wgroup.TorchGroup(publisher_group(self._store, own, self.cfg.timeout_s))
-        return wgroup.TorchGroup(wgroup.make_group(self._store, own, 0, self.cfg.timeout_s))
+            return wgroup.TorchGroup(publisher_group(self._hosted_store(), own, self.cfg.timeout_s))
+        return wgroup.TorchGroup(wgroup.make_group(self._hosted_store(), own, 0, self.cfg.timeout_s))
 
     def _collect(self, futs: dict[str, cf.Future], timeout_s: float) -> dict[str, str]:
         """Wait (bounded) for RPCs; map engine id -> reason for those that failed or timed out."""

@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import msgspec
 import torch
@@ -89,7 +90,7 @@ class WeightReceiver:
     def __init__(self, engine_id: str, device: str | torch.device = "cpu") -> None:
         self.engine_id = engine_id
         self.device = torch.device(device)
-        self.pg = None
+        self.pg: Any = None  # the joined epoch's torch ProcessGroup (gloo or NCCL); None between epochs
         self.plan: WeightPlan | None = None
         self.group: GroupInfo | None = None
         self.timeout_s = 60.0
@@ -101,7 +102,7 @@ class WeightReceiver:
         self._staging: tuple[str, list[torch.Tensor]] | None = None  # (plan id, one buffer per bucket)
         self._staged: tuple[int, list] | None = None  # (version, receive works) of the posted stage
         self._abandoned: list[tuple[object, list]] = []  # groups left with receives still posted
-        self._fp_stream = None  # CUDA: where the fingerprints run, beside the loads
+        self._fp_stream: torch.cuda.Stream | None = None  # CUDA: where the fingerprints run, beside the loads
         self.last_commit_parts: dict[str, float] = {}
         self.timeline: list[tuple[str, float]] = []  # (event, time.perf_counter()) of the last receive
 
@@ -133,11 +134,13 @@ class WeightReceiver:
         self.pg = None
         self._staged = None
 
-    def _check(self, what: str, version: int, plan_id: str) -> None:
+    def _check(self, what: str, version: int, plan_id: str) -> WeightPlan:
+        """The joined plan, if ``plan_id`` is it and a group is joined."""
         if self.pg is None or self.plan is None:
             raise RuntimeError(f"engine {self.engine_id}: {what}(v{version}) before joining a weight-sync group")
         if plan_id != self.plan.plan_id:
             raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
+        return self.plan
 
     def _unpacked(self, buf: torch.Tensor, b: int) -> list[tuple[str, torch.Tensor]]:
         """The named tensors of bucket ``b`` as views of ``buf``; built once per buffer address (the buffers
@@ -145,6 +148,8 @@ class WeightReceiver:
         key = (buf.data_ptr(), b)
         views = self._views.get(key)
         if views is None:
+            if self.plan is None:
+                raise RuntimeError(f"engine {self.engine_id}: no weight-sync plan joined")
             views = self._views[key] = unpack_bucket(buf, self.plan, b)
         return views
 
@@ -188,8 +193,7 @@ class WeightReceiver:
     # ---- staged publish -------------------------------------------------------------
     def stage(self, version: int, plan_id: str) -> None:
         """Post every bucket's receive into the staging buffers and return; :meth:`commit` loads them."""
-        self._check("stage", version, plan_id)
-        plan = self.plan
+        plan = self._check("stage", version, plan_id)
         if self._staging is None or self._staging[0] != plan.plan_id:
             self._staging = (plan.plan_id, [torch.empty(n, dtype=torch.uint8, device=self.device)
                                             for n in self._sizes])
@@ -212,6 +216,7 @@ class WeightReceiver:
             raise RuntimeError(f"engine {self.engine_id}: commit(v{version}) but the staged version is {have}")
         _, works = self._staged
         self._staged = None
+        assert self._staging is not None  # stage() fills it before it stages anything
         bufs = self._staging[1]
         step, t0 = "receive bucket 0", time.perf_counter()
         try:
@@ -272,7 +277,8 @@ class _ReceiveRun:
     def take_all(self) -> None:
         """Each bucket: its receive (waited for on gloo, ordered on the stream on CUDA), the next receive
         posted into the slot before it, its load and its fingerprint."""
-        sizes, main, side = self.sizes, self.main, self.side
+        sizes, side = self.sizes, self.side
+        main: Any = self.main  # a CUDA stream whenever side is one (both exist only when queued)
         for b in range(len(sizes)):
             self.step = f"receive bucket {b}/{len(sizes)}"
             if self.queued:
@@ -305,6 +311,7 @@ class _ReceiveRun:
         fingerprint, so the publisher learns "loaded, and these bytes" without waiting for this host or
         the RPC's answer."""
         group = self.rx.group
+        assert group is not None  # a receive runs only inside a joined epoch (_check)
         if not group.group_acks:
             return
         self.step = "acknowledge (group)"

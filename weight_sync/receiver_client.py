@@ -84,7 +84,8 @@ class ReceiverClient(HttpEngineClient, WeightEndpoint):
             try:
                 if self._sync_conn is None:
                     u = urllib.parse.urlsplit(self.url)
-                    self._sync_conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10 * self.timeout_s)
+                    self._sync_conn = http.client.HTTPConnection(u.hostname or "", u.port or 80,
+                                                                 timeout=10 * self.timeout_s)
                 self._sync_conn.request("POST", "/update_weights", body=body,
                                         headers={"Content-Type": "application/json"})
             except (OSError, http.client.HTTPException) as e:

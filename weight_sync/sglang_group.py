@@ -3,7 +3,7 @@
 SGLang's ``/init_weights_update_group`` makes each worker join a process group over our TCP
 store under key prefixes of its own (see :func:`sglang_store_prefixes`); rank 0 (the learner's
 publisher) must build its side under the same prefixes. Used with ``weight_sync.nccl_impl =
-"sglang"``; the client that drives the servers is ``rollout_fleet.engines.sglang.SGLangClient``.
+"sglang"``; the client that drives the servers is ``engines.sglang.weights.SGLangWeightClient``.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ class MegatronEngine(TrainingEngine):
             raise RuntimeError("MegatronEngine needs torch.distributed initialised (nccl on GPU)")
         self.cfg, self.mcfg, self.model_path = cfg, cfg.megatron, model_path
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.loss = LossSettings.from_config(cfg.loss)
+        self.loss = LossSettings.from_config(cfg.loss, cfg.rollout_correction)
         on_gpu = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.hf_config = json.loads((Path(model_path) / "config.json").read_text())

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from broker.schema import Trajectory
-from rollout_fleet.engines.base import Sample, SamplingParams
+from engines.base import Sample, SamplingParams
 from rollout_fleet.proxy import ChatProxy
 from rollout_fleet.status import WorkerStatus
 from rollout_fleet.worker import Prompt, RolloutWorker
@@ -71,7 +71,7 @@ class AgentWorker(RolloutWorker):
 
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
-        floor = max(0, int(ticket.step) - self.max_staleness - 1)
+        floor = int(ticket.min_version)
         sids = [f"{group_id}.{i}" for i in range(self.sampling.n)]  # one path segment: no "/"
         for sid in sids:
             self.proxy.floors[sid] = floor

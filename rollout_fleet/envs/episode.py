@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_fleet.engines.base import Sample, SamplingParams
+from engines.base import Sample, SamplingParams
 from rollout_fleet.envs.base import (
     Codec,
     EnvError,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from engines.base import Sample, SamplingParams
 from rollout_fleet.config import EnvConfig
-from rollout_fleet.engines.base import Sample, SamplingParams
 from rollout_fleet.envs.base import EnvFactory, EpisodeLimits, HFCodec
 from rollout_fleet.envs.chain_addition import ChainAdditionEnv
 from rollout_fleet.envs.episode import run_episode

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from broker.schema import Trajectory
-from rollout_fleet.engines.base import Sample, SamplingParams
+from engines.base import Sample, SamplingParams
 from rollout_fleet.envs.base import Codec, EnvError, EnvFactory, EpisodeLimits
 from rollout_fleet.envs.episode import Episode, run_episode_group
 from rollout_fleet.status import WorkerStatus
@@ -36,7 +36,7 @@ class MultiTurnWorker(RolloutWorker):
     """A :class:`RolloutWorker` whose groups are episodes of ``env_factory``'s environments. Example::
 
         worker = MultiTurnWorker(fleet, producer, prompts, None, cfg.sampling, max_inflight_groups=8,
-                                 max_staleness=1, env_factory=ChainAdditionEnv, codec=HFCodec.from_pretrained(m),
+                                 env_factory=ChainAdditionEnv, codec=HFCodec.from_pretrained(m),
                                  limits=EpisodeLimits(max_turns=3, max_tokens=40, turn_max_tokens=8, wall_time_s=60))
     """
 
@@ -69,7 +69,7 @@ class MultiTurnWorker(RolloutWorker):
 
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
-        min_version = max(0, int(ticket.step) - self.max_staleness - 1)
+        min_version = int(ticket.min_version)
         try:
             episodes = await run_episode_group(
                 self.sampling.n, self._generate(group_id), self.env_factory, self.codec, prompt.prompt_ids,

@@ -186,7 +186,7 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
 def _back(run_dir: Path, log: Path, kill: dict) -> float | None:
     """Seconds from ``kill`` to the killed process back in service (its first "up" log line after it)."""
     path, marker, also = {
-        "server": (run_dir / "logs" / "fleet.log", "rollout_fleet.engines.vllm_server: vLLM server", "healthy after"),
+        "server": (run_dir / "logs" / "fleet.log", "engines.vllm.server: vLLM server", "healthy after"),
         "broker": (log, "launch.broker_supervisor: broker restarted", ""),
         "fleet": (log, "launch.fleet_recovery: fleet back in service", ""),
         "reward": (log, "launch.reward_servers: reward server", "restarted and healthy")}[kill["what"]]

@@ -158,7 +158,7 @@ def vllm_server_on_gpu1(test: str, model: str, run_dir: str, weight_backend: str
 
     import torch
 
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+    from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     if torch.cuda.device_count() < 2:
         raise RuntimeError("the vLLM GPU tests need 2 GPUs (engine on GPU 1, learner on GPU 0)")

@@ -282,8 +282,8 @@ def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from engines.base import SamplingParams
     from learner.megatron.engine import MegatronEngine
-    from rollout_fleet.engines.base import SamplingParams
 
     _init(rank, world, port)
     engine = MegatronEngine(learner_cfg(tp=world), kw["model"], total_steps=3, seed=0)
@@ -291,13 +291,14 @@ def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
     out: dict = {}
     pub = sampler = loop = None
     if rank == 0:
-        from rollout_fleet.engines.vllm import VLLMClient
+        from engines.vllm.generation import VLLMGenerationClient
+        from engines.vllm.weights import VLLMWeightClient
         from weight_sync.config import WeightSyncConfig
         from weight_sync.plan import build_plan
         from weight_sync.publisher import Publisher
 
         plan = build_plan(engine.param_plan(wire), 256 << 20)
-        target = VLLMClient("vllm-megatron", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
+        target = VLLMWeightClient("vllm-megatron", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
         # staged publishes: the first (the server's own v0 weights again) records the engine's copy plan,
         # the second (Megatron's) is replayed from it (weight_sync/copy_plan.py), so the comparison below
         # also checks that a replayed commit loads every weight
@@ -313,7 +314,7 @@ def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
             pub.publish(1, ((n, v0[n].to(engine.device, wire)) for n in plan.names))
             out["replayed_after_v0"] = target.last_update_steps.get("commit_replayed", -1.0)
             del v0
-        sampler = VLLMClient("vllm-megatron-gen", kw["url"], model=kw["model_name"], weight_backend="fleetrl")
+        sampler = VLLMGenerationClient("vllm-megatron-gen", kw["url"], model=kw["model_name"])
         loop = asyncio.new_event_loop()
     try:
         # the learner's own weights, not the checkpoint's: one optimizer step before the publish

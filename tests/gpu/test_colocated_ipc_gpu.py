@@ -27,7 +27,7 @@ TEST = "colocated_ipc"
 
 @pytest.fixture(scope="module")
 def server(qwen_checkpoints, tmp_path_factory):
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+    from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     run_dir = os.environ.get("FLEETRL_COLOCATED_IPC_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-ipc"))
     srv = VLLMServer(VLLMServerArgs(model=str(qwen_checkpoints[0]), dtype="bfloat16", max_model_len=2048,
@@ -53,7 +53,7 @@ def _greedy_fits(loop, sampler, ref: Reference, prompts: list[list[int]]) -> flo
     """Fraction of the engine's greedy tokens that are the reference's argmax at their position."""
     import torch
 
-    from rollout_fleet.engines.base import SamplingParams
+    from engines.base import SamplingParams
 
     hit = total = 0
     for prompt in prompts:
@@ -81,9 +81,10 @@ def _colocated_publish(loop, engine, publish):
 def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpoints):
     import torch
 
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
-    from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
+    from engines.vllm.ipc import VLLMIpcClient
+    from engines.vllm.weights import VLLMWeightClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.ipc_publisher import IpcPublisher
     from weight_sync.plan import build_plan
@@ -96,7 +97,7 @@ def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpo
     plan = build_plan(params, 256 << 20)  # as learner/rank.py builds the IPC plan (no tail pieces)
     engine = VLLMIpcClient("vllm-ipc", server.url, model=server.model_name, timeout_s=120, update_pause_mode="wait")
     pub = IpcPublisher(plan, device="cuda:0", slots=3, timeout_s=120, engines=[engine])
-    sampler = VLLMClient("vllm-ipc-gen", server.url, model=server.model_name)
+    sampler = VLLMGenerationClient("vllm-ipc-gen", server.url, model=server.model_name)
     try:
         ipc_s, steps = [], []
         for version, state in ((1, s1), (2, s0), (3, s1), (4, s0), (5, s1)):  # v1 includes the join
@@ -125,8 +126,8 @@ def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpo
 
         # the gloo path colocated mode took so far, side by side (same server, same weights, same step)
         gplan = build_plan(params, int(ws.bucket_mb * (1 << 20)), ws.tail_bytes(False))  # as rank.py for gloo
-        gengine = VLLMClient("vllm-gloo", server.url, model=server.model_name, weight_backend="fleetrl",
-                             timeout_s=120, update_pause_mode="wait")
+        gengine = VLLMWeightClient("vllm-gloo", server.url, model=server.model_name, weight_backend="fleetrl",
+                                   timeout_s=120, update_pause_mode="wait")
         gpub = Publisher(ws, gplan, rank=0, engines=[gengine], device="cpu")
         try:
             gloo_s = []
@@ -160,9 +161,9 @@ def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpo
 def test_ipc_plan_that_does_not_fit_is_refused_by_name(server, loop, qwen_checkpoints):
     import torch
 
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
-    from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
+    from engines.vllm.ipc import VLLMIpcClient
     from weight_sync.ipc_publisher import IpcPublisher
     from weight_sync.plan import build_plan
     from weight_sync.publish_run import PublishError
@@ -174,7 +175,7 @@ def test_ipc_plan_that_does_not_fit_is_refused_by_name(server, loop, qwen_checkp
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in bad.items()], 256 << 20)
     engine = VLLMIpcClient("vllm-bad", server.url, model=server.model_name, timeout_s=120)
     pub = IpcPublisher(plan, device="cuda:0", slots=2, timeout_s=120, engines=[engine])
-    sampler = VLLMClient("vllm-bad-gen", server.url, model=server.model_name)
+    sampler = VLLMGenerationClient("vllm-bad-gen", server.url, model=server.model_name)
     try:
         with pytest.raises(PublishError) as err:
             pub.publish(20, iter(_on_gpu(bad).items()))

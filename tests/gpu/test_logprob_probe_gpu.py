@@ -1,6 +1,6 @@
 """Behaviour log-probs at temperature 0.7 on vLLM 0.26 (bf16, one GPU) against the learner's forward.
 
-fleetrl starts vLLM with ``--logprobs-mode processed_logprobs`` (rollout_fleet/engines/vllm_server.py), so
+fleetrl starts vLLM with ``--logprobs-mode processed_logprobs`` (engines/vllm/server.py), so
 the log-prob a sample carries is that of the distribution it was drawn from: softmax(logits / T). This test
 checks, on the GPU engine the product runs on, that
 - vLLM 0.26 accepts the flag (the server starts with it in its command line),
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def server(qwen_checkpoints, tmp_path_factory):
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
+    from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     srv = VLLMServer(VLLMServerArgs(model=str(qwen_checkpoints[0]), dtype="bfloat16", max_model_len=2048,
                                     tensor_parallel_size=1, gpu_memory_utilization=0.3, max_num_seqs=64,
@@ -44,15 +44,15 @@ def server(qwen_checkpoints, tmp_path_factory):
 def test_processed_logprobs_at_t07_match_learner_within_probe_tolerance(server, qwen_checkpoints):
     import numpy as np
 
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
     from learner.logprob_probe import BF16_TOLERANCE
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
 
     cmd = server.command()
     assert "--logprobs-mode" in cmd and cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs", cmd
 
     async def sample(prompts):
-        client = VLLMClient("vllm-probe", server.url, model=server.model_name, weight_backend="nccl")
+        client = VLLMGenerationClient("vllm-probe", server.url, model=server.model_name)
         try:
             return await asyncio.gather(*(client.generate(p, SamplingParams(n=4, max_tokens=32, temperature=0.7))
                                           for p in prompts))

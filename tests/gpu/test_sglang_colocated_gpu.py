@@ -33,7 +33,7 @@ def _port() -> int:
 
 @pytest.fixture(scope="module")
 def server(qwen_checkpoints, loop, tmp_path_factory):
-    from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
+    from engines.sglang.server import SGLangServer, SGLangServerArgs
 
     if importlib.util.find_spec("torch_memory_saver") is None:
         pytest.fail("torch_memory_saver is not installed: SGLang's --enable-memory-saver needs it")
@@ -73,8 +73,8 @@ def test_release_frees_memory_then_publish_and_resume_serve_the_new_weights(serv
     import torch
 
     from core.net import EngineError
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.sglang_fleet import SGLangPublishClient
+    from engines.base import SamplingParams
+    from engines.sglang.weights import SGLangPublishClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
@@ -86,7 +86,7 @@ def test_release_frees_memory_then_publish_and_resume_serve_the_new_weights(serv
     torch.cuda.set_device(0)
     refs = {0: Reference(s0), 1: Reference(s1)}
     params = SamplingParams(n=4, max_tokens=32, temperature=1.0)
-    engine = server.client("sglang-colo", timeout_s=300, control_timeout_s=120)
+    engine = server.generation_client("sglang-colo", timeout_s=300, control_timeout_s=120)
     learner_side = SGLangPublishClient("sglang-colo", server.url, version=str(server.version), timeout_s=120,
                                        control_timeout_s=120)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)

@@ -1,8 +1,8 @@
-"""SGLang (TP=1, GPU 1) through fleetrl's SGLangClient: log-probs vs the learner's forward, before and
+"""SGLang (TP=1, GPU 1) through fleetrl's SGLang clients: log-probs vs the learner's forward, before and
 after an NCCL publish from this process (the learner, GPU 0).
 
 One server for the module. The publish uses fleetrl's plan and bucket packing, and
-the SGLang side of the group from rollout_fleet.engines.sglang (the store prefixes
+the SGLang side of the group from weight_sync.sglang_group (the store prefixes
 SGLang's workers use); every bucket is one /update_weights_from_distributed call
 with load_format='flattened_bucket'. Timings go to $FLEETRL_GPU_RESULTS (jsonl) when set.
 """
@@ -35,7 +35,7 @@ def _port() -> int:
 def server(qwen_checkpoints, loop, tmp_path_factory):
     import torch
 
-    from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
+    from engines.sglang.server import SGLangServer, SGLangServerArgs
 
     if torch.cuda.device_count() < 2:
         pytest.fail("the SGLang GPU test needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
@@ -52,13 +52,13 @@ def server(qwen_checkpoints, loop, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server, loop):
-    c = server.client("sglang-0")
+    c = server.generation_client("sglang-0")
     yield c
     loop.run_until_complete(c.close())
 
 
 def _group(client, loop, prompt):
-    from rollout_fleet.engines.base import SamplingParams
+    from engines.base import SamplingParams
 
     return loop.run_until_complete(client.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0)))
 
@@ -78,7 +78,7 @@ def test_generate_logprobs_match_learner(client, loop, qwen_checkpoints):
     _check(samples, prompt, ref0, ref1, "generate_v0")
 
 
-def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop, qwen_checkpoints):
+def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, client, loop, qwen_checkpoints):
     import torch
 
     from weight_sync import group as wgroup
@@ -95,9 +95,10 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop,
     store = wgroup.host_store("127.0.0.1", 0, 60)
     group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
                       backend="nccl", group_epoch=1)
+    weights = server.weight_client("sglang-0-weights")  # the learner's side; `client` generates
 
     async def join():
-        fut = asyncio.ensure_future(client.init_weight_transfer(group, plan))
+        fut = asyncio.ensure_future(weights.init_weight_transfer(group, plan))
         pg = await asyncio.to_thread(publisher_group, store, group, 60)
         await fut
         return pg
@@ -112,13 +113,14 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop,
 
     async def update(version: int, mode: str):
         t0 = time.perf_counter()
-        await client.pause(mode)
+        await weights.pause(mode)
         t_paused = time.perf_counter()
         bcast = asyncio.ensure_future(asyncio.to_thread(broadcast_all))
-        await client.update_weights(version, plan.plan_id)
+        await weights.update_weights(version, plan.plan_id)
         await bcast
-        await client.reset_prefix_cache()
-        await client.resume()
+        await weights.reset_prefix_cache()
+        await weights.resume()
+        client.record_version(version)
         t1 = time.perf_counter()
         return t1 - t0, t1 - t_paused
 
@@ -131,12 +133,13 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(client, loop,
         _record("nccl_update", bytes=sum(t.numel() * t.element_size() for t in learner.values()),
                 buckets=len(plan.buckets), first_s=first, pause_to_resume_s=[t[0] for t in times],
                 after_pause_s=[t[1] for t in times])
-        assert client.weight_version == 3
+        assert weights.weight_version == 3 and client.weight_version == 3
         prompt = random.Random(1).sample(range(1000, 100000), 16)
         samples = _group(client, loop, prompt)
         _check(samples, prompt, Reference(s1), Reference(s0), "generate_after_publish_v1")
     finally:
         wgroup.close_group(pg)
+        loop.run_until_complete(weights.close())
 
 
 @pytest.mark.parametrize("between_steps", [False, True], ids=["freeze", "between-steps"])
@@ -146,7 +149,7 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints,
     Log-probs then match the new weights."""
     import torch
 
-    from rollout_fleet.engines.base import SamplingParams
+    from engines.base import SamplingParams
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
@@ -158,8 +161,8 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints,
     torch.cuda.set_device(0)
     states = [{k: v.to("cuda:0") for k, v in s.items()} for s in (s0, s1)]
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], 256 << 20)
-    staged = server.client(f"sglang-staged-{int(between_steps)}", staging=True,  # on the publisher's RPC loop
-                           between_steps=between_steps)
+    staged = server.weight_client(f"sglang-staged-{int(between_steps)}", staging=True,  # on the publisher's RPC loop
+                                  between_steps=between_steps)
     pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", staging=True, timeout_s=120.0), plan,
                     rank=0, engines=[staged], device="cuda:0")
     versions = list(range(1, 6))  # v1 (group creation, copy-plan recording) = s1, then s0, s1, s0, s1

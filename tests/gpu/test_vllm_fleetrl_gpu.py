@@ -48,8 +48,9 @@ def server(qwen_checkpoints, tmp_path_factory):
 def test_fleetrl_nccl_publish_checked_and_logprobs_match(server, loop, qwen_checkpoints):
     import torch
 
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
+    from engines.vllm.weights import VLLMWeightClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
@@ -57,10 +58,10 @@ def test_fleetrl_nccl_publish_checked_and_logprobs_match(server, loop, qwen_chec
     _, _, s0, s1 = qwen_checkpoints
     torch.cuda.set_device(0)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
-    engine = VLLMClient("vllm-f", server.url, model=server.model_name, weight_backend="fleetrl")
+    engine = VLLMWeightClient("vllm-f", server.url, model=server.model_name, weight_backend="fleetrl")
     pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120), plan,
                     rank=0, engines=[engine], device="cuda:0")
-    sampler = VLLMClient("vllm-f-gen", server.url, model=server.model_name, weight_backend="fleetrl")
+    sampler = VLLMGenerationClient("vllm-f-gen", server.url, model=server.model_name)
     try:
         reports, walls, steps = [], [], []
         for version, state in ((1, s1), (2, s0), (3, s1), (4, s0), (5, s1)):  # v1 includes the group's creation
@@ -99,8 +100,9 @@ def test_staged_publish_keeps_serving_and_logprobs_match(server, loop, qwen_chec
     serves; only the commit (one /collective_rpc between two engine steps) holds it still."""
     import torch
 
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
+    from engines.vllm.weights import VLLMWeightClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
@@ -108,11 +110,11 @@ def test_staged_publish_keeps_serving_and_logprobs_match(server, loop, qwen_chec
     _, _, s0, s1 = qwen_checkpoints
     torch.cuda.set_device(0)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
-    engine = VLLMClient("vllm-s", server.url, model=server.model_name, weight_backend="fleetrl",
-                        update_pause_mode="keep")
+    engine = VLLMWeightClient("vllm-s", server.url, model=server.model_name, weight_backend="fleetrl",
+                              update_pause_mode="keep")
     pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120, staging=True),
                     plan, rank=0, engines=[engine], device="cuda:0")
-    sampler = VLLMClient("vllm-s-gen", server.url, model=server.model_name, weight_backend="fleetrl")
+    sampler = VLLMGenerationClient("vllm-s-gen", server.url, model=server.model_name)
     try:
         reports, steps = [], []
         for version, state in ((11, s0), (12, s1), (13, s0), (14, s1)):

@@ -1,9 +1,9 @@
-"""vLLM TP=1 on GPU 1 through fleetrl's VLLMServer / VLLMClient: log-probs vs the learner's forward,
+"""vLLM TP=1 on GPU 1 through fleetrl's VLLMServer / VLLMGenerationClient / VLLMNcclClient: log-probs vs the learner's forward,
 then an NCCL publish from this process (the learner, GPU 0) into vLLM's built-in NCCL backend.
 
 One server for the module. The publish is fleetrl's Publisher (nccl_impl="vllm": the
-PyNccl group vLLM's workers join) feeding fleetrl's VLLMClient (VLLMNcclClient: the
-per-version placement of the packed settings, rollout_fleet/engines/vllm_nccl.py).
+PyNccl group vLLM's workers join) feeding fleetrl's weight client (VLLMNcclClient: the
+per-version placement of the packed settings, engines/vllm/nccl.py).
 Timings go to $FLEETRL_GPU_RESULTS (jsonl) when set.
 """
 
@@ -18,7 +18,7 @@ from gpu_helpers import Reference, check_logprobs, record, vllm_server_on_gpu1
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-# Every process of the weight group must agree on it (see rollout_fleet/engines/sglang.py); the
+# Every process of the weight group must agree on it (see engines/sglang/weights.py); the
 # server inherits this environment.
 os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
@@ -37,15 +37,15 @@ def server(qwen_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server, loop):
-    from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+    from engines.vllm.generation import VLLMGenerationClient
 
-    c = VLLMNcclClient("vllm-0", server.url, model=server.model_name)
+    c = VLLMGenerationClient("vllm-0", server.url, model=server.model_name)
     yield c
     loop.run_until_complete(c.close())
 
 
 def _group(client, loop, prompt):
-    from rollout_fleet.engines.base import SamplingParams
+    from engines.base import SamplingParams
 
     return loop.run_until_complete(client.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0)))
 
@@ -67,7 +67,7 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
     """fleetrl's Publisher (learner rank 0, GPU 0) -> vLLM's NCCL backend, through VLLMNcclClient."""
     import torch
 
-    from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+    from engines.vllm.nccl import VLLMNcclClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
@@ -88,7 +88,7 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
             reports.append(pub.publish(version, iter(learner.items())))
             walls.append(time.perf_counter() - t0)
             steps.append(dict(engine.last_update_steps))
-        # VLLMClient.update_weights pauses (keep), loads, resets the prefix cache and resumes: the
+        # VLLMWeightClient.update_weights pauses (keep), loads, resets the prefix cache and resumes: the
         # publish's wall time is the engine's unavailability per update.
         _record("nccl_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), first_s=walls[0],
                 rebuild_s=reports[0].rebuild_seconds, pause_to_resume_s=walls[1:],

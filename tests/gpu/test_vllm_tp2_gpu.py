@@ -1,4 +1,4 @@
-"""vLLM TP=2 over both GPUs through fleetrl's VLLMServer / VLLMClient: a group's log-probs vs the
+"""vLLM TP=2 over both GPUs through fleetrl's VLLMServer / VLLMNcclClient: a group's log-probs vs the
 learner's forward, then a load of new weights on every TP worker (from the learner's HF export).
 
 With 2 GPUs the TP=2 engine holds both, so no learner GPU is left for an NCCL group
@@ -27,8 +27,9 @@ def _record(what: str, **kw) -> None:
 def client(qwen_checkpoints, tmp_path_factory, loop):
     import torch
 
-    from rollout_fleet.engines.vllm import VLLMServer, VLLMServerArgs
-    from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
+    from engines.vllm.generation import VLLMGenerationClient
+    from engines.vllm.nccl import VLLMNcclClient
+    from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     if torch.cuda.device_count() < 2:
         pytest.fail("the TP=2 test needs 2 GPUs")
@@ -41,9 +42,12 @@ def client(qwen_checkpoints, tmp_path_factory, loop):
     t0 = time.monotonic()
     srv.start()
     _record("startup", seconds=time.monotonic() - t0, command=srv.command())
-    c = VLLMNcclClient("vllm-tp2", srv.url, model=srv.model_name, group_ranks=2)
-    yield c
+    # generation, and the learner's side (vLLM 0.26's load from disk: the NCCL client's)
+    c = VLLMGenerationClient("vllm-tp2", srv.url, model=srv.model_name)
+    w = VLLMNcclClient("vllm-tp2", srv.url, model=srv.model_name, group_ranks=2)
+    yield c, w
     loop.run_until_complete(c.close())
+    loop.run_until_complete(w.close())
     srv.stop()
 
 
@@ -52,8 +56,9 @@ def _check(samples, prompt, ref_same, ref_other, label):
 
 
 def test_tp2_generate_then_load_new_weights(client, loop, qwen_checkpoints):
-    from rollout_fleet.engines.base import SamplingParams
+    from engines.base import SamplingParams
 
+    client, weights = client
     _, v1, s0, s1 = qwen_checkpoints
     ref0, ref1 = Reference(s0), Reference(s1)
     params = SamplingParams(n=4, max_tokens=32, temperature=1.0)
@@ -63,9 +68,10 @@ def test_tp2_generate_then_load_new_weights(client, loop, qwen_checkpoints):
     _check(samples, prompt, ref0, ref1, "generate_v0")
 
     t0 = time.perf_counter()
-    loop.run_until_complete(client.load_weights_from_path(str(v1), 1))
+    loop.run_until_complete(weights.load_weights_from_path(str(v1), 1))
     _record("load_from_export", seconds=time.perf_counter() - t0)
-    assert client.weight_version == 1
+    assert weights.weight_version == 1
+    client.record_version(1)
     prompt = random.Random(1).sample(range(1000, 100000), 16)
     samples = loop.run_until_complete(client.generate(prompt, params))
     _check(samples, prompt, ref1, ref0, "generate_after_load_v1")

@@ -54,7 +54,7 @@ def hostile_generation_config_copy(out: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
-    """A running :class:`rollout_fleet.engines.vllm.VLLMServer` on the tiny model (fleetrl weight backend over gloo)."""
+    """A running :class:`engines.vllm.server.VLLMServer` on the tiny model (fleetrl weight backend over gloo)."""
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m tools.pretrain_tiny`")
     model = hostile_generation_config_copy(tmp_path_factory.mktemp("tiny-adder-topk2"))

@@ -30,7 +30,7 @@ And, for colocated mode, the memory release and SGLang's own distributed update 
 ``GET /calls`` lists the calls in order; ``POST /fail`` ``{"path", "status", "delay_s", "times"}`` makes
 the next calls of one path fail or answer late.
 
-What runs inside is real: a torch model, fleetrl's loader (``weight_sync.sglang_ext``), its group
+What runs inside is real: a torch model, fleetrl's loader (``engines.sglang.loader``), its group
 (gloo) and store. ``/state`` reports the pause flag, forwards run, and the model's tensors.
 
     python tests/integration/sglang_standin.py --port N
@@ -57,7 +57,7 @@ from torch.distributed.distributed_c10d import (
     rendezvous,
 )
 
-from weight_sync import sglang_ext
+from engines.sglang import loader
 from weight_sync.plan import nbytes, torch_dtype
 
 ALLOWED = ("builtins.", "collections.", "copyreg.", "torch.")  # of SGLang's SafeUnpickler prefixes
@@ -212,10 +212,10 @@ class Scheduler:
 
     def update_from_tensor(self, body: dict) -> dict:
         named = decode_payload(body["serialized_named_tensors"][0])
-        if body.get("load_format") != sglang_ext.LOADER:
+        if body.get("load_format") != loader.LOADER:
             return {"success": False, "message": f"Unknown load_format={body.get('load_format')}"}
         with self.lock:
-            sglang_ext.fleetrl_loader(self.model, [(n, t.to("cpu")) for n, t in named])
+            loader.fleetrl_loader(self.model, [(n, t.to("cpu")) for n, t in named])
         return {"success": True, "message": "Success"}
 
     def state(self) -> dict:

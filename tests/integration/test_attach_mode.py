@@ -3,7 +3,7 @@ sync, and never starts, restarts or stops it.
 
 The server is conftest's session server (a real vLLM CPU process on the tiny model, started by the
 test session, not by the fleet). The weights go through the learner's own client choice
-(``launch.learner_ranks.publish_client``) and the gloo publisher, as a learner rank would send them.
+(``engines.registry.weight_client``) and the gloo publisher, as a learner rank would send them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engines.base import SamplingParams
+from engines.vllm.factory import VLLMFactory
 from launch.config import load_run_config
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import SamplingParams
 from rollout_fleet.status import ServerState
-from rollout_fleet.vllm_fleet import VLLMFactory
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-adder"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def test_attached_server_serves_takes_weights_and_is_never_restarted(vllm_server, tmp_path):
     from safetensors.torch import load_file
 
-    from launch.learner_ranks import publish_client
+    from engines.registry import weight_client
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
@@ -55,7 +55,7 @@ def test_attached_server_serves_takes_weights_and_is_never_restarted(vllm_server
             base = load_file(str(TINY_MODEL / "model.safetensors"))
             plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
             urls = {s.engine_id: s.engine.url for s in fleet.servers.values() if s.state == ServerState.HEALTHY}
-            endpoints = [publish_client(cfg, "gloo", eid, url) for eid, url in urls.items()]
+            endpoints = [weight_client(cfg, "gloo", eid, url) for eid, url in urls.items()]
             pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=endpoints)
             try:
                 rep = await asyncio.to_thread(pub.publish, 11, base.items())

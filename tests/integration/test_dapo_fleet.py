@@ -14,6 +14,7 @@ import pytest
 
 from broker.client import ConsumerClient, ProducerClient, new_event_loop
 from broker.process import BrokerProcess
+from engines.simulated import SimulatedFactory
 from rollout_fleet.config import (
     FilterGroupsConfig,
     OverlongBufferConfig,
@@ -22,7 +23,6 @@ from rollout_fleet.config import (
     SimulatedEngineConfig,
 )
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.simulated import SimulatedFactory
 from rollout_fleet.shaping import overlong_penalty, shape, uniform
 from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
 
@@ -96,7 +96,7 @@ def test_dynamic_sampling_fills_every_step_with_non_uniform_groups():
         await fleet.start(1)
         producer = AsyncProducer(ProducerClient(bp.address, producer_id="fleet", timeout_s=10))
         worker = RolloutWorker(fleet, producer, CountingPrompts(), RuleScorer(), SamplingConfig(n=4, max_tokens=16),
-                               max_inflight_groups=4, max_staleness=4,
+                               max_inflight_groups=4,
                                filter_groups=FilterGroupsConfig(enable=True, metric="acc"))
         stop = asyncio.Event()
         run = asyncio.create_task(worker.run(stop))
@@ -139,7 +139,7 @@ def test_dynamic_sampling_fills_every_step_with_non_uniform_groups():
 def test_metric_choice_and_the_generation_limit():
     def worker(**kw):
         return RolloutWorker(None, None, None, None, SamplingConfig(n=2, max_tokens=16), max_inflight_groups=1,
-                             max_staleness=0, filter_groups=FilterGroupsConfig(enable=True, **kw))
+                             filter_groups=FilterGroupsConfig(enable=True, **kw))
 
     w = worker(metric="acc")
     # raw scores uniform, shaped ones not (one sample ran into the overlong buffer): acc filters it ...

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from core.engine_auth import OPEN_PATHS, TOKEN_ENV, auth_headers
-from rollout_fleet.engines.vllm import VLLMClient
+from engines.vllm.generation import VLLMGenerationClient
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,7 +38,7 @@ def test_calls_without_the_run_token_are_refused_and_the_fleet_clients_work(vllm
         assert httpx.get(url + path, timeout=30).status_code == 200, path
 
     async def fleet_client() -> tuple[bool, bool, str | None]:
-        c = VLLMClient("auth-test", url, model=vllm_server.model_name, timeout_s=60, request_timeout_s=120)
+        c = VLLMGenerationClient("auth-test", url, model=vllm_server.model_name, timeout_s=60, request_timeout_s=120)
         try:
             await c.pause()
             paused = await c.is_paused()

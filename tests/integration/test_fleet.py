@@ -11,10 +11,10 @@ from collections import Counter
 
 import pytest
 
+from engines.base import SamplingParams
+from engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.config import RolloutConfig, SimulatedEngineConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import SamplingParams
-from rollout_fleet.engines.simulated import SimulatedEngine, SimulatedFactory
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,9 @@ import asyncio
 import pytest
 from safetensors.torch import load_file
 
-from rollout_fleet.engines.base import EngineError, SamplingParams
-from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
+from engines.base import EngineError, SamplingParams
+from engines.vllm.generation import VLLMGenerationClient
+from engines.vllm.ipc import VLLMIpcClient
 from weight_sync.ipc import IpcHandle, IpcInit
 from weight_sync.plan import build_plan
 
@@ -50,7 +51,7 @@ def test_ipc_join_checks_the_plan_against_the_real_engine(vllm_server):
 
     async def run():
         misfit, fits = await join(bad, 1), await join(good, 2)
-        client = VLLMIpcClient("vllm-ipc-gen", vllm_server.url, model=vllm_server.model_name, timeout_s=60)
+        client = VLLMGenerationClient("vllm-ipc-gen", vllm_server.url, model=vllm_server.model_name, timeout_s=60)
         try:
             return misfit, fits, await client.generate([5, 6, 7], SamplingParams(n=1, max_tokens=3, temperature=0.0))
         finally:

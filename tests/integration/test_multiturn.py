@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from broker.protocol import Ticket
 from broker.schema import from_record_batch, validate_batch
+from engines.vllm.generation import VLLMGenerationClient
 from learner.batch import plan_step
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.envs.base import EpisodeLimits, HFCodec, StepResult
 from rollout_fleet.envs.chain_addition import ChainAdditionEnv
 from rollout_fleet.envs.worker import MultiTurnWorker
@@ -43,8 +43,8 @@ class SharedServerFactory:
     def __init__(self, url: str, versions: list[int]) -> None:
         self.url, self.versions, self.calls = url, versions, []
 
-    async def start(self, index: int) -> VLLMClient:
-        client = VLLMClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=self.versions[index])
+    async def start(self, index: int) -> VLLMGenerationClient:
+        client = VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=self.versions[index])
         inner = client.generate
 
         async def generate(prompt_ids, params):  # records what the engine was asked and what it sampled
@@ -69,11 +69,6 @@ class MemoryProducer:
     def push(self, batch):
         self.batches.append(validate_batch(batch))
 
-
-@dataclass
-class Ticket:
-    step: int
-    ticket_id: int
 
 
 class ExplodingEnv(ChainAdditionEnv):
@@ -105,7 +100,7 @@ def run_group(url: str, versions: list[int], env_factory, prompt: Prompt, n: int
         producer = MemoryProducer()
         worker = MultiTurnWorker(fleet, AsyncProducer(producer), None, None,
                                  SamplingConfig(n=n, max_tokens=6, temperature=1.0), max_inflight_groups=4,
-                                 max_staleness=8, env_factory=env_factory, codec=HFCodec.from_pretrained(str(TINY_MODEL)),
+                                 env_factory=env_factory, codec=HFCodec.from_pretrained(str(TINY_MODEL)),
                                  limits=LIMITS, stop_token_ids=[EOS])
         try:
             await worker._group(Ticket(step=step, ticket_id=0), prompt)

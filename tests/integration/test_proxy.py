@@ -16,7 +16,8 @@ import numpy as np
 import openai
 import pytest
 
-from rollout_fleet.engines.vllm import VLLMClient
+from broker.protocol import Ticket
+from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.envs.tools import CALCULATOR_SCHEMA
 from rollout_fleet.proxy import ChatProxy
 
@@ -35,7 +36,7 @@ def proxy(vllm_server):
     box = {}
 
     async def setup():
-        client = VLLMClient("vllm-0", vllm_server.url, model="tiny-adder", initial_version=4)
+        client = VLLMGenerationClient("vllm-0", vllm_server.url, model="tiny-adder", initial_version=4)
 
         async def generate(context, params, min_version):
             (s,) = await client.generate(context, params)
@@ -118,7 +119,7 @@ class _Factory:
         self.url = url
 
     async def start(self, index):
-        return VLLMClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=2)
+        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=2)
 
     async def restart(self, engine):
         return engine
@@ -128,8 +129,6 @@ class _Factory:
 
 
 def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vllm_server):
-    from dataclasses import dataclass
-
     from transformers import AutoTokenizer
 
     from broker.schema import from_record_batch, validate_batch
@@ -137,11 +136,6 @@ def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vll
     from rollout_fleet.controller import FleetController
     from rollout_fleet.envs.agent_worker import AgentWorker, fleet_generate
     from rollout_fleet.worker import AsyncProducer, Prompt
-
-    @dataclass
-    class Ticket:
-        step: int
-        ticket_id: int
 
     pushed = []
 
@@ -166,7 +160,7 @@ def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vll
         proxy = ChatProxy(fleet_generate(fleet), tok, model_name="tiny-adder", stop_token_ids=[EOS])
         await proxy.start("127.0.0.1", 0)
         worker = AgentWorker(fleet, AsyncProducer(Producer()), None, None, SamplingConfig(n=3, max_tokens=5),
-                             max_inflight_groups=2, max_staleness=1, proxy=proxy, agent=agent)
+                             max_inflight_groups=2, proxy=proxy, agent=agent)
         prompt = Prompt(prompt_ids=[], ground_truth="58", extra_info={"question": "12+45="})
         await worker._group(Ticket(step=1, ticket_id=0), prompt)
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
+from broker.protocol import Ticket
+from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.envs.base import HFCodec
 from rollout_fleet.reward_models import (
     ClassifierClient,
@@ -239,18 +239,13 @@ def test_the_real_vllm_server_as_judge_gives_no_verdict_and_that_is_counted(vllm
     assert err.reason == "unparsable_verdict" and judge.failures == {"unparsable_verdict": 2}
 
 
-@dataclass
-class Ticket:
-    step: int
-    ticket_id: int
-
 
 class Factory:
     def __init__(self, url):
         self.url = url
 
     async def start(self, index):
-        return VLLMClient(f"vllm-{index}", self.url, model="tiny-adder")
+        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder")
 
     async def restart(self, engine):
         return engine
@@ -275,7 +270,7 @@ def test_a_group_scored_by_a_hanging_judge_is_dropped_and_counted_never_zero(vll
             judge = JudgeClient(srv.url, model="judge", timeout_s=0.2, retries=1, backoff_s=0.01)
             codec = HFCodec.from_pretrained(str(TINY_MODEL))
             worker = RolloutWorker(fleet, AsyncProducer(Producer()), None, ModelRewardScorer(judge, codec),
-                                   SamplingConfig(n=2, max_tokens=4), max_inflight_groups=2, max_staleness=1)
+                                   SamplingConfig(n=2, max_tokens=4), max_inflight_groups=2)
             await worker._group(Ticket(step=1, ticket_id=0), Prompt(prompt_ids=codec.encode("3+4="), ground_truth="7"))
             await judge.close()
         await fleet.close()

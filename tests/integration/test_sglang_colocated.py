@@ -1,4 +1,4 @@
-"""Colocated mode on SGLang, on CPU: the fleet's sleep / wake through SGLangClient's memory release, and
+"""Colocated mode on SGLang, on CPU: the fleet's sleep / wake through the SGLang client's memory release, and
 the publish over gloo into SGLang's own update group, against the stand-in (sglang_standin.py).
 
 The fleet controller, the colocated gate (rollout_fleet/colocated.py), the clients, the publisher and
@@ -26,12 +26,12 @@ from health import wait_healthy  # tests/integration, on sys.path under pytest
 from sglang_standin import state
 
 from core.net import EngineError, EngineErrorCode, free_port
+from engines.base import SamplingParams
+from engines.sglang.generation import SGLangGenerationClient
+from engines.sglang.weights import SGLangPublishClient
 from rollout_fleet.colocated import ColocatedEngines
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import SamplingParams
-from rollout_fleet.engines.sglang import SGLangClient
-from rollout_fleet.sglang_fleet import SGLangPublishClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher
@@ -59,8 +59,8 @@ class _Factory:
     def __init__(self, url: str, **kw) -> None:
         self.url, self.kw = url, kw
 
-    async def start(self, index: int) -> SGLangClient:
-        return SGLangClient(f"sglang-{index}", self.url, **self.kw)
+    async def start(self, index: int) -> SGLangGenerationClient:
+        return SGLangGenerationClient(f"sglang-{index}", self.url, **self.kw)
 
     async def stop(self, engine) -> None:
         await engine.close()

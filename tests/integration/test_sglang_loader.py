@@ -1,4 +1,4 @@
-"""fleetrl's loader for SGLang's workers (weight_sync/sglang_ext.py), driven as SGLang drives it, on CPU.
+"""fleetrl's loader for SGLang's workers (engines/sglang/loader.py), driven as SGLang drives it, on CPU.
 
 SGLang has no CPU build, so the worker here is a plain process that does what SGLang's TP
 worker does with an ``/update_weights_from_tensor`` call: unpickle the payload with an
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from sglang_standin import Tiny, decode_payload  # the model and unpickling the stand-in server uses
 from sglang_standin import state as make_state
 
+from engines.sglang import loader
 from weight_sync import group as wgroup
-from weight_sync import sglang_ext
 from weight_sync.messages import GroupInfo
 from weight_sync.plan import (
     bucket_fingerprint,
@@ -47,7 +47,7 @@ def _worker(conn) -> None:
             continue
         named = decode_payload(msg)
         named = [(n, t.to("cpu")) for n, t in named]  # SGLang's _unwrap_tensor
-        sglang_ext.fleetrl_loader(model, named)  # never raises: outcomes go to the store
+        loader.fleetrl_loader(model, named)  # never raises: outcomes go to the store
         conn.send("done")
 
 
@@ -65,10 +65,10 @@ def worker():
 
 
 def test_payload_passes_an_allowlist_and_names_the_command():
-    named = decode_payload(sglang_ext.payload("stage", version=3, plan_id="p"))
-    assert len(named) == 1 and named[0][0].startswith(sglang_ext.PREFIX) and '"version": 3' in named[0][0]
+    named = decode_payload(loader.payload("stage", version=3, plan_id="p"))
+    assert len(named) == 1 and named[0][0].startswith(loader.PREFIX) and '"version": 3' in named[0][0]
     with pytest.raises(ValueError, match="unknown fleetrl SGLang command"):
-        sglang_ext.payload("reload")
+        loader.payload("reload")
 
 
 def test_join_stage_commit_over_a_real_group(worker):
@@ -84,7 +84,7 @@ def test_join_stage_commit_over_a_real_group(worker):
     def call(cmd, **args):
         nonlocal seq
         seq += 1
-        worker.send(sglang_ext.payload(cmd, seq=seq, **common, **args))
+        worker.send(loader.payload(cmd, seq=seq, **common, **args))
         return seq
 
     requests = 0
@@ -92,16 +92,16 @@ def test_join_stage_commit_over_a_real_group(worker):
     def ask(cmd, **args):  # as SGLangClient: a request in the store, for the worker's request thread
         nonlocal seq, requests
         seq, requests = seq + 1, requests + 1
-        store.set(sglang_ext.request_key(1, 1, requests), sglang_ext.request(cmd, engine_id="sgl-test", seq=seq, **args))
+        store.set(loader.request_key(1, 1, requests), loader.request(cmd, engine_id="sgl-test", seq=seq, **args))
         return seq
 
     def stage(**args):
-        return sglang_ext.read_outcomes(store, "sgl-test", ask("stage", **args), 1)[0]
+        return loader.read_outcomes(store, "sgl-test", ask("stage", **args), 1)[0]
 
     def outcome(s):
         assert worker.poll(30), "the worker did not return from the loader"
         assert worker.recv() == "done"
-        return sglang_ext.read_outcomes(store, "sgl-test", s, 1)[0]
+        return loader.read_outcomes(store, "sgl-test", s, 1)[0]
 
     s = call("join", group={"master_addr": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
                             "world_size": 2, "group_epoch": 1, "backend": "gloo"}, plan=plan_to_dict(plan))
@@ -123,16 +123,16 @@ def test_join_stage_commit_over_a_real_group(worker):
             time.sleep(0.5)  # the request thread has seen it
             worker.send("step")
             assert worker.poll(30) and worker.recv() == "done"
-            got = sglang_ext.read_outcomes(store, "sgl-test", s, 1)[0]
+            got = loader.read_outcomes(store, "sgl-test", s, 1)[0]
             assert got.get("between_steps"), got
         else:  # no forward comes (an idle engine): the client falls back to the loader, with the same seq
-            worker.send(sglang_ext.payload("commit", seq=s, version=version, **common))
+            worker.send(loader.payload("commit", seq=s, version=version, **common))
             got = outcome(s)
             assert not got.get("between_steps"), got
             time.sleep(0.5)  # the request thread has seen the request too
             worker.send("step")  # a later forward must not commit it again (it would leave an outcome)
             assert worker.poll(30) and worker.recv() == "done"
-            assert not store.check([sglang_ext.outcome_key("sgl-test", s, 0)])
+            assert not store.check([loader.outcome_key("sgl-test", s, 0)])
         assert got["ok"] and got["checksum"] == combine_fingerprints(prints), got
         worker.send("dump")
         held = worker.recv()
@@ -157,5 +157,5 @@ def test_a_missing_outcome_times_out_with_the_worker_named():
     client = wgroup.connect_store("127.0.0.1", store.port, 1.0)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="TP worker 0 left no outcome of call 5"):
-        sglang_ext.read_outcomes(client, "sgl-x", 5, 1)
+        loader.read_outcomes(client, "sgl-x", 5, 1)
     assert time.monotonic() - t0 < 10

@@ -1,4 +1,4 @@
-"""SGLangClient's staged updates on CPU, against a stand-in of SGLang's server (sglang_standin.py).
+"""SGLangWeightClient's staged updates on CPU, against a stand-in of SGLang's server (sglang_standin.py).
 
 The publisher, the client, fleetrl's loader, its group (gloo) and store are the real ones; the
 stand-in plays SGLang's HTTP server and scheduler (SGLang has no CPU build; the real server is
@@ -22,7 +22,7 @@ from health import wait_healthy  # tests/integration, on sys.path under pytest
 from sglang_standin import state
 
 from core.net import EngineError, free_port
-from rollout_fleet.engines.sglang import SGLangClient
+from engines.sglang.weights import SGLangWeightClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher
@@ -62,8 +62,8 @@ def test_staged_publishes_into_a_serving_engine(standin, between_steps):
     states = {v: state(v) for v in range(1, 5)}
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], bucket_bytes=200)
     assert len(plan.buckets) > 1
-    client = SGLangClient("standin", standin, staging=True, between_steps=between_steps, timeout_s=60,
-                          control_timeout_s=30)
+    client = SGLangWeightClient("standin", standin, staging=True, between_steps=between_steps, timeout_s=60,
+                                control_timeout_s=30)
     pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, nccl_impl="torch", timeout_s=30), plan, rank=0,
                     engines=[client], device="cpu")
     try:

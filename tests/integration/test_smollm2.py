@@ -70,11 +70,11 @@ def test_vllm_serves_chat_templated_samples_with_the_learners_logprobs(smollm2_m
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engines.base import SamplingParams
+    from engines.vllm.generation import VLLMGenerationClient
     from learner.batch import MicroBatch
     from learner.engine import packed_forward
     from rollout_fleet.data import PromptDataset, load_tokenizer
-    from rollout_fleet.engines.base import SamplingParams
-    from rollout_fleet.engines.vllm import VLLMClient
 
     tok = load_tokenizer(smollm2_model)
     ds = PromptDataset([DATA / "test.parquet"], tok, shuffle=False, max_model_len=256, response_tokens=48)
@@ -83,7 +83,7 @@ def test_vllm_serves_chat_templated_samples_with_the_learners_logprobs(smollm2_m
     assert tok.decode(prompt).startswith("<|im_start|>system\nAnswer with only the final number.<|im_end|>")
 
     async def sample():
-        c = VLLMClient("smollm2", smollm2_server.url, model="smollm2", request_timeout_s=300)
+        c = VLLMGenerationClient("smollm2", smollm2_server.url, model="smollm2", request_timeout_s=300)
         try:
             return await c.generate(prompt, SamplingParams(n=4, max_tokens=48, temperature=1.0, seed=0))
         finally:

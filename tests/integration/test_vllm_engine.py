@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from core.engine_auth import auth_headers
-from rollout_fleet.engines.base import SamplingParams
-from rollout_fleet.engines.vllm import VLLMClient
+from engines.base import SamplingParams
+from engines.vllm.generation import VLLMGenerationClient
+from engines.vllm.weights import VLLMWeightClient
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-adder"  # the conftest fixture serves it
 
@@ -59,8 +60,12 @@ def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tens
     return lp.gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
-def _client(server) -> VLLMClient:
-    return VLLMClient("vllm-test", server.url, model=server.model_name, timeout_s=60, request_timeout_s=120)
+def _client(server) -> VLLMGenerationClient:
+    return VLLMGenerationClient("vllm-test", server.url, model=server.model_name, timeout_s=60, request_timeout_s=120)
+
+
+def _weights(server) -> VLLMWeightClient:
+    return VLLMWeightClient("vllm-test", server.url, model=server.model_name, timeout_s=60, request_timeout_s=120)
 
 
 def _max_err(model, prompt, samples) -> float:
@@ -115,7 +120,7 @@ def test_the_model_folders_sampling_defaults_are_not_applied(vllm_server):
     """The served folder's generation_config.json says top_k=2, repetition_penalty=1.3 (conftest): vLLM would
     fill every request's unset fields from it. fleetrl's samples must follow the learner's distribution:
     more than 2 distinct first tokens, and each sample's log-prob that of log_softmax(z / T)."""
-    from rollout_fleet.engines.base import model_sampling_defaults
+    from engines.base import model_sampling_defaults
     from tests.integration.conftest import HOSTILE_GENERATION_CONFIG
 
     assert model_sampling_defaults(vllm_server.args.model) == HOSTILE_GENERATION_CONFIG
@@ -194,7 +199,7 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
     new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
            for k, v in base.items()}
     plan = build_plan([(k, v.shape, v.dtype) for k, v in new.items()], bucket_bytes=256 * 1024)
-    client = _client(vllm_server)
+    client = _weights(vllm_server)
     pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[client])
     try:
         first = pub.publish(1, new.items())
@@ -234,7 +239,7 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
     assert err_old > 10 * TOL, f"the perturbation was too small to tell old from new weights ({err_old:.2e})"
 
     async def run_generate_api():
-        c = VLLMClient("vllm-test", vllm_server.url, model=vllm_server.model_name, api="generate")
+        c = VLLMGenerationClient("vllm-test", vllm_server.url, model=vllm_server.model_name, api="generate")
         try:
             return await c.generate(prompt, SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=5))
         finally:
@@ -256,8 +261,8 @@ def test_requests_reuse_prefix_kv_only_within_one_weight_version(vllm_server):
     prompt = _tokenizer()(LONG_PROMPT)["input_ids"]
 
     async def run():
-        c = VLLMClient("vllm-salt", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
-                       request_timeout_s=120, initial_version=41)
+        c = VLLMGenerationClient("vllm-salt", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
+                                 request_timeout_s=120, initial_version=41)
         try:
             await c.generate(prompt, SamplingParams(n=1, max_tokens=2, temperature=0))
         finally:
@@ -281,8 +286,8 @@ def test_wait_pause_update_relies_on_the_pause_to_empty_the_prefix_cache(vllm_se
     _cached_tokens(vllm_server, prompt)
     assert _cached_tokens(vllm_server, prompt) >= 32, "prefix caching is not active; the check would be vacuous"
     base = load_file(str(TINY_MODEL / "model.safetensors"))
-    client = VLLMClient("vllm-wait", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
-                        request_timeout_s=120, update_pause_mode="wait")
+    client = VLLMWeightClient("vllm-wait", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
+                              request_timeout_s=120, update_pause_mode="wait")
     plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
     pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[client])
     try:
@@ -314,14 +319,14 @@ def test_staged_update_keeps_serving_during_the_broadcast(vllm_server):
     gen = torch.Generator().manual_seed(5)
     new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
            for k, v in base.items()}
-    client = VLLMClient("vllm-staged", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
-                        request_timeout_s=120, update_pause_mode="keep")
+    client = VLLMWeightClient("vllm-staged", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
+                              request_timeout_s=120, update_pause_mode="keep")
     plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
     pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, timeout_s=60), plan, engines=[client])
     during: dict = {}
 
     async def generate_now():
-        c = VLLMClient("vllm-staged-gen", vllm_server.url, model=vllm_server.model_name, request_timeout_s=30)
+        c = VLLMGenerationClient("vllm-staged-gen", vllm_server.url, model=vllm_server.model_name, request_timeout_s=30)
         try:
             return await c.is_paused(), await c.generate(prompt, SamplingParams(n=2, max_tokens=4, seed=1))
         finally:
@@ -354,7 +359,7 @@ def test_staged_update_keeps_serving_during_the_broadcast(vllm_server):
 
 
 async def _generate(server, prompt):
-    c = VLLMClient("vllm-staged-check", server.url, model=server.model_name, request_timeout_s=60)
+    c = VLLMGenerationClient("vllm-staged-check", server.url, model=server.model_name, request_timeout_s=60)
     try:
         return await c.generate(prompt, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=11))
     finally:

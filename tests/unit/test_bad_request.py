@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from core.net import BadRequest, EngineError
+from engines.base import SamplingParams
+from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import SamplingParams
-from rollout_fleet.engines.vllm import VLLMClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,7 @@ class _Factory:
         self.url = url
 
     async def start(self, index: int):
-        return VLLMClient(f"vllm-{index}", self.url, model="m", timeout_s=5, request_timeout_s=5)
+        return VLLMGenerationClient(f"vllm-{index}", self.url, model="m", timeout_s=5, request_timeout_s=5)
 
     async def restart(self, engine):
         return engine

@@ -41,6 +41,23 @@ def test_tickets_follow_the_admission_rule():
     assert [x.step for x in s.acquire("w", 10, now=4)] == [3, 3]
 
 
+def test_tickets_carry_the_staleness_floor_the_lease_enforces():
+    """Each ticket names the oldest weights version its group may be sampled with (the workers read it
+    there); a group whose oldest row is one version below that floor is dropped at its lease, one at the
+    floor is trained."""
+    assert [(x.step, x.min_version) for x in new_state(k=1, G=1).acquire("w", 10, now=0)] == [(1, 0), (2, 0)]
+    granted = new_state(k=1, G=1)
+    granted.set_version(3)
+    tickets = granted.acquire("w", 10, now=0)
+    assert [(x.step, x.min_version) for x in tickets] == [(4, 2), (5, 3)]  # step - k - 1
+    s = new_state(k=1, G=1)  # the same broker, its slots filled by pushes instead
+    s.set_version(3)
+    s.accept("w", make_groups(["below"], step=4, version=tickets[0].min_version - 1), now=0)
+    s.accept("w", make_groups(["at"], step=4, version=tickets[0].min_version), now=0)
+    lease = s.lease("L", 4, now=0)
+    assert lease.group_ids == ["at"] and lease.staleness.max() == 1 and s.counters.drops["stale"] == 1
+
+
 def test_k0_is_synchronous():
     s = new_state(k=0, G=1)
     assert [x.step for x in s.acquire("w", 5, now=0)] == [1]

@@ -163,7 +163,7 @@ def test_bench_case_arguments():
 
 
 def test_a_colocated_gpu_server_starts_with_sleep_mode_and_its_memory_share(tmp_path):
-    from rollout_fleet.vllm_fleet import VLLMFactory
+    from engines.vllm.factory import VLLMFactory
 
     cfg = load_run_config("smollm2-gpu", [*COLO])
     cmd = VLLMFactory(cfg, tmp_path, {0: ("node", [0])})._server(0).command()
@@ -174,7 +174,7 @@ def test_a_colocated_gpu_server_starts_with_sleep_mode_and_its_memory_share(tmp_
 
 
 def test_colocated_sglang_is_accepted_and_its_servers_start_with_the_memory_saver(tmp_path):
-    from rollout_fleet.sglang_fleet import SGLangFactory
+    from engines.sglang.factory import SGLangFactory
 
     cfg = load_run_config("tiny", [*COLO, "rollout.engine=sglang"])
     assert cfg.weight_sync.resolved_nccl_impl("sglang") == "sglang"  # SGLang's own update, over gloo

@@ -207,3 +207,18 @@ def test_logprob_probe_tolerance_follows_the_engines_dtype():
     assert load_run_config("tiny", ["learner.logprob_probe_tolerance=null"]).learner.logprob_probe_tolerance is None
     with pytest.raises(ConfigError, match="logprob_probe_tolerance"):
         load_run_config("tiny", ["learner.logprob_probe_tolerance=-1.0"])
+
+
+def test_dapo_smollm2_is_the_smollm2_recipe_with_dapos_changes():
+    grpo, dapo = load_run_config("smollm2").model_dump(), load_run_config("dapo-smollm2").model_dump()
+    assert dapo["rollout"]["filter_groups"]["enable"] and dapo["reward"]["overlong_buffer"]["enable"]
+    assert dapo["reward"]["overlong_buffer"]["len"] == 4
+    assert (dapo["learner"]["loss"]["clip_low"], dapo["learner"]["loss"]["clip_high"]) == (0.2, 0.28)
+    assert dapo["learner"]["loss"]["kl_coef"] == 0.0 and dapo["learner"]["loss"]["aggregation"] == "token"
+    # everything else is the GRPO recipe's, so the two runs compare the algorithm only
+    for section in ("model", "data", "broker"):
+        assert dapo[section] == grpo[section], section
+    for part in ("sampling", "servers", "max_model_len"):
+        assert dapo["rollout"][part] == grpo["rollout"][part], part
+    assert dapo["learner"]["optim"] == grpo["learner"]["optim"]
+    assert dapo["run"] | {"run_dir": None} == grpo["run"] | {"run_dir": None}

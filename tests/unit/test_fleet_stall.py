@@ -19,14 +19,15 @@ import pytest
 from aiohttp import web
 from vllm_standin import PausableStandIn
 
+from engines.base import SamplingParams
+from engines.simulated import SimulatedFactory
+from engines.vllm.generation import VLLMGenerationClient
+from engines.vllm.weights import VLLMWeightClient
 from launch.monitor import format_status
 from launch.snapshot import JobSnapshot
 from learner.status import LearnerStatus
 from rollout_fleet.config import RolloutConfig, SimulatedEngineConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.base import SamplingParams
-from rollout_fleet.engines.simulated import SimulatedFactory
-from rollout_fleet.engines.vllm import VLLMClient
 from rollout_fleet.progress import ProgressWatch
 from rollout_fleet.status import FleetStatus, ServerState, ServerStatus
 
@@ -80,13 +81,13 @@ class StandInFactory:
         self.stand_ins = stand_ins
         self.restarted: list[str] = []
 
-    def _client(self, index: int) -> VLLMClient:
-        return VLLMClient(f"vllm-{index}", self.stand_ins[index].url, model="tiny", timeout_s=5, request_timeout_s=30)
+    def _client(self, index: int) -> VLLMGenerationClient:
+        return VLLMGenerationClient(f"vllm-{index}", self.stand_ins[index].url, model="tiny", timeout_s=5, request_timeout_s=30)
 
-    async def start(self, index: int) -> VLLMClient:
+    async def start(self, index: int) -> VLLMGenerationClient:
         return self._client(index)
 
-    async def restart(self, engine: VLLMClient) -> VLLMClient:
+    async def restart(self, engine: VLLMGenerationClient) -> VLLMGenerationClient:
         await asyncio.sleep(1.2)
         await engine.close()
         index = int(engine.engine_id.rsplit("-", 1)[1])
@@ -95,7 +96,7 @@ class StandInFactory:
         self.restarted.append(engine.engine_id)
         return self._client(index)
 
-    async def stop(self, engine: VLLMClient) -> None:
+    async def stop(self, engine: VLLMGenerationClient) -> None:
         await engine.close()
 
 
@@ -198,7 +199,7 @@ def test_a_server_paused_for_a_publish_is_not_stalled_one_left_paused_is(caplog)
     async def main():
         loading, left = StandIn(), StandIn()
         fleet, runners = await _fleet(_cfg(stall_s, restart_dead_servers=False), [loading, left])
-        publisher = [VLLMClient(f"pub-{i}", s.url, model="tiny", timeout_s=5) for i, s in enumerate((loading, left))]
+        publisher = [VLLMWeightClient(f"pub-{i}", s.url, model="tiny", timeout_s=5) for i, s in enumerate((loading, left))]
         try:
             for p in publisher:
                 await p.pause("keep")

@@ -23,7 +23,7 @@ def test_gpu_tiny_recipe_loads_for_each_engine(engine):
 
 
 def test_extra_server_args_reach_the_vllm_command(tmp_path):
-    from rollout_fleet.vllm_fleet import VLLMFactory
+    from engines.vllm.factory import VLLMFactory
 
     cfg = load_run_config("gpu-tiny", [])
     server = VLLMFactory(cfg, tmp_path, {0: ("node", [1])})._server(0)
@@ -34,31 +34,31 @@ def test_extra_server_args_reach_the_vllm_command(tmp_path):
 
 
 def test_publisher_client_follows_engine_and_backend():
-    from launch.learner_ranks import publish_client
-    from rollout_fleet.engines.vllm import VLLMClient
-    from rollout_fleet.engines.vllm_nccl import VLLMNcclClient
-    from rollout_fleet.sglang_fleet import SGLangPublishClient
+    from engines.registry import weight_client
+    from engines.sglang.weights import SGLangPublishClient
+    from engines.vllm.nccl import VLLMNcclClient
+    from engines.vllm.weights import VLLMWeightClient
 
     # by default a vLLM fleet takes fleetrl's backend over NCCL; vLLM's own nccl backend on request
-    c = publish_client(load_run_config("gpu-tiny", []), "nccl", "vllm-0", "http://127.0.0.1:1")
-    assert type(c) is VLLMClient and c.weight_backend == "fleetrl" and c.supports_staging
+    c = weight_client(load_run_config("gpu-tiny", []), "nccl", "vllm-0", "http://127.0.0.1:1")
+    assert type(c) is VLLMWeightClient and c.weight_backend == "fleetrl" and c.supports_staging
     vllm = load_run_config("gpu-tiny", ["weight_sync.nccl_impl=vllm"])
-    c = publish_client(vllm, "nccl", "vllm-0", "http://127.0.0.1:1")
+    c = weight_client(vllm, "nccl", "vllm-0", "http://127.0.0.1:1")
     assert isinstance(c, VLLMNcclClient) and c.weight_backend == "nccl" and c.update_pause_mode == "wait"
     assert not c.supports_staging
-    c = publish_client(load_run_config("tiny", []), "gloo", "vllm-0", "http://127.0.0.1:1")
-    assert type(c) is VLLMClient and c.weight_backend != "nccl"
-    c = publish_client(load_run_config("gpu-tiny", ["rollout.engine=sglang"]), "nccl", "sglang-0", "http://127.0.0.1:1")
+    c = weight_client(load_run_config("tiny", []), "gloo", "vllm-0", "http://127.0.0.1:1")
+    assert type(c) is VLLMWeightClient and c.weight_backend != "nccl"
+    c = weight_client(load_run_config("gpu-tiny", ["rollout.engine=sglang"]), "nccl", "sglang-0", "http://127.0.0.1:1")
     assert isinstance(c, SGLangPublishClient) and c.group_ranks == 1
     with pytest.raises(ValueError, match="'vllm' or 'sglang'"):
-        publish_client(load_run_config("tiny", ["rollout.engine=local"]), "gloo", "x", "http://127.0.0.1:1")
+        weight_client(load_run_config("tiny", ["rollout.engine=local"]), "gloo", "x", "http://127.0.0.1:1")
 
 
 @pytest.mark.parametrize("impl, backend", [("auto", "fleetrl"), ("torch", "fleetrl"), ("vllm", "nccl")])
 def test_vllm_server_weight_backend_follows_nccl_impl(tmp_path, monkeypatch, impl, backend):
     import torch
 
-    from rollout_fleet.vllm_fleet import VLLMFactory
+    from engines.vllm.factory import VLLMFactory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU choice, decided without a GPU
     cfg = load_run_config("gpu-tiny", [f"weight_sync.nccl_impl={impl}"])
@@ -89,15 +89,15 @@ def test_staging_on_a_vllm_fleet_loads():
 def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
     from packaging.version import Version
 
-    from launch.learner_ranks import publish_client
-    from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
-    from weight_sync.sglang_ext import LOADER
+    from engines.registry import weight_client
+    from engines.sglang.loader import LOADER
+    from engines.sglang.server import SGLangServer, SGLangServerArgs
 
     cfg = load_run_config("gpu-tiny", ["weight_sync.staging=true", "rollout.engine=sglang"])
     assert cfg.weight_sync.resolved_nccl_impl("sglang") == "torch"  # fleetrl's group, not SGLang's
-    client = publish_client(cfg, "nccl", "sglang-0", "http://127.0.0.1:1")
+    client = weight_client(cfg, "nccl", "sglang-0", "http://127.0.0.1:1")
     assert client.supports_staging
-    direct = publish_client(load_run_config("gpu-tiny", ["rollout.engine=sglang"]), "nccl", "s", "http://x:1")
+    direct = weight_client(load_run_config("gpu-tiny", ["rollout.engine=sglang"]), "nccl", "s", "http://x:1")
     assert not direct.supports_staging
     cmd = SGLangServer(SGLangServerArgs(model="m", gpus=[0], port=1)).command(Version("0.5.16"))
     assert cmd[cmd.index("--custom-weight-loader") + 1] == LOADER
@@ -106,8 +106,8 @@ def test_staging_on_an_sglang_fleet_uses_fleetrl_loader():
 def test_sglang_factory_server_args(tmp_path):
     from packaging.version import Version
 
-    from rollout_fleet.engines.sglang_server import compat_args
-    from rollout_fleet.sglang_fleet import SGLangFactory
+    from engines.sglang.factory import SGLangFactory
+    from engines.sglang.server import compat_args
 
     cfg = load_run_config("gpu-tiny", ["rollout.engine=sglang", "rollout.sglang_server_args=[--log-level, debug]"])
     args = SGLangFactory(cfg, tmp_path, {0: ("node", ["1"])})._args(0)
@@ -115,7 +115,7 @@ def test_sglang_factory_server_args(tmp_path):
     assert args.env["NCCL_CUMEM_ENABLE"] == "0"
     assert args.extra_args[-2:] == ["--log-level", "debug"]
     assert args.mem_fraction_static == cfg.rollout.gpu_memory_utilization
-    from rollout_fleet.engines.sglang_server import SGLangServer
+    from engines.sglang.server import SGLangServer
 
     cmd = SGLangServer(args).command(Version("0.5.16"))
     assert "--disable-radix-cache" in cmd and all(a in cmd for a in compat_args(Version("0.5.16")))

@@ -250,12 +250,12 @@ def test_repacked_parameters_are_checked_by_name_and_dtype_only():
 
 def test_publisher_client_of_the_ipc_backend():
     """The learner's rank 0 asks for its clients with the publisher's backend: 'ipc' gets the IPC client."""
+    from engines.registry import weight_client
+    from engines.vllm.ipc import VLLMIpcClient
     from launch.config import load_run_config
-    from launch.learner_ranks import publish_client
-    from rollout_fleet.engines.vllm_ipc import VLLMIpcClient
     from weight_sync.ipc_publisher import IpcEndpoint, IpcPublisher
 
     cfg = load_run_config("smollm2-gpu", ["colocate.enabled=true", "broker.max_staleness=0", "weight_sync.backend=gloo"])
-    c = publish_client(cfg, IpcPublisher.backend, "vllm-0", "http://127.0.0.1:1")
+    c = weight_client(cfg, IpcPublisher.backend, "vllm-0", "http://127.0.0.1:1")
     assert isinstance(c, VLLMIpcClient) and isinstance(c, IpcEndpoint)
     assert c.weight_backend == "fleetrl" and c.update_pause_mode == "wait"

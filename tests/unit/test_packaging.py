@@ -12,11 +12,11 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from rollout_fleet.engines.sglang_server import SGLANG_MIN
-from rollout_fleet.engines.vllm_server import SUPPORTED
+from engines.sglang.server import SGLANG_MIN
+from engines.vllm.server import SUPPORTED
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("core", "broker", "learner", "launch", "rollout_fleet", "weight_sync")
+PRODUCT = ("core", "broker", "engines", "learner", "launch", "rollout_fleet", "weight_sync")
 # Imported only inside the optional engines/learners; declared as extras, not installed on CPU machines.
 EXTRA_ONLY = {"megatron": "megatron-core", "sglang": "sglang", "vllm": "vllm", "wandb": "wandb"}
 

@@ -1,4 +1,4 @@
-"""The fleet's reward path (rollout_fleet/vllm_fleet.py): the configured pool as configured, the row's
+"""The fleet's reward path (rollout_fleet/prompts_and_rewards.py): the configured pool as configured, the row's
 data_source and extra_info reaching the function, and truncated responses penalised when asked."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.base import Sample
 from launch.config import load_run_config
 from rollout_fleet.data import load_tokenizer
-from rollout_fleet.engines.base import Sample
-from rollout_fleet.vllm_fleet import PoolRewards, reward_pool
+from rollout_fleet.prompts_and_rewards import PoolRewards, reward_pool
 from rollout_fleet.worker import Prompt
 
 pytestmark = pytest.mark.timeout(60)

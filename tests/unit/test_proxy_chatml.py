@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_fleet.engines.base import Sample
+from engines.base import Sample
 from rollout_fleet.envs.tools import CALCULATOR_SCHEMA
 from rollout_fleet.proxy import ChatProxy
 

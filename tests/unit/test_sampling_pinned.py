@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout_fleet.engines.base import SamplingParams, model_sampling_defaults
-from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs
+from engines.base import SamplingParams, model_sampling_defaults
+from engines.vllm.server import VLLMServer, VLLMServerArgs
 
 PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
           "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -50,14 +50,14 @@ def recorder():
 
 
 def test_vllm_requests_pin_every_sampling_field(recorder):
-    from rollout_fleet.engines.vllm import VLLMClient
+    from engines.vllm.generation import VLLMGenerationClient
 
     handler, url = recorder
     handler.reply = json.dumps({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop",
                                              "logprobs": {"token_logprobs": [-0.1]}}]}).encode()
 
     async def run():
-        c = VLLMClient("e", url, model="m", timeout_s=5, request_timeout_s=5)
+        c = VLLMGenerationClient("e", url, model="m", timeout_s=5, request_timeout_s=5)
         try:
             return await c.generate([1, 2], SamplingParams(n=1, max_tokens=3))
         finally:
@@ -71,14 +71,14 @@ def test_vllm_requests_pin_every_sampling_field(recorder):
 
 
 def test_sglang_requests_pin_every_sampling_field(recorder):
-    from rollout_fleet.engines.sglang import SGLangClient
+    from engines.sglang.generation import SGLangGenerationClient
 
     handler, url = recorder
     handler.reply = json.dumps({"output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.2, 7, None]],
                                                                   "finish_reason": {"type": "stop"}}}).encode()
 
     async def run():
-        c = SGLangClient("e", url, timeout_s=5, control_timeout_s=5)
+        c = SGLangGenerationClient("e", url, timeout_s=5, control_timeout_s=5)
         try:
             return await c.generate([1, 2], SamplingParams(n=1, max_tokens=3, top_k=-1))
         finally:

@@ -14,7 +14,7 @@ import multiprocessing as mp
 
 import pytest
 
-from rollout_fleet.engines.sglang_server import (
+from engines.sglang.server import (
     SGLangServer,
     SGLangServerArgs,
     check_sglang_version,

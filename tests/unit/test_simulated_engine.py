@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from broker.schema import Trajectory, to_record_batch
+from engines.base import EngineError, SamplingParams
+from engines.simulated import SimulatedEngine
 from rollout_fleet.config import SimulatedEngineConfig
-from rollout_fleet.engines.base import EngineError, SamplingParams
-from rollout_fleet.engines.simulated import SimulatedEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +55,7 @@ def test_keep_pause_freezes_and_version_change_opens_a_segment():
         await asyncio.sleep(0.05)
         await e.pause("keep")
         await asyncio.sleep(0.2)  # frozen: no progress while paused
-        await e.update_weights(1, "any")
+        await e.weights.update_weights(1, "any")
         await e.resume()
         t0 = time.monotonic()
         samples = await task
@@ -100,7 +100,7 @@ def test_wait_pause_lets_running_requests_finish():
         await asyncio.sleep(0.02)
         await e.pause("wait")  # returns once the running request is done
         done = task.done()
-        await e.update_weights(3, "p")
+        await e.weights.update_weights(3, "p")
         await e.resume()
         return done, (await task)[0]
 
@@ -113,7 +113,7 @@ def test_length_growth_lengthens_responses_with_the_version():
         e = _engine(tokens_per_s=1e7, length_median=20, length_sigma=0.0, length_growth=0.5)
         before = await e.generate([1], SamplingParams(n=4, max_tokens=1000))
         for v in (1, 2, 3, 4):
-            await e.update_weights(v, "any")
+            await e.weights.update_weights(v, "any")
         after = await e.generate([1], SamplingParams(n=4, max_tokens=1000))
         return before, after
 

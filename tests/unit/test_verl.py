@@ -5,6 +5,7 @@ scripts, defaults and key families: tests/unit/verl/test_verl_scripts.py."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,25 @@ def test_seed_script_resolves_to_a_config(tmp_path):
     # recipe's asynchronous decoupled schedule before the translation took verl's schedule)
     assert cfg.learner.loss.correction == "none" and cfg.broker.max_staleness == 0
     assert cfg.learner.optim.weight_decay == 0.01 and cfg.learner.loss.clip_high == 0.2  # verl's defaults
+
+
+def test_rollout_correction_keys_resolve_to_a_learner_config(tmp_path):
+    """verl-recipe's rollout_corr keys (sequence IS, batch-normalised, geometric rejection, the veto) through the
+    launcher: learner.rollout_correction validates and carries verl's bounds in log space."""
+    rc = ("algorithm.rollout_correction.rollout_is=sequence algorithm.rollout_correction.rollout_is_batch_normalize=true "
+          "algorithm.rollout_correction.rollout_rs=geometric algorithm.rollout_correction.rollout_rs_threshold=1.01 "
+          "algorithm.rollout_correction.rollout_rs_threshold_lower=0.99 "
+          "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4")
+    text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")}) + " " + rc
+    args = argparse.Namespace(overrides=[], recipe=None, verl=text, rollout_gpus=1, learner_gpus=1, simulate=False,
+                              max_steps=None, run_dir=str(tmp_path))
+    lc = resolve_config(args).learner
+    assert lc.loss.correction == "decoupled" and lc.rollout_correction.enable
+    assert lc.rollout_correction.is_level == "sequence" and lc.rollout_correction.is_batch_normalize
+    geo, veto = lc.rollout_correction.rejection
+    assert (geo.statistic, geo.level) == ("log_ratio", "seq_mean")
+    assert (geo.lower, geo.upper) == pytest.approx((math.log(0.99), math.log(1.01)), abs=1e-12)
+    assert (veto.level, veto.upper) == ("seq_min", None) and veto.lower == pytest.approx(math.log(1e-4))
 
 
 # entropy_coeff, data.truncation, use_kl_in_reward and the other estimators map now (test_verl_scripts.py)

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 from vllm_standin import PausableStandIn
 
-from rollout_fleet.engines.base import EngineError
-from rollout_fleet.engines.vllm import VLLMClient
+from engines.base import EngineError
+from engines.vllm.weights import VLLMWeightClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,8 +53,8 @@ async def _serve(stand_in: StandIn):
     return runner, stand_in.url
 
 
-def _client(url: str) -> VLLMClient:
-    return VLLMClient("vllm-standin", url, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait")
+def _client(url: str) -> VLLMWeightClient:
+    return VLLMWeightClient("vllm-standin", url, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait")
 
 
 def test_a_cancelled_load_leaves_the_pause_to_the_next_load():
@@ -141,18 +141,15 @@ def test_a_server_the_publisher_dropped_and_takes_back_keeps_the_client_that_own
     async def main():
         s = StandIn()
         runner, url = await _serve(s)
-        made: list[VLLMClient] = []
-
-        def endpoint(backend, eid, u):
-            made.append(VLLMClient(eid, u, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait"))
-            return made[-1]
-
-        rank = LearnerRank(load_run_config("tiny", [f"run.run_dir={tmp_path}"]), "tcp://127.0.0.1:1", str(tmp_path),
-                           Fleet(url), endpoint)
+        # the recipe's rollout.weight_update 'pause': the registry's client pauses with 'wait'
+        cfg = load_run_config("tiny", [f"run.run_dir={tmp_path}", "rollout.weight_update=pause",
+                                       "weight_sync.timeout_s=5"])
+        rank = LearnerRank(cfg, "tcp://127.0.0.1:1", str(tmp_path), Fleet(url))
         rank.pub = _Members()
         try:
             rank._sync_members()
             first = rank.pub.engines["vllm-standin"]
+            assert isinstance(first, VLLMWeightClient) and first.update_pause_mode == "wait"
             s.fail = True
             with pytest.raises(EngineError):
                 await first.load_weights_from_path("/exports/v5", 5)  # half-way: the server stays paused
@@ -161,9 +158,9 @@ def test_a_server_the_publisher_dropped_and_takes_back_keeps_the_client_that_own
             rank._sync_members()  # back in the fleet's list: taken back
             again = rank.pub.engines["vllm-standin"]
             await again.load_weights_from_path("/exports/v7", 7)
-            return again is first, len(made), s.paused
+            return again is first, len(rank._clients), s.paused
         finally:
-            for c in made:
+            for c in rank._clients.values():
                 await c.close()
             await runner.cleanup()
 

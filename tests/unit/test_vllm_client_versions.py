@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout_fleet.engines.base import SamplingParams
-from rollout_fleet.engines.vllm import VLLMClient
+from engines.base import SamplingParams
+from engines.vllm.generation import VLLMGenerationClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,8 +51,8 @@ def _server(on_request):
     ([{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}], [0, 1], [3, 4]),
 ])
 def test_sample_versions_under_an_update_in_flight(spans, want_starts, want_versions):
-    client = VLLMClient("v", "http://127.0.0.1:1", model="m", initial_version=3)
-    srv = _server(lambda: setattr(client, "_version", 4))  # the update lands while the request runs
+    client = VLLMGenerationClient("v", "http://127.0.0.1:1", model="m", initial_version=3)
+    srv = _server(lambda: client.record_version(4))  # the update lands while the request runs
     srv.spans = spans
     client.url = f"http://127.0.0.1:{srv.server_address[1]}"
 

@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from rollout_fleet.engines.vllm_server import VLLMServer, VLLMServerArgs
+from engines.vllm.server import VLLMServer, VLLMServerArgs
 
 
 def test_server_command_asks_for_processed_logprobs_a_real_vllm_mode(tmp_path):

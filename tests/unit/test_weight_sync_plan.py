@@ -102,7 +102,7 @@ def test_receiver_join_times_out_naming_engine_and_epoch():
 
 
 def test_vllm_weight_version_spans_become_segments():
-    from rollout_fleet.engines.vllm import _segments
+    from engines.vllm.generation import _segments
 
     seg = _segments([{"version": "3", "start": 0, "end": 5}, {"version": "4", "start": 5, "end": 9}], 0)
     assert (seg.starts, seg.versions) == ([0, 5], [3, 4])
@@ -115,7 +115,7 @@ def test_vllm_weight_version_spans_become_segments():
 def test_vllm_version_check_accepts_installed_build():
     from packaging.version import Version
 
-    from rollout_fleet.engines.vllm_server import SUPPORTED, check_vllm_version
+    from engines.vllm.server import SUPPORTED, check_vllm_version
 
     assert SUPPORTED[0] <= Version(check_vllm_version()) < SUPPORTED[1]
 

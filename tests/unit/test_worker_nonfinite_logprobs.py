@@ -7,16 +7,16 @@ Real fleet controller and (SIMULATED) engines; the broker side is an in-memory p
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from broker.protocol import Ticket
 from broker.schema import validate_batch
+from engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
 from rollout_fleet.controller import FleetController
-from rollout_fleet.engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,11 +58,6 @@ class Scorer:
         return [float(i % 2) for i in range(len(samples))]
 
 
-@dataclass
-class Ticket:
-    step: int
-    ticket_id: int
-
 
 def run(bad_calls: int):
     async def main():
@@ -72,7 +67,7 @@ def run(bad_calls: int):
         await fleet.start(1)
         producer = MemoryProducer()
         worker = RolloutWorker(fleet, AsyncProducer(producer), prompts=None, rewards=Scorer(),
-                               sampling=SamplingConfig(n=4, max_tokens=16), max_inflight_groups=4, max_staleness=1)
+                               sampling=SamplingConfig(n=4, max_tokens=16), max_inflight_groups=4)
         prompt = Prompt(prompt_ids=[5, 6, 7], ground_truth="x")
         await worker._group(Ticket(step=1, ticket_id=0), prompt)
         await fleet.close()

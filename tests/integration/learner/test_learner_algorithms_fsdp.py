@@ -21,6 +21,14 @@ CASES = {
     "kl_reward_reinforce_pp": dict(steps=3, loss_extra={"advantage": "reinforce_plus_plus"},
                                    learner_extra={"kl_reward": {"enable": True, "coef": 0.5, "type": "adaptive",
                                                                "estimator": "k3"}}),
+    # verl's rollout_correction: sequence IS, batch-normalised, and a token k3 rejection; the weights'
+    # normalisation and the kept-token count are collective, so 1 and 2 ranks must still agree
+    "rollout_correction_seq_is_rs": dict(learner_extra={"rollout_correction": {
+        "enable": True, "is_level": "sequence", "is_upper": 2.0, "is_batch_normalize": True,
+        "rejection": [{"statistic": "k3", "level": "token", "upper": 0.05, "name": "token_k3"}]}}),
+    # verl's bypass (ratio against the sampler) with a sequence rejection rule measured in the loss
+    "bypass_seq_rejection": dict(correction="bypass", learner_extra={"rollout_correction": {
+        "enable": True, "rejection": [{"statistic": "k3", "level": "seq_max", "upper": 0.05, "name": "seq_max_k3"}]}}),
 }
 
 
@@ -50,6 +58,16 @@ def test_new_losses_match_across_ranks(tmp_path, case):
         resumed = run_ranks(1, out=str(tmp_path / "resumed"), ckpt=str(ckpt), checkpoint_every=1, **kw)[0]
         assert resumed["resumed"]
         assert resumed["history"][-1]["learner/batch_kl_reward_coef"] == one["learner/batch_kl_reward_coef"]
+    if case == "rollout_correction_seq_is_rs":
+        for key in ("learner/batch_rollout_rs_masked_fraction", "learner/batch_rollout_is_batch_norm_factor",
+                    "learner/batch_rollout_is_mean"):
+            assert one[key] == pytest.approx(two[key], rel=1e-5), key
+        # the rule rejects some tokens and keeps others (0.32 of 57 when written), so both paths run
+        assert 0 < one["learner/batch_rollout_rs_masked_fraction"] < 1
+        assert one["learner/batch_rollout_is_max"] <= 2.0
+    if case == "bypass_seq_rejection":
+        assert 0 < one["learner/rollout_rs_masked_fraction"] < 1
+        assert one["learner/rollout_rs_masked_fraction"] == pytest.approx(two["learner/rollout_rs_masked_fraction"])
     if case == "geo_mean_rloo_entropy":
         # the bonus reaches the gradient through the chunked head: without it the step differs
         kw["loss_extra"] = {**kw["loss_extra"], "entropy_coeff": 0.0}

@@ -2,7 +2,7 @@
 
 One server (models/tiny-adder, --enable-lora, runtime adapter loading) and one real FSDP learner rank (gloo,
 a forked process) training LoRA on the tiny model for a few steps. Its publish hook is the real
-:class:`weight_sync.adapter_publisher.AdapterPublisher` over a :class:`VLLMClient`: each version's adapter is
+:class:`weight_sync.adapter_publisher.AdapterPublisher` over a :class:`engines.vllm.weights.VLLMWeightClient`: each version's adapter is
 written as a peft folder and loaded into the server under a versioned name. After each publish the rank asks
 the server for the prompt log-probs of fixed sequences under that adapter and compares them with its own.
 """
@@ -71,12 +71,12 @@ async def _load_export(client, path: str, version: int) -> None:
 def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     import os
 
+    from engines.vllm.weights import VLLMWeightClient
     from learner.config import LearnerConfig
     from learner.fsdp import FSDPEngine
     from learner.loop import Learner
     from learner.run import init_distributed
     from learner.source import InProcessSource
-    from rollout_fleet.engines.vllm import VLLMClient
     from weight_sync.adapter_publisher import AdapterPublisher
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
@@ -87,7 +87,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         "loss": {"correction": "decoupled"}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
         "checkpoint_every": 0, "optim": {"lr": 2e-2}, "lora": {"rank": 8, "alpha": 16}})
     engine = FSDPEngine(cfg, str(TINY), total_steps=STEPS, seed=0)
-    client = VLLMClient("vllm-lora", kw["url"], model=kw["served"], adapter_prefix="policy")
+    client = VLLMWeightClient("vllm-lora", kw["url"], model=kw["served"], adapter_prefix="policy")
     pub = AdapterPublisher([client], Path(kw["root"]))
     records = []
 
@@ -116,7 +116,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
 
 def test_lora_publish_vllm(tmp_path):
-    from rollout_fleet.engines.vllm_lora import lora_server_settings
+    from engines.vllm.lora import lora_server_settings
     from tests.vllm_cpu import cpu_vllm_server
 
     args, env = lora_server_settings(8)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from core.configbase import ConfigError
+from engines.vllm.lora import lora_server_settings
 from learner import lora
 from learner.config import LearnerConfig
 from learner.lora_config import LoraConfig
-from rollout_fleet.engines.vllm_lora import lora_server_settings
 
 TINY = Path(__file__).resolve().parents[3] / "models" / "tiny-adder"
 LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -125,8 +125,8 @@ def test_vllm_server_settings_round_the_rank_up():
 
 
 def test_adapter_publish_only_for_a_lora_vllm_fleet_not_colocated():
+    from engines.sglang.lora import sglang_lora_server_args
     from launch.config import load_run_config
-    from rollout_fleet.engines.sglang_lora import sglang_lora_server_args
     from weight_sync.adapter_publisher import adapter_publish
 
     assert adapter_publish(load_run_config("tiny-lora"))

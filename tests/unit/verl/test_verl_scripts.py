@@ -9,12 +9,14 @@ repository's small files."""
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from core.configbase import ConfigError
@@ -31,7 +33,7 @@ REPO = HERE.parents[2]
 RECORDS = json.loads((HERE / "scripts.json").read_text())
 SEED = (HERE / "run_qwen2-7b_gsm8k_grpo.sh").read_text().replace("$HOME/data/gsm8k", str(REPO / "data/word_problems"))
 # Scripts that map with no refusal today (the table in docs/verl.md); a floor, so new capabilities only raise it
-MAPPED_FLOOR = 43
+MAPPED_FLOOR = 46
 # keys agreed for this wave (notes/keys.md) that other branches add to the config models
 AGREED = ("learner.loss.advantage", "learner.loss.entropy_coeff", "learner.loss.policy_loss",
           "learner.loss.loss_scale_factor", "learner.loss.gamma", "learner.loss.lam", "learner.kl_reward.",
@@ -129,7 +131,7 @@ def test_fully_async_keys_onto_the_broker():
     assert o["broker.max_staleness"] == "1"  # ceil(staleness_threshold 0.1)
     assert o["rollout.weight_update"] == "inflight"  # partial_rollout
     assert o["run.max_steps"] == str(51200 // 512)  # total_rollout_steps
-    assert o["learner.loss.correction"] == "decoupled"
+    assert o["learner.loss.correction"] == "bypass"  # the fully-async entry's default bypass_mode=true
     assert o["rollout.eval_sampling.top_p"] == "0.7" and o["rollout.sampling.top_k"] == "-1"
     assert o["reward.overlong_buffer.len"] == "4096" and o["learner.loss.clip_ratio_c"] == "10.0"
     assert o["learner.optim.warmup_steps"] == "10" and o["data.truncation"] == "left"
@@ -140,7 +142,7 @@ def test_fully_async_keys_onto_the_broker():
 def test_one_step_off_is_one_version_stale():
     rec = next(r for r in RECORDS if r["path"].endswith("one_step_off_policy/shell/grpo_3b_gsm8k_fsdp2_2_6.sh"))
     o = _overrides(translate(local_command(rec)))
-    assert o["broker.max_staleness"] == "1" and o["learner.loss.correction"] == "decoupled"
+    assert o["broker.max_staleness"] == "1" and o["learner.loss.correction"] == "bypass"  # the entry's bypass_mode
 
 
 @pytest.mark.parametrize(("args", "expect"), [
@@ -169,6 +171,28 @@ def test_one_step_off_is_one_version_stale():
     ("reward.reward_manager.name=prime", {"reward.mode": "process", "reward.batched": "false"}),
     ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
      {"learner.loss.correction": "decoupled", "learner.loss.tis_cap": "3.0"}),
+    ("algorithm.rollout_correction.bypass_mode=True", {"learner.loss.correction": "bypass"}),
+    # verl's fully-async MIS scripts: bypass (the entry's default) with seq_mean_k1 rejection, per micro-batch
+    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.rollout_is=null "
+     "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001",
+     {"learner.loss.correction": "bypass", "learner.rollout_correction.enable": "true",
+      "learner.rollout_correction.is_level": "none"}),
+    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
+     "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
+     {"learner.loss.correction": "tis", "learner.loss.tis_cap": "3.0"}),
+    # IcePop band and sequence IS with batch normalisation: learner.rollout_correction
+    ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=0.5_4.0",
+     {"learner.loss.correction": "decoupled", "learner.rollout_correction.enable": "true",
+      "learner.rollout_correction.is_level": "token", "learner.rollout_correction.is_upper": "4.0",
+      "learner.rollout_correction.is_lower": "0.5", "learner.rollout_correction.rejection": "[]"}),
+    ("algorithm.rollout_correction.rollout_is=sequence algorithm.rollout_correction.rollout_is_batch_normalize=true",
+     {"learner.rollout_correction.is_level": "sequence", "learner.rollout_correction.is_batch_normalize": "true",
+      "learner.rollout_correction.is_upper": "2.0"}),
+    # k2/k3 options take one upper bound each, comma-separated per option
+    ("algorithm.rollout_correction.rollout_rs=token_k2,seq_max_k3 algorithm.rollout_correction.rollout_rs_threshold=0.5,2",
+     {"learner.rollout_correction.rejection": "[{statistic: k2, level: token, lower: null, upper: 0.5, name: "
+      "token_k2}, {statistic: k3, level: seq_max, lower: null, upper: 2.0, name: seq_max_k3}]",
+      "learner.rollout_correction.is_level": "none"}),
     ("actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.rollout.top_k=0",
      {"learner.loss.clip_ratio_c": "10.0", "rollout.sampling.top_k": "-1"}),
     ("actor_rollout_ref.rollout.val_kwargs.top_k=20 actor_rollout_ref.rollout.val_kwargs.n=4",
@@ -196,6 +220,25 @@ def test_family_mappings(args, expect):
         assert o[k] == v, (k, o.get(k))
 
 
+def test_rollout_correction_scripts_map_to_verls_rules():
+    """verl's MIS/RIS scripts and verl-recipe's rollout_corr script: rules in verl's log space."""
+    by_name = {r["path"].rsplit("/", 1)[-1]: r for r in RECORDS}
+    o = _overrides(translate(local_command(by_name["dapo_7b_math_fsdp2_64_64_mis.sh"])))
+    assert o["learner.loss.correction"] == "decoupled" and o["learner.rollout_correction.is_level"] == "token"
+    # seq_mean_k1 with 0.99_1.001: verl keeps log 0.99 <= mean(-log r) <= log 1.001
+    rule = yaml.safe_load(o["learner.rollout_correction.rejection"])[0]
+    assert rule["statistic"] == "k1" and rule["level"] == "seq_mean"
+    assert (rule["lower"], rule["upper"]) == pytest.approx((math.log(0.99), math.log(1.001)), abs=1e-12)
+    o = _overrides(translate(local_command(by_name["dapo_7b_math_fsdp2_64_64_ris.sh"])))
+    assert o["learner.rollout_correction.is_level"] == "none"  # rollout_is=null: weight 1, not tis_cap's
+    o = _overrides(translate(local_command(by_name["run_dapo_qwen2.5_32b_rollout_corr.sh"])))
+    rules = yaml.safe_load(o["learner.rollout_correction.rejection"])
+    assert [(r["name"], r["statistic"], r["level"]) for r in rules] == [
+        ("geometric", "log_ratio", "seq_mean"), ("veto", "log_ratio", "seq_min")]
+    assert rules[0]["lower"] == pytest.approx(math.log(0.99)) and rules[1]["lower"] == pytest.approx(math.log(1e-4))
+    assert o["learner.rollout_correction.is_batch_normalize"] == "true"
+
+
 @pytest.mark.parametrize(("arg", "capability"), [
     ("data.image_key=images", "vlm"),
     ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=8", "moe_expert_parallel"),
@@ -203,7 +246,11 @@ def test_family_mappings(args, expect):
     ("actor_rollout_ref.model.lora.rank=32", "lora"),  # verl's nested (Megatron) LoRA section
     ("actor_rollout_ref.rollout.name=trtllm", "other_engine"),
     ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "other_engine"),
-    ("algorithm.rollout_correction.rollout_rs=seq_mean_k1", "rollout_correction"),
+    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
+     "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01",
+     "rollout_correction"),
+    ("algorithm.rollout_correction.rollout_is=sequence actor_rollout_ref.actor.strategy=megatron",
+     "rollout_correction"),
 ])
 def test_refusals_by_capability(arg, capability):
     with pytest.raises(Untranslatable) as err:

@@ -4,7 +4,7 @@ SGLang (0.5.16 and newer) runs a function named by ``--custom-weight-loader`` in
 every TP worker when ``/update_weights_from_tensor`` gives its import path as
 ``load_format``: ``fn(model, named_tensors)``, called by the scheduler between two
 batches. The SGLang server fleetrl starts registers :func:`fleetrl_loader`, and
-:class:`rollout_fleet.engines.sglang.SGLangClient` uses it as a remote procedure:
+:class:`engines.sglang.weights.SGLangWeightClient` uses it as a remote procedure:
 the single named tensor's *name* carries a command (``fleetrl:`` + JSON), the
 tensor is a one-byte placeholder (SGLang unpickles the payload with an allowlist
 that admits torch tensors; nothing else travels that way)::
@@ -22,7 +22,7 @@ The stage does not go through SGLang's scheduler: ``join`` starts a thread in ea
 worker that takes requests from fleetrl's TCP store (:func:`request_key`), and a stage
 is posted by that thread while the engine generates. The commit runs in the loader,
 inside an ``in_place`` pause (SGLang freezes the running batch without retracting it),
-or, with TP=1 and an engine that is not paused (``SGLangClient(between_steps=True)``, the
+or, with TP=1 and an engine that is not paused (``SGLangWeightClient(between_steps=True)``, the
 default; run on 2 H200s with SGLang 0.5.16), without any SGLang call: the request thread leaves it
 pending and the model's forward, which ``join`` wraps, runs it before the next batch,
 in the scheduler's own thread. An engine that runs no forward then (idle, or decoding
@@ -45,13 +45,16 @@ import logging
 import pickle
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from weight_sync.copy_plan import CopyPlanLoader
+
 log = logging.getLogger(__name__)
 
-LOADER = "weight_sync.sglang_ext.fleetrl_loader"  # the --custom-weight-loader / load_format value
+LOADER = "engines.sglang.loader.fleetrl_loader"  # the --custom-weight-loader / load_format value
 PREFIX = "fleetrl:"
 COMMANDS = ("join", "stage", "commit", "leave")
 
@@ -142,7 +145,7 @@ class _Requests(threading.Thread):
                 self.worker.pending = cmd  # the next forward runs it
                 continue
             try:
-                outcome = {"ok": True, **self.worker.run(None, cmd)}
+                outcome = {"ok": True, **(self.worker.run(None, cmd) or {})}  # (None only for commits)
             except Exception as e:  # noqa: BLE001 - reported to the client, which names this engine
                 log.exception("fleetrl requests: stage %d failed", n)
                 outcome = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -158,15 +161,17 @@ class _Worker:
         self.tp_rank = _tp_rank()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.receiver = WeightReceiver("sglang", device=device)
-        self.store, self.store_at = None, None
-        self.copy_loader = None
+        self.store: Any = None  # the publisher's torch TCPStore (requests in, outcomes out)
+        self.store_at: tuple[str, int] | None = None
+        self.copy_loader: CopyPlanLoader | None = None
         self.model = None
         self.requests: _Requests | None = None
         self.pending: dict | None = None  # a commit request for the next forward
         self.committed_seq = -1  # the request seq of the last commit run
         self.lock = threading.Lock()  # one commit at a time: the forward hook or the loader
 
-    def run(self, model, cmd: dict) -> dict:
+    def run(self, model, cmd: dict) -> dict | None:
+        """The outcome of ``cmd``; None where there is nothing to report (its outcome is in the store already)."""
         what = cmd["cmd"]
         if what == "join":
             return self.join(model, cmd)
@@ -239,17 +244,21 @@ class _Worker:
 
     def commit(self, model, version: int) -> dict:
         t0 = time.perf_counter()
+        plan = self.receiver.plan
+        if plan is None:
+            raise RuntimeError(f"commit of v{version} before this worker joined a weight-sync group")
         if self.copy_loader is None or self.model is not model:
             from weight_sync.copy_plan import CopyPlanLoader
 
             self.copy_loader, self.model = CopyPlanLoader(model, model.load_weights), model
-        replayed = self.copy_loader.replayed
-        self.copy_loader.start_commit(len(self.receiver.plan.buckets))
-        checksum = self.receiver.commit(version, self.copy_loader.load)
+        loader = self.copy_loader
+        replayed = loader.replayed
+        loader.start_commit(len(plan.buckets))
+        checksum = self.receiver.commit(version, loader.load)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the next batch must see every copy, whatever stream it runs on
         return {"checksum": checksum, "version": version, "commit_s": time.perf_counter() - t0,
-                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": self.copy_loader.replayed - replayed}
+                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": loader.replayed - replayed}
 
 
 _WORKER: _Worker | None = None

@@ -1,6 +1,6 @@
 """GPU adapters for vLLM's built-in NCCL weight-transfer backend (vLLM 0.26 and newer).
 
-Two things differ from the CPU (gloo) path of :mod:`rollout_fleet.engines.vllm`:
+Two things differ from the CPU (gloo) path of :mod:`engines.vllm.weights`:
 
 * **Where the packed-transfer settings travel.** vLLM 0.26's
   ``NCCLWeightTransferInitInfo`` holds only ``master_address, master_port,
@@ -23,8 +23,8 @@ import logging
 
 from packaging.version import Version
 
-from rollout_fleet.engines.vllm import VLLMClient
-from rollout_fleet.engines.vllm_server import check_vllm_version
+from engines.vllm.server import check_vllm_version
+from engines.vllm.weights import VLLMWeightClient
 from weight_sync.messages import GroupInfo, WeightPlan
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,8 @@ def packed_in_init(vllm_version: str) -> bool:
     return Version(vllm_version.split("+")[0]) >= _PACKED_IN_INIT
 
 
-class VLLMNcclClient(VLLMClient):
-    """:class:`VLLMClient` for the NCCL backend of whichever supported vLLM is installed."""
+class VLLMNcclClient(VLLMWeightClient):
+    """:class:`VLLMWeightClient` for the NCCL backend of whichever supported vLLM is installed."""
 
     def __init__(self, engine_id: str, url: str, *, model: str, vllm_version: str | None = None, **kw) -> None:
         super().__init__(engine_id, url, model=model, weight_backend="nccl", **kw)

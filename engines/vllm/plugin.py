@@ -1,7 +1,7 @@
 """fleetrl's weight-transfer backend for vLLM, and the worker extension that reports checksums.
 
 ``register()`` is the ``vllm.general_plugins`` entry point (pyproject:
-``fleetrl_weight_sync = "weight_sync.vllm_plugin:register"``); vLLM calls it in
+``fleetrl_weight_sync = "engines.vllm.plugin:register"``); vLLM calls it in
 every process, so ``--weight-transfer-config '{"backend": "fleetrl"}'`` (or its
 older name ``fleetrl_gloo``) resolves in the workers. The group's transport
 comes with each epoch's init info: gloo on CPU, NCCL on GPU (a
@@ -41,7 +41,7 @@ scheduler steps, so the commit is the whole of the engine's unavailability.
 vLLM's HTTP ``/update_weights`` returns no payload, so the checksum of the
 received bytes is read back with ``/collective_rpc`` method
 ``fleetrl_weight_sync_status`` from :class:`FleetrlWorkerExtension`
-(``--worker-extension-cls weight_sync.vllm_plugin.FleetrlWorkerExtension``).
+(``--worker-extension-cls engines.vllm.plugin.FleetrlWorkerExtension``).
 On GPU the choice is ``weight_sync`` config's: this backend over NCCL (checked
 loads, pipelined receives) or vLLM's built-in ``nccl`` backend, whose packed
 wire format the publisher also speaks (see weight_sync/plan.py).
@@ -52,14 +52,19 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from weight_sync.messages import GroupInfo
 from weight_sync.plan import plan_from_dict
 from weight_sync.receiver import WeightReceiver
+
+if TYPE_CHECKING:
+    from weight_sync.copy_plan import CopyPlanLoader
+    from weight_sync.ipc import IpcReceiver
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +79,8 @@ try:  # vLLM is an optional import here: the module must load (and say why) with
     )
 except ImportError as _e:  # pragma: no cover - only without vLLM
     _IMPORT_ERROR: ImportError | None = _e
-    WeightTransferEngine = object  # type: ignore[misc,assignment]
-    WeightTransferInitInfo = WeightTransferUpdateInfo = object  # type: ignore[misc,assignment]
+    WeightTransferEngine = object
+    WeightTransferInitInfo = WeightTransferUpdateInfo = object
 else:
     _IMPORT_ERROR = None
 
@@ -105,7 +110,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid-type]
+class GlooWeightTransferEngine(WeightTransferEngine):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
     supports_draft_weight_update = False
@@ -115,8 +120,8 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
         self.receiver: WeightReceiver | None = None
         self.version = -1
         self._layerwise = True
-        self._copy_loader = None  # weight_sync.copy_plan.CopyPlanLoader of staged commits (GPU, in place)
-        self.ipc = None  # weight_sync.ipc.IpcReceiver once an "ipc" init came (colocated on one GPU)
+        self._copy_loader: CopyPlanLoader | None = None  # of staged commits (GPU, in place)
+        self.ipc: IpcReceiver | None = None  # once an "ipc" init came (colocated on one GPU)
 
     def _rank(self, offset: int) -> int:
         # Same rank layout as vLLM's NCCL backend: every TP/PP worker of every DP replica gets its own rank.
@@ -187,15 +192,20 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
             if msg.version != update_info.version or msg.plan_id != update_info.plan_id:
                 raise ValueError(f"fleetrl: IPC round of v{msg.version} (plan {msg.plan_id}) in an update of "
                                  f"v{update_info.version} (plan {update_info.plan_id})")
-            if self.ipc.load(msg, self.model.load_weights) is not None:
+            if self.ipc.load(msg, self._load_weights) is not None:
                 self.version = msg.version
             return
         if self.receiver is None:
             raise RuntimeError("fleetrl_gloo: update_weights before init_weight_transfer_engine")
-        self.receiver.receive(update_info.version, update_info.plan_id, self.model.load_weights)
+        self.receiver.receive(update_info.version, update_info.plan_id, self._load_weights)
         self.version = update_info.version
 
     # ---- staged publish (weight_sync.staging): two /collective_rpc calls instead of vLLM's choreography ----
+    @property
+    def _load_weights(self) -> Callable[[list[tuple[str, torch.Tensor]]], None]:
+        """The model's ``load_weights`` (vLLM types ``self.model`` as a plain module)."""
+        return cast(Callable[[list[tuple[str, torch.Tensor]]], None], self.model.load_weights)
+
     def stage(self, version: int, plan_id: str) -> None:
         if self.receiver is None:
             raise RuntimeError("fleetrl: stage before init_weight_transfer_engine")
@@ -203,17 +213,18 @@ class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc,valid
 
     def commit(self, version: int) -> None:
         """Load the staged ``version``; runs between two engine steps (a utility call of the engine core)."""
-        if self.receiver is None:
+        if self.receiver is None or self.receiver.plan is None:
             raise RuntimeError("fleetrl: commit before init_weight_transfer_engine")
+        plan = self.receiver.plan
         self.start_weight_update()
-        load = self.model.load_weights
+        load = self._load_weights
         if not self._layerwise and os.environ.get("FLEETRL_VLLM_COPY_PLAN", "1") == "1":
             # in place on GPU: the loader's copies from the standing buffers are recorded once, then replayed
             if self._copy_loader is None:
                 from weight_sync.copy_plan import CopyPlanLoader
 
-                self._copy_loader = CopyPlanLoader(self.model, self.model.load_weights)
-            self._copy_loader.start_commit(len(self.receiver.plan.buckets))
+                self._copy_loader = CopyPlanLoader(self.model, self._load_weights)
+            self._copy_loader.start_commit(len(plan.buckets))
             load = self._copy_loader.load
         self.receiver.commit(version, load)
         self.finish_weight_update()
@@ -261,8 +272,9 @@ class FleetrlWorkerExtension:
         engine = _engine()
         engine.commit(version)
         loader = engine._copy_loader
+        parts = engine.receiver.last_commit_parts if engine.receiver is not None else {}  # (commit checked it)
         return {**self.fleetrl_weight_sync_status(), "commit_s": time.perf_counter() - t0,
-                "commit_parts": engine.receiver.last_commit_parts,
+                "commit_parts": parts,
                 "replayed_buckets": loader.replayed if loader is not None else 0}
 
 
@@ -276,7 +288,7 @@ def _engine() -> GlooWeightTransferEngine:
 def register() -> None:
     """vLLM general-plugin hook: make ``fleetrl_gloo`` a weight-transfer backend in this process."""
     if _IMPORT_ERROR is not None:
-        raise ImportError(f"weight_sync.vllm_plugin needs vLLM: {_IMPORT_ERROR}")
+        raise ImportError(f"engines.vllm.plugin needs vLLM: {_IMPORT_ERROR}")
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     # vLLM loads general plugins once per process, but tests and re-imports may call this twice.

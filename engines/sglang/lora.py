@@ -1,6 +1,6 @@
 """LoRA policy updates on an SGLang server (written from SGLang's source; NOT run here: SGLang has no CPU build).
 
-The same scheme as rollout_fleet/engines/vllm_lora.py: the server serves the base with LoRA enabled
+The same scheme as engines/vllm/lora.py: the server serves the base with LoRA enabled
 (:func:`sglang_lora_server_args`), each policy version is an adapter under its own name::
 
     POST /load_lora_adapter {lora_name: "<prefix>-v<v>", lora_path: <peft folder>}
@@ -17,10 +17,10 @@ import time
 from typing import TYPE_CHECKING
 
 from core.net import EngineError
-from rollout_fleet.engines.vllm_lora import lora_name
+from engines.base import lora_name
 
 if TYPE_CHECKING:
-    from rollout_fleet.engines.sglang import SGLangClient
+    from engines.sglang.handle import SGLangHandle
 
 
 def sglang_lora_server_args(rank: int) -> list[str]:
@@ -32,7 +32,7 @@ def sglang_lora_server_args(rank: int) -> list[str]:
             "--max-loras-per-batch", "2", "--max-loaded-loras", "3"]
 
 
-async def load_adapter(client: SGLangClient, path: str, version: int) -> dict[str, float]:
+async def load_adapter(client: SGLangHandle, path: str, version: int) -> dict[str, float]:
     """Serve the adapter folder ``path`` as ``version``; returns seconds per call."""
     if not client.adapter_prefix:
         raise ValueError(f"engine {client.engine_id}: load_adapter needs the client's adapter_prefix (learner.lora)")

@@ -1,10 +1,11 @@
 """The SGLang server process: ``python -m sglang.launch_server`` on given GPUs, its version check and flags.
 
-The client that generates and takes weights is :class:`rollout_fleet.engines.sglang.SGLangClient`;
-:meth:`SGLangServer.client` hands one out. The server runs with ``--skip-tokenizer-init``
+The clients are :class:`engines.sglang.generation.SGLangGenerationClient` (generation) and
+:class:`engines.sglang.weights.SGLangWeightClient` (weights);
+:meth:`SGLangServer.generation_client` and :meth:`SGLangServer.weight_client` hand them out. The server runs with ``--skip-tokenizer-init``
 (token ids in and out), ``NCCL_CUMEM_ENABLE=0`` (every process of a weight-sync group must agree
 on it) and fleetrl's loader as ``--custom-weight-loader`` (staged updates,
-:mod:`weight_sync.sglang_ext`).
+:mod:`engines.sglang.loader`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 from packaging.version import Version
 
 from core.engine_auth import auth_headers, engine_token
-from rollout_fleet.engines.base import EngineError
+from engines.base import EngineError
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class SGLangServerArgs:
     max_running_requests: int = 256
     dtype: str = "bfloat16"
     seed: int = 0
-    radix_cache: bool = True  # off for in-flight ('keep') updates: see SGLangClient.pause
+    radix_cache: bool = True  # off for in-flight ('keep') updates: see SGLangHandle.pause
     python: str = sys.executable
     # SGLang 0.5.16 on H200 died on its first forward without these; see compat_args.
     compat: bool = True
@@ -109,7 +111,7 @@ class SGLangServer:
 
         server = SGLangServer(SGLangServerArgs(model="models/qwen", gpus=[1], port=30000))
         await server.start(timeout_s=600)
-        client = server.client("sglang-0")
+        client = server.generation_client("sglang-0")
         ...
         server.stop()
     """
@@ -118,7 +120,7 @@ class SGLangServer:
         self.args = args
         self.proc: subprocess.Popen | None = None
         self.version: Version | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -132,8 +134,8 @@ class SGLangServer:
                "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed)]
         if a.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
-        if a.fleetrl_loader:  # staged updates (weight_sync/sglang_ext.py); unused otherwise
-            from weight_sync.sglang_ext import LOADER
+        if a.fleetrl_loader:  # staged updates (engines/sglang/loader.py); unused otherwise
+            from engines.sglang.loader import LOADER
 
             cmd += ["--custom-weight-loader", LOADER]
         if not a.radix_cache:
@@ -188,13 +190,19 @@ class SGLangServer:
         raise EngineError(f"sglang server on port {self.args.port} not healthy within {timeout_s:.0f}s; "
                           f"log tail:\n{_tail(log_path)}")
 
-    def client(self, engine_id: str, **kw):
-        """A :class:`rollout_fleet.engines.sglang.SGLangClient` of this server."""
-        from rollout_fleet.engines.sglang import SGLangClient
+    def generation_client(self, engine_id: str, **kw):
+        """A :class:`engines.sglang.generation.SGLangGenerationClient` of this server."""
+        from engines.sglang.generation import SGLangGenerationClient
 
-        return SGLangClient(engine_id, self.url, tp_size=self.args.tensor_parallel_size,
-                            version=str(self.version) if self.version else None,
-                            radix_cache=self.args.radix_cache, **kw)
+        return SGLangGenerationClient(engine_id, self.url, radix_cache=self.args.radix_cache, **kw)
+
+    def weight_client(self, engine_id: str, **kw):
+        """A :class:`engines.sglang.weights.SGLangWeightClient` of this server."""
+        from engines.sglang.weights import SGLangWeightClient
+
+        return SGLangWeightClient(engine_id, self.url, tp_size=self.args.tensor_parallel_size,
+                                  version=str(self.version) if self.version else None,
+                                  radix_cache=self.args.radix_cache, **kw)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Terminate the server's process group (it forks schedulers and detokenizers)."""

@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from rollout_fleet.config import SimulatedEngineConfig
-from rollout_fleet.engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
+from engines.base import EngineClient, EngineError, PauseMode, Sample, SamplingParams
+from engines.config import SimulatedEngineConfig
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan
 
@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 SIM = "[SIMULATED]"
 
 
-class SimulatedEngine(EngineClient, WeightEndpoint):
-    """One simulated server and its client in one object (there is no process to talk to).
+class SimulatedEngine(EngineClient):
+    """One simulated server and its generation client in one object (there is no process to talk to); its
+    weight-receiving side is :attr:`weights`, a :class:`SimulatedWeightClient` of the same server.
 
     Example::
 
         eng = SimulatedEngine("sim-0", SimulatedEngineConfig(tokens_per_s=5000), seed=1)
         samples = await eng.generate([1, 2, 3], SamplingParams(n=4, max_tokens=64))
+        await eng.weights.update_weights(1, "plan")
     """
 
     simulated = True
@@ -56,8 +58,7 @@ class SimulatedEngine(EngineClient, WeightEndpoint):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._plan: WeightPlan | None = None
-        self._group: GroupInfo | None = None
+        self.weights = SimulatedWeightClient(self)
         self.tokens_generated = 0
         self.busy_s = 0.0
 
@@ -80,7 +81,7 @@ class SimulatedEngine(EngineClient, WeightEndpoint):
         """Bring a dead server back empty: version 0 until it loads the latest export."""
         await asyncio.sleep(self.cfg.startup_s)
         self._alive, self._admitting, self._frozen, self._version = True, True, False, 0
-        self._plan = self._group = None
+        self.weights.forget_group()
         log.info("%s engine %s restarted (version 0)", SIM, self.engine_id)
 
     # -- generation ---------------------------------------------------------------------
@@ -186,27 +187,13 @@ class SimulatedEngine(EngineClient, WeightEndpoint):
     async def reset_prefix_cache(self) -> None:
         self._check_alive("reset_prefix_cache")
 
-    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
-        self._check_alive("init_weight_transfer")
-        self._group, self._plan = group, plan
-        log.info("%s engine %s joined weight group epoch %d", SIM, self.engine_id, group.group_epoch)
-
-    def transfer_s(self) -> float:
-        return self.cfg.weight_bytes / (self.cfg.transfer_gb_per_s * 1e9)
-
-    async def update_weights(self, version: int, plan_id: str) -> str:
-        self._check_alive("update_weights")
-        if self._plan is not None and plan_id != self._plan.plan_id:
-            raise EngineError(f"{SIM} engine {self.engine_id}: unknown plan {plan_id!r} (joined {self._plan.plan_id!r})")
-        await asyncio.sleep(self.transfer_s())
-        self._check_alive("update_weights")
-        self._set_version(version)
-        return simulated_checksum(version)
-
     async def load_weights_from_path(self, path: str, version: int) -> None:
         self._check_alive("load_weights_from_path")
         await asyncio.sleep(self.cfg.load_s)
         self._set_version(version)
+
+    def record_version(self, version: int) -> None:
+        self._version = max(self._version, int(version))
 
     def _set_version(self, version: int) -> None:
         if version < self._version:
@@ -221,6 +208,48 @@ class SimulatedEngine(EngineClient, WeightEndpoint):
     @property
     def alive(self) -> bool:
         return self._alive
+
+
+class SimulatedWeightClient(WeightEndpoint):
+    """The weight-receiving side of one :class:`SimulatedEngine`: an update takes
+    ``weight_bytes / transfer_gb_per_s`` seconds, then the engine holds the new version."""
+
+    def __init__(self, engine: SimulatedEngine) -> None:
+        self.engine = engine
+        self.engine_id = engine.engine_id
+        self._plan: WeightPlan | None = None
+        self._group: GroupInfo | None = None
+
+    def forget_group(self) -> None:
+        """A restarted server has joined no weight-sync group."""
+        self._plan = self._group = None
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+    async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
+        self.engine._check_alive("init_weight_transfer")
+        self._group, self._plan = group, plan
+        log.info("%s engine %s joined weight group epoch %d", SIM, self.engine.engine_id, group.group_epoch)
+
+    def transfer_s(self) -> float:
+        return self.engine.cfg.weight_bytes / (self.engine.cfg.transfer_gb_per_s * 1e9)
+
+    async def update_weights(self, version: int, plan_id: str) -> str:
+        self.engine._check_alive("update_weights")
+        if self._plan is not None and plan_id != self._plan.plan_id:
+            raise EngineError(f"{SIM} engine {self.engine.engine_id}: unknown plan {plan_id!r} (joined {self._plan.plan_id!r})")
+        await asyncio.sleep(self.transfer_s())
+        self.engine._check_alive("update_weights")
+        self.engine._set_version(version)
+        return simulated_checksum(version)
+
+    async def load_weights_from_path(self, path: str, version: int) -> None:
+        await self.engine.load_weights_from_path(path, version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
 
 
 def simulated_checksum(version: int) -> str:

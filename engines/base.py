@@ -1,11 +1,19 @@
-"""The engine client interface every rollout engine implements: generation and the server's lifecycle.
+"""What every engine has: the generation interface, the HTTP server handle both roles share, the factory base.
 
-An engine is a server process (vLLM, SGLang, or the simulated engine) plus a client that
-speaks its API. Workers and the fleet controller only see :class:`EngineClient`, so switching
-engines is one config value. Weight sync reaches an engine's receiving side through
-:class:`weight_sync.endpoint.WeightEndpoint`, which the vLLM and SGLang clients implement as
-well; of the weights the fleet itself needs only the version a server holds and the load of an
-export into a server that (re)joins.
+An engine is a server process (vLLM, SGLang, or the simulated engine) plus clients that speak its API,
+one class per role::
+
+    weight_sync.endpoint.ServerHandle       engine_id, health, load_weights_from_path, weight_version, close
+     +- EngineClient (here)                 generation: generate, pause, resume, is_paused, reset_prefix_cache
+     |                                      (the fleet's client: workers and the fleet controller see only this)
+     +- weight_sync.endpoint.WeightEndpoint weight transfer: init_weight_transfer, update_weights, staged publish
+                                            (the learner's publisher sees only this)
+
+:class:`HttpServerHandle` is the concrete base of every HTTP client of one server, whichever its role (the
+session, ``health``, the version held). Each engine's package (``engines/vllm/``, ``engines/sglang/``) adds a
+server-control base on top (pause, resume, prefix cache, sleep, the load from disk) and a generation client
+and a weight client over it; :mod:`engines.simulated` is the in-process stand-in; :mod:`engines.registry`
+picks a weight client for the learner.
 
 All methods are coroutines and every one has a timeout: an engine that does not
 answer raises :class:`EngineError` naming the engine, the call and the limit.
@@ -14,18 +22,21 @@ answer raises :class:`EngineError` naming the engine, the call and the limit.
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
-from core.net import BadRequest, EngineError
+from core.net import BadRequest, EngineError, HttpEngineClient
+from weight_sync.endpoint import ServerHandle
 
-__all__ = ["BadRequest", "EngineClient", "EngineError", "PauseMode", "Sample", "SamplingParams",
-           "model_sampling_defaults"]
+__all__ = ["BadRequest", "EngineClient", "EngineError", "HttpServerHandle", "PauseMode", "Sample", "SamplingParams",
+           "ServerFactory", "lora_name", "model_sampling_defaults"]
 
 
 class PauseMode(enum.StrEnum):
@@ -94,6 +105,11 @@ def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:
     return found
 
 
+def lora_name(prefix: str, version: int) -> str:
+    """The name policy ``version`` is served under when LoRA adapters carry the policy (both engines)."""
+    return f"{prefix}-v{version}"
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     """One generated sample: token ids and the sampler's log-prob of each.
@@ -109,19 +125,14 @@ class Sample:
     segment_versions: list[int] = field(default_factory=lambda: [0])
 
 
-class EngineClient(abc.ABC):
-    """Client of one engine server. ``engine_id`` is unique in the fleet."""
+class EngineClient(ServerHandle):
+    """The generation role: the fleet's client of one engine server."""
 
-    engine_id: str
     simulated: bool = False
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         """``params.n`` samples for one prompt, with token ids and per-token log-probs."""
-
-    @abc.abstractmethod
-    async def health(self) -> bool:
-        """True if the server answers and can generate."""
 
     @abc.abstractmethod
     async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
@@ -139,13 +150,51 @@ class EngineClient(abc.ABC):
     async def reset_prefix_cache(self) -> None: ...
 
     @abc.abstractmethod
-    async def load_weights_from_path(self, path: str, version: int) -> None:
-        """Load a published HF safetensors export (a server that (re)joins the fleet late)."""
+    def record_version(self, version: int) -> None:
+        """The learner's publisher loaded ``version`` into this client's server (the fleet hears it from the
+        learner): samples started from now on are tagged with it. Never lowers the version held."""
+
+
+class HttpServerHandle(HttpEngineClient, ServerHandle):
+    """Concrete base of the HTTP clients of one server (both roles): the session, ``health``, the version held.
+
+    Subclasses set ``engine_id``, ``url``, ``timeout_s`` and ``_version`` (the policy version the server
+    holds, as far as this client knows) and ``health_timeout_s`` (the bound of a health probe).
+    """
+
+    _version: int = 0
+    health_timeout_s: float
+
+    async def health(self) -> bool:
+        try:
+            r = await self.http.get(self.url + "/health", timeout=self.health_timeout_s)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
 
     @property
-    @abc.abstractmethod
     def weight_version(self) -> int:
-        """The policy version the server holds."""
+        return self._version
 
-    async def close(self) -> None:  # noqa: B027 (optional hook: most clients hold nothing)
-        """Release client resources (HTTP sessions); does not stop the server."""
+    def record_version(self, version: int) -> None:
+        self._version = max(self._version, int(version))
+
+
+class ServerFactory:
+    """What the fleet asks of an engine factory besides ``start(index)``: restart and stop a server.
+
+    Clients are named ``<engine>-<index>`` and hold their server process in ``.server``.
+    """
+
+    async def start(self, index: int):
+        raise NotImplementedError
+
+    async def restart(self, engine):
+        index = int(engine.engine_id.rsplit("-", 1)[1])
+        await self.stop(engine)
+        return await self.start(index)
+
+    async def stop(self, engine) -> None:
+        await engine.close()
+        if engine.server is not None:  # None: attached (rollout.urls), not ours to stop
+            await asyncio.to_thread(engine.server.stop)

@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from core.engine_auth import engine_token
 from core.net import free_port
-from rollout_fleet.engines.base import EngineError
+from engines.base import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class VLLMServer:
                "--max-num-seqs", str(a.max_num_seqs), "--host", a.host, "--port", str(self.port), "--seed", str(a.seed)]
         if a.weight_transfer:
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_backend}),
-                    "--worker-extension-cls", "weight_sync.vllm_plugin.FleetrlWorkerExtension"]
+                    "--worker-extension-cls", "engines.vllm.plugin.FleetrlWorkerExtension"]
         if self.cuda:
             cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
         if a.enforce_eager:
@@ -202,6 +202,8 @@ class VLLMServer:
     def wait_healthy(self, timeout_s: float) -> None:
         t0 = time.monotonic()
         while True:
+            if self.proc is None:
+                raise EngineError(f"vLLM server {self.url}: wait_healthy before start()")
             rc = self.proc.poll()
             if rc is not None:
                 self.proc = None

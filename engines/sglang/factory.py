@@ -1,19 +1,10 @@
-"""The fleet's SGLang parts: servers on the fleet's GPUs, the fleet's client, and the publisher's client.
+"""The fleet's SGLang servers: :class:`SGLangFactory` starts them on the fleet's GPUs and hands out
+:class:`FleetSGLangClient`.
 
-``rollout.engine: sglang`` swaps these in for the vLLM ones of :mod:`rollout_fleet.vllm_fleet`::
+``rollout.engine: sglang`` swaps these in for the vLLM ones of :mod:`engines.vllm.factory`::
 
     fleet actor:   SGLangFactory.start(i) -> SGLangServer on the slot's GPUs -> FleetSGLangClient
-    learner rank 0: Publisher(nccl_impl="sglang") -> SGLangPublishClient (one per server)
-
-Weight updates without a pause: SGLang's ``/update_weights_from_distributed``, called
-while generation is not paused, takes the server's model-update writer lock, which
-waits for running requests to finish and holds new ones back (a writer-preferring lock,
-``sglang/srt/utils/aio_rwlock.py``): the same "finish under the old weights, then load"
-as vLLM's ``pause(wait)``. A plan of several buckets is several calls, and requests
-could start between two of them on half-new weights, so then the client pauses with
-``abort`` first (the fleet re-runs aborted groups). The fleet's servers run without the
-radix cache: with it, KV computed under old weights would be reused after an update, and
-SGLang refuses ``/flush_cache`` while requests are queued.
+    learner rank 0: Publisher(nccl_impl="sglang") -> engines.sglang.weights.SGLangPublishClient (one per server)
 """
 
 from __future__ import annotations
@@ -25,16 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from core.net import free_port
-from rollout_fleet.engines.base import PauseMode
-from rollout_fleet.engines.sglang import SGLangClient
-from rollout_fleet.engines.sglang_server import SGLangServer, SGLangServerArgs
-from rollout_fleet.vllm_fleet import ServerFactory
+from engines.base import ServerFactory
+from engines.sglang.generation import SGLangGenerationClient
+from engines.sglang.server import SGLangServer, SGLangServerArgs
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
 
 
-class FleetSGLangClient(SGLangClient):
+class FleetSGLangClient(SGLangGenerationClient):
     """The fleet's client of one SGLang server: generation, health, the server process."""
 
     server: SGLangServer | None = None
@@ -52,7 +42,7 @@ class FleetSGLangClient(SGLangClient):
         r = await self.http.get(self.url + "/model_info", timeout=5.0)
         v = r.json().get("weight_version") if r.status_code == 200 else None
         try:
-            self._version = max(self._version, int(v))
+            self._version = max(self._version, int(v))  # type: ignore[arg-type]  # None: TypeError, below
         except (TypeError, ValueError):
             pass  # the initial label ("default") means version 0
         return self._version
@@ -62,20 +52,6 @@ class FleetSGLangClient(SGLangClient):
         if self.pid is not None:
             log.warning("killing SGLang server %s (pid %d) with SIGKILL", self.engine_id, self.pid)
             os.killpg(self.pid, signal.SIGKILL)
-
-
-class SGLangPublishClient(SGLangClient):
-    """The learner's client of one SGLang server: update choreography around the bucket calls."""
-
-    async def update_weights(self, version: int, plan_id: str) -> str:
-        several = self._plan is not None and len(self._plan.buckets) > 1
-        if several:  # no request may run on half-new weights between two bucket calls
-            await self.pause(PauseMode.ABORT)
-        try:
-            return await super().update_weights(version, plan_id)
-        finally:
-            if several:
-                await self.resume()
 
 
 class SGLangFactory(ServerFactory):
@@ -107,8 +83,7 @@ class SGLangFactory(ServerFactory):
     async def start(self, index: int) -> FleetSGLangClient:
         server = SGLangServer(self._args(index))
         await server.start(timeout_s=self.cfg.rollout.startup_timeout_s)
-        client = FleetSGLangClient(f"sglang-{index}", server.url, tp_size=server.args.tensor_parallel_size,
-                                   version=str(server.version), radix_cache=False,
+        client = FleetSGLangClient(f"sglang-{index}", server.url, radix_cache=False,
                                    timeout_s=self.cfg.rollout.request_timeout_s)
         client.server = server
         return client

@@ -24,18 +24,15 @@ import time
 from typing import TYPE_CHECKING
 
 from core.net import EngineError
+from engines.base import lora_name
 
 if TYPE_CHECKING:
-    from rollout_fleet.engines.vllm import VLLMClient
+    from engines.vllm.handle import VLLMHandle
 
 log = logging.getLogger(__name__)
 
 # vLLM's --max-lora-rank accepts only these (vllm/config/lora.py MaxLoRARanks, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_name(prefix: str, version: int) -> str:
-    return f"{prefix}-v{version}"
 
 
 def lora_server_settings(rank: int) -> tuple[list[str], dict[str, str]]:
@@ -50,7 +47,7 @@ def lora_server_settings(rank: int) -> tuple[list[str], dict[str, str]]:
             {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
 
 
-async def load_adapter(client: VLLMClient, path: str, version: int) -> dict[str, float]:
+async def load_adapter(client: VLLMHandle, path: str, version: int) -> dict[str, float]:
     """Serve the adapter folder ``path`` as ``version`` on ``client``'s server; returns seconds per call."""
     if not client.adapter_prefix:
         raise ValueError(f"engine {client.engine_id}: load_adapter needs the client's adapter_prefix (learner.lora)")
@@ -60,7 +57,7 @@ async def load_adapter(client: VLLMClient, path: str, version: int) -> dict[str,
     await client._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
                           timeout_s=client.request_timeout_s)
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
-    await client._request("POST", "/update_weight_version", json={"new_version": str(version)})
+    await client.label_version(version)
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
     previous = client.weight_version
     client._version = version
@@ -73,7 +70,7 @@ async def load_adapter(client: VLLMClient, path: str, version: int) -> dict[str,
     return steps
 
 
-async def _unload(client: VLLMClient, name: str) -> None:
+async def _unload(client: VLLMHandle, name: str) -> None:
     r = await client._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name}, check_status=False)
     if r.status_code == 404:  # never loaded here (a server that joined late, or already gone)
         return

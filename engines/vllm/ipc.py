@@ -1,7 +1,7 @@
 """The vLLM client of CUDA IPC weight loads (colocated mode on one GPU): :class:`VLLMIpcClient`.
 
 The server runs fleetrl's weight-transfer backend (``--weight-transfer-config '{"backend": "fleetrl"}'``,
-weight_sync/vllm_plugin.py) as for gloo; only the messages differ. One publish, as
+engines/vllm/plugin.py) as for gloo; only the messages differ. One publish, as
 :class:`weight_sync.ipc_publisher.IpcPublisher` drives it::
 
     ipc_join:  /init_weight_transfer_engine {backend: "ipc", plan, ipc: IpcInit}   (once per epoch)
@@ -10,23 +10,23 @@ weight_sync/vllm_plugin.py) as for gloo; only the messages differ. One publish, 
     ipc_end:   /finish_weight_update -> [reset_prefix_cache] -> checksum (/collective_rpc) -> [resume]
 
 A failure anywhere after the pause leaves the server paused (its weights may be half loaded) until a
-later load succeeds, as :class:`rollout_fleet.engines.vllm.VLLMClient` does.
+later load succeeds, as :class:`engines.vllm.weights.VLLMWeightClient` does.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from rollout_fleet.engines.base import EngineError
-from rollout_fleet.engines.vllm import VLLMClient, _Laps
+from engines.base import EngineError
+from engines.vllm.weights import VLLMWeightClient, _Laps
 from weight_sync.ipc import IpcInit, IpcLoad
 from weight_sync.ipc_publisher import IpcEndpoint
 from weight_sync.messages import WeightPlan
 from weight_sync.plan import plan_to_dict
 
 
-class VLLMIpcClient(VLLMClient, IpcEndpoint):
-    """:class:`VLLMClient` whose weights come from the learner's CUDA IPC slots on the same GPU."""
+class VLLMIpcClient(VLLMWeightClient, IpcEndpoint):
+    """:class:`VLLMWeightClient` whose weights come from the learner's CUDA IPC slots on the same GPU."""
 
     def __init__(self, engine_id: str, url: str, *, model: str, **kw) -> None:
         super().__init__(engine_id, url, model=model, weight_backend="fleetrl", **kw)
@@ -46,7 +46,7 @@ class VLLMIpcClient(VLLMClient, IpcEndpoint):
         self._pause_here = self._stuck or not await self.is_paused()
         lap("is_paused")
         if self._pause_here:
-            self._stuck = True  # ours until the publish succeeds (see VLLMClient.update_weights)
+            self._stuck = True  # ours until the publish succeeds (see VLLMWeightClient.update_weights)
             await self.pause(self.update_pause_mode)
             lap("pause")
         await self._request("POST", "/start_weight_update")

@@ -1,0 +1,1 @@
+"""vLLM: its server process, the fleet's generation client and the learner's weight client over one server-control base, the CUDA IPC and NCCL weight paths, fleetrl's plugin inside vLLM's workers, LoRA, the fleet's factory."""

@@ -1,1 +1,0 @@
-"""Engine clients behind one interface: vllm, sglang, local (transformers, CPU) and simulated."""
