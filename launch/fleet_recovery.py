@@ -5,10 +5,12 @@ Dataflow::
     fleet actor process dies   (its vLLM servers are child processes: orphaned, still running)
       -> Ray restarts the actor (FleetActor's max_restarts): __init__ again, same arguments, same handle
          (the learner ranks' handle stays valid)
-      -> the driver's next fleet call fails (RayActorError): FleetRecovery.on_death
-           ends the dead fleet's engine servers (their process groups, from the last snapshots)
+      -> the driver's next fleet call fails (RayActorError), or its status answer says it was never
+         started (``started_here``: Ray restarted it between two calls): FleetRecovery.on_death
+           ends the dead fleet's engine servers (their process groups, from the last snapshots, and
+           those still starting: orphaned_engines)
       -> FleetRecovery.poll, once per driver loop, never blocking:
-           the restarted actor answers ``incarnation`` -> ``start(n, indices, catch_up=True)``:
+           the restarted actor answers ``incarnation`` -> ``start(n, indices, catch_up=<learner version>)``:
            its servers start, load RUN_DIR/export/latest before taking work (the late-joiner path),
            its data position (fleet_state.json) is restored: the prompts in flight at the last
            save are replayed first
@@ -22,8 +24,10 @@ tickets), and their prompts are replayed from the saved position. Nothing is tra
 group id is its ticket's, and a dead actor's ticket is never used again.
 
 Every wait has a limit: the restarted actor must answer within ``RESTART_WAIT_S`` and its start
-finish within ``rollout.startup_timeout_s``; more than ``MAX_RESTARTS`` deaths end the job
-(JobFailed, naming the fleet), as does a death Ray does not restart (ActorDiedError).
+finish within ``rollout.startup_timeout_s`` more; more than ``MAX_RESTARTS`` deaths end the job
+(JobFailed, naming the fleet), as does an actor that is not back within ``RESTART_WAIT_S``. A death
+during the job's start (Ray's memory monitor has killed the fleet actor there) is recovered the same
+way, without a version to catch up to (``initial``).
 """
 
 from __future__ import annotations
