@@ -39,6 +39,7 @@ from launch import resume
 from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine_groups
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
+from launch.fleet_recovery import FleetRecovery
 from launch.monitor import Monitor, setup_logging
 from launch.netsetup import check_shared_dir, resolve_network
 from launch.observe import Endpoints, LearnerRows
@@ -110,6 +111,8 @@ class Job:
         self.resume_version = 0  # the learner checkpoint this launch resumes from (launch.resume.prepare)
         self.learner_rows_from = LearnerRows.size(self.run_dir)  # this launch's learner writes after it
         self.scaler = FleetScaler(self)  # `scale`: targets, placement groups, servers still starting
+        self.fleet_recovery = FleetRecovery(self)  # a dead fleet actor: Ray restarts it, this starts it again
+        self._fleet_last: dict[str, Any] | None = None  # the fleet's last status (shown while it recovers)
         self.stop_requested = False  # the control endpoint's `stop`: finish like a last step
 
     # -- start ----------------------------------------------------------------------------------
@@ -324,9 +327,19 @@ class Job:
             # on the rollout servers' GPUs: healthy first, so that no two vLLM servers profile one GPU's memory at once
             self.rewards.wait_started(None, self.cfg.reward.model.server.startup_timeout_s + 60)
         started = self.fleet.start.remote(n, list(range(n)))
-        if self.rewards is not None:
-            self.rewards.wait_started(started, self.cfg.reward.model.server.startup_timeout_s + 60)
-        fleet = self._get(started, self.cfg.rollout.startup_timeout_s, "fleet start")
+        try:
+            if self.rewards is not None:
+                self.rewards.wait_started(started, self.cfg.reward.model.server.startup_timeout_s + 60)
+            fleet = ray.get(started, timeout=self.cfg.rollout.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailed(f"fleet start: no answer within {self.cfg.rollout.startup_timeout_s:.0f} s") from None
+        except ray.exceptions.RayActorError as exc:
+            # it died while starting (Ray's memory monitor has killed it on a loaded host): Ray restarts it,
+            # the recovery starts it again (not as a mid-run restart: no export to catch up to)
+            self.fleet_recovery.on_death(exc, initial=True)
+            if self.rewards is not None:
+                self.rewards.wait_started(None, self.cfg.reward.model.server.startup_timeout_s + 60)
+            fleet = self.fleet_recovery.wait(self.cfg.rollout.startup_timeout_s + 180)
         self._write_placement()
         from launch.reward_servers import announce
 
@@ -382,6 +395,9 @@ class Job:
                 done = self.learner_ranks.poll(0.5)
             else:
                 done = bool(ray.wait([self.run_ref], timeout=0.25)[0])
+            self.fleet_recovery.poll()  # a fleet actor restarted by Ray is started again
+            if self.rewards is not None:
+                self.rewards.check()  # restarts a reward server whose process died
             self.snapshot = self.collect()
             self.scaler.poll()  # servers that finished starting (or failed to)
             self._evaluate_every()
@@ -395,6 +411,8 @@ class Job:
                 if self.run_ref is not None:
                     self._get(self.run_ref, CALL_TIMEOUT_S, "learner run")  # re-raises a learner failure
                 if not self.simulated:
+                    # the final evaluation needs a started fleet
+                    self.fleet_recovery.wait(self.cfg.rollout.startup_timeout_s + 180)
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
                     self.fleet_busy = self._get(self.fleet.busy_intervals.remote(), CALL_TIMEOUT_S, "fleet busy")
                     if self.cfg.colocate.synchronous:  # its evaluations ran at the wakes, never during training
@@ -422,11 +440,18 @@ class Job:
         every = self.cfg.run.eval_every
         if self.simulated or not every or self.cfg.colocate.synchronous:  # colocated sync: the fleet evaluates at a wake
             return
+        if self.fleet_recovery.active:
+            return
         if self._eval_ref is not None:
             done, _ = ray.wait([self._eval_ref], timeout=0)
             if not done:
                 return
-            acc = self._get(self._eval_ref, CALL_TIMEOUT_S, "periodic eval")
+            try:
+                acc = self._get(self._eval_ref, CALL_TIMEOUT_S, "periodic eval")
+            except JobFailed as exc:  # the fleet died under it (recovered by fleet_recovery): no figure
+                log.warning("periodic eval at step %d lost: %s", self._eval_step, exc)
+                self._eval_ref = None
+                return
             self._eval_ref = None
             if acc is not None:
                 self.eval_history.append({"step": self._eval_step, "accuracy": acc})
@@ -443,7 +468,7 @@ class Job:
             learner = self.learner_ranks.live_status(CALL_TIMEOUT_S)
         else:
             learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
-        fleet = self._get(self.fleet.status.remote(), CALL_TIMEOUT_S, "fleet status")
+        fleet = self._fleet_status()
         snap = JobSnapshot(fleet=msgspec.convert(fleet, FleetStatus), learner=msgspec.convert(learner, LearnerStatus),
                            broker=self._broker_view(), max_steps=self.cfg.run.max_steps,
                            max_staleness=self.cfg.broker.max_staleness, simulated=self.simulated,
@@ -452,6 +477,26 @@ class Job:
                            eval_accuracy=self.eval_history[-1]["accuracy"] if self.eval_history else None)
         self.engine_pgids |= engine_groups(snap.to_wire())
         return snap
+
+    def _fleet_status(self) -> dict[str, Any]:
+        """The fleet's status; while the fleet actor is dead or restarting, its last one (its servers shown as
+        they were), and a death starts the recovery (launch/fleet_recovery.py)."""
+        import ray
+
+        if not self.fleet_recovery.active:
+            try:
+                st = ray.get(self.fleet.status.remote(), timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise JobFailed(f"fleet status: no answer within {CALL_TIMEOUT_S:.0f} s") from None
+            except ray.exceptions.RayActorError as exc:
+                self.fleet_recovery.on_death(exc)
+            else:
+                if st.pop("started_here", True):
+                    self._fleet_last = st
+                    return st
+                # Ray restarted it between two calls (none of ours failed): the new one was never started
+                self.fleet_recovery.on_death(RuntimeError("the fleet actor answers unstarted: Ray restarted it"))
+        return dict(self._fleet_last or {}, servers=[], healthy_servers=0)
 
     def _broker_view(self) -> BrokerView | None:
         from launch.broker_view import broker_status
@@ -583,6 +628,15 @@ class Job:
             t = time.monotonic()
             ray.shutdown()
             log.info("Ray shut down in %.1f s", time.monotonic() - t)
+        try:  # engine processes of this run no snapshot showed, or whose server was killed: none outlives the job
+            from launch.fleet_recovery import engine_groups_of_run
+
+            left = engine_groups_of_run(self.run_dir)
+            if left:
+                log.warning("shutdown: engine process groups %s of this run were left; ending them", sorted(left))
+                end_engine_groups(left)
+        except Exception as exc:
+            log.error("shutdown: ending this run's engine processes: %s", exc)
         return final
 
     def _stop_learner(self) -> dict[str, Any]:
@@ -634,6 +688,9 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
     summary = build_summary(cfg, job, final, error=error)
+    summary["fleet_restarts"] = job.fleet_recovery.log  # each fleet actor death: when, back after, what was ended
+    if job.rewards is not None:
+        summary["reward_server_restarts"] = job.rewards.recoveries
     if job.elastic is not None:
         summary["autoscale"] = job.elastic.log
         last = job.snapshot.broker if job.snapshot is not None else None

@@ -12,6 +12,7 @@ to the live view).
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,14 @@ from core.configbase import build
 from core.network import is_loopback, write_curve_keys
 from engines.vllm.factory import LocalLauncher
 from launch.config import RunConfig
+from launch.fleet_recovery import MAX_RESTARTS as FLEET_MAX_RESTARTS
 from launch.monitor import setup_logging
 from launch.netsetup import node_host
 from launch.server_actor import RayServerLauncher
 from learner.simulated import SimLearner
 from rollout_fleet.service import FleetService
+
+log = logging.getLogger(__name__)
 
 try:  # the actors' event loops are created after this module is imported: make them uvloop
     import uvloop
@@ -66,7 +70,7 @@ class FleetRunner(FleetService):
         return dict(self.launcher.placed) if isinstance(self.launcher, RayServerLauncher) else {}
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@ray.remote(num_cpus=0, max_restarts=FLEET_MAX_RESTARTS)  # the driver starts a restarted one (launch/fleet_recovery.py)
 class FleetActor(FleetRunner):
     def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str,
                  slots: dict[int, Any] | None = None, pgs: dict[int, Any] | None = None,
@@ -79,6 +83,16 @@ class FleetActor(FleetRunner):
     async def ping(self) -> bool:
         return True
 
+    async def status(self) -> dict[str, Any]:
+        """The fleet's status, and whether ``start`` ran in this incarnation: Ray may restart a dead fleet actor
+        between two of the driver's calls, and the new one answers like an idle fleet (launch/fleet_recovery.py)."""
+        return {**self.status_now(), "started_here": hasattr(self, "worker")}
+
+    async def incarnation(self) -> dict[str, Any]:
+        """Whether Ray restarted this actor after a death, and whether ``start`` ran in this incarnation."""
+        return {"reconstructed": ray.get_runtime_context().was_current_actor_reconstructed,
+                "started": hasattr(self, "worker")}
+
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class SimLearnerActor(SimLearner):
@@ -87,7 +101,11 @@ class SimLearnerActor(SimLearner):
         self._fleet = fleet
 
         async def publish(version: int) -> None:
-            await self._fleet.update_weights.remote(version)  # the SIMULATED weight sync
+            try:
+                await self._fleet.update_weights.remote(version)  # the SIMULATED weight sync
+            except ray.exceptions.RayActorError as exc:  # the fleet died: a failed publish, the run goes on
+                log.warning("publish of v%d: the fleet actor is gone (%s); its restart loads the learner's "
+                            "version (launch/fleet_recovery.py)", version, type(exc).__name__)
 
         super().__init__(broker_address, step_s=step_s, max_staleness=max_staleness, publish=publish)
 

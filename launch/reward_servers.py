@@ -14,8 +14,11 @@ Start order (the driver)::
          while every reward server starts (both take the same minutes: they overlap)
       -> the fleet's workers wait for every reward server's /health before their first group
 
-A reward server that dies while starting ends the job with its log tail; ``stop`` ends every server
-(and their actors: a server dies with its actor, ``die_with_parent``).
+A reward server that dies while starting ends the job with its log tail. One that dies later (``kill -9``,
+a crash) is restarted on its address by its actor (``check``, from the driver's loop; at most
+``MAX_RESTARTS`` times), while the fleet's scorers wait for it and score their groups again
+(rollout_fleet/reward_models.py). ``stop`` ends every server (and their actors: a server dies with its
+actor, ``die_with_parent``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from launch.placement import Slot, bundles
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 60.0
+CHECK_EVERY_S = 2.0  # how often the driver asks whether each reward server's process lives
+MAX_RESTARTS = 3  # deaths of one reward server a run survives
 
 
 def server_spec(cfg, index: int) -> dict[str, Any]:
@@ -103,6 +108,17 @@ class RewardServerActor:
         self.server.start()
         return {"pid": self.server.pid}
 
+    def alive(self) -> bool:
+        """The server process is running (False once it died, e.g. ``kill -9``; True before ``start``)."""
+        proc = getattr(self.server, "proc", None)
+        return proc is None or proc.poll() is None
+
+    def restart(self) -> dict[str, Any]:
+        """The server died: end what is left of its process group, start it again on the same address
+        (its clients keep their URL) and wait until it is healthy."""
+        self.server.stop()
+        return self.start()
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -150,6 +166,11 @@ class RewardServers:
         self.actors: list[Any] = []
         self.info: list[dict[str, Any]] = []
         self._starts: list[Any] = []
+        self._checks: dict[int, tuple[Any, str, float]] = {}  # server -> (ref, "alive" | "restart", sent at)
+        self._last_check = 0.0
+        self._died: dict[int, float] = {}
+        self.restarts: dict[int, int] = {}
+        self.recoveries: list[dict[str, Any]] = []  # each restart: server, seconds from seen dead to healthy
 
     def place(self) -> list[Any]:
         """One placement group per GPU server (its TP bundle, pinned to the planned node); none on CPU."""
@@ -200,6 +221,46 @@ class RewardServers:
                 except Exception as exc:
                     raise RuntimeError(f"reward server {i} at {self.info[i]['url']} failed to start: {exc}") from None
                 log.info("reward server %d healthy at %s (pid %s)", i, self.info[i]["url"], self.info[i].get("pid"))
+
+    def check(self) -> None:
+        """Once per driver loop, never blocking: restart a reward server whose process died.
+
+        Its actor is asked whether the process lives about every ``CHECK_EVERY_S``; a dead one is
+        restarted on its address, at most ``MAX_RESTARTS`` times per server (then the job fails, naming
+        it). Meanwhile the fleet's scorers wait for it (rollout_fleet/reward_models.py ModelRewardScorer)."""
+        now = time.monotonic()
+        for i, (ref, what, t0) in list(self._checks.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                limit = CALL_TIMEOUT_S if what == "alive" else self.cfg.reward.model.server.startup_timeout_s + 60
+                if now - t0 > limit:
+                    raise RuntimeError(f"reward server {i}: {what} not answered within {limit:.0f} s")
+                continue
+            del self._checks[i]
+            try:
+                res = ray.get(ref)
+            except Exception as exc:
+                raise RuntimeError(f"reward server {i} at {self.info[i]['url']}: {what} failed: {exc}") from None
+            if what == "restart":
+                self.info[i].update(res)
+                back = time.monotonic() - self._died[i]
+                self.recoveries.append({"server": i, "back_s": round(back, 2)})
+                log.warning("reward server %d restarted and healthy at %s (pid %s), %.1f s after its death was seen",
+                            i, self.info[i]["url"], res.get("pid"), back)
+            elif not res:
+                self.restarts[i] = self.restarts.get(i, 0) + 1
+                if self.restarts[i] > MAX_RESTARTS:
+                    raise RuntimeError(f"reward server {i} at {self.info[i]['url']} died a {self.restarts[i]}th "
+                                       f"time (at most {MAX_RESTARTS} restarts)")
+                self._died[i] = now
+                log.error("reward server %d at %s died; restarting it on its address (restart %d of %d)", i,
+                          self.info[i]["url"], self.restarts[i], MAX_RESTARTS)
+                self._checks[i] = (self.actors[i].restart.remote(), "restart", now)
+        if now - self._last_check >= CHECK_EVERY_S:
+            self._last_check = now
+            for i, a in enumerate(self.actors):
+                if i not in self._checks:
+                    self._checks[i] = (a.alive.remote(), "alive", now)
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(inf, server=i) for i, inf in enumerate(self.info)]

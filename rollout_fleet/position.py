@@ -31,3 +31,18 @@ def load(run_dir: str | Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     return json.loads(path.read_text())
+
+
+def latest_export(run_dir: str | Path) -> tuple[int, str] | None:
+    """(version, path) of the learner's newest HF export, ``RUN_DIR/export/latest``, or None without one.
+
+    The export folder names its version in ``fleetrl_version.json`` (learner.checkpoint.publish_export
+    writes it; the name is repeated here: the fleet does not import the learner)."""
+    latest = Path(run_dir) / "export" / "latest"
+    try:
+        version = int(json.loads((latest / "fleetrl_version.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if latest.exists():
+            log.warning("export %s names no version (%s): a restarted fleet starts from its model path", latest, exc)
+        return None
+    return version, str(latest)

@@ -145,6 +145,18 @@ class _HttpRewardClient:
             if down:
                 await asyncio.sleep(1.0)
 
+    async def down(self) -> list[str]:
+        """The servers that do not answer ``GET /health`` with 200 now (one probe each, short timeout)."""
+        out = []
+        for u in self.urls:
+            try:
+                r = await self.http.get(u + "/health", timeout=min(5.0, self.timeout_s))
+                if r.status_code != 200:
+                    out.append(u)
+            except httpx.HTTPError:
+                out.append(u)
+        return out
+
     def _pick(self, avoid: str | None) -> str:
         self._turn += 1
         order = self.urls[self._turn % len(self.urls):] + self.urls[:self._turn % len(self.urls)]
@@ -336,10 +348,23 @@ class ClassifierClient(_HttpRewardClient):
 class ModelRewardScorer:
     """The worker's ``RewardScorer`` over a judge or a classifier: the group's samples scored
     concurrently; one failed sample fails the group (RewardFailed: dropped and counted). With
-    ``tokenizer`` the texts are decoded without special tokens (a judge never sees the policy's EOS)."""
+    ``tokenizer`` the texts are decoded without special tokens (a judge never sees the policy's EOS).
 
-    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec, tokenizer: Any = None) -> None:
+    A reward server that is down (killed, restarting: launch/reward_servers.py restarts a launched one
+    on its address) is waited for: a group whose scoring failed for a reason a dead server gives
+    (unreachable, timeout, 5xx) while some server does not answer ``/health`` waits up to
+    ``outage_wait_s`` for every server to answer, then is scored again, at most ``MAX_OUTAGES`` times.
+    Its samples are kept, so the outage costs time, not the group (a long one may make it stale:
+    the broker drops it as such, counted). ``outage_wait_s`` 0: fail at once, as before."""
+
+    MAX_OUTAGES = 3
+    _OUTAGE_REASONS = ("unreachable", "timeout", "http_status")
+
+    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec, tokenizer: Any = None,
+                 outage_wait_s: float = 0.0) -> None:
         self.model, self.codec, self.tokenizer = model, codec, tokenizer
+        self.outage_wait_s = outage_wait_s
+        self.outage_waits = 0  # groups that waited for a reward server to come back
 
     def _text(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
@@ -349,10 +374,30 @@ class ModelRewardScorer:
     async def score(self, prompt: Prompt, samples: list) -> list[float]:
         question = self._text(list(prompt.prompt_ids))
         answers = [self._text(list(s.token_ids)) for s in samples]
+        for outage in range(self.MAX_OUTAGES + 1):
+            try:
+                return await self._score_once(question, answers, prompt.ground_truth)
+            except RewardModelError as exc:
+                if exc.reason not in self._OUTAGE_REASONS or not self.outage_wait_s or outage == self.MAX_OUTAGES:
+                    raise
+                down = await self.model.down()
+                if not down:  # every server answers: the failure was the call's, not an outage
+                    raise
+                self.outage_waits += 1
+                log.warning("reward model: %s while %s do(es) not answer /health: waiting up to %g s for it, "
+                            "then scoring the group again", exc.reason, down, self.outage_wait_s)
+                await self.model.wait_ready(self.outage_wait_s)  # raises RewardModelError if it stays down
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def _score_once(self, question: str, answers: list[str], reference: str) -> list[float]:
         if isinstance(self.model, ClassifierClient):
             return await self.model.score_texts([question + a for a in answers])
-        return list(await asyncio.gather(*(self.model.score(question=question, response=a, reference=prompt.ground_truth)
-                                           for a in answers)))
+        out = await asyncio.gather(*(self.model.score(question=question, response=a, reference=reference)
+                                     for a in answers), return_exceptions=True)
+        for r in out:  # every call has ended (none left running unobserved); the first failure fails the group
+            if isinstance(r, BaseException):
+                raise r
+        return list(out)
 
 
 def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
@@ -373,4 +418,5 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
     else:
         client = ClassifierClient(urls, endpoint=cfg.endpoint, label=cfg.label, **common)
     codec = HFCodec.from_pretrained(model_path)
-    return ModelRewardScorer(client, codec, tokenizer=codec.tokenizer)
+    # a server down mid-run is waited for as long as one may take to start (a launched one is restarted)
+    return ModelRewardScorer(client, codec, tokenizer=codec.tokenizer, outage_wait_s=cfg.server.startup_timeout_s)

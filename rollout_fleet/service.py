@@ -97,11 +97,20 @@ class FleetService:
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
 
-    async def start(self, n_servers: int, indices: list[int] | None = None) -> dict[str, Any]:
+    async def start(self, n_servers: int, indices: list[int] | None = None,
+                    catch_up: int | None = None) -> dict[str, Any]:
+        """``catch_up``: a fleet restarted mid-run (launch/fleet_recovery.py), with the learner's version then:
+        its servers load the learner's latest export (RUN_DIR/export/latest; SIMULATED engines: that version)
+        before they take work, as a restarted server does."""
         log.info("fleet event loop: %s", type(asyncio.get_running_loop()).__module__)
         factory, loader = self._components()
         data = asyncio.create_task(asyncio.to_thread(loader))  # tokenizing overlaps the servers' start
         self.fleet = FleetController(self.cfg.rollout, factory)
+        if catch_up is not None:
+            latest = (catch_up, f"simulated://v{catch_up}") if self.simulated else position.latest_export(self._run_dir())
+            if latest is not None:
+                self.fleet.set_latest_export(*latest)
+                log.info("restarted fleet: servers load v%d (%s) before taking work", *latest)
         await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
         prompts, rewards = await data
         if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead
@@ -209,7 +218,10 @@ class FleetService:
             await asyncio.wait({self._task}, timeout=30.0)
 
     async def server_urls(self) -> dict[str, str]:
-        """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet)."""
+        """Healthy servers' URLs, for the learner's publisher (its membership follows the fleet); none before
+        ``start`` (a fleet actor restarted mid-run answers before the driver starts it again)."""
+        if not hasattr(self, "fleet"):
+            return {}
         return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
                 if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")}
 
@@ -242,12 +254,18 @@ class FleetService:
             await asyncio.sleep(0.5)
 
     async def update_weights(self, version: int, export_path: str | None = None) -> float:
-        """Fleet-side choreography of one publish (the SIMULATED publisher calls this)."""
+        """Fleet-side choreography of one publish (the SIMULATED publisher calls this). Before ``start`` (a
+        restarted fleet actor) there is no server to update: its start loads the learner's version."""
+        if not hasattr(self, "fleet"):
+            log.warning("publish of v%d to a fleet not started (restarted): nothing to update", version)
+            return 0.0
         return await self.fleet.update_fleet(version, export_path)
 
     async def engines_updated(self, engine_ids: list[str], version: int, relabel: bool = False) -> None:
         """The learner's publisher loaded ``version`` into these servers (vLLM 0.26 cannot report it itself);
         ``relabel``: nothing was loaded, the step changed no weights (not counted as a weight update)."""
+        if not hasattr(self, "fleet"):  # a restarted fleet actor not started again: its start catches up
+            return
         if not relabel:
             self.fleet.weight_updates += 1
         for eid in engine_ids:
@@ -256,7 +274,8 @@ class FleetService:
                 s.engine.record_version(version)
 
     async def set_latest_export(self, version: int, path: str) -> None:
-        self.fleet.set_latest_export(version, path)
+        if hasattr(self, "fleet"):  # a restarted fleet actor not started again reads export/latest at its start
+            self.fleet.set_latest_export(version, path)
 
     async def add_servers(self, indices: list[int], slots: dict[int, Any] | None = None) -> list[str]:
         self.slots.update(slots or {})

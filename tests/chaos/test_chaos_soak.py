@@ -1,9 +1,13 @@
 """Chaos soak: the CPU system through launch/cluster.py while a seeded schedule ``kill -9``s its processes.
 
-A schedule drawn from ``FLEETRL_CHAOS_SEED`` (default 40) picks the kills and when they land:
+A schedule drawn from ``FLEETRL_CHAOS_SEED`` (default 13) picks the kills and when they land:
 
 * during launch 1, one process the job survives on its own: the engine server (the fleet
-  restarts it; its groups are re-queued) or the broker (the launcher restarts it on its spool);
+  restarts it; its groups are re-queued), the broker (the launcher restarts it on its spool), the
+  fleet actor (the Ray actor of the controller and the rollout workers: Ray restarts it, the driver
+  starts it again, launch/fleet_recovery.py) or the reward server (the launcher restarts it on its
+  address, the fleet's scorers wait for it; only this kill gives the run a reward server: the
+  judge-tiny recipe, a second vLLM CPU server);
 * then one that ends the launch: a learner rank (the driver names it and ends the job) or the
   driver itself; launch 2, the same command on the same run directory, resumes from the last
   checkpoint and finishes the run.
@@ -46,19 +50,25 @@ from procs import alive, descendants  # noqa: E402
 
 from tests.integration.test_cpu_system import spool_rows  # noqa: E402
 
-SEED = int(os.environ.get("FLEETRL_CHAOS_SEED", "40"))
+SEED = int(os.environ.get("FLEETRL_CHAOS_SEED", "13"))  # the fleet actor, then a rank: schedule(13)
+JUDGE = "tiny-judge"  # reward.model.model of launch/recipes/judge-tiny.yaml: the reward server's served name
 STEPS, GROUPS, EVERY, K = 14, 8, 2, 2  # steps, groups per step, checkpoint interval, max staleness
 LINGER_S = 60.0  # a process of the job may take this long to exit after the job ended
 LAUNCH_LIMIT_S = 900.0  # one launch: a vLLM start (40-80 s on 2 quiet cores, 150+ s loaded) and a server restart
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
+SURVIVED = ("server", "broker", "fleet", "reward")  # the first kill: the run recovers on its own
+ENDING = ("rank", "driver")  # the second: it ends launch 1
+WAIT_BACK = ("fleet", "reward")  # the second kill waits until this first one is back in service
+
+
 def schedule(seed: int) -> list[dict]:
     """The seeded kills: one the run survives, then one that ends launch 1 (resumed by launch 2)."""
     rng = random.Random(seed)
-    first = {"what": rng.choice(["server", "broker"]), "at_step": rng.randint(2, 4),
+    first = {"what": rng.choice(SURVIVED), "at_step": rng.randint(2, 4),
              "delay_s": round(rng.uniform(0.0, 1.5), 2)}
-    second = {"what": rng.choice(["rank", "driver"]), "at_step": rng.randint(first["at_step"] + 3, 9),
+    second = {"what": rng.choice(ENDING), "at_step": rng.randint(first["at_step"] + 3, 9),
               "delay_s": round(rng.uniform(0.0, 1.5), 2)}
     return [first, second]
 
@@ -80,7 +90,8 @@ def _last_step(run_dir: Path) -> int:
 
 
 def _target(driver: int, what: str) -> int | None:
-    """The pid to kill: the driver, its broker child, the learner rank actor, or the vLLM server."""
+    """The pid to kill: the driver, its broker child, the learner rank actor, the fleet actor, the rollout
+    vLLM server or the reward (judge) vLLM server."""
     if what == "driver":
         return driver
     try:
@@ -92,18 +103,29 @@ def _target(driver: int, what: str) -> int | None:
             cmd = p.cmdline()
         except psutil.Error:
             continue
+        vllm = "vllm.entrypoints.openai.api_server" in cmd
+        judge = JUDGE in cmd  # the reward server serves the judge under its reward.model.model name
         if ((what == "broker" and cmd[1:3] == ["-m", "broker"])
                 or (what == "rank" and "LearnerActor" in " ".join(cmd))
-                or (what == "server" and "vllm.entrypoints.openai.api_server" in cmd)):
+                or (what == "fleet" and "ray::FleetActor" in " ".join(cmd))
+                or (what == "server" and vllm and not judge)
+                or (what == "reward" and vllm and judge)):
             return p.pid
     return None
 
 
-def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
-    """One launch of the tiny recipe; each of ``kills`` in order once the learner reached its step."""
+def _recipe(plan: list[dict]) -> list[str]:
+    """The tiny recipe; with a reward-server kill in the plan, its judge variant and one CPU reward server."""
+    if any(k["what"] == "reward" for k in plan):
+        return ["--recipe", "judge-tiny", "--reward-gpus", "1"]
+    return ["--recipe", "tiny"]
+
+
+def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
+    """One launch of the plan's recipe; each of ``kills`` in order once the learner reached its step."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("FLEETRL_ENGINE_TOKEN", None)  # the run makes its own token (core.engine_auth)
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
+    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", *_recipe(plan),
            "--max-steps", str(STEPS), "--run-dir", str(run_dir), "--no-live", f"broker.groups_per_step={GROUPS}",
            f"broker.max_staleness={K}", "run.eval_samples=0", f"learner.checkpoint_every={EVERY}"]
     log = run_dir.parent / f"{run_dir.name}-launch-{n}.out"
@@ -121,8 +143,11 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
             if len(done) < len(kills):
                 k = kills[len(done)]
                 # a kill is armed once the learner reached its step and recovered from the kill before
-                # (trained past it): kills that overlap test the restart of a restart, not each one
-                settled = not done or step > done[-1]["step_at_kill"]
+                # (trained past it): kills that overlap test the restart of a restart, not each one. A fleet
+                # actor or a reward server must also be back in service: the learner trains past the step
+                # on queued groups long before either is, and their recovery is what their kill tests.
+                settled = not done or (step > done[-1]["step_at_kill"]
+                                       and (done[-1]["what"] not in WAIT_BACK or _back(run_dir, log, done[-1])))
                 if armed is None and settled and step >= k["at_step"]:
                     armed = time.monotonic() + k["delay_s"]
                 if armed is not None and time.monotonic() >= armed:
@@ -133,7 +158,7 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
                                      "unix": time.time()})
                         armed = None
             for d in done:  # the learner trains a step past the one it was at (it may never have stalled)
-                if d["what"] in ("server", "broker") and "learner_next_step_s" not in d and step > d["step_at_kill"]:
+                if d["what"] in SURVIVED and "learner_next_step_s" not in d and step > d["step_at_kill"]:
                     d["learner_next_step_s"] = round(time.monotonic() - d["t"], 2)
             time.sleep(0.25)
     finally:
@@ -146,13 +171,26 @@ def _launch(run_dir: Path, kills: list[dict], n: int) -> dict:
                 proc.wait(30)
     for d in done:
         d.pop("t")
-        back = {"server": (run_dir / "logs" / "fleet.log", "engines.vllm.server: vLLM server",
-                           "healthy after"),
-                "broker": (log, "launch.broker_supervisor: broker restarted", "")}.get(d["what"])
-        if back is not None:  # the process back in service: its first "up" line after the kill
-            d["back_s"] = _first_after(*back, d["unix"])
+        if d["what"] in SURVIVED:
+            d["back_s"] = _back(run_dir, log, d)
+    text = log.read_text()
+    # recoveries the launch logged, the soak's kills and any other (Ray's memory monitor kills a restartable
+    # actor first when the host runs short: on the shared dev box it has killed the fleet actor while it started)
+    recovered = {"fleet": text.count("launch.fleet_recovery: fleet back in service"),
+                 "reward": text.count("restarted and healthy at http"),
+                 "ray_memory_monitor_kills": text.count("killed due to the node running low on memory")}
     return {"rc": proc.returncode, "kills": done, "seen": seen, "seconds": round(time.monotonic() - t0, 1),
-            "text": log.read_text()}
+            "text": text, "recovered": recovered}
+
+
+def _back(run_dir: Path, log: Path, kill: dict) -> float | None:
+    """Seconds from ``kill`` to the killed process back in service (its first "up" log line after it)."""
+    path, marker, also = {
+        "server": (run_dir / "logs" / "fleet.log", "engines.vllm.server: vLLM server", "healthy after"),
+        "broker": (log, "launch.broker_supervisor: broker restarted", ""),
+        "fleet": (log, "launch.fleet_recovery: fleet back in service", ""),
+        "reward": (log, "launch.reward_servers: reward server", "restarted and healthy")}[kill["what"]]
+    return _first_after(path, marker, also, kill["unix"])
 
 
 def _first_after(path: Path, marker: str, also: str, unix: float) -> float | None:
@@ -179,10 +217,10 @@ def soak(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos")
     plan = schedule(SEED)
     t_start = time.time()
-    first = _launch(run_dir, plan, 1)
+    first = _launch(run_dir, plan, plan, 1)
     time.sleep(3.0)  # the driver's children die with it (PR_SET_PDEATHSIG); give them the moment
     resumed_from = _last_step(run_dir)
-    second = _launch(run_dir, [], 2)
+    second = _launch(run_dir, plan, [], 2)
     starts = [r["step"] for r in _records(run_dir) if "event" in r]
     resume_s = None
     terminal = first["kills"][-1] if first["kills"] else None
@@ -221,11 +259,15 @@ def test_chaos_soak_loses_nothing_trains_nothing_twice_and_leaves_no_process(soa
     outcome: dict = {"seed": SEED, "schedule": soak["plan"], "steps": STEPS, "groups_per_step": GROUPS,
                      "max_staleness": K, "kills": first["kills"], "launch_rc": [first["rc"], second["rc"]],
                      "launch_seconds": [first["seconds"], second["seconds"]], "learner_starts": soak["starts"],
-                     "seconds": soak["seconds"], "processes_lingered": soak["lingered"]}
+                     "seconds": soak["seconds"], "processes_lingered": soak["lingered"],
+                     "recoveries_logged": [first["recovered"], second["recovered"]]}
     try:
         assert [k["what"] for k in first["kills"]] == [p["what"] for p in soak["plan"]], (
             first["kills"], first["text"][-3000:])
         assert first["rc"] != 0 and second["rc"] == 0, (first["rc"], second["text"][-4000:])
+        survived = first["kills"][0]
+        if survived["what"] in WAIT_BACK:  # it came back within launch 1, before the second kill
+            assert survived.get("back_s") is not None, (survived, first["text"][-3000:])
         rows = _effective(soak["dir"])
         assert list(rows) == list(range(1, STEPS + 1)), sorted(rows)
         trained = [g for r in rows.values() for g in r["groups"]]
