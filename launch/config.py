@@ -66,11 +66,19 @@ class RunConfig(ConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _derived(cls, data: Any) -> Any:
-        """reward.on_truncated=mask is carried out by the learner: its loss leaves those samples out."""
+        """Values one component takes from another's: reward.on_truncated=mask is carried out by the learner (its
+        loss leaves those samples out); the learner scores at the temperature the fleet samples at."""
         if isinstance(data, dict) and isinstance(data.get("reward"), dict) and data["reward"].get("on_truncated") == "mask":
             learner = data.setdefault("learner", {})
             if isinstance(learner, dict) and isinstance(learner.setdefault("loss", {}), dict):
                 learner["loss"].setdefault("mask_truncated", True)
+        if isinstance(data, dict):
+            sampling = (data.get("rollout") or {}).get("sampling") if isinstance(data.get("rollout"), dict) else None
+            t = sampling.get("temperature") if isinstance(sampling, dict) else None
+            if isinstance(t, (int, float)) and t > 0:  # T=0 (greedy) is refused below, with its reason
+                learner = data.setdefault("learner", {})
+                if isinstance(learner, dict):
+                    learner.setdefault("temperature", t)
         _default_loss_scale_factor(data)
         return data
 

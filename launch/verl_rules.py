@@ -68,7 +68,7 @@ def _engine(v: Any, _: Ctx) -> list[str]:
 
 
 def _temperature(v: Any, _: Ctx) -> list[str]:
-    return [f"rollout.sampling.temperature={dump(v)}", f"learner.temperature={dump(v)}"]
+    return [f"rollout.sampling.temperature={dump(v)}"]  # the learner's follows it (launch/config.py)
 
 
 def _top_k(v: Any, _: Ctx) -> list[str]:

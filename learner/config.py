@@ -268,7 +268,8 @@ class LearnerConfig(ConfigModel):
     compile_blocks: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each decoder layer's forward and the chunked head's per-chunk "
         "log-softmax (FSDP); Megatron: each layer's MLP. auto: on for GPU ranks, off on CPU")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature the fleet used; must equal rollout.sampling.temperature")
+    temperature: float = Field(1.0, gt=0, description="the temperature the learner scores at; in a run config it is "
+                               "rollout.sampling.temperature's (set that one; a different value here is refused)")
     ppo_mini_batch_size: int | None = Field(
         None, ge=1, description="prompt groups per optimizer step; None: all groups of the step batch (one optimizer "
         "step). Smaller values give several optimizer steps per step batch, against proximal log-probs computed once "

@@ -96,11 +96,11 @@ def test_config_modules_import_neither_torch_nor_vllm():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_learner_temperature_must_match_sampling():
+def test_learner_temperature_follows_sampling_and_a_different_one_is_refused():
+    assert load_run_config("tiny", ["rollout.sampling.temperature=0.7"]).learner.temperature == 0.7
+    assert load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=0.7"]).learner.temperature == 0.7
     with pytest.raises(ConfigError, match="learner.temperature=1.0 differs from rollout.sampling.temperature=0.7"):
-        load_run_config("tiny", ["rollout.sampling.temperature=0.7"])
-    cfg = load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=0.7"])
-    assert cfg.learner.temperature == 0.7
+        load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=1.0"])
 
 
 # ---- checks that catch what breaks a first run (issue 19) ------------------------------------------
