@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import run_info, write_json  # noqa: E402
-from launch.elastic import SIGNALS_JSONL  # noqa: E402
+from launch.autoscaler_io import SIGNALS_JSONL  # noqa: E402
 from rollout_fleet.config import AutoscaleConfig  # noqa: E402
 
 CASES = {

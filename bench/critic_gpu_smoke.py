@@ -57,7 +57,7 @@ def main() -> None:
     import torch
     from learner_testkit import make_batches, write_batches
 
-    from core.net import free_port
+    from core.http_client import free_port
     from learner.run import init_distributed
 
     if not args.cpu and not torch.cuda.is_available():

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.report import run_info, write_json  # noqa: E402
-from core.net import EngineError  # noqa: E402
+from core.http_client import EngineError  # noqa: E402
 from weight_sync.endpoint import WeightEndpoint  # noqa: E402
 from weight_sync.messages import GroupInfo, WeightPlan  # noqa: E402
 

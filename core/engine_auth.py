@@ -12,7 +12,7 @@ so every process of the job inherits it (a joined cluster gets it in the job's r
   outside the job keep working); vLLM's own key check (``VLLM_API_KEY``) guards ``/v1`` too.
   The token travels in the environment, never on the command line (``ps`` shows that);
 * an SGLang server gets it as ``--api-key`` and ``--admin-api-key``;
-* every client (:class:`core.net.HttpEngineClient`, the reward-model clients, the servers' own
+* every client (:class:`core.http_client.HttpEngineClient`, the reward-model clients, the servers' own
   health waits) sends :func:`auth_headers`.
 
 Without the variable (tests, attach mode to servers started without it) nothing is required

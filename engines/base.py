@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from core.net import BadRequest, EngineError, HttpEngineClient
+from core.http_client import BadRequest, EngineError, HttpEngineClient
 from weight_sync.endpoint import ServerHandle
 
 __all__ = ["BadRequest", "EngineClient", "EngineError", "HttpServerHandle", "PauseMode", "Sample", "SamplingParams",

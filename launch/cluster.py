@@ -244,7 +244,7 @@ def resolve_config(args: argparse.Namespace):
     if cfg.colocate.shared_async and not getattr(args, "gpus", None) and not args.simulate:
         from launch.shared_gpu import host_split
 
-        host_split(cfg)  # CPU: servers and learner ranks share the host's RAM (on GPUs: launch/colocated.py)
+        host_split(cfg)  # CPU: servers and learner ranks share the host's RAM (on GPUs: launch/colocated_placement.py)
     check_reward_servers(cfg, args)
     if cfg.rollout.engine == "simulated" and not args.simulate:
         raise ConfigError("rollout.engine=simulated needs --simulate (a simulated run is labelled as such)")

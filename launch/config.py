@@ -24,7 +24,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from broker.config import BrokerConfig
-from core.colocate import ColocateConfig
+from core.colocate_config import ColocateConfig
 from core.configbase import ConfigError, ConfigModel, ModelConfig, RunKeys, build, suggest
 from core.network import NetworkConfig
 from launch.monitor import WandbConfig
@@ -178,7 +178,7 @@ def _default_loss_scale_factor(data: dict[str, Any]) -> None:
 
 
 def _check_colocated(cfg: RunConfig) -> None:
-    """Colocated mode is synchronous on-policy training on shared devices (core/colocate.py)."""
+    """Colocated mode is synchronous on-policy training on shared devices (core/colocate_config.py)."""
     bad = []
     if cfg.broker.max_staleness != 0:
         bad.append(f"broker.max_staleness={cfg.broker.max_staleness} (colocated mode is synchronous: 0)")

@@ -11,7 +11,7 @@ Dataflow::
       |    '- one server actor per vLLM server, in that server's placement-group bundle (its node, its GPUs)
       |- learner actor (SimLearner under --simulate; the training loop otherwise)
       |- control endpoint (ZMQ REP, address in <run_dir>/control.json): status, scale (returns at once;
-      |    new servers show as starting: launch/scaling.py), stop (like a last step: final eval, summary)
+      |    new servers show as starting: launch/fleet_scaling.py), stop (like a last step: final eval, summary)
       '- monitor: rich view, TensorBoard, Prometheus; JSON summary at the end
 
 Shutdown (Ctrl-C, SIGTERM, a failed component, the last step, or ``stop``): stop the learner, let
@@ -40,11 +40,11 @@ from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.fleet_recovery import FleetRecovery
+from launch.fleet_scaling import FleetScaler
 from launch.monitor import Monitor, setup_logging
 from launch.netsetup import check_shared_dir, resolve_network
 from launch.observe import Endpoints, LearnerRows
 from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
-from launch.scaling import FleetScaler
 from launch.snapshot import BrokerView, JobSnapshot
 from learner.status import LearnerStatus
 from rollout_fleet.status import FleetStatus
@@ -70,7 +70,7 @@ class LaunchOptions:
     no_live: bool = False
     log_level: str = "INFO"
     summary: str | None = None  # also write the JSON summary here
-    colocate_gpus: int | None = None  # colocated mode: learner and fleet share these GPUs (launch/colocated.py)
+    colocate_gpus: int | None = None  # colocated mode: learner and fleet share these GPUs (launch/colocated_placement.py)
 
 
 class Job:
@@ -98,7 +98,7 @@ class Job:
         self.eval_before: float | None = None
         self.eval_after: float | None = None
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
-        self.colocated: dict[str, Any] = {}  # colocated mode's schedule figures (rollout_fleet/colocated.py)
+        self.colocated: dict[str, Any] = {}  # colocated mode's schedule figures (rollout_fleet/colocated_gate.py)
         self.memory_split: list[dict] | None = None  # shared async mode: each device's split (launch/shared_gpu.py)
         self.fleet_busy: dict[str, list] = {}  # per engine: when it had a group in flight (launch/busy.py)
         self._eval_ref = None  # the evaluation in flight, if any
@@ -106,7 +106,7 @@ class Job:
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
         # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
         self.interrupted = SignalFlag()  # set by the SIGINT/SIGTERM handler: no lock (core/signals.py)
-        self.elastic = None  # launch.elastic.Elastic when rollout.autoscale.enabled
+        self.elastic = None  # launch.autoscaler_io.Elastic when rollout.autoscale.enabled
         self.rewards = None  # launch.reward_servers.RewardServers with --reward-gpus
         self.resume_version = 0  # the learner checkpoint this launch resumes from (launch.resume.prepare)
         self.learner_rows_from = LearnerRows.size(self.run_dir)  # this launch's learner writes after it
@@ -134,7 +134,7 @@ class Job:
             fn()
             log.info("started %s in %.1f s", name, time.monotonic() - t)
         if self.cfg.rollout.autoscale.enabled:
-            from launch.elastic import Elastic
+            from launch.autoscaler_io import Elastic
 
             self.elastic = Elastic(self)
         self.control = ControlServer(self.run_dir, self.handle, host=self.cfg.network.host,
@@ -204,7 +204,7 @@ class Job:
 
         r, lg = self.args.rollout_gpus, self.args.learner_gpus
         if self.args.colocate_gpus:
-            from launch.colocated import place_colocated
+            from launch.colocated_placement import place_colocated
 
             place_colocated(self, ray, self.args.colocate_gpus)
             if self.cfg.reward.model is not None and self.cfg.reward.model.server.colocated:
@@ -292,7 +292,7 @@ class Job:
         """vLLM servers on GPUs (real or fake) are each started by an actor in their own bundle.
 
         Not in colocated mode: there a server shares its GPU with a learner rank, whose bundle holds
-        the GPU, so the fleet starts it as a process on the GPU id that bundle got (launch/colocated.py).
+        the GPU, so the fleet starts it as a process on the GPU id that bundle got (launch/colocated_placement.py).
         """
         return bool(self.placement.servers) and not self.simulated and self.cfg.rollout.engine == "vllm" \
             and not self.cfg.rollout.urls and not self.args.colocate_gpus
@@ -522,7 +522,7 @@ class Job:
         return self.scale(req.rollout_gpus)
 
     def scale(self, rollout_gpus: int) -> dict[str, Any]:
-        """Grow (returns at once; the new servers show as ``starting``) or drain the fleet: launch/scaling.py."""
+        """Grow (returns at once; the new servers show as ``starting``) or drain the fleet: launch/fleet_scaling.py."""
         return self.scaler.scale(rollout_gpus)
 
     def request_stop(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from core.configbase import build
-from core.net import free_port
+from core.http_client import free_port
 from core.network import write_curve_keys
 from launch.config import RunConfig
 from launch.monitor import setup_logging

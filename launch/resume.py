@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def with_defaults(cfg, run_dir: Path):
     """The spool in ``RUN_DIR/spool`` (``run.default_spool``) and, with ``run.prometheus``, a fixed broker
     metrics port, unless set."""
-    from core.net import free_port
+    from core.http_client import free_port
 
     broker: dict[str, Any] = {}
     # SIMULATED runs have no checkpoints: nothing to resume

@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from core.net import free_port
+from core.http_client import free_port
 from core.network import LOOPBACK
 from engines.vllm.server import VLLMServer, VLLMServerArgs
 from launch.placement import Slot, bundles

@@ -3,7 +3,7 @@
 Engines and learner are resident on the same devices at once (no sleep); the fleet generates for steps
 s+1..s+k while the learner trains step s, under the broker's staleness bound k >= 1; each publish goes
 in place (CUDA IPC when every server is on learner rank 0's GPU, gloo on the host otherwise). Placement
-is colocated mode's (launch/colocated.py: learner rank i and server i on GPU i); what differs is here:
+is colocated mode's (launch/colocated_placement.py: learner rank i and server i on GPU i); what differs is here:
 
 * :func:`check_shared_async`: the config combinations the mode refuses, by name (launch/config.py);
 * :func:`gpu_split` / :func:`host_split`: the memory split, checked before the learner starts

@@ -51,7 +51,7 @@ class JobSnapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     wall_s: float
     eval_accuracy_before: float | None = None
     eval_accuracy: float | None = None  # the latest evaluation during the run
-    mode: str = "disaggregated"  # colocated-sync | shared-async | disaggregated (core/colocate.py label)
+    mode: str = "disaggregated"  # colocated-sync | shared-async | disaggregated (core/colocate_config.py label)
 
     @property
     def queue_groups(self) -> int | None:

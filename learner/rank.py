@@ -51,7 +51,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from core.colocate import ColocateConfig
+from core.colocate_config import ColocateConfig
 from engines.registry import weight_client
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
@@ -321,7 +321,7 @@ class LearnerRank:
             log.error("publish of v%d failed: %s (blamed %s)", version, exc, exc.blamed)
         self.publish_s += time.monotonic() - t0
 
-    # -- colocated mode (core/colocate.py) ----------------------------------------------------------
+    # -- colocated mode (core/colocate_config.py) ----------------------------------------------------------
     def _release(self, step: int) -> None:
         """Every rank calls it with step ``step``'s batch in hand; rank 0 puts the fleet to sleep."""
         self._colo = {}

@@ -198,7 +198,7 @@ class EvalSamplingConfig(ConfigModel):
 
 
 class AutoscaleConfig(ConfigModel):
-    """The fleet's autoscaler (rollout_fleet/autoscale.py): off unless enabled; thresholds are fractions."""
+    """The fleet's autoscaler (rollout_fleet/autoscaler.py): off unless enabled; thresholds are fractions."""
 
     enabled: bool = Field(False, description="add and drain servers while the job runs, by the rules below")
     min: int = Field(1, ge=0, description="never fewer servers (below it, e.g. after a loss, add at once)")

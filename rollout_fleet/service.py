@@ -20,7 +20,7 @@ import msgspec
 
 from broker.client import ProducerClient
 from broker.config import BrokerConfig
-from core.colocate import ColocateConfig
+from core.colocate_config import ColocateConfig
 from core.configbase import ModelConfig, RunKeys
 from rollout_fleet import position
 from rollout_fleet.config import DataConfig, RewardConfig, RolloutConfig
@@ -65,7 +65,7 @@ class FleetService:
         self.cfg = cfg
         self.launcher = launcher
         self.eval_every, self.eval_samples = eval_every, eval_samples
-        self.colocated = None  # rollout_fleet.colocated.ColocatedEngines when colocate.enabled
+        self.colocated = None  # rollout_fleet.colocated_gate.ColocatedEngines when colocate.enabled
         self.broker_address = broker_address
         self.run_dir = run_dir
         self.slots = dict(slots or {})  # server index -> placement slot (node, GPU ids)
@@ -83,7 +83,7 @@ class FleetService:
         r, seed = self.cfg.rollout, self.cfg.run.seed
         if self.simulated:
             from engines.simulated import SimulatedFactory
-            from rollout_fleet.simulation import SimulatedRewards, SyntheticPrompts
+            from rollout_fleet.simulated_data import SimulatedRewards, SyntheticPrompts
 
             return SimulatedFactory(r.simulated, seed=seed), lambda: (
                 SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
@@ -166,7 +166,7 @@ class FleetService:
         c = self.cfg.colocate
         if not c.synchronous:  # shared async mode has no gate: the fleet runs on under the staleness bound
             return None
-        from rollout_fleet.colocated import ColocatedEngines
+        from rollout_fleet.colocated_gate import ColocatedEngines
 
         level = c.sleep_level(bool(self.slots))  # servers with GPU slots run on CUDA
         self.colocated = ColocatedEngines(self.fleet, None, level=level, timeout_s=c.timeout_s,

@@ -113,7 +113,7 @@ class RolloutWorker:
                  rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
                  seed: int = 0, push_retries: int = 3, logprob_retries: int = 2,
                  gate: Callable[[], bool] | None = None, filter_groups: Any = None, overlong: Any = None) -> None:
-        """``gate``: colocated mode's ``() -> may start groups`` (rollout_fleet/colocated.py); while it says
+        """``gate``: colocated mode's ``() -> may start groups`` (rollout_fleet/colocated_gate.py); while it says
         False no ticket is taken and no group starts. ``filter_groups`` (rollout.filter_groups) and
         ``overlong`` (reward.overlong_buffer): DAPO's dynamic sampling and length penalty, off when None or
         not enabled."""

@@ -10,7 +10,7 @@ it, so the publisher (:mod:`weight_sync.publisher`) knows nothing else about an 
 A publish of version ``v`` to one endpoint is ``init_weight_transfer`` (once per group epoch),
 then ``update_weights(v)`` (or ``send_update``), or, staged, ``begin_update(v)`` ... broadcast ...
 ``commit_update(v)``. Every call is a coroutine bounded by a timeout; a failure raises
-:class:`core.net.EngineError` naming the engine and the call.
+:class:`core.http_client.EngineError` naming the engine and the call.
 """
 
 from __future__ import annotations

@@ -84,6 +84,6 @@ class DumpState(msgspec.Struct, frozen=True):
 class Reply(msgspec.Struct, frozen=True):
     ok: bool
     error: str = ""
-    code: str = ""  # a core.net.EngineErrorCode when ok is False and the receiver knows why
+    code: str = ""  # a core.http_client.EngineErrorCode when ok is False and the receiver knows why
     checksum: str = ""
     version: int = -1

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from core.net import EngineErrorCode, free_port
+from core.http_client import EngineErrorCode, free_port
 from weight_sync import group as wgroup
 from weight_sync.config import WeightSyncConfig
 from weight_sync.endpoint import WeightEndpoint

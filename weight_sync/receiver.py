@@ -56,7 +56,7 @@ from typing import Any
 import msgspec
 import torch
 
-from core.net import EngineErrorCode
+from core.http_client import EngineErrorCode
 from weight_sync import group as wgroup
 from weight_sync import messages as m
 from weight_sync.messages import GroupInfo, WeightPlan

@@ -21,7 +21,7 @@ import urllib.parse
 import httpx
 import msgspec
 
-from core.net import EngineError, EngineErrorCode, HttpEngineClient
+from core.http_client import EngineError, EngineErrorCode, HttpEngineClient
 from weight_sync import messages as m
 from weight_sync.endpoint import WeightEndpoint
 from weight_sync.messages import GroupInfo, WeightPlan

@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from core.net import free_port
+from core.http_client import free_port
 from engines.base import ServerFactory
 from engines.sglang.generation import SGLangGenerationClient
 from engines.sglang.server import SGLangServer, SGLangServerArgs
@@ -73,7 +73,7 @@ class SGLangFactory(ServerFactory):
             model=str(Path(self.cfg.model.path).resolve()), gpus=gpus, port=free_port(),
             tensor_parallel_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
             max_running_requests=r.max_num_seqs, dtype=dtype, seed=self.cfg.run.seed + index, radix_cache=False,
-            # colocated: the engine frees its GPU memory while the learner trains (rollout_fleet/colocated.py)
+            # colocated: the engine frees its GPU memory while the learner trains (rollout_fleet/colocated_gate.py)
             memory_saver=self.cfg.colocate.enabled and self.cfg.colocate.sleep_level(cuda=True) > 0,
             extra_args=["--context-length", str(r.max_model_len), *r.sglang_server_args],
             env={**{k: os.environ.get(k, v) for k, v in NCCL_ENV.items()},

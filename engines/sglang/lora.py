@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from core.net import EngineError
+from core.http_client import EngineError
 from engines.base import lora_name
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from core.net import EngineError
+from core.http_client import EngineError
 from engines.base import lora_name
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from core.engine_auth import engine_token
-from core.net import free_port
+from core.http_client import free_port
 from engines.base import EngineError
 
 log = logging.getLogger(__name__)

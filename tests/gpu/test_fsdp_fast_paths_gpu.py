@@ -106,7 +106,7 @@ def one_rank_group():
 
     import torch.distributed as dist
 
-    from core.net import free_port
+    from core.http_client import free_port
 
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",

@@ -1,7 +1,7 @@
 """Colocated mode on a real SGLang server (TP=1) sharing GPU 0 with this process (the learner).
 
 The server runs with ``--enable-memory-saver``. Per cycle, as the colocated gate drives it
-(rollout_fleet/colocated.py): the engine releases its weights and KV cache
+(rollout_fleet/colocated_gate.py): the engine releases its weights and KV cache
 (``/release_memory_occupation``; the freed memory is measured here with ``torch.cuda.mem_get_info``
 and taken by a learner-sized allocation), refuses generation while released, resumes its weights,
 takes a publish from this process over gloo (SGLang's own ``/update_weights_from_distributed`` into
@@ -72,7 +72,7 @@ def _settled_free(limit_s: float = 5.0) -> int:
 def test_release_frees_memory_then_publish_and_resume_serve_the_new_weights(server, loop, qwen_checkpoints):
     import torch
 
-    from core.net import EngineError
+    from core.http_client import EngineError
     from engines.base import SamplingParams
     from engines.sglang.weights import SGLangPublishClient
     from weight_sync.config import WeightSyncConfig

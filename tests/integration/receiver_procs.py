@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.net import free_port
+from core.http_client import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -77,7 +77,7 @@ def test_attached_server_serves_takes_weights_and_is_never_restarted(vllm_server
 
 
 def test_attach_to_a_dead_url_fails_naming_it(tmp_path):
-    from core.net import free_port
+    from core.http_client import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     cfg = load_run_config("tiny", [f"run.run_dir={tmp_path}", f"rollout.urls=[{url}]", "rollout.startup_timeout_s=2"])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from core.net import free_port
+from core.http_client import free_port
 from rollout_fleet.envs.base import HFCodec
 from rollout_fleet.reward_models import JudgeClient, ModelRewardScorer, RewardModelError
 from rollout_fleet.worker import Prompt, Sample

@@ -1,7 +1,7 @@
 """Colocated mode on SGLang, on CPU: the fleet's sleep / wake through the SGLang client's memory release, and
 the publish over gloo into SGLang's own update group, against the stand-in (sglang_standin.py).
 
-The fleet controller, the colocated gate (rollout_fleet/colocated.py), the clients, the publisher and
+The fleet controller, the colocated gate (rollout_fleet/colocated_gate.py), the clients, the publisher and
 its gloo group are the real ones; the stand-in plays SGLang's server as 0.5.16 answers these calls
 (the real server: tests/gpu/test_sglang_colocated_gpu.py). Checked: the order of the calls of each
 step (release all, resume weights, the update, resume the KV cache), that the engine answers with the
@@ -25,11 +25,11 @@ import torch
 from health import wait_healthy  # tests/integration, on sys.path under pytest
 from sglang_standin import state
 
-from core.net import EngineError, EngineErrorCode, free_port
+from core.http_client import EngineError, EngineErrorCode, free_port
 from engines.base import SamplingParams
 from engines.sglang.generation import SGLangGenerationClient
 from engines.sglang.weights import SGLangPublishClient
-from rollout_fleet.colocated import ColocatedEngines
+from rollout_fleet.colocated_gate import ColocatedEngines
 from rollout_fleet.config import RolloutConfig
 from rollout_fleet.controller import FleetController
 from weight_sync.config import WeightSyncConfig

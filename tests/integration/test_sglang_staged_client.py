@@ -21,7 +21,7 @@ import torch
 from health import wait_healthy  # tests/integration, on sys.path under pytest
 from sglang_standin import state
 
-from core.net import EngineError, free_port
+from core.http_client import EngineError, free_port
 from engines.sglang.weights import SGLangWeightClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan

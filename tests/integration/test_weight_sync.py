@@ -20,7 +20,7 @@ import torch
 from receiver_procs import ENV, REPO, start_receiver  # tests/integration, on sys.path under pytest
 from safetensors.torch import load_file
 
-from core.net import free_port
+from core.http_client import free_port
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from health import wait_healthy  # tests/integration, on sys.path under pytest
 from receiver_procs import start_receiver
 from safetensors.torch import load_file
 
-from core.net import EngineError, free_port
+from core.http_client import EngineError, free_port
 from weight_sync.config import WeightSyncConfig
 from weight_sync.plan import build_plan
 from weight_sync.publisher import Publisher, PublishError

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rollout_fleet.autoscale import Autoscaler, Observation
+from rollout_fleet.autoscaler import Autoscaler, Observation
 from rollout_fleet.config import AutoscaleConfig
 
 CFG = AutoscaleConfig(enabled=True, min=2, max=6, step=2, window_s=10, sustain_s=5, cooldown_s=30)

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from core.net import BadRequest, EngineError
+from core.http_client import BadRequest, EngineError
 from engines.base import SamplingParams
 from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.config import RolloutConfig

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from core.colocate import ColocateConfig
+from core.colocate_config import ColocateConfig
 from core.configbase import ConfigError
 from launch.config import load_run_config
-from rollout_fleet.colocated import ColocatedEngines, SyncGate
+from rollout_fleet.colocated_gate import ColocatedEngines, SyncGate
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_e2e", REPO / "bench" / "e2e.py")

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import torch
 
-from core.colocate import ColocateConfig
+from core.colocate_config import ColocateConfig
 from weight_sync.ipc import (
     IpcHandle,
     IpcInit,

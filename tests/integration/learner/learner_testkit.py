@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.net import free_port
+from core.http_client import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

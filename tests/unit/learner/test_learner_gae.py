@@ -153,7 +153,7 @@ def _rank(rank: int, port: int, x: torch.Tensor, q) -> None:
 
 
 def test_whitening_across_two_gloo_ranks_equals_one_rank():
-    from core.net import free_port
+    from core.http_client import free_port
 
     x = torch.randn(13, generator=torch.Generator().manual_seed(0)) * 3 + 1
     one = whiten(x, moments(x))

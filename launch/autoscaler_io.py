@@ -1,6 +1,6 @@
 """The autoscaler's I/O: observations from the job's snapshot in, ``scale`` calls out, a log of both.
 
-:class:`rollout_fleet.autoscale.Autoscaler` decides; this carries a decision out through the same
+:class:`rollout_fleet.autoscaler.Autoscaler` decides; this carries a decision out through the same
 ``Job.scale`` the ``scale`` command uses and records it (with its reason, the signals and the
 outcome) in ``autoscale.jsonl`` in the run directory and the run's summary, and what it saw every
 second (observation and windowed signals) in ``metrics/autoscale_signals.jsonl``. A failed scale is
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.snapshot import JobSnapshot
-from rollout_fleet.autoscale import Autoscaler, Observation
+from rollout_fleet.autoscaler import Autoscaler, Observation
 from rollout_fleet.status import ServerState
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 The learner's placement group has one bundle per GPU, as in disaggregated mode; the servers get no
 bundle of their own: before the learner's rank actors take their bundles, a probe task in bundle i
 asks Ray which physical GPU it holds, and server i is started on exactly that one
-(``CUDA_VISIBLE_DEVICES``). Learner and server then share it in turns (core/colocate.py).
+(``CUDA_VISIBLE_DEVICES``). Learner and server then share it in turns (core/colocate_config.py).
 """
 
 from __future__ import annotations

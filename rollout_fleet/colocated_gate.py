@@ -1,6 +1,6 @@
 """The fleet's side of colocated mode: a gate the rollout worker obeys, and sleep / wake of the engines.
 
-Dataflow of one step ``s`` (the learner's rank 0 drives it through the fleet actor, see core/colocate.py)::
+Dataflow of one step ``s`` (the learner's rank 0 drives it through the fleet actor, see core/colocate_config.py)::
 
     learner has step s's batch -> release(s): gate closed -> wait for groups in flight (none under
         max_staleness 0; counted if any) -> every healthy engine sleeps (vLLM /sleep?level=L, L > 0)
