@@ -398,10 +398,6 @@ class LearnerConfig(ConfigModel):
     @model_validator(mode="after")
     def _critic(self) -> LearnerConfig:
         c = self.critic
-        if self.loss.advantage == "gae" and self.kl_reward.enable:
-            raise ValueError("learner.kl_reward with learner.loss.advantage=gae is not supported yet: the KL penalty "
-                             "would have to enter the critic's token rewards; use the KL loss (learner.loss.kl_coef) "
-                             "or an outcome estimator")
         if self.loss.advantage == "gae" and c is None:
             raise ValueError("learner.loss.advantage=gae needs a value model: set learner.critic (e.g. {} for a "
                              "critic initialised from the actor's model)")
