@@ -406,9 +406,15 @@ class LearnerConfig(ConfigModel):
         if self.loss.advantage != "gae":
             raise ValueError(f"learner.critic is set but learner.loss.advantage={self.loss.advantage!r} never uses "
                              "its values: use advantage=gae or remove learner.critic")
-        if self.engine == "megatron":
-            raise ValueError("learner.critic is implemented for learner.engine=fsdp only: the Megatron engine has "
-                             "no value-head model yet; use engine=fsdp for PPO with a critic")
+        m = self.megatron
+        if self.engine == "megatron" and (m.tensor_model_parallel_size > 1 or m.pipeline_model_parallel_size > 1):
+            raise ValueError(f"learner.critic with learner.engine=megatron needs tensor_model_parallel_size=1 and "
+                             f"pipeline_model_parallel_size=1 (got {m.tensor_model_parallel_size} and "
+                             f"{m.pipeline_model_parallel_size}): the Megatron critic (learner/megatron/critic.py) "
+                             "is data parallel only; use engine=fsdp, or TP=PP=1")
+        if self.engine == "megatron" and (c.param_offload or c.optimizer_offload):
+            raise ValueError("learner.critic.param_offload / optimizer_offload are FSDP's; with learner.engine=megatron "
+                             "the critic uses Megatron's (distributed) optimizer: leave them false")
         if self.sequence_parallel_size > 1:
             raise ValueError(f"learner.critic with learner.sequence_parallel_size={self.sequence_parallel_size}: the "
                              "critic's forward does not split rows across a sequence-parallel group yet; use "

@@ -239,8 +239,10 @@ def test_critic_defaults_are_verls():
 @pytest.mark.parametrize("learner, match", [
     ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
     ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
-    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {}},
-     "fsdp only"),
+    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {},
+      "megatron": {"tensor_model_parallel_size": 2}}, "Megatron critic .* is data parallel only"),
+    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"},
+      "critic": {"param_offload": True}}, "critic.param_offload / optimizer_offload are FSDP's"),
     ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"micro_batch_tokens": 512}},
      "critic.micro_batch_tokens=512 differs"),
     ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"grad_clip": 2.0}}},
