@@ -407,11 +407,10 @@ class LearnerConfig(ConfigModel):
             raise ValueError(f"learner.critic is set but learner.loss.advantage={self.loss.advantage!r} never uses "
                              "its values: use advantage=gae or remove learner.critic")
         m = self.megatron
-        if self.engine == "megatron" and (m.tensor_model_parallel_size > 1 or m.pipeline_model_parallel_size > 1):
-            raise ValueError(f"learner.critic with learner.engine=megatron needs tensor_model_parallel_size=1 and "
-                             f"pipeline_model_parallel_size=1 (got {m.tensor_model_parallel_size} and "
+        if self.engine == "megatron" and m.pipeline_model_parallel_size > 1:
+            raise ValueError(f"learner.critic with learner.engine=megatron needs pipeline_model_parallel_size=1 (got "
                              f"{m.pipeline_model_parallel_size}): the Megatron critic (learner/megatron/critic.py) "
-                             "is data parallel only; use engine=fsdp, or TP=PP=1")
+                             "has no pipeline stages; use tensor and data parallelism, or engine=fsdp")
         if self.engine == "megatron" and (c.param_offload or c.optimizer_offload):
             raise ValueError("learner.critic.param_offload / optimizer_offload are FSDP's; with learner.engine=megatron "
                              "the critic uses Megatron's (distributed) optimizer: leave them false")

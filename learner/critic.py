@@ -114,6 +114,9 @@ class Critic:
         logger.info("critic: rank %d/%d on %s, %d parameters, from %s", self.rank, self.world_size, self.device,
                     sum(p.numel() for p in model.parameters()), self.model_path)
 
+    # the group whose ranks hold disjoint rows of the step batch (FSDP: every rank; Megatron: data parallel)
+    reduce_group = None
+
     @property
     def warmup_steps(self) -> int:
         return self.c.warmup_steps
@@ -155,7 +158,7 @@ class Critic:
                 mb.values, mb.returns = v, ret.to(self.device)
                 raw.append((mb, adv))
                 parts.append(torch.stack([moments(adv), moments(ret), moments(ret - v_cpu), moments(v_cpu)]))
-        tot = global_moments(parts or [torch.zeros(4, 3, dtype=torch.float64)], self.device)
+        tot = global_moments(parts or [torch.zeros(4, 3, dtype=torch.float64)], self.device, self.reduce_group)
         n_tok = float(tot[0, 0])
         out = {"critic/prepare_seconds": 0.0}
         if n_tok >= 2:

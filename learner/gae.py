@@ -105,13 +105,14 @@ def moments(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     return torch.stack([m.sum(), (m * x).sum(), (m * x * x).sum()])
 
 
-def global_moments(parts: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """Sum per-micro-batch :func:`moments` and all-reduce them over the default process group (if any):
-    one collective per call, whatever the number of statistics stacked in ``parts`` ([..., 3] each)."""
+def global_moments(parts: list[torch.Tensor], device: torch.device | None = None, group=None) -> torch.Tensor:
+    """Sum per-micro-batch :func:`moments` and all-reduce them over ``group`` (None: the default process group,
+    if any): one collective per call, whatever the number of statistics stacked in ``parts`` ([..., 3] each).
+    ``group`` must hold each token once: the data-parallel group where tensor-parallel ranks repeat the data."""
     total = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = total.to(device) if device is not None else total
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         total = t.cpu()
     return total
 

@@ -17,9 +17,12 @@ hook (the hidden states of the response positions only), so no vocabulary-sized 
 GAE, whitening and the value loss are the FSDP critic's (:class:`learner.critic.Critic`'s ``prepare``,
 ``train`` and ``_weights``): only the model, its forward and its optimizer step differ.
 
-Layout: tensor and pipeline parallel size 1 (data parallel over every rank), refused otherwise by the
-config: with PP > 1 the values exist on the last stage only and the whitening and metrics would have to be
-reduced over its data-parallel group and broadcast along the pipeline, which is not built.
+Layout: the actor's tensor parallelism (and sequence parallelism) and data parallelism; pipeline parallel
+size 1, refused otherwise by the config (with PP > 1 the values would exist on the last stage only and the
+metrics would have to be broadcast along the pipeline, which is not built). The head is replicated on the
+tensor-parallel ranks, which all see the whole final hidden state (gathered over the sequence under
+sequence parallelism) and so compute the same values; whitening moments and metrics are reduced over the
+data-parallel group, where each token is held once.
 """
 
 from __future__ import annotations
@@ -89,19 +92,24 @@ class MegatronCritic(Critic):
 
         if cfg.critic is None:
             raise ValueError("MegatronCritic needs learner.critic")
-        if engine.tp != 1 or engine.pp != 1:
-            raise ValueError(f"the Megatron critic needs tensor_model_parallel_size=1 and pipeline_model_parallel_size"
-                             f"=1, got {engine.tp} and {engine.pp}")
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        if engine.pp != 1:
+            raise ValueError(f"the Megatron critic needs pipeline_model_parallel_size=1, got {engine.pp}")
         self.cfg, self.c, self.engine = cfg, cfg.critic, engine
         self.model_path = self.c.model_path or actor_model_path
         self.rank, self.world_size, self.device = engine.rank, engine.world_size, engine.device
         on_gpu = self.device.type == "cuda"
         hf_cfg = json.loads((Path(self.model_path) / "config.json").read_text())
-        self.shape = cv.ModelShape.from_hf(hf_cfg, tp=1)
+        tp, self.sp = engine.tp, engine.mcfg.sequence_parallel
+        self.shape = cv.ModelShape.from_hf(hf_cfg, tp=tp)
+        self.shape.check_tp(tp)
+        self.reduce_group = ps.get_data_parallel_group()
         self.tcfg = transformer_config(hf_cfg, self.shape, engine.mcfg, bf16=on_gpu,
                                        recompute=engine.settings.activation_checkpointing)
-        gpt = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(False, self.shape.num_layers, engine.varlen,
-                                                                           self.shape.qk_norm),
+        gpt = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(self.sp, self.shape.num_layers,
+                                                                           engine.varlen, self.shape.qk_norm),
                        vocab_size=self.shape.padded_vocab,
                        max_sequence_length=int(hf_cfg.get("max_position_embeddings", 4096)),
                        pre_process=True, post_process=True, parallel_output=True,
@@ -109,8 +117,10 @@ class MegatronCritic(Critic):
                        rotary_base=rope_theta(hf_cfg))
         gpt.output_layer = None  # the vocabulary head is never used: values come through output_processor
         with HFWeights(self.model_path) as hf:
-            copy_hf_into(gpt, hf, self.shape, tp=1, tp_rank=0, layer_offset=0)
+            copy_hf_into(gpt, hf, self.shape, tp=tp, tp_rank=engine.tp_rank, layer_offset=0)
         gpt.value_head = ValueHead(self.shape.hidden, float(hf_cfg.get("initializer_range", 0.02)), seed)
+        for p in gpt.value_head.parameters():  # replicated over TP: counted once by the gradient-norm clip
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         gpt.to(self.device)
         self.gpt = gpt  # unwrapped: parameter names without the wrappers' prefixes
         model = Float16Module(self.tcfg, gpt) if on_gpu else gpt
@@ -139,11 +149,17 @@ class MegatronCritic(Critic):
 
     # ---- values ------------------------------------------------------------------------------
     def _head(self, *, hidden_states: torch.Tensor, context: MicroBatch, **_unused) -> torch.Tensor:
-        """GPTModel's output processor: [S, 1, H] final hidden state -> [n] fp32 values at the response positions."""
+        """GPTModel's output processor: [S, 1, H] final hidden state -> [n] fp32 values at the response positions.
+        Under sequence parallelism each TP rank holds a slice of S: gathered first (every TP rank computes the
+        same loss from the whole sequence, so the backward only splits the gradient: no reduction)."""
+        if self.sp:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return self.gpt.value_head(hidden_states[context.target_index, 0])
 
     def values(self, mb: MicroBatch, *, grad: bool = False) -> torch.Tensor:
-        ids, pos, mask = self.engine._inputs(mb, None)
+        ids, pos, mask = self.engine._inputs(mb, self.engine._row_length([mb]))
         with torch.set_grad_enabled(grad):
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, output_processor=self._head,
                              output_processor_context=mb)
@@ -179,9 +195,11 @@ class MegatronCritic(Critic):
         # already sum to one over the step: multiply both back (as the actor engine does)
         scale = float(len(mbs) * self.engine.data_world_size)
 
+        length = self.engine._row_length(mbs)
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            ids, pos, mask = self.engine._inputs(mb, None)
+            ids, pos, mask = self.engine._inputs(mb, length)
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask, output_processor=self._head,
                         output_processor_context=mb)
 
@@ -193,7 +211,7 @@ class MegatronCritic(Critic):
             return out, loss_func
 
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
-                                    num_microbatches=len(mbs), seq_length=max(mb.n_tokens for mb in mbs),
+                                    num_microbatches=len(mbs), seq_length=length or max(mb.n_tokens for mb in mbs),
                                     micro_batch_size=1, forward_only=False)
         lr = self.c.optim.lr * self.lr_fn(self.steps_taken)
         for g in self.optimizer.param_groups:
@@ -212,7 +230,7 @@ class MegatronCritic(Critic):
         m = combine_metrics(parts)
         names = sorted(m)
         t = torch.stack([m[k].detach().float().reshape(()) for k in names]).to(self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.reduce_group)
         out = {k: float(x) for k, x in zip(names, t.tolist(), strict=True)}
         out.update(grad_norm=grad_norm, lr=lr)
         return out

@@ -2,7 +2,9 @@
 checkpoint and the same head weights, its values and its value-loss gradients (every parameter) equal those
 of transformers' ``AutoModelForTokenClassification`` (what learner/critic.py trains), run one sequence at a
 time, so packing, the value head's placement and its fp32 cast are all checked against an independent model.
-A tied (SmolLM2-like) and an untied tiny Qwen2, one gloo rank, GAE from ``Critic.prepare``.
+A tied (SmolLM2-like) and an untied tiny Qwen2 on one gloo rank, and the untied one with tensor parallelism 2
+(2 gloo ranks, the gradients' shards joined as the weight export joins them) with and without sequence
+parallelism; GAE from ``Critic.prepare``.
 
 What CPU cannot carry: megatron-core's optimizer and its forward/backward schedule allocate on ``cuda``, so
 the optimizer step and the checkpoint/resume of actor + critic run on the GPU machine
@@ -62,15 +64,16 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     for name, model in kw["models"].items():
         cfg = LearnerConfig.model_validate({
             "engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.9, "lam": 0.95},
-            "critic": {"cliprange_value": 0.05}, "micro_batch_tokens": 64})
+            "critic": {"cliprange_value": 0.05}, "micro_batch_tokens": 64,
+            "megatron": {"tensor_model_parallel_size": world, "sequence_parallel": kw["sp"]}})
         engine = MegatronEngine(cfg, model, total_steps=1, seed=0)
         critic = MegatronCritic(cfg, model, total_steps=1, seed=0, engine=engine)
         ref = load_value_model(model, "eager")
         with torch.no_grad():  # the same fresh head in both
             ref.score.weight.copy_(critic.gpt.value_head.weight)
             ref.score.bias.copy_(critic.gpt.value_head.bias)
-        plan = plan_step(make_batches(1, seed=3)[0], rank=0, world_size=1, micro_batch_tokens=64, advantage="gae",
-                         drop_uniform=True, aggregation="token")
+        plan = plan_step(make_batches(1, seed=3)[0], rank=engine.data_rank, world_size=engine.data_world_size,
+                         micro_batch_tokens=64, advantage="gae", drop_uniform=True, aggregation="token")
         assert len(plan.micro_batches) > 1 and max(len(mb.seq_lens) for mb in plan.micro_batches) > 1
 
         def ref_values(mb, ref=ref):
@@ -108,18 +111,27 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
                                cfg.critic.cliprange_value)
             rl.backward()
             ref_loss += float(rl.detach())
+        if kw["sp"]:  # what the schedule's finalize_model_grads does: the norms' partial gradients summed over TP
+            for p in critic.gpt.parameters():
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.main_grad)
+        # every rank's shards, joined over TP as the HF export joins weights (learner/megatron/convert.py)
+        shards = {n: p.main_grad.view_as(p).detach().clone() for n, p in critic.gpt.named_parameters()}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, shards)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         pairs = []
-        for n, p in critic.gpt.named_parameters():
-            g = p.main_grad.view_as(p)
-            hf = [(n.replace("value_head", "score"), g)] if n.startswith("value_head") else cv.to_hf(n, [g], critic.shape)
+        for n in shards:
+            parts = [g[n] for g in gathered]
+            hf = [(n.replace("value_head", "score"), parts[0])] if n.startswith("value_head") else \
+                cv.to_hf(n, parts, critic.shape)
             pairs += [(h, t, ref_grads[h]) for h, t in hf]
         assert {h for h, _, _ in pairs} == set(ref_grads)  # every parameter of the HF critic compared
         res[name] = {"meg_v": torch.cat(meg_v), "ref_v": torch.cat(ref_v), "meg_loss": meg_loss,
                      "ref_loss": ref_loss, "ev": prep.get("critic/vf_explained_var"),
                      "grads": {h: (a.detach().clone(), b.detach().clone()) for h, a, b in pairs}}
         del critic, engine
-    torch.save(res, kw["out"])
+    torch.save(res, kw["out"] + f".rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
     from megatron.core import parallel_state as ps
@@ -127,16 +139,20 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     ps.destroy_model_parallel()
 
 
-def test_megatron_critic_equals_the_hf_value_model(tmp_path):
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2_sp"])
+def test_megatron_critic_equals_the_hf_value_model(tmp_path, tp, sp):
     import torch
 
-    models = {"untied": str(make_tiny_model(tmp_path / "untied", seed=1)),
-              "tied": str(make_tiny_model(tmp_path / "tied", seed=2, tie=True))}
+    models = {"untied": str(make_tiny_model(tmp_path / "untied", seed=1))}
+    if tp == 1:
+        models["tied"] = str(make_tiny_model(tmp_path / "tied", seed=2, tie=True))
     out = tmp_path / "res.pt"
-    run_procs(_rank, 1, {"models": models, "out": str(out)}, 150, "spawn")
-    res = torch.load(out, weights_only=False)
+    run_procs(_rank, tp, {"models": models, "out": str(out), "sp": sp}, 150, "spawn")
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(tp)]
     for name in models:
-        r = res[name]
+        r = ranks[0][name]
+        for other in ranks[1:]:  # the head is replicated: every TP rank computes the same values
+            assert torch.equal(other[name]["meg_v"], r["meg_v"]), name
         verr = float((r["meg_v"] - r["ref_v"]).abs().max())
         gerr = {h: float((a - b).norm() / b.norm().clamp_min(1e-12)) for h, (a, b) in r["grads"].items()}
         print(f"{name}: {r['meg_v'].numel()} values, max |dv| {verr:.2e}, loss {r['meg_loss']:.6f} vs "

@@ -240,7 +240,7 @@ def test_critic_defaults_are_verls():
     ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
     ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
     ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {},
-      "megatron": {"tensor_model_parallel_size": 2}}, "Megatron critic .* is data parallel only"),
+      "megatron": {"pipeline_model_parallel_size": 2}}, "Megatron critic .* has no pipeline stages"),
     ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"},
       "critic": {"param_offload": True}}, "critic.param_offload / optimizer_offload are FSDP's"),
     ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"micro_batch_tokens": 512}},
