@@ -398,10 +398,6 @@ class LearnerConfig(ConfigModel):
     @model_validator(mode="after")
     def _critic(self) -> LearnerConfig:
         c = self.critic
-        if self.loss.advantage == "gae" and self.kl_reward.enable:
-            raise ValueError("learner.kl_reward with learner.loss.advantage=gae is not supported yet: the KL penalty "
-                             "would have to enter the critic's token rewards; use the KL loss (learner.loss.kl_coef) "
-                             "or an outcome estimator")
         if self.loss.advantage == "gae" and c is None:
             raise ValueError("learner.loss.advantage=gae needs a value model: set learner.critic (e.g. {} for a "
                              "critic initialised from the actor's model)")
@@ -410,9 +406,14 @@ class LearnerConfig(ConfigModel):
         if self.loss.advantage != "gae":
             raise ValueError(f"learner.critic is set but learner.loss.advantage={self.loss.advantage!r} never uses "
                              "its values: use advantage=gae or remove learner.critic")
-        if self.engine == "megatron":
-            raise ValueError("learner.critic is implemented for learner.engine=fsdp only: the Megatron engine has "
-                             "no value-head model yet; use engine=fsdp for PPO with a critic")
+        m = self.megatron
+        if self.engine == "megatron" and m.pipeline_model_parallel_size > 1:
+            raise ValueError(f"learner.critic with learner.engine=megatron needs pipeline_model_parallel_size=1 (got "
+                             f"{m.pipeline_model_parallel_size}): the Megatron critic (learner/megatron/critic.py) "
+                             "has no pipeline stages; use tensor and data parallelism, or engine=fsdp")
+        if self.engine == "megatron" and (c.param_offload or c.optimizer_offload):
+            raise ValueError("learner.critic.param_offload / optimizer_offload are FSDP's; with learner.engine=megatron "
+                             "the critic uses Megatron's (distributed) optimizer: leave them false")
         if self.sequence_parallel_size > 1:
             raise ValueError(f"learner.critic with learner.sequence_parallel_size={self.sequence_parallel_size}: the "
                              "critic's forward does not split rows across a sequence-parallel group yet; use "

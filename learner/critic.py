@@ -114,6 +114,9 @@ class Critic:
         logger.info("critic: rank %d/%d on %s, %d parameters, from %s", self.rank, self.world_size, self.device,
                     sum(p.numel() for p in model.parameters()), self.model_path)
 
+    # the group whose ranks hold disjoint rows of the step batch (FSDP: every rank; Megatron: data parallel)
+    reduce_group = None
+
     @property
     def warmup_steps(self) -> int:
         return self.c.warmup_steps
@@ -127,8 +130,12 @@ class Critic:
                              **forward_kwargs(self.settings, mb))
             return out.logits[0, mb.target_index, 0].float()
 
-    def prepare(self, plans: list[StepPlan], gamma: float, lam: float) -> dict[str, float]:
-        """Values, GAE advantages (whitened over the step batch) and returns on every micro-batch of ``plans``."""
+    def prepare(self, plans: list[StepPlan], gamma: float, lam: float,
+                penalties: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
+        """Values, GAE advantages (whitened over the step batch) and returns on every micro-batch of ``plans``.
+
+        ``penalties``: KL in the reward (learner/kl_reward.py ``gae_penalties``): per micro-batch (``id(mb)``) the
+        [n] per-token ``beta * kl_t`` subtracted from the token rewards before GAE (verl's apply_kl_penalty)."""
         t0 = time.perf_counter()
         if not self._checkpointing and self.engine.settings.activation_checkpointing:
             # the actor decides it at its first step (learner.activation_checkpointing=auto sizes it then)
@@ -144,11 +151,14 @@ class Critic:
                     mb.values, mb.returns = torch.zeros_like(v), torch.zeros_like(v)
                     continue
                 v_cpu = v.cpu()
-                adv, ret = gae(token_rewards(mb.rewards, mb.seq_lens), v_cpu, mb.seq_lens, gamma, lam)
+                if penalties is not None and id(mb) not in penalties:
+                    raise RuntimeError("KL in the reward: no token penalties for a micro-batch of the step")
+                r = token_rewards(mb.rewards, mb.seq_lens, None if penalties is None else penalties[id(mb)])
+                adv, ret = gae(r, v_cpu, mb.seq_lens, gamma, lam)
                 mb.values, mb.returns = v, ret.to(self.device)
                 raw.append((mb, adv))
                 parts.append(torch.stack([moments(adv), moments(ret), moments(ret - v_cpu), moments(v_cpu)]))
-        tot = global_moments(parts or [torch.zeros(4, 3, dtype=torch.float64)], self.device)
+        tot = global_moments(parts or [torch.zeros(4, 3, dtype=torch.float64)], self.device, self.reduce_group)
         n_tok = float(tot[0, 0])
         out = {"critic/prepare_seconds": 0.0}
         if n_tok >= 2:

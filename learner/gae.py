@@ -9,7 +9,8 @@ contributes a TD error nor breaks the recursion, and the next value is the next
 *trained* token's).
 
 Per sequence, with ``V_t`` the critic's value at the state before trained token ``t``
-and the outcome reward ``R`` placed on the last trained token (``r_t = 0`` elsewhere)::
+and the outcome reward ``R`` placed on the last trained token (``r_t = 0`` elsewhere; with
+KL in the reward every token's ``r_t`` also carries ``-beta * kl_t``, learner/kl_reward.py)::
 
     delta_t = r_t + gamma * V_{t+1} - V_t          (V_{T} = 0 after the last token)
     A_t     = delta_t + gamma * lam * A_{t+1}
@@ -51,12 +52,18 @@ def _check_layout(values: torch.Tensor, seq_lens: torch.Tensor) -> None:
         raise ValueError(f"seq_lens sum to {int(seq_lens.sum())} but there are {values.shape[0]} values")
 
 
-def token_rewards(seq_rewards: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """[n] rewards with each sequence's scalar reward on its last trained token, zero elsewhere."""
+def token_rewards(seq_rewards: torch.Tensor, seq_lens: torch.Tensor,
+                  penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] float64 rewards with each sequence's scalar reward on its last trained token, zero elsewhere, minus
+    ``penalty`` ([n], per token) when given: KL in the reward, ``beta * kl_t`` (verl's apply_kl_penalty)."""
     if seq_rewards.shape != seq_lens.shape:
         raise ValueError(f"seq_rewards {tuple(seq_rewards.shape)} and seq_lens {tuple(seq_lens.shape)} differ")
     out = torch.zeros(int(seq_lens.sum()), dtype=torch.float64)
     out[torch.cumsum(seq_lens, 0) - 1] = seq_rewards.double()
+    if penalty is not None:
+        if penalty.shape != out.shape:
+            raise ValueError(f"token penalty {tuple(penalty.shape)} does not match the {out.shape[0]} trained tokens")
+        out = out - penalty.detach().double().cpu()
     return out
 
 
@@ -98,13 +105,14 @@ def moments(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     return torch.stack([m.sum(), (m * x).sum(), (m * x * x).sum()])
 
 
-def global_moments(parts: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """Sum per-micro-batch :func:`moments` and all-reduce them over the default process group (if any):
-    one collective per call, whatever the number of statistics stacked in ``parts`` ([..., 3] each)."""
+def global_moments(parts: list[torch.Tensor], device: torch.device | None = None, group=None) -> torch.Tensor:
+    """Sum per-micro-batch :func:`moments` and all-reduce them over ``group`` (None: the default process group,
+    if any): one collective per call, whatever the number of statistics stacked in ``parts`` ([..., 3] each).
+    ``group`` must hold each token once: the data-parallel group where tensor-parallel ranks repeat the data."""
     total = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = total.to(device) if device is not None else total
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         total = t.cpu()
     return total
 

@@ -14,6 +14,9 @@ How the token rewards reach the advantage (as verl's estimators read them):
   rewards: ``r' = r - beta * sum_t kl_t``, then the estimator runs on ``r'``;
 * ``reinforce_plus_plus`` uses the token-level return (gamma 1): ``G_t = r - beta * sum_{t' >= t} kl_t'``,
   whitened over all trained tokens of the step batch: advantages now differ within a sample.
+* ``gae`` (PPO with a critic) takes the token rewards themselves, ``r_t = score * [t last] - beta * kl_t``,
+  into GAE (:func:`gae_penalties` hands ``beta * kl_t`` to ``Critic.prepare``), as verl's apply_kl_penalty
+  followed by compute_gae_advantage_return; the returns the critic is fitted to include the penalty.
 
 ``beta`` comes from a fixed or adaptive controller (Ziegler et al. 2019, verl's AdaptiveKLController):
 after each step ``beta *= 1 + clip(kl / target_kl - 1, -0.2, 0.2) * n / horizon`` with ``kl`` the batch
@@ -85,14 +88,9 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def apply(batch: pa.RecordBatch, plans: list[StepPlan], *, advantage: str, drop_uniform: bool, estimator: str,
-          controller: KLController) -> dict[str, float]:
-    """Rewrite every micro-batch's advantages with the KL penalty in the reward; returns metrics.
-
-    Needs ``prox_logp`` and ``ref_logp`` on every micro-batch (``engine.prepare_logprobs`` on every plan),
-    collective over the default process group (every rank calls it with its own plans).
-    """
-    beta = controller.value
+def _token_kl(batch: pa.RecordBatch, plans: list[StepPlan], estimator: str):
+    """The non-empty micro-batches, their per-token KL ([n] float64 each), every row's KL sum (all-reduced),
+    the rows' trained lengths and the batch's current KL (the mean over trained samples of the token-mean)."""
     n = batch.num_rows
     kl_sum = torch.zeros(n, dtype=torch.float64)
     mbs = [mb for p in plans for mb in p.micro_batches if mb.rows]
@@ -106,12 +104,40 @@ def apply(batch: pa.RecordBatch, plans: list[StepPlan], *, advantage: str, drop_
         kl_sum[mb.rows] = torch.stack([seg.sum() for seg in torch.split(k, lens)])
     _all_reduce(kl_sum)
     t_len = torch.from_numpy(_trained_lengths(batch).astype(np.int64))
-    rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64))
     trained = torch.zeros(n, dtype=torch.bool)
     trained[[r for mb in mbs for r in mb.rows]] = True
     trained = _all_reduce(trained.double()) > 0
     seq_kl = kl_sum / t_len.clamp(min=1)
     current_kl = float(seq_kl[trained].mean()) if bool(trained.any()) else 0.0
+    return mbs, per_mb_kl, kl_sum, t_len, current_kl
+
+
+def gae_penalties(batch: pa.RecordBatch, plans: list[StepPlan], *, estimator: str,
+                  controller: KLController) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+    """For ``advantage=gae``: per non-empty micro-batch (keyed by ``id(mb)``) the [n] float64 token penalties
+    ``beta * kl_t`` that ``Critic.prepare`` subtracts from the token rewards before GAE; and the metrics.
+    Updates the controller (after reading beta, as :func:`apply`). Collective, needs the same log-probs."""
+    beta = controller.value
+    mbs, per_mb_kl, _, _, current_kl = _token_kl(batch, plans, estimator)
+    out = {id(mb): beta * k for mb, k in zip(mbs, per_mb_kl, strict=True)}
+    controller.update(current_kl, batch.num_rows)
+    return out, {"kl_reward_kl": current_kl, "kl_reward_coef": beta}
+
+
+def apply(batch: pa.RecordBatch, plans: list[StepPlan], *, advantage: str, drop_uniform: bool, estimator: str,
+          controller: KLController) -> dict[str, float]:
+    """Rewrite every micro-batch's advantages with the KL penalty in the reward; returns metrics.
+
+    Needs ``prox_logp`` and ``ref_logp`` on every micro-batch (``engine.prepare_logprobs`` on every plan),
+    collective over the default process group (every rank calls it with its own plans). Not for ``gae``
+    (:func:`gae_penalties`: the critic's GAE takes the token rewards).
+    """
+    if advantage == "gae":
+        raise ValueError("kl_reward.apply does not compute GAE: use kl_reward.gae_penalties with Critic.prepare")
+    beta = controller.value
+    n = batch.num_rows
+    mbs, per_mb_kl, kl_sum, t_len, current_kl = _token_kl(batch, plans, estimator)
+    rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64))
     metrics = {"kl_reward_kl": current_kl, "kl_reward_coef": beta}
     if advantage != "reinforce_plus_plus":
         _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)

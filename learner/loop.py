@@ -5,9 +5,10 @@ Dataflow of step ``s = v + 1`` (``v``: the current policy version)::
     rank 0: source.next_batch(s) --Arrow IPC bytes, uint8 broadcast--> every rank
     every rank: plan_mini_batches (advantages, whole groups into ppo mini-batches, rank split,
                                    packed micro-batches)
-                [advantage=gae: critic.prepare, values + GAE on every mini-batch: learner/critic.py]
                 engine.prepare_logprobs on every mini-batch (proximal / reference, no grad,
                                    all before the first optimizer step)
+                [kl_reward: the KL penalty into the advantages, or, with gae, into the token rewards]
+                [advantage=gae: critic.prepare, values + GAE on every mini-batch: learner/critic.py]
                 [first step after start: logprob_probe.check, engine vs learner on fresh tokens]
                 ppo_epochs x engine.train_step per mini-batch (accumulate, clip, AdamW;
                                    the LR schedule once per step batch)  -> version s
@@ -280,13 +281,18 @@ class Learner:
             aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version,
             mask_truncated=self.cfg.loss.mask_truncated, loss_scale_factor=self.cfg.loss.loss_scale_factor)
         t1 = time.perf_counter()
-        critic_m = self.critic.prepare(plans, self.cfg.loss.gamma, self.cfg.loss.lam) if self.critic else {}
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
-        if self.kl_ctl is not None:  # KL in the reward: advantages again, from token rewards (learner/kl_reward.py)
+        penalties = None
+        if self.kl_ctl is not None and self.critic is not None:  # KL in the token rewards GAE reads
+            penalties, kl_m = kl_reward.gae_penalties(batch, plans, estimator=self.cfg.kl_reward.estimator,
+                                                      controller=self.kl_ctl)
+            stats.update(kl_m)
+        elif self.kl_ctl is not None:  # KL in the reward: advantages again, from token rewards (learner/kl_reward.py)
             stats.update(kl_reward.apply(batch, plans, advantage=self.cfg.loss.advantage,
                                          drop_uniform=self.cfg.loss.drop_uniform_groups,
                                          estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl))
+        critic_m = self.critic.prepare(plans, self.cfg.loss.gamma, self.cfg.loss.lam, penalties) if self.critic else {}
         if self.cfg.rollout_correction.enable and self.cfg.loss.correction == "decoupled":  # IS weights and rejection from prox vs behaviour (learner/correction.py)
             stats.update(correction.apply(plans, self.cfg.rollout_correction,
                                           aggregation=self.cfg.loss.effective_aggregation,

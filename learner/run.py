@@ -139,7 +139,10 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
         on_engine(engine)
     critic = None
     if lc.critic is not None:
-        from learner.critic import Critic
+        if lc.engine == "megatron":
+            from learner.megatron.critic import MegatronCritic as Critic
+        else:
+            from learner.critic import Critic
 
         critic = Critic(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed, engine=engine)
     learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,

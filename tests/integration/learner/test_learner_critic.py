@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,17 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     resumed = learner.resume()
     history = learner.run()
     if rank == 0:
-        from learner.metrics_sink import MetricsSink
+        import urllib.request
 
-        sink = MetricsSink(kw["out"], start_step=history[0]["learner/version"], tensorboard=True, prometheus=False)
+        from learner.metrics_sink import ENDPOINT, MetricsSink
+
+        sink = MetricsSink(kw["out"], start_step=history[0]["learner/version"], tensorboard=True, prometheus=True)
         for h in history:
             sink.write(int(h["learner/version"]), h, None)
+        # the learner's Prometheus endpoint as a scraper reads it (the last step's gauges)
+        url = json.loads(Path(kw["out"], ENDPOINT).read_text())["learner"]
+        with urllib.request.urlopen(url, timeout=10) as r:
+            Path(kw["out"], "prometheus.txt").write_bytes(r.read())
         sink.close()
     Path(kw["out"], f"rank{rank}.json").write_text(json.dumps({"history": history, "resumed": resumed,
                                                                "published": published}))
@@ -127,3 +134,56 @@ def test_critic_metrics_reach_the_sink(runs):
     for r in steps:
         assert set(CRITIC_KEYS) <= set(r["metrics"])
     assert any((runs["dir"] / "straight" / "tensorboard" / "learner").iterdir())
+
+
+def test_critic_metrics_reach_every_sink(runs, tmp_path, monkeypatch):
+    """The critic's metrics (verl's names) from the real run above, through the same writers a run uses:
+    TensorBoard and Prometheus from the learner's sink (learner/metrics_sink.py), W&B from the driver's
+    Monitor reading the learner's lines (launch/monitor.py, offline; the record file read back). The live
+    view's critic row: tests/unit/learner/test_learner_gae.py::test_live_view_shows_the_critic."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_wandb_logging import history as wandb_history
+    from test_wandb_logging import read_wandb_records
+
+    out = runs["dir"] / "straight"
+    want = {int(h["learner/version"]): h for h in runs["straight"][0]["history"]}
+    acc = EventAccumulator(str(out / "tensorboard" / "learner"), size_guidance={"scalars": 0})
+    acc.Reload()
+    for k in CRITIC_KEYS:  # TensorBoard keeps float32: 1e-6 relative covers its rounding (2^-24 ~ 6e-8)
+        assert [e.step for e in acc.Scalars(k)] == list(want), k
+        assert [e.value for e in acc.Scalars(k)] == pytest.approx([want[s][k] for s in want], rel=1e-6), k
+    prom = {ln.split()[0]: float(ln.split()[1]) for ln in (out / "prometheus.txt").read_text().splitlines()
+            if ln.startswith("fleetrl_step_critic_")}
+    for k in CRITIC_KEYS:  # a gauge per metric, holding the last step's value (the text format keeps float64)
+        name = "fleetrl_step_" + k.replace("/", "_")
+        assert prom[name] == want[4][k], name
+
+    pytest.importorskip("wandb")
+    from launch.monitor import Monitor, WandbConfig, WandbWriter
+    from launch.snapshot import FleetStatus, JobSnapshot
+    from learner.status import LearnerStatus
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run_dir = tmp_path / "run"
+    shutil.copytree(out / "metrics", run_dir / "metrics")  # the learner's lines, as the driver finds them
+    writer = WandbWriter(WandbConfig(project="fleetrl-test", mode="offline"), run_dir, simulated=False,
+                         run_config={})
+    mon = Monitor(run_dir, simulated=False, tensorboard=False, live=False, prometheus=False, wandb=writer,
+                  learner_rows_from=0)
+    mon.update(JobSnapshot(fleet=FleetStatus(), learner=LearnerStatus(step=4), max_steps=4, max_staleness=2,
+                           simulated=False, wall_s=1.0))
+    mon.close()
+    # W&B's service process writes the offline file; finish() can return before the last records reach the
+    # disk (seen once in a longer pytest session): read until the four steps are there, 30 s at most
+    deadline = time.monotonic() + 30.0
+    while True:
+        logs = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        rows = [r for r in wandb_history(read_wandb_records(logs[0])) if "critic/vf_loss" in r] if logs else []
+        if len(rows) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(logs) == 1, logs
+    assert [int(r["_step"]) for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {k: r[k] for k in CRITIC_KEYS} == {k: want[int(r["_step"])][k] for k in CRITIC_KEYS}  # JSON floats

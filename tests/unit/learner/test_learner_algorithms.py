@@ -90,9 +90,9 @@ def test_config_refuses_gae_naming_the_critic_and_needs_a_norm_length():
 
     with pytest.raises(ValueError, match="critic"):
         LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}})
-    with pytest.raises(ValueError, match="not supported yet"):
-        LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}, "critic": {},
-                                      "kl_reward": {"enable": True}})
+    # KL in the reward with GAE is legal: the penalty enters the token rewards (tests/unit/learner/test_learner_gae.py)
+    assert LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}, "critic": {},
+                                         "kl_reward": {"enable": True}}).kl_reward.enable
     with pytest.raises(ValueError, match="loss_scale_factor"):
         LossConfig(correction="none", aggregation="seq_mean_token_sum_norm")
     cfg = LossConfig(correction="none", aggregation="token_sum", policy_loss="gspo")

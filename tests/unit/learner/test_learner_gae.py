@@ -39,6 +39,45 @@ def test_gae_hand_computed_gamma_lam_below_one():
     torch.testing.assert_close(ret, torch.tensor(expect_adv) + values, atol=TOL, rtol=0)
 
 
+def test_kl_in_the_reward_enters_gae_per_token():
+    """verl's use_kl_in_reward with adv_estimator=gae: r_t = score * [t last] - beta * kl_t, then GAE."""
+    from broker.schema import Trajectory, to_record_batch
+    from learner import kl_reward
+    from learner.batch import plan_step
+
+    trajs = [Trajectory(traj_id=f"p{i}/0", group_id=f"p{i}", sample_index=0, group_size=1, step=1, prompt_ids=[5],
+                        response_ids=[7] * n, behaviour_logprobs=[-1.0] * n, reward=r)
+             for i, (n, r) in enumerate([(3, 1.0), (2, 0.0)])]
+    b = to_record_batch(trajs)
+    plan = plan_step(b, rank=0, world_size=1, micro_batch_tokens=64, advantage="gae", drop_uniform=True,
+                     aggregation="token")
+    (mb,) = plan.micro_batches
+    assert mb.rows == [0, 1] and mb.seq_lens.tolist() == [3, 2]
+    # k1 = old - ref per token: sample 0 [0.2, -0.1, 0.4], sample 1 [0.3, 0.5]
+    mb.prox_logp = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0])
+    mb.ref_logp = torch.tensor([-1.2, -0.9, -1.4, -1.3, -1.5])
+    ctl = kl_reward.KLController("fixed", 0.1)
+    pen, m = kl_reward.gae_penalties(b, [plan], estimator="k1", controller=ctl)
+    # current KL: mean of the samples' token means (0.5 / 3, 0.8 / 2) = (0.166667 + 0.4) / 2 = 0.283333
+    assert m["kl_reward_kl"] == pytest.approx(0.283333, abs=1e-6) and m["kl_reward_coef"] == 0.1
+    r = token_rewards(mb.rewards, mb.seq_lens, pen[id(mb)])
+    # beta 0.1: sample 0 [-0.02, +0.01, 1 - 0.04]; sample 1 [-0.03, -0.05]. The log-probs are float32 (as the
+    # engine's): each difference is off by at most an ulp of 1.5 (2.4e-7), times beta 0.1: 5e-8 covers it.
+    assert r.tolist() == pytest.approx([-0.02, 0.01, 0.96, -0.03, -0.05], abs=5e-8)
+    values = torch.tensor([0.5, 0.6, 0.7, 0.2, -0.1])
+    adv, ret = gae(r, values, mb.seq_lens, gamma=0.9, lam=0.8)
+    # sample 0, backwards: d2 = .96 - .7 = .26; d1 = .01 + .9*.7 - .6 = .04, A1 = .04 + .72*.26 = .2272;
+    #                      d0 = -.02 + .9*.6 - .5 = .02, A0 = .02 + .72*.2272 = .183584
+    # sample 1: d1 = -.05 + .1 = .05; d0 = -.03 + .9*(-.1) - .2 = -.32, A0 = -.32 + .72*.05 = -.284
+    expect_adv = torch.tensor([0.183584, 0.2272, 0.26, -0.284, 0.05])
+    torch.testing.assert_close(adv, expect_adv, atol=TOL, rtol=0)
+    torch.testing.assert_close(ret, expect_adv + values, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="does not match the 5 trained tokens"):
+        token_rewards(mb.rewards, mb.seq_lens, torch.zeros(4))
+    with pytest.raises(ValueError, match="gae_penalties"):
+        kl_reward.apply(b, [plan], advantage="gae", drop_uniform=True, estimator="k1", controller=ctl)
+
+
 def test_gae_gamma_lam_one_gives_reward_minus_value():
     # verl's defaults: every token's return is the outcome reward, the advantage R - V_t
     seq_lens = torch.tensor([4])
@@ -200,8 +239,10 @@ def test_critic_defaults_are_verls():
 @pytest.mark.parametrize("learner, match", [
     ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
     ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
-    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {}},
-     "fsdp only"),
+    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {},
+      "megatron": {"pipeline_model_parallel_size": 2}}, "Megatron critic .* has no pipeline stages"),
+    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"},
+      "critic": {"param_offload": True}}, "critic.param_offload / optimizer_offload are FSDP's"),
     ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"micro_batch_tokens": 512}},
      "critic.micro_batch_tokens=512 differs"),
     ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"grad_clip": 2.0}}},
