@@ -67,7 +67,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.schema import TRAJECTORY_SCHEMA  # noqa: E402
-from tests.broker_groups import make_groups  # noqa: E402
+from tests.support.broker_groups import make_groups  # noqa: E402
 
 RESP_LEN, PROMPT_LEN = 1000, 100
 WINDOW = 32  # pushes in flight (each holds a ticket: with the groups held, at most IN_FLIGHT)

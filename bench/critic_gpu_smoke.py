@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # the repository first, not bench/ (bench/learner.py would shadow the learner package), then the test kit
 sys.path[0] = str(REPO)
-sys.path.append(str(REPO / "tests" / "integration" / "learner"))
+sys.path.append(str(REPO / "tests" / "support"))
 
 KEYS = ("learner/loss_total", "learner/grad_norm", "critic/vf_loss", "critic/vf_explained_var",
         "critic/values_mean", "critic/grad_norm")

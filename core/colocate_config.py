@@ -9,7 +9,7 @@ so it lives here, below both. The schedule it selects, per step ``s``::
              train step s -> fleet.wake(weights) -> publish v=s into the engines -> fleet.wake(kv cache),
              gate open -> report version s (tickets of step s+1)
 
-Invariants (checked by tests/integration/test_cpu_system.py): every trained sample has
+Invariants (checked by tests/integration/launch/test_cpu_system.py): every trained sample has
 staleness 0, and no group is generated between the learner's release and its wake.
 """
 

@@ -3,7 +3,7 @@
 The list is made from the pydantic models themselves (``RunConfig`` and the sections it nests), so it
 cannot drift from what the loader accepts. ``docs/configuration.md`` is this list as Markdown, written by
 ``python launch/cluster.py config --keys --markdown > docs/configuration.md`` and checked in CI
-(tests/unit/test_config_keys.py)::
+(tests/unit/launch/test_config_keys.py)::
 
     python launch/cluster.py config --keys learner.loss
     learner.loss.correction  Literal['none', 'tis', 'decoupled', 'bypass']  (required)  off-policy correction; ...

@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=300.0, help="seconds before the launch is interrupted")
     ap.add_argument("--at-step", type=int, default=3, help="the kill lands once the learner reached this step")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO / "tests" / "integration"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     spec = importlib.util.spec_from_file_location("chaos_soak", REPO / "tests" / "chaos" / "test_chaos_soak.py")
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)

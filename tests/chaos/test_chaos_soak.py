@@ -44,11 +44,11 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "integration"))  # procs, test_cpu_system: helpers of the launcher tests
+sys.path.insert(0, str(REPO / "tests" / "support"))  # procs, test_cpu_system: helpers of the launcher tests
 
 from procs import alive, descendants  # noqa: E402
 
-from tests.integration.test_cpu_system import spool_rows  # noqa: E402
+from tests.integration.launch.test_cpu_system import spool_rows  # noqa: E402
 
 SEED = int(os.environ.get("FLEETRL_CHAOS_SEED", "13"))  # the fleet actor, then a rank: schedule(13)
 JUDGE = "tiny-judge"  # reward.model.model of launch/recipes/judge-tiny.yaml: the reward server's served name

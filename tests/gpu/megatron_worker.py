@@ -16,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for p in (str(REPO), str(REPO / "tests" / "integration" / "learner")):
+for p in (str(REPO), str(REPO / "tests" / "support")):
     if p not in sys.path:
         sys.path.insert(0, p)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "learner"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "learner"))
 
 pytestmark = pytest.mark.gpu

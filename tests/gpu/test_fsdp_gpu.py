@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "learner"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from learner_testkit import make_batches, make_tiny_model, run_ranks, write_batches  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The learner's rank actors on GPUs: one Ray actor per bundle of a placement group, NCCL between them.
 
 Run on the GPU machine (2 GPUs): ``pytest -m gpu tests/gpu/test_learner_ranks_gpu.py``.
-Same setup as tests/integration/test_learner_ranks.py (real broker, a producer thread in
+Same setup as tests/integration/launch/test_learner_ranks.py (real broker, a producer thread in
 place of the fleet, models/tiny-adder), with ``num_gpus=1`` per rank.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tests" / "integration" / "launch"))
 from test_learner_ranks import _Producer  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -21,7 +21,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests" / "integration" / "learner"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 import megatron_worker as mw  # noqa: E402
 from learner_testkit import make_tiny_model, run_procs  # noqa: E402
 

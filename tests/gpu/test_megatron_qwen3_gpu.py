@@ -23,7 +23,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "integration" / "learner"))
+sys.path.insert(0, str(HERE.parent / "support"))
 import megatron_worker as mw  # noqa: E402
 from learner_testkit import VOCAB, make_tiny_model, run_procs  # noqa: E402
 

@@ -24,7 +24,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1] / "tests" / "integration" / "learner"))
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "support"))
 
 from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, Reference, record, vllm_server_on_gpu1  # noqa: E402
 

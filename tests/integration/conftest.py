@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from core.engine_auth import TOKEN_ENV
-from tests.vllm_cpu import cpu_vllm_server
+from tests.support.vllm_cpu import cpu_vllm_server
 
 # The session's engine token, as a launcher run has one (core.engine_auth): the shared server
 # requires it, every client of this process and of the processes the tests start sends it.

@@ -142,8 +142,9 @@ def test_critic_metrics_reach_every_sink(runs, tmp_path, monkeypatch):
     Monitor reading the learner's lines (launch/monitor.py, offline; the record file read back). The live
     view's critic row: tests/unit/learner/test_learner_gae.py::test_live_view_shows_the_critic."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from test_wandb_logging import history as wandb_history
-    from test_wandb_logging import read_wandb_records
+
+    from tests.integration.launch.test_wandb_logging import history as wandb_history
+    from tests.integration.launch.test_wandb_logging import read_wandb_records
 
     out = runs["dir"] / "straight"
     want = {int(h["learner/version"]): h for h in runs["straight"][0]["history"]}

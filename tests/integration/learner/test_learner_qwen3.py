@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.learner.learner_testkit import VOCAB, make_batches, run_procs
+from tests.support.learner_testkit import VOCAB, make_batches, run_procs
 
 pytestmark = pytest.mark.timeout(240)
 

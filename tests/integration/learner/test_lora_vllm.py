@@ -117,7 +117,7 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
 def test_lora_publish_vllm(tmp_path):
     from engines.vllm.lora import lora_server_settings
-    from tests.vllm_cpu import cpu_vllm_server
+    from tests.support.vllm_cpu import cpu_vllm_server
 
     args, env = lora_server_settings(8)
     with cpu_vllm_server(TINY, tmp_path / "s", max_model_len=64, max_num_seqs=16, served_model_name="tiny-adder",

@@ -14,7 +14,7 @@ import torch
 from learner.batch import plan_step
 from learner.losses import LossSettings, group_advantages, policy_loss
 from learner.minibatch import plan_mini_batches
-from tests.broker_groups import make_groups
+from tests.support.broker_groups import make_groups
 
 
 def t(x, grad=False):
