@@ -30,11 +30,13 @@ install: $(STAMP)
 demo: install
 	$(PY) launch/cluster.py --rollout-gpus 0 --learner-gpus 0 --recipe tiny --summary runs/tiny/summary.json
 
-# Lint first: ruff (pyflakes, import order, bug-finding rules), then the import contracts
+# Lint first: ruff (pyflakes, import order, bug-finding rules) and its formatter (check only; `ruff format .`
+# rewrites), then the import contracts
 # (import-linter, [tool.importlinter] in pyproject.toml: layers, independence, light configs), then
 # mypy over the lower layers ([tool.mypy] in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

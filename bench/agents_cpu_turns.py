@@ -1,6 +1,6 @@
 """Per-turn greedy accuracy of chain-addition episodes (transformers, fp32), before and after a run.
 
-    python bench/agents_cpu_turns.py models/tiny-adder runs/agents-tiny/export/step_00000040 --out X.json
+python bench/agents_cpu_turns.py models/tiny-adder runs/agents-tiny/export/step_00000040 --out X.json
 """
 
 from __future__ import annotations
@@ -44,7 +44,12 @@ def per_turn(model_dir: str, rows: list[dict], tok) -> dict:
         t2 += s2.isdigit() and int(s2) == int(s) + c
         chain += s2 == r["reward_model"]["ground_truth"]
     n = len(rows)
-    return {"turn1_acc": t1 / n, "turn2_acc_in_context": t2 / n, "chain_acc": chain / n, "mean_reward": (t1 + t2) / (2 * n)}
+    return {
+        "turn1_acc": t1 / n,
+        "turn2_acc_in_context": t2 / n,
+        "chain_acc": chain / n,
+        "mean_reward": (t1 + t2) / (2 * n),
+    }
 
 
 def main() -> None:

@@ -45,17 +45,24 @@ def per_step(rows: list[dict]) -> list[dict]:
         if "metrics" not in r:
             continue
         m = r["metrics"]
-        row = {"step": r["step"], "reward": m.get("rollout/reward_mean"), "turns": m.get("rollout/turns_mean"),
-               "tool_response_fraction": m.get("rollout/observation_fraction"),
-               "response_tokens": m.get("rollout/response_length_mean_tokens"),
-               "step_s": m.get("learner/total_step_seconds")}
+        row = {
+            "step": r["step"],
+            "reward": m.get("rollout/reward_mean"),
+            "turns": m.get("rollout/turns_mean"),
+            "tool_response_fraction": m.get("rollout/observation_fraction"),
+            "response_tokens": m.get("rollout/response_length_mean_tokens"),
+            "step_s": m.get("learner/total_step_seconds"),
+        }
         samples = r.get("samples") or []
         if samples:
             calls = [sample_calls(s["response"]) for s in samples]
             n_calls = sum(c for c, _ in calls)
-            row.update(samples=len(samples), sample_call_fraction=sum(c > 0 for c, _ in calls) / len(samples),
-                       sample_calls=n_calls, sample_valid_call_fraction=(sum(v for _, v in calls) / n_calls)
-                       if n_calls else None)
+            row.update(
+                samples=len(samples),
+                sample_call_fraction=sum(c > 0 for c, _ in calls) / len(samples),
+                sample_calls=n_calls,
+                sample_valid_call_fraction=(sum(v for _, v in calls) / n_calls) if n_calls else None,
+            )
         out.append(row)
     return out
 
@@ -79,8 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         def mean(xs, key):
             v = [x[key] for x in xs if x.get(key) is not None]
             return sum(v) / len(v) if v else None
-        summary = {key: [mean(first, key), mean(last, key)] for key in
-                   ("reward", "turns", "tool_response_fraction", "sample_call_fraction", "sample_valid_call_fraction")}
+
+        summary = {
+            key: [mean(first, key), mean(last, key)]
+            for key in (
+                "reward",
+                "turns",
+                "tool_response_fraction",
+                "sample_call_fraction",
+                "sample_valid_call_fraction",
+            )
+        }
         print(f"first {k} steps -> last {k} steps:", json.dumps(summary))
     else:
         summary = {}

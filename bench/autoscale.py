@@ -46,9 +46,21 @@ CASES = {
     # responses that lengthen with training (median 16 tokens x (1 + 0.1 per version), up to 1024, at a
     # slow 200 tokens/s): the fleet first outruns the learner (drains), then falls behind it as generation
     # slows (adds)
-    "32+32-growth": dict(rollout_gpus=32, learner_gpus=32, min=4, step=4, groups_per_step=16, learner_step_s=0.1,
-                         extra=["rollout.simulated.tokens_per_s=200", "rollout.simulated.length_median=16", "rollout.simulated.length_growth=0.1",
-                                "rollout.sampling.max_tokens=1024", "rollout.max_model_len=2048"]),
+    "32+32-growth": dict(
+        rollout_gpus=32,
+        learner_gpus=32,
+        min=4,
+        step=4,
+        groups_per_step=16,
+        learner_step_s=0.1,
+        extra=[
+            "rollout.simulated.tokens_per_s=200",
+            "rollout.simulated.length_median=16",
+            "rollout.simulated.length_growth=0.1",
+            "rollout.sampling.max_tokens=1024",
+            "rollout.max_model_len=2048",
+        ],
+    ),
 }
 
 # Real vLLM CPU servers on the tiny recipe, the autoscaler at its default windows and thresholds.
@@ -57,28 +69,68 @@ REAL_CASES = {
     "cpu-2-servers": dict(servers=2, min=1, max=2, steps=100),
     # synchronous (staleness 0): the learner waits for every step's generation, so the autoscaler adds a
     # server; whether it pays on these cores is what the add's trial measures
-    "cpu-1-server-sync": dict(servers=1, min=1, max=2, steps=160,
-                              extra=["broker.max_staleness=0", "learner.loss.correction=none"]),
+    "cpu-1-server-sync": dict(
+        servers=1, min=1, max=2, steps=160, extra=["broker.max_staleness=0", "learner.loss.correction=none"]
+    ),
 }
 
 
 def simulated_command(c: dict, steps: int, summary: Path, run_dir: Path) -> list[str]:
-    over = [f"rollout.simulated.learner_step_s={c['learner_step_s']}", f"broker.groups_per_step={c['groups_per_step']}",
-            "rollout.max_inflight_groups=1",
-            "rollout.autoscale.enabled=true", f"rollout.autoscale.min={c['min']}",
-            f"rollout.autoscale.max={c['rollout_gpus']}", f"rollout.autoscale.step={c['step']}",
-            "rollout.autoscale.window_s=4", "rollout.autoscale.sustain_s=2", "rollout.autoscale.cooldown_s=6",
-            *c.get("extra", [])]
-    return [sys.executable, "launch/cluster.py", "--simulate", "--rollout-gpus", str(c["rollout_gpus"]),
-            "--learner-gpus", str(c["learner_gpus"]), "--max-steps", str(steps), "--summary", str(summary),
-            "--run-dir", str(run_dir), "--no-live", *over]
+    over = [
+        f"rollout.simulated.learner_step_s={c['learner_step_s']}",
+        f"broker.groups_per_step={c['groups_per_step']}",
+        "rollout.max_inflight_groups=1",
+        "rollout.autoscale.enabled=true",
+        f"rollout.autoscale.min={c['min']}",
+        f"rollout.autoscale.max={c['rollout_gpus']}",
+        f"rollout.autoscale.step={c['step']}",
+        "rollout.autoscale.window_s=4",
+        "rollout.autoscale.sustain_s=2",
+        "rollout.autoscale.cooldown_s=6",
+        *c.get("extra", []),
+    ]
+    return [
+        sys.executable,
+        "launch/cluster.py",
+        "--simulate",
+        "--rollout-gpus",
+        str(c["rollout_gpus"]),
+        "--learner-gpus",
+        str(c["learner_gpus"]),
+        "--max-steps",
+        str(steps),
+        "--summary",
+        str(summary),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        *over,
+    ]
 
 
 def real_command(c: dict, steps: int, summary: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
-            "--max-steps", str(steps), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
-            f"rollout.servers={c['servers']}", "rollout.autoscale.enabled=true", f"rollout.autoscale.min={c['min']}",
-            f"rollout.autoscale.max={c['max']}", *c.get("extra", [])]
+    return [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "0",
+        "--learner-gpus",
+        "0",
+        "--recipe",
+        "tiny",
+        "--max-steps",
+        str(steps),
+        "--summary",
+        str(summary),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        f"rollout.servers={c['servers']}",
+        "rollout.autoscale.enabled=true",
+        f"rollout.autoscale.min={c['min']}",
+        f"rollout.autoscale.max={c['max']}",
+        *c.get("extra", []),
+    ]
 
 
 def rates(rows: list[dict], t0: float, t1: float) -> dict | None:
@@ -88,9 +140,13 @@ def rates(rows: list[dict], t0: float, t1: float) -> dict | None:
         return None
     a, b = rows[0], rows[-1]
     span = b["t"] - a["t"]
-    return {"from_s": a["t"], "to_s": b["t"], "servers": sorted({r["servers"] for r in rows}),
-            "learner_steps_per_s": round((b["learner_step"] - a["learner_step"]) / span, 3),
-            "fleet_groups_per_s": round((b["groups_pushed"] - a["groups_pushed"]) / span, 3)}
+    return {
+        "from_s": a["t"],
+        "to_s": b["t"],
+        "servers": sorted({r["servers"] for r in rows}),
+        "learner_steps_per_s": round((b["learner_step"] - a["learner_step"]) / span, 3),
+        "fleet_groups_per_s": round((b["groups_pushed"] - a["groups_pushed"]) / span, 3),
+    }
 
 
 def before_after(decisions: list[dict], rows: list[dict], window_s: float) -> list[dict]:
@@ -99,10 +155,16 @@ def before_after(decisions: list[dict], rows: list[dict], window_s: float) -> li
     out = []
     for i, d in enumerate(decisions):
         end = decisions[i + 1]["at"] if i + 1 < len(decisions) else float("inf")
-        settled = next((r["t"] for r in rows if r["t"] > d["at"] and r["servers"] == d["target"] and not r["starting"]),
-                       None)
-        out.append({**d, "before": rates(rows, d["at"] - window_s, d["at"]),
-                    "after": None if settled is None else rates(rows, settled, end)})
+        settled = next(
+            (r["t"] for r in rows if r["t"] > d["at"] and r["servers"] == d["target"] and not r["starting"]), None
+        )
+        out.append(
+            {
+                **d,
+                "before": rates(rows, d["at"] - window_s, d["at"]),
+                "after": None if settled is None else rates(rows, settled, end),
+            }
+        )
     return out
 
 
@@ -111,8 +173,14 @@ def run_case(name: str, c: dict, steps: int, timeout_s: float, real: bool) -> di
     summary = run_dir / "out.json"
     cmd = (real_command if real else simulated_command)(c, steps, summary, run_dir)
     t = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=timeout_s)
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     wall = time.monotonic() - t
     if p.returncode != 0 or not summary.exists():
         raise RuntimeError(f"{name}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -123,13 +191,25 @@ def run_case(name: str, c: dict, steps: int, timeout_s: float, real: bool) -> di
         trace = run_dir / SIGNALS_JSONL
         rows = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
         decisions = before_after(decisions, rows, AutoscaleConfig().window_s)  # the cases run at the defaults
-    return {"command": " ".join(["python", *cmd[1:]]), "wall_s": round(wall, 1), "steps": s["steps"],
-            "max_staleness": s["max_staleness"], "staleness_hist": s["staleness_hist"],
-            "max_staleness_seen": s["max_staleness_seen"], "bound_violations": s["bound_violations"],
-            "learner_idle_fraction": s["learner_idle_fraction"], "fleet_idle_fraction": s["fleet_idle_fraction"],
-            "groups_produced": s["groups_produced"], "groups_consumed": s["groups_consumed"],
-            "groups_lost": s["groups_lost"], "servers_at_end": s["servers_at_end"], "engine_lag_at_end": lag,
-            "decisions": decisions, "simulated": s["simulated"], "error": s["error"]}
+    return {
+        "command": " ".join(["python", *cmd[1:]]),
+        "wall_s": round(wall, 1),
+        "steps": s["steps"],
+        "max_staleness": s["max_staleness"],
+        "staleness_hist": s["staleness_hist"],
+        "max_staleness_seen": s["max_staleness_seen"],
+        "bound_violations": s["bound_violations"],
+        "learner_idle_fraction": s["learner_idle_fraction"],
+        "fleet_idle_fraction": s["fleet_idle_fraction"],
+        "groups_produced": s["groups_produced"],
+        "groups_consumed": s["groups_consumed"],
+        "groups_lost": s["groups_lost"],
+        "servers_at_end": s["servers_at_end"],
+        "engine_lag_at_end": lag,
+        "decisions": decisions,
+        "simulated": s["simulated"],
+        "error": s["error"],
+    }
 
 
 def main() -> int:
@@ -141,16 +221,21 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cases = REAL_CASES if args.real else CASES
-    note = ("real vLLM CPU servers and FSDP learner (tiny recipe), autoscaler defaults" if args.real
-            else "SIMULATED engines and learner: control-plane behaviour only")
+    note = (
+        "real vLLM CPU servers and FSDP learner (tiny recipe), autoscaler defaults"
+        if args.real
+        else "SIMULATED engines and learner: control-plane behaviour only"
+    )
     out = {**run_info(), "note": note, "machine": f"{os.cpu_count()} CPUs", "cases": {}}
     for name in (args.cases or ",".join(cases)).split(","):
         c = cases[name]
         steps = args.steps or c.get("steps", 1500)
         out["cases"][name] = run_case(name, c, steps, args.timeout_s, args.real)
         r = out["cases"][name]
-        print(f"{name}: {r['steps']} steps in {r['wall_s']} s, {len(r['decisions'])} decisions, "
-              f"servers at end {r['servers_at_end']}, lost {r['groups_lost']}, max staleness {r['max_staleness_seen']}")
+        print(
+            f"{name}: {r['steps']} steps in {r['wall_s']} s, {len(r['decisions'])} decisions, "
+            f"servers at end {r['servers_at_end']}, lost {r['groups_lost']}, max staleness {r['max_staleness_seen']}"
+        )
     if args.json:
         write_json(args.json, out)
     return 0

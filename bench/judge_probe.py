@@ -35,24 +35,24 @@ from tools.pretrain_judge import auc as roc_auc  # noqa: E402
 TEMPLATES = {
     # launch/recipes/smollm2-judge-1gpu.yaml's
     "reference": "Reference answer: {reference}\n\nStudent's answer:\n{response}\n\nDoes the student's answer give "
-                 "the reference answer as its final result? Answer YES or NO.",
+    "the reference answer as its final result? Answer YES or NO.",
     "states": "Reference answer: {reference}\n\nStudent's answer:\n{response}\n\nDoes the student's answer state the "
-              "number {reference}? Answer YES or NO.",
-    "contains": "Text: \"{response}\"\n\nDoes this text contain the number {reference}? Answer YES or NO.",
+    "number {reference}? Answer YES or NO.",
+    "contains": 'Text: "{response}"\n\nDoes this text contain the number {reference}? Answer YES or NO.',
     "final": "Student's answer:\n{response}\n\nThe correct final answer is {reference}. Did the student write "
-             "{reference} as the answer? Answer YES or NO.",
+    "{reference} as the answer? Answer YES or NO.",
     "few_shot": "Reference: 12\nAnswer: 12\nMatch: YES\n\nReference: 7\nAnswer: 15\nMatch: NO\n\nReference: 30\n"
-                "Answer: The answer is 30.\nMatch: YES\n\nReference: 4\nAnswer: 9 apples\nMatch: NO\n\n"
-                "Reference: {reference}\nAnswer: {response}\nMatch:",
+    "Answer: The answer is 30.\nMatch: YES\n\nReference: 4\nAnswer: 9 apples\nMatch: NO\n\n"
+    "Reference: {reference}\nAnswer: {response}\nMatch:",
 }
 
 
 EQUALITY_TEMPLATES = {
     "same": "Reference answer: {reference}\nStudent's final answer: {answer}\n\nAre these the same number? "
-            "Answer YES or NO.",
+    "Answer YES or NO.",
     "equal": "Is {answer} equal to {reference}? Answer YES or NO.",
     "match": "The correct answer is {reference}. The student answered {answer}. Is the student correct? "
-             "Answer YES or NO.",
+    "Answer YES or NO.",
 }
 
 
@@ -73,8 +73,10 @@ def equality_pairs(n: int, seed: int) -> list[tuple[int, int, str]]:
 def first_token_scores(judge, tok, prompts: list[str], yes: list[int], no: list[int]) -> list[float]:
     scores: list[float] = []
     for k in range(0, len(prompts), 32):
-        texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-                 for c in prompts[k:k + 32]]
+        texts = [
+            tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+            for c in prompts[k : k + 32]
+        ]
         enc = tok(texts, return_tensors="pt", padding=True)
         with torch.no_grad():
             p = judge(**enc).logits[:, -1].float().softmax(-1)
@@ -92,14 +94,20 @@ def sample(model, tok, rows, n: int, max_new: int, seed: int) -> list[tuple[dict
     torch.manual_seed(seed)
     out: list[tuple[dict, str]] = []
     for i in range(0, len(rows), 16):
-        batch = rows[i:i + 16]
+        batch = rows[i : i + 16]
         texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in batch]
         enc = tok(texts, return_tensors="pt", padding=True)
         with torch.no_grad():
-            gen = model.generate(**enc, do_sample=True, temperature=1.0, max_new_tokens=max_new,
-                                 num_return_sequences=n, pad_token_id=tok.pad_token_id)
+            gen = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                max_new_tokens=max_new,
+                num_return_sequences=n,
+                pad_token_id=tok.pad_token_id,
+            )
         for j, seq in enumerate(gen):
-            out.append((batch[j // n], tok.decode(seq[enc["input_ids"].shape[1]:], skip_special_tokens=True)))
+            out.append((batch[j // n], tok.decode(seq[enc["input_ids"].shape[1] :], skip_special_tokens=True)))
     return out
 
 
@@ -136,39 +144,75 @@ def main() -> None:
         for name, tpl in EQUALITY_TEMPLATES.items():
             sc = first_token_scores(judge, tok, [tpl.format(answer=a, reference=r) for a, r, _ in pairs], yes, no)
             by = {k: [x for x, q in zip(sc, pairs, strict=True) if q[2] == k] for k in ("right", "wrong")}
-            results[name] = {"mean_score": {k: round(sum(v) / len(v), 4) for k, v in by.items()},
-                             "auc_equal_vs_unequal": auc(by["right"], by["wrong"])}
+            results[name] = {
+                "mean_score": {k: round(sum(v) / len(v), 4) for k, v in by.items()},
+                "auc_equal_vs_unequal": auc(by["right"], by["wrong"]),
+            }
             print(name, json.dumps(results[name]), flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({
-                "judge": args.judge, "pairs": len(pairs), "seed": args.seed, "templates": EQUALITY_TEMPLATES,
-                "results": results, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "seconds": round(time.monotonic() - t0, 1)}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "judge": args.judge,
+                        "pairs": len(pairs),
+                        "seed": args.seed,
+                        "templates": EQUALITY_TEMPLATES,
+                        "results": results,
+                        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "seconds": round(time.monotonic() - t0, 1),
+                    },
+                    indent=1,
+                )
+            )
         return
-    policy = judge if args.policy is None else AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval()
+    policy = (
+        judge if args.policy is None else AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval()
+    )
     rows = pq.read_table(args.data).to_pylist()
-    answers = [(r, a, "right" if last_number_is(a, r["reward_model"]["ground_truth"]) else "wrong")
-               for r, a in sample(policy, tok, rows[:args.answers], 4, 48, args.seed)]
+    answers = [
+        (r, a, "right" if last_number_is(a, r["reward_model"]["ground_truth"]) else "wrong")
+        for r, a in sample(policy, tok, rows[: args.answers], 4, 48, args.seed)
+    ]
     if args.hacked:
         hacked = AutoModelForCausalLM.from_pretrained(args.hacked, dtype=torch.float32).eval()
-        answers += [(r, a, "right" if last_number_is(a, r["reward_model"]["ground_truth"]) else "hack")
-                    for r, a in sample(hacked, tok, rows[:32], 2, 24, args.seed + 1)]
+        answers += [
+            (r, a, "right" if last_number_is(a, r["reward_model"]["ground_truth"]) else "hack")
+            for r, a in sample(hacked, tok, rows[:32], 2, 24, args.seed + 1)
+        ]
     counts = {k: sum(1 for a in answers if a[2] == k) for k in ("right", "wrong", "hack")}
     print("answers:", counts, flush=True)
     results = {}
     for name in filter(None, args.templates.split(",")):
-        scores = first_token_scores(judge, tok, [TEMPLATES[name].format(reference=r["reward_model"]["ground_truth"],
-                                                                     response=a.strip()) for r, a, _ in answers], yes, no)
+        scores = first_token_scores(
+            judge,
+            tok,
+            [
+                TEMPLATES[name].format(reference=r["reward_model"]["ground_truth"], response=a.strip())
+                for r, a, _ in answers
+            ],
+            yes,
+            no,
+        )
         by = {k: [s for s, a in zip(scores, answers, strict=True) if a[2] == k] for k in counts}
-        results[name] = {"mean_score": {k: round(sum(v) / len(v), 4) if v else None for k, v in by.items()},
-                         "auc_right_vs_wrong": auc(by["right"], by["wrong"]),
-                         "auc_right_vs_hack": auc(by["right"], by["hack"])}
+        results[name] = {
+            "mean_score": {k: round(sum(v) / len(v), 4) if v else None for k, v in by.items()},
+            "auc_right_vs_wrong": auc(by["right"], by["wrong"]),
+            "auc_right_vs_hack": auc(by["right"], by["hack"]),
+        }
         print(name, json.dumps(results[name]), flush=True)
-    report = {"judge": args.judge, "policy": args.policy or args.judge, "hacked": args.hacked, "answers": counts,
-              "seed": args.seed, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "seconds": round(time.monotonic() - t0, 1), "templates": TEMPLATES, "results": results,
-              "examples": {k: [a for _, a, lab in answers if lab == k][:4] for k in counts}}
+    report = {
+        "judge": args.judge,
+        "policy": args.policy or args.judge,
+        "hacked": args.hacked,
+        "answers": counts,
+        "seed": args.seed,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.monotonic() - t0, 1),
+        "templates": TEMPLATES,
+        "results": results,
+        "examples": {k: [a for _, a, lab in answers if lab == k][:4] for k in counts},
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -51,10 +51,23 @@ from bench.report import run_info, write_json  # noqa: E402
 
 log = logging.getLogger("bench.learner")
 
-QWEN2_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                 num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
-                 use_sliding_window=False, bos_token_id=151643, eos_token_id=151643)
+QWEN2_05B = dict(
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    use_sliding_window=False,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 
 
 QWEN2_15B = dict(QWEN2_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
@@ -65,45 +78,113 @@ SHAPES = {"0.5b": QWEN2_05B, "1.5b": QWEN2_15B}
 # later variant adds one remedy to the one before it, so the JSON keeps the before and after of each.
 _EAGER = {"compile_blocks": False, "activation_checkpointing": False}  # what "auto" would otherwise turn on
 VARIANTS = {
-    "before": {"logprobs": "full", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off", **_EAGER},
-    "chunked": {"logprobs": "chunked", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off",
-                **_EAGER},
-    "varlen": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "off", "meta_init": "off",
-               **_EAGER},
-    "fused": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "off",
-              **_EAGER},
-    "meta": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-             **_EAGER},
-    "compile": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-                "compile_blocks": True, "activation_checkpointing": False},
+    "before": {
+        "logprobs": "full",
+        "attn_implementation": "sdpa",
+        "fused_optimizer": "off",
+        "meta_init": "off",
+        **_EAGER,
+    },
+    "chunked": {
+        "logprobs": "chunked",
+        "attn_implementation": "sdpa",
+        "fused_optimizer": "off",
+        "meta_init": "off",
+        **_EAGER,
+    },
+    "varlen": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "off",
+        "meta_init": "off",
+        **_EAGER,
+    },
+    "fused": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "off",
+        **_EAGER,
+    },
+    "meta": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "on",
+        **_EAGER,
+    },
+    "compile": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "on",
+        "compile_blocks": True,
+        "activation_checkpointing": False,
+    },
     # compile with the head as it was before issue 36 (fp32 root, eager per-chunk arithmetic): "_settings" are
     # not config keys but replacements of the resolved settings (learner/fastpath.py), for this A/B only
-    "compile_oldhead": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on",
-                        "meta_init": "on", "compile_blocks": True, "activation_checkpointing": False,
-                        "_settings": {"root_dtype": "float32", "fused_head": False}},
-    "ac": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-           "activation_checkpointing": True, "compile_blocks": False},
+    "compile_oldhead": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "on",
+        "compile_blocks": True,
+        "activation_checkpointing": False,
+        "_settings": {"root_dtype": "float32", "fused_head": False},
+    },
+    "ac": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "on",
+        "activation_checkpointing": True,
+        "compile_blocks": False,
+    },
     # the config's defaults as shipped; without @TOKENS also its micro_batch_tokens (auto: sized from free memory)
     "default": {},
     # the defaults as shipped before issue 36 (compiled blocks and auto sizing off), at --micro-tokens
     "shipped_before": {**_EAGER, "_settings": {"root_dtype": "float32"}},
     # long responses (bench/long_context_gpu.sh): + parameter/optimizer shards in CPU memory; + Ulysses SP=2
-    "ac_offload": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-                   "activation_checkpointing": True, "compile_blocks": False, "param_offload": True},
-    "ac_sp2": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on", "meta_init": "on",
-               "activation_checkpointing": True, "compile_blocks": False, "sequence_parallel_size": 2},
+    "ac_offload": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "on",
+        "activation_checkpointing": True,
+        "compile_blocks": False,
+        "param_offload": True,
+    },
+    "ac_sp2": {
+        "logprobs": "chunked",
+        "attn_implementation": "varlen",
+        "fused_optimizer": "on",
+        "meta_init": "on",
+        "activation_checkpointing": True,
+        "compile_blocks": False,
+        "sequence_parallel_size": 2,
+    },
     # Megatron: flash varlen core attention instead of the T x T mask; full-vocabulary fp32 logits and foreach
     # AdamW (the engine as measured before its chunked head: learner.logprobs' auto is now chunked at TP=1)
     "mvarlen": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off", **_EAGER},
-    "mvarlen_ac": {"attn_implementation": "varlen", "logprobs": "full", "fused_optimizer": "off",
-                   "activation_checkpointing": True, "compile_blocks": False},
+    "mvarlen_ac": {
+        "attn_implementation": "varlen",
+        "logprobs": "full",
+        "fused_optimizer": "off",
+        "activation_checkpointing": True,
+        "compile_blocks": False,
+    },
     # + chunked log-probs (the output processor hook, learner/megatron/engine.py), still foreach AdamW
     "mchunked": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "off", **_EAGER},
     # + fused AdamW (torch's fused kernel in Megatron's optimizer; without TE/apex it is foreach AdamW)
     "mfused": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on", **_EAGER},
     # + torch.compile of each layer's MLP
-    "mcompile": {"attn_implementation": "varlen", "logprobs": "chunked", "fused_optimizer": "on",
-                 "compile_blocks": True, "activation_checkpointing": False},
+    "mcompile": {
+        "attn_implementation": "varlen",
+        "logprobs": "chunked",
+        "fused_optimizer": "on",
+        "compile_blocks": True,
+        "activation_checkpointing": False,
+    },
 }
 
 
@@ -194,11 +275,20 @@ def profile_step(engine, plan, out_path: str | None) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     if out_path:
         avg = prof.key_averages()
-        Path(out_path).write_text(avg.table(sort_by="self_cuda_time_total", row_limit=45) + "\n\n"
-                                  + avg.table(sort_by="cpu_time_total", row_limit=35))
-    return {"wall_s": wall, "gpu_busy_s": busy, "gpu_busy_fraction": busy / wall if wall else None, "gpu_idle_s": max(0.0, wall - busy),
-            "phases_gpu_s": phase, "categories_gpu_s": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-            "top_kernels_s": dict(top)}
+        Path(out_path).write_text(
+            avg.table(sort_by="self_cuda_time_total", row_limit=45)
+            + "\n\n"
+            + avg.table(sort_by="cpu_time_total", row_limit=35)
+        )
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy,
+        "gpu_busy_fraction": busy / wall if wall else None,
+        "gpu_idle_s": max(0.0, wall - busy),
+        "phases_gpu_s": phase,
+        "categories_gpu_s": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "top_kernels_s": dict(top),
+    }
 
 
 def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -211,7 +301,7 @@ def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
     for _ in range(reps):
         a @ b
     torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e12
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
 
 
 def make_model(out: Path, cfg: dict) -> Path:
@@ -236,13 +326,24 @@ def make_batch(seqs: int, prompt: int, response: int, vocab: int, group: int = 8
     trajs = []
     for i in range(seqs):
         g = i // group
-        trajs.append(Trajectory(
-            traj_id=f"b{i}", group_id=f"g{g}", sample_index=i % group, group_size=group, step=1,
-            prompt_ids=rng.integers(0, vocab, size=prompt).tolist(),
-            response_ids=rng.integers(0, vocab, size=response).tolist(),
-            behaviour_logprobs=(-12.0 + rng.normal(0, 0.3, size=response)).clip(max=0).tolist(),
-            segment_starts=[0], segment_versions=[0], reward=float(i % group), finish_reason="stop",
-            engine_id="bench", data_source="synthetic"))
+        trajs.append(
+            Trajectory(
+                traj_id=f"b{i}",
+                group_id=f"g{g}",
+                sample_index=i % group,
+                group_size=group,
+                step=1,
+                prompt_ids=rng.integers(0, vocab, size=prompt).tolist(),
+                response_ids=rng.integers(0, vocab, size=response).tolist(),
+                behaviour_logprobs=(-12.0 + rng.normal(0, 0.3, size=response)).clip(max=0).tolist(),
+                segment_starts=[0],
+                segment_versions=[0],
+                reward=float(i % group),
+                finish_reason="stop",
+                engine_id="bench",
+                data_source="synthetic",
+            )
+        )
     return to_record_batch(trajs)
 
 
@@ -259,8 +360,16 @@ def model_flops(cfg: dict, seq_lens: list[int]) -> float:
 def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
     t_start = time.perf_counter()
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0", NCCL_CUMEM_ENABLE="0", OMP_NUM_THREADS="4")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            NCCL_NVLS_ENABLE="0",
+            NCCL_CUMEM_ENABLE="0",
+            OMP_NUM_THREADS="4",
+        )
         logging.basicConfig(level=logging.WARNING)
         import pyarrow as pa
         import torch.distributed as dist
@@ -280,19 +389,31 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
 
             resolve = fsdp_mod.resolve_fast_path
             fsdp_mod.resolve_fast_path = lambda *a, **k: dataclasses.replace(resolve(*a, **k), **replace)
-        lc = LearnerConfig.model_validate({
-            "engine": kw["engine"], "loss": {"correction": "tis"}, "optim": {"lr": 1e-6},
-            **({"micro_batch_tokens": kw["micro_tokens"]} if kw["micro_tokens"] is not None else {}),
-            "megatron": {"tensor_model_parallel_size": kw["tp"]}, **over})
+        lc = LearnerConfig.model_validate(
+            {
+                "engine": kw["engine"],
+                "loss": {"correction": "tis"},
+                "optim": {"lr": 1e-6},
+                **({"micro_batch_tokens": kw["micro_tokens"]} if kw["micro_tokens"] is not None else {}),
+                "megatron": {"tensor_model_parallel_size": kw["tp"]},
+                **over,
+            }
+        )
         with RssSampler() as rss:
             engine = make_engine(lc, kw["model"], total_steps=100, seed=0)
         torch.cuda.synchronize()
         load_gpu_gib = torch.cuda.max_memory_allocated() / 2**30
         with pa.ipc.open_file(kw["batch"]) as f:
             batch = f.get_batch(0)
-        plan = plan_step(batch, rank=engine.data_rank, world_size=engine.data_world_size,
-                         micro_batch_tokens=engine.micro_batch_tokens, advantage="mean_std", drop_uniform=True,
-                         aggregation="token")
+        plan = plan_step(
+            batch,
+            rank=engine.data_rank,
+            world_size=engine.data_world_size,
+            micro_batch_tokens=engine.micro_batch_tokens,
+            advantage="mean_std",
+            drop_uniform=True,
+            aggregation="token",
+        )
         build_s = time.perf_counter() - t_start
         times = []
         for i in range(1 + kw["steps"]):
@@ -305,17 +426,38 @@ def _case_main(rank: int, world: int, port: int, kw: dict) -> None:
                 times.append(time.perf_counter() - t)
             else:
                 warmup_s = time.perf_counter() - t
-        t = torch.tensor([max(times) if times else 0.0, torch.cuda.max_memory_allocated() / 2**30,
-                          rss.peak - rss.start, RssSampler.now()], device="cuda")
+        t = torch.tensor(
+            [
+                max(times) if times else 0.0,
+                torch.cuda.max_memory_allocated() / 2**30,
+                rss.peak - rss.start,
+                RssSampler.now(),
+            ],
+            device="cuda",
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if rank == 0:
-            Path(kw["out"]).write_text(json.dumps({
-                "step_times": times, "peak_mem_gib": float(t[1]), "loss": m.get("loss_total"),
-                "grad_norm": m.get("grad_norm"), "start_to_engine_s": build_s, "warmup_step_s": warmup_s,
-                "host_rss_load_delta_gib": float(t[2]), "host_rss_before_load_gib": rss.start,
-                "host_rss_after_steps_gib": float(t[3]), "gpu_mem_after_load_gib": load_gpu_gib,
-                "micro_batches": int(plan.stats["micro_batches"]), "config_overrides": over, "profile": None,
-                "micro_batch_tokens": engine.micro_batch_tokens, "settings": engine.settings.as_dict()}))
+            Path(kw["out"]).write_text(
+                json.dumps(
+                    {
+                        "step_times": times,
+                        "peak_mem_gib": float(t[1]),
+                        "loss": m.get("loss_total"),
+                        "grad_norm": m.get("grad_norm"),
+                        "start_to_engine_s": build_s,
+                        "warmup_step_s": warmup_s,
+                        "host_rss_load_delta_gib": float(t[2]),
+                        "host_rss_before_load_gib": rss.start,
+                        "host_rss_after_steps_gib": float(t[3]),
+                        "gpu_mem_after_load_gib": load_gpu_gib,
+                        "micro_batches": int(plan.stats["micro_batches"]),
+                        "config_overrides": over,
+                        "profile": None,
+                        "micro_batch_tokens": engine.micro_batch_tokens,
+                        "settings": engine.settings.as_dict(),
+                    }
+                )
+            )
         if kw["profile"]:
             # Profiler post-processing of a full 32-micro-batch step takes minutes: profile the step's first
             # (at most) 4 micro-batches plus its clip and optimizer step (the per-micro-batch costs are alike).
@@ -344,8 +486,15 @@ def run_case(engine: str, tp: int, gpus: int, variant: str, kw: dict, timeout: f
         port = s.getsockname()[1]
     name = f"{engine}_{tp}_{gpus}_{variant}_{kw['micro_tokens'] or 'auto'}"
     prof = variant in kw["profile_variants"]
-    kw = dict(kw, engine=engine, tp=tp, variant=variant, out=f"{kw['tmp']}/case_{name}.json", profile=prof,
-              profile_table=f"{kw['profile_dir']}/profile_{name}.txt" if prof and kw["profile_dir"] else None)
+    kw = dict(
+        kw,
+        engine=engine,
+        tp=tp,
+        variant=variant,
+        out=f"{kw['tmp']}/case_{name}.json",
+        profile=prof,
+        profile_table=f"{kw['profile_dir']}/profile_{name}.txt" if prof and kw["profile_dir"] else None,
+    )
     procs = [ctx.Process(target=_case_main, args=(r, gpus, port, kw), daemon=True) for r in range(gpus)]
     t0 = time.time()
     for p in procs:
@@ -359,8 +508,10 @@ def run_case(engine: str, tp: int, gpus: int, variant: str, kw: dict, timeout: f
     codes = [p.exitcode for p in procs]
     if codes != [0] * gpus:
         if Path(kw["out"]).exists():  # the timed steps finished; what came after them (a profile) did not
-            return json.loads(Path(kw["out"]).read_text()) | {"wall_s": time.time() - t0,
-                                                               "error_after_steps": f"ranks exited with {codes}"}
+            return json.loads(Path(kw["out"]).read_text()) | {
+                "wall_s": time.time() - t0,
+                "error_after_steps": f"ranks exited with {codes}",
+            }
         return {"error": f"ranks exited with {codes}"}
     return json.loads(Path(kw["out"]).read_text()) | {"wall_s": time.time() - t0}
 
@@ -368,9 +519,12 @@ def run_case(engine: str, tp: int, gpus: int, variant: str, kw: dict, timeout: f
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--cases", default="fsdp:1:1,megatron:1:1,megatron:2:2,fsdp:1:2",
-                    help="engine:tp:gpus[:variant] (variant: FSDP config overrides, see VARIANTS; default 'default'), "
-                         "comma separated, most important first (the budget may cut the tail)")
+    ap.add_argument(
+        "--cases",
+        default="fsdp:1:1,megatron:1:1,megatron:2:2,fsdp:1:2",
+        help="engine:tp:gpus[:variant] (variant: FSDP config overrides, see VARIANTS; default 'default'), "
+        "comma separated, most important first (the budget may cut the tail)",
+    )
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=768)
@@ -380,8 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", help="comma-separated variants to profile one extra step of")
     ap.add_argument("--profile-dir", default=None, help="write each profiled case's kernel table here")
     ap.add_argument("--case-timeout", type=float, default=70.0)
-    ap.add_argument("--budget-s", type=float, default=175.0,
-                    help="no case starts after this many seconds minus --case-timeout (it is recorded as skipped)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=175.0,
+        help="no case starts after this many seconds minus --case-timeout (it is recorded as skipped)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not torch.cuda.is_available():
@@ -393,8 +551,13 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_tflops()
     log.info("measured bf16 matmul peak: %.0f TFLOP/s per GPU", peak)
     cases = []
-    out = {"cases": cases, "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
-           "peak_bf16_tflops": peak, "micro_batch_tokens": args.micro_tokens, **run_info(argv)}
+    out = {
+        "cases": cases,
+        "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+        "peak_bf16_tflops": peak,
+        "micro_batch_tokens": args.micro_tokens,
+        **run_info(argv),
+    }
 
     def write() -> None:
         if args.json:
@@ -411,8 +574,15 @@ def main(argv: list[str] | None = None) -> int:
         seq_lens = [args.prompt + args.response - 1] * args.seqs  # the last token is never an input
         flops = model_flops(shape, seq_lens)
         out["batch_tokens"] = sum(seq_lens)
-        kw = dict(model=str(model), batch=f"{tmp}/batch.arrow", micro_tokens=args.micro_tokens, steps=args.steps,
-                  tmp=tmp, profile_variants=set(filter(None, args.profile.split(","))), profile_dir=args.profile_dir)
+        kw = dict(
+            model=str(model),
+            batch=f"{tmp}/batch.arrow",
+            micro_tokens=args.micro_tokens,
+            steps=args.steps,
+            tmp=tmp,
+            profile_variants=set(filter(None, args.profile.split(","))),
+            profile_dir=args.profile_dir,
+        )
         for spec in args.cases.split(","):
             engine, tp, gpus, *rest = spec.split(":")
             tp, gpus = int(tp), int(gpus)
@@ -427,11 +597,18 @@ def main(argv: list[str] | None = None) -> int:
             if gpus > torch.cuda.device_count():
                 log.warning("skipping %s: needs %d GPUs", spec, gpus)
                 continue
-            case = {"engine": engine, "tp": tp, "gpus": gpus, "variant": variant,
-                    "micro_batch_tokens": micro or "auto", "model": f"qwen2-{args.shape}-shaped (random, bf16)"}
+            case = {
+                "engine": engine,
+                "tp": tp,
+                "gpus": gpus,
+                "variant": variant,
+                "micro_batch_tokens": micro or "auto",
+                "model": f"qwen2-{args.shape}-shaped (random, bf16)",
+            }
             if time.time() - t_begin > args.budget_s - args.case_timeout:
-                case.update(error=f"skipped: --budget-s {args.budget_s:.0f} s would be exceeded", tokens_per_s=None,
-                            mfu=None)
+                case.update(
+                    error=f"skipped: --budget-s {args.budget_s:.0f} s would be exceeded", tokens_per_s=None, mfu=None
+                )
                 log.warning("%s", json.dumps(case))
                 cases.append(case)
                 write()
@@ -441,15 +618,33 @@ def main(argv: list[str] | None = None) -> int:
                 case.update(error=r["error"], tokens_per_s=None, mfu=None)
             else:
                 step = sum(r["step_times"]) / len(r["step_times"])
-                case.update(tokens_per_s=sum(seq_lens) / step, mfu=flops / step / (peak * 1e12 * gpus), step_s=step,
-                            step_times=r["step_times"], peak_mem_gib=r["peak_mem_gib"], loss=r["loss"],
-                            grad_norm=r["grad_norm"], wall_s=r["wall_s"], start_to_engine_s=r["start_to_engine_s"],
-                            warmup_step_s=r["warmup_step_s"],
-                            **{k: r[k] for k in ("host_rss_load_delta_gib", "host_rss_before_load_gib",
-                                                 "host_rss_after_steps_gib", "gpu_mem_after_load_gib",
-                                                 "micro_batches", "config_overrides", "profile", "micro_batch_tokens",
-                                                 "settings")},
-                            **({"error_after_steps": r["error_after_steps"]} if "error_after_steps" in r else {}))
+                case.update(
+                    tokens_per_s=sum(seq_lens) / step,
+                    mfu=flops / step / (peak * 1e12 * gpus),
+                    step_s=step,
+                    step_times=r["step_times"],
+                    peak_mem_gib=r["peak_mem_gib"],
+                    loss=r["loss"],
+                    grad_norm=r["grad_norm"],
+                    wall_s=r["wall_s"],
+                    start_to_engine_s=r["start_to_engine_s"],
+                    warmup_step_s=r["warmup_step_s"],
+                    **{
+                        k: r[k]
+                        for k in (
+                            "host_rss_load_delta_gib",
+                            "host_rss_before_load_gib",
+                            "host_rss_after_steps_gib",
+                            "gpu_mem_after_load_gib",
+                            "micro_batches",
+                            "config_overrides",
+                            "profile",
+                            "micro_batch_tokens",
+                            "settings",
+                        )
+                    },
+                    **({"error_after_steps": r["error_after_steps"]} if "error_after_steps" in r else {}),
+                )
             log.info("%s", json.dumps(case))
             cases.append(case)
             write()

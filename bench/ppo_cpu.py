@@ -36,8 +36,21 @@ CASES = {
 def run(out: Path, names: list[str]) -> None:
     for name in names:
         recipe, over = CASES[name]
-        cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", recipe,
-               "--no-live", "--summary", str(out / f"{name}.json"), f"run.run_dir={out / ('rd_' + name)}", *over]
+        cmd = [
+            sys.executable,
+            "launch/cluster.py",
+            "--rollout-gpus",
+            "0",
+            "--learner-gpus",
+            "0",
+            "--recipe",
+            recipe,
+            "--no-live",
+            "--summary",
+            str(out / f"{name}.json"),
+            f"run.run_dir={out / ('rd_' + name)}",
+            *over,
+        ]
         print(" ".join(cmd), flush=True)
         with open(out / f"{name}.log", "w") as log:
             subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -67,9 +80,13 @@ def collect(out: Path) -> dict:
         reward = [r.get("rollout/reward_mean", float("nan")) for r in rows]
         ev = [r["critic/vf_explained_var"] for r in rows if "critic/vf_explained_var" in r]
         results[name] = {
-            "recipe": recipe, "overrides": over, "steps": s.get("steps"),
-            "eval_accuracy_before": s.get("eval_accuracy_before"), "eval_accuracy_after": s.get("eval_accuracy_after"),
-            "wall_s": s.get("wall_s"), "reward_first10_mean": _mean(reward[:10]),
+            "recipe": recipe,
+            "overrides": over,
+            "steps": s.get("steps"),
+            "eval_accuracy_before": s.get("eval_accuracy_before"),
+            "eval_accuracy_after": s.get("eval_accuracy_after"),
+            "wall_s": s.get("wall_s"),
+            "reward_first10_mean": _mean(reward[:10]),
             "reward_last10_mean": _mean(reward[-10:]),
             "explained_var_first10_mean": _mean(ev[:10]) if ev else None,
             "explained_var_last10_mean": _mean(ev[-10:]) if ev else None,

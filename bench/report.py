@@ -11,8 +11,10 @@ from pathlib import Path
 def run_info(argv: list[str] | None = None) -> dict:
     """``date`` (UTC) and ``command`` (as typed from the repository root) of this run."""
     args = argv if argv is not None else sys.argv[1:]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *args])}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *args]),
+    }
 
 
 def write_json(path: str | Path, out: dict, indent: int = 2) -> None:

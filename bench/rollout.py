@@ -50,8 +50,14 @@ def run_engine_offline(args) -> dict:
     prompts = [{"prompt_token_ids": p} for p in make_prompts(args.prompts, args.prompt_len)]
     sp = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, logprobs=0)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, seed=0,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        max_model_len=args.max_model_len,
+        seed=0,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+    )
     startup = time.perf_counter() - t0
     llm.generate(prompts[: args.warmup], sp, use_tqdm=False)
     t0 = time.perf_counter()
@@ -84,8 +90,7 @@ async def run_fleet(args, url: str, model_name: str) -> dict:
     from rollout_fleet.config import RolloutConfig
     from rollout_fleet.controller import FleetController
 
-    cfg = RolloutConfig(engine="vllm", max_num_seqs=args.max_num_seqs, request_timeout_s=1200.0,
-                        health_interval_s=30.0)
+    cfg = RolloutConfig(engine="vllm", max_num_seqs=args.max_num_seqs, request_timeout_s=1200.0, health_interval_s=30.0)
     client = VLLMGenerationClient("vllm-bench", url, model=model_name, request_timeout_s=1200.0)
     fleet = FleetController(cfg, _OneServer(client))
     await fleet.start(1)
@@ -140,18 +145,47 @@ def main(argv: list[str] | None = None) -> int:
     vllm_version = check_vllm_version()
     child_out = work / "engine_offline.json"
     child_out.unlink(missing_ok=True)
-    child_cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-child", str(child_out), "--model",
-                 args.model, "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--n", str(args.n),
-                 "--max-tokens", str(args.max_tokens), "--warmup", str(args.warmup), "--max-num-seqs",
-                 str(args.max_num_seqs), "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization",
-                 str(args.gpu_memory_utilization), "--workdir", str(work / "child")]
+    child_cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--offline-child",
+        str(child_out),
+        "--model",
+        args.model,
+        "--prompts",
+        str(args.prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--n",
+        str(args.n),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--warmup",
+        str(args.warmup),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--workdir",
+        str(work / "child"),
+    ]
     child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": args.engine_gpu, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     with open(work / "engine_offline.log", "wb") as child_log:
         child = subprocess.Popen(child_cmd, env=child_env, stdout=child_log, stderr=subprocess.STDOUT)
-        server = VLLMServer(VLLMServerArgs(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len,
-                                           gpu_memory_utilization=args.gpu_memory_utilization,
-                                           max_num_seqs=args.max_num_seqs, weight_backend="nccl",
-                                           env={"CUDA_VISIBLE_DEVICES": args.fleet_gpu}), work / "server")
+        server = VLLMServer(
+            VLLMServerArgs(
+                model=args.model,
+                dtype="bfloat16",
+                max_model_len=args.max_model_len,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs,
+                weight_backend="nccl",
+                env={"CUDA_VISIBLE_DEVICES": args.fleet_gpu},
+            ),
+            work / "server",
+        )
         t0 = time.perf_counter()
         try:
             server.start()
@@ -168,15 +202,31 @@ def main(argv: list[str] | None = None) -> int:
     engine = json.loads(child_out.read_text())
     import torch
 
-    case = {"engine": f"vllm {vllm_version}", "model": "qwen2-0.5b-shape (random, bf16)",
-            "fleet_tok_per_s": fleet["tok_per_s"], "engine_tok_per_s": engine["tok_per_s"],
-            "ratio": fleet["tok_per_s"] / engine["tok_per_s"], "fleet": fleet, "engine_offline": engine,
-            "workload": {"prompts": args.prompts, "prompt_len": args.prompt_len, "n": args.n,
-                         "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": "sampled token",
-                         "max_num_seqs": args.max_num_seqs, "gpu_memory_utilization": args.gpu_memory_utilization}}
-    out = {"cases": [case], "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)} "
-                                      f"(engine on GPU {args.engine_gpu}, fleet on GPU {args.fleet_gpu}, concurrently)",
-           **run_info(argv)}
+    case = {
+        "engine": f"vllm {vllm_version}",
+        "model": "qwen2-0.5b-shape (random, bf16)",
+        "fleet_tok_per_s": fleet["tok_per_s"],
+        "engine_tok_per_s": engine["tok_per_s"],
+        "ratio": fleet["tok_per_s"] / engine["tok_per_s"],
+        "fleet": fleet,
+        "engine_offline": engine,
+        "workload": {
+            "prompts": args.prompts,
+            "prompt_len": args.prompt_len,
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "logprobs": "sampled token",
+            "max_num_seqs": args.max_num_seqs,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+        },
+    }
+    out = {
+        "cases": [case],
+        "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)} "
+        f"(engine on GPU {args.engine_gpu}, fleet on GPU {args.fleet_gpu}, concurrently)",
+        **run_info(argv),
+    }
     print(f"fleet {fleet['tok_per_s']:.0f} tok/s, engine {engine['tok_per_s']:.0f} tok/s, ratio {case['ratio']:.3f}")
     if args.json:
         write_json(args.json, out)

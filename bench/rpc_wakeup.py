@@ -31,8 +31,12 @@ import time
 
 def _stats(samples: list[float]) -> dict:
     s = sorted(samples)
-    return {"median_us": statistics.median(s) * 1e6, "p90_us": s[int(0.9 * (len(s) - 1))] * 1e6,
-            "min_us": s[0] * 1e6, "n": len(s)}
+    return {
+        "median_us": statistics.median(s) * 1e6,
+        "p90_us": s[int(0.9 * (len(s) - 1))] * 1e6,
+        "min_us": s[0] * 1e6,
+        "n": len(s),
+    }
 
 
 def _loop_thread(factory) -> asyncio.AbstractEventLoop:
@@ -149,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     res["asyncio_reader"] = _stats(reader_hop(aio, args.n, gap))
     res["thread_event"] = _stats(event_hop(args.n, gap))
     res["process_pipe"] = _stats(process_hop(args.n, gap))
-    out = {"cases": res, "gap_ms": args.gap_ms, "cpus": os.cpu_count(), "python": sys.version.split()[0],
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out = {
+        "cases": res,
+        "gap_ms": args.gap_ms,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     for k, v in res.items():
         print(f"{k:>16}: median {v['median_us']:7.1f} us  p90 {v['p90_us']:7.1f} us  min {v['min_us']:6.1f} us")
     if args.json:

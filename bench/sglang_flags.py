@@ -48,9 +48,19 @@ async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path,
 
     home = work / name
     home.mkdir(parents=True, exist_ok=True)
-    srv = SGLangServer(SGLangServerArgs(model=model, gpus=[gpu], port=_port(), mem_fraction_static=0.12,
-                                        max_running_requests=64, compat=False, extra_args=extra,
-                                        env={"HOME": str(home)}, log_path=str(home / "server.log")))
+    srv = SGLangServer(
+        SGLangServerArgs(
+            model=model,
+            gpus=[gpu],
+            port=_port(),
+            mem_fraction_static=0.12,
+            max_running_requests=64,
+            compat=False,
+            extra_args=extra,
+            env={"HOME": str(home)},
+            log_path=str(home / "server.log"),
+        )
+    )
     res = {"config": name, "flags": extra, "gpu": gpu}
     t0 = time.monotonic()
     try:
@@ -59,7 +69,8 @@ async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path,
         client = srv.client(name)
         try:
             samples = await asyncio.wait_for(
-                client.generate(list(range(1000, 1016)), SamplingParams(n=4, max_tokens=32)), 120)
+                client.generate(list(range(1000, 1016)), SamplingParams(n=4, max_tokens=32)), 120
+            )
             res["generated_tokens"] = sum(len(s.token_ids) for s in samples)
             res["served"] = True
         finally:
@@ -77,7 +88,9 @@ async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path,
 
 async def run(args) -> list[dict]:
     names = args.configs or list(CANDIDATES)
-    tasks = [try_one(n, CANDIDATES[n], args.model, i % 2, Path(args.workdir), args.timeout) for i, n in enumerate(names)]
+    tasks = [
+        try_one(n, CANDIDATES[n], args.model, i % 2, Path(args.workdir), args.timeout) for i, n in enumerate(names)
+    ]
     return await asyncio.gather(*tasks)
 
 

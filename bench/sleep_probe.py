@@ -35,8 +35,10 @@ from engines.vllm.server import VLLMServer, VLLMServerArgs  # noqa: E402
 
 MODES = {
     "eager": {"enforce_eager": True, "extra": []},
-    "graphs": {"enforce_eager": False,
-               "extra": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]},
+    "graphs": {
+        "enforce_eager": False,
+        "extra": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
+    },
     "compiled": {"enforce_eager": False, "extra": []},
 }
 
@@ -74,9 +76,19 @@ def dump_stacks(server: VLLMServer, out: Path, tag: str) -> str:
 async def burst(client: httpx.AsyncClient, model: str, prompts: int, n: int, tokens: int) -> dict:
     async def one(i: int) -> int:
         # token ids, not text: the random model's word-level tokenizer maps every word of a text to <unk>
-        r = await client.post("/v1/completions", json={
-            "model": model, "prompt": [(7 * i + 3 * k) % 1000 + 10 for k in range(16)], "n": n,
-            "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True, "temperature": 1.0, "logprobs": 0})
+        r = await client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": [(7 * i + 3 * k) % 1000 + 10 for k in range(16)],
+                "n": n,
+                "max_tokens": tokens,
+                "min_tokens": tokens,
+                "ignore_eos": True,
+                "temperature": 1.0,
+                "logprobs": 0,
+            },
+        )
         if r.status_code != 200:
             raise RuntimeError(f"/v1/completions -> HTTP {r.status_code}: {r.text[:400]}")
         return sum(len(c["logprobs"]["tokens"]) for c in r.json()["choices"])
@@ -90,9 +102,17 @@ async def burst(client: httpx.AsyncClient, model: str, prompts: int, n: int, tok
 async def run_mode(mode: str, a, out: Path) -> dict:
     spec = MODES[mode]
     run_dir = out / f"server_{mode}"
-    args = VLLMServerArgs(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.mem,
-                          max_num_seqs=256, enforce_eager=spec["enforce_eager"], served_model_name="probe",
-                          extra_args=[*(["--enable-sleep-mode"] if a.level else []), *spec["extra"]], startup_timeout_s=a.start_timeout)
+    args = VLLMServerArgs(
+        model=a.model,
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        gpu_memory_utilization=a.mem,
+        max_num_seqs=256,
+        enforce_eager=spec["enforce_eager"],
+        served_model_name="probe",
+        extra_args=[*(["--enable-sleep-mode"] if a.level else []), *spec["extra"]],
+        startup_timeout_s=a.start_timeout,
+    )
     server = VLLMServer(args, run_dir)
     res: dict = {"mode": mode, "server_args": server.command()[3:], "phases": [], "ok": False}
     t0 = time.monotonic()
@@ -104,13 +124,17 @@ async def run_mode(mode: str, a, out: Path) -> dict:
     res["start_s"] = round(time.monotonic() - t0, 1)
 
     async with httpx.AsyncClient(base_url=server.url, timeout=a.phase_timeout) as client:
+
         async def phase(name: str, coro):
             t = time.monotonic()
             try:
                 value = await asyncio.wait_for(coro, a.phase_timeout)
             except (TimeoutError, httpx.TimeoutException) as e:
-                res["hang"] = {"phase": name, "after_s": round(time.monotonic() - t, 1),
-                               "stacks": dump_stacks(server, out, f"{mode}_{name}")}
+                res["hang"] = {
+                    "phase": name,
+                    "after_s": round(time.monotonic() - t, 1),
+                    "stacks": dump_stacks(server, out, f"{mode}_{name}"),
+                }
                 raise PhaseTimeout(name) from e
             rec = {"phase": name, "s": round(time.monotonic() - t, 3)}
             if isinstance(value, dict):
@@ -126,8 +150,12 @@ async def run_mode(mode: str, a, out: Path) -> dict:
         def gpu_used() -> dict:  # a short blocking call between phases: nothing else runs then
             if not shutil.which("nvidia-smi"):
                 return {}
-            q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, timeout=30).stdout.split()
+            q = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()
             return {"gpu_mib": int(q[0])} if q else {}
 
         try:
@@ -187,9 +215,17 @@ def main() -> None:
         r = asyncio.run(run_mode(mode, a, out))
         print(json.dumps({k: v for k, v in r.items() if k != "phases"}), flush=True)
         results.append(r)
-        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                            "argv": sys.argv, "host": os.uname().nodename,
-                                            "results": results}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "argv": sys.argv,
+                    "host": os.uname().nodename,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -65,13 +65,20 @@ def qwen2_params(model: str) -> list[tuple[str, list[int]]]:
     out = [("model.embed_tokens.weight", [vocab, h])]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", [heads * hd, h]), (p + "self_attn.q_proj.bias", [heads * hd]),
-                (p + "self_attn.k_proj.weight", [kv * hd, h]), (p + "self_attn.k_proj.bias", [kv * hd]),
-                (p + "self_attn.v_proj.weight", [kv * hd, h]), (p + "self_attn.v_proj.bias", [kv * hd]),
-                (p + "self_attn.o_proj.weight", [h, heads * hd]),
-                (p + "mlp.gate_proj.weight", [inter, h]), (p + "mlp.up_proj.weight", [inter, h]),
-                (p + "mlp.down_proj.weight", [h, inter]),
-                (p + "input_layernorm.weight", [h]), (p + "post_attention_layernorm.weight", [h])]
+        out += [
+            (p + "self_attn.q_proj.weight", [heads * hd, h]),
+            (p + "self_attn.q_proj.bias", [heads * hd]),
+            (p + "self_attn.k_proj.weight", [kv * hd, h]),
+            (p + "self_attn.k_proj.bias", [kv * hd]),
+            (p + "self_attn.v_proj.weight", [kv * hd, h]),
+            (p + "self_attn.v_proj.bias", [kv * hd]),
+            (p + "self_attn.o_proj.weight", [h, heads * hd]),
+            (p + "mlp.gate_proj.weight", [inter, h]),
+            (p + "mlp.up_proj.weight", [inter, h]),
+            (p + "mlp.down_proj.weight", [h, inter]),
+            (p + "input_layernorm.weight", [h]),
+            (p + "post_attention_layernorm.weight", [h]),
+        ]
     out.append(("model.norm.weight", [h]))
     if not tied:
         out.append(("lm_head.weight", [vocab, h]))
@@ -126,8 +133,15 @@ def _receiver_main(conn, device: str) -> None:
                     checksum = rx.receive(version, plan_id, load)
                     _sync()
                 profile_to = None
-                conn.send(("ok", {"checksum": checksum, "timeline": [("command", t_cmd), *rx.timeline,
-                                                                     ("synced", time.perf_counter())]}))
+                conn.send(
+                    (
+                        "ok",
+                        {
+                            "checksum": checksum,
+                            "timeline": [("command", t_cmd), *rx.timeline, ("synced", time.perf_counter())],
+                        },
+                    )
+                )
             elif cmd == "profile_next":
                 profile_to = arg
                 conn.send(("ok", None))
@@ -220,7 +234,9 @@ class PipeEngine(WeightEndpoint):
         self._lock = asyncio.Lock()
         self._version = 0
         self.last_timeline: list[tuple[str, float]] = []  # the receiver's stamps of the last publish
-        self.rpc_stamps: list[tuple[str, float]] = []  # the RPC's: started, request written, reply read (on the publisher's loop)
+        self.rpc_stamps: list[
+            tuple[str, float]
+        ] = []  # the RPC's: started, request written, reply read (on the publisher's loop)
 
     def send_update(self, version: int, plan_id: str):
         """The request written from the publishing thread (as :class:`ReceiverClient` does over HTTP), the
@@ -311,9 +327,18 @@ def _sync_time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, device: str = "cuda:0",
-                acks: str = "group", tail_mb: float | None = None, inflight: int = 2, tail_factor: int = 0,
-                profile_dir: str | None = None) -> dict:
+def bench_model(
+    model: str,
+    bucket_mb: float,
+    reps: int,
+    engine: PipeEngine,
+    device: str = "cuda:0",
+    acks: str = "group",
+    tail_mb: float | None = None,
+    inflight: int = 2,
+    tail_factor: int = 0,
+    profile_dir: str | None = None,
+) -> dict:
     from weight_sync.config import WeightSyncConfig
     from weight_sync.plan import TAIL_FACTOR, build_plan
     from weight_sync.publisher import Publisher
@@ -323,11 +348,21 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
     # nccl_impl="torch": fleetrl's own receivers join a ProcessGroupNCCL (vLLM engines use "vllm")
     if tail_mb is None:
         tail_mb = WeightSyncConfig().tail_bucket_mb
-    cfg = WeightSyncConfig(backend="nccl" if device.startswith("cuda") else "gloo", bucket_mb=bucket_mb,
-                           timeout_s=120.0, nccl_impl="torch", acks=acks, tail_bucket_mb=tail_mb,
-                           inflight_buckets=inflight)
-    plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], int(bucket_mb * (1 << 20)),
-                      cfg.tail_bytes(device.startswith("cuda")), tail_factor)
+    cfg = WeightSyncConfig(
+        backend="nccl" if device.startswith("cuda") else "gloo",
+        bucket_mb=bucket_mb,
+        timeout_s=120.0,
+        nccl_impl="torch",
+        acks=acks,
+        tail_bucket_mb=tail_mb,
+        inflight_buckets=inflight,
+    )
+    plan = build_plan(
+        [(n, list(t.shape), t.dtype) for n, t in state.items()],
+        int(bucket_mb * (1 << 20)),
+        cfg.tail_bytes(device.startswith("cuda")),
+        tail_factor,
+    )
     pub = Publisher(cfg, plan, rank=0, engines=[engine], device=device)
     try:
         first = _sync_time(lambda: pub.publish(1, iter(state.items())))  # rebuild + NCCL communicator warm-up
@@ -366,13 +401,20 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
             raws.append(_sync_time(raw))
         # Where the last publish's time went: both processes' stamps, in ms from its start.
         t0 = pub.timeline[0][1]
-        timeline_pub, timeline_rx, timeline_rpc = list(pub.timeline), list(engine.last_timeline), list(engine.rpc_stamps)
-        timeline = sorted([(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in timeline_pub]
-                          + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in timeline_rx]
-                          + [(round((t - t0) * 1e3, 3), "rpc " + e) for e, t in timeline_rpc]
-                          + [(round((t - t0) * 1e3, 3), "bench " + e) for e, t in (("publish returned", t_ret),
-                                                                                  ("synced", t_end),
-                                                                                  ("settled", t_settled))])
+        timeline_pub, timeline_rx, timeline_rpc = (
+            list(pub.timeline),
+            list(engine.last_timeline),
+            list(engine.rpc_stamps),
+        )
+        timeline = sorted(
+            [(round((t - t0) * 1e3, 3), "publisher " + e) for e, t in timeline_pub]
+            + [(round((t - t0) * 1e3, 3), "receiver " + e) for e, t in timeline_rx]
+            + [(round((t - t0) * 1e3, 3), "rpc " + e) for e, t in timeline_rpc]
+            + [
+                (round((t - t0) * 1e3, 3), "bench " + e)
+                for e, t in (("publish returned", t_ret), ("synced", t_end), ("settled", t_settled))
+            ]
+        )
         if profile_dir:  # one more publish (not counted), profiled on both sides
             os.makedirs(profile_dir, exist_ok=True)
             engine.call("profile_next", os.path.join(profile_dir, f"{model}_receiver.json"))
@@ -385,19 +427,41 @@ def bench_model(model: str, bucket_mb: float, reps: int, engine: PipeEngine, dev
         got = engine.call("digest")
         identical = got == want
         publish_s, raw_s = statistics.median(pubs), statistics.median(raws)
-        case = {"model": f"qwen2-{model}-shape", "bytes": nbytes, "publish_s": publish_s, "raw_broadcast_s": raw_s,
-                "ratio_vs_raw": raw_s / publish_s, "publish_gb_per_s": nbytes / publish_s / 1e9,
-                "bucket_sizes_mb": [round(n / (1 << 20), 1) for n in sizes], "tail_bucket_mb": tail_mb,
-                "inflight_buckets": inflight, "tail_factor": tail_factor or TAIL_FACTOR,
-                "raw_gb_per_s": nbytes / raw_s / 1e9, "buckets": len(sizes), "bucket_mb": bucket_mb,
-                "acks": "group" if pub.group_acks else "rpc", "inline_start": engine.inline_start,
-                # the publish until the engine's RPC answer is in as well (the whole publish with acks='rpc')
-                "publish_with_rpc_answer_s": statistics.median(settles),
-                "first_publish_s": first, "publish_runs_s": pubs, "raw_runs_s": raws,
-                "publisher_broadcast_s": statistics.median(r.broadcast_seconds for r in reports),
-                "bit_identical": identical, "checksum": reports[-1].checksum, "timeline_ms": timeline}
-        log.info("%s: %.2f GB publish %.4fs raw %.4fs ratio %.3f identical=%s", model, nbytes / 1e9, publish_s,
-                 raw_s, raw_s / publish_s, identical)
+        case = {
+            "model": f"qwen2-{model}-shape",
+            "bytes": nbytes,
+            "publish_s": publish_s,
+            "raw_broadcast_s": raw_s,
+            "ratio_vs_raw": raw_s / publish_s,
+            "publish_gb_per_s": nbytes / publish_s / 1e9,
+            "bucket_sizes_mb": [round(n / (1 << 20), 1) for n in sizes],
+            "tail_bucket_mb": tail_mb,
+            "inflight_buckets": inflight,
+            "tail_factor": tail_factor or TAIL_FACTOR,
+            "raw_gb_per_s": nbytes / raw_s / 1e9,
+            "buckets": len(sizes),
+            "bucket_mb": bucket_mb,
+            "acks": "group" if pub.group_acks else "rpc",
+            "inline_start": engine.inline_start,
+            # the publish until the engine's RPC answer is in as well (the whole publish with acks='rpc')
+            "publish_with_rpc_answer_s": statistics.median(settles),
+            "first_publish_s": first,
+            "publish_runs_s": pubs,
+            "raw_runs_s": raws,
+            "publisher_broadcast_s": statistics.median(r.broadcast_seconds for r in reports),
+            "bit_identical": identical,
+            "checksum": reports[-1].checksum,
+            "timeline_ms": timeline,
+        }
+        log.info(
+            "%s: %.2f GB publish %.4fs raw %.4fs ratio %.3f identical=%s",
+            model,
+            nbytes / 1e9,
+            publish_s,
+            raw_s,
+            raw_s / publish_s,
+            identical,
+        )
         return case
     finally:
         pub.close()
@@ -413,19 +477,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inflight", type=int, default=2, help="weight_sync.inflight_buckets")
     ap.add_argument("--tail-factor", type=int, default=0, help="build_plan's tail_factor (0: its default)")
-    ap.add_argument("--tail-mb", type=float, default=None,
-                    help="weight_sync.tail_bucket_mb: the last bucket's size limit (0 = as the packed rule cuts it; "
-                    "default: the config's default)")
-    ap.add_argument("--acks", choices=("group", "rpc"), default="group",
-                    help="weight_sync.acks: through the group (default) or each engine's RPC answer")
+    ap.add_argument(
+        "--tail-mb",
+        type=float,
+        default=None,
+        help="weight_sync.tail_bucket_mb: the last bucket's size limit (0 = as the packed rule cuts it; "
+        "default: the config's default)",
+    )
+    ap.add_argument(
+        "--acks",
+        choices=("group", "rpc"),
+        default="group",
+        help="weight_sync.acks: through the group (default) or each engine's RPC answer",
+    )
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--no-inline-start", action="store_true", help="start the receiver from the publisher's "
-                    "RPC loop (its thread) instead of from the publishing thread (EngineClient.send_update)")
-    ap.add_argument("--profile", metavar="DIR", help="after the timed reps, profile one more publish per model on "
-                    "both sides (torch.profiler chrome traces MODEL_publisher.json / MODEL_receiver.json in DIR)")
+    ap.add_argument(
+        "--no-inline-start",
+        action="store_true",
+        help="start the receiver from the publisher's "
+        "RPC loop (its thread) instead of from the publishing thread (EngineClient.send_update)",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the timed reps, profile one more publish per model on "
+        "both sides (torch.profiler chrome traces MODEL_publisher.json / MODEL_receiver.json in DIR)",
+    )
     ap.add_argument("--cpu", action="store_true", help="smoke run of this script over gloo on CPU (not a result)")
-    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this process (seconds; "
-                    "Python's default is 0.005): how long the publishing thread may keep the GIL from the RPC thread")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval for this process (seconds; "
+        "Python's default is 0.005): how long the publishing thread may keep the GIL from the RPC thread",
+    )
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -444,17 +528,35 @@ def main(argv: list[str] | None = None) -> int:
             # a fresh engine id per model: each model is its own plan, hence its own group epoch
             engine = PipeEngine(f"bench-rx-{i}", parent)
             engine.inline_start = not args.no_inline_start
-            cases.append(bench_model(model, args.bucket_mb, args.reps, engine, devices[0],
-                                     args.acks, args.tail_mb, args.inflight, args.tail_factor, args.profile))
+            cases.append(
+                bench_model(
+                    model,
+                    args.bucket_mb,
+                    args.reps,
+                    engine,
+                    devices[0],
+                    args.acks,
+                    args.tail_mb,
+                    args.inflight,
+                    args.tail_factor,
+                    args.profile,
+                )
+            )
     device = "cpu (smoke run, gloo)" if args.cpu else f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    out = {"cases": cases, "device": device,
-           **run_info(argv),
-           "torch": torch.__version__, "switch_interval_s": sys.getswitchinterval(),
-           "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
-           "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")}}
+    out = {
+        "cases": cases,
+        "device": device,
+        **run_info(argv),
+        "torch": torch.__version__,
+        "switch_interval_s": sys.getswitchinterval(),
+        "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE")},
+    }
     for c in cases:
-        print(f"{c['model']:>18}  {c['bytes'] / 1e9:6.2f} GB  publish {c['publish_s']:.4f}s  "
-              f"raw {c['raw_broadcast_s']:.4f}s  ratio {c['ratio_vs_raw']:.3f}  identical={c['bit_identical']}")
+        print(
+            f"{c['model']:>18}  {c['bytes'] / 1e9:6.2f} GB  publish {c['publish_s']:.4f}s  "
+            f"raw {c['raw_broadcast_s']:.4f}s  ratio {c['ratio_vs_raw']:.3f}  identical={c['bit_identical']}"
+        )
     if args.json:
         write_json(args.json, out)
     return 0

@@ -20,8 +20,9 @@ from broker.config import BrokerConfig
 
 
 def _serve(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m broker", description="Run the trajectory broker.",
-                                 allow_abbrev=False)  # a misspelt option is an error, not a guess
+    ap = argparse.ArgumentParser(
+        prog="python -m broker", description="Run the trajectory broker.", allow_abbrev=False
+    )  # a misspelt option is an error, not a guess
     ap.add_argument("--config", help="JSON or YAML file with the broker part of a run config")
     fields = BrokerConfig.model_fields
     for name, f in fields.items():
@@ -107,8 +108,7 @@ def _keys(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     commands = {"export": _export, "status": _status, "keys": _keys}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])

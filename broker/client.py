@@ -58,8 +58,19 @@ from core.network import curve_client
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProducerClient", "ConsumerClient", "SyncConsumer", "SyncProducer", "Lease", "Ticket",
-           "BrokerError", "BrokerTimeout", "ping", "get_status", "new_event_loop"]
+__all__ = [
+    "ProducerClient",
+    "ConsumerClient",
+    "SyncConsumer",
+    "SyncProducer",
+    "Lease",
+    "Ticket",
+    "BrokerError",
+    "BrokerTimeout",
+    "ping",
+    "get_status",
+    "new_event_loop",
+]
 
 
 class BrokerTimeout(TimeoutError):
@@ -111,8 +122,9 @@ class _Client:
     # Plain (blocking-API) zmq socket driven by the event loop's reader on its FD, not
     # zmq.asyncio: zmq.asyncio wraps every send and recv in futures and poller callbacks,
     # which cost more CPU than the work itself for a batch path that runs per message.
-    def __init__(self, address: str, *, timeout_s: float, curve_keys_dir: str | None = None,
-                 attempt_s: float | None = None) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float, curve_keys_dir: str | None = None, attempt_s: float | None = None
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
@@ -251,9 +263,14 @@ class _Client:
     async def status(self) -> dict:
         """Every lag metric of the broker (see broker.metrics.snapshot)."""
         reply, _ = await self._call(P.StatusRequest())
-        return {"status": reply.status, "drops": reply.drops, "errors": reply.errors,
-                "engine_lag": reply.engine_lag, "staleness_hist": reply.staleness_hist,
-                "stale_drop_lengths": reply.stale_drop_lengths}
+        return {
+            "status": reply.status,
+            "drops": reply.drops,
+            "errors": reply.errors,
+            "engine_lag": reply.engine_lag,
+            "staleness_hist": reply.staleness_hist,
+            "stale_drop_lengths": reply.stale_drop_lengths,
+        }
 
     async def close(self) -> None:
         for task in getattr(self, "_renewers", {}).values():
@@ -279,17 +296,19 @@ class _Client:
 class ProducerClient(_Client):
     """The rollout side: tickets in, batches of complete groups out."""
 
-    def __init__(self, address: str, *, producer_id: str, timeout_s: float = 30.0,
-                 curve_keys_dir: str | None = None) -> None:
+    def __init__(
+        self, address: str, *, producer_id: str, timeout_s: float = 30.0, curve_keys_dir: str | None = None
+    ) -> None:
         super().__init__(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir)
         self.producer_id = producer_id
 
     async def acquire_tickets(self, max_groups: int, wait_s: float, *, min_groups: int = 1) -> list[Ticket]:
         """Up to ``max_groups`` tickets; waits up to ``wait_s`` until ``min(min_groups, max_groups)``
         can be granted at once (fewer round trips), then returns what there is; [] if none came."""
-        reply, _ = await self._call(P.AcquireTickets(producer_id=self.producer_id, max_groups=max_groups,
-                                                     wait_s=wait_s, min_groups=min_groups),
-                                    wait_s=wait_s)
+        reply, _ = await self._call(
+            P.AcquireTickets(producer_id=self.producer_id, max_groups=max_groups, wait_s=wait_s, min_groups=min_groups),
+            wait_s=wait_s,
+        )
         return reply.tickets
 
     async def push(self, batch: pa.RecordBatch, *, want_tickets: int = 0) -> P.PushReply:
@@ -318,8 +337,9 @@ class ProducerClient(_Client):
 class ConsumerClient(_Client):
     """The learner side: leases of whole groups for a step, acked after the optimizer step."""
 
-    def __init__(self, address: str, *, consumer_id: str, timeout_s: float = 30.0,
-                 curve_keys_dir: str | None = None) -> None:
+    def __init__(
+        self, address: str, *, consumer_id: str, timeout_s: float = 30.0, curve_keys_dir: str | None = None
+    ) -> None:
         super().__init__(address, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir)
         self.consumer_id = consumer_id
         self._renewers: dict[str, asyncio.Task] = {}
@@ -340,8 +360,9 @@ class ConsumerClient(_Client):
                 raise
         # A step past the broker's window (v + k + 1): this consumer resumed ahead of it (a
         # checkpoint, or a report lost in a broker restart). The consumer owns its version.
-        log.warning("broker %s: step %d is ahead of its window; reporting version %d first", self.address, step,
-                    step - 1)
+        log.warning(
+            "broker %s: step %d is ahead of its window; reporting version %d first", self.address, step, step - 1
+        )
         await self.report_version(step - 1)
         return await self._next_batch(step, wait_s, renew_every_s)
 
@@ -350,8 +371,9 @@ class ConsumerClient(_Client):
         # steps requested ahead) does not repeat them. If this one fails they are deferred again.
         acks, self._deferred = self._deferred, []
         try:
-            reply, rest = await self._call(P.NextBatch(consumer_id=self.consumer_id, step=step, wait_s=wait_s,
-                                                       acks=acks), wait_s=wait_s)
+            reply, rest = await self._call(
+                P.NextBatch(consumer_id=self.consumer_id, step=step, wait_s=wait_s, acks=acks), wait_s=wait_s
+            )
         except BrokerError as e:
             done = acks.index(e.lease_id) + 1 if e.lease_id in acks else 0
             # applied up to the refused one, which is refused for good
@@ -363,19 +385,22 @@ class ConsumerClient(_Client):
             raise
         self._acks_sent(acks)
         for lease_id in reply.acks_late:
-            log.warning("lease %s had expired but was acked late (its groups were not handed out again)",
-                        lease_id)
+            log.warning("lease %s had expired but was acked late (its groups were not handed out again)", lease_id)
         if isinstance(reply, P.NoBatch):
             return None
         batches = []
         for frame in rest:  # one Arrow IPC stream per frame (see broker.server._lease_frames)
             for b in P.ipc_to_batches(frame.buffer):
-                batches.append(b if b.schema.equals(TRAJECTORY_SCHEMA)
-                               else pa.RecordBatch.from_arrays(b.columns, schema=TRAJECTORY_SCHEMA))
+                batches.append(
+                    b
+                    if b.schema.equals(TRAJECTORY_SCHEMA)
+                    else pa.RecordBatch.from_arrays(b.columns, schema=TRAJECTORY_SCHEMA)
+                )
         batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
         if renew_every_s and reply.lease_id not in self._renewers:
             self._renewers[reply.lease_id] = asyncio.get_running_loop().create_task(
-                self._keep_renewing(reply.lease_id, renew_every_s))
+                self._keep_renewing(reply.lease_id, renew_every_s)
+            )
         return Lease(reply.lease_id, reply.step, batch, np.frombuffer(reply.staleness, dtype="<i4"))
 
     def _acks_sent(self, acks: list[str]) -> None:
@@ -485,10 +510,13 @@ class _SyncClient:
 class SyncConsumer(_SyncClient):
     """ConsumerClient for synchronous code (the learner's torch loop): same methods, blocking."""
 
-    def __init__(self, address: str, *, consumer_id: str, timeout_s: float = 30.0,
-                 curve_keys_dir: str | None = None) -> None:
-        super().__init__(ConsumerClient(address, consumer_id=consumer_id, timeout_s=timeout_s,
-                                        curve_keys_dir=curve_keys_dir), timeout_s)
+    def __init__(
+        self, address: str, *, consumer_id: str, timeout_s: float = 30.0, curve_keys_dir: str | None = None
+    ) -> None:
+        super().__init__(
+            ConsumerClient(address, consumer_id=consumer_id, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir),
+            timeout_s,
+        )
 
     def next_batch(self, step: int, wait_s: float, *, renew_every_s: float | None = None) -> Lease | None:
         return self._call(self.client.next_batch(step, wait_s, renew_every_s=renew_every_s), wait_s)
@@ -521,10 +549,13 @@ class SyncConsumer(_SyncClient):
 class SyncProducer(_SyncClient):
     """ProducerClient for synchronous code (tests, scripts): same methods, blocking."""
 
-    def __init__(self, address: str, *, producer_id: str, timeout_s: float = 30.0,
-                 curve_keys_dir: str | None = None) -> None:
-        super().__init__(ProducerClient(address, producer_id=producer_id, timeout_s=timeout_s,
-                                        curve_keys_dir=curve_keys_dir), timeout_s)
+    def __init__(
+        self, address: str, *, producer_id: str, timeout_s: float = 30.0, curve_keys_dir: str | None = None
+    ) -> None:
+        super().__init__(
+            ProducerClient(address, producer_id=producer_id, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir),
+            timeout_s,
+        )
 
     def acquire_tickets(self, max_groups: int, wait_s: float, *, min_groups: int = 1) -> list[Ticket]:
         return self._call(self.client.acquire_tickets(max_groups, wait_s, min_groups=min_groups), wait_s)
@@ -572,5 +603,11 @@ def status_reply(address: str, timeout_s: float = 5.0, curve_keys_dir: str | Non
 def get_status(address: str, timeout_s: float = 5.0, curve_keys_dir: str | None = None) -> dict:
     """The broker's status as plain data (for ``python -m broker status``)."""
     r = status_reply(address, timeout_s, curve_keys_dir)
-    return {"status": r.status, "drops": r.drops, "errors": r.errors, "engine_lag": r.engine_lag,
-            "staleness_hist": r.staleness_hist, "stale_drop_lengths": r.stale_drop_lengths}
+    return {
+        "status": r.status,
+        "drops": r.drops,
+        "errors": r.errors,
+        "engine_lag": r.engine_lag,
+        "staleness_hist": r.staleness_hist,
+        "stale_drop_lengths": r.stale_drop_lengths,
+    }

@@ -63,8 +63,14 @@ def layout(schema: pa.Schema, finish_reasons) -> Layout:
 
     for f in schema:
         pos[f.name] = tuple(walk(f.type))
-    return Layout(itemgetter(*validity), (None,) * len(validity), i, pos, {f.name: k for k, f in enumerate(schema)},
-                  frozenset(finish_reasons))
+    return Layout(
+        itemgetter(*validity),
+        (None,) * len(validity),
+        i,
+        pos,
+        {f.name: k for k, f in enumerate(schema)},
+        frozenset(finish_reasons),
+    )
 
 
 class _Consts(NamedTuple):
@@ -88,8 +94,15 @@ def _consts(n: int) -> _Consts:
     full = np.full(n, n, np.int32)
     below_np, full_np = upto[:n].copy(), full.copy()
     below_np.flags.writeable = full_np.flags.writeable = False
-    return _Consts(pa.py_buffer(upto.tobytes()), pa.py_buffer(upto[:n].tobytes()), pa.py_buffer(full.tobytes()),
-                   pa.py_buffer(bytes(4 * n)), list(range(n)), below_np, full_np)
+    return _Consts(
+        pa.py_buffer(upto.tobytes()),
+        pa.py_buffer(upto[:n].tobytes()),
+        pa.py_buffer(full.tobytes()),
+        pa.py_buffer(bytes(4 * n)),
+        list(range(n)),
+        below_np,
+        full_np,
+    )
 
 
 def whole_group(batch: pa.RecordBatch, lay: Layout):
@@ -169,5 +182,14 @@ def whole_group(batch: pa.RecordBatch, lay: Layout):
     tids = s.field(col["traj_id"]).to_pylist()
     if len(set(tids)) != n:
         return None
-    return (gids, gids[0], si, c.full_n_np,
-            np.frombuffer(step_b, np.int64), ver, _I64.unpack_from(steps)[0], vmin, max(vs))
+    return (
+        gids,
+        gids[0],
+        si,
+        c.full_n_np,
+        np.frombuffer(step_b, np.int64),
+        ver,
+        _I64.unpack_from(steps)[0],
+        vmin,
+        max(vs),
+    )

@@ -30,9 +30,7 @@ class Group:
     payload: object = None  # the pushed IPC frame when it held exactly this group: re-sent as is
 
 
-
-def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
-                 view: BatchView | None = None) -> list[Group]:
+def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None, view: BatchView | None = None) -> list[Group]:
     """Cut a validated batch into whole groups; raise BrokerError if any group is partial.
 
     Rows of one group that sit together become a zero-copy slice; scattered rows are
@@ -46,7 +44,9 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
     view = view if view is not None else batch_view(batch)
     si, gs, step, ver = view.sample_index, view.group_size, view.step, view.oldest_version
     total = payload_bytes if payload_bytes is not None else batch.nbytes
-    if view.whole and view.single_group is not None:  # checked already, for all the pushes of a message at once (inspect_batches)
+    if (
+        view.whole and view.single_group is not None
+    ):  # checked already, for all the pushes of a message at once (inspect_batches)
         # a copy: ``ver`` is a view of that joint check's concatenation, which would live on with it
         return [Group(view.single_group, view.label, 0, batch, max(1, total), ver.copy(), view.vmin, view.vmax)]
     if view.single_group is not None and n == int(gs[0]) and (gs == n).all() and (step == step[0]).all():
@@ -56,8 +56,11 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
         if (np.bincount(si, minlength=n) == 1).all():
             # a copy: ``ver`` may be a view of a joint validation's concatenation of several
             # pushes (broker.schema.inspect_batches), which would otherwise live on with it
-            return [Group(view.single_group, int(step[0]), 0, batch, max(1, total), ver.copy(), int(ver.min()),
-                          int(ver.max()))]
+            return [
+                Group(
+                    view.single_group, int(step[0]), 0, batch, max(1, total), ver.copy(), int(ver.min()), int(ver.max())
+                )
+            ]
     gids = view.group_ids if view.group_ids is not None else batch.column("group_id").to_pylist()
     rows_of: dict[str, list[int]] = {}
     for i, g in enumerate(gids):
@@ -77,6 +80,7 @@ def split_groups(batch: pa.RecordBatch, payload_bytes: int | None = None,
         contiguous = idx[-1] - idx[0] + 1 == len(idx)
         rows_batch = batch.slice(int(idx[0]), len(idx)) if contiguous else batch.take(pa.array(idx))
         v = ver[idx]
-        out.append(Group(gid, int(step[idx[0]]), 0, rows_batch, max(1, total * len(idx) // n), v, int(v.min()),
-                         int(v.max())))
+        out.append(
+            Group(gid, int(step[idx[0]]), 0, rows_batch, max(1, total * len(idx) // n), v, int(v.min()), int(v.max()))
+        )
     return out

@@ -63,8 +63,15 @@ def snapshot(server) -> dict:
     st = server.state
     c = st.counters
     now = time.monotonic()
-    rates = server.rates.update(now, {"produce_rows": c.produced_rows, "produce_groups": c.produced_groups,
-                                      "consume_rows": c.acked_rows, "consume_groups": c.acked_groups})
+    rates = server.rates.update(
+        now,
+        {
+            "produce_rows": c.produced_rows,
+            "produce_groups": c.produced_groups,
+            "consume_rows": c.acked_rows,
+            "consume_groups": c.acked_groups,
+        },
+    )
     status = {
         "broker/version": st.version,
         "broker/max_staleness": st.k,
@@ -114,8 +121,10 @@ def snapshot(server) -> dict:
         "engine_lag": st.engine_lag(),
         "staleness_hist": {str(s): n for s, n in sorted(c.staleness_hist.items())},
         "stale_drop_lengths": {str(b): n for b, n in sorted(c.stale_drop_lengths.items())},
-        "_hist": {"ticket_wait": (server.ticket_wait.cumulative(), server.ticket_wait.sum),
-                  "learner_wait": (server.learner_wait.cumulative(), server.learner_wait.sum)},
+        "_hist": {
+            "ticket_wait": (server.ticket_wait.cumulative(), server.ticket_wait.sum),
+            "learner_wait": (server.learner_wait.cumulative(), server.learner_wait.sum),
+        },
     }
 
 
@@ -141,15 +150,18 @@ class SnapshotCollector:
                 yield CounterMetricFamily(name[: -len("_total")], key, value=value)
             else:
                 yield GaugeMetricFamily(name, key, value=value)
-        for fam, label, data in (("broker_drops", "reason", snap["drops"]),
-                                 ("broker_errors", "code", snap["errors"]),
-                                 ("broker_stale_drop_rows", "length_le", snap["stale_drop_lengths"])):
+        for fam, label, data in (
+            ("broker_drops", "reason", snap["drops"]),
+            ("broker_errors", "code", snap["errors"]),
+            ("broker_stale_drop_rows", "length_le", snap["stale_drop_lengths"]),
+        ):
             m = CounterMetricFamily(fam, f"{fam.replace('_', '/', 1)} by {label}", labels=[label])
             for lab, v in data.items():
                 m.add_metric([lab], v)
             yield m
-        lag = GaugeMetricFamily("broker_engine_version_lag", "broker/engine_version_lag (learner - engine)",
-                                labels=["engine"])
+        lag = GaugeMetricFamily(
+            "broker_engine_version_lag", "broker/engine_version_lag (learner - engine)", labels=["engine"]
+        )
         for e, v in snap["engine_lag"].items():
             lag.add_metric([e], v)
         yield lag
@@ -159,11 +171,16 @@ class SnapshotCollector:
             total += int(s) * n
             hist.append((s, acc))
         hist.append(("+Inf", acc))
-        yield HistogramMetricFamily("broker_staleness_versions", "broker/staleness_versions of rows at consumption",
-                                    buckets=hist, sum_value=total)
+        yield HistogramMetricFamily(
+            "broker_staleness_versions",
+            "broker/staleness_versions of rows at consumption",
+            buckets=hist,
+            sum_value=total,
+        )
         for name, (buckets, s) in snap["_hist"].items():
-            yield HistogramMetricFamily(f"broker_{name}_seconds", f"broker/{name}_seconds", buckets=buckets,
-                                        sum_value=s)
+            yield HistogramMetricFamily(
+                f"broker_{name}_seconds", f"broker/{name}_seconds", buckets=buckets, sum_value=s
+            )
 
 
 def start_metrics_server(server, port: int, addr: str = "127.0.0.1") -> int:

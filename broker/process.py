@@ -37,6 +37,7 @@ def _preexec(die_with_parent: bool, own_group: bool):
             os.setpgrp()
         if die_with_parent:
             _die_with_parent()
+
     return run
 
 
@@ -48,9 +49,18 @@ def make_curve_keys(directory: str | os.PathLike) -> Path:
 
 
 class BrokerProcess:
-    def __init__(self, *, address: str = "tcp://127.0.0.1:0", startup_timeout_s: float = 30.0,
-                 stop_timeout_s: float = 10.0, env: dict | None = None, cwd: str | None = None,
-                 die_with_parent: bool = True, own_process_group: bool = True, **options) -> None:
+    def __init__(
+        self,
+        *,
+        address: str = "tcp://127.0.0.1:0",
+        startup_timeout_s: float = 30.0,
+        stop_timeout_s: float = 10.0,
+        env: dict | None = None,
+        cwd: str | None = None,
+        die_with_parent: bool = True,
+        own_process_group: bool = True,
+        **options,
+    ) -> None:
         """``options`` are BrokerConfig fields (``spool_dir=..., max_staleness=...``).
 
         ``die_with_parent``: the broker gets SIGTERM when the process that started it dies
@@ -84,9 +94,15 @@ class BrokerProcess:
                 cmd += ["--" + k.replace("_", "-"), str(v)]
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = self.cwd + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=self.cwd, env=env,
-                                     preexec_fn=_preexec(self.die_with_parent, self.own_process_group)
-                                     if self.die_with_parent or self.own_process_group else None)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            cwd=self.cwd,
+            env=env,
+            preexec_fn=_preexec(self.die_with_parent, self.own_process_group)
+            if self.die_with_parent or self.own_process_group
+            else None,
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         buf = b""  # raw reads: a buffered readline could hide a second line from select()
         assert self.proc.stdout is not None  # stdout=PIPE
@@ -95,8 +111,10 @@ class BrokerProcess:
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None:
                 self.kill()
-                raise RuntimeError(f"broker did not start within {self.startup_timeout_s:.0f}s "
-                                   f"(exit code {self.proc.returncode}); command: {' '.join(cmd)}")
+                raise RuntimeError(
+                    f"broker did not start within {self.startup_timeout_s:.0f}s "
+                    f"(exit code {self.proc.returncode}); command: {' '.join(cmd)}"
+                )
             ready, _, _ = select.select([fd], [], [], min(left, 0.5))
             if ready:
                 buf += os.read(fd, 4096)
@@ -105,8 +123,11 @@ class BrokerProcess:
                         self.address = line.split()[1]
                     elif line.startswith("BROKER_METRICS_PORT "):
                         self.metrics_port = int(line.split()[1])
-        if not ping(self.address, timeout_s=max(1.0, deadline - time.monotonic()),
-                    curve_keys_dir=self.options.get("curve_keys_dir")):
+        if not ping(
+            self.address,
+            timeout_s=max(1.0, deadline - time.monotonic()),
+            curve_keys_dir=self.options.get("curve_keys_dir"),
+        ):
             self.kill()
             raise RuntimeError(f"broker at {self.address} bound but does not answer")
         log.info("broker pid %d at %s", self.proc.pid, self.address)

@@ -183,12 +183,12 @@ class Multi(_Msg, tag="multi"):
 MAX_MULTI = 4096  # requests in one Multi
 
 
-Request = Union[AcquireTickets, Push, EngineVersion, NextBatch, Ack, Renew, ReportVersion, StatusRequest, Ping,
-                Multi]
+Request = Union[AcquireTickets, Push, EngineVersion, NextBatch, Ack, Renew, ReportVersion, StatusRequest, Ping, Multi]
 REQUEST_TYPES = {c.__struct_config__.tag: c for c in typing.get_args(Request)}
 
 
 # -- replies -----------------------------------------------------------------------------------
+
 
 def min_version(step: int, max_staleness: int) -> int:
     """The oldest weights version a group for learner step ``step`` may be sampled with: trained at step
@@ -288,10 +288,37 @@ MAX_NESTING = 64
 _CONTAINERS = frozenset([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
 _NOT_CONTAINER = bytes(b for b in range(256) if b not in _CONTAINERS)
 # msgpack type byte -> (bytes of the length field, fixed payload bytes) for the scalar types with a length
-_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
-          0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
-_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
-          0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+_SIZED = {
+    0xC4: (1, 0),
+    0xC5: (2, 0),
+    0xC6: (4, 0),
+    0xC7: (1, 1),
+    0xC8: (2, 1),
+    0xC9: (4, 1),
+    0xD9: (1, 0),
+    0xDA: (2, 0),
+    0xDB: (4, 0),
+}
+_FIXED = {
+    0xC0: 0,
+    0xC2: 0,
+    0xC3: 0,
+    0xCA: 4,
+    0xCB: 8,
+    0xCC: 1,
+    0xCD: 2,
+    0xCE: 4,
+    0xCF: 8,
+    0xD0: 1,
+    0xD1: 2,
+    0xD2: 4,
+    0xD3: 8,
+    0xD4: 2,
+    0xD5: 3,
+    0xD6: 5,
+    0xD7: 9,
+    0xD8: 17,
+}
 
 
 def _nesting_depth(data: bytes) -> int:
@@ -315,12 +342,12 @@ def _nesting_depth(data: bytes) -> int:
             pos += _FIXED[t]
         elif t in _SIZED:
             k, extra = _SIZED[t]
-            pos += k + extra + int.from_bytes(data[pos:pos + k], "big")
+            pos += k + extra + int.from_bytes(data[pos : pos + k], "big")
         elif t in (0xDC, 0xDE):
-            items = int.from_bytes(data[pos:pos + 2], "big") * (2 if t == 0xDE else 1)
+            items = int.from_bytes(data[pos : pos + 2], "big") * (2 if t == 0xDE else 1)
             pos += 2
         elif t in (0xDD, 0xDF):
-            items = int.from_bytes(data[pos:pos + 4], "big") * (2 if t == 0xDF else 1)
+            items = int.from_bytes(data[pos : pos + 4], "big") * (2 if t == 0xDF else 1)
             pos += 4
         else:
             return deepest  # 0xC1 (never used): malformed
@@ -342,8 +369,9 @@ def _check_nesting(header: bytes | memoryview) -> None:
     if len(data.translate(None, _NOT_CONTAINER)) <= MAX_NESTING:
         return  # fewer container type bytes than the limit: it cannot nest deeper
     if _nesting_depth(data) > MAX_NESTING:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"header nests msgpack containers too deeply (more than "
-                                                 f"{MAX_NESTING} levels)")
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"header nests msgpack containers too deeply (more than {MAX_NESTING} levels)"
+        )
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -425,9 +453,10 @@ def split_replies(frames: list) -> list[tuple[Reply, list]]:
         reply = _reply_decoder.decode(f if isinstance(f, bytes) else f.buffer)
         k = reply.frames if type(reply) is LeaseReply else 0
         if i + 1 + k > n:
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"reply {reply.req} announces {k} payload frames, "
-                                f"the message has {n - i - 1} left")
-        out.append((reply, frames[i + 1: i + 1 + k]))
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME, f"reply {reply.req} announces {k} payload frames, the message has {n - i - 1} left"
+            )
+        out.append((reply, frames[i + 1 : i + 1 + k]))
         i += 1 + k
     return out
 
@@ -499,8 +528,11 @@ def _check_uncompressed(msg: pa.ipc.Message) -> None:
     except (struct.error, IndexError, ValueError):
         raise ProtocolError(ErrorCode.BAD_FRAME, "record batch message metadata is not a flatbuffer") from None
     if compressed:
-        raise ProtocolError(ErrorCode.BAD_FRAME, "compressed Arrow IPC bodies are not accepted (the byte budget "
-                            "counts what the broker holds); send uncompressed batches")
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME,
+            "compressed Arrow IPC bodies are not accepted (the byte budget "
+            "counts what the broker holds); send uncompressed batches",
+        )
 
 
 _schemas: dict[bytes, pa.Schema] = {}  # schema message -> schema: producers send one again and again
@@ -518,8 +550,7 @@ def trajectory_to_ipc(batch: pa.RecordBatch) -> pa.Buffer:
     schema to find its message; an equality check against the trajectory schema (metadata
     included) and ``get_total_buffer_size`` (one cheap call) stand in for them. Any other batch goes to :func:`batch_to_ipc`. The broker's producer
     client uses it; ``batch_to_ipc`` is unchanged (bench/broker.py's raw path uses it)."""
-    if (batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True)
-            and batch.get_total_buffer_size() < _SMALL_IPC):
+    if batch.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True) and batch.get_total_buffer_size() < _SMALL_IPC:
         return pa.py_buffer(b"".join([_TRAJ_HEAD_BYTES, batch.serialize(), EOS]))
     return batch_to_ipc(batch)
 
@@ -538,7 +569,7 @@ def batch_message(buf) -> memoryview | None:
         meta, body = msg.metadata.size, msg.body.size
         # 8-byte aligned parts, so a segment made of such messages stays aligned for readers
         if msg.type == "record batch" and 8 + meta + body == n - h - 8 and meta % 8 == 0 and body % 8 == 0:
-            return memoryview(buf)[h:n - 8]
+            return memoryview(buf)[h : n - 8]
     return None
 
 
@@ -569,8 +600,9 @@ def ipc_to_batches(buf) -> list[pa.RecordBatch]:
         except StopIteration:
             raise ProtocolError(ErrorCode.BAD_FRAME, "payload is an empty Arrow IPC stream") from None
         if first.type != "schema":
-            raise ProtocolError(ErrorCode.BAD_FRAME, f"Arrow IPC stream starts with a {first.type!r} message, "
-                                "not a schema")
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME, f"Arrow IPC stream starts with a {first.type!r} message, not a schema"
+            )
         key = first.metadata.to_pybytes()
         schema = _schemas.get(key)
         if schema is None:

@@ -77,5 +77,10 @@ class Quarantine:
         if not path.exists():
             path.write_bytes(data)
             (self.dir / f"{source.name}@{offset}.reason.txt").write_text(reason + "\n")
-        log.warning("spool record at %s offset %d quarantined (copied to %s), not replayed: %s",
-                    source, offset, path, reason[:300])
+        log.warning(
+            "spool record at %s offset %d quarantined (copied to %s), not replayed: %s",
+            source,
+            offset,
+            path,
+            reason[:300],
+        )

@@ -295,8 +295,18 @@ def _whole_view(batch: pa.RecordBatch) -> BatchView | None:
     if g is None:
         return None
     group_ids, single_group, sample_index, group_size, step, oldest_version, label, vmin, vmax = g
-    return BatchView(group_ids, single_group, sample_index, group_size, step, oldest_version, whole=True,
-                     label=label, vmin=vmin, vmax=vmax)
+    return BatchView(
+        group_ids,
+        single_group,
+        sample_index,
+        group_size,
+        step,
+        oldest_version,
+        whole=True,
+        label=label,
+        vmin=vmin,
+        vmax=vmax,
+    )
 
 
 JOINT_MAX_BYTES = 64 << 20  # batches checked together at most (bytes)
@@ -369,8 +379,9 @@ def inspect_batches(batches: list[pa.RecordBatch], nbytes: int | None = None) ->
         else:
             gids = view.group_ids[a:z]
             single = gids[0] if gids and gids.count(gids[0]) == len(gids) else None
-        v = BatchView(gids, single, view.sample_index[a:z], view.group_size[a:z], view.step[a:z],
-                      view.oldest_version[a:z])
+        v = BatchView(
+            gids, single, view.sample_index[a:z], view.group_size[a:z], view.step[a:z], view.oldest_version[a:z]
+        )
         if whole is not None and single is not None and whole[0][j]:
             v.whole, v.label, v.vmin, v.vmax = True, whole[1][j], whole[2][j], whole[3][j]
         out.append(v)
@@ -392,9 +403,13 @@ def _whole_groups(view: BatchView, counts: np.ndarray) -> tuple[list, list, list
     si, gs, step, ver = view.sample_index, view.group_size, view.step, view.oldest_version
     own = np.repeat(counts, counts)
     ok = (gs == own) & (step == np.repeat(step[starts], counts))
-    ok &= np.bincount(si + np.repeat(starts, counts), minlength=len(si))[:len(si)] == 1
-    return (np.logical_and.reduceat(ok, starts).tolist(), step[starts].tolist(),
-            np.minimum.reduceat(ver, starts).tolist(), np.maximum.reduceat(ver, starts).tolist())
+    ok &= np.bincount(si + np.repeat(starts, counts), minlength=len(si))[: len(si)] == 1
+    return (
+        np.logical_and.reduceat(ok, starts).tolist(),
+        step[starts].tolist(),
+        np.minimum.reduceat(ver, starts).tolist(),
+        np.maximum.reduceat(ver, starts).tolist(),
+    )
 
 
 _COL = {f.name: i for i, f in enumerate(TRAJECTORY_SCHEMA)}
@@ -407,8 +422,9 @@ _SMALL = 128  # rows up to which Python sets beat Arrow hash kernels (per-call c
 
 def _buf(arr: pa.Array, i: int, dtype, count: int, extra: int = 0) -> np.ndarray:
     """``count`` values of buffer ``i`` of ``arr`` as numpy (no copy), honouring its offset."""
-    return np.frombuffer(arr.buffers()[i], dtype=dtype, count=count,
-                         offset=np.dtype(dtype).itemsize * (arr.offset + extra))
+    return np.frombuffer(
+        arr.buffers()[i], dtype=dtype, count=count, offset=np.dtype(dtype).itemsize * (arr.offset + extra)
+    )
 
 
 def _list_np(col: pa.ListArray, n: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -471,8 +487,9 @@ def _fast_view_cols(cols: list, n: int, tokens_checked: bool = False) -> BatchVi
         if c is not None and (c.null_count or (i in _LIST_IDX and c.values.null_count)):
             return None
     if n == 0:
-        return BatchView([], None, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64),
-                         np.zeros(0, np.int64))
+        return BatchView(
+            [], None, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        )
     if _distinct(cols[_COL["traj_id"]], n) != n:
         return None
     s_off, starts = _list_np(cols[_COL["segment_starts"]], n, np.int32)
@@ -505,8 +522,14 @@ def batch_view(batch: pa.RecordBatch) -> BatchView:
     """The view of a batch validated before (e.g. read back from the broker's spool)."""
     gids = batch.column("group_id").to_pylist()
     single = gids[0] if gids and gids.count(gids[0]) == len(gids) else None
-    return BatchView(gids, single, batch.column("sample_index").to_numpy(), batch.column("group_size").to_numpy(),
-                     batch.column("step").to_numpy(), oldest_versions(batch))
+    return BatchView(
+        gids,
+        single,
+        batch.column("sample_index").to_numpy(),
+        batch.column("group_size").to_numpy(),
+        batch.column("step").to_numpy(),
+        oldest_versions(batch),
+    )
 
 
 def _find_error(batch: pa.RecordBatch) -> None:
@@ -516,11 +539,15 @@ def _find_error(batch: pa.RecordBatch) -> None:
     for name in _SCALAR_FIELDS:
         col = batch.column(name)
         if col.null_count:
-            raise SchemaError(f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{name}' is null")
+            raise SchemaError(
+                f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{name}' is null"
+            )
     for name in _LIST_FIELDS:
         col = batch.column(name)
         if col.null_count:
-            raise SchemaError(f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{name}' is null")
+            raise SchemaError(
+                f"row {_row_of_first(col.is_null().to_numpy(zero_copy_only=False))}: field '{name}' is null"
+            )
         if name == "prompt_ids" and not col.values.null_count:
             continue  # nothing else to check
         off, lengths, values = _list_parts(col)
@@ -577,15 +604,19 @@ def _find_error(batch: pa.RecordBatch) -> None:
     m_off, m_len, m_val = lists["loss_mask"]
     if (bad := (m_len != 0) & (m_len != resp_len)).any():
         r = _row_of_first(bad)
-        raise SchemaError(f"row {r}: 'loss_mask' has {m_len[r]} values but 'response_ids' has {resp_len[r]} tokens "
-                          "(expected that many, or none: every token trained)")
+        raise SchemaError(
+            f"row {r}: 'loss_mask' has {m_len[r]} values but 'response_ids' has {resp_len[r]} tokens "
+            "(expected that many, or none: every token trained)"
+        )
     if (bad := (m_val != 0) & (m_val != 1)).any():
         r = int(np.searchsorted(m_off, _row_of_first(bad), side="right") - 1)
         raise SchemaError(f"row {r}: 'loss_mask' holds a value other than 0 or 1")
 
     reward = batch.column("reward").to_numpy()
     if (bad := ~np.isfinite(reward)).any():
-        raise SchemaError(f"row {_row_of_first(bad)}: 'reward' is {reward[_row_of_first(bad)]}, expected a finite number")
+        raise SchemaError(
+            f"row {_row_of_first(bad)}: 'reward' is {reward[_row_of_first(bad)]}, expected a finite number"
+        )
     fr = batch.column("finish_reason").to_pylist()
     for r, reason in enumerate(fr):
         if reason not in FINISH_REASONS:

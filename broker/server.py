@@ -143,18 +143,21 @@ def _ms(seconds: float) -> int:
 class BrokerServer:
     """The broker loop. Example::
 
-        server = BrokerServer(BrokerConfig(address="tcp://127.0.0.1:0"))
-        address = server.bind()          # tcp://127.0.0.1:PORT
-        server.serve(stop_event)         # until stop_event is set (or SIGTERM via broker.__main__)
+    server = BrokerServer(BrokerConfig(address="tcp://127.0.0.1:0"))
+    address = server.bind()          # tcp://127.0.0.1:PORT
+    server.serve(stop_event)         # until stop_event is set (or SIGTERM via broker.__main__)
     """
 
     def __init__(self, cfg: BrokerConfig) -> None:
         self.cfg = cfg
         self.spool = Spool(cfg.spool_dir, fsync=cfg.fsync) if cfg.spool_dir else None
         self.state = BrokerState(
-            max_staleness=cfg.max_staleness, groups_per_step=cfg.groups_per_step,
-            lease_timeout_s=cfg.lease_timeout_s, ticket_timeout_s=cfg.ticket_timeout_s,
-            byte_budget_bytes=int(cfg.byte_budget_mb * (1 << 20)))
+            max_staleness=cfg.max_staleness,
+            groups_per_step=cfg.groups_per_step,
+            lease_timeout_s=cfg.lease_timeout_s,
+            ticket_timeout_s=cfg.ticket_timeout_s,
+            byte_budget_bytes=int(cfg.byte_budget_mb * (1 << 20)),
+        )
         self.errors: dict[str, int] = defaultdict(int)
         self.ticket_wait = Hist()
         self.learner_wait = Hist()
@@ -178,8 +181,11 @@ class BrokerServer:
             rec = self.spool.recover()
             self.state.restore(rec.batches, rec.records, time.monotonic())
             if rec.quarantined:
-                log.warning("%d spool record(s) failed validation and were quarantined (see %s/quarantine)",
-                            rec.quarantined, self.cfg.spool_dir)
+                log.warning(
+                    "%d spool record(s) failed validation and were quarantined (see %s/quarantine)",
+                    rec.quarantined,
+                    self.cfg.spool_dir,
+                )
             self.state.journal = self.spool
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -200,8 +206,13 @@ class BrokerServer:
             # the metrics endpoint binds the broker's own interface (loopback unless the job spans hosts)
             host = self.address.split("://")[-1].rsplit(":", 1)[0] if self.address.startswith("tcp://") else "127.0.0.1"
             self.metrics_port = start_metrics_server(self, self.cfg.metrics_port, addr=host.strip("[]"))
-        log.info("broker bound to %s (k=%d, G=%d, spool=%s)", self.address, self.cfg.max_staleness,
-                 self.cfg.groups_per_step, self.cfg.spool_dir)
+        log.info(
+            "broker bound to %s (k=%d, G=%d, spool=%s)",
+            self.address,
+            self.cfg.max_staleness,
+            self.cfg.groups_per_step,
+            self.cfg.spool_dir,
+        )
         return self.address
 
     def _setup_curve(self, sock: zmq.Socket, keys: Path) -> None:
@@ -259,13 +270,15 @@ class BrokerServer:
     def _reply(self, ident: bytes, msg, *payload) -> None:
         self._out.append([ident, P.encode(msg), *payload])
 
-    def _error(self, ident: bytes, req: int, code: str, message: str, retry_after_s: float = 0.0,
-               lease_id: str = "") -> None:
+    def _error(
+        self, ident: bytes, req: int, code: str, message: str, retry_after_s: float = 0.0, lease_id: str = ""
+    ) -> None:
         self.errors[code] += 1
         if code != P.ErrorCode.BUSY:
             self.rlog.warning(code, "refused request %d: %s: %s", req, code, message[:300])
-        self._reply(ident, P.ErrorReply(req=req, code=code, message=message, retry_after_s=retry_after_s,
-                                        lease_id=lease_id))
+        self._reply(
+            ident, P.ErrorReply(req=req, code=code, message=message, retry_after_s=retry_after_s, lease_id=lease_id)
+        )
 
     def _flush(self) -> None:
         # The replies to one peer go out as one message, in order (see broker.protocol):
@@ -311,11 +324,22 @@ class BrokerServer:
         key = f"{type(e).__name__}@{where}"
         if key not in self._bugs_seen and len(self._bugs_seen) < 256:
             self._bugs_seen.add(key)
-            log.error("internal error handling a request (a broker bug; first time at %s): %s: %s", where,
-                      type(e).__name__, e, exc_info=e)
+            log.error(
+                "internal error handling a request (a broker bug; first time at %s): %s: %s",
+                where,
+                type(e).__name__,
+                e,
+                exc_info=e,
+            )
         else:
-            self.rlog.log(logging.ERROR, "internal", "internal error handling a request: %s: %s (at %s)",
-                          type(e).__name__, e, where)
+            self.rlog.log(
+                logging.ERROR,
+                "internal",
+                "internal error handling a request: %s: %s (at %s)",
+                type(e).__name__,
+                e,
+                where,
+            )
         try:
             self._error(ident, req, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {str(e)[:300]}")
         except Exception:  # not even the error reply encodes: count it, send nothing
@@ -333,14 +357,18 @@ class BrokerServer:
             self._handle_one(ident, msg, frames[1:])
             return
         counts = msg.frames
-        if (not 1 <= len(counts) <= P.MAX_MULTI or min(counts) < 1 or sum(counts) != len(frames) - 2):
-            self._error(ident, msg.req, P.ErrorCode.BAD_FRAME,
-                        f"multi announces {len(counts)} requests in {sum(counts)} frames (each >= 1, at most "
-                        f"{P.MAX_MULTI} requests); the message has {len(frames) - 2}")
+        if not 1 <= len(counts) <= P.MAX_MULTI or min(counts) < 1 or sum(counts) != len(frames) - 2:
+            self._error(
+                ident,
+                msg.req,
+                P.ErrorCode.BAD_FRAME,
+                f"multi announces {len(counts)} requests in {sum(counts)} frames (each >= 1, at most "
+                f"{P.MAX_MULTI} requests); the message has {len(frames) - 2}",
+            )
             return
         subs, i = [], 2
         for n in counts:
-            part = frames[i:i + n]
+            part = frames[i : i + n]
             i += n
             subs.append((self._decode(ident, part[0]), part))
         prepared = self._prepare_pushes(subs)
@@ -379,8 +407,7 @@ class BrokerServer:
             if len(joint) < 2:
                 continue
             try:
-                views = inspect_batches([prepared[j][0][0] for j in joint],
-                                        sum(len(subs[j][1][1]) for j in joint))
+                views = inspect_batches([prepared[j][0][0] for j in joint], sum(len(subs[j][1][1]) for j in joint))
             except Exception:  # each push is then validated on its own, with its own error
                 log.debug("joint validation failed; validating pushes one by one", exc_info=True)
                 views = None
@@ -403,9 +430,10 @@ class BrokerServer:
         try:
             expect = 2 if type(msg) is P.Push else 1  # header (+ one Arrow IPC frame for a push)
             if len(frames) != expect:
-                raise P.ProtocolError(P.ErrorCode.BAD_FRAME,
-                                      f"{type(msg).__name__} takes {expect - 1} payload frame(s), "
-                                      f"got {len(frames) - 1}")
+                raise P.ProtocolError(
+                    P.ErrorCode.BAD_FRAME,
+                    f"{type(msg).__name__} takes {expect - 1} payload frame(s), got {len(frames) - 1}",
+                )
             self._dispatch(ident, msg, frames, prepared)
         except P.ProtocolError as e:
             self._error(ident, req, e.code, e.message)
@@ -427,8 +455,14 @@ class BrokerServer:
             batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
             # The frame itself (not a view of it) is kept: sending a zmq.Frame again shares
             # its buffer by reference count, with no copy and no zero-copy bookkeeping.
-            groups, rows, dups = st.accept(msg.producer_id, batch, now, payload_bytes=len(payload.buffer),
-                                           payload=payload if len(batches) == 1 else None, view=view)
+            groups, rows, dups = st.accept(
+                msg.producer_id,
+                batch,
+                now,
+                payload_bytes=len(payload.buffer),
+                payload=payload if len(batches) == 1 else None,
+                view=view,
+            )
             tickets = []
             if msg.want_tickets and not self.waiters.tickets:  # producers waiting for tickets go first
                 tickets = st.acquire(msg.producer_id, msg.want_tickets, now)
@@ -462,10 +496,18 @@ class BrokerServer:
             self._reply(ident, P.OkReply(req=msg.req))
         elif isinstance(msg, P.StatusRequest):
             snap = self.latest_snapshot = snapshot(self)
-            self._reply(ident, P.StatusReply(req=msg.req, status=snap["status"], drops=snap["drops"],
-                                             errors=snap["errors"], engine_lag=snap["engine_lag"],
-                                             staleness_hist=snap["staleness_hist"],
-                                             stale_drop_lengths=snap["stale_drop_lengths"]))
+            self._reply(
+                ident,
+                P.StatusReply(
+                    req=msg.req,
+                    status=snap["status"],
+                    drops=snap["drops"],
+                    errors=snap["errors"],
+                    engine_lag=snap["engine_lag"],
+                    staleness_hist=snap["staleness_hist"],
+                    stale_drop_lengths=snap["stale_drop_lengths"],
+                ),
+            )
         elif isinstance(msg, P.Ping):
             self._reply(ident, P.OkReply(req=msg.req))
         else:  # decode_request only returns known types
@@ -483,8 +525,15 @@ class BrokerServer:
         if type(w.msg) is P.AcquireTickets:
             self._reply(w.ident, P.TicketsReply(req=w.msg.req, tickets=[]))
         else:
-            self._reply(w.ident, P.NoBatch(req=w.msg.req, queued_groups=self.state.queued_groups,
-                                           acks_duplicate=w.acks_duplicate, acks_late=w.acks_late))
+            self._reply(
+                w.ident,
+                P.NoBatch(
+                    req=w.msg.req,
+                    queued_groups=self.state.queued_groups,
+                    acks_duplicate=w.acks_duplicate,
+                    acks_late=w.acks_late,
+                ),
+            )
 
     def _waiter_failed(self, w: Waiter, e: Exception) -> None:
         self._internal(w.ident, w.msg.req, e)
@@ -514,12 +563,20 @@ class BrokerServer:
         if lease is not None:
             self.learner_wait.observe(now - w.t0)
             payload = _lease_frames(lease)
-            self._reply(w.ident, P.LeaseReply(req=w.msg.req, lease_id=lease.lease_id, step=lease.step,
-                                              groups=len(lease.group_ids),
-                                              staleness=lease.staleness.astype("<i4").tobytes(),
-                                              frames=len(payload),
-                                              acks_duplicate=w.acks_duplicate, acks_late=w.acks_late),
-                        *payload)
+            self._reply(
+                w.ident,
+                P.LeaseReply(
+                    req=w.msg.req,
+                    lease_id=lease.lease_id,
+                    step=lease.step,
+                    groups=len(lease.group_ids),
+                    staleness=lease.staleness.astype("<i4").tobytes(),
+                    frames=len(payload),
+                    acks_duplicate=w.acks_duplicate,
+                    acks_late=w.acks_late,
+                ),
+                *payload,
+            )
             return True
         if now >= w.deadline:
             self._answer_empty(w)

@@ -115,8 +115,9 @@ def read_segment_entries(root: Path) -> tuple[list[tuple[Path, int, int, pa.Reco
                 break
             except (pa.ArrowException, OSError, ValueError):
                 torn += 1
-                log.warning("spool segment %s ends in a torn batch at offset %d (crash while writing); ignored",
-                            path, pos)
+                log.warning(
+                    "spool segment %s ends in a torn batch at offset %d (crash while writing); ignored", path, pos
+                )
                 break
             size = 8 + msg.metadata.size + msg.body.size
             try:
@@ -145,14 +146,14 @@ def read_log_entries(path: Path) -> tuple[list[tuple[int, bytes, LogRecord]], in
     out, pos = [], 0
     while pos + _HEAD.size <= len(data):
         length, crc = _HEAD.unpack_from(data, pos)
-        body = data[pos + _HEAD.size: pos + _HEAD.size + length]
+        body = data[pos + _HEAD.size : pos + _HEAD.size + length]
         if len(body) != length or zlib.crc32(body) != crc:
             break
         try:
             rec = _rec_dec.decode(body)
         except (msgspec.DecodeError, RecursionError):
             break
-        out.append((pos, data[pos: pos + _HEAD.size + length], rec))
+        out.append((pos, data[pos : pos + _HEAD.size + length], rec))
         pos += _HEAD.size + length
     return out, pos
 
@@ -160,15 +161,14 @@ def read_log_entries(path: Path) -> tuple[list[tuple[int, bytes, LogRecord]], in
 class Spool:
     """Journal of a BrokerState on disk. Example::
 
-        spool = Spool("/run/spool", fsync="batch")
-        recovered = spool.recover()              # before the first write
-        state.restore(recovered.batches, recovered.records, now)
-        state.journal = spool
-        ...; spool.commit()                      # once per loop iteration, before replies
+    spool = Spool("/run/spool", fsync="batch")
+    recovered = spool.recover()              # before the first write
+    state.restore(recovered.batches, recovered.records, now)
+    state.journal = spool
+    ...; spool.commit()                      # once per loop iteration, before replies
     """
 
-    def __init__(self, root: str | os.PathLike, *, fsync: str = "batch",
-                 segment_max_bytes: int = 256 << 20) -> None:
+    def __init__(self, root: str | os.PathLike, *, fsync: str = "batch", segment_max_bytes: int = 256 << 20) -> None:
         if fsync not in ("never", "batch", "always"):
             raise ValueError(f"fsync must be one of never|batch|always, got {fsync!r}")
         self.root = Path(root)

@@ -102,17 +102,25 @@ def length_bucket(n: int) -> int:
 class BrokerState:
     """The broker's bookkeeping. Example::
 
-        st = BrokerState(max_staleness=1, groups_per_step=2, lease_timeout_s=30, ticket_timeout_s=60,
-                         byte_budget_bytes=1 << 30)
-        tickets = st.acquire("w0", 2, now=0.0)     # two tickets for step 1
-        st.accept("w0", batch, now=1.0)            # rows of two complete groups with step=1
-        lease = st.lease("learner", 1, now=2.0)    # both groups, staleness per row
-        st.ack(lease.lease_id, now=3.0)            # gone for good; version is now 1
+    st = BrokerState(max_staleness=1, groups_per_step=2, lease_timeout_s=30, ticket_timeout_s=60,
+                     byte_budget_bytes=1 << 30)
+    tickets = st.acquire("w0", 2, now=0.0)     # two tickets for step 1
+    st.accept("w0", batch, now=1.0)            # rows of two complete groups with step=1
+    lease = st.lease("learner", 1, now=2.0)    # both groups, staleness per row
+    st.ack(lease.lease_id, now=3.0)            # gone for good; version is now 1
     """
 
-    def __init__(self, *, max_staleness: int, groups_per_step: int, lease_timeout_s: float,
-                 ticket_timeout_s: float, byte_budget_bytes: int, journal: Journal | None = None,
-                 max_expired_leases: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        max_staleness: int,
+        groups_per_step: int,
+        lease_timeout_s: float,
+        ticket_timeout_s: float,
+        byte_budget_bytes: int,
+        journal: Journal | None = None,
+        max_expired_leases: int = 4096,
+    ) -> None:
         self.k = max_staleness
         self.G = groups_per_step
         self.lease_timeout_s = lease_timeout_s
@@ -184,8 +192,15 @@ class BrokerState:
         self.counters.tickets_granted += len(out)
         return out
 
-    def accept(self, producer_id: str, batch: pa.RecordBatch, now: float,
-               payload_bytes: int | None = None, payload=None, view: BatchView | None = None) -> tuple[int, int, int]:
+    def accept(
+        self,
+        producer_id: str,
+        batch: pa.RecordBatch,
+        now: float,
+        payload_bytes: int | None = None,
+        payload=None,
+        view: BatchView | None = None,
+    ) -> tuple[int, int, int]:
         """Take a pushed batch. Returns (groups, rows, duplicate groups); all or nothing.
 
         ``payload`` (the IPC frame the batch was read from) is kept with a group that is
@@ -287,11 +302,17 @@ class BrokerState:
         journaled: a refused push never reaches the spool)."""
         top = self.window_top()
         if not 1 <= g.label <= top:
-            raise BrokerError(ErrorCode.BAD_REQUEST, f"group {g.group_id!r} has step {g.label}, outside the "
-                              f"admission window 1..{top} (learner version {self.version}, k={self.k})")
+            raise BrokerError(
+                ErrorCode.BAD_REQUEST,
+                f"group {g.group_id!r} has step {g.label}, outside the "
+                f"admission window 1..{top} (learner version {self.version}, k={self.k})",
+            )
         if g.vmax > top:
-            raise BrokerError(ErrorCode.BAD_REQUEST, f"group {g.group_id!r} has policy version {g.vmax}, ahead "
-                              f"of the learner (version {self.peak_version}; at most {top} accepted)")
+            raise BrokerError(
+                ErrorCode.BAD_REQUEST,
+                f"group {g.group_id!r} has policy version {g.vmax}, ahead "
+                f"of the learner (version {self.peak_version}; at most {top} accepted)",
+            )
 
     def has_lease(self, consumer_id: str, step: int) -> bool:
         """Whether (consumer, step) holds a live lease (a retried next_batch gets it again)."""
@@ -300,23 +321,34 @@ class BrokerState:
     def check_lease_step(self, step: int) -> None:
         """A lease's step must lie in the admission window ``1 .. v + k + 1``."""
         if not 1 <= step <= self.version + self.k + 1:
-            raise BrokerError(ErrorCode.STEP_AHEAD, f"step {step} is outside the admission window 1.."
-                              f"{self.version + self.k + 1} (learner version {self.version}, k={self.k}); a "
-                              "consumer that resumed ahead reports its version first")
+            raise BrokerError(
+                ErrorCode.STEP_AHEAD,
+                f"step {step} is outside the admission window 1.."
+                f"{self.version + self.k + 1} (learner version {self.version}, k={self.k}); a "
+                "consumer that resumed ahead reports its version first",
+            )
 
     def _check_room(self, nbytes: int) -> None:
         """Refuse a push of ``nbytes`` that the byte budget cannot hold (ever, or now)."""
         if nbytes > self.byte_budget:
-            raise BrokerError(ErrorCode.TOO_LARGE, f"push of {nbytes} bytes exceeds the whole byte budget "
-                              f"of {self.byte_budget}; push smaller batches")
+            raise BrokerError(
+                ErrorCode.TOO_LARGE,
+                f"push of {nbytes} bytes exceeds the whole byte budget of {self.byte_budget}; push smaller batches",
+            )
         if self.pending_bytes + nbytes > self.byte_budget:
-            raise BrokerError(ErrorCode.BUSY, f"byte budget full ({self.pending_bytes} of {self.byte_budget} "
-                              "bytes held); retry later", retry_after_s=0.05)
+            raise BrokerError(
+                ErrorCode.BUSY,
+                f"byte budget full ({self.pending_bytes} of {self.byte_budget} bytes held); retry later",
+                retry_after_s=0.05,
+            )
 
     def _no_ticket(self, producer_id: str, g: Group) -> BrokerError:
-        return BrokerError(ErrorCode.NO_TICKET, f"group {g.group_id!r} for step {g.label}: producer "
-                           f"{producer_id!r} holds no ticket for that step (expired?) and all "
-                           f"{self._demand()} slots are taken; acquire a ticket first")
+        return BrokerError(
+            ErrorCode.NO_TICKET,
+            f"group {g.group_id!r} for step {g.label}: producer "
+            f"{producer_id!r} holds no ticket for that step (expired?) and all "
+            f"{self._demand()} slots are taken; acquire a ticket first",
+        )
 
     def _add(self, g: Group) -> None:
         g.seq = self._seq
@@ -363,16 +395,27 @@ class BrokerState:
         if all(g.vmin == g.vmax for g in picked):  # the usual case: one version per group
             rows = [g.batch.num_rows for g in picked]
             per_group = [(step - 1) - g.vmin for g in picked]
-            staleness = (np.full(rows[0], per_group[0], np.int32) if len(picked) == 1
-                         else np.repeat(np.array(per_group, np.int32), rows))
+            staleness = (
+                np.full(rows[0], per_group[0], np.int32)
+                if len(picked) == 1
+                else np.repeat(np.array(per_group, np.int32), rows)
+            )
             for s_, n in zip(per_group, rows, strict=True):
                 hist[s_] += n
         else:
             staleness = np.concatenate([(step - 1) - g.versions for g in picked]).astype(np.int32)
             for s_, n in zip(*np.unique(staleness, return_counts=True), strict=True):
                 hist[int(s_)] += int(n)
-        lease = Lease(lid, step, consumer_id, gids, [g.batch for g in picked], staleness,
-                      now + self.lease_timeout_s, [g.payload for g in picked])
+        lease = Lease(
+            lid,
+            step,
+            consumer_id,
+            gids,
+            [g.batch for g in picked],
+            staleness,
+            now + self.lease_timeout_s,
+            [g.payload for g in picked],
+        )
         for g in picked:
             g.lease_id = lid
         self._min_deadline = min(self._min_deadline, lease.deadline)
@@ -408,12 +451,16 @@ class BrokerState:
                 return True, False
             lease = self._expired.get(lease_id)
             if lease is None:
-                raise BrokerError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown to this broker",
-                                  lease_id=lease_id)
+                raise BrokerError(
+                    ErrorCode.UNKNOWN_LEASE, f"lease {lease_id!r} is unknown to this broker", lease_id=lease_id
+                )
             if not all((g := self.pending.get(gid)) is not None and g.lease_id is None for gid in lease.group_ids):
-                raise BrokerError(ErrorCode.LEASE_EXPIRED, f"lease {lease_id!r} (step {lease.step}) expired and "
-                                  "some of its groups were handed out again or dropped; do not count this step",
-                                  lease_id=lease_id)
+                raise BrokerError(
+                    ErrorCode.LEASE_EXPIRED,
+                    f"lease {lease_id!r} (step {lease.step}) expired and "
+                    "some of its groups were handed out again or dropped; do not count this step",
+                    lease_id=lease_id,
+                )
             del self._expired[lease_id]
             late = True
             self.counters.late_acks += 1
@@ -475,8 +522,13 @@ class BrokerState:
             self._expired[lid] = lease
             while len(self._expired) > self._max_expired:
                 self._expired.popitem(last=False)
-            log.warning("lease %s (step %d, consumer %s) expired; %d groups queued again",
-                        lid, lease.step, lease.consumer_id, len(lease.group_ids))
+            log.warning(
+                "lease %s (step %d, consumer %s) expired; %d groups queued again",
+                lid,
+                lease.step,
+                lease.consumer_id,
+                len(lease.group_ids),
+            )
         dead = [tid for tid, t in self._tickets.items() if t.deadline <= now]
         for tid in dead:
             self._drop_ticket(tid)
@@ -544,17 +596,30 @@ class BrokerState:
                 gs = [pg for gid in gids if (pg := self.pending.get(gid)) is not None and pg.lease_id is None]
                 if len(gs) == len(gids):  # every group of the lease is pending and unleased
                     staleness = np.concatenate([(step - 1) - g.versions for g in gs]).astype(np.int32)
-                    lease = Lease(lid, step, consumer_id, gids, [g.batch for g in gs], staleness,
-                                  now + self.lease_timeout_s, [None] * len(gs))
+                    lease = Lease(
+                        lid,
+                        step,
+                        consumer_id,
+                        gids,
+                        [g.batch for g in gs],
+                        staleness,
+                        now + self.lease_timeout_s,
+                        [None] * len(gs),
+                    )
                     for g in gs:
                         g.lease_id = lid
                     self._min_deadline = min(self._min_deadline, lease.deadline)
                     self._leases[lid] = lease
                     self._lease_by_key[(consumer_id, step)] = lid
-            for lid, (step, consumer_id, gids) in list(expired.items())[-self._max_expired:]:
+            for lid, (step, consumer_id, gids) in list(expired.items())[-self._max_expired :]:
                 self._expired[lid] = Lease(lid, step, consumer_id, gids, [], np.zeros(0, np.int32), 0.0)
-            log.info("restored %d pending groups (%d leased) and %d done; version %d",
-                     len(self.pending), self.leased_groups, len(self._done), self.version)
+            log.info(
+                "restored %d pending groups (%d leased) and %d done; version %d",
+                len(self.pending),
+                self.leased_groups,
+                len(self._done),
+                self.version,
+            )
         finally:
             self.journal = journal
 

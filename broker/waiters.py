@@ -56,8 +56,9 @@ class Waiters:
             return oldest
         if len(self) >= wl.total:
             wl.refused += 1
-            raise BrokerError(P.ErrorCode.BUSY, f"{wl.total} requests are waiting already; retry later",
-                              retry_after_s=0.5)
+            raise BrokerError(
+                P.ErrorCode.BUSY, f"{wl.total} requests are waiting already; retry later", retry_after_s=0.5
+            )
         return None
 
     def add(self, w: Waiter) -> None:
@@ -65,8 +66,13 @@ class Waiters:
         (self.tickets if type(w.msg) is P.AcquireTickets else self.leases).append(w)
         self._per_peer[w.ident] += 1
 
-    def serve(self, now: float, serve_ticket: Callable[[Waiter, float], bool],
-              serve_lease: Callable[[Waiter, float], bool], on_error: Callable[[Waiter, Exception], None]) -> None:
+    def serve(
+        self,
+        now: float,
+        serve_ticket: Callable[[Waiter, float], bool],
+        serve_lease: Callable[[Waiter, float], bool],
+        on_error: Callable[[Waiter, Exception], None],
+    ) -> None:
         """Offer every waiter, oldest first, to its server function, which answers it and returns True,
         or returns False to keep it waiting. One that raises (a bug) goes to ``on_error`` and is gone;
         the others are served as usual."""

@@ -29,7 +29,10 @@ class ModelConfig(ConfigModel):
     """The policy model: the fleet serves it and the learner trains it."""
 
     path: str = Field(description="HF model folder (config.json, model.safetensors, tokenizer.json)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="the engines' weights dtype (auto: the folder's torch_dtype); float32 engines make the log-prob probe's tolerance 0.01 nats, bf16 0.1")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="the engines' weights dtype (auto: the folder's torch_dtype); float32 engines make the log-prob probe's tolerance 0.01 nats, bf16 0.1",
+    )
 
 
 class RunKeys(ConfigModel):
@@ -37,8 +40,11 @@ class RunKeys(ConfigModel):
 
     seed: int = Field(0, description="seeds the data order, the engines' sampling and the learner's init")
     max_steps: int = Field(20, ge=0, description="learner steps (policy versions) of the run")
-    run_dir: str = Field("runs/latest", description="logs, metrics, checkpoints, spool and keys of the run; "
-                         "running again on the same directory resumes")
+    run_dir: str = Field(
+        "runs/latest",
+        description="logs, metrics, checkpoints, spool and keys of the run; "
+        "running again on the same directory resumes",
+    )
 
 
 class ConfigError(ValueError):
@@ -71,8 +77,7 @@ def explain(err: ValidationError, model: type[BaseModel], prefix: str = "") -> C
             owner = _model_at(model, loc[:-1])
             allowed = sorted(owner.model_fields) if owner else []
             lines.append(
-                f"unknown key '{key}'.{suggest(str(loc[-1]), allowed)} "
-                f"Allowed keys here: {', '.join(allowed)}"
+                f"unknown key '{key}'.{suggest(str(loc[-1]), allowed)} Allowed keys here: {', '.join(allowed)}"
             )
         elif not loc:  # a check across sections (model_validator): its message names the keys
             lines.append(e["msg"].removeprefix("Value error, "))

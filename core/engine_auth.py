@@ -38,7 +38,9 @@ def make_engine_token(run_dir: str | os.PathLike) -> str:
     (a resumed run keeps its token, so servers it attaches to still accept it), else a new one.
     Written 0600; the caller exports it (``os.environ[TOKEN_ENV]``)."""
     path = Path(run_dir) / TOKEN_FILE
-    token = os.environ.get(TOKEN_ENV) or (path.read_text().strip() if path.exists() else "") or secrets.token_urlsafe(32)
+    token = (
+        os.environ.get(TOKEN_ENV) or (path.read_text().strip() if path.exists() else "") or secrets.token_urlsafe(32)
+    )
     check_token(token)
     if not path.exists() or path.read_text().strip() != token:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,8 +53,9 @@ def make_engine_token(run_dir: str | os.PathLike) -> str:
 
 def check_token(token: str) -> str:
     if len(token) < 16 or not token.isascii() or not token.isprintable() or " " in token:
-        raise ValueError(f"{TOKEN_ENV} must be at least 16 printable ASCII characters without spaces "
-                         f"(got {len(token)} characters)")
+        raise ValueError(
+            f"{TOKEN_ENV} must be at least 16 printable ASCII characters without spaces (got {len(token)} characters)"
+        )
     return token
 
 
@@ -96,9 +99,18 @@ class RequireEngineToken:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": "this engine server requires the run's token (Authorization: Bearer ...); "
-                           f"see {TOKEN_ENV}"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        body = json.dumps(
+            {"error": f"this engine server requires the run's token (Authorization: Bearer ...); see {TOKEN_ENV}"}
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

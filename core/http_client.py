@@ -80,19 +80,22 @@ class HttpEngineClient:
             self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=auth_headers(), **kw)
         return self._http
 
-    async def _request(self, method: str, path: str, *, timeout_s: float | None = None, check_status: bool = True,
-                       **kw) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, *, timeout_s: float | None = None, check_status: bool = True, **kw
+    ) -> httpx.Response:
         """One call, at most ``timeout_s`` (default ``self.timeout_s``); with ``check_status`` a non-200
         answer raises too (without it the caller reads the error the body carries)."""
         limit = timeout_s or self.timeout_s
         try:
             r = await self.http.request(method, self.url + path, timeout=limit, **kw)
         except httpx.TimeoutException as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s",
-                              EngineErrorCode.TIMEOUT) from e
+            raise EngineError(
+                f"engine {self.engine_id}: {method} {path} got no answer within {limit:.0f}s", EngineErrorCode.TIMEOUT
+            ) from e
         except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}",
-                              EngineErrorCode.UNREACHABLE) from e
+            raise EngineError(
+                f"engine {self.engine_id}: {method} {path} failed: {type(e).__name__}: {e}", EngineErrorCode.UNREACHABLE
+            ) from e
         if check_status and r.status_code != 200:
             msg = f"engine {self.engine_id}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}"
             if 400 <= r.status_code < 500 and r.status_code not in _TRANSIENT_4XX:

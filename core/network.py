@@ -39,15 +39,21 @@ KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret
 
 
 class NetworkConfig(ConfigModel):
-    host: str = Field("auto", description="address the driver's listeners bind and advertise: 'auto' = loopback on "
-                      "a single host, and with --address the local address that routes to the Ray head; or an IP of "
-                      "this host. Processes on other nodes bind their own Ray node address (loopback if this is)")
+    host: str = Field(
+        "auto",
+        description="address the driver's listeners bind and advertise: 'auto' = loopback on "
+        "a single host, and with --address the local address that routes to the Ray head; or an IP of "
+        "this host. Processes on other nodes bind their own Ray node address (loopback if this is)",
+    )
     curve: Literal["auto", "on", "off"] = Field(
-        "auto", description="CurveZMQ on the broker and control sockets: auto = on unless host is loopback")
+        "auto", description="CurveZMQ on the broker and control sockets: auto = on unless host is loopback"
+    )
     shared_dir: str | None = Field(
-        None, description="a directory every node of a multi-node job sees (NFS, ...): checked at start; exports "
+        None,
+        description="a directory every node of a multi-node job sees (NFS, ...): checked at start; exports "
         "are loaded by late joiners from it. None on a multi-node job: late joiners get the weights at the next "
-        "publish over weight sync (the fleet gives them no work before)")
+        "publish over weight sync (the fleet gives them no work before)",
+    )
 
     @field_validator("host")
     @classmethod
@@ -146,8 +152,10 @@ def curve_server(sock, keys_dir: str | os.PathLike, ctx):
     if ctx in _AUTHENTICATORS:
         # a context has one ZAP endpoint, and it stays bound after the authenticator stops: a second
         # one fails to bind it ("Address already in use"); give each CurveZMQ server its own context
-        raise RuntimeError("curve_server: this ZMQ context already has a CurveZMQ authenticator; "
-                           "create the socket on a context of its own")
+        raise RuntimeError(
+            "curve_server: this ZMQ context already has a CurveZMQ authenticator; "
+            "create the socket on a context of its own"
+        )
     auth = ThreadAuthenticator(ctx)
     auth.start()
     _AUTHENTICATORS[ctx] = auth

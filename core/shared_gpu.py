@@ -76,7 +76,8 @@ def model_shape(model_path: str | Path) -> ModelShape:
     if params is None:  # dense decoder: 12 h^2 per layer (attention + 4h MLP) plus the embeddings
         inter = int(c.get("intermediate_size", 4 * hidden))
         params = layers * (4 * hidden * hidden + 3 * hidden * inter) + vocab * hidden * (
-            1 if c.get("tie_word_embeddings", False) else 2)
+            1 if c.get("tie_word_embeddings", False) else 2
+        )
     return ModelShape(params=params, hidden=hidden, layers=layers, vocab=vocab)
 
 
@@ -84,11 +85,11 @@ def model_shape(model_path: str | Path) -> ModelShape:
 class LearnerMemory:
     """The learner's estimated peak on one device, by part (bytes)."""
 
-    states: int       # fp32 parameters + fp32 gradients + AdamW's two moments, this rank's shard
+    states: int  # fp32 parameters + fp32 gradients + AdamW's two moments, this rank's shard
     compute_copy: int  # the gathered bf16 parameters (FSDP2 unshards a layer at a time; the whole model bounds it)
     activations: int  # one micro-batch's saved activations
-    logits: int       # log-probs of one micro-batch (or one chunk of it)
-    reference: int    # the KL reference model, when on the device
+    logits: int  # log-probs of one micro-batch (or one chunk of it)
+    reference: int  # the KL reference model, when on the device
     context: int
 
     @property
@@ -96,9 +97,17 @@ class LearnerMemory:
         return self.states + self.compute_copy + self.activations + self.logits + self.reference + self.context
 
 
-def learner_memory(shape: ModelShape, *, world_size: int = 1, micro_batch_tokens: int,
-                   activation_checkpointing: bool = False, chunked_logprobs: bool = True, logprob_chunk: int = 4096,
-                   reference_on_device: bool = False, offload: bool = False) -> LearnerMemory:
+def learner_memory(
+    shape: ModelShape,
+    *,
+    world_size: int = 1,
+    micro_batch_tokens: int,
+    activation_checkpointing: bool = False,
+    chunked_logprobs: bool = True,
+    logprob_chunk: int = 4096,
+    reference_on_device: bool = False,
+    offload: bool = False,
+) -> LearnerMemory:
     """Estimate the FSDP learner's peak memory on one device of ``world_size`` (see module docstring)."""
     if world_size < 1 or micro_batch_tokens < 1:
         raise ValueError(f"world_size and micro_batch_tokens must be >= 1, got {world_size}, {micro_batch_tokens}")
@@ -108,8 +117,14 @@ def learner_memory(shape: ModelShape, *, world_size: int = 1, micro_batch_tokens
     # fp32 logits, their log-softmax and its gradient: three vocab-wide rows per token in flight
     rows = min(micro_batch_tokens, logprob_chunk) if chunked_logprobs else micro_batch_tokens
     logits = 3 * 4 * rows * shape.vocab
-    return LearnerMemory(states=states, compute_copy=2 * shape.params, activations=act, logits=logits,
-                         reference=2 * shape.params if reference_on_device else 0, context=CONTEXT_BYTES)
+    return LearnerMemory(
+        states=states,
+        compute_copy=2 * shape.params,
+        activations=act,
+        logits=logits,
+        reference=2 * shape.params if reference_on_device else 0,
+        context=CONTEXT_BYTES,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,12 +140,16 @@ class MemorySplit:
         return self.learner_bytes / self.total_bytes
 
     def describe(self) -> dict:
-        return {**asdict(self), "learner_fraction": round(self.learner_fraction, 4),
-                "free_fraction": round(1.0 - self.engine_fraction - self.learner_fraction, 4)}
+        return {
+            **asdict(self),
+            "learner_fraction": round(self.learner_fraction, 4),
+            "free_fraction": round(1.0 - self.engine_fraction - self.learner_fraction, 4),
+        }
 
 
-def check_memory_split(*, device: str, total_bytes: int, engine_fraction: float, learner_bytes: int,
-                       headroom: float = 0.0) -> MemorySplit:
+def check_memory_split(
+    *, device: str, total_bytes: int, engine_fraction: float, learner_bytes: int, headroom: float = 0.0
+) -> MemorySplit:
     """Refuse a split of ``device`` that cannot hold both at once: ``engine_fraction`` (the engine's
     reservation, a fraction of the total) + the learner's need + ``headroom`` must be <= 1."""
     if total_bytes <= 0:
@@ -139,8 +158,13 @@ def check_memory_split(*, device: str, total_bytes: int, engine_fraction: float,
         raise ValueError(f"{device}: the engine's memory fraction must be in (0, 1], got {engine_fraction}")
     if not 0 <= headroom < 1:
         raise ValueError(f"{device}: headroom must be in [0, 1), got {headroom}")
-    split = MemorySplit(device=device, total_bytes=total_bytes, engine_fraction=engine_fraction,
-                        learner_bytes=learner_bytes, headroom=headroom)
+    split = MemorySplit(
+        device=device,
+        total_bytes=total_bytes,
+        engine_fraction=engine_fraction,
+        learner_bytes=learner_bytes,
+        headroom=headroom,
+    )
     need = engine_fraction + split.learner_fraction + headroom
     if need > 1.0:
         room = 1.0 - split.learner_fraction - headroom
@@ -150,5 +174,6 @@ def check_memory_split(*, device: str, total_bytes: int, engine_fraction: float,
             f"{headroom:.2f} = {need:.2f} > 1. Lower rollout.gpu_memory_utilization "
             + (f"to <= {room:.2f}" if room > 0 else "(the learner alone does not fit)")
             + ", shrink learner.micro_batch_tokens, turn on learner.activation_checkpointing, or state the "
-            "learner's need (colocate.learner_memory_gb) if the estimate is wrong")
+            "learner's need (colocate.learner_memory_gb) if the estimate is wrong"
+        )
     return split

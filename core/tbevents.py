@@ -50,8 +50,15 @@ class EventWriter:
             counts[x] = counts.get(x, 0) + 1
         # bucket_limit[i] is the right edge of bucket i; a bucket per integer value v is (v - 1, v]
         limits = sorted(counts)
-        h = self._Hist(min=xs[0], max=xs[-1], num=len(xs), sum=sum(xs), sum_squares=sum(x * x for x in xs),
-                       bucket_limit=limits, bucket=[float(counts[v]) for v in limits])
+        h = self._Hist(
+            min=xs[0],
+            max=xs[-1],
+            num=len(xs),
+            sum=sum(xs),
+            sum_squares=sum(x * x for x in xs),
+            bucket_limit=limits,
+            bucket=[float(counts[v]) for v in limits],
+        )
         self._add(step, summary=self._Summary(value=[self._Summary.Value(tag=tag, histo=h)]))
 
     def text(self, tag: str, markdown: str, step: int) -> None:

@@ -35,8 +35,18 @@ import numpy as np
 from core.http_client import BadRequest, EngineError, HttpEngineClient
 from weight_sync.endpoint import ServerHandle
 
-__all__ = ["BadRequest", "EngineClient", "EngineError", "HttpServerHandle", "PauseMode", "Sample", "SamplingParams",
-           "ServerFactory", "lora_name", "model_sampling_defaults"]
+__all__ = [
+    "BadRequest",
+    "EngineClient",
+    "EngineError",
+    "HttpServerHandle",
+    "PauseMode",
+    "Sample",
+    "SamplingParams",
+    "ServerFactory",
+    "lora_name",
+    "model_sampling_defaults",
+]
 
 
 class PauseMode(enum.StrEnum):
@@ -67,16 +77,29 @@ class SamplingParams:
 
     def processing(self) -> dict[str, float | int]:
         """The logits-processing fields, named as vLLM's and SGLang's sampling parameters both name them."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
 
 
 # A generation_config.json field and the value under which it leaves the distribution log_softmax(z / T) alone.
-NEUTRAL_SAMPLING = {"top_k": (0, -1, None), "top_p": (1, 1.0, None), "min_p": (0, 0.0, None),
-                    "repetition_penalty": (1, 1.0, None), "presence_penalty": (0, 0.0, None),
-                    "frequency_penalty": (0, 0.0, None), "typical_p": (1, 1.0, None),
-                    "no_repeat_ngram_size": (0, None), "temperature": (1, 1.0, None)}
+NEUTRAL_SAMPLING = {
+    "top_k": (0, -1, None),
+    "top_p": (1, 1.0, None),
+    "min_p": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "typical_p": (1, 1.0, None),
+    "no_repeat_ngram_size": (0, None),
+    "temperature": (1, 1.0, None),
+}
 
 
 def model_sampling_defaults(model_dir: str | Path) -> dict[str, Any]:

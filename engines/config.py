@@ -20,9 +20,14 @@ class SimulatedEngineConfig(ConfigModel):
     tokens_per_s: float = Field(2000.0, gt=0, description="decode rate of one sequence (tokens/s)")
     length_median: float = Field(48.0, gt=0, description="median response length (tokens) of the lognormal")
     length_sigma: float = Field(0.8, ge=0, description="lognormal sigma: larger means a longer tail")
-    length_growth: float = Field(0.0, ge=0, description=(
-        "the median grows by this fraction of itself per weight version the server holds: responses that "
-        "lengthen as training goes on, as in reasoning RL (0: constant)"))
+    length_growth: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "the median grows by this fraction of itself per weight version the server holds: responses that "
+            "lengthen as training goes on, as in reasoning RL (0: constant)"
+        ),
+    )
     vocab_size: int = Field(1024, ge=2, description="token ids the simulated engine draws from")
     weight_bytes: float = Field(1.0e9, gt=0, description="simulated model size moved by one weight update")
     transfer_gb_per_s: float = Field(100.0, gt=0, description="simulated weight-transfer bandwidth")

@@ -38,8 +38,11 @@ def weight_client(cfg: Any, backend: str, eid: str, url: str) -> WeightEndpoint:
         return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
     if engine != "vllm":
         raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
-    kw = dict(model=cfg.model.path, timeout_s=ws.timeout_s,
-              update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep")
+    kw = dict(
+        model=cfg.model.path,
+        timeout_s=ws.timeout_s,
+        update_pause_mode="wait" if cfg.rollout.weight_update == "pause" else "keep",
+    )
     if backend == "ipc":  # colocated on one GPU: the learner's CUDA IPC slots (weight_sync/ipc_publisher.py)
         return VLLMIpcClient(eid, url, **kw)
     if backend == "nccl" and ws.resolved_nccl_impl(engine) == "vllm":

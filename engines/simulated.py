@@ -238,7 +238,9 @@ class SimulatedWeightClient(WeightEndpoint):
     async def update_weights(self, version: int, plan_id: str) -> str:
         self.engine._check_alive("update_weights")
         if self._plan is not None and plan_id != self._plan.plan_id:
-            raise EngineError(f"{SIM} engine {self.engine.engine_id}: unknown plan {plan_id!r} (joined {self._plan.plan_id!r})")
+            raise EngineError(
+                f"{SIM} engine {self.engine.engine_id}: unknown plan {plan_id!r} (joined {self._plan.plan_id!r})"
+            )
         await asyncio.sleep(self.transfer_s())
         self.engine._check_alive("update_weights")
         self.engine._set_version(version)

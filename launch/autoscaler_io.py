@@ -28,13 +28,17 @@ TRACE_EVERY_S = 1.0
 
 def observation(snap: JobSnapshot, groups_per_step: int, max_staleness: int, max_inflight: int) -> Observation:
     live = [s for s in snap.fleet.servers if s.state in _LIVE]
-    return Observation(servers=len(live), starting=sum(s.state == ServerState.STARTING for s in live),
-                       learner_wait_s=snap.learner.learner_wait_s,
-                       inflight_groups=sum(s.inflight_groups for s in live), slots=len(live) * max_inflight,
-                       queued_groups=snap.queue_groups or 0,
-                       # what the bound lets the broker hold besides the step being trained (leased)
-                       queue_capacity_groups=groups_per_step * max(1, max_staleness),
-                       groups_pushed=snap.fleet.groups_pushed)
+    return Observation(
+        servers=len(live),
+        starting=sum(s.state == ServerState.STARTING for s in live),
+        learner_wait_s=snap.learner.learner_wait_s,
+        inflight_groups=sum(s.inflight_groups for s in live),
+        slots=len(live) * max_inflight,
+        queued_groups=snap.queue_groups or 0,
+        # what the bound lets the broker hold besides the step being trained (leased)
+        queue_capacity_groups=groups_per_step * max(1, max_staleness),
+        groups_pushed=snap.fleet.groups_pushed,
+    )
 
 
 class Elastic:
@@ -74,8 +78,13 @@ class Elastic:
     def _trace(self, now: float, obs: Observation, snap: JobSnapshot) -> None:
         """What the autoscaler saw (``metrics/autoscale_signals.jsonl``): why it decided, or why not."""
         s = self.scaler.signals
-        row = {"t": round(now, 2), "learner_step": snap.learner.step, **dataclasses.asdict(obs),
-               "signals": None if s is None else dataclasses.asdict(s), "ceiling": self.scaler.ceiling}
+        row = {
+            "t": round(now, 2),
+            "learner_step": snap.learner.step,
+            **dataclasses.asdict(obs),
+            "signals": None if s is None else dataclasses.asdict(s),
+            "ceiling": self.scaler.ceiling,
+        }
         path = self.job.run_dir / SIGNALS_JSONL
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:

@@ -46,14 +46,21 @@ class BrokerSupervisor:
             return
         code = bp.proc.returncode
         if not self.spool_dir:
-            raise BrokerGone(f"the broker process exited (code {code}) and broker.spool_dir is not set, so the "
-                            "groups it held are gone; stopping the job (set broker.spool_dir to have the "
-                            "launcher restart it)")
+            raise BrokerGone(
+                f"the broker process exited (code {code}) and broker.spool_dir is not set, so the "
+                "groups it held are gone; stopping the job (set broker.spool_dir to have the "
+                "launcher restart it)"
+            )
         if self.restarts >= self.max_restarts:
             raise BrokerGone(f"the broker process exited (code {code}) after {self.restarts} restarts; giving up")
         self.restarts += 1
-        log.warning("the broker process exited (code %s); restarting it on its spool %s at %s (restart %d)",
-                    code, self.spool_dir, bp.address, self.restarts)
+        log.warning(
+            "the broker process exited (code %s); restarting it on its spool %s at %s (restart %d)",
+            code,
+            self.spool_dir,
+            bp.address,
+            self.restarts,
+        )
         self.job.broker = self._restart(bp)
 
     def _restart(self, old):
@@ -62,8 +69,9 @@ class BrokerSupervisor:
         t = time.monotonic()
         err = None
         for attempt in range(RESTART_ATTEMPTS):
-            bp = BrokerProcess(address=old.address, config=old.options.get("config"),
-                               curve_keys_dir=old.options.get("curve_keys_dir"))
+            bp = BrokerProcess(
+                address=old.address, config=old.options.get("config"), curve_keys_dir=old.options.get("curve_keys_dir")
+            )
             try:
                 bp.start()
             except RuntimeError as exc:  # e.g. the port not yet free
@@ -104,8 +112,14 @@ def spool_accounting(root: Path) -> dict[str, Any]:
         elif rec.kind == "drop":
             drops[rec.reason] = drops.get(rec.reason, 0) + len(rec.group_ids)
             done.update(rec.group_ids)
-    return {"groups_accepted": len(groups), "groups_acked": acked, "queued_groups": len(groups - done),
-            "leased_groups": 0, "drops": drops, "from_spool": True}
+    return {
+        "groups_accepted": len(groups),
+        "groups_acked": acked,
+        "queued_groups": len(groups - done),
+        "leased_groups": 0,
+        "drops": drops,
+        "from_spool": True,
+    }
 
 
 def engine_groups(snapshot: dict[str, Any]) -> set[int]:
@@ -130,8 +144,9 @@ def end_engine_groups(pgids: set[int], timeout_s: float = 10.0) -> list[int]:
     found = members()
     if not found:
         return []
-    log.warning("shutdown: %d engine process(es) outlived the fleet; ending them: %s", len(found),
-                [p.pid for p in found])
+    log.warning(
+        "shutdown: %d engine process(es) outlived the fleet; ending them: %s", len(found), [p.pid for p in found]
+    )
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for g in pgids:
             try:

@@ -43,9 +43,14 @@ def view(reply: P.StatusReply) -> BrokerView:
 
 def flatten(raw: dict[str, Any]) -> dict[str, Any]:
     """:func:`view` of ``broker.client.get_status``'s plain data, as plain data."""
-    reply = P.StatusReply(status=raw.get("status", {}), drops=raw.get("drops", {}), errors=raw.get("errors", {}),
-                          engine_lag=raw.get("engine_lag", {}), staleness_hist=raw.get("staleness_hist", {}),
-                          stale_drop_lengths=raw.get("stale_drop_lengths", {}))
+    reply = P.StatusReply(
+        status=raw.get("status", {}),
+        drops=raw.get("drops", {}),
+        errors=raw.get("errors", {}),
+        engine_lag=raw.get("engine_lag", {}),
+        staleness_hist=raw.get("staleness_hist", {}),
+        stale_drop_lengths=raw.get("stale_drop_lengths", {}),
+    )
     return msgspec.to_builtins(view(reply))
 
 

@@ -22,8 +22,10 @@ def place_colocated(job, ray, gpus: int) -> None:
 
     tp = job.cfg.rollout.tensor_parallel_size
     if tp != 1:
-        raise ValueError(f"colocated mode runs one server per GPU beside one learner rank: "
-                         f"rollout.tensor_parallel_size must be 1, got {tp}")
+        raise ValueError(
+            f"colocated mode runs one server per GPU beside one learner rank: "
+            f"rollout.tensor_parallel_size must be 1, got {tp}"
+        )
     if job.cfg.learner.engine != "fsdp":
         raise ValueError(f"colocated mode runs learner.engine 'fsdp', got {job.cfg.learner.engine!r}")
     nodes, job._pin = job._nodes(ray)
@@ -36,8 +38,12 @@ def place_colocated(job, ray, gpus: int) -> None:
     def bundle_gpus() -> list:
         return [str(g) for g in ray.get_gpu_ids()]
 
-    refs = [bundle_gpus.options(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=i)).remote() for i in range(len(slots))]
+    refs = [
+        bundle_gpus.options(
+            num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        ).remote()
+        for i in range(len(slots))
+    ]
     servers = []
     for i, (slot, ref) in enumerate(zip(slots, refs, strict=True)):
         ids = job._get(ref, 60.0, f"GPU id of colocated bundle {i}")
@@ -49,8 +55,16 @@ def place_colocated(job, ray, gpus: int) -> None:
         from launch.shared_gpu import gpu_memory_totals, gpu_split
 
         probe = ray.remote(num_cpus=0)(gpu_memory_totals)
-        totals = [job._get(probe.options(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=i)).remote([str(g) for g in s.gpu_ids]), 60.0,
-            f"GPU memory of colocated bundle {i}") for i, s in enumerate(servers)]
-        job.memory_split = gpu_split(job.cfg, [(f"GPU {s.gpu_ids[0]}", t[0] if t else None)
-                                               for s, t in zip(servers, totals, strict=True)])
+        totals = [
+            job._get(
+                probe.options(
+                    num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                ).remote([str(g) for g in s.gpu_ids]),
+                60.0,
+                f"GPU memory of colocated bundle {i}",
+            )
+            for i, s in enumerate(servers)
+        ]
+        job.memory_split = gpu_split(
+            job.cfg, [(f"GPU {s.gpu_ids[0]}", t[0] if t else None) for s, t in zip(servers, totals, strict=True)]
+        )

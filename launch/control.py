@@ -40,8 +40,14 @@ _decoder = msgspec.json.Decoder(ControlRequest)
 class ControlServer:
     """Non-blocking REP socket polled from the driver's monitor loop."""
 
-    def __init__(self, run_dir: Path, handler: Callable[[ControlRequest], dict[str, Any]], *,
-                 host: str = "127.0.0.1", curve_keys_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        handler: Callable[[ControlRequest], dict[str, Any]],
+        *,
+        host: str = "127.0.0.1",
+        curve_keys_dir: str | None = None,
+    ) -> None:
         # A context of its own: a CurveZMQ authenticator binds the context's one ZAP endpoint, so two servers
         # (or a server closed while its authenticator's socket still lingers) must not share a context.
         self._ctx = zmq.Context()
@@ -51,7 +57,9 @@ class ControlServer:
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.path = Path(run_dir) / CONTROL_FILE
-        self.path.write_text(json.dumps({"address": self.address, "pid": os.getpid(), "curve_keys_dir": curve_keys_dir}))
+        self.path.write_text(
+            json.dumps({"address": self.address, "pid": os.getpid(), "curve_keys_dir": curve_keys_dir})
+        )
         self._handler = handler
 
     def poll(self, timeout_ms: int = 0) -> bool:

@@ -70,7 +70,9 @@ class LaunchOptions:
     no_live: bool = False
     log_level: str = "INFO"
     summary: str | None = None  # also write the JSON summary here
-    colocate_gpus: int | None = None  # colocated mode: learner and fleet share these GPUs (launch/colocated_placement.py)
+    colocate_gpus: int | None = (
+        None  # colocated mode: learner and fleet share these GPUs (launch/colocated_placement.py)
+    )
 
 
 class Job:
@@ -123,13 +125,18 @@ class Job:
         if self.cfg.run.wandb is not None:  # first: a W&B login problem ends the job before anything starts
             from launch.monitor import WandbWriter
 
-            self.wandb = WandbWriter(self.cfg.run.wandb, self.run_dir, simulated=self.simulated,
-                                     run_config=self.cfg.model_dump(mode="json"))
+            self.wandb = WandbWriter(
+                self.cfg.run.wandb, self.run_dir, simulated=self.simulated, run_config=self.cfg.model_dump(mode="json")
+            )
 
-        for name, fn in (("ray", lambda: self._init_ray(ray)), ("placement", lambda: self._place(ray)),
-                         ("broker", self._start_broker), ("reward servers", self._launch_rewards),
-                         ("fleet", lambda: self._start_fleet(ray)),
-                         ("learner", lambda: self._start_learner(ray))):
+        for name, fn in (
+            ("ray", lambda: self._init_ray(ray)),
+            ("placement", lambda: self._place(ray)),
+            ("broker", self._start_broker),
+            ("reward servers", self._launch_rewards),
+            ("fleet", lambda: self._start_fleet(ray)),
+            ("learner", lambda: self._start_learner(ray)),
+        ):
             t = time.monotonic()
             fn()
             log.info("started %s in %.1f s", name, time.monotonic() - t)
@@ -137,11 +144,19 @@ class Job:
             from launch.autoscaler_io import Elastic
 
             self.elastic = Elastic(self)
-        self.control = ControlServer(self.run_dir, self.handle, host=self.cfg.network.host,
-                                     curve_keys_dir=self.cfg.broker.curve_keys_dir)
-        self.monitor = Monitor(self.run_dir, simulated=self.simulated, tensorboard=self.cfg.run.tensorboard,
-                               live=not self.args.no_live, wandb=self.wandb, prometheus=self.cfg.run.prometheus,
-                               host=self.cfg.network.host, learner_rows_from=self.learner_rows_from)
+        self.control = ControlServer(
+            self.run_dir, self.handle, host=self.cfg.network.host, curve_keys_dir=self.cfg.broker.curve_keys_dir
+        )
+        self.monitor = Monitor(
+            self.run_dir,
+            simulated=self.simulated,
+            tensorboard=self.cfg.run.tensorboard,
+            live=not self.args.no_live,
+            wandb=self.wandb,
+            prometheus=self.cfg.run.prometheus,
+            host=self.cfg.network.host,
+            learner_rows_from=self.learner_rows_from,
+        )
         self.wandb = None  # the monitor owns it now (and finishes it)
         self.monitor.wandb_catch_up(self.resume_version)
         self.endpoints = Endpoints(self)  # every Prometheus endpoint, printed and in metrics.json
@@ -174,10 +189,14 @@ class Job:
         else:
             from core.engine_auth import TOKEN_ENV
 
-            ray.init(address=self.args.address, runtime_env={"env_vars": {
-                "PYTHONPATH": pypath, TOKEN_ENV: os.environ.get(TOKEN_ENV, "")}}, **kw)
-        log.info("Ray up (%s, auth %s); resources %s", "local" if local else self.args.address, mode,
-                 ray.cluster_resources())
+            ray.init(
+                address=self.args.address,
+                runtime_env={"env_vars": {"PYTHONPATH": pypath, TOKEN_ENV: os.environ.get(TOKEN_ENV, "")}},
+                **kw,
+            )
+        log.info(
+            "Ray up (%s, auth %s); resources %s", "local" if local else self.args.address, mode, ray.cluster_resources()
+        )
         check_shared_dir(ray, self.cfg)
 
     def _ray_env(self) -> None:
@@ -223,25 +242,38 @@ class Job:
             raise JobFailed(f"give GPUs to both pools or to neither (got --rollout-gpus {r} --learner-gpus {lg})")
         nodes, self._pin = self._nodes(ray)
         rm = self.cfg.reward.model
-        self.placement = plan_placement(nodes, learner_gpus=lg, rollout_gpus=r,
-                                        rollout_tp=self.cfg.rollout.tensor_parallel_size,
-                                        learner_mp=self.cfg.learner.megatron.tensor_model_parallel_size
-                                        if self.cfg.learner.engine == "megatron" else 1,
-                                        reward_gpus=self.args.reward_gpus,
-                                        reward_tp=rm.server.tensor_parallel_size if rm is not None else 1)
+        self.placement = plan_placement(
+            nodes,
+            learner_gpus=lg,
+            rollout_gpus=r,
+            rollout_tp=self.cfg.rollout.tensor_parallel_size,
+            learner_mp=self.cfg.learner.megatron.tensor_model_parallel_size
+            if self.cfg.learner.engine == "megatron"
+            else 1,
+            reward_gpus=self.args.reward_gpus,
+            reward_tp=rm.server.tensor_parallel_size if rm is not None else 1,
+        )
         # one bundle per learner GPU: one rank actor each (simulated runs keep one bundle per node)
-        learner_slots = self.placement.learner if self.simulated else [
-            Slot(s.node_id, (g,)) for s in self.placement.learner for g in s.gpu_ids]
-        self.pgs["learner"] = placement_group(bundles(learner_slots, self._pin), strategy="PACK",
-                                              name="fleetrl-learner")
+        learner_slots = (
+            self.placement.learner
+            if self.simulated
+            else [Slot(s.node_id, (g,)) for s in self.placement.learner for g in s.gpu_ids]
+        )
+        self.pgs["learner"] = placement_group(
+            bundles(learner_slots, self._pin), strategy="PACK", name="fleetrl-learner"
+        )
         for i, slot in enumerate(self.placement.servers):
             self._add_server_pg(i, slot)
         self._reward_servers(self.placement.rewards, self._pin)
         self._wait_pgs(ray, list(self.pgs.values()))
         self._pin_server_gpus(ray, list(self.server_slots))
-        log.info("placed learner on %d GPUs (%d nodes), fleet on %d servers x TP %d",
-                 self.placement.learner_gpus(), len(self.placement.learner), len(self.placement.servers),
-                 self.cfg.rollout.tensor_parallel_size)
+        log.info(
+            "placed learner on %d GPUs (%d nodes), fleet on %d servers x TP %d",
+            self.placement.learner_gpus(),
+            len(self.placement.learner),
+            len(self.placement.servers),
+            self.cfg.rollout.tensor_parallel_size,
+        )
 
     def _reward_servers(self, slots: list[Slot], pin: dict[str, str]) -> None:
         rm = self.cfg.reward.model
@@ -268,16 +300,20 @@ class Job:
     def _wait_pgs(ray, pgs: list, timeout_s: float = 60.0) -> None:
         ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
         if len(ready) != len(pgs):
-            raise JobFailed(f"{len(pgs) - len(ready)} placement group(s) not ready after {timeout_s:.0f} s: "
-                            f"the cluster lacks the resources ({ray.available_resources()})")
+            raise JobFailed(
+                f"{len(pgs) - len(ready)} placement group(s) not ready after {timeout_s:.0f} s: "
+                f"the cluster lacks the resources ({ray.available_resources()})"
+            )
 
     def _start_broker(self) -> None:
         from broker.process import BrokerProcess
 
         # the broker reads its own part of the resolved config (written by write_subconfigs)
-        self.broker = BrokerProcess(address=self.cfg.broker.address,
-                                    config=str(self.run_dir / "config" / "broker.yaml"),
-                                    curve_keys_dir=self.cfg.broker.curve_keys_dir)
+        self.broker = BrokerProcess(
+            address=self.cfg.broker.address,
+            config=str(self.run_dir / "config" / "broker.yaml"),
+            curve_keys_dir=self.cfg.broker.curve_keys_dir,
+        )
         self.broker.start()
         self.supervisor = BrokerSupervisor(self)
         log.info("broker at %s", self.broker.address)
@@ -294,8 +330,13 @@ class Job:
         Not in colocated mode: there a server shares its GPU with a learner rank, whose bundle holds
         the GPU, so the fleet starts it as a process on the GPU id that bundle got (launch/colocated_placement.py).
         """
-        return bool(self.placement.servers) and not self.simulated and self.cfg.rollout.engine == "vllm" \
-            and not self.cfg.rollout.urls and not self.args.colocate_gpus
+        return (
+            bool(self.placement.servers)
+            and not self.simulated
+            and self.cfg.rollout.engine == "vllm"
+            and not self.cfg.rollout.urls
+            and not self.args.colocate_gpus
+        )
 
     def _server_pgs(self, indices) -> dict[int, Any] | None:
         return {i: self.pgs[f"server-{i}"] for i in indices} if self.server_actors else None
@@ -307,10 +348,13 @@ class Job:
 
         ignored = model_sampling_defaults(self.cfg.model.path)
         if ignored:
-            log.warning("%s/generation_config.json sets %s; fleetrl does not apply it (every request pins each "
-                        "sampling field, so training samples log_softmax(z / T), the distribution the learner "
-                        "scores); rollout.eval_sampling may set top_p/top_k for evaluation", self.cfg.model.path,
-                        ", ".join(f"{k}={v}" for k, v in ignored.items()))
+            log.warning(
+                "%s/generation_config.json sets %s; fleetrl does not apply it (every request pins each "
+                "sampling field, so training samples log_softmax(z / T), the distribution the learner "
+                "scores); rollout.eval_sampling may set top_p/top_k for evaluation",
+                self.cfg.model.path,
+                ", ".join(f"{k}={v}" for k, v in ignored.items()),
+            )
 
         from launch.netsetup import curve_key_data
         from launch.ray_actors import FleetActor
@@ -319,9 +363,13 @@ class Job:
         # (hard: a soft affinity once put it on a fleet host, and the host's loss ended the job)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.fleet = FleetActor.options(name="fleetrl-fleet", num_cpus=0, scheduling_strategy=here).remote(
-            self.cfg.model_dump(mode="json"), self.broker.address, str(self.run_dir),
+            self.cfg.model_dump(mode="json"),
+            self.broker.address,
+            str(self.run_dir),
             {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
-            self._server_pgs(self.server_slots), curve_key_data(self.cfg))
+            self._server_pgs(self.server_slots),
+            curve_key_data(self.cfg),
+        )
         n = self._n_servers()
         if self.rewards is not None and self.rewards.shared:
             # on the rollout servers' GPUs: healthy first, so that no two vLLM servers profile one GPU's memory at once
@@ -349,15 +397,20 @@ class Job:
         """``<run_dir>/placement.json``: each server's planned node and GPUs, and where its actor really ran."""
         if not self.server_actors:
             if self.rewards is not None:
-                (self.run_dir / "placement.json").write_text(json.dumps({"reward_servers": self.rewards.describe()},
-                                                                        indent=2))
+                (self.run_dir / "placement.json").write_text(
+                    json.dumps({"reward_servers": self.rewards.describe()}, indent=2)
+                )
             return
         ips = {nid: res.split(":", 1)[1] for nid, res in self._pin.items()}
         placed = self._get(self.fleet.placements.remote(), CALL_TIMEOUT_S, "fleet placements")
-        out = {"learner": [{"node_ip": ips.get(s.node_id), "gpus": list(s.gpu_ids)} for s in self.placement.learner],
-               "servers": {str(i): {"planned_node_ip": ips.get(s.node_id), "planned_node_id": s.node_id,
-                                    **placed.get(i, {})} for i, s in self.server_slots.items()},
-               "reward_servers": self.rewards.describe() if self.rewards is not None else []}
+        out = {
+            "learner": [{"node_ip": ips.get(s.node_id), "gpus": list(s.gpu_ids)} for s in self.placement.learner],
+            "servers": {
+                str(i): {"planned_node_ip": ips.get(s.node_id), "planned_node_id": s.node_id, **placed.get(i, {})}
+                for i, s in self.server_slots.items()
+            },
+            "reward_servers": self.rewards.describe() if self.rewards is not None else [],
+        }
         (self.run_dir / "placement.json").write_text(json.dumps(out, indent=2))
 
     def _start_learner(self, ray) -> None:
@@ -370,8 +423,12 @@ class Job:
         from launch.ray_actors import SimLearnerActor
 
         self.learner = SimLearnerActor.options(name="fleetrl-sim-learner", num_cpus=0).remote(
-            self.broker.address, str(self.run_dir), self.cfg.rollout.simulated.learner_step_s,
-            self.cfg.broker.max_staleness, self.fleet)
+            self.broker.address,
+            str(self.run_dir),
+            self.cfg.rollout.simulated.learner_step_s,
+            self.cfg.broker.max_staleness,
+            self.fleet,
+        )
         self.run_ref = self.learner.run.remote(self.cfg.run.max_steps)
 
     # -- run ------------------------------------------------------------------------------------
@@ -416,14 +473,19 @@ class Job:
                     self._get(self.fleet.stop_workers.remote(), 60, "fleet stop workers")
                     self.fleet_busy = self._get(self.fleet.busy_intervals.remote(), CALL_TIMEOUT_S, "fleet busy")
                     if self.cfg.colocate.synchronous:  # its evaluations ran at the wakes, never during training
-                        self.colocated = self._get(self.fleet.colocated_summary.remote(), CALL_TIMEOUT_S,
-                                                   "colocated summary")
+                        self.colocated = self._get(
+                            self.fleet.colocated_summary.remote(), CALL_TIMEOUT_S, "colocated summary"
+                        )
                         self.eval_history = list(self.colocated.pop("eval_history", []))
-                    self.eval_after = self._get(self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600,
-                                                "eval after")
+                    self.eval_after = self._get(
+                        self.fleet.evaluate.remote(self.cfg.run.eval_samples), 600, "eval after"
+                    )
                     if self.eval_after is not None:
-                        log.info("eval accuracy after training: %.3f (before %s)", self.eval_after,
-                                 "skipped" if self.eval_before is None else f"{self.eval_before:.3f}")
+                        log.info(
+                            "eval accuracy after training: %.3f (before %s)",
+                            self.eval_after,
+                            "skipped" if self.eval_before is None else f"{self.eval_before:.3f}",
+                        )
                 return
             if self.supervisor is not None:
                 self.supervisor.check()  # restarts a dead broker on its spool, or raises BrokerGone
@@ -438,7 +500,9 @@ class Job:
         import ray
 
         every = self.cfg.run.eval_every
-        if self.simulated or not every or self.cfg.colocate.synchronous:  # colocated sync: the fleet evaluates at a wake
+        if (
+            self.simulated or not every or self.cfg.colocate.synchronous
+        ):  # colocated sync: the fleet evaluates at a wake
             return
         if self.fleet_recovery.active:
             return
@@ -469,12 +533,18 @@ class Job:
         else:
             learner = self._get(self.learner.status.remote(), CALL_TIMEOUT_S, "learner status")
         fleet = self._fleet_status()
-        snap = JobSnapshot(fleet=msgspec.convert(fleet, FleetStatus), learner=msgspec.convert(learner, LearnerStatus),
-                           broker=self._broker_view(), max_steps=self.cfg.run.max_steps,
-                           max_staleness=self.cfg.broker.max_staleness, simulated=self.simulated,
-                           wall_s=time.monotonic() - self.t0, eval_accuracy_before=self.eval_before,
-                           mode=self.cfg.colocate.label(),
-                           eval_accuracy=self.eval_history[-1]["accuracy"] if self.eval_history else None)
+        snap = JobSnapshot(
+            fleet=msgspec.convert(fleet, FleetStatus),
+            learner=msgspec.convert(learner, LearnerStatus),
+            broker=self._broker_view(),
+            max_steps=self.cfg.run.max_steps,
+            max_staleness=self.cfg.broker.max_staleness,
+            simulated=self.simulated,
+            wall_s=time.monotonic() - self.t0,
+            eval_accuracy_before=self.eval_before,
+            mode=self.cfg.colocate.label(),
+            eval_accuracy=self.eval_history[-1]["accuracy"] if self.eval_history else None,
+        )
         self.engine_pgids |= engine_groups(snap.to_wire())
         return snap
 
@@ -553,11 +623,15 @@ class Job:
         def bundle_gpus() -> list:
             return [str(g) for g in ray.get_gpu_ids()]
 
-        refs = {i: bundle_gpus.options(
-            num_gpus=len(self.server_slots[i].gpu_ids),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[f"server-{i}"],
-                                                                 placement_group_bundle_index=0),
-        ).remote() for i in indices}
+        refs = {
+            i: bundle_gpus.options(
+                num_gpus=len(self.server_slots[i].gpu_ids),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pgs[f"server-{i}"], placement_group_bundle_index=0
+                ),
+            ).remote()
+            for i in indices
+        }
         for i, ref in refs.items():
             ids = self._get(ref, CALL_TIMEOUT_S * 2, f"GPU ids of server {i}'s bundle")
             slot = self.server_slots[i]
@@ -699,8 +773,23 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary).write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("steps", "max_staleness", "max_staleness_seen", "eval_accuracy_before",
-                                              "eval_accuracy_after", "groups_lost", "wall_s", "simulated")}))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "steps",
+                    "max_staleness",
+                    "max_staleness_seen",
+                    "eval_accuracy_before",
+                    "eval_accuracy_after",
+                    "groups_lost",
+                    "wall_s",
+                    "simulated",
+                )
+            }
+        )
+    )
     if error:
         print(f"error: {error} (logs in {run_dir / 'logs'})")
     return rc

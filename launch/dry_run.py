@@ -44,42 +44,74 @@ def cluster_nodes(address: str, ray_auth: str | None) -> tuple[list[NodeGPUs], d
         ray.shutdown()
 
 
-def plan(cfg, nodes: list[NodeGPUs], ips: dict[str, str], *, rollout_gpus: int, learner_gpus: int,
-         address: str | None, reward_gpus: int = 0) -> dict[str, Any]:
+def plan(
+    cfg,
+    nodes: list[NodeGPUs],
+    ips: dict[str, str],
+    *,
+    rollout_gpus: int,
+    learner_gpus: int,
+    address: str | None,
+    reward_gpus: int = 0,
+) -> dict[str, Any]:
     cpu = rollout_gpus == 0 and learner_gpus == 0  # CPU servers: --reward-gpus counts servers
     rm = cfg.reward.model
     reward_tp = rm.server.tensor_parallel_size if rm is not None else 1
-    p = plan_placement(nodes, learner_gpus=learner_gpus, rollout_gpus=rollout_gpus,
-                       rollout_tp=cfg.rollout.tensor_parallel_size,
-                       learner_mp=cfg.learner.megatron.tensor_model_parallel_size
-                       if cfg.learner.engine == "megatron" else 1,
-                       reward_gpus=0 if cpu else reward_gpus, reward_tp=reward_tp)
+    p = plan_placement(
+        nodes,
+        learner_gpus=learner_gpus,
+        rollout_gpus=rollout_gpus,
+        rollout_tp=cfg.rollout.tensor_parallel_size,
+        learner_mp=cfg.learner.megatron.tensor_model_parallel_size if cfg.learner.engine == "megatron" else 1,
+        reward_gpus=0 if cpu else reward_gpus,
+        reward_tp=reward_tp,
+    )
     host = resolve_host(cfg.network, address)
     node = lambda nid: ips.get(nid, nid)  # noqa: E731
     return {
         "nodes": [{"node": node(n.node_id), "gpus": n.gpus} for n in nodes],
         "learner": [{"node": node(s.node_id), "gpus": list(s.gpu_ids)} for s in p.learner],
         "servers": [{"server": i, "node": node(s.node_id), "gpus": list(s.gpu_ids)} for i, s in enumerate(p.servers)],
-        "reward_servers": [{"server": i, "node": "driver's node (CPU)", "gpus": [],
-                            "engine": rm.server.engine, "model": rm.server.model_path or cfg.model.path}
-                           for i in range(reward_gpus)] if cpu and rm is not None else
-        [{"server": i, "node": node(s.node_id), "gpus": list(s.gpu_ids), "engine": rm.server.engine,
-          "model": rm.server.model_path or cfg.model.path} for i, s in enumerate(p.rewards)],
+        "reward_servers": [
+            {
+                "server": i,
+                "node": "driver's node (CPU)",
+                "gpus": [],
+                "engine": rm.server.engine,
+                "model": rm.server.model_path or cfg.model.path,
+            }
+            for i in range(reward_gpus)
+        ]
+        if cpu and rm is not None
+        else [
+            {
+                "server": i,
+                "node": node(s.node_id),
+                "gpus": list(s.gpu_ids),
+                "engine": rm.server.engine,
+                "model": rm.server.model_path or cfg.model.path,
+            }
+            for i, s in enumerate(p.rewards)
+        ],
         "reward_urls": rm.all_urls() if rm is not None else [],
-        "proxy": None if cfg.rollout.proxy is None else
-        f"{host}:{cfg.rollout.proxy.port or 'a free port'} (the fleet's node), agent {cfg.rollout.proxy.agent}",
-        "listeners": {"driver (broker, control, metrics)": host,
-                      "engine servers, weight-sync store": "each node's Ray address" if host != "127.0.0.1"
-                      else "127.0.0.1"},
+        "proxy": None
+        if cfg.rollout.proxy is None
+        else f"{host}:{cfg.rollout.proxy.port or 'a free port'} (the fleet's node), agent {cfg.rollout.proxy.agent}",
+        "listeners": {
+            "driver (broker, control, metrics)": host,
+            "engine servers, weight-sync store": "each node's Ray address" if host != "127.0.0.1" else "127.0.0.1",
+        },
         "curve_zmq": curve_enabled(cfg.network, host),
-        "late_joiners": "export from network.shared_dir" if cfg.network.shared_dir
+        "late_joiners": "export from network.shared_dir"
+        if cfg.network.shared_dir
         else ("export from the run directory" if host == "127.0.0.1" else "weights at the next publish (weight sync)"),
     }
 
 
 def render(out: dict[str, Any]) -> str:
-    lines = [f"cluster: {len(out['nodes'])} node(s), "
-             + ", ".join(f"{n['node']}: {n['gpus']} GPU" for n in out["nodes"])]
+    lines = [
+        f"cluster: {len(out['nodes'])} node(s), " + ", ".join(f"{n['node']}: {n['gpus']} GPU" for n in out["nodes"])
+    ]
     for s in out["learner"]:
         lines.append(f"learner  on {s['node']}: GPUs {s['gpus']}")
     for s in out["servers"]:
@@ -103,7 +135,14 @@ def dry_run(cfg, args) -> int:
         nodes, ips = cluster_nodes(args.address, args.ray_auth)
     else:
         raise ValueError("--dry-run needs --address (the cluster to read) or --nodes (one to describe, e.g. 8,8,8,8)")
-    out = plan(cfg, nodes, ips, rollout_gpus=args.rollout_gpus, learner_gpus=args.learner_gpus,
-               address=args.address, reward_gpus=args.reward_gpus)
+    out = plan(
+        cfg,
+        nodes,
+        ips,
+        rollout_gpus=args.rollout_gpus,
+        learner_gpus=args.learner_gpus,
+        address=args.address,
+        reward_gpus=args.reward_gpus,
+    )
     print(json.dumps(out, indent=2) if args.json_plan else render(out))
     return 0

@@ -71,8 +71,9 @@ class FleetRecovery:
         if self.active:
             return
         if self.restarts >= MAX_RESTARTS:
-            raise JobFailed(f"fleet actor died a {self.restarts + 1}th time (at most {MAX_RESTARTS} restarts): "
-                            f"{exc}") from None
+            raise JobFailed(
+                f"fleet actor died a {self.restarts + 1}th time (at most {MAX_RESTARTS} restarts): {exc}"
+            ) from None
         self.restarts += 1
         self.initial = initial
         self.since, self.died_unix = time.monotonic(), time.time()
@@ -82,8 +83,14 @@ class FleetRecovery:
         orphans = set(self.job.engine_pgids) | orphaned_engines(self.job.run_dir)
         ended = end_engine_groups(orphans) if orphans else []
         self.job.engine_pgids -= orphans
-        log.error("fleet actor died (%s); restart %d of %d: ended %d engine process(es) it left, waiting for Ray "
-                  "to restart it", type(exc).__name__, self.restarts, MAX_RESTARTS, len(ended))
+        log.error(
+            "fleet actor died (%s); restart %d of %d: ended %d engine process(es) it left, waiting for Ray "
+            "to restart it",
+            type(exc).__name__,
+            self.restarts,
+            MAX_RESTARTS,
+            len(ended),
+        )
         self.log.append({"died_unix": round(self.died_unix, 3), "engine_processes_ended": len(ended)})
 
     def poll(self) -> None:
@@ -112,8 +119,11 @@ class FleetRecovery:
                     raise JobFailed(f"fleet actor not back within {RESTART_WAIT_S:.0f} s of its death: {exc}") from None
                 return
             if inc["started"]:  # it answers as the started fleet: it did not die (a call failed on the way)
-                log.warning("fleet actor answers as started (%s): no restart needed; its health loop restarts "
-                            "the servers ended above", inc)
+                log.warning(
+                    "fleet actor answers as started (%s): no restart needed; its health loop restarts "
+                    "the servers ended above",
+                    inc,
+                )
                 self.log[-1]["false_alarm"] = True
                 self.since, self._probe = None, None
                 return
@@ -126,8 +136,10 @@ class FleetRecovery:
         done, _ = ray.wait([self._start], timeout=0)
         if not done:
             if waited > RESTART_WAIT_S + job.cfg.rollout.startup_timeout_s:
-                raise JobFailed("restarted fleet actor: start not done within "
-                                f"{RESTART_WAIT_S + job.cfg.rollout.startup_timeout_s:.0f} s of its death")
+                raise JobFailed(
+                    "restarted fleet actor: start not done within "
+                    f"{RESTART_WAIT_S + job.cfg.rollout.startup_timeout_s:.0f} s of its death"
+                )
             return
         try:
             self.result = ray.get(self._start)
@@ -183,8 +195,11 @@ def _ray_parent(p) -> bool:
 
     try:
         parent = p.parent()
-        return (parent is not None and parent.status() != psutil.STATUS_ZOMBIE
-                and " ".join(parent.cmdline()).startswith("ray::"))
+        return (
+            parent is not None
+            and parent.status() != psutil.STATUS_ZOMBIE
+            and " ".join(parent.cmdline()).startswith("ray::")
+        )
     except psutil.Error:
         return False
 
@@ -203,7 +218,9 @@ def engine_groups_of_run(run_dir) -> set[int]:
     for p in psutil.process_iter():
         try:
             cmd = " ".join(p.cmdline())
-            if (any(c in cmd for c in ENGINE_COMMANDS) or cmd.startswith(("VLLM::", "sglang::"))) and _of_run(p.pid, root):
+            if (any(c in cmd for c in ENGINE_COMMANDS) or cmd.startswith(("VLLM::", "sglang::"))) and _of_run(
+                p.pid, root
+            ):
                 out.add(os.getpgid(p.pid))
         except (psutil.Error, OSError):
             pass

@@ -44,9 +44,9 @@ class PendingStart:
 class FleetScaler:
     """The driver's part of ``scale``: targets, placement groups, pending starts. Example::
 
-        scaler = FleetScaler(job)
-        scaler.scale(4)      # {"servers_before": 2, "servers_after": 4, "starting": ["vllm-2", "vllm-3"]}
-        scaler.poll()        # every driver round: finishes the starts that ended
+    scaler = FleetScaler(job)
+    scaler.scale(4)      # {"servers_before": 2, "servers_after": 4, "starting": ["vllm-2", "vllm-3"]}
+    scaler.poll()        # every driver round: finishes the starts that ended
     """
 
     def __init__(self, job) -> None:
@@ -84,8 +84,11 @@ class FleetScaler:
             if placed:
                 indices = self._grow(target - n_now)
                 slots = {i: (job.server_slots[i].node_id, list(job.server_slots[i].gpu_ids)) for i in indices}
-                ref = job.fleet.add_placed.remote(indices, slots, job._server_pgs(indices)) if job.server_actors \
+                ref = (
+                    job.fleet.add_placed.remote(indices, slots, job._server_pgs(indices))
+                    if job.server_actors
                     else job.fleet.add_servers.remote(indices, slots)
+                )
             else:
                 first = max((s["index"] for s in servers), default=-1) + 1
                 indices = list(range(first, first + target - n_now))
@@ -166,8 +169,11 @@ class FleetScaler:
             log.error("fleet: starting %s failed: %s", ids, event["error"])
             if p.placed:
                 try:
-                    joined = {s["index"] for s in job._get(job.fleet.status.remote(), 30.0, "fleet status")["servers"]
-                              if s["state"] != "starting"}
+                    joined = {
+                        s["index"]
+                        for s in job._get(job.fleet.status.remote(), 30.0, "fleet status")["servers"]
+                        if s["state"] != "starting"
+                    }
                 except Exception as status_exc:
                     log.warning("fleet status after a failed start: %s", status_exc)
                     joined = set()

@@ -57,8 +57,14 @@ class _RayFleet:
 class LearnerActor:
     """One rank in its own Ray worker process; ``cfg_data`` is the run config as plain data."""
 
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet,
-                 curve_keys: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        cfg_data: dict[str, Any],
+        broker_address: str,
+        run_dir: str,
+        fleet,
+        curve_keys: dict[str, bytes] | None = None,
+    ) -> None:
         from learner.rank import (
             LearnerRank,  # here, in the rank's process: torch stays out of the driver
         )
@@ -67,12 +73,18 @@ class LearnerActor:
         if curve_keys is not None:  # this node may not see the driver's run directory
             write_curve_keys(cfg.broker.curve_keys_dir, curve_keys)
         if spans_hosts(cfg):  # rank 0's publisher hosts the weight-sync store on this node
-            cfg = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(
-                update={"master_addr": node_host(cfg)})})
+            cfg = cfg.model_copy(
+                update={"weight_sync": cfg.weight_sync.model_copy(update={"master_addr": node_host(cfg)})}
+            )
         self.run_dir = Path(run_dir)
         wait = cfg.colocate.timeout_s * 2 + 600.0  # sleep/wake, plus a due evaluation at the wake
-        self.rank = LearnerRank(cfg, broker_address, run_dir, None if fleet is None else _RayFleet(fleet, wait),
-                                exports_shared=exports_reachable(cfg))
+        self.rank = LearnerRank(
+            cfg,
+            broker_address,
+            run_dir,
+            None if fleet is None else _RayFleet(fleet, wait),
+            exports_shared=exports_reachable(cfg),
+        )
 
     def set_rank(self, rank: int) -> None:
         self.rank.set_rank(rank)
@@ -116,9 +128,19 @@ class LearnerRanks:
         return self.actors[0]
 
     @classmethod
-    def start(cls, cfg_data: dict[str, Any], broker_address: str, run_dir: str, fleet, *, n: int,
-              placement_group=None, gpus_per_rank: int = 0, timeout_s: float = 180.0,
-              curve_keys: dict[str, bytes] | None = None) -> LearnerRanks:
+    def start(
+        cls,
+        cfg_data: dict[str, Any],
+        broker_address: str,
+        run_dir: str,
+        fleet,
+        *,
+        n: int,
+        placement_group=None,
+        gpus_per_rank: int = 0,
+        timeout_s: float = 180.0,
+        curve_keys: dict[str, bytes] | None = None,
+    ) -> LearnerRanks:
         """Start ``n`` rank actors (bundle ``i`` of ``placement_group`` each, when given) and their run.
 
         ``timeout_s`` bounds the actors' start (a process that imports torch): on two CPU cores shared with
@@ -132,7 +154,8 @@ class LearnerRanks:
             opts: dict[str, Any] = {"num_gpus": gpus_per_rank}
             if placement_group is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=i)
+                    placement_group, placement_group_bundle_index=i
+                )
             actors.append(LearnerActor.options(**opts).remote(cfg_data, broker_address, run_dir, fleet, curve_keys))
         try:
             infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout_s)
@@ -140,13 +163,17 @@ class LearnerRanks:
             for a in actors:
                 ray.kill(a)
             if isinstance(exc, ray.exceptions.GetTimeoutError):
-                raise TimeoutError(f"learner: {n} rank actor(s) did not start within {timeout_s:.0f} s (placed but "
-                                   f"not answering; a machine too loaded, or a rank stuck importing)") from None
+                raise TimeoutError(
+                    f"learner: {n} rank actor(s) did not start within {timeout_s:.0f} s (placed but "
+                    f"not answering; a machine too loaded, or a rank stuck importing)"
+                ) from None
             raise
         # rank order: by node (rank 0's node first, as placed), then GPU id, so a node's ranks are contiguous
         nodes = list(dict.fromkeys(info["ip"] for info in infos))
-        order = sorted(range(n), key=lambda i: (nodes.index(infos[i]["ip"]),
-                                                [int(g) if g.isdigit() else g for g in infos[i]["gpus"]], i))
+        order = sorted(
+            range(n),
+            key=lambda i: (nodes.index(infos[i]["ip"]), [int(g) if g.isdigit() else g for g in infos[i]["gpus"]], i),
+        )
         ordered = cls([actors[i] for i in order], [infos[i] for i in order])
         ordered._launch(timeout_s)
         return ordered
@@ -161,15 +188,20 @@ class LearnerRanks:
             node_gpus.setdefault(info["ip"], []).extend(info["gpus"])
         for rank, (actor, info) in enumerate(zip(self.actors, self.infos, strict=True)):
             peers = [i for i in self.infos if i["ip"] == info["ip"]]
-            env = {"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
-                   "LOCAL_RANK": str(peers.index(info)), "LOCAL_WORLD_SIZE": str(len(peers))}
+            env = {
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(n),
+                "LOCAL_RANK": str(peers.index(info)),
+                "LOCAL_WORLD_SIZE": str(len(peers)),
+            }
             if info["gpus"]:
                 # every learner GPU of the node visible (NCCL finds its peers over NVLink); this rank's is LOCAL_RANK
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus[info["ip"]])
                 env["LOCAL_RANK"] = str(node_gpus[info["ip"]].index(info["gpus"][0]))
             self.refs.append(actor.run.remote(env))
-        log.info("learner: %d rank(s) started (master %s:%d; pids %s)", n, master, port,
-                 [i["pid"] for i in self.infos])
+        log.info("learner: %d rank(s) started (master %s:%d; pids %s)", n, master, port, [i["pid"] for i in self.infos])
 
     def poll(self, timeout_s: float) -> bool:
         """True once every rank has finished; raises :class:`RankFailed` naming the failed rank(s).
@@ -202,8 +234,11 @@ class LearnerRanks:
             try:
                 ray.get(ref, timeout=30)
             except ray.exceptions.RayActorError as exc:
-                failures[rank] = ("died", f"learner rank {rank} (pid {self.infos[rank]['pid']}) died: "
-                                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+                failures[rank] = (
+                    "died",
+                    f"learner rank {rank} (pid {self.infos[rank]['pid']}) died: "
+                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                )
                 continue
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
@@ -228,8 +263,9 @@ class LearnerRanks:
             self.poll(5.0)
             raise RankFailed(f"learner rank 0 (pid {self.infos[0]['pid']}) died") from None
         except ray.exceptions.GetTimeoutError:
-            raise RankFailed(f"learner rank 0 (pid {self.infos[0]['pid']}) gave no status "
-                             f"within {timeout_s:.0f} s") from None
+            raise RankFailed(
+                f"learner rank 0 (pid {self.infos[0]['pid']}) gave no status within {timeout_s:.0f} s"
+            ) from None
 
     def request_stop(self) -> None:
         """Ask every rank to stop after its current step (fire and forget: :meth:`poll` sees them finish)."""
@@ -263,10 +299,20 @@ def start_learner(job) -> tuple[LearnerRanks, float | None]:
     t = time.monotonic()
     n = job.cfg.run.eval_samples if job.cfg.run.eval_before_train else 0
     before = job._get(job.fleet.evaluate.remote(n), 600, "eval before")
-    log.info("eval accuracy before training: %s (%.1f s)", "skipped (run.eval_samples=0 or run.eval_before_train="
-             "false)" if before is None else f"{before:.3f}", time.monotonic() - t)
+    log.info(
+        "eval accuracy before training: %s (%.1f s)",
+        "skipped (run.eval_samples=0 or run.eval_before_train=false)" if before is None else f"{before:.3f}",
+        time.monotonic() - t,
+    )
     gpus = job.placement.learner_gpus()
-    ranks = LearnerRanks.start(job.cfg.model_dump(mode="json"), job.broker.address, str(job.run_dir), job.fleet,
-                               n=gpus or job.cfg.learner.cpu_processes, placement_group=job.pgs.get("learner"),
-                               gpus_per_rank=1 if gpus else 0, curve_keys=curve_key_data(job.cfg))
+    ranks = LearnerRanks.start(
+        job.cfg.model_dump(mode="json"),
+        job.broker.address,
+        str(job.run_dir),
+        job.fleet,
+        n=gpus or job.cfg.learner.cpu_processes,
+        placement_group=job.pgs.get("learner"),
+        gpus_per_rank=1 if gpus else 0,
+        curve_keys=curve_key_data(job.cfg),
+    )
     return ranks, before

@@ -33,9 +33,11 @@ class WandbConfig(ConfigModel):
     entity: str | None = Field(None, description="the W&B team or user; None: the API key's default")
     name: str | None = Field(None, description="run name; None: the run directory's name")
     mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="None: wandb's own choice (WANDB_MODE, else online)")
+        None, description="None: wandb's own choice (WANDB_MODE, else online)"
+    )
     tags: list[str] = Field(default_factory=list, description="W&B run tags")
     init_timeout_s: float = Field(90.0, gt=0, description="wandb.init gives up after this")
+
 
 GAUGES = {
     "learner_step": "learner/step: optimizer steps applied (the policy version)",
@@ -48,14 +50,14 @@ GAUGES = {
     "rollout_staleness_max_versions": "rollout/staleness_max_versions: max staleness consumed so far",
     "eval_accuracy": "eval/accuracy: test-set accuracy of the latest evaluation",
     "rollout_groups_filtered": "rollout/groups_filtered: uniform groups dropped by dynamic sampling "
-                               "(rollout.filter_groups), regenerated on their ticket",
+    "(rollout.filter_groups), regenerated on their ticket",
 }
-
 
 
 def stale_lengths_line(hist: dict[str, int]) -> str:
     """``{'64': 3, '512': 9}`` as ``<=64 tok: 3, <=512 tok: 9`` (rows dropped as stale, by length bucket)."""
     return ", ".join(f"<={b} tok: {n}" for b, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+
 
 def _fmt(v: Any, spec: str = ".3f") -> str:
     if v is None:
@@ -69,21 +71,27 @@ def reward_server_lines(reward_model: dict[str, Any] | None) -> list[str]:
     if not reward_model:
         return []
     rm = reward_model
-    out = [f"reward model: {rm.get('calls_ok', 0)} calls ok, {rm.get('calls_failed', 0)} failed for good, "
-           f"failed attempts {rm.get('failures') or {}}"]
+    out = [
+        f"reward model: {rm.get('calls_ok', 0)} calls ok, {rm.get('calls_failed', 0)} failed for good, "
+        f"failed attempts {rm.get('failures') or {}}"
+    ]
     for url, s in (rm.get("servers") or {}).items():
-        out.append(f"reward server {url}: {_fmt(s.get('requests_per_s'), '.2f')} req/s, {s.get('requests_ok', 0)} ok, "
-                   f"failures {s.get('failures') or {}}, latency mean {_fmt(s.get('latency_s_mean'), '.3f')} s "
-                   f"p95 {_fmt(s.get('latency_s_p95'), '.3f')} s, in flight {s.get('inflight', 0)}")
+        out.append(
+            f"reward server {url}: {_fmt(s.get('requests_per_s'), '.2f')} req/s, {s.get('requests_ok', 0)} ok, "
+            f"failures {s.get('failures') or {}}, latency mean {_fmt(s.get('latency_s_mean'), '.3f')} s "
+            f"p95 {_fmt(s.get('latency_s_p95'), '.3f')} s, in flight {s.get('inflight', 0)}"
+        )
     return out
 
 
 def proxy_line(fleet) -> str | None:
     if not fleet.proxy_url:
         return None
-    return (f"OpenAI proxy: {fleet.proxy_url}/v1 (episodes: /s/<id>/v1), "
-            f"{fleet.proxy.get('proxy/requests', 0)} requests, "
-            f"{fleet.proxy.get('proxy/history_restarts', 0)} history restarts")
+    return (
+        f"OpenAI proxy: {fleet.proxy_url}/v1 (episodes: /s/<id>/v1), "
+        f"{fleet.proxy.get('proxy/requests', 0)} requests, "
+        f"{fleet.proxy.get('proxy/history_restarts', 0)} history restarts"
+    )
 
 
 def format_status(answer: dict[str, Any]) -> str:
@@ -94,25 +102,30 @@ def format_status(answer: dict[str, Any]) -> str:
     tag = " [SIMULATED]" if st.simulated else ""
     lines.append(f"fleetrl job{tag} ({st.mode}): step {lr.step} / {st.max_steps}  wall {_fmt(st.wall_s, '.1f')} s")
     lines.append(f"learner: wait {_fmt(lr.learner_wait_s, '.2f')} s total, idle {_fmt(lr.learner_idle_fraction)}")
-    lines.append(f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} "
-                 f"(bound {st.max_staleness})")
+    lines.append(
+        f"broker: queue {st.queue_groups} groups, max staleness seen {lr.max_staleness_seen} (bound {st.max_staleness})"
+    )
     lines.append(f"staleness histogram (versions: samples): {lr.staleness_hist}")
     if st.broker is not None and st.broker.stale_drop_lengths:
         lines.append(f"stale drops by response length: {stale_lengths_line(st.broker.stale_drop_lengths)}")
     for k, v in (answer.get("metrics_endpoints") or {}).items():  # launch/observe.py
-        for name, url in (v.items() if isinstance(v, dict) else [(k, v)]):
+        for name, url in v.items() if isinstance(v, dict) else [(k, v)]:
             lines.append(f"prometheus {name}: {url}")
     lines += reward_server_lines(st.fleet.reward_model)
     if proxy_line(st.fleet):
         lines.append(proxy_line(st.fleet))
     fl = st.fleet
-    lines.append(f"fleet: {fl.groups_requeued} groups re-queued, {fl.server_deaths} server deaths, "
-                 f"{fl.server_stalls} server stalls")
+    lines.append(
+        f"fleet: {fl.groups_requeued} groups re-queued, {fl.server_deaths} server deaths, "
+        f"{fl.server_stalls} server stalls"
+    )
     # silent: seconds with requests in flight since the server's last answer (the stall detector's clock)
     lines.append(f"{'server':<14}{'state':<11}{'version':>8}{'inflight':>9}{'groups':>8}{'tok/s':>10}{'silent':>8}")
     for s in st.servers:
-        lines.append(f"{s.engine_id:<14}{s.state:<11}{s.version:>8}{s.inflight_groups:>9}"
-                     f"{s.groups_done:>8}{_fmt(s.tok_per_s, '.0f'):>10}{s.silent_s:>7.0f}s")
+        lines.append(
+            f"{s.engine_id:<14}{s.state:<11}{s.version:>8}{s.inflight_groups:>9}"
+            f"{s.groups_done:>8}{_fmt(s.tok_per_s, '.0f'):>10}{s.silent_s:>7.0f}s"
+        )
     return "\n".join(lines)
 
 
@@ -143,8 +156,9 @@ class WandbWriter:
         try:
             import wandb
         except ImportError:
-            raise RuntimeError("run.wandb is set but the wandb package is not installed: "
-                               "pip install 'fleetrl[wandb]'") from None
+            raise RuntimeError(
+                "run.wandb is set but the wandb package is not installed: pip install 'fleetrl[wandb]'"
+            ) from None
         self._wandb = wandb
         settings = wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", quiet=True)
         tags = list(cfg.tags) + (["SIMULATED"] if simulated else [])
@@ -154,12 +168,23 @@ class WandbWriter:
             id_file.write_text(secrets.token_hex(4))
         run_id = id_file.read_text().strip()
         try:
-            self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or Path(run_dir).name,
-                                  mode=cfg.mode, dir=str(run_dir), tags=tags, settings=settings,
-                                  config={**run_config, "simulated": simulated}, id=run_id, resume="allow")
+            self.run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=cfg.name or Path(run_dir).name,
+                mode=cfg.mode,
+                dir=str(run_dir),
+                tags=tags,
+                settings=settings,
+                config={**run_config, "simulated": simulated},
+                id=run_id,
+                resume="allow",
+            )
         except Exception as exc:  # no API key, no network, a bad entity: say so before the job starts
-            raise RuntimeError(f"W&B: wandb.init(project={cfg.project!r}) failed: {exc} "
-                               f"(log in with `wandb login`, or set run.wandb.mode=offline)") from None
+            raise RuntimeError(
+                f"W&B: wandb.init(project={cfg.project!r}) failed: {exc} "
+                f"(log in with `wandb login`, or set run.wandb.mode=offline)"
+            ) from None
         log.info("W&B run %s (%s) in %s", self.run.name, self.run.settings.mode, self.run.dir)
 
     def add_scalars(self, values: dict[str, Any], step: int) -> None:
@@ -179,9 +204,18 @@ class WandbWriter:
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, *, simulated: bool, tensorboard: bool, live: bool,
-                 prometheus: bool = True, wandb: WandbWriter | None = None, host: str = "127.0.0.1",
-                 learner_rows_from: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        simulated: bool,
+        tensorboard: bool,
+        live: bool,
+        prometheus: bool = True,
+        wandb: WandbWriter | None = None,
+        host: str = "127.0.0.1",
+        learner_rows_from: int | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.host = host  # the Prometheus endpoint's interface (network.host)
         self.simulated = simulated
@@ -228,9 +262,12 @@ class Monitor:
     def update(self, snap: JobSnapshot) -> None:
         lr, fl = snap.learner, snap.fleet
         values = {
-            "learner_step": lr.step, "learner_idle_fraction": lr.learner_idle_fraction,
-            "rollout_tokens_per_s": fl.tok_per_s, "rollout_idle_fraction": fl.fleet_idle_fraction,
-            "rollout_servers": fl.healthy_servers, "rollout_reward_mean": lr.reward,
+            "learner_step": lr.step,
+            "learner_idle_fraction": lr.learner_idle_fraction,
+            "rollout_tokens_per_s": fl.tok_per_s,
+            "rollout_idle_fraction": fl.fleet_idle_fraction,
+            "rollout_servers": fl.healthy_servers,
+            "rollout_reward_mean": lr.reward,
             "broker_queue_groups": snap.queue_groups,
             "rollout_staleness_max_versions": lr.max_staleness_seen,
             "eval_accuracy": snap.eval_accuracy,
@@ -257,10 +294,17 @@ class Monitor:
             self._live.update(self.render(snap))
         elif time.monotonic() - self._last_log > 5.0:
             self._last_log = time.monotonic()
-            log.info("step %s reward %s eval %s tok/s %s fleet idle %s learner idle %s queue %s staleness %s",
-                     step, _fmt(lr.reward), _fmt(snap.eval_accuracy), _fmt(fl.tok_per_s, ".0f"),
-                     _fmt(fl.fleet_idle_fraction), _fmt(lr.learner_idle_fraction),
-                     snap.queue_groups, lr.staleness_hist)
+            log.info(
+                "step %s reward %s eval %s tok/s %s fleet idle %s learner idle %s queue %s staleness %s",
+                step,
+                _fmt(lr.reward),
+                _fmt(snap.eval_accuracy),
+                _fmt(fl.tok_per_s, ".0f"),
+                _fmt(fl.fleet_idle_fraction),
+                _fmt(lr.learner_idle_fraction),
+                snap.queue_groups,
+                lr.staleness_hist,
+            )
 
     def wandb_catch_up(self, version: int) -> int:
         """A re-run resuming from learner ``version``: log to W&B the kept steps ``1..version`` the run
@@ -309,18 +353,24 @@ class Monitor:
         t.add_row("step", f"{lr.step} / {snap.max_steps}")
         t.add_row("reward (last step)", _fmt(lr.reward))
         if lr.critic_vf_loss is not None:  # PPO with a critic
-            t.add_row("critic (last step)", f"vf_loss {_fmt(lr.critic_vf_loss, '.4f')}, "
-                      f"explained variance {_fmt(lr.critic_explained_var)}")
+            t.add_row(
+                "critic (last step)",
+                f"vf_loss {_fmt(lr.critic_vf_loss, '.4f')}, explained variance {_fmt(lr.critic_explained_var)}",
+            )
         t.add_row("eval accuracy", f"{_fmt(snap.eval_accuracy)} (before {_fmt(snap.eval_accuracy_before)})")
         t.add_row("throughput", f"{_fmt(fl.tok_per_s, '.0f')} tok/s, {fl.healthy_servers} servers")
         t.add_row("fleet idle", _fmt(fl.fleet_idle_fraction))
         t.add_row("learner idle", _fmt(lr.learner_idle_fraction))
         t.add_row("broker queue", f"{snap.queue_groups} groups")
-        t.add_row("trajectory lag", f"max {lr.max_staleness_seen} (bound {snap.max_staleness}), "
-                  f"histogram {lr.staleness_hist}")
+        t.add_row(
+            "trajectory lag", f"max {lr.max_staleness_seen} (bound {snap.max_staleness}), histogram {lr.staleness_hist}"
+        )
         dropped = {} if snap.broker is None else snap.broker.drops
-        t.add_row("groups", f"produced {fl.groups_pushed}, consumed {lr.groups_consumed}, "
-                  f"dropped {dropped}, re-queued {fl.groups_requeued}")
+        t.add_row(
+            "groups",
+            f"produced {fl.groups_pushed}, consumed {lr.groups_consumed}, "
+            f"dropped {dropped}, re-queued {fl.groups_requeued}",
+        )
         if snap.broker is not None and snap.broker.stale_drop_lengths:
             t.add_row("stale drops by length", stale_lengths_line(snap.broker.stale_drop_lengths))
         for line in reward_server_lines(fl.reward_model):

@@ -54,14 +54,22 @@ def resolve_network(cfg: RunConfig, ray_address: str | None, run_dir: Path) -> R
         if not shared.is_dir():
             raise ValueError(f"network.shared_dir={net.shared_dir!r} is not a directory on the driver's host")
         if not run_dir.resolve().is_relative_to(shared):
-            raise ValueError(f"run.run_dir {run_dir} is not inside network.shared_dir {shared}: exports written "
-                             "there would not be seen by the other nodes; put the run directory on the shared disk")
-    log.info("network: listeners bind %s (CurveZMQ %s)", host, "on" if "curve_keys_dir" in broker or
-             cfg.broker.curve_keys_dir else "off")
-    return cfg.model_copy(update={
-        "network": net.model_copy(update={"host": host}),
-        "broker": cfg.broker.model_copy(update=broker),
-        "weight_sync": cfg.weight_sync.model_copy(update=ws)})
+            raise ValueError(
+                f"run.run_dir {run_dir} is not inside network.shared_dir {shared}: exports written "
+                "there would not be seen by the other nodes; put the run directory on the shared disk"
+            )
+    log.info(
+        "network: listeners bind %s (CurveZMQ %s)",
+        host,
+        "on" if "curve_keys_dir" in broker or cfg.broker.curve_keys_dir else "off",
+    )
+    return cfg.model_copy(
+        update={
+            "network": net.model_copy(update={"host": host}),
+            "broker": cfg.broker.model_copy(update=broker),
+            "weight_sync": cfg.weight_sync.model_copy(update=ws),
+        }
+    )
 
 
 def ws_default(cfg: RunConfig) -> bool:
@@ -112,13 +120,18 @@ def check_shared_dir(ray, cfg: RunConfig, timeout_s: float = 60.0) -> None:
 
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        refs: dict[str, Any] = {n["NodeManagerAddress"]: read.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(str(probe))
-            for n in nodes}
+        refs: dict[str, Any] = {
+            n["NodeManagerAddress"]: read.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(str(probe))
+            for n in nodes
+        }
         seen = dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s), strict=True))
     finally:
         probe.unlink(missing_ok=True)
     blind = sorted(ip for ip, got in seen.items() if got != token)
     if blind:
-        raise ValueError(f"network.shared_dir={cfg.network.shared_dir!r} is not shared: node(s) {blind} do not see "
-                         "the file the driver wrote there; mount it on every node or unset it")
+        raise ValueError(
+            f"network.shared_dir={cfg.network.shared_dir!r} is not shared: node(s) {blind} do not see "
+            "the file the driver wrote there; mount it on every node or unset it"
+        )

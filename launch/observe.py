@@ -52,11 +52,21 @@ class RunRecorder:
             return
         self._last = now
         lr, fl = snap.learner, snap.fleet
-        row = {"time": time.time(), "wall_s": round(snap.wall_s, 3), "step": lr.step, "reward": lr.reward,
-               "eval_accuracy": snap.eval_accuracy, "tokens_per_s": fl.tok_per_s, "tokens_total": fl.tokens_pushed,
-               "fleet_idle_fraction": fl.fleet_idle_fraction, "learner_idle_fraction": lr.learner_idle_fraction,
-               "queue_groups": snap.queue_groups, "publish_seconds_total": lr.publish_s, "publishes": lr.publishes,
-               "healthy_servers": fl.healthy_servers}
+        row = {
+            "time": time.time(),
+            "wall_s": round(snap.wall_s, 3),
+            "step": lr.step,
+            "reward": lr.reward,
+            "eval_accuracy": snap.eval_accuracy,
+            "tokens_per_s": fl.tok_per_s,
+            "tokens_total": fl.tokens_pushed,
+            "fleet_idle_fraction": fl.fleet_idle_fraction,
+            "learner_idle_fraction": lr.learner_idle_fraction,
+            "queue_groups": snap.queue_groups,
+            "publish_seconds_total": lr.publish_s,
+            "publishes": lr.publishes,
+            "healthy_servers": fl.healthy_servers,
+        }
         self._f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

@@ -55,24 +55,37 @@ class Placement:
         return [(s.node_id, g) for s in self.learner + self.servers + self.rewards for g in s.gpu_ids]
 
 
-def plan_placement(nodes: list[NodeGPUs], *, learner_gpus: int, rollout_gpus: int,
-                   rollout_tp: int = 1, learner_mp: int = 1, reward_gpus: int = 0, reward_tp: int = 1) -> Placement:
+def plan_placement(
+    nodes: list[NodeGPUs],
+    *,
+    learner_gpus: int,
+    rollout_gpus: int,
+    rollout_tp: int = 1,
+    learner_mp: int = 1,
+    reward_gpus: int = 0,
+    reward_tp: int = 1,
+) -> Placement:
     """Assign disjoint GPUs; raise :class:`PlacementError` naming the shortfall."""
     if learner_gpus < 0 or rollout_gpus < 0 or reward_gpus < 0:
-        raise PlacementError(f"GPU counts must be >= 0, got learner {learner_gpus}, rollout {rollout_gpus}, "
-                             f"reward {reward_gpus}")
+        raise PlacementError(
+            f"GPU counts must be >= 0, got learner {learner_gpus}, rollout {rollout_gpus}, reward {reward_gpus}"
+        )
     if rollout_tp < 1 or learner_mp < 1 or reward_tp < 1:
-        raise PlacementError(f"parallel sizes must be >= 1, got rollout TP {rollout_tp}, learner MP {learner_mp}, "
-                             f"reward TP {reward_tp}")
+        raise PlacementError(
+            f"parallel sizes must be >= 1, got rollout TP {rollout_tp}, learner MP {learner_mp}, reward TP {reward_tp}"
+        )
     if reward_gpus % reward_tp:
-        raise PlacementError(f"--reward-gpus {reward_gpus} is not a multiple of "
-                             f"reward.model.server.tensor_parallel_size {reward_tp}")
+        raise PlacementError(
+            f"--reward-gpus {reward_gpus} is not a multiple of reward.model.server.tensor_parallel_size {reward_tp}"
+        )
     if rollout_gpus % rollout_tp:
         raise PlacementError(
             f"--rollout-gpus {rollout_gpus} is not a multiple of rollout.tensor_parallel_size {rollout_tp}"
         )
     if learner_gpus % learner_mp:
-        raise PlacementError(f"--learner-gpus {learner_gpus} is not a multiple of the learner's model-parallel size {learner_mp}")
+        raise PlacementError(
+            f"--learner-gpus {learner_gpus} is not a multiple of the learner's model-parallel size {learner_mp}"
+        )
     if len({n.node_id for n in nodes}) != len(nodes):
         raise PlacementError(f"duplicate node ids in {[n.node_id for n in nodes]}")
     total = sum(n.gpus for n in nodes)

@@ -48,8 +48,11 @@ class Chart:
 
     def line(self, name: str, xs, ys, *, points: bool = False, breaks: set[int] = frozenset()) -> None:
         """A series; the line is not drawn into index ``i`` for ``i`` in ``breaks`` (a gap: a restart)."""
-        pts = [(float(x), float(y), i in breaks) for i, (x, y) in enumerate(zip(xs, ys, strict=True))
-               if x is not None and y is not None and math.isfinite(float(y))]
+        pts = [
+            (float(x), float(y), i in breaks)
+            for i, (x, y) in enumerate(zip(xs, ys, strict=True))
+            if x is not None and y is not None and math.isfinite(float(y))
+        ]
         self.series.append((name, [p[0] for p in pts], [p[1] for p in pts], points, [p[2] for p in pts]))
 
     def save(self, path: Path) -> Path:
@@ -127,8 +130,16 @@ def heatmap(path: Path, title: str, columns: dict[int, dict[int, int]], *, x_lab
             shade = (int(255 - 224 * share), int(255 - 136 * share), int(255 - 75 * share))
             left, top = LEFT + (x - x_lo) * cw, H - BOTTOM - (y - y_lo + 1) * ch
             d.rectangle([left, top, left + cw, top + ch], fill=shade)
-    _axes(d, title, x_label, y_label, [t for t in nice_ticks(x_lo, x_hi) if float(t).is_integer()],
-          list(range(y_lo, y_hi + 1)), px, py)
+    _axes(
+        d,
+        title,
+        x_label,
+        y_label,
+        [t for t in nice_ticks(x_lo, x_hi) if float(t).is_integer()],
+        list(range(y_lo, y_hi + 1)),
+        px,
+        py,
+    )
     d.text((W - RIGHT - 260, TOP + 4), "shade: share of the step's samples", fill=(0, 0, 0), font=_font())
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path, "PNG")

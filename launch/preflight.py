@@ -30,13 +30,24 @@ def preflight(cfg: RunConfig) -> dict[str, int]:
     splits = ["train"] + (["test"] if cfg.data.test_files and cfg.run.eval_samples > 0 else [])
     counts, sources = {}, set()
     for split in splits:
-        ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, split=split,
-                               max_model_len=cfg.rollout.max_model_len, response_tokens=cfg.rollout.sampling.max_tokens)
+        ds = rdata.from_config(
+            cfg.data,
+            tok,
+            seed=cfg.run.seed,
+            split=split,
+            max_model_len=cfg.rollout.max_model_len,
+            response_tokens=cfg.rollout.sampling.max_tokens,
+        )
         counts[split] = len(ds)
         counts[f"{split}_skipped_overlong"] = len(ds.overlong)
         sources |= {r.data_source for r in ds.rows}
     if cfg.reward.function == "default":
         check_sources(sources)
-    log.info("preflight: %s prompts fit (limit %s), reward %r, in %.1f s", counts, cfg.rollout.max_model_len,
-             cfg.reward.function, time.monotonic() - t0)
+    log.info(
+        "preflight: %s prompts fit (limit %s), reward %r, in %.1f s",
+        counts,
+        cfg.rollout.max_model_len,
+        cfg.reward.function,
+        time.monotonic() - t0,
+    )
     return counts

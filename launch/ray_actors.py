@@ -43,20 +43,36 @@ class FleetRunner(FleetService):
     """``pgs`` (server index -> placement group): each server is started by its own actor in its bundle
     (launch/server_actor.py); without, servers are child processes of this one, bound to this node."""
 
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None, pgs: dict[int, Any] | None = None,
-                 curve_keys: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        cfg_data: dict[str, Any],
+        broker_address: str,
+        *,
+        slots: dict[int, Any] | None = None,
+        run_dir: str | None = None,
+        pgs: dict[int, Any] | None = None,
+        curve_keys: dict[str, bytes] | None = None,
+    ) -> None:
         cfg = build(RunConfig, cfg_data)
         if curve_keys is not None:  # this node may not see the driver's run directory
             write_curve_keys(cfg.broker.curve_keys_dir, curve_keys)
         host = node_host(cfg)
         if pgs:
-            launcher = RayServerLauncher(pgs, {i: len(slots[i][1]) for i in pgs}, is_loopback(host),
-                                         cfg.rollout.startup_timeout_s)
+            launcher = RayServerLauncher(
+                pgs, {i: len(slots[i][1]) for i in pgs}, is_loopback(host), cfg.rollout.startup_timeout_s
+            )
         else:
             launcher = LocalLauncher(host)
-        super().__init__(cfg, broker_address, slots=slots, run_dir=run_dir, launcher=launcher,
-                         eval_every=cfg.run.eval_every, eval_samples=cfg.run.eval_samples, proxy_host=host)
+        super().__init__(
+            cfg,
+            broker_address,
+            slots=slots,
+            run_dir=run_dir,
+            launcher=launcher,
+            eval_every=cfg.run.eval_every,
+            eval_samples=cfg.run.eval_samples,
+            proxy_host=host,
+        )
 
     async def add_placed(self, indices: list[int], slots: dict[int, Any], pgs: dict[int, Any]) -> list[str]:
         """``scale`` on a placed fleet: new servers in their new placement groups."""
@@ -72,9 +88,15 @@ class FleetRunner(FleetService):
 
 @ray.remote(num_cpus=0, max_restarts=FLEET_MAX_RESTARTS)  # the driver starts a restarted one (launch/fleet_recovery.py)
 class FleetActor(FleetRunner):
-    def __init__(self, cfg_data: dict[str, Any], broker_address: str, run_dir: str,
-                 slots: dict[int, Any] | None = None, pgs: dict[int, Any] | None = None,
-                 curve_keys: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        cfg_data: dict[str, Any],
+        broker_address: str,
+        run_dir: str,
+        slots: dict[int, Any] | None = None,
+        pgs: dict[int, Any] | None = None,
+        curve_keys: dict[str, bytes] | None = None,
+    ) -> None:
         simulated = cfg_data["rollout"]["engine"] == "simulated"
         Path(run_dir).mkdir(parents=True, exist_ok=True)  # this node may not share the driver's disk
         setup_logging(Path(run_dir), "fleet", simulated=simulated)
@@ -90,8 +112,10 @@ class FleetActor(FleetRunner):
 
     async def incarnation(self) -> dict[str, Any]:
         """Whether Ray restarted this actor after a death, and whether ``start`` ran in this incarnation."""
-        return {"reconstructed": ray.get_runtime_context().was_current_actor_reconstructed,
-                "started": hasattr(self, "worker")}
+        return {
+            "reconstructed": ray.get_runtime_context().was_current_actor_reconstructed,
+            "started": hasattr(self, "worker"),
+        }
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -104,8 +128,12 @@ class SimLearnerActor(SimLearner):
             try:
                 await self._fleet.update_weights.remote(version)  # the SIMULATED weight sync
             except ray.exceptions.RayActorError as exc:  # the fleet died: a failed publish, the run goes on
-                log.warning("publish of v%d: the fleet actor is gone (%s); its restart loads the learner's "
-                            "version (launch/fleet_recovery.py)", version, type(exc).__name__)
+                log.warning(
+                    "publish of v%d: the fleet actor is gone (%s); its restart loads the learner's "
+                    "version (launch/fleet_recovery.py)",
+                    version,
+                    type(exc).__name__,
+                )
 
         super().__init__(broker_address, step_s=step_s, max_staleness=max_staleness, publish=publish)
 

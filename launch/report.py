@@ -65,8 +65,10 @@ def build_report(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     rows = effective_rows(run_dir)
     if not rows:
-        raise SystemExit(f"error: {run_dir / 'metrics' / 'learner.jsonl'} has no step records: "
-                         "is this a fleetrl run directory, and has its learner finished a step?")
+        raise SystemExit(
+            f"error: {run_dir / 'metrics' / 'learner.jsonl'} has no step records: "
+            "is this a fleetrl run directory, and has its learner finished a step?"
+        )
     drows = _driver_rows(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     out = run_dir / "report"
@@ -87,9 +89,15 @@ def build_report(run_dir: str | Path) -> list[Path]:
     c.line("train reward (mean)", wall, [x["rollout/reward_mean"] for x in m], breaks=learner_gaps)
     c.line("eval accuracy", [e[1] - t_start for e in evals], [e[2] for e in evals], points=True)
     paths.append(c.save(out / "reward_time.png"))
-    paths.append(heatmap(out / "staleness.png", "staleness of the samples of each step",
-                         {s: {int(k): v for k, v in rows[s]["staleness_hist"].items()} for s in steps},
-                         x_label="learner step", y_label="versions"))
+    paths.append(
+        heatmap(
+            out / "staleness.png",
+            "staleness of the samples of each step",
+            {s: {int(k): v for k, v in rows[s]["staleness_hist"].items()} for s in steps},
+            x_label="learner step",
+            y_label="versions",
+        )
+    )
     dw = [r["time"] - t_start for r in drows]
     c = Chart("rollout throughput", x_label="wall time (s)", y_label="tokens / s")
     c.line("generated tokens/s", dw, [r.get("tokens_per_s") for r in drows], breaks=driver_gaps)
@@ -129,30 +137,35 @@ def _markdown(run_dir: Path, path: Path, rows, drows, evals, summary) -> Path:
             hist[int(k)] = hist.get(int(k), 0) + v
     starts = sum(1 for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines() if '"event"' in x)
     first, last = m[:5], m[-5:]
-    lines = [f"# Run report: {run_dir.name}", "",
-             f"- steps: {steps[0]}..{steps[-1]} ({len(steps)} recorded; learner processes started: {starts})",
-             f"- reward (mean of first / last 5 steps): {_mean([x['rollout/reward_mean'] for x in first]):.3f} -> "
-             f"{_mean([x['rollout/reward_mean'] for x in last]):.3f}",
-             "- eval accuracy: " + (", ".join(f"step {s}: {a:.3f}" for s, _, a in evals) or "none"),
-             f"- staleness (versions: samples): {dict(sorted(hist.items()))}",
-             f"- mean seconds per step: wait {_mean([x['learner/time_wait_data_seconds'] for x in m]):.2f}, "
-             f"train {_mean([x['learner/time_train_seconds'] for x in m]):.2f}, "
-             f"publish {_mean([x['learner/time_publish_seconds'] for x in m]):.2f} "
-             f"(engines held {_mean([x['learner/publish_engine_held_seconds'] for x in m]):.2f})",
-             f"- response length (tokens, mean): {_mean([x['rollout/response_length_mean_tokens'] for x in m]):.1f}; "
-             f"truncated: {_mean([x['rollout/truncated_fraction'] for x in m]):.3f}",
-             f"- tokens/s (driver, mean): {_mean([r.get('tokens_per_s') for r in drows]):.0f}; fleet idle at end: "
-             f"{drows[-1].get('fleet_idle_fraction') if drows else '-'}; learner idle at end: "
-             f"{drows[-1].get('learner_idle_fraction') if drows else '-'}",
-             f"- groups lost (summary): {summary.get('groups_lost', '-')}", ""]
+    lines = [
+        f"# Run report: {run_dir.name}",
+        "",
+        f"- steps: {steps[0]}..{steps[-1]} ({len(steps)} recorded; learner processes started: {starts})",
+        f"- reward (mean of first / last 5 steps): {_mean([x['rollout/reward_mean'] for x in first]):.3f} -> "
+        f"{_mean([x['rollout/reward_mean'] for x in last]):.3f}",
+        "- eval accuracy: " + (", ".join(f"step {s}: {a:.3f}" for s, _, a in evals) or "none"),
+        f"- staleness (versions: samples): {dict(sorted(hist.items()))}",
+        f"- mean seconds per step: wait {_mean([x['learner/time_wait_data_seconds'] for x in m]):.2f}, "
+        f"train {_mean([x['learner/time_train_seconds'] for x in m]):.2f}, "
+        f"publish {_mean([x['learner/time_publish_seconds'] for x in m]):.2f} "
+        f"(engines held {_mean([x['learner/publish_engine_held_seconds'] for x in m]):.2f})",
+        f"- response length (tokens, mean): {_mean([x['rollout/response_length_mean_tokens'] for x in m]):.1f}; "
+        f"truncated: {_mean([x['rollout/truncated_fraction'] for x in m]):.3f}",
+        f"- tokens/s (driver, mean): {_mean([r.get('tokens_per_s') for r in drows]):.0f}; fleet idle at end: "
+        f"{drows[-1].get('fleet_idle_fraction') if drows else '-'}; learner idle at end: "
+        f"{drows[-1].get('learner_idle_fraction') if drows else '-'}",
+        f"- groups lost (summary): {summary.get('groups_lost', '-')}",
+        "",
+    ]
     lines += [f"![{p}]({p})" for p in PLOTS]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="launch/cluster.py report",
-                                description="PNG plots and a markdown summary of a run, from its own files")
+    p = argparse.ArgumentParser(
+        prog="launch/cluster.py report", description="PNG plots and a markdown summary of a run, from its own files"
+    )
     p.add_argument("--run-dir", required=True)
     args = p.parse_args(argv)
     if not Path(args.run_dir).is_dir():

@@ -94,8 +94,10 @@ def end_leftovers(run_dir: Path, timeout_s: float = 10.0) -> list[int]:
     pids = json.loads(path.read_text())
     driver = int(pids.get("driver") or 0)
     if driver and driver != os.getpid() and _alive(driver) and "cluster.py" in _cmdline(driver):
-        raise SystemExit(f"error: a job is still running in {run_dir} (driver pid {driver}); stop it first "
-                         f"(Ctrl-C, or `kill {driver}`) or choose another --run-dir")
+        raise SystemExit(
+            f"error: a job is still running in {run_dir} (driver pid {driver}); stop it first "
+            f"(Ctrl-C, or `kill {driver}`) or choose another --run-dir"
+        )
     # each server leads its own process group; its leader may be gone while its engine core lives on
     groups = {p for p in pids.get("engines", []) if any(_of_run(m, Path(run_dir).resolve()) for m in _members(p))}
     left = sorted(m for g in groups for m in _members(g))

@@ -50,11 +50,20 @@ def server_spec(cfg, index: int) -> dict[str, Any]:
     extra = list(s.extra_args)
     if s.tokenizer_path:
         extra += ["--tokenizer-path" if s.engine == "sglang" else "--tokenizer", str(Path(s.tokenizer_path).resolve())]
-    return {"engine": s.engine, "model": str(Path(s.model_path or cfg.model.path).resolve()), "served": rm.model,
-            "dtype": s.dtype, "max_model_len": s.max_model_len, "tp": s.tensor_parallel_size,
-            "gpu_memory_utilization": s.gpu_memory_utilization, "max_num_seqs": s.max_num_seqs,
-            "enforce_eager": s.enforce_eager, "extra_args": extra, "seed": cfg.run.seed + 1000 + index,
-            "startup_timeout_s": s.startup_timeout_s}
+    return {
+        "engine": s.engine,
+        "model": str(Path(s.model_path or cfg.model.path).resolve()),
+        "served": rm.model,
+        "dtype": s.dtype,
+        "max_model_len": s.max_model_len,
+        "tp": s.tensor_parallel_size,
+        "gpu_memory_utilization": s.gpu_memory_utilization,
+        "max_num_seqs": s.max_num_seqs,
+        "enforce_eager": s.enforce_eager,
+        "extra_args": extra,
+        "seed": cfg.run.seed + 1000 + index,
+        "startup_timeout_s": s.startup_timeout_s,
+    }
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -79,26 +88,62 @@ class RewardServerActor:
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             dtype = "bfloat16" if spec["dtype"] == "auto" else spec["dtype"]
-            self.server = SGLangServer(SGLangServerArgs(
-                model=spec["model"], gpus=[int(g) for g in gpus], port=port, host=host,
-                tensor_parallel_size=spec["tp"], mem_fraction_static=spec["gpu_memory_utilization"],
-                max_running_requests=spec["max_num_seqs"], dtype=dtype, seed=spec["seed"], fleetrl_loader=False,
-                skip_tokenizer_init=False, env=env, log_path=str(Path(run_dir) / "sglang_server.log"),
-                extra_args=["--context-length", str(spec["max_model_len"]), "--served-model-name", spec["served"],
-                            *spec["extra_args"]]))
+            self.server = SGLangServer(
+                SGLangServerArgs(
+                    model=spec["model"],
+                    gpus=[int(g) for g in gpus],
+                    port=port,
+                    host=host,
+                    tensor_parallel_size=spec["tp"],
+                    mem_fraction_static=spec["gpu_memory_utilization"],
+                    max_running_requests=spec["max_num_seqs"],
+                    dtype=dtype,
+                    seed=spec["seed"],
+                    fleetrl_loader=False,
+                    skip_tokenizer_init=False,
+                    env=env,
+                    log_path=str(Path(run_dir) / "sglang_server.log"),
+                    extra_args=[
+                        "--context-length",
+                        str(spec["max_model_len"]),
+                        "--served-model-name",
+                        spec["served"],
+                        *spec["extra_args"],
+                    ],
+                )
+            )
         else:
             if gpus:  # exactly the bundle's GPUs, as Ray assigned them on this node
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            args = VLLMServerArgs(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-                                  tensor_parallel_size=spec["tp"], gpu_memory_utilization=spec["gpu_memory_utilization"],
-                                  max_num_seqs=spec["max_num_seqs"], host=host, port=port, seed=spec["seed"],
-                                  enforce_eager=spec["enforce_eager"], served_model_name=spec["served"],
-                                  extra_args=spec["extra_args"], env=env, startup_timeout_s=spec["startup_timeout_s"],
-                                  die_with_parent=True, weight_transfer=False)
+            args = VLLMServerArgs(
+                model=spec["model"],
+                dtype=spec["dtype"],
+                max_model_len=spec["max_model_len"],
+                tensor_parallel_size=spec["tp"],
+                gpu_memory_utilization=spec["gpu_memory_utilization"],
+                max_num_seqs=spec["max_num_seqs"],
+                host=host,
+                port=port,
+                seed=spec["seed"],
+                enforce_eager=spec["enforce_eager"],
+                served_model_name=spec["served"],
+                extra_args=spec["extra_args"],
+                env=env,
+                startup_timeout_s=spec["startup_timeout_s"],
+                die_with_parent=True,
+                weight_transfer=False,
+            )
             self.server = VLLMServer(args, run_dir, cache_dir=cache_dir)
         self._timeout = spec["startup_timeout_s"]
-        return {"url": self.server.url, "node_ip": ip, "node_id": ctx.get_node_id(), "gpus": gpus,
-                "engine": self.engine, "model": spec["model"], "served_model_name": spec["served"]}
+        return {
+            "url": self.server.url,
+            "node_ip": ip,
+            "node_id": ctx.get_node_id(),
+            "gpus": gpus,
+            "engine": self.engine,
+            "model": spec["model"],
+            "served_model_name": spec["served"],
+        }
 
     def start(self) -> dict[str, Any]:
         """Start the server and wait for ``/health`` (raises with the server's log tail)."""
@@ -139,11 +184,18 @@ def actor_options(slots: list[Slot], pgs: list[Any], index: int, *, shared: bool
 
     if shared and slots:
         slot = slots[index]
-        return ({"num_gpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)},
-                [str(g) for g in slot.gpu_ids])
+        return (
+            {"num_gpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)},
+            [str(g) for g in slot.gpu_ids],
+        )
     if pgs:
-        return ({"num_gpus": len(slots[index].gpu_ids), "scheduling_strategy":
-                 PlacementGroupSchedulingStrategy(pgs[index], placement_group_bundle_index=0)}, [])
+        return (
+            {
+                "num_gpus": len(slots[index].gpu_ids),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pgs[index], placement_group_bundle_index=0),
+            },
+            [],
+        )
     # CPU reward servers: on the driver's node, as the CPU rollout servers are
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}, []
 
@@ -158,8 +210,17 @@ class RewardServers:
     ``shared``: colocated mode's servers on the GPUs the learner and the rollout servers share (no
     placement groups of their own; started, and waited for, before the rollout servers)."""
 
-    def __init__(self, cfg, run_dir: Path, *, count: int, slots: list[Slot], pin: dict[str, str],
-                 loopback: bool, shared: bool = False) -> None:
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        *,
+        count: int,
+        slots: list[Slot],
+        pin: dict[str, str],
+        loopback: bool,
+        shared: bool = False,
+    ) -> None:
         self.cfg, self.run_dir, self.count = cfg, Path(run_dir), count
         self.slots, self.pin, self.loopback, self.shared = list(slots), dict(pin), loopback, shared
         self.pgs: list[Any] = []
@@ -178,8 +239,10 @@ class RewardServers:
 
         if self.shared:
             return []
-        self.pgs = [placement_group(bundles([s], self.pin), strategy="STRICT_PACK", name=f"fleetrl-reward-{i}")
-                    for i, s in enumerate(self.slots)]
+        self.pgs = [
+            placement_group(bundles([s], self.pin), strategy="STRICT_PACK", name=f"fleetrl-reward-{i}")
+            for i, s in enumerate(self.slots)
+        ]
         return self.pgs
 
     def launch(self) -> list[str]:
@@ -191,13 +254,22 @@ class RewardServers:
             opts, gpus = actor_options(self.slots, self.pgs, i, shared=self.shared, here=here)
             self.actors.append(RewardServerActor.options(**opts).remote())
             specs.append(dict(server_spec(self.cfg, i), gpus=gpus))
-        refs = [a.prepare.remote(specs[i], str(self.run_dir / f"reward-{i}"),
-                                 str(cache / "vllm-server"), self.loopback) for i, a in enumerate(self.actors)]
+        refs = [
+            a.prepare.remote(specs[i], str(self.run_dir / f"reward-{i}"), str(cache / "vllm-server"), self.loopback)
+            for i, a in enumerate(self.actors)
+        ]
         self.info = ray.get(refs, timeout=CALL_TIMEOUT_S * 2)
         self._starts = [a.start.remote() for a in self.actors]
         for i, inf in enumerate(self.info):
-            log.info("reward server %d (%s, %s): starting at %s on node %s, GPUs %s", i, inf["engine"],
-                     inf["served_model_name"], inf["url"], inf["node_ip"], inf["gpus"] or "none (CPU)")
+            log.info(
+                "reward server %d (%s, %s): starting at %s on node %s, GPUs %s",
+                i,
+                inf["engine"],
+                inf["served_model_name"],
+                inf["url"],
+                inf["node_ip"],
+                inf["gpus"] or "none (CPU)",
+            )
         return [inf["url"] for inf in self.info]
 
     def wait_started(self, also, timeout_s: float) -> None:
@@ -245,16 +317,28 @@ class RewardServers:
                 self.info[i].update(res)
                 back = time.monotonic() - self._died[i]
                 self.recoveries.append({"server": i, "back_s": round(back, 2)})
-                log.warning("reward server %d restarted and healthy at %s (pid %s), %.1f s after its death was seen",
-                            i, self.info[i]["url"], res.get("pid"), back)
+                log.warning(
+                    "reward server %d restarted and healthy at %s (pid %s), %.1f s after its death was seen",
+                    i,
+                    self.info[i]["url"],
+                    res.get("pid"),
+                    back,
+                )
             elif not res:
                 self.restarts[i] = self.restarts.get(i, 0) + 1
                 if self.restarts[i] > MAX_RESTARTS:
-                    raise RuntimeError(f"reward server {i} at {self.info[i]['url']} died a {self.restarts[i]}th "
-                                       f"time (at most {MAX_RESTARTS} restarts)")
+                    raise RuntimeError(
+                        f"reward server {i} at {self.info[i]['url']} died a {self.restarts[i]}th "
+                        f"time (at most {MAX_RESTARTS} restarts)"
+                    )
                 self._died[i] = now
-                log.error("reward server %d at %s died; restarting it on its address (restart %d of %d)", i,
-                          self.info[i]["url"], self.restarts[i], MAX_RESTARTS)
+                log.error(
+                    "reward server %d at %s died; restarting it on its address (restart %d of %d)",
+                    i,
+                    self.info[i]["url"],
+                    self.restarts[i],
+                    MAX_RESTARTS,
+                )
                 self._checks[i] = (self.actors[i].restart.remote(), "restart", now)
         if now - self._last_check >= CHECK_EVERY_S:
             self._last_check = now
@@ -291,16 +375,19 @@ class RewardServers:
         return {"reward_servers_stopped": stopped}
 
 
-
 def announce(rewards: RewardServers | None, fleet: dict[str, Any]) -> None:
     """Print (and log) where the reward servers and the fleet's OpenAI-compatible proxy serve."""
     lines = []
     for inf in rewards.describe() if rewards is not None else []:
-        lines.append(f"  reward server {inf['server']} ({inf['engine']}, serving {inf['served_model_name']!r}): "
-                     f"{inf['url']} on {inf['node_ip']}, GPUs {inf['gpus'] or 'none (CPU)'}")
+        lines.append(
+            f"  reward server {inf['server']} ({inf['engine']}, serving {inf['served_model_name']!r}): "
+            f"{inf['url']} on {inf['node_ip']}, GPUs {inf['gpus'] or 'none (CPU)'}"
+        )
     if fleet.get("proxy_url"):
-        lines.append(f"  OpenAI-compatible proxy: {fleet['proxy_url']}/v1 (recorded episodes: "
-                     f"{fleet['proxy_url']}/s/<episode>/v1)")
+        lines.append(
+            f"  OpenAI-compatible proxy: {fleet['proxy_url']}/v1 (recorded episodes: "
+            f"{fleet['proxy_url']}/s/<episode>/v1)"
+        )
     if lines:
         msg = "Serving:\n" + "\n".join(lines)
         log.info(msg)
@@ -314,8 +401,9 @@ def place_reward_servers(job, slots: list[Slot], pin: dict[str, str]) -> None:
     rm = job.cfg.reward.model
     shared = rm is not None and rm.server.colocated
     count = len(slots) or (1 if shared else job.args.reward_gpus)
-    job.rewards = RewardServers(job.cfg, job.run_dir, count=count, slots=slots, pin=pin,
-                                loopback=not spans_hosts(job.cfg), shared=shared)
+    job.rewards = RewardServers(
+        job.cfg, job.run_dir, count=count, slots=slots, pin=pin, loopback=not spans_hosts(job.cfg), shared=shared
+    )
     for i, pg in enumerate(job.rewards.place()):
         job.pgs[f"reward-{i}"] = pg
 

@@ -45,9 +45,16 @@ class EngineServerActor:
             args.env = {**args.env, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
         self.server = VLLMServer(args, run_dir, cache_dir=cache_dir)
         self.server.start()
-        return {"url": self.server.url, "pid": self.server.pid, "node_ip": ip, "node_id": ctx.get_node_id(),
-                "gpus": gpus, "weight_backend": self.server.weight_backend, "model_name": self.server.model_name,
-                "netns": _netns()}
+        return {
+            "url": self.server.url,
+            "pid": self.server.pid,
+            "node_ip": ip,
+            "node_id": ctx.get_node_id(),
+            "gpus": gpus,
+            "weight_backend": self.server.weight_backend,
+            "model_name": self.server.model_name,
+            "netns": _netns(),
+        }
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive
@@ -117,13 +124,17 @@ class RayServerLauncher:
         if index not in self.pgs:
             raise ValueError(f"server {index} has no placement group (placed: {sorted(self.pgs)})")
         actor = EngineServerActor.options(
-            name=None, num_gpus=self.gpus[index],
+            name=None,
+            num_gpus=self.gpus[index],
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[index], placement_group_bundle_index=0),
         ).remote()
         try:
-            info = await asyncio.wait_for(asyncio.wrap_future(actor.start.remote(
-                dataclasses.asdict(args), str(run_dir), str(cache_dir), self.loopback).future()),
-                timeout=self.startup_timeout_s + 30)
+            info = await asyncio.wait_for(
+                asyncio.wrap_future(
+                    actor.start.remote(dataclasses.asdict(args), str(run_dir), str(cache_dir), self.loopback).future()
+                ),
+                timeout=self.startup_timeout_s + 30,
+            )
         except BaseException:
             ray.kill(actor)
             raise

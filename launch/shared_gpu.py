@@ -27,18 +27,23 @@ def check_shared_async(cfg) -> None:
     bad = []
     k = cfg.broker.max_staleness
     if k < 1:
-        bad.append(f"broker.max_staleness={k} (shared async overlaps generation of steps s+1..s+k with training "
-                   "step s: k >= 1; for k = 0 use colocate.mode=sync, where the engines sleep instead of idling)")
+        bad.append(
+            f"broker.max_staleness={k} (shared async overlaps generation of steps s+1..s+k with training "
+            "step s: k >= 1; for k = 0 use colocate.mode=sync, where the engines sleep instead of idling)"
+        )
     if cfg.rollout.engine != "vllm":
         bad.append(f"rollout.engine={cfg.rollout.engine!r} (shared async mode is wired for vLLM servers only)")
     if cfg.colocate.sleep in ("level1", "level2"):
-        bad.append(f"colocate.sleep={cfg.colocate.sleep!r} (in shared async mode the engines never sleep: 'auto' or "
-                   "'off')")
+        bad.append(
+            f"colocate.sleep={cfg.colocate.sleep!r} (in shared async mode the engines never sleep: 'auto' or 'off')"
+        )
     if cfg.weight_sync.staging:
         bad.append("weight_sync.staging=true (the in-place publish, CUDA IPC or gloo, loads straight into the engine)")
     if cfg.weight_sync.backend == "nccl":
-        bad.append("weight_sync.backend='nccl' (NCCL between two processes on one GPU fails; the publish goes by "
-                   "CUDA IPC or gloo: colocate.weight_transport)")
+        bad.append(
+            "weight_sync.backend='nccl' (NCCL between two processes on one GPU fails; the publish goes by "
+            "CUDA IPC or gloo: colocate.weight_transport)"
+        )
     if cfg.learner.engine != "fsdp":
         bad.append(f"learner.engine={cfg.learner.engine!r} (shared async mode runs the FSDP learner)")
     if bad:
@@ -50,11 +55,16 @@ def learner_bytes(cfg, shape: ModelShape, world_size: int, on_gpu: bool) -> int:
     if cfg.colocate.learner_memory_gb is not None:
         return int(cfg.colocate.learner_memory_gb * GiB)
     lc = cfg.learner
-    return learner_memory(shape, world_size=world_size, micro_batch_tokens=lc.micro_batch_tokens,
-                          activation_checkpointing=lc.activation_checkpointing,
-                          chunked_logprobs=lc.logprobs != "full", logprob_chunk=lc.logprob_chunk,
-                          reference_on_device=on_gpu and lc.loss.kl_coef > 0 and not lc.reference_offload,
-                          offload=on_gpu and (lc.param_offload or lc.optimizer_offload)).total
+    return learner_memory(
+        shape,
+        world_size=world_size,
+        micro_batch_tokens=lc.micro_batch_tokens,
+        activation_checkpointing=lc.activation_checkpointing,
+        chunked_logprobs=lc.logprobs != "full",
+        logprob_chunk=lc.logprob_chunk,
+        reference_on_device=on_gpu and lc.loss.kl_coef > 0 and not lc.reference_offload,
+        offload=on_gpu and (lc.param_offload or lc.optimizer_offload),
+    ).total
 
 
 def gpu_memory_totals(ids: list[str]) -> list[int] | None:
@@ -65,8 +75,13 @@ def gpu_memory_totals(ids: list[str]) -> list[int] | None:
         return None
     out = []
     for g in ids:
-        r = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", str(g)],
-                           capture_output=True, text=True, timeout=30, check=True)
+        r = subprocess.run(
+            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", str(g)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         out.append(int(float(r.stdout.strip().splitlines()[0])) * (1 << 20))  # MiB
     return out
 
@@ -84,14 +99,28 @@ def gpu_split(cfg, gpus: list[tuple[str, int | None]]) -> list[dict]:
     shape = model_shape(cfg.model.path)
     need = learner_bytes(cfg, shape, world_size=len(gpus), on_gpu=True)
     rm = cfg.reward.model  # a colocated reward server reserves its own fraction of the same GPU
-    engines = cfg.rollout.gpu_memory_utilization + (rm.server.gpu_memory_utilization
-                                                    if rm is not None and rm.server.colocated else 0.0)
-    splits = [check_memory_split(device=name, total_bytes=total, engine_fraction=min(1.0, engines),
-                                 learner_bytes=need, headroom=cfg.colocate.memory_headroom).describe()
-              for name, total in known]
+    engines = cfg.rollout.gpu_memory_utilization + (
+        rm.server.gpu_memory_utilization if rm is not None and rm.server.colocated else 0.0
+    )
+    splits = [
+        check_memory_split(
+            device=name,
+            total_bytes=total,
+            engine_fraction=min(1.0, engines),
+            learner_bytes=need,
+            headroom=cfg.colocate.memory_headroom,
+        ).describe()
+        for name, total in known
+    ]
     for s in splits:
-        log.info("shared async memory split on %s: engine %.2f, learner %.2f GiB (%.2f), headroom %.2f",
-                 s["device"], s["engine_fraction"], s["learner_bytes"] / GiB, s["learner_fraction"], s["headroom"])
+        log.info(
+            "shared async memory split on %s: engine %.2f, learner %.2f GiB (%.2f), headroom %.2f",
+            s["device"],
+            s["engine_fraction"],
+            s["learner_bytes"] / GiB,
+            s["learner_fraction"],
+            s["headroom"],
+        )
     return skipped + splits
 
 
@@ -110,8 +139,17 @@ def host_split(cfg, total_bytes: int | None = None, kvcache_gb: int = 1) -> list
     engine = servers * (kvcache_gb * GiB + wbytes * shape.params + GiB)
     ranks = cfg.learner.cpu_processes
     need = ranks * learner_bytes(cfg, shape, world_size=ranks, on_gpu=False)
-    split = check_memory_split(device="host (CPU)", total_bytes=total, engine_fraction=min(1.0, engine / total),
-                               learner_bytes=need, headroom=cfg.colocate.memory_headroom).describe()
-    log.info("shared async memory split on the host: engines %.2f, learner %.2f GiB (%.2f)",
-             split["engine_fraction"], need / GiB, split["learner_fraction"])
+    split = check_memory_split(
+        device="host (CPU)",
+        total_bytes=total,
+        engine_fraction=min(1.0, engine / total),
+        learner_bytes=need,
+        headroom=cfg.colocate.memory_headroom,
+    ).describe()
+    log.info(
+        "shared async memory split on the host: engines %.2f, learner %.2f GiB (%.2f)",
+        split["engine_fraction"],
+        need / GiB,
+        split["learner_fraction"],
+    )
     return [split]

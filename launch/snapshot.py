@@ -67,15 +67,20 @@ class JobSnapshot(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         had before it was typed (``queue_groups``, ``groups_produced``, ``groups_dropped``,
         ``fleet_servers``)."""
         job = {f: getattr(self, f) for f in self.__struct_fields__ if f not in ("fleet", "learner")}
-        return {**msgspec.to_builtins(self.fleet), **msgspec.to_builtins(self.learner),
-                **msgspec.to_builtins(job), "queue_groups": self.queue_groups,
-                "groups_produced": self.fleet.groups_pushed,
-                "groups_dropped": {} if self.broker is None else dict(self.broker.drops),
-                "fleet_servers": msgspec.to_builtins(self.fleet.servers)}
+        return {
+            **msgspec.to_builtins(self.fleet),
+            **msgspec.to_builtins(self.learner),
+            **msgspec.to_builtins(job),
+            "queue_groups": self.queue_groups,
+            "groups_produced": self.fleet.groups_pushed,
+            "groups_dropped": {} if self.broker is None else dict(self.broker.drops),
+            "fleet_servers": msgspec.to_builtins(self.fleet.servers),
+        }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> JobSnapshot:
         """The snapshot in a ``status`` answer; raises ``msgspec.ValidationError`` naming a bad field."""
+
         def part(t) -> dict[str, Any]:
             return {k: d[k] for k in t.__struct_fields__ if k in d}
 

@@ -34,12 +34,27 @@ from rollout_fleet.status import FleetStatus
 
 def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) -> dict[str, Any]:
     snap = job.snapshot
-    learner = (msgspec.convert(final["learner"], LearnerStatus) if final.get("learner")
-               else snap.learner if snap is not None else LearnerStatus())
-    fleet = (msgspec.convert(final["fleet"], FleetStatus) if final.get("fleet")
-             else snap.fleet if snap is not None else FleetStatus())
-    broker = (msgspec.convert(final["broker"], BrokerView) if final.get("broker")
-              else snap.broker if snap is not None else None)
+    learner = (
+        msgspec.convert(final["learner"], LearnerStatus)
+        if final.get("learner")
+        else snap.learner
+        if snap is not None
+        else LearnerStatus()
+    )
+    fleet = (
+        msgspec.convert(final["fleet"], FleetStatus)
+        if final.get("fleet")
+        else snap.fleet
+        if snap is not None
+        else FleetStatus()
+    )
+    broker = (
+        msgspec.convert(final["broker"], BrokerView)
+        if final.get("broker")
+        else snap.broker
+        if snap is not None
+        else None
+    )
     drops = {k: int(v) for k, v in (broker.drops if broker is not None else {}).items() if v}
     broker_dropped = sum(drops.values())
     if fleet.groups_reward_failed:  # never pushed: the fleet dropped them (no made-up rewards)
@@ -57,8 +72,10 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     queued = broker.queued_groups + broker.leased_groups if broker is not None else 0
     failed = fleet.groups_failed
     lost = produced - consumed - broker_dropped - queued + failed
-    rewards = [None if (r is None or (isinstance(r, float) and math.isnan(r))) else round(r, 4)
-               for r in learner.reward_per_step]
+    rewards = [
+        None if (r is None or (isinstance(r, float) and math.isnan(r))) else round(r, 4)
+        for r in learner.reward_per_step
+    ]
     try:
         ignored = model_sampling_defaults(cfg.model.path)
     except ValueError as exc:
@@ -89,8 +106,16 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "broker_restarts": job.supervisor.restarts if job.supervisor is not None else 0,
         "broker_status_from_spool": broker is not None and broker.from_spool,
         "servers_at_end": len(fleet.servers),
-        "server_states_at_end": [{"engine_id": s.engine_id, "state": str(s.state), "version": s.version,
-                                  "restarts": s.restarts, "groups_done": s.groups_done} for s in fleet.servers],
+        "server_states_at_end": [
+            {
+                "engine_id": s.engine_id,
+                "state": str(s.state),
+                "version": s.version,
+                "restarts": s.restarts,
+                "groups_done": s.groups_done,
+            }
+            for s in fleet.servers
+        ],
         "weight_updates": fleet.weight_updates,
         "publishes": learner.publishes,  # real learner: publishes that reached >= 1 engine
         "last_published_version": learner.last_published_version,
@@ -99,8 +124,9 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "samples_truncated": fleet.samples_truncated,  # finish reason 'length'
         # DAPO (rollout.filter_groups): groups scored per group pushed; 1.0 without dynamic sampling
         "groups_generated": fleet.groups_generated,
-        "generation_per_pushed_group": (round(fleet.groups_generated / fleet.groups_pushed, 4)
-                                        if fleet.groups_pushed else None),
+        "generation_per_pushed_group": (
+            round(fleet.groups_generated / fleet.groups_pushed, 4) if fleet.groups_pushed else None
+        ),
         "samples_overlong_penalised": fleet.samples_overlong_penalised,
         "learner_idle_fraction": learner.learner_idle_fraction,
         "fleet_idle_fraction": fleet.fleet_idle_fraction,
@@ -113,8 +139,10 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "proxy": {"url": fleet.proxy_url, **fleet.proxy} if fleet.proxy_url else None,
         "learner_world_size": learner.world_size,  # ranks that trained (the simulated learner: 1)
         "learner_rank_steps": learner.rank_steps,  # steps each rank applied, rank order (real learner)
-        "placement": {"learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.learner],
-                      "servers": len(job.placement.servers)},
+        "placement": {
+            "learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.learner],
+            "servers": len(job.placement.servers),
+        },
         "wall_s": round(_wall(job), 2),
         "simulated": job.simulated,
         "stopped_on_request": job.stop_requested,  # `launch/cluster.py stop`: ended before run.max_steps
@@ -130,13 +158,16 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         from launch.busy import busy_fractions, read_steps
 
         try:  # a measurement: its failure must not cost the run its summary
-            summary["busy"] = busy_fractions(read_steps(job.run_dir, since_unix=time.time() - _wall(job)),
-                                             getattr(job, "fleet_busy", {}) or {})
+            summary["busy"] = busy_fractions(
+                read_steps(job.run_dir, since_unix=time.time() - _wall(job)), getattr(job, "fleet_busy", {}) or {}
+            )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             summary["busy"] = {"error": f"{type(exc).__name__}: {exc}"}
     if job.simulated:
-        summary["note"] = ("SIMULATED run: engines, rewards and learner steps are simulated; "
-                           "no model was trained and accuracy is not measured")
+        summary["note"] = (
+            "SIMULATED run: engines, rewards and learner steps are simulated; "
+            "no model was trained and accuracy is not measured"
+        )
     return summary
 
 

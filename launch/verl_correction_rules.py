@@ -85,14 +85,24 @@ def rejection_rules(c: Ctx) -> list[dict[str, Any]]:
             rules.append({"statistic": stat, "level": level, "lower": lo_b, "upper": up_b, "name": opt})
     veto = c.get(RC + "rollout_token_veto_threshold")
     if veto is not None:
-        rules.append({"statistic": "log_ratio", "level": "seq_min",
-                      "lower": math.log(_positive(veto, "rollout_token_veto_threshold")), "upper": None,
-                      "name": "veto"})
+        rules.append(
+            {
+                "statistic": "log_ratio",
+                "level": "seq_min",
+                "lower": math.log(_positive(veto, "rollout_token_veto_threshold")),
+                "upper": None,
+                "name": "veto",
+            }
+        )
     return rules
 
 
 def _megatron(c: Ctx) -> bool:
-    return "megatron" in (c.get(ARR + "actor.strategy"), c.get(ARR + "actor.fsdp_config.strategy"), c.get("model_engine"))
+    return "megatron" in (
+        c.get(ARR + "actor.strategy"),
+        c.get(ARR + "actor.fsdp_config.strategy"),
+        c.get("model_engine"),
+    )
 
 
 def correction(c: Ctx) -> tuple[list[str], str]:
@@ -112,37 +122,71 @@ def correction(c: Ctx) -> tuple[list[str], str]:
             return out, (
                 "verl's bypass: the clipped ratio against the sampler's log-probs, no proximal pass, no IS weight"
                 + (" (verl computes the rollout_is weights for metrics only)" if is_ else "")
-                + (f"; rejection by {', '.join(r['name'] for r in rules)} per micro-batch on the policy being trained"
-                   if rules else ""))
+                + (
+                    f"; rejection by {', '.join(r['name'] for r in rules)} per micro-batch on the policy being trained"
+                    if rules
+                    else ""
+                )
+            )
         if loss_type != "reinforce":
             raise Refused(f"rollout_correction.loss_type {loss_type!r}: verl has ppo_clip and reinforce")
         if is_ == "token" and lower is None and not normalize and not rules:
-            return ["learner.loss.correction=tis", "learner.recompute_proximal=false", f"learner.loss.tis_cap={dump(upper)}"], (
-                f"bypass REINFORCE with token TIS: gradient min(pi/mu, {upper}) * A * grad log pi, no clip")
-        raise Refused("bypass loss_type=reinforce with " + ("rejection sampling" if rules else "no IS weight" if not is_
-                      else f"{is_}-level, {'IcePop' if lower else 'batch-normalised' if normalize else 'truncated'} "
-                      "IS weights") + " measured per micro-batch on the policy being trained", ROLLOUT_CORRECTION)
+            return [
+                "learner.loss.correction=tis",
+                "learner.recompute_proximal=false",
+                f"learner.loss.tis_cap={dump(upper)}",
+            ], (f"bypass REINFORCE with token TIS: gradient min(pi/mu, {upper}) * A * grad log pi, no clip")
+        raise Refused(
+            "bypass loss_type=reinforce with "
+            + (
+                "rejection sampling"
+                if rules
+                else "no IS weight"
+                if not is_
+                else f"{is_}-level, {'IcePop' if lower else 'batch-normalised' if normalize else 'truncated'} "
+                "IS weights"
+            )
+            + " measured per micro-batch on the policy being trained",
+            ROLLOUT_CORRECTION,
+        )
     if is_ == "token" and lower is None and not normalize and not rules:
         return ["learner.loss.correction=decoupled", f"learner.loss.tis_cap={dump(upper)}"], (
             f"token-level truncated IS: ratio against the learner's pre-step log-probs, weighted by "
-            f"min(prox/behaviour, {upper})")
+            f"min(prox/behaviour, {upper})"
+        )
     if is_ or rules:
         if _megatron(c):
-            raise Refused("sequence-level, IcePop or batch-normalised IS weights and rejection sampling on the "
-                          "Megatron engine (learner.rollout_correction is FSDP's)", ROLLOUT_CORRECTION)
-        out = ["learner.loss.correction=decoupled", f"{SECTION}.enable=true",
-               f"{SECTION}.is_level={is_ or 'none'}", f"{SECTION}.is_upper={dump(upper)}",
-               f"{SECTION}.is_lower={dump(lower)}", f"{SECTION}.is_batch_normalize={dump(normalize)}",
-               f"{SECTION}.rejection={_flow(rules)}"]
-        what = [f"{is_}-level IS weights " + (f"in [{lower}, {upper}] (IcePop)" if lower else f"truncated at {upper}")
-                + (", normalised to mean 1 per optimizer step" if normalize else "")] if is_ else ["no IS weight"]
+            raise Refused(
+                "sequence-level, IcePop or batch-normalised IS weights and rejection sampling on the "
+                "Megatron engine (learner.rollout_correction is FSDP's)",
+                ROLLOUT_CORRECTION,
+            )
+        out = [
+            "learner.loss.correction=decoupled",
+            f"{SECTION}.enable=true",
+            f"{SECTION}.is_level={is_ or 'none'}",
+            f"{SECTION}.is_upper={dump(upper)}",
+            f"{SECTION}.is_lower={dump(lower)}",
+            f"{SECTION}.is_batch_normalize={dump(normalize)}",
+            f"{SECTION}.rejection={_flow(rules)}",
+        ]
+        what = (
+            [
+                f"{is_}-level IS weights "
+                + (f"in [{lower}, {upper}] (IcePop)" if lower else f"truncated at {upper}")
+                + (", normalised to mean 1 per optimizer step" if normalize else "")
+            ]
+            if is_
+            else ["no IS weight"]
+        )
         what += [f"rejection by {', '.join(r['name'] for r in rules)}"] if rules else []
         return out, "decoupled PPO on the pre-step policy with " + "; ".join(what)
     if stale == 0:
         return ["learner.loss.correction=none"], "on-policy: ratio against the learner's pre-step log-probs"
     return ["learner.loss.correction=decoupled"], (
         f"samples up to {stale} version(s) old: fleetrl requires a correction, so decoupled PPO (ratio against the "
-        "pre-step log-probs, behaviour weight truncated at learner.loss.tis_cap)")
+        "pre-step log-probs, behaviour weight truncated at learner.loss.tis_cap)"
+    )
 
 
 def _part(v: Any, c: Ctx) -> str:
@@ -176,5 +220,7 @@ CORRECTION_RULES: dict[str, Rule] = {
     RC + "rollout_rs_threshold_lower": _rs_part,
     RC + "rollout_token_veto_threshold": _veto,
     RC + "bypass_mode": _part,
-    RC + "loss_type": lambda v, c: _part(v, c) if c.get(RC + "bypass_mode") else "(no setting: read only in bypass mode)",
+    RC + "loss_type": lambda v, c: (
+        _part(v, c) if c.get(RC + "bypass_mode") else "(no setting: read only in bypass mode)"
+    ),
 }

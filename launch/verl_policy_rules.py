@@ -35,18 +35,26 @@ def _sp_size(v: Any, _: Ctx) -> list[str] | str:
 
 
 def _ref_sp_size(v: Any, c: Ctx) -> str:
-    actor = c.get(ARR + "actor.ulysses_sequence_parallel_size") or c.get(
-        ARR + "actor.fsdp_config.ulysses_sequence_parallel_size") or 1
+    actor = (
+        c.get(ARR + "actor.ulysses_sequence_parallel_size")
+        or c.get(ARR + "actor.fsdp_config.ulysses_sequence_parallel_size")
+        or 1
+    )
     if v not in (None, "", 0, 1) and v != actor:
-        raise Refused(f"ref ulysses_sequence_parallel_size={v} differs from the actor's {actor}: fleetrl runs the "
-                      "reference model in the actor's sequence-parallel group")
+        raise Refused(
+            f"ref ulysses_sequence_parallel_size={v} differs from the actor's {actor}: fleetrl runs the "
+            "reference model in the actor's sequence-parallel group"
+        )
     return "(no setting: the reference model runs in the actor's sequence-parallel group)"
 
 
-
 # -- algorithm ---------------------------------------------------------------------------------
-ESTIMATORS = {"rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "gpg": "gpg"}
+ESTIMATORS = {
+    "rloo": "rloo",
+    "reinforce_plus_plus": "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+    "gpg": "gpg",
+}
 
 
 def critic_available() -> bool:
@@ -69,14 +77,19 @@ def _adv(v: Any, c: Ctx) -> list[str] | str:
         for key, dest in (("algorithm.gamma", "learner.loss.gamma"), ("algorithm.lam", "learner.loss.lam")):
             out.append(f"{dest}={dump(c.get(key))}")
         return out
-    raise Refused(f"adv_estimator {v!r}: fleetrl has grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
-                  "gpg and gae (with the critic); remax needs a greedy baseline rollout per prompt, which the fleet "
-                  "does not generate")
+    raise Refused(
+        f"adv_estimator {v!r}: fleetrl has grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
+        "gpg and gae (with the critic); remax needs a greedy baseline rollout per prompt, which the fleet "
+        "does not generate"
+    )
 
 
 def _norm_std(v: Any, c: Ctx) -> str:
-    return "(set with algorithm.adv_estimator=grpo)" if c.get("algorithm.adv_estimator") == "grpo" \
+    return (
+        "(set with algorithm.adv_estimator=grpo)"
+        if c.get("algorithm.adv_estimator") == "grpo"
         else "(no setting: read only by adv_estimator=grpo)"
+    )
 
 
 def _gamma_lam(v: Any, c: Ctx) -> str:
@@ -100,28 +113,41 @@ def _kl_in_reward(v: Any, c: Ctx) -> list[str] | str:
     kind = c.get("algorithm.kl_ctrl.type")
     if kind not in ("fixed", "adaptive"):
         raise Refused(f"algorithm.kl_ctrl.type {kind!r}: fleetrl has 'fixed' and 'adaptive'")
-    return ["learner.kl_reward.enable=true", f"learner.kl_reward.estimator={KL_PENALTY[pen]}",
-            f"learner.kl_reward.type={kind}", f"learner.kl_reward.coef={dump(c.get('algorithm.kl_ctrl.kl_coef'))}",
-            f"learner.kl_reward.target_kl={dump(c.get('algorithm.kl_ctrl.target_kl'))}",
-            f"learner.kl_reward.horizon={dump(c.get('algorithm.kl_ctrl.horizon'))}"]
+    return [
+        "learner.kl_reward.enable=true",
+        f"learner.kl_reward.estimator={KL_PENALTY[pen]}",
+        f"learner.kl_reward.type={kind}",
+        f"learner.kl_reward.coef={dump(c.get('algorithm.kl_ctrl.kl_coef'))}",
+        f"learner.kl_reward.target_kl={dump(c.get('algorithm.kl_ctrl.target_kl'))}",
+        f"learner.kl_reward.horizon={dump(c.get('algorithm.kl_ctrl.horizon'))}",
+    ]
 
 
 def _kl_reward_part(v: Any, c: Ctx) -> str:
-    return "(set with algorithm.use_kl_in_reward)" if c.get("algorithm.use_kl_in_reward") \
+    return (
+        "(set with algorithm.use_kl_in_reward)"
+        if c.get("algorithm.use_kl_in_reward")
         else "(no setting: algorithm.use_kl_in_reward is false)"
+    )
 
 
 def _filter_groups(v: Any, c: Ctx) -> list[str] | str:
     if not v:
         return "(no setting: no dynamic sampling, fleetrl's default)"
     metric = c.get("algorithm.filter_groups.metric") or "acc"
-    return ["rollout.filter_groups.enable=true", f"rollout.filter_groups.metric={dump(metric)}",
-            f"rollout.filter_groups.max_num_gen_batches={max(0, int(c.get('algorithm.filter_groups.max_num_gen_batches') or 0))}"]
+    return [
+        "rollout.filter_groups.enable=true",
+        f"rollout.filter_groups.metric={dump(metric)}",
+        f"rollout.filter_groups.max_num_gen_batches={max(0, int(c.get('algorithm.filter_groups.max_num_gen_batches') or 0))}",
+    ]
 
 
 def _filter_part(v: Any, c: Ctx) -> str:
-    return "(set with algorithm.filter_groups.enable)" if c.get("algorithm.filter_groups.enable") \
+    return (
+        "(set with algorithm.filter_groups.enable)"
+        if c.get("algorithm.filter_groups.enable")
         else "(no setting: algorithm.filter_groups.enable is false)"
+    )
 
 
 # -- actor -------------------------------------------------------------------------------------
@@ -130,23 +156,33 @@ def _kl_loss(v: Any, c: Ctx) -> list[str]:
 
 
 def _kl_coef(v: Any, c: Ctx) -> str:
-    return "(set with actor.use_kl_loss)" if c.get(ARR + "actor.use_kl_loss") else "(no setting: actor.use_kl_loss is false)"
+    return (
+        "(set with actor.use_kl_loss)"
+        if c.get(ARR + "actor.use_kl_loss")
+        else "(no setting: actor.use_kl_loss is false)"
+    )
 
 
 def _kl_type(v: Any, c: Ctx) -> list[str] | str:
     if not c.get(ARR + "actor.use_kl_loss"):
         return "(no setting: actor.use_kl_loss is false)"
     if v in ("kl", "k1"):
-        raise Refused("kl_loss_type 'kl' (k1) has zero expected gradient as a loss term; use 'low_var_kl' (k3) "
-                      "or 'mse' (k2)")
+        raise Refused(
+            "kl_loss_type 'kl' (k1) has zero expected gradient as a loss term; use 'low_var_kl' (k3) or 'mse' (k2)"
+        )
     est = {"low_var_kl": "k3", "k3": "k3", "mse": "k2", "k2": "k2"}.get(v)
     if est is None:
         raise Refused(f"kl_loss_type {v!r}: fleetrl has 'low_var_kl' (k3) and 'mse' (k2)")
     return [f"learner.loss.kl_estimator={est}"]
 
 
-AGG = {"token-mean": "token", "seq-mean-token-mean": "sequence", "token-sum": "token_sum",
-       "seq-mean-token-sum": "seq_mean_token_sum", "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
+AGG = {
+    "token-mean": "token",
+    "seq-mean-token-mean": "sequence",
+    "token-sum": "token_sum",
+    "seq-mean-token-sum": "seq_mean_token_sum",
+    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+}
 
 
 def _agg(v: Any, _: Ctx) -> list[str]:
@@ -164,8 +200,10 @@ def _policy_loss(v: Any, _: Ctx) -> list[str] | str:
         return "(no setting: the clipped PPO loss, fleetrl's default)"
     if v in ("gspo", "geo_mean"):
         return [f"learner.loss.policy_loss={v}"]
-    raise Refused(f"policy_loss.loss_mode {v!r}: fleetrl has vanilla, gspo and geo_mean (clip_cov and kl_cov "
-                  "select tokens by their covariance, which is not built)")
+    raise Refused(
+        f"policy_loss.loss_mode {v!r}: fleetrl has vanilla, gspo and geo_mean (clip_cov and kl_cov "
+        "select tokens by their covariance, which is not built)"
+    )
 
 
 def _entropy(v: Any, _: Ctx) -> list[str] | str:
@@ -178,12 +216,15 @@ def _clip_side(dest: str) -> Rule:
     def rule(v: Any, c: Ctx) -> list[str]:
         # verl reads clip_ratio only where clip_ratio_low/high are null
         return [f"{dest}={dump(c.get(ARR + 'actor.clip_ratio') if v is None else v)}"]
+
     return rule
 
 
 def _clip_ratio(v: Any, c: Ctx) -> str:
-    return "(no setting: verl 0.9 clips with clip_ratio_low/clip_ratio_high, 0.2 each by default; clip_ratio " \
-           "is their fallback only where they are null)"
+    return (
+        "(no setting: verl 0.9 clips with clip_ratio_low/clip_ratio_high, 0.2 each by default; clip_ratio "
+        "is their fallback only where they are null)"
+    )
 
 
 def _micro_seqs(v: Any, c: Ctx) -> list[str] | str:
@@ -234,6 +275,7 @@ def _megatron_size(dest: str) -> Rule:
         if v is None:
             return "(no setting: null)"
         return [f"learner.megatron.{dest}={int(v)}"]
+
     return rule
 
 
@@ -244,15 +286,19 @@ def _vpp(v: Any, _: Ctx) -> list[str] | str:
         return "(no setting: no virtual pipeline stages)"
     if "virtual_pipeline_model_parallel_size" in MegatronConfig.model_fields:
         return [f"learner.megatron.virtual_pipeline_model_parallel_size={int(v)}"]
-    raise Refused(f"virtual_pipeline_model_parallel_size={v}: learner.megatron has no virtual_pipeline_model_parallel_"
-                  "size (the interleaved pipeline schedule)", OTHER_ENGINE)
+    raise Refused(
+        f"virtual_pipeline_model_parallel_size={v}: learner.megatron has no virtual_pipeline_model_parallel_"
+        "size (the interleaved pipeline schedule)",
+        OTHER_ENGINE,
+    )
 
 
 def _dtype(v: Any, _: Ctx) -> str:
     if v in ("bfloat16", "bf16", "float32", "fp32"):
         return "(no setting: fleetrl trains in float32 master weights with bfloat16 compute where model.dtype says)"
-    raise Refused(f"dtype {v!r}: fleetrl trains and serves in bfloat16 or float32 (float16 needs loss scaling)",
-                  OTHER_ENGINE)
+    raise Refused(
+        f"dtype {v!r}: fleetrl trains and serves in bfloat16 or float32 (float16 needs loss scaling)", OTHER_ENGINE
+    )
 
 
 def _recompute(v: Any, _: Ctx) -> list[str] | str:
@@ -264,8 +310,11 @@ def _recompute(v: Any, _: Ctx) -> list[str] | str:
 def _override_transformer(key: str, v: Any, c: Ctx) -> list[str] | str:
     leaf = key.rsplit(".", 1)[-1]
     if leaf.startswith("moe_") or leaf == "router_replay":
-        raise Refused(f"{leaf}: a setting of Megatron-Core's MoE layers (fleetrl's Megatron engine builds dense "
-                      "decoders; FSDP trains the HF MoE model without expert parallelism)", MOE)
+        raise Refused(
+            f"{leaf}: a setting of Megatron-Core's MoE layers (fleetrl's Megatron engine builds dense "
+            "decoders; FSDP trains the HF MoE model without expert parallelism)",
+            MOE,
+        )
     if leaf == "context_parallel_size":
         return _above_one(CP, "Megatron context_parallel_size")(v, c)
     if leaf.startswith("recompute_"):
@@ -281,7 +330,6 @@ def _schedule(v: Any, _: Ctx) -> list[str]:
     if v not in ("constant", "cosine", "linear"):
         raise Refused(f"lr schedule {v!r}: fleetrl has constant, cosine and linear")
     return [f"learner.optim.schedule={v}"]
-
 
 
 ALGORITHM_RULES: dict[str, Rule] = {
@@ -322,7 +370,9 @@ ACTOR_RULES: dict[str, Rule] = {
     ARR + "actor.optim.lr_decay_style": lambda v, c: _schedule(v, c),
     ARR + "actor.optim.lr_decay_steps": _no_effect("fleetrl decays over run.max_steps"),
     ARR + "actor.optim.min_lr_ratio": lambda v, _: [f"learner.optim.min_lr_ratio={dump(v or 0.0)}"],
-    ARR + "actor.optim.min_lr": lambda v, c: [f"learner.optim.min_lr_ratio={dump(float(v) / float(c.get(ARR + 'actor.optim.lr')))}"],
+    ARR + "actor.optim.min_lr": lambda v, c: [
+        f"learner.optim.min_lr_ratio={dump(float(v) / float(c.get(ARR + 'actor.optim.lr')))}"
+    ],
     ARR + "actor.optim.num_cycles": _only(0.5, "a half cosine", "fleetrl's cosine is one half cycle (num_cycles 0.5)"),
     ARR + "actor.optim.optimizer": _only("AdamW", "AdamW", "fleetrl's optimizer is AdamW"),
     ARR + "actor.optim.optimizer_impl": _no_effect("torch's AdamW"),
@@ -365,7 +415,9 @@ ACTOR_RULES: dict[str, Rule] = {
     ARR + "actor.megatron.router_replay.mode": _only("disabled", "off", "MoE router replay", MOE),
     ARR + "actor.megatron.use_mbridge": _no_effect("fleetrl converts HF weights itself (learner/megatron/convert.py)"),
     ARR + "actor.megatron.vanilla_mbridge": _no_effect("fleetrl converts HF weights itself"),
-    ARR + "actor.megatron.use_dist_checkpointing": _no_effect("fleetrl loads the HF folder and writes its own checkpoints"),
+    ARR + "actor.megatron.use_dist_checkpointing": _no_effect(
+        "fleetrl loads the HF folder and writes its own checkpoints"
+    ),
     ARR + "actor.megatron.dist_checkpointing_path": _no_effect("fleetrl loads the HF folder"),
     ARR + "actor.megatron.use_remove_padding": _no_effect("fleetrl always packs sequences without padding"),
     # reference

@@ -89,19 +89,23 @@ def _no_effect(why: str) -> Rule:
 
 def _only(expected: Any, why: str, refuse: str, capability: str | None = None) -> Rule:
     """Accept ``expected`` (fleetrl always behaves so: ``why``); refuse any other value."""
+
     def rule(v: Any, _: Ctx) -> str:
         if v == expected or (isinstance(expected, tuple) and v in expected):
             return f"(no setting: {why})"
         raise Refused(refuse, capability)
+
     return rule
 
 
 def _above_one(capability: str, what: str) -> Rule:
     """A parallel size: 1 (or unset) is what fleetrl does; more needs ``capability``."""
+
     def rule(v: Any, _: Ctx) -> str:
         if v in (None, "", 0, 1):
             return "(no setting: size 1)"
         raise Refused(f"{what} = {v}", capability)
+
     return rule
 
 
@@ -110,10 +114,12 @@ def _when_true(capability: str, what: str, why_off: str = "off") -> Rule:
         if not v:
             return f"(no setting: {why_off})"
         raise Refused(what, capability)
+
     return rule
 
 
 def _refuse(capability: str, what: str) -> Rule:
     def rule(v: Any, _: Ctx) -> str:
         raise Refused(what, capability)
+
     return rule

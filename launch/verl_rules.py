@@ -56,8 +56,26 @@ from launch.verl_rule_kit import (
     num,
 )
 
-__all__ = ["ARR", "CAPABILITIES", "CP", "CRITIC", "LORA", "MOE", "OTHER_ENGINE", "PREFIX_RULES", "ROLLOUT_CORRECTION",
-           "RULES", "ULYSSES", "VLM", "Ctx", "Refused", "correction", "dump", "longest", "num"]
+__all__ = [
+    "ARR",
+    "CAPABILITIES",
+    "CP",
+    "CRITIC",
+    "LORA",
+    "MOE",
+    "OTHER_ENGINE",
+    "PREFIX_RULES",
+    "ROLLOUT_CORRECTION",
+    "RULES",
+    "ULYSSES",
+    "VLM",
+    "Ctx",
+    "Refused",
+    "correction",
+    "dump",
+    "longest",
+    "num",
+]
 
 
 # -- rollout -----------------------------------------------------------------------------------
@@ -80,6 +98,7 @@ def _val(dest: str) -> Rule:
         if dest == "top_k" and v == 0:
             v = -1  # HF's 0 and vLLM's -1 both mean off
         return [f"rollout.eval_sampling.{dest}={dump(v)}"]
+
     return rule
 
 
@@ -144,13 +163,19 @@ def _max_model_len(v: Any, c: Ctx) -> list[str] | str:
 def _multi_turn(v: Any, _: Ctx) -> str:
     if not v:
         return "(no setting: single turn)"
-    raise Refused("verl's multi-turn tool agent loop (tool_config_path, sandbox tools); fleetrl runs multi-turn "
-                  "episodes through rollout.env or rollout.proxy.agent", OTHER_ENGINE)
+    raise Refused(
+        "verl's multi-turn tool agent loop (tool_config_path, sandbox tools); fleetrl runs multi-turn "
+        "episodes through rollout.env or rollout.proxy.agent",
+        OTHER_ENGINE,
+    )
 
 
 def _multi_turn_part(v: Any, c: Ctx) -> str:
-    return "(set with rollout.multi_turn.enable)" if c.get(ARR + "rollout.multi_turn.enable") \
+    return (
+        "(set with rollout.multi_turn.enable)"
+        if c.get(ARR + "rollout.multi_turn.enable")
         else "(no setting: multi_turn.enable is false)"
+    )
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -158,8 +183,10 @@ def _train_batch(v: Any, c: Ctx) -> list[str] | str:
     if c.entry == FULLY_ASYNC:
         return "(no setting: the fully-async trainer's step is async_training.require_batches x ppo_mini_batch_size)"
     if not isinstance(v, int) or v < 1:
-        raise Refused(f"data.train_batch_size={v!r}: expected prompts per step >= 1 (0 is the fully-async "
-                      f"trainer's, {FULLY_ASYNC})")
+        raise Refused(
+            f"data.train_batch_size={v!r}: expected prompts per step >= 1 (0 is the fully-async "
+            f"trainer's, {FULLY_ASYNC})"
+        )
     return [f"broker.groups_per_step={v}"]
 
 
@@ -181,15 +208,20 @@ def _trust_remote_code(v: Any, c: Ctx) -> str:
     path = Path(str(c.get(ARR + "model.path", ""))).expanduser()
     cfg = path / "config.json"
     if not cfg.is_file():
-        raise Refused(f"trust_remote_code=True with model.path {str(path)!r}, not a local model folder: fleetrl runs no "
-                      "code fetched from the hub; download the folder and read its code first")
+        raise Refused(
+            f"trust_remote_code=True with model.path {str(path)!r}, not a local model folder: fleetrl runs no "
+            "code fetched from the hub; download the folder and read its code first"
+        )
     try:
         auto_map = json.loads(cfg.read_text()).get("auto_map")
     except (OSError, ValueError) as exc:
         raise Refused(f"trust_remote_code=True: cannot read {cfg}: {exc}") from None
     if auto_map:
-        raise Refused(f"{cfg} maps its classes to the folder's own code (auto_map {sorted(auto_map)}); fleetrl's "
-                      "learner and converter build transformers' own classes", OTHER_ENGINE)
+        raise Refused(
+            f"{cfg} maps its classes to the folder's own code (auto_map {sorted(auto_map)}); fleetrl's "
+            "learner and converter build transformers' own classes",
+            OTHER_ENGINE,
+        )
     return "(no setting: the local folder's model is one of transformers' own classes; no remote code runs)"
 
 
@@ -207,12 +239,17 @@ def _manager(v: Any, c: Ctx) -> list[str]:
         return ["reward.batched=false", "reward.mode=process"]
     if v == "dapo":
         return ["reward.batched=false"] + _overlong(c)
-    raise Refused(f"reward manager {v!r}: fleetrl has naive, batch, prime (a process pool) and dapo (overlong "
-                  "shaping); an async reward function covers judges and sandboxes")
+    raise Refused(
+        f"reward manager {v!r}: fleetrl has naive, batch, prime (a process pool) and dapo (overlong "
+        "shaping); an async reward function covers judges and sandboxes"
+    )
 
 
-OVERLONG_PREFIXES = ("reward.reward_kwargs.overlong_buffer_cfg.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
-                     "reward_model.overlong_buffer.")
+OVERLONG_PREFIXES = (
+    "reward.reward_kwargs.overlong_buffer_cfg.",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.",
+    "reward_model.overlong_buffer.",
+)
 
 
 def _overlong_get(c: Ctx, leaf: str, default: Any) -> Any:
@@ -228,9 +265,12 @@ def _overlong(c: Ctx) -> list[str]:
     length = int(_overlong_get(c, "len", 0))
     if length < 1:
         raise Refused(f"overlong_buffer_cfg.len={length}: the buffer needs at least one token")
-    return ["reward.overlong_buffer.enable=true", f"reward.overlong_buffer.len={length}",
-            f"reward.overlong_buffer.penalty_factor={dump(_overlong_get(c, 'penalty_factor', 1.0))}",
-            f"reward.overlong_buffer.log={dump(bool(_overlong_get(c, 'log', False)))}"]
+    return [
+        "reward.overlong_buffer.enable=true",
+        f"reward.overlong_buffer.len={length}",
+        f"reward.overlong_buffer.penalty_factor={dump(_overlong_get(c, 'penalty_factor', 1.0))}",
+        f"reward.overlong_buffer.log={dump(bool(_overlong_get(c, 'log', False)))}",
+    ]
 
 
 def _manager_name(c: Ctx) -> Any:
@@ -245,8 +285,10 @@ def _overlong_part(v: Any, c: Ctx) -> str:
 
 def _max_resp_len(v: Any, c: Ctx) -> str:
     if _manager_name(c) == "dapo" and v is not None and int(v) != _response_len(c):
-        raise Refused(f"max_resp_len={v} differs from the response length {_response_len(c)}: fleetrl measures the "
-                      "overlong buffer from rollout.sampling.max_tokens")
+        raise Refused(
+            f"max_resp_len={v} differs from the response length {_response_len(c)}: fleetrl measures the "
+            "overlong buffer from rollout.sampling.max_tokens"
+        )
     return "(no setting: fleetrl measures the overlong buffer from rollout.sampling.max_tokens)"
 
 
@@ -265,8 +307,11 @@ def _reward_fn(v: Any, c: Ctx) -> list[str] | str:
 def _reward_model(v: Any, _: Ctx) -> str:
     if not v:
         return "(no setting: rule-based rewards)"
-    raise Refused("verl's reward-model worker pool; fleetrl scores with reward.model (a judge or classifier server, "
-                  "--reward-gpus N)", OTHER_ENGINE)
+    raise Refused(
+        "verl's reward-model worker pool; fleetrl scores with reward.model (a judge or classifier server, "
+        "--reward-gpus N)",
+        OTHER_ENGINE,
+    )
 
 
 def _reward_model_part(v: Any, c: Ctx) -> str:
@@ -317,8 +362,10 @@ def _epochs(v: Any, c: Ctx) -> list[str] | str:
         return "(no setting: trainer.total_training_steps wins, as in verl)"
     files = c.get("data.train_files")
     if files is None:
-        raise Refused("trainer.total_epochs needs data.train_files on the same command line (steps = epochs x "
-                      "prompts // data.train_batch_size)")
+        raise Refused(
+            "trainer.total_epochs needs data.train_files on the same command line (steps = epochs x "
+            "prompts // data.train_batch_size)"
+        )
     batch = c.get("data.train_batch_size")
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         return "(no setting: data.train_batch_size is refused above)"
@@ -340,7 +387,9 @@ def _total_steps(v: Any, c: Ctx) -> list[str] | str:
 
 def _resume(v: Any, _: Ctx) -> list[str]:
     if v not in ("auto", "disable"):
-        raise Refused(f"trainer.resume_mode {v!r}: fleetrl resumes from the newest checkpoint ('auto') or not ('disable')")
+        raise Refused(
+            f"trainer.resume_mode {v!r}: fleetrl resumes from the newest checkpoint ('auto') or not ('disable')"
+        )
     return [f"learner.resume={'true' if v == 'auto' else 'false'}"]
 
 
@@ -361,12 +410,17 @@ def _placement(v: Any, c: Ctx) -> str:
 def placement_advice(c: Ctx) -> str:
     learner = num(c, "trainer.n_gpus_per_node", int, 0) * num(c, "trainer.nnodes", int, 0)
     if c.entry in (FULLY_ASYNC, ONE_STEP_OFF) or c.get(ARR + "hybrid_engine") is False:
-        rollout = (num(c, "rollout.n_gpus_per_node", int, 0) if "rollout.n_gpus_per_node" in c else 8) * \
-            (num(c, "rollout.nnodes", int, 0) if "rollout.nnodes" in c else 1)
-        return (f"(on the command line: --rollout-gpus {rollout} --learner-gpus {learner}; verl gives the rollout "
-                "and the trainer their own GPUs, as fleetrl does)")
-    return (f"(on the command line: --rollout-gpus R --learner-gpus L, R + L = {learner}; fleetrl gives each pool "
-            f"its own GPUs; verl's hybrid engine shares them, which is --gpus {learner} (colocated mode))")
+        rollout = (num(c, "rollout.n_gpus_per_node", int, 0) if "rollout.n_gpus_per_node" in c else 8) * (
+            num(c, "rollout.nnodes", int, 0) if "rollout.nnodes" in c else 1
+        )
+        return (
+            f"(on the command line: --rollout-gpus {rollout} --learner-gpus {learner}; verl gives the rollout "
+            "and the trainer their own GPUs, as fleetrl does)"
+        )
+    return (
+        f"(on the command line: --rollout-gpus R --learner-gpus L, R + L = {learner}; fleetrl gives each pool "
+        f"its own GPUs; verl's hybrid engine shares them, which is --gpus {learner} (colocated mode))"
+    )
 
 
 # -- fully async -------------------------------------------------------------------------------
@@ -376,13 +430,17 @@ def async_schedule(c: Ctx) -> tuple[list[str], str]:
     req = num(c, "async_training.require_batches", int, 1)
     sync = num(c, "async_training.trigger_parameter_sync_step", int, 1)
     groups = mini * req * sync
-    out = [f"broker.groups_per_step={groups}",
-           f"rollout.weight_update={'inflight' if c.get('async_training.partial_rollout') else 'pause'}"]
+    out = [
+        f"broker.groups_per_step={groups}",
+        f"rollout.weight_update={'inflight' if c.get('async_training.partial_rollout') else 'pause'}",
+    ]
     total = c.get("rollout.total_rollout_steps")
     if total is not None:
         out.append(f"run.max_steps={max(1, num(c, 'rollout.total_rollout_steps', int, 1) // groups)}")
-    return out, (f"one fleetrl step = one verl parameter sync: trigger_parameter_sync_step {sync} x require_batches "
-                 f"{req} x ppo_mini_batch_size {mini} = {groups} prompt groups, published once")
+    return out, (
+        f"one fleetrl step = one verl parameter sync: trigger_parameter_sync_step {sync} x require_batches "
+        f"{req} x ppo_mini_batch_size {mini} = {groups} prompt groups, published once"
+    )
 
 
 def _async_part(v: Any, c: Ctx) -> str:
@@ -396,8 +454,10 @@ def _staleness(v: Any, c: Ctx) -> str:
         return f"(no setting: read only by {FULLY_ASYNC})"
     if not isinstance(v, (int, float)) or v < 0:
         raise Refused(f"async_training.staleness_threshold={v!r}: expected a fraction >= 0")
-    return (f"(broker.max_staleness={math.ceil(v)}: verl bounds the share of samples from the previous version "
-            f"({v}); fleetrl bounds their age in versions, any share)")
+    return (
+        f"(broker.max_staleness={math.ceil(v)}: verl bounds the share of samples from the previous version "
+        f"({v}); fleetrl bounds their age in versions, any share)"
+    )
 
 
 def _no_verl(what: str) -> Rule:
@@ -427,11 +487,14 @@ def _lora_rank(v: Any, c: Ctx) -> list[str] | str:
     get = {k: c.get(ARR + "model." + k, d) for k, d in LORA_KEYS.items()}
     out = [f"learner.lora.rank={int(v)}", f"learner.lora.alpha={dump(get['lora_alpha'])}"]
     targets = get["target_modules"]
-    out.append("learner.lora.target_modules=" + (
-        "all-linear" if targets == "all-linear" else dump(_names(ARR + "model.target_modules", targets))))
+    out.append(
+        "learner.lora.target_modules="
+        + ("all-linear" if targets == "all-linear" else dump(_names(ARR + "model.target_modules", targets)))
+    )
     if get["exclude_modules"] not in (None, "", []):
-        out.append("learner.lora.exclude_modules=" + dump(_names(ARR + "model.exclude_modules",
-                                                                   get["exclude_modules"])))
+        out.append(
+            "learner.lora.exclude_modules=" + dump(_names(ARR + "model.exclude_modules", get["exclude_modules"]))
+        )
     if get["lora_adapter_path"]:
         out.append(f"learner.lora.adapter_path={get['lora_adapter_path']}")
     return out
@@ -439,6 +502,7 @@ def _lora_rank(v: Any, c: Ctx) -> list[str] | str:
 
 def _lora_part(v: Any, c: Ctx) -> str:
     return "(set with lora_rank)" if _lora_on(c) else "(no setting: read only with lora_rank > 0)"
+
 
 RULES: dict[str, Rule] = {
     **ALGORITHM_RULES,
@@ -449,7 +513,8 @@ RULES: dict[str, Rule] = {
     "async_training.partial_rollout": _async_part,
     "async_training.use_trainer_do_validate": _no_effect("the fleet runs evaluations"),
     "async_training.use_dynamic_resource_scheduling": _no_effect(
-        "fleetrl's pools keep their own GPUs (rollout.autoscale sizes the fleet; --gpus N shares them)"),
+        "fleetrl's pools keep their own GPUs (rollout.autoscale sizes the fleet; --gpus N shares them)"
+    ),
     "async_training.dynamic_schedule_policy": _no_effect("read only with use_dynamic_resource_scheduling"),
     "async_training.dynamic_schedule_deactivate_ratio": _no_effect("read only with use_dynamic_resource_scheduling"),
     "async_training.dynamic_schedule_enable_rebalance": _no_effect("read only with use_dynamic_resource_scheduling"),
@@ -472,8 +537,9 @@ RULES: dict[str, Rule] = {
     "data.seed": _no_effect("the shuffle is seeded by run.seed"),
     "data.dataloader_num_workers": _no_effect("prompts are tokenized once at load"),
     "data.prompt_key": _only("prompt", "fleetrl reads the 'prompt' column", "fleetrl reads the prompt from 'prompt'"),
-    "data.reward_fn_key": _only("data_source", "the reward routes by 'data_source'",
-                                "fleetrl routes rewards by 'data_source'"),
+    "data.reward_fn_key": _only(
+        "data_source", "the reward routes by 'data_source'", "fleetrl routes rewards by 'data_source'"
+    ),
     "data.return_raw_chat": _no_effect("fleetrl keeps the chat messages and applies the template itself"),
     "data.trust_remote_code": _trust_remote_code,
     "data.tokenizer": _no_effect("the tokenizer is the model folder's"),
@@ -490,12 +556,16 @@ RULES: dict[str, Rule] = {
     # model
     ARR + "model.path": _set("model.path"),
     ARR + "model.tokenizer_path": _no_effect("the tokenizer is the model folder's"),
-    ARR + "model.use_remove_padding": _no_effect("fleetrl always packs sequences without padding; the numbers are the same"),
+    ARR + "model.use_remove_padding": _no_effect(
+        "fleetrl always packs sequences without padding; the numbers are the same"
+    ),
     ARR + "model.enable_gradient_checkpointing": _set("learner.activation_checkpointing"),
     ARR + "model.enable_activation_offload": _no_effect("a memory choice; fleetrl has activation checkpointing only"),
     ARR + "model.lora_rank": _lora_rank,
     ARR + "model.trust_remote_code": _trust_remote_code,
-    ARR + "model.use_fused_kernels": _no_effect("a kernel choice; fleetrl's chunked log-prob path keeps no full logits"),
+    ARR + "model.use_fused_kernels": _no_effect(
+        "a kernel choice; fleetrl's chunked log-prob path keeps no full logits"
+    ),
     ARR + "model.use_liger": _no_effect("a kernel choice"),
     ARR + "model.use_shm": _no_effect("the model loads from its folder (and, with LoRA, the adapters too)"),
     ARR + "model.external_lib": _refuse(OTHER_ENGINE, "a model class from an external library"),
@@ -517,8 +587,9 @@ RULES: dict[str, Rule] = {
     ARR + "rollout.val_kwargs.n": _val("n"),
     ARR + "rollout.val_kwargs.do_sample": _val("do_sample"),
     ARR + "rollout.tensor_model_parallel_size": _set("rollout.tensor_parallel_size"),
-    ARR + "rollout.data_parallel_size": _no_effect("fleetrl runs one server per tensor_parallel_size GPUs and "
-                                                   "balances groups over them"),
+    ARR + "rollout.data_parallel_size": _no_effect(
+        "fleetrl runs one server per tensor_parallel_size GPUs and balances groups over them"
+    ),
     ARR + "rollout.expert_parallel_size": _rollout_ep,
     ARR + "rollout.moe_tensor_parallel_size": _above_one(MOE, "rollout moe_tensor_parallel_size"),
     ARR + "rollout.gpu_memory_utilization": _set("rollout.gpu_memory_utilization"),
@@ -530,25 +601,32 @@ RULES: dict[str, Rule] = {
     ARR + "rollout.response_length": _response_length,
     ARR + "rollout.single_turn_response_length": _no_verl("rollout.single_turn_response_length"),
     ARR + "rollout.dtype": _dtype,
-    ARR + "rollout.ignore_eos": _only(False, "generation stops at EOS", "ignore_eos=True: generation "
-                                          "past the end-of-sequence token (fleetrl's sampling always stops there)",
-                                          OTHER_ENGINE),
+    ARR + "rollout.ignore_eos": _only(
+        False,
+        "generation stops at EOS",
+        "ignore_eos=True: generation past the end-of-sequence token (fleetrl's sampling always stops there)",
+        OTHER_ENGINE,
+    ),
     ARR + "rollout.calculate_log_probs": _no_effect("the engines always return the behaviour log-probs"),
     ARR + "rollout.max_num_batched_tokens": _no_effect("a throughput setting of the engine (rollout.vllm_server_args)"),
     ARR + "rollout.log_prob_micro_batch_size": _no_effect("the engine returns the behaviour log-probs"),
     ARR + "rollout.log_prob_micro_batch_size_per_gpu": _no_effect(
-        "the engine returns the behaviour log-probs; the learner's own pass packs by learner.micro_batch_tokens"),
+        "the engine returns the behaviour log-probs; the learner's own pass packs by learner.micro_batch_tokens"
+    ),
     ARR + "rollout.log_prob_use_dynamic_bsz": _no_effect("the learner packs by tokens"),
     ARR + "rollout.log_prob_max_token_len_per_gpu": _no_effect("the learner packs by learner.micro_batch_tokens"),
     ARR + "rollout.free_cache_engine": _no_effect("fleetrl's engines keep their own GPUs"),
     ARR + "rollout.enable_sleep_mode": _no_effect("fleetrl's engines keep their own GPUs (colocated mode sleeps them)"),
     ARR + "rollout.multi_stage_wake_up": _no_effect("fleetrl's engines keep their own GPUs"),
     ARR + "rollout.enable_chunked_prefill": _no_effect("the engine's default"),
-    ARR + "rollout.enable_prefix_caching": _no_effect("the engine's default; the cache is reset at every weight update"),
+    ARR + "rollout.enable_prefix_caching": _no_effect(
+        "the engine's default; the cache is reset at every weight update"
+    ),
     ARR + "rollout.disable_log_stats": _no_effect("engine logging"),
     ARR + "rollout.load_format": _no_effect("engines load the model folder; weights arrive by weight sync"),
-    ARR + "rollout.layered_summon": _no_effect("weights are gathered by fleetrl's publisher (with LoRA only the "
-                                               "adapters are gathered)"),
+    ARR + "rollout.layered_summon": _no_effect(
+        "weights are gathered by fleetrl's publisher (with LoRA only the adapters are gathered)"
+    ),
     ARR + "rollout.agent.num_workers": _no_effect("reward.workers and the fleet's workers scale with the servers"),
     ARR + "rollout.enable_rollout_routing_replay": _when_true(MOE, "MoE routing replay"),
     ARR + "rollout.multi_turn.enable": _multi_turn,
@@ -592,13 +670,17 @@ RULES: dict[str, Rule] = {
 }
 
 
-
 CRITIC_KEYS = {  # verl critic.* -> learner.critic.* (keys.md); mapped only when the run has a critic (GAE)
-    "critic.optim.lr": "optim.lr", "critic.optim.weight_decay": "optim.weight_decay",
-    "critic.optim.lr_warmup_steps": "optim.warmup_steps", "critic.cliprange_value": "cliprange_value",
-    "critic.ppo_epochs": "ppo_epochs", "critic.ppo_mini_batch_size": "ppo_mini_batch_size",
-    "critic.grad_clip": "grad_clip", "critic.fsdp.param_offload": "param_offload",
-    "critic.fsdp.optimizer_offload": "optimizer_offload", "trainer.critic_warmup": "warmup_steps",
+    "critic.optim.lr": "optim.lr",
+    "critic.optim.weight_decay": "optim.weight_decay",
+    "critic.optim.lr_warmup_steps": "optim.warmup_steps",
+    "critic.cliprange_value": "cliprange_value",
+    "critic.ppo_epochs": "ppo_epochs",
+    "critic.ppo_mini_batch_size": "ppo_mini_batch_size",
+    "critic.grad_clip": "grad_clip",
+    "critic.fsdp.param_offload": "param_offload",
+    "critic.fsdp.optimizer_offload": "optimizer_offload",
+    "trainer.critic_warmup": "warmup_steps",
 }
 
 
@@ -635,29 +717,40 @@ PREFIX_RULES: dict[str, Callable[[str, Any, Ctx], list[str] | str]] = {
     "data.apply_chat_template_kwargs.": _chat_kwargs,
     ARR + "rollout.engine_kwargs.": _engine_kwargs,
     ARR + "rollout.multi_turn.": lambda k, v, c: _multi_turn_part(v, c),
-    ARR + "rollout.checkpoint_engine.": lambda k, v, c: "(no setting: fleetrl's weight sync moves the weights "
-                                                         "(weight_sync.*))",
+    ARR + "rollout.checkpoint_engine.": lambda k, v, c: (
+        "(no setting: fleetrl's weight sync moves the weights (weight_sync.*))"
+    ),
     ARR + "rollout.prometheus.": lambda k, v, c: "(no setting: fleetrl's own Prometheus endpoints (run.prometheus))",
     ARR + "rollout.trace.": lambda k, v, c: "(no setting: tracing)",
     ARR + "model.override_config.": lambda k, v, c: (
-        "(no setting: fleetrl serves and trains the model folder's config.json as it is; edit it there)"),
+        "(no setting: fleetrl serves and trains the model folder's config.json as it is; edit it there)"
+    ),
     ARR + "model.mtp.": lambda k, v, c: "(set with model.mtp.enable)",
-    ARR + "model.lora.": lambda k, v, c: _only((0, None, False), "no LoRA", "LoRA adapters", LORA)(v, c)
-    if k.endswith((".rank", ".adapter_path")) else "(no setting: read only with LoRA)",
+    ARR + "model.lora.": lambda k, v, c: (
+        _only((0, None, False), "no LoRA", "LoRA adapters", LORA)(v, c)
+        if k.endswith((".rank", ".adapter_path"))
+        else "(no setting: read only with LoRA)"
+    ),
     ARR + "model.lora_": lambda k, v, c: _lora_part(v, c),
     ARR + "model.target_modules": lambda k, v, c: _lora_part(v, c),
     ARR + "model.exclude_modules": lambda k, v, c: _lora_part(v, c),
     ARR + "actor.megatron.": _megatron_prefix,
     ARR + "ref.megatron.": _megatron_prefix,
-    ARR + "actor.fsdp_config.": lambda k, v, c: "(no setting: an FSDP sharding, prefetch or compile choice; the "
-                                                "numbers are the same)",
+    ARR + "actor.fsdp_config.": lambda k, v, c: (
+        "(no setting: an FSDP sharding, prefetch or compile choice; the numbers are the same)"
+    ),
     ARR + "ref.fsdp_config.": lambda k, v, c: "(no setting: an FSDP choice of the reference)",
     ARR + "actor.optim.override_optimizer_config.": lambda k, v, c: (
-        _refuse(OTHER_ENGINE, "FP8 optimizer states")(v, c) if "fp8" in k else
-        "(no setting: a Megatron optimizer memory choice)"),
-    ARR + "actor.checkpoint.": lambda k, v, c: "(no setting: fleetrl's checkpoints hold model, optimizer and data "
-                                               "position)",
-    ARR + "actor.engine.": lambda k, v, c: _refuse(OTHER_ENGINE, "a Megatron-Lite engine setting (actor.engine.*)")(v, c),
+        _refuse(OTHER_ENGINE, "FP8 optimizer states")(v, c)
+        if "fp8" in k
+        else "(no setting: a Megatron optimizer memory choice)"
+    ),
+    ARR + "actor.checkpoint.": lambda k, v, c: (
+        "(no setting: fleetrl's checkpoints hold model, optimizer and data position)"
+    ),
+    ARR + "actor.engine.": lambda k, v, c: _refuse(OTHER_ENGINE, "a Megatron-Lite engine setting (actor.engine.*)")(
+        v, c
+    ),
     ARR + "actor.veomni.": lambda k, v, c: _refuse(OTHER_ENGINE, "the VeOmni trainer backend")(v, c),
     ARR + "ref.veomni.": lambda k, v, c: _refuse(OTHER_ENGINE, "the VeOmni trainer backend")(v, c),
     ARR + "actor.entropy_": lambda k, v, c: "(no setting: fleetrl's chunked log-prob path computes entropy in chunks)",

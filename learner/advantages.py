@@ -72,8 +72,12 @@ def whiten(values: torch.Tensor, lengths: torch.Tensor, include: torch.Tensor) -
 
 
 def sequence_advantages(
-    rewards: torch.Tensor, group_index: torch.Tensor, mode: str, drop_uniform: bool,
-    lengths: torch.Tensor | None = None, eps: float = 1e-6,
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    mode: str,
+    drop_uniform: bool,
+    lengths: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample advantages ([n] float32) and the mask of samples to keep ([n] bool).
 
@@ -84,8 +88,9 @@ def sequence_advantages(
     if mode not in ESTIMATORS:
         raise ValueError(f"advantage mode must be one of {list(ESTIMATORS)}, got {mode!r}")
     if rewards.shape != group_index.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} must be equal "
-                         "1-D shapes")
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} must be equal 1-D shapes"
+        )
     if mode.startswith("reinforce_plus_plus") and (lengths is None or lengths.shape != rewards.shape):
         raise ValueError(f"advantage {mode!r} whitens over tokens and needs lengths [n] (trained tokens per sample)")
     r = rewards.double()

@@ -40,8 +40,18 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      cu_seq_lens_q=None, max_length_q=None, **_kwargs):
+def _varlen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    cu_seq_lens_q=None,
+    max_length_q=None,
+    **_kwargs,
+):
     # transformers layout [1, heads, T, head_dim] -> the kernel's [T, heads, head_dim]
     if cu_seq_lens_q is None or max_length_q is None:
         raise RuntimeError(f"attention {VARLEN!r} needs cu_seq_lens_q and max_length_q in the model's forward kwargs")
@@ -52,7 +62,8 @@ def _varlen_attention(module, query, key, value, attention_mask, scaling=None, d
     v = value[0].transpose(0, 1).contiguous()
     cu = cu_seq_lens_q.to(device=q.device, dtype=torch.int32, non_blocking=True)
     out = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, int(max_length_q), int(max_length_q), float(dropout), True, False, scale=scaling)[0]
+        q, k, v, cu, cu, int(max_length_q), int(max_length_q), float(dropout), True, False, scale=scaling
+    )[0]
     return out.unsqueeze(0), None  # [1, T, heads, head_dim], no attention weights
 
 

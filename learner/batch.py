@@ -66,8 +66,18 @@ class MicroBatch:
         return int(self.input_ids.shape[1])
 
     def to(self, device: torch.device) -> MicroBatch:
-        for name in ("input_ids", "position_ids", "target_index", "targets", "behaviour_logp", "advantages", "weights",
-                     "fresh", "cu_seqlens", "is_weights"):
+        for name in (
+            "input_ids",
+            "position_ids",
+            "target_index",
+            "targets",
+            "behaviour_logp",
+            "advantages",
+            "weights",
+            "fresh",
+            "cu_seqlens",
+            "is_weights",
+        ):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))
@@ -93,8 +103,11 @@ def _pack(lengths: list[int], budget: int) -> list[list[int]]:
                 break
         else:
             if lengths[i] > budget:
-                logger.warning("a sequence of %d tokens exceeds micro_batch_tokens=%d; it gets its own micro-batch",
-                               lengths[i], budget)
+                logger.warning(
+                    "a sequence of %d tokens exceeds micro_batch_tokens=%d; it gets its own micro-batch",
+                    lengths[i],
+                    budget,
+                )
             bins.append([i])
             room.append(budget - lengths[i])
     return [sorted(b) for b in bins]
@@ -114,14 +127,24 @@ def _split_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
 def _empty_micro_batch() -> MicroBatch:
     """A one-token row with one target of weight zero: keeps collectives in step, changes nothing."""
     z = torch.zeros(1, dtype=torch.int64)
-    return MicroBatch(input_ids=z.view(1, 1), position_ids=z.view(1, 1), target_index=z.clone(), targets=z.clone(),
-                      behaviour_logp=torch.zeros(1), advantages=torch.zeros(1), weights=torch.zeros(1),
-                      seq_lens=torch.ones(1, dtype=torch.int64), fresh=torch.zeros(1, dtype=torch.bool),
-                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
+    return MicroBatch(
+        input_ids=z.view(1, 1),
+        position_ids=z.view(1, 1),
+        target_index=z.clone(),
+        targets=z.clone(),
+        behaviour_logp=torch.zeros(1),
+        advantages=torch.zeros(1),
+        weights=torch.zeros(1),
+        seq_lens=torch.ones(1, dtype=torch.int64),
+        fresh=torch.zeros(1, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+        max_seqlen=1,
+    )
 
 
-def trainable_rows(batch: pa.RecordBatch, advantage: str, drop_uniform: bool,
-                   mask_truncated: bool = False) -> np.ndarray:
+def trainable_rows(
+    batch: pa.RecordBatch, advantage: str, drop_uniform: bool, mask_truncated: bool = False
+) -> np.ndarray:
     """Bool mask of the rows :func:`plan_step` would train on (kept groups, non-empty responses, and with
     ``mask_truncated`` no response cut at the length limit)."""
     _, keep = _advantages(batch, advantage, drop_uniform)
@@ -140,8 +163,7 @@ def _advantages(batch: pa.RecordBatch, advantage: str, drop_uniform: bool) -> tu
         return torch.zeros_like(rewards), torch.ones(rewards.shape, dtype=torch.bool)
     _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
     lengths = torch.from_numpy(_trained_lengths(batch).astype(np.int64))
-    return group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform,
-                            lengths=lengths)
+    return group_advantages(rewards, torch.from_numpy(gidx.astype(np.int64)), advantage, drop_uniform, lengths=lengths)
 
 
 def _trained_lengths(batch: pa.RecordBatch) -> np.ndarray:
@@ -152,14 +174,25 @@ def _trained_lengths(batch: pa.RecordBatch) -> np.ndarray:
     if m_off[-1] == m_off[0]:  # no row carries a mask (single-turn batches)
         return r_len
     rel = m_off - m_off[0]
-    cs = np.concatenate([[0], np.cumsum(mask.values.to_numpy(zero_copy_only=False)[m_off[0]:m_off[-1]], dtype=np.int64)])
+    cs = np.concatenate(
+        [[0], np.cumsum(mask.values.to_numpy(zero_copy_only=False)[m_off[0] : m_off[-1]], dtype=np.int64)]
+    )
     return np.where(rel[1:] == rel[:-1], r_len, cs[rel[1:]] - cs[rel[:-1]])
 
 
 def plan_step(
-    batch: pa.RecordBatch, *, rank: int, world_size: int, micro_batch_tokens: int,
-    advantage: str, drop_uniform: bool, aggregation: str, select: np.ndarray | None = None,
-    learner_version: int | None = None, mask_truncated: bool = False, loss_scale_factor: int | None = None,
+    batch: pa.RecordBatch,
+    *,
+    rank: int,
+    world_size: int,
+    micro_batch_tokens: int,
+    advantage: str,
+    drop_uniform: bool,
+    aggregation: str,
+    select: np.ndarray | None = None,
+    learner_version: int | None = None,
+    mask_truncated: bool = False,
+    loss_scale_factor: int | None = None,
 ) -> StepPlan:
     """Advantages, the rank split and this rank's micro-batches for one optimizer step.
 
@@ -175,8 +208,9 @@ def plan_step(
     if batch.num_rows == 0:
         raise ValueError("a step batch must hold at least one trajectory")
     if select is not None and (select.dtype != np.bool_ or select.shape != (batch.num_rows,)):
-        raise ValueError(f"select must be a bool mask of the batch's {batch.num_rows} rows, got "
-                         f"{select.dtype} {select.shape}")
+        raise ValueError(
+            f"select must be a bool mask of the batch's {batch.num_rows} rows, got {select.dtype} {select.shape}"
+        )
     prompts = batch.column("prompt_ids")
     responses = batch.column("response_ids")
     behaviour = batch.column("behaviour_logprobs")
@@ -220,8 +254,10 @@ def plan_step(
     # The last response token predicts nothing we train on, so it is not fed: L - 1 inputs per sequence.
     in_len = [int(p_len[i] + r_len[i] - 1) for i in rows]
     per_rank = _split_ranks(in_len, world_size)
-    packed = [[[per_rank[r][j] for j in b] for b in _pack([in_len[k] for k in per_rank[r]], micro_batch_tokens)]
-              for r in range(world_size)]
+    packed = [
+        [[per_rank[r][j] for j in b] for b in _pack([in_len[k] for k in per_rank[r]], micro_batch_tokens)]
+        for r in range(world_size)
+    ]
     n_micro = max(1, max(len(p) for p in packed))
 
     mbs: list[MicroBatch] = []
@@ -230,35 +266,42 @@ def plan_step(
         offset = 0
         for k in members:
             i = rows[k]
-            resp = r_val[r_off[i]:r_off[i + 1]]
-            seq = np.concatenate([p_val[p_off[i]:p_off[i + 1]], resp])[:-1]
+            resp = r_val[r_off[i] : r_off[i + 1]]
+            seq = np.concatenate([p_val[p_off[i] : p_off[i + 1]], resp])[:-1]
             ids.append(seq)
             pos.append(np.arange(len(seq)))
-            m = loss_mask_of(lm_val[lm_off[i]:lm_off[i + 1]], int(r_len[i]))
+            m = loss_mask_of(lm_val[lm_off[i] : lm_off[i + 1]], int(r_len[i]))
             tidx.append((offset + p_len[i] - 1 + np.arange(r_len[i]))[m])
             tgt.append(resp[m])
-            blp.append(b_val[b_off[i]:b_off[i + 1]][m])
+            blp.append(b_val[b_off[i] : b_off[i + 1]][m])
             advs.append(np.full(int(t_len[i]), float(adv[i]), dtype=np.float32))
-            versions = token_versions(ss_val[ss_off[i]:ss_off[i + 1]], sv_val[sv_off[i]:sv_off[i + 1]], int(r_len[i]))
+            versions = token_versions(
+                ss_val[ss_off[i] : ss_off[i + 1]], sv_val[sv_off[i] : sv_off[i + 1]], int(r_len[i])
+            )
             fr.append(versions[m] == learner_version if learner_version is not None else np.zeros(int(t_len[i]), bool))
             lens.append(int(t_len[i]))
             used.append(i)
             offset += len(seq)
         seq_lens = torch.tensor(lens, dtype=torch.int64)
         in_lens = [len(x) for x in ids]
-        mbs.append(MicroBatch(
-            input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64)).view(1, -1),
-            position_ids=torch.from_numpy(np.concatenate(pos).astype(np.int64)).view(1, -1),
-            target_index=torch.from_numpy(np.concatenate(tidx).astype(np.int64)),
-            targets=torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
-            behaviour_logp=torch.from_numpy(np.concatenate(blp).astype(np.float32)),
-            advantages=torch.from_numpy(np.concatenate(advs)),
-            weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)), loss_scale=loss_scale,
-            seq_lens=seq_lens, rows=used, fresh=torch.from_numpy(np.concatenate(fr)),
-            rewards=rewards[used].double(),
-            cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(in_lens)]), dtype=torch.int32),
-            max_seqlen=max(in_lens),
-        ))
+        mbs.append(
+            MicroBatch(
+                input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64)).view(1, -1),
+                position_ids=torch.from_numpy(np.concatenate(pos).astype(np.int64)).view(1, -1),
+                target_index=torch.from_numpy(np.concatenate(tidx).astype(np.int64)),
+                targets=torch.from_numpy(np.concatenate(tgt).astype(np.int64)),
+                behaviour_logp=torch.from_numpy(np.concatenate(blp).astype(np.float32)),
+                advantages=torch.from_numpy(np.concatenate(advs)),
+                weights=aggregation_weights(seq_lens, aggregation, total_tokens, len(rows)),
+                loss_scale=loss_scale,
+                seq_lens=seq_lens,
+                rows=used,
+                fresh=torch.from_numpy(np.concatenate(fr)),
+                rewards=rewards[used].double(),
+                cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(in_lens)]), dtype=torch.int32),
+                max_seqlen=max(in_lens),
+            )
+        )
     while len(mbs) < n_micro:
         mbs.append(_empty_micro_batch())
     stats["micro_batches"] = float(n_micro)

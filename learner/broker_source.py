@@ -27,13 +27,22 @@ log = logging.getLogger(__name__)
 
 
 class BrokerSource:
-    def __init__(self, address: str, *, consumer_id: str = "learner", timeout_s: float = 30.0,
-                 lease_timeout_s: float = 120.0, poll_s: float = 5.0, curve_keys_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        consumer_id: str = "learner",
+        timeout_s: float = 30.0,
+        lease_timeout_s: float = 120.0,
+        poll_s: float = 5.0,
+        curve_keys_dir: str | None = None,
+    ) -> None:
         self.address = address
         self.poll_s = poll_s
         self.renew_every_s = max(0.5, lease_timeout_s / 3)
-        self.consumer = SyncConsumer(address, consumer_id=consumer_id, timeout_s=timeout_s,
-                                     curve_keys_dir=curve_keys_dir)
+        self.consumer = SyncConsumer(
+            address, consumer_id=consumer_id, timeout_s=timeout_s, curve_keys_dir=curve_keys_dir
+        )
         self.last_staleness = None  # per-row staleness of the latest batch (for logging)
         self.last_batch = None  # the latest batch (rank 0's per-step metrics read it)
 
@@ -48,8 +57,10 @@ class BrokerSource:
                 self.last_batch = lease.batch
                 return StepBatch(step=lease.step, lease_id=lease.lease_id, batch=lease.batch)
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"broker {self.address}: no batch for learner step {step} "
-                                   f"within {timeout_s:.1f}s (fleet too slow or stopped?)")
+                raise TimeoutError(
+                    f"broker {self.address}: no batch for learner step {step} "
+                    f"within {timeout_s:.1f}s (fleet too slow or stopped?)"
+                )
 
     def ack(self, lease_id: str) -> None:
         try:
@@ -59,8 +70,7 @@ class BrokerSource:
                 raise RuntimeError(f"broker refused the ack of lease {lease_id}: {e.message}") from None
             raise
         if reply.late:
-            log.warning("lease %s had expired but was acked late (its groups were not handed out again)",
-                        lease_id)
+            log.warning("lease %s had expired but was acked late (its groups were not handed out again)", lease_id)
 
     def report_version(self, version: int) -> None:
         self.consumer.report_version(version)

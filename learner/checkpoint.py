@@ -39,9 +39,18 @@ from torch.distributed.checkpoint.state_dict import (
 logger = logging.getLogger(__name__)
 
 META = "meta.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 def step_dir(root: Path, version: int) -> Path:
@@ -79,8 +88,16 @@ def _options(trained_only: bool) -> StateDictOptions | None:
     return StateDictOptions(ignore_frozen_params=True, strict=False) if trained_only else None
 
 
-def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: int, world_size: int,
-         trained_only: bool = False) -> None:
+def save(
+    path: Path,
+    model,
+    optimizer,
+    scheduler,
+    extra: dict[str, Any],
+    rank: int,
+    world_size: int,
+    trained_only: bool = False,
+) -> None:
     """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all shards are on disk.
     ``trained_only``: the parameters that require grad only (LoRA adapters)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -99,8 +116,9 @@ def save(path: Path, model, optimizer, scheduler, extra: dict[str, Any], rank: i
     dist.barrier()
 
 
-def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int,
-         trained_only: bool = False) -> dict[str, Any]:
+def load(
+    path: Path, model, optimizer, scheduler, rank: int, world_size: int, trained_only: bool = False
+) -> dict[str, Any]:
     """Collective: restore model, optimizer, scheduler and RNG; returns the saved ``extra``."""
     meta_path = path / META
     if not meta_path.exists():
@@ -109,8 +127,13 @@ def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int,
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trained_only))
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options(trained_only))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(trained_only),
+    )
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank{rank}.pt"
     if meta["world_size"] == world_size and rng_file.exists():
@@ -119,8 +142,12 @@ def load(path: Path, model, optimizer, scheduler, rank: int, world_size: int,
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     else:
-        logger.warning("checkpoint %s was written by %d ranks, resuming on %d: RNG states not restored",
-                       path, meta["world_size"], world_size)
+        logger.warning(
+            "checkpoint %s was written by %d ranks, resuming on %d: RNG states not restored",
+            path,
+            meta["world_size"],
+            world_size,
+        )
     logger.info("checkpoint loaded: %s (version %s)", path, meta["extra"].get("version"))
     return meta["extra"]
 
@@ -143,8 +170,10 @@ def save_part(path: Path, model, optimizer, scheduler, rank: int) -> None:
 def load_part(path: Path, model, optimizer, scheduler) -> None:
     """Collective: restore what :func:`save_part` wrote."""
     if not (path / PART_SCHEDULER).exists():
-        raise FileNotFoundError(f"{path} holds no saved module (no {PART_SCHEDULER}): the checkpoint was written "
-                                "without it (e.g. by a run without learner.critic)")
+        raise FileNotFoundError(
+            f"{path} holds no saved module (no {PART_SCHEDULER}): the checkpoint was written "
+            "without it (e.g. by a run without learner.critic)"
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
@@ -173,8 +202,7 @@ def publish_export(root: Path, version: int, keep: int = 2) -> Path:
     return root / "latest"
 
 
-def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype | None = None,
-              transform=None) -> None:
+def export_hf(out: Path, model, source_dir: str, rank: int, dtype: torch.dtype | None = None, transform=None) -> None:
     """Collective: gather the full state dict to rank 0 and write an HF folder there.
 
     ``dtype`` casts floating tensors (e.g. bf16 for inference engines); the

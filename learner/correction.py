@@ -65,18 +65,23 @@ def _seq_reduce(x: torch.Tensor, seq_lens: torch.Tensor, how: str) -> torch.Tens
     if how == "mean":
         return torch.zeros(s, dtype=x.dtype, device=x.device).index_add(0, seg, x) / seq_lens.clamp(min=1).to(x.dtype)
     fill = float("-inf") if how == "max" else float("inf")
-    out = torch.full((s,), fill, dtype=x.dtype, device=x.device).scatter_reduce(0, seg, x, reduce="amax" if how == "max" else "amin")
+    out = torch.full((s,), fill, dtype=x.dtype, device=x.device).scatter_reduce(
+        0, seg, x, reduce="amax" if how == "max" else "amin"
+    )
     return torch.where(torch.isinf(out), torch.zeros_like(out), out)  # an empty sequence: 0, as verl
 
 
-def is_weights(d: torch.Tensor, seq_lens: torch.Tensor, level: str, upper: float,
-               lower: float | None = None) -> torch.Tensor:
+def is_weights(
+    d: torch.Tensor, seq_lens: torch.Tensor, level: str, upper: float, lower: float | None = None
+) -> torch.Tensor:
     """Per-token IS weights [n] from the log-ratios ``d`` [n] of packed sequences ``seq_lens`` (no normalisation)."""
     d = d.double()
     if level == "token":
         raw = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     elif level == "sequence":
-        raw = torch.exp(_seq_reduce(d, seq_lens, "sum").clamp(-SAFETY_BOUND, SAFETY_BOUND))[_segments(seq_lens.to(d.device))]
+        raw = torch.exp(_seq_reduce(d, seq_lens, "sum").clamp(-SAFETY_BOUND, SAFETY_BOUND))[
+            _segments(seq_lens.to(d.device))
+        ]
     else:
         raise ValueError(f"IS level must be 'token' or 'sequence', got {level!r}")
     if lower is None:
@@ -148,8 +153,11 @@ def apply(plans: list, rc, *, aggregation: str, loss_scale_factor: int | None = 
             d = mb.prox_logp.detach().cpu().double() - mb.behaviour_logp.detach().cpu().double()
             lens = mb.seq_lens.cpu()
             keep, each = keep_mask(d, lens, rc.rejection)
-            w = is_weights(d, lens, rc.is_level, rc.is_upper, rc.is_lower) if rc.is_level != "none" \
+            w = (
+                is_weights(d, lens, rc.is_level, rc.is_upper, rc.is_lower)
+                if rc.is_level != "none"
                 else torch.ones_like(d)
+            )
             per_mb.append((mb, d, lens, keep, each, w))
         # batch normalisation over the optimizer step, every rank's tokens (or sequences) together
         factor = 1.0
@@ -180,13 +188,25 @@ def apply(plans: list, rc, *, aggregation: str, loss_scale_factor: int | None = 
             mb.weights = new_w.to(dev)
             mb.loss_scale = scale
             mb.is_weights = (w / factor).float().to(dev)
-            raw_band = torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND)) if rc.is_level != "sequence" else \
-                torch.exp(_seq_reduce(d, lens, "sum").clamp(-SAFETY_BOUND, SAFETY_BOUND))[seg]
+            raw_band = (
+                torch.exp(d.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+                if rc.is_level != "sequence"
+                else torch.exp(_seq_reduce(d, lens, "sum").clamp(-SAFETY_BOUND, SAFETY_BOUND))[seg]
+            )
             low = rc.is_lower if rc.is_lower is not None else 1.0 / rc.is_upper
             seq_rejected = torch.zeros(lens.numel(), dtype=torch.int64).index_add(0, seg, (~keep).long()) > 0
-            acc[:7] += torch.tensor([d.numel(), float(keep.sum()), lens.numel(), float(seq_rejected.sum()),
-                                     float(w.sum()), float((raw_band > rc.is_upper).sum()),
-                                     float((raw_band < low).sum())], dtype=torch.float64)
+            acc[:7] += torch.tensor(
+                [
+                    d.numel(),
+                    float(keep.sum()),
+                    lens.numel(),
+                    float(seq_rejected.sum()),
+                    float(w.sum()),
+                    float((raw_band > rc.is_upper).sum()),
+                    float((raw_band < low).sum()),
+                ],
+                dtype=torch.float64,
+            )
             for i, k in enumerate(each):
                 acc[7 + i] += float((~k).sum())
             if w.numel():
@@ -196,20 +216,28 @@ def apply(plans: list, rc, *, aggregation: str, loss_scale_factor: int | None = 
     _all_reduce(w_max, dist.ReduceOp.MAX if dist.is_available() else None)
     _all_reduce(w_min, dist.ReduceOp.MIN if dist.is_available() else None)
     tokens, kept_tok, seqs, seq_rej = (float(x) for x in acc[:4])
-    m: dict[str, float] = {"rollout_rs_masked_fraction": 1 - kept_tok / tokens if tokens else 0.0,
-                           "rollout_rs_seq_masked_fraction": seq_rej / seqs if seqs else 0.0}
+    m: dict[str, float] = {
+        "rollout_rs_masked_fraction": 1 - kept_tok / tokens if tokens else 0.0,
+        "rollout_rs_seq_masked_fraction": seq_rej / seqs if seqs else 0.0,
+    }
     for i, r in enumerate(rc.rejection):
         m[f"rollout_rs_{r.name or i}_masked_fraction"] = float(acc[7 + i]) / tokens if tokens else 0.0
     if rc.is_level != "none" and tokens:
-        m.update(rollout_is_mean=float(acc[4]) / tokens, rollout_is_max=float(w_max[0]),
-                 rollout_is_min=float(w_min[0]), rollout_is_ratio_fraction_high=float(acc[5]) / tokens,
-                 rollout_is_ratio_fraction_low=float(acc[6]) / tokens)
+        m.update(
+            rollout_is_mean=float(acc[4]) / tokens,
+            rollout_is_max=float(w_max[0]),
+            rollout_is_min=float(w_min[0]),
+            rollout_is_ratio_fraction_high=float(acc[5]) / tokens,
+            rollout_is_ratio_fraction_low=float(acc[6]) / tokens,
+        )
         if norm_factors:
             m["rollout_is_batch_norm_factor"] = sum(norm_factors) / len(norm_factors)
     return m
 
 
-def verl_rule_bounds(mode: str, lower: float | None, upper: float | None) -> tuple[str, str, float | None, float | None]:
+def verl_rule_bounds(
+    mode: str, lower: float | None, upper: float | None
+) -> tuple[str, str, float | None, float | None]:
     """(statistic, level, lower, upper) of one verl ``rollout_rs`` option with its ratio/divergence bounds.
 
     ``token_k1`` / ``seq_sum_k1`` / ``seq_mean_k1`` take ratio bounds (``lower_upper``) compared, as verl does,
@@ -224,8 +252,10 @@ def verl_rule_bounds(mode: str, lower: float | None, upper: float | None) -> tup
     level, _, stat = mode.rpartition("_")
     level = {"token": "token", "seq_sum": "seq_sum", "seq_mean": "seq_mean", "seq_max": "seq_max"}.get(level)
     if level is None or stat not in ("k1", "k2", "k3") or (level == "seq_max" and stat == "k1"):
-        raise ValueError(f"rollout_rs option {mode!r}: verl has token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, "
-                         "seq_max_k2/k3 (and the older token, sequence, geometric)")
+        raise ValueError(
+            f"rollout_rs option {mode!r}: verl has token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, "
+            "seq_max_k2/k3 (and the older token, sequence, geometric)"
+        )
     if stat == "k1":
         if upper is None:
             raise ValueError(f"rollout_rs {mode}: needs a ratio bound")

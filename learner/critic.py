@@ -65,7 +65,8 @@ def load_value_model(path: str, attn_implementation: str) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # (verl sets it too) the head's dropout would make values noisy
     model = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation)
+        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     disable_dropout(model)  # the value pass and the training pass must score alike
     return model
 
@@ -73,8 +74,7 @@ def load_value_model(path: str, attn_implementation: str) -> torch.nn.Module:
 class Critic:
     """One rank's share of the value model, its optimizer and schedule. Every method is collective."""
 
-    def __init__(self, cfg: LearnerConfig, actor_model_path: str, *, total_steps: int, seed: int = 0,
-                 engine) -> None:
+    def __init__(self, cfg: LearnerConfig, actor_model_path: str, *, total_steps: int, seed: int = 0, engine) -> None:
         """``engine``: the actor's FSDP engine on this rank; the critic runs with its resolved settings
         (attention implementation, fused AdamW) and follows its activation checkpointing."""
         if cfg.critic is None:
@@ -105,14 +105,26 @@ class Critic:
         _shard(model, init_device_mesh(self.device.type, (self.world_size,)), mp, offload=self.offload)
         self.model = model
         o = self.c.optim
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay,
-                                           **({"fused": True} if self.settings.fused_optimizer else {}))
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            **({"fused": True} if self.settings.fused_optimizer else {}),
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio))
+            self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio)
+        )
         self.epochs = self.c.ppo_epochs or cfg.ppo_epochs
-        logger.info("critic: rank %d/%d on %s, %d parameters, from %s", self.rank, self.world_size, self.device,
-                    sum(p.numel() for p in model.parameters()), self.model_path)
+        logger.info(
+            "critic: rank %d/%d on %s, %d parameters, from %s",
+            self.rank,
+            self.world_size,
+            self.device,
+            sum(p.numel() for p in model.parameters()),
+            self.model_path,
+        )
 
     # the group whose ranks hold disjoint rows of the step batch (FSDP: every rank; Megatron: data parallel)
     reduce_group = None
@@ -126,12 +138,17 @@ class Critic:
         """[n] fp32 values at the positions that predict the micro-batch's trained tokens (the state before each)."""
         mb.to(self.device)
         with torch.set_grad_enabled(grad):
-            out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                             **forward_kwargs(self.settings, mb))
+            out = self.model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                use_cache=False,
+                **forward_kwargs(self.settings, mb),
+            )
             return out.logits[0, mb.target_index, 0].float()
 
-    def prepare(self, plans: list[StepPlan], gamma: float, lam: float,
-                penalties: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
+    def prepare(
+        self, plans: list[StepPlan], gamma: float, lam: float, penalties: dict[int, torch.Tensor] | None = None
+    ) -> dict[str, float]:
         """Values, GAE advantages (whitened over the step batch) and returns on every micro-batch of ``plans``.
 
         ``penalties``: KL in the reward (learner/kl_reward.py ``gae_penalties``): per micro-batch (``id(mb)``) the
@@ -164,12 +181,14 @@ class Critic:
         if n_tok >= 2:
             for mb, adv in raw:
                 mb.advantages = whiten(adv, tot[0]).to(self.device)
-            out.update({
-                "critic/advantages_mean": mean_var(tot[0])[0],
-                "critic/returns_mean": mean_var(tot[1])[0],
-                "critic/values_mean": mean_var(tot[3])[0],
-                "critic/vf_explained_var": explained_variance(tot[1], tot[2]),
-            })
+            out.update(
+                {
+                    "critic/advantages_mean": mean_var(tot[0])[0],
+                    "critic/returns_mean": mean_var(tot[1])[0],
+                    "critic/values_mean": mean_var(tot[3])[0],
+                    "critic/vf_explained_var": explained_variance(tot[1], tot[2]),
+                }
+            )
         else:  # nothing (or one token) to train on: zero advantages, the optimizer steps are skipped anyway
             logger.warning("critic: %d trained token(s) in the step batch; advantages left at 0", int(n_tok))
         out["critic/prepare_seconds"] = time.perf_counter() - t0
@@ -181,8 +200,9 @@ class Critic:
             return torch.zeros_like(mb.values)
         if self.c.aggregation == "token" and self.cfg.loss.aggregation == "token":
             return mb.weights.to(self.device)
-        return aggregation_weights(mb.seq_lens, self.c.aggregation, int(plan.stats["response_tokens"]),
-                                   int(plan.stats["samples_trained"])).to(self.device)
+        return aggregation_weights(
+            mb.seq_lens, self.c.aggregation, int(plan.stats["response_tokens"]), int(plan.stats["samples_trained"])
+        ).to(self.device)
 
     def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
         """One optimizer step of the value loss over the plan's micro-batches; metrics reduced over ranks."""

@@ -84,7 +84,9 @@ class TrainingEngine(ABC):
         This is what ``weight_sync.publisher.Publisher.publish(version, tensors)`` takes.
         """
 
-    def iter_full_params(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_full_params(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """:meth:`full_tensors` grouped into buckets, cut after the tensor that crosses ``bucket_bytes``
         (weight_sync/plan.py's rule, so buckets match a plan built with the same size)."""
         if bucket_bytes <= 0:
@@ -163,14 +165,16 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return f
 
 
-def logprobs_from_logits(logits: torch.Tensor, mb: MicroBatch, temperature: float,
-                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_from_logits(
+    logits: torch.Tensor, mb: MicroBatch, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Select the response positions first (the full-vocab softmax of prompt tokens is never built)."""
     return logprobs_from_selected(logits[0, mb.target_index], mb.targets, temperature, entropy_grad)
 
 
-def logprobs_from_selected(sel: torch.Tensor, targets: torch.Tensor, temperature: float,
-                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_from_selected(
+    sel: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies from the [n, vocab] logits of the response positions
     (shared by every backend, so FSDP and Megatron compute them identically). The entropy carries a
     gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
@@ -184,8 +188,9 @@ def logprobs_from_selected(sel: torch.Tensor, targets: torch.Tensor, temperature
     return logp, entropy
 
 
-def packed_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, entropy_grad: bool = False,
-                   **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_forward(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, entropy_grad: bool = False, **forward_kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed row through a transformers causal LM.
 
     ``use_cache=False`` matters: transformers only derives the block-diagonal mask

@@ -84,9 +84,14 @@ class DeviceProps:
         import importlib.util
 
         free, total = torch.cuda.mem_get_info(device)
-        return cls(type="cuda", free_bytes=int(free), total_bytes=int(total),
-                   name=torch.cuda.get_device_name(device), capability=torch.cuda.get_device_capability(device),
-                   compiler=importlib.util.find_spec("triton") is not None)
+        return cls(
+            type="cuda",
+            free_bytes=int(free),
+            total_bytes=int(total),
+            name=torch.cuda.get_device_name(device),
+            capability=torch.cuda.get_device_capability(device),
+            compiler=importlib.util.find_spec("triton") is not None,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,18 +108,22 @@ class ModelShape:
     @classmethod
     def from_hf(cls, hf: dict) -> ModelShape:
         try:
-            h, f, n_layers, v = (int(hf[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                       "vocab_size"))
+            h, f, n_layers, v = (
+                int(hf[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+            )
             heads = int(hf["num_attention_heads"])
         except KeyError as e:
-            raise ValueError(f"model config.json lacks {e.args[0]!r}; cannot size learner.micro_batch_tokens=auto "
-                             "(set it to a number)") from None
+            raise ValueError(
+                f"model config.json lacks {e.args[0]!r}; cannot size learner.micro_batch_tokens=auto "
+                "(set it to a number)"
+            ) from None
         kv = int(hf.get("num_key_value_heads") or heads)
         hd = int(hf.get("head_dim") or h // heads)
         layer = h * (heads * hd + 2 * kv * hd) + heads * hd * h + 3 * h * f + 2 * h  # qkv, o, MLP, two norms
         embed = v * h * (1 if hf.get("tie_word_embeddings", True) else 2)
-        return cls(hidden=h, intermediate=f, layers=n_layers, vocab=v, params=n_layers * layer + embed + h,
-                   layer_params=layer)
+        return cls(
+            hidden=h, intermediate=f, layers=n_layers, vocab=v, params=n_layers * layer + embed + h, layer_params=layer
+        )
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelShape:
@@ -181,8 +190,9 @@ def micro_batch_budget(free_bytes: int, shape: ModelShape, plan: MemoryPlan, act
     return 0
 
 
-def choose_micro_batch(free_bytes: int, shape: ModelShape, plan: MemoryPlan,
-                       activation_checkpointing: bool | str = "auto") -> tuple[int, bool, str]:
+def choose_micro_batch(
+    free_bytes: int, shape: ModelShape, plan: MemoryPlan, activation_checkpointing: bool | str = "auto"
+) -> tuple[int, bool, str]:
     """(tokens, activation checkpointing, why) for ``micro_batch_tokens=auto`` on a GPU.
 
     Raises ValueError naming the memory it found and needed when not even :data:`MIN_AUTO_TOKENS` fits."""
@@ -201,10 +211,13 @@ def choose_micro_batch(free_bytes: int, shape: ModelShape, plan: MemoryPlan,
             f"learner.micro_batch_tokens=auto: even {MIN_AUTO_TOKENS} tokens do not fit: {free_gib:.1f} GiB free "
             f"on the GPU, {usable_bytes(free_bytes) / GIB:.1f} GiB usable, an estimated {need['total'] / GIB:.1f} GiB "
             f"needed ({', '.join(f'{k} {v / GIB:.1f}' for k, v in need.items() if k != 'total')} GiB); use more "
-            "GPUs, learner.param_offload=true, or set learner.micro_batch_tokens to a number")
-    why = (f"auto: {free_gib:.1f} GiB free, estimated peak "
-           f"{memory_estimate(tokens, shape, plan, ac)['total'] / GIB:.1f} GiB"
-           + (f"; activation checkpointing on (without it {plain} tokens)" if ac and False in budgets else ""))
+            "GPUs, learner.param_offload=true, or set learner.micro_batch_tokens to a number"
+        )
+    why = (
+        f"auto: {free_gib:.1f} GiB free, estimated peak "
+        f"{memory_estimate(tokens, shape, plan, ac)['total'] / GIB:.1f} GiB"
+        + (f"; activation checkpointing on (without it {plain} tokens)" if ac and False in budgets else "")
+    )
     return tokens, ac, why
 
 
@@ -235,7 +248,7 @@ class ResolvedSettings:
         return asdict(self)
 
     def describe(self) -> str:
-        return ("learner settings: " + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()))
+        return "learner settings: " + ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
 
 
 def _device_label(d: DeviceProps) -> str:
@@ -245,8 +258,9 @@ def _device_label(d: DeviceProps) -> str:
     return f"cuda {d.name}{cap}, {d.free_bytes / GIB:.1f} GiB free of {d.total_bytes / GIB:.1f}"
 
 
-def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None, world_size: int = 1,
-                      size_now: bool = True) -> ResolvedSettings:
+def resolve_fast_path(
+    cfg, device: DeviceProps, shape: ModelShape | None = None, world_size: int = 1, size_now: bool = True
+) -> ResolvedSettings:
     """Every ``auto`` of the learner config (``learner.config.LearnerConfig``) decided for ``device``.
 
     ``shape`` is needed only to size ``micro_batch_tokens=auto`` on a GPU; ``world_size``: the ranks of the
@@ -277,8 +291,10 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
         if attn == "auto":
             attn = "varlen" if can_varlen else "masked"
         elif attn == "varlen" and not can_varlen:
-            logger.warning("learner.attn_implementation=varlen needs a GPU, PP=1 and no sequence parallelism; "
-                           "using Megatron's masked attention")
+            logger.warning(
+                "learner.attn_implementation=varlen needs a GPU, PP=1 and no sequence parallelism; "
+                "using Megatron's masked attention"
+            )
             attn = "masked"
         elif attn != "varlen":
             attn = "masked"  # Megatron has one attention besides varlen: the block-diagonal mask
@@ -288,8 +304,9 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
         if attn == "auto":
             attn = "varlen" if gpu else "sdpa"
         if attn == "varlen" and not gpu:
-            raise ValueError("learner.attn_implementation=varlen needs a GPU (PyTorch's flash kernel is CUDA-only); "
-                             "use sdpa on CPU")
+            raise ValueError(
+                "learner.attn_implementation=varlen needs a GPU (PyTorch's flash kernel is CUDA-only); use sdpa on CPU"
+            )
         chunked = cfg.logprobs == "chunked" or (cfg.logprobs == "auto" and gpu)
         meta_init = pick(cfg.meta_init)
     compiled = pick(cfg.compile_blocks) and (device.compiler or cfg.compile_blocks is True)
@@ -305,35 +322,63 @@ def resolve_fast_path(cfg, device: DeviceProps, shape: ModelShape | None = None,
     elif cfg.micro_batch_tokens != "auto":
         tokens, ac, source = int(cfg.micro_batch_tokens), ac_cfg, "config"
         if ac == "auto":  # checkpoint only when the given budget is estimated not to fit without it
-            ac = gpu and shape is not None and memory_estimate(
-                tokens, shape, _plan(cfg, world_size, compiled, chunked, root_dtype), False
-            )["total"] > usable_bytes(device.free_bytes)
+            ac = (
+                gpu
+                and shape is not None
+                and memory_estimate(tokens, shape, _plan(cfg, world_size, compiled, chunked, root_dtype), False)[
+                    "total"
+                ]
+                > usable_bytes(device.free_bytes)
+            )
     elif not gpu:
         tokens, ac, source = CPU_MICRO_BATCH_TOKENS, ac_cfg is True, "auto: CPU default"
     else:
         if shape is None:
             raise ValueError("learner.micro_batch_tokens=auto on a GPU needs the model's shape (config.json)")
-        tokens, ac, source = choose_micro_batch(device.free_bytes, shape,
-                                                _plan(cfg, world_size, compiled, chunked, root_dtype), ac_cfg)
-    return ResolvedSettings(engine=cfg.engine, device=_device_label(device), chunked_logprobs=chunked,
-                            logprob_chunk=cfg.logprob_chunk, attn_implementation=attn, fused_optimizer=fused,
-                            meta_init=meta_init, compile_blocks=compiled, fused_head=compiled and chunked,
-                            root_dtype=root_dtype,
-                            micro_batch_tokens=tokens, activation_checkpointing=bool(ac), micro_batch_source=source,
-                            pending=pending)
+        tokens, ac, source = choose_micro_batch(
+            device.free_bytes, shape, _plan(cfg, world_size, compiled, chunked, root_dtype), ac_cfg
+        )
+    return ResolvedSettings(
+        engine=cfg.engine,
+        device=_device_label(device),
+        chunked_logprobs=chunked,
+        logprob_chunk=cfg.logprob_chunk,
+        attn_implementation=attn,
+        fused_optimizer=fused,
+        meta_init=meta_init,
+        compile_blocks=compiled,
+        fused_head=compiled and chunked,
+        root_dtype=root_dtype,
+        micro_batch_tokens=tokens,
+        activation_checkpointing=bool(ac),
+        micro_batch_source=source,
+        pending=pending,
+    )
 
 
 def _plan(cfg, world_size: int, compiled: bool, chunked: bool, root_dtype: str) -> MemoryPlan:
     if cfg.engine == "megatron":
         mp = cfg.megatron.tensor_model_parallel_size * cfg.megatron.pipeline_model_parallel_size
         dp = max(1, world_size // mp) if cfg.megatron.use_distributed_optimizer else 1
-        return MemoryPlan(engine="megatron", shards=dp, model_parallel=mp, compiled=compiled, chunked=chunked,
-                          logprob_chunk=cfg.logprob_chunk,
-                          reference_on_gpu=cfg.loss.kl_coef > 0 and not cfg.reference_offload)
-    return MemoryPlan(engine="fsdp", shards=world_size, compiled=compiled, chunked=chunked,
-                      logprob_chunk=cfg.logprob_chunk, root_fp32=root_dtype == "float32",
-                      offload=cfg.param_offload or cfg.optimizer_offload,
-                      reference_on_gpu=cfg.loss.kl_coef > 0 and not cfg.reference_offload)
+        return MemoryPlan(
+            engine="megatron",
+            shards=dp,
+            model_parallel=mp,
+            compiled=compiled,
+            chunked=chunked,
+            logprob_chunk=cfg.logprob_chunk,
+            reference_on_gpu=cfg.loss.kl_coef > 0 and not cfg.reference_offload,
+        )
+    return MemoryPlan(
+        engine="fsdp",
+        shards=world_size,
+        compiled=compiled,
+        chunked=chunked,
+        logprob_chunk=cfg.logprob_chunk,
+        root_fp32=root_dtype == "float32",
+        offload=cfg.param_offload or cfg.optimizer_offload,
+        reference_on_gpu=cfg.loss.kl_coef > 0 and not cfg.reference_offload,
+    )
 
 
 def forward_kwargs(settings: ResolvedSettings, mb) -> dict:

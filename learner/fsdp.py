@@ -84,8 +84,13 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in block_names]
 
 
-def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offload: bool,
-           root_dtype: torch.dtype = torch.float32) -> None:
+def _shard(
+    model: torch.nn.Module,
+    mesh,
+    mp: MixedPrecisionPolicy | None,
+    offload: bool,
+    root_dtype: torch.dtype = torch.float32,
+) -> None:
     kw: dict[str, Any] = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -93,7 +98,9 @@ def _shard(model: torch.nn.Module, mesh, mp: MixedPrecisionPolicy | None, offloa
         kw["offload_policy"] = CPUOffloadPolicy()
     blocks = _decoder_blocks(model)
     if not blocks:
-        raise ValueError(f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers to shard")
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules; cannot find its decoder layers to shard"
+        )
     # bf16 adapters beside fp32 base weights: FSDP2 wants one original dtype per unit, so each adapter is its own
     for m in model.modules():
         if isinstance(m, lora_mod.LoraLinear) and m.lora_A.weight.dtype != m.weight.dtype:
@@ -131,8 +138,7 @@ class FSDPEngine(TrainingEngine):
         self.offload = on_gpu and (cfg.param_offload or cfg.optimizer_offload)
         self.shape = ModelShape.from_folder(model_path) if on_gpu else None  # sizes micro_batch_tokens=auto
         # The budget (and checkpointing) wait for the first step: memory is known then (settle_settings)
-        self.settings = fast = resolve_fast_path(cfg, self._device_props(), self.shape, self.world_size,
-                                                 size_now=False)
+        self.settings = fast = resolve_fast_path(cfg, self._device_props(), self.shape, self.world_size, size_now=False)
         if self.rank == 0:
             logger.info("%s", fast.describe())
         self.attn_impl = attention.register() if fast.varlen else fast.attn_implementation
@@ -148,19 +154,34 @@ class FSDPEngine(TrainingEngine):
         # with LoRA the reference is the base: the same model with its adapters off (prepare_logprobs)
         if (cfg.loss.kl_coef > 0 or cfg.kl_reward.enable) and cfg.lora is None:
             # With CPUOffloadPolicy the shards live on CPU and are copied to the GPU for each forward.
-            self.ref_model = self._build(model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload,
-                                         train=False)
+            self.ref_model = self._build(
+                model_path, fast, mesh, mp, offload=on_gpu and cfg.reference_offload, train=False
+            )
 
         o = cfg.optim
         # With LoRA only the adapters require grad: the optimizer (and its state) covers them alone.
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay, **({"fused": True} if fast.fused_optimizer else {}))
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            **({"fused": True} if fast.fused_optimizer else {}),
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio))
+            self.optimizer, lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio)
+        )
         n_params = sum(p.numel() for p in model.parameters())
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        logger.info("FSDP2 engine: rank %d/%d on %s, %d parameters (%d trained), model %s", self.rank,
-                    self.world_size, self.device, n_params, n_train, model_path)
+        logger.info(
+            "FSDP2 engine: rank %d/%d on %s, %d parameters (%d trained), model %s",
+            self.rank,
+            self.world_size,
+            self.device,
+            n_params,
+            n_train,
+            model_path,
+        )
 
     def settle_settings(self) -> None:
         """Size the micro-batches (and choose checkpointing) from the memory free now, counting what this
@@ -185,12 +206,15 @@ class FSDPEngine(TrainingEngine):
             props = dataclasses.replace(props, free_bytes=int(free))
         return props
 
-    def _build(self, model_path: str, fast: ResolvedSettings, mesh, mp, *, offload: bool, train: bool) -> torch.nn.Module:
+    def _build(
+        self, model_path: str, fast: ResolvedSettings, mesh, mp, *, offload: bool, train: bool
+    ) -> torch.nn.Module:
         if fast.meta_init:
             model = meta_model(model_path, self.attn_impl)
             if disable_dropout(model):
-                logger.warning("%s had dropout > 0: set to 0 (the proximal and training passes must score alike)",
-                               model_path)
+                logger.warning(
+                    "%s had dropout > 0: set to 0 (the proximal and training passes must score alike)", model_path
+                )
         else:
             model = _load_model(model_path, self.attn_impl)
         if not train:
@@ -207,8 +231,12 @@ class FSDPEngine(TrainingEngine):
             model.to(self.device)  # plain load: on CPU, moved whole, then sharded (each rank keeps its shard)
         _shard(model, mesh, mp, offload=offload, root_dtype=self.root_dtype)
         if fast.meta_init:
-            load_shards(model, model_path, torch.device("cpu") if offload else self.device,
-                        skip=lora_mod.is_adapter_name if lora is not None else None)
+            load_shards(
+                model,
+                model_path,
+                torch.device("cpu") if offload else self.device,
+                skip=lora_mod.is_adapter_name if lora is not None else None,
+            )
         if lora is not None:
             lora_mod.init_adapters(model, self.seed)
             if lora.adapter_path:
@@ -234,8 +262,16 @@ class FSDPEngine(TrainingEngine):
         if self.settings.chunked_logprobs:
             # bf16 operands on GPU (the weights the engines serve), fp32 logits: learner/logprobs.py
             cd = torch.bfloat16 if self.device.type == "cuda" else None
-            return head_logprobs(model, mb, self.cfg.temperature, self.settings.logprob_chunk, cd,
-                                 fused=self.settings.fused_head, entropy_grad=ent_grad, **kw)
+            return head_logprobs(
+                model,
+                mb,
+                self.cfg.temperature,
+                self.settings.logprob_chunk,
+                cd,
+                fused=self.settings.fused_head,
+                entropy_grad=ent_grad,
+                **kw,
+            )
         return packed_forward(model, mb, self.cfg.temperature, entropy_grad=ent_grad, **kw)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,8 +281,10 @@ class FSDPEngine(TrainingEngine):
 
     def needs_proximal(self) -> bool:
         # kl_reward's penalty is measured on the pre-step policy (verl's old_log_prob)
-        return (needs_proximal(self.loss.correction, self.cfg.recompute_proximal, self.cfg.several_optimizer_steps)
-                or self.cfg.kl_reward.enable)
+        return (
+            needs_proximal(self.loss.correction, self.cfg.recompute_proximal, self.cfg.several_optimizer_steps)
+            or self.cfg.kl_reward.enable
+        )
 
     def prepare_logprobs(self, plan: StepPlan) -> None:
         if self.needs_proximal():
@@ -275,9 +313,20 @@ class FSDPEngine(TrainingEngine):
         for mb in plan.micro_batches:
             with record_function("fleetrl.forward"):
                 logp, ent = self.forward_logprobs(mb, grad=True)
-                loss, m = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                                      prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh,
-                                      seq_lens=mb.seq_lens, loss_scale=mb.loss_scale, is_weights=mb.is_weights)
+                loss, m = policy_loss(
+                    logp,
+                    mb.behaviour_logp,
+                    mb.advantages,
+                    mb.weights,
+                    self.loss,
+                    prox_logp=mb.prox_logp,
+                    ref_logp=mb.ref_logp,
+                    entropy=ent,
+                    fresh=mb.fresh,
+                    seq_lens=mb.seq_lens,
+                    loss_scale=mb.loss_scale,
+                    is_weights=mb.is_weights,
+                )
             with record_function("fleetrl.backward"):
                 (loss * self.world_size).backward()
             parts.append(m)
@@ -297,8 +346,12 @@ class FSDPEngine(TrainingEngine):
         if step_scheduler:  # the LR schedule counts step batches (policy versions), not optimizer steps
             self.scheduler.step()
         metrics = self._reduce(combine_metrics(parts))
-        metrics.update(grad_norm=float(grad_norm), lr=lr, step_skipped=float(not finite or empty),
-                       step_seconds=time.perf_counter() - t0)
+        metrics.update(
+            grad_norm=float(grad_norm),
+            lr=lr,
+            step_skipped=float(not finite or empty),
+            step_seconds=time.perf_counter() - t0,
+        )
         return metrics
 
     def _reduce(self, m: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -316,8 +369,11 @@ class FSDPEngine(TrainingEngine):
 
     # ---- weights out -----------------------------------------------------------------------
     def param_plan(self, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], torch.dtype]]:
-        return [(n, list(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
-                for n, t in self.model.state_dict().items() if not lora_mod.is_adapter_name(n)]
+        return [
+            (n, list(t.shape), dtype if dtype is not None and t.is_floating_point() else t.dtype)
+            for n, t in self.model.state_dict().items()
+            if not lora_mod.is_adapter_name(n)
+        ]
 
     def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         # One all-gather per tensor, issued only when the consumer asks for it, so a publisher can
@@ -338,19 +394,40 @@ class FSDPEngine(TrainingEngine):
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        ckpt.save(Path(path), self.model, self.optimizer, self.scheduler, extra, self.rank, self.world_size,
-                  trained_only=self.cfg.lora is not None)
+        ckpt.save(
+            Path(path),
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            extra,
+            self.rank,
+            self.world_size,
+            trained_only=self.cfg.lora is not None,
+        )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return ckpt.load(Path(path), self.model, self.optimizer, self.scheduler, self.rank, self.world_size,
-                         trained_only=self.cfg.lora is not None)
+        return ckpt.load(
+            Path(path),
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.rank,
+            self.world_size,
+            trained_only=self.cfg.lora is not None,
+        )
 
     def export_hf(self, path: Path, dtype: torch.dtype | None = None) -> None:
         """With LoRA: the merged model (what every HF consumer and a late-joining engine loads) and, in its
         ``adapter/`` subfolder, the peft adapter alone."""
         scales = {n: m.lora_scale for n, m in self.model.named_modules() if isinstance(m, lora_mod.LoraLinear)}
-        ckpt.export_hf(Path(path), self.model, self.model_path, self.rank, dtype,
-                       transform=(lambda sd: lora_mod.merge_state_dict(sd, scales)) if scales else None)
+        ckpt.export_hf(
+            Path(path),
+            self.model,
+            self.model_path,
+            self.rank,
+            dtype,
+            transform=(lambda sd: lora_mod.merge_state_dict(sd, scales)) if scales else None,
+        )
         if scales:
             self.export_adapter(Path(path) / "adapter", dtype)
 
@@ -358,5 +435,6 @@ class FSDPEngine(TrainingEngine):
         """Collective: write the peft adapter folder (rank 0); returns its tensor bytes on rank 0."""
         if self.cfg.lora is None:
             raise RuntimeError("export_adapter needs learner.lora (this learner fine-tunes the whole model)")
-        return lora_mod.save_adapter(path, self.model, self.cfg.lora, base_model_path=self.model_path,
-                                     rank=self.rank, dtype=dtype)
+        return lora_mod.save_adapter(
+            path, self.model, self.cfg.lora, base_model_path=self.model_path, rank=self.rank, dtype=dtype
+        )

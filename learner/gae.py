@@ -52,8 +52,9 @@ def _check_layout(values: torch.Tensor, seq_lens: torch.Tensor) -> None:
         raise ValueError(f"seq_lens sum to {int(seq_lens.sum())} but there are {values.shape[0]} values")
 
 
-def token_rewards(seq_rewards: torch.Tensor, seq_lens: torch.Tensor,
-                  penalty: torch.Tensor | None = None) -> torch.Tensor:
+def token_rewards(
+    seq_rewards: torch.Tensor, seq_lens: torch.Tensor, penalty: torch.Tensor | None = None
+) -> torch.Tensor:
     """[n] float64 rewards with each sequence's scalar reward on its last trained token, zero elsewhere, minus
     ``penalty`` ([n], per token) when given: KL in the reward, ``beta * kl_t`` (verl's apply_kl_penalty)."""
     if seq_rewards.shape != seq_lens.shape:
@@ -67,8 +68,9 @@ def token_rewards(seq_rewards: torch.Tensor, seq_lens: torch.Tensor,
     return out
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ([n] float32 each) of the packed sequences ``seq_lens``.
 
     ``rewards``: [n] per-token rewards (:func:`token_rewards` for an outcome reward);
@@ -142,8 +144,9 @@ def explained_variance(ret_mom: torch.Tensor, resid_mom: torch.Tensor) -> float:
     return 1.0 - var_d / (var_r + EV_EPS)
 
 
-def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor,
-               cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weights: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted clipped value loss of one micro-batch and its weighted-sum metrics ([n] tensors).
 
     Metrics (summed over micro-batches and ranks they are means over the step): ``vf_loss``,
@@ -166,6 +169,9 @@ def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     w = weights.float()
     loss = (w * per_token).sum()
     with torch.no_grad():
-        metrics = {"vf_loss": loss.detach(), "vf_clipfrac": (w * (l2 > l1).float()).sum(),
-                   "vpred_mean": (w * v.detach()).sum()}
+        metrics = {
+            "vf_loss": loss.detach(),
+            "vf_clipfrac": (w * (l2 > l1).float()).sum(),
+            "vpred_mean": (w * v.detach()).sum(),
+        }
     return loss, metrics

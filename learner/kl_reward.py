@@ -76,7 +76,7 @@ def _reverse_cumsum(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
     out = torch.empty_like(x)
     s = 0
     for n in lens:
-        out[s:s + n] = x[s:s + n].flip(0).cumsum(0).flip(0)
+        out[s : s + n] = x[s : s + n].flip(0).cumsum(0).flip(0)
         s += n
     return out
 
@@ -112,8 +112,9 @@ def _token_kl(batch: pa.RecordBatch, plans: list[StepPlan], estimator: str):
     return mbs, per_mb_kl, kl_sum, t_len, current_kl
 
 
-def gae_penalties(batch: pa.RecordBatch, plans: list[StepPlan], *, estimator: str,
-                  controller: KLController) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+def gae_penalties(
+    batch: pa.RecordBatch, plans: list[StepPlan], *, estimator: str, controller: KLController
+) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
     """For ``advantage=gae``: per non-empty micro-batch (keyed by ``id(mb)``) the [n] float64 token penalties
     ``beta * kl_t`` that ``Critic.prepare`` subtracts from the token rewards before GAE; and the metrics.
     Updates the controller (after reading beta, as :func:`apply`). Collective, needs the same log-probs."""
@@ -124,8 +125,15 @@ def gae_penalties(batch: pa.RecordBatch, plans: list[StepPlan], *, estimator: st
     return out, {"kl_reward_kl": current_kl, "kl_reward_coef": beta}
 
 
-def apply(batch: pa.RecordBatch, plans: list[StepPlan], *, advantage: str, drop_uniform: bool, estimator: str,
-          controller: KLController) -> dict[str, float]:
+def apply(
+    batch: pa.RecordBatch,
+    plans: list[StepPlan],
+    *,
+    advantage: str,
+    drop_uniform: bool,
+    estimator: str,
+    controller: KLController,
+) -> dict[str, float]:
     """Rewrite every micro-batch's advantages with the KL penalty in the reward; returns metrics.
 
     Needs ``prox_logp`` and ``ref_logp`` on every micro-batch (``engine.prepare_logprobs`` on every plan),
@@ -141,8 +149,13 @@ def apply(batch: pa.RecordBatch, plans: list[StepPlan], *, advantage: str, drop_
     metrics = {"kl_reward_kl": current_kl, "kl_reward_coef": beta}
     if advantage != "reinforce_plus_plus":
         _, gidx = np.unique(batch.column("group_id").to_numpy(zero_copy_only=False), return_inverse=True)
-        adv, _ = sequence_advantages((rewards - beta * kl_sum).float(), torch.from_numpy(gidx.astype(np.int64)),
-                                     advantage, drop_uniform, lengths=t_len)
+        adv, _ = sequence_advantages(
+            (rewards - beta * kl_sum).float(),
+            torch.from_numpy(gidx.astype(np.int64)),
+            advantage,
+            drop_uniform,
+            lengths=t_len,
+        )
         for mb in mbs:
             mb.advantages = torch.repeat_interleave(adv[mb.rows], mb.seq_lens).to(mb.advantages.device)
     else:

@@ -65,15 +65,16 @@ def _rebuild_nonpersistent_buffers(model: torch.nn.Module, device: torch.device)
         if not names:
             continue
         if not hasattr(mod, "config"):
-            raise NotImplementedError(f"cannot rebuild non-persistent buffers {names} of {mod_name or 'the model'} "
-                                      f"({type(mod).__name__} has no config to construct it from)")
+            raise NotImplementedError(
+                f"cannot rebuild non-persistent buffers {names} of {mod_name or 'the model'} "
+                f"({type(mod).__name__} has no config to construct it from)"
+            )
         fresh = type(mod)(mod.config)  # small modules (rotary embeddings): built on the host, then copied
         for n in names:
             setattr(mod, n, getattr(fresh, n).to(device))
 
 
-def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device,
-                skip=None) -> dict[str, int]:
+def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device, skip=None) -> dict[str, int]:
     """Allocate ``model``'s (already ``fully_shard``-ed, meta) shards on ``device`` and fill them from ``path``;
     parameters whose name ``skip(name)`` accepts (LoRA adapters) are allocated but left for the caller to fill.
 
@@ -108,7 +109,7 @@ def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device,
                 if full_shape != tuple(t.shape):
                     raise ValueError(f"{name}: file shape {full_shape} != model shape {tuple(t.shape)}")
                 rows = local.shape[0] if local.dim() else 0
-                piece = h.get_slice(name)[start:start + rows] if local.dim() else h.get_tensor(name)
+                piece = h.get_slice(name)[start : start + rows] if local.dim() else h.get_tensor(name)
                 n_bytes += piece.numel() * piece.element_size()
                 with torch.no_grad():
                     local.copy_(piece.to(local.device).to(local.dtype))
@@ -117,8 +118,10 @@ def load_shards(model: torch.nn.Module, path: str | Path, device: torch.device,
     tied = {id(p) for p in model.parameters()}
     really_missing = [n for n in missing if not (id(targets[n]) in written and id(targets[n]) in tied)]
     if really_missing:
-        raise KeyError(f"{str(path)!r} lacks tensors the model needs: {really_missing[:5]}"
-                       f"{' ...' if len(really_missing) > 5 else ''}")
+        raise KeyError(
+            f"{str(path)!r} lacks tensors the model needs: {really_missing[:5]}"
+            f"{' ...' if len(really_missing) > 5 else ''}"
+        )
     return {"tensors": len(written), "bytes_read": n_bytes}
 
 

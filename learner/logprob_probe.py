@@ -101,7 +101,7 @@ def check(engine: TrainingEngine, plans: list[StepPlan], tolerance: float) -> di
             f"learner and engine log-probs disagree on {n} staleness-0 tokens: mean |learner - engine| = {mean:.4f} "
             f"nats (max {float(mx):.4f}) > learner.logprob_probe_tolerance={tolerance}. The learner scores "
             f"log_softmax(logits / learner.temperature); the engine must report the log-probs of the distribution it "
-            f"sampled (vLLM: --logprobs-mode processed_logprobs; no top_p/top_k truncation), at the same temperature")
-    logger.info("log-prob probe: mean |learner - engine| %.2e nats (max %.2e) over %d fresh tokens", mean,
-                float(mx), n)
+            f"sampled (vLLM: --logprobs-mode processed_logprobs; no top_p/top_k truncation), at the same temperature"
+        )
+    logger.info("log-prob probe: mean |learner - engine| %.2e nats (max %.2e) over %d fresh tokens", mean, float(mx), n)
     return result

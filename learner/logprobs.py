@@ -82,8 +82,14 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_t: float):
     return z.gather(-1, targets.view(-1, 1)).squeeze(-1) - lse, lse, entropy
 
 
-def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, inv_t: float,
-                out_dtype: torch.dtype) -> torch.Tensor:
+def _chunk_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    g: torch.Tensor,
+    inv_t: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """d(sum g * logp) / d(raw logits) = g * inv_t * (onehot(target) - softmax), written in ``out_dtype``."""
     p = torch.exp(logits * inv_t - lse[:, None])
     hit = torch.arange(logits.shape[-1], device=logits.device)[None, :] == targets[:, None]
@@ -103,8 +109,17 @@ def _fused(name: str):
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t: float, chunk: int, compute_dtype, fused: bool = False,
-                entropy_grad: bool = False):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        inv_t: float,
+        chunk: int,
+        compute_dtype,
+        fused: bool = False,
+        entropy_grad: bool = False,
+    ):
         n = hidden.shape[0]
         cd = compute_dtype or hidden.dtype
         h_c, w_c = hidden.to(cd), weight.to(cd)  # no copy when they are in it already
@@ -173,9 +188,16 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         return g_h, (g_w.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk: int = DEFAULT_CHUNK, compute_dtype: torch.dtype | None = None, fused: bool = False,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    compute_dtype: torch.dtype | None = None,
+    fused: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[n] fp32 log-probs of ``targets`` and [n] fp32 entropies under softmax(hidden @ weight.T / temperature).
 
     ``hidden`` [n, h] and ``weight`` [V, h]; the head's operands are cast to ``compute_dtype`` (default:
@@ -184,7 +206,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     the entropy's backward runs the eager path).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [n, h] and weight [V, h] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden [n, h] and weight [V, h] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [n={hidden.shape[0]}], got {tuple(targets.shape)}")
     if chunk < 1:
@@ -193,8 +217,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         z = hidden.new_zeros(0, dtype=torch.float32)
         tie = (hidden.sum() + weight.sum()) * 0  # keeps both in the graph (empty gradients, no special case)
         return z + tie, (z + tie if entropy_grad else z.clone())
-    return _ChunkedHeadLogProbs.apply(hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype, fused,
-                                      entropy_grad)
+    return _ChunkedHeadLogProbs.apply(
+        hidden, weight, targets, 1.0 / temperature, chunk, compute_dtype, fused, entropy_grad
+    )
 
 
 @contextmanager
@@ -206,9 +231,16 @@ def _swapped_head(head: torch.nn.Module, fn):
         del head.forward
 
 
-def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
-                  compute_dtype: torch.dtype | None = None, fused: bool = False, entropy_grad: bool = False,
-                  **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def head_logprobs(
+    model: torch.nn.Module,
+    mb,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+    compute_dtype: torch.dtype | None = None,
+    fused: bool = False,
+    entropy_grad: bool = False,
+    **forward_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one packed micro-batch through a transformers causal LM, chunked.
 
     The LM head must be a bias-free linear layer (``get_output_embeddings()``: every Llama/Qwen2-family
@@ -223,14 +255,20 @@ def head_logprobs(model: torch.nn.Module, mb, temperature: float = 1.0, chunk: i
     def forward(h: torch.Tensor) -> torch.Tensor:
         # h: [1, n, hidden] (logits_to_keep selected the response positions); the head's weight here is
         # the unsharded one FSDP gathered for this forward.
-        logp, ent = chunked_logprobs(h[0], head.weight, mb.targets, temperature, chunk, compute_dtype, fused,
-                                     entropy_grad)
+        logp, ent = chunked_logprobs(
+            h[0], head.weight, mb.targets, temperature, chunk, compute_dtype, fused, entropy_grad
+        )
         # Returned as the model's "logits" [1, n, 2], so the result leaves through the model's output (FSDP
         # hooks its backward on the outputs).
         return torch.stack([logp, ent], dim=-1).unsqueeze(0)
 
     with _swapped_head(head, forward):
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                    logits_to_keep=mb.target_index, **forward_kwargs)
+        out = model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            logits_to_keep=mb.target_index,
+            **forward_kwargs,
+        )
     ent = out.logits[0, :, 1]
     return out.logits[0, :, 0], (ent if entropy_grad else ent.detach())

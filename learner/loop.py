@@ -87,6 +87,7 @@ def publisher_hook(publisher, dtype: torch.dtype | None = None) -> PublishHook:
 
     return publish
 
+
 _STOP = -1
 _CATCH_UP = -2  # rank 0 waits for a batch while an engine lacks the current weights: every rank publishes
 
@@ -95,8 +96,9 @@ class _CatchUp(Exception):
     """Rank 0's wait for a batch is cut short to bring an engine up to the current weights."""
 
 
-def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str = "",
-                catch_up: bool = False) -> pa.RecordBatch | None:
+def share_batch(
+    batch: pa.RecordBatch | None, device: torch.device, error: str = "", catch_up: bool = False
+) -> pa.RecordBatch | None:
     """Broadcast rank 0's record batch to every rank as Arrow IPC bytes (no pickle).
 
     Rank 0 passes the batch (or None with ``error`` to make every rank raise; or ``catch_up``, for
@@ -121,7 +123,11 @@ def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str =
     header = header.to(device)
     dist.broadcast(header, src=0)
     kind, size = (int(x) for x in header.tolist())
-    buf = torch.from_numpy(payload.copy()).to(device) if rank == 0 else torch.empty(size, dtype=torch.uint8, device=device)
+    buf = (
+        torch.from_numpy(payload.copy()).to(device)
+        if rank == 0
+        else torch.empty(size, dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buf, src=0)
     data = buf.cpu().numpy().tobytes()
     if kind == _STOP:
@@ -136,13 +142,26 @@ def share_batch(batch: pa.RecordBatch | None, device: torch.device, error: str =
 class Learner:
     """Runs steps ``version + 1 .. max_steps`` on one rank (every rank runs one)."""
 
-    def __init__(self, engine: TrainingEngine, cfg: LearnerConfig, *, source: BatchSource | None, max_steps: int,
-                 checkpoint_dir: Path | None = None, export_root: Path | None = None,
-                 publish: PublishHook | None = None, on_metrics: MetricsHook | None = None,
-                 batch_timeout_s: float | None = None, engine_dtype: str = "auto",
-                 on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
-                 needs_weights: IdleHook | None = None, idle_poll_s: float = 10.0,
-                 on_committed: CommittedHook | None = None, critic=None) -> None:
+    def __init__(
+        self,
+        engine: TrainingEngine,
+        cfg: LearnerConfig,
+        *,
+        source: BatchSource | None,
+        max_steps: int,
+        checkpoint_dir: Path | None = None,
+        export_root: Path | None = None,
+        publish: PublishHook | None = None,
+        on_metrics: MetricsHook | None = None,
+        batch_timeout_s: float | None = None,
+        engine_dtype: str = "auto",
+        on_unchanged: UnchangedHook | None = None,
+        on_batch: BatchHook | None = None,
+        needs_weights: IdleHook | None = None,
+        idle_poll_s: float = 10.0,
+        on_committed: CommittedHook | None = None,
+        critic=None,
+    ) -> None:
         """``engine_dtype``: the engines' ``model.dtype``, which sets the log-prob probe's tolerance when
         ``learner.logprob_probe_tolerance`` is ``auto`` (learner/logprob_probe.py).
 
@@ -238,7 +257,9 @@ class Learner:
                 if not watch:
                     raise
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no batch within {self.batch_timeout_s:.0f} s in all; the last wait: {exc}") from None
+                    raise TimeoutError(
+                        f"no batch within {self.batch_timeout_s:.0f} s in all; the last wait: {exc}"
+                    ) from None
             if self.needs_weights():
                 raise _CatchUp
 
@@ -249,8 +270,14 @@ class Learner:
         path = ckpt.step_dir(self.checkpoint_dir, self.version)
         if self.critic is not None:  # before the actor's meta.json, which marks the folder complete
             self.critic.save(path / "critic")
-        self.engine.save_checkpoint(path, {"version": self.version, "source_position": pos,
-                                           "kl_reward_coef": self.kl_ctl.value if self.kl_ctl is not None else None})
+        self.engine.save_checkpoint(
+            path,
+            {
+                "version": self.version,
+                "source_position": pos,
+                "kl_reward_coef": self.kl_ctl.value if self.kl_ctl is not None else None,
+            },
+        )
         if self.engine.rank == 0:
             ckpt.prune(self.checkpoint_dir, self.cfg.keep_checkpoints)
 
@@ -275,28 +302,50 @@ class Learner:
         t_train_wall = time.time()  # unix seconds, comparable with the samples' t_start / t_end
         timer = StepTimer()  # the step's compute, host and CUDA clocks (learner/busy.py)
         plans, stats = plan_mini_batches(
-            batch, groups_per_mini=self.cfg.ppo_mini_batch_size, rank=self.engine.data_rank,
-            world_size=self.engine.data_world_size, micro_batch_tokens=self.engine.micro_batch_tokens,
-            advantage=self.cfg.loss.advantage, drop_uniform=self.cfg.loss.drop_uniform_groups,
-            aggregation=self.cfg.loss.effective_aggregation, learner_version=self.version,
-            mask_truncated=self.cfg.loss.mask_truncated, loss_scale_factor=self.cfg.loss.loss_scale_factor)
+            batch,
+            groups_per_mini=self.cfg.ppo_mini_batch_size,
+            rank=self.engine.data_rank,
+            world_size=self.engine.data_world_size,
+            micro_batch_tokens=self.engine.micro_batch_tokens,
+            advantage=self.cfg.loss.advantage,
+            drop_uniform=self.cfg.loss.drop_uniform_groups,
+            aggregation=self.cfg.loss.effective_aggregation,
+            learner_version=self.version,
+            mask_truncated=self.cfg.loss.mask_truncated,
+            loss_scale_factor=self.cfg.loss.loss_scale_factor,
+        )
         t1 = time.perf_counter()
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor
             self.engine.prepare_logprobs(plan)
         penalties = None
         if self.kl_ctl is not None and self.critic is not None:  # KL in the token rewards GAE reads
-            penalties, kl_m = kl_reward.gae_penalties(batch, plans, estimator=self.cfg.kl_reward.estimator,
-                                                      controller=self.kl_ctl)
+            penalties, kl_m = kl_reward.gae_penalties(
+                batch, plans, estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl
+            )
             stats.update(kl_m)
         elif self.kl_ctl is not None:  # KL in the reward: advantages again, from token rewards (learner/kl_reward.py)
-            stats.update(kl_reward.apply(batch, plans, advantage=self.cfg.loss.advantage,
-                                         drop_uniform=self.cfg.loss.drop_uniform_groups,
-                                         estimator=self.cfg.kl_reward.estimator, controller=self.kl_ctl))
+            stats.update(
+                kl_reward.apply(
+                    batch,
+                    plans,
+                    advantage=self.cfg.loss.advantage,
+                    drop_uniform=self.cfg.loss.drop_uniform_groups,
+                    estimator=self.cfg.kl_reward.estimator,
+                    controller=self.kl_ctl,
+                )
+            )
         critic_m = self.critic.prepare(plans, self.cfg.loss.gamma, self.cfg.loss.lam, penalties) if self.critic else {}
-        if self.cfg.rollout_correction.enable and self.cfg.loss.correction == "decoupled":  # IS weights and rejection from prox vs behaviour (learner/correction.py)
-            stats.update(correction.apply(plans, self.cfg.rollout_correction,
-                                          aggregation=self.cfg.loss.effective_aggregation,
-                                          loss_scale_factor=self.cfg.loss.loss_scale_factor))
+        if (
+            self.cfg.rollout_correction.enable and self.cfg.loss.correction == "decoupled"
+        ):  # IS weights and rejection from prox vs behaviour (learner/correction.py)
+            stats.update(
+                correction.apply(
+                    plans,
+                    self.cfg.rollout_correction,
+                    aggregation=self.cfg.loss.effective_aggregation,
+                    loss_scale_factor=self.cfg.loss.loss_scale_factor,
+                )
+            )
         t_prep = time.perf_counter() - t1
         probe = None
         if not self.probed and self.probe_tolerance is not None:
@@ -333,36 +382,46 @@ class Learner:
         metrics.update({f"learner/batch_{k}": v for k, v in stats.items()})
         metrics.update(busy)
         metrics.update(critic_m)
-        metrics.update({
-            "learner/version": float(self.version),
-            "learner/staleness_max_versions": float(stale.max()),
-            "learner/staleness_mean_versions": float(stale.mean()),
-            "learner/pull_seconds": t_pull,
-            "learner/proximal_seconds": t_prep,
-            "learner/publish_seconds": t_pub,
-            # the previous step's checkpoint and HF export, when due: a step's record is written before
-            # its own commit (module docstring); summed over a run the steps' totals still cover it all
-            "learner/checkpoint_seconds": self.commit_s,
-            "learner/publish_skipped": float(unchanged),
-            "learner/total_step_seconds": time.perf_counter() - t0 + self.commit_s,
-            # the step's training window (after the batch hook, through the publish) and its samples'
-            # generation window, in unix seconds: colocated mode's invariant is that they never overlap
-            "learner/train_start_unix": t_train_wall,
-            "learner/train_end_unix": t_train_end_wall,
-            "learner/gen_start_min_unix": float(pc.min(batch.column("t_start")).as_py()),
-            "learner/gen_end_max_unix": float(pc.max(batch.column("t_end")).as_py()),
-            "learner/prompt_tokens": float(pc.sum(pc.list_value_length(batch.column("prompt_ids"))).as_py()),
-            "learner/response_tokens": float(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py()),
-            "learner/samples": float(batch.num_rows),
-        })
+        metrics.update(
+            {
+                "learner/version": float(self.version),
+                "learner/staleness_max_versions": float(stale.max()),
+                "learner/staleness_mean_versions": float(stale.mean()),
+                "learner/pull_seconds": t_pull,
+                "learner/proximal_seconds": t_prep,
+                "learner/publish_seconds": t_pub,
+                # the previous step's checkpoint and HF export, when due: a step's record is written before
+                # its own commit (module docstring); summed over a run the steps' totals still cover it all
+                "learner/checkpoint_seconds": self.commit_s,
+                "learner/publish_skipped": float(unchanged),
+                "learner/total_step_seconds": time.perf_counter() - t0 + self.commit_s,
+                # the step's training window (after the batch hook, through the publish) and its samples'
+                # generation window, in unix seconds: colocated mode's invariant is that they never overlap
+                "learner/train_start_unix": t_train_wall,
+                "learner/train_end_unix": t_train_end_wall,
+                "learner/gen_start_min_unix": float(pc.min(batch.column("t_start")).as_py()),
+                "learner/gen_end_max_unix": float(pc.max(batch.column("t_end")).as_py()),
+                "learner/prompt_tokens": float(pc.sum(pc.list_value_length(batch.column("prompt_ids"))).as_py()),
+                "learner/response_tokens": float(pc.sum(pc.list_value_length(batch.column("response_ids"))).as_py()),
+                "learner/samples": float(batch.num_rows),
+            }
+        )
         self.history.append(metrics)
         if self.engine.rank == 0:
             g = lambda k: metrics.get(k, float("nan"))  # noqa: E731 (a critic warm-up step has no actor loss)
-            logger.info("step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e fresh_mismatch_kl %.2e "
-                        "grad_norm %.3f opt_steps %d (%.2fs)",
-                        step, g("learner/loss_total"), g("learner/batch_reward_mean"), g("learner/clip_frac"),
-                        g("learner/mismatch_kl_k3"), g("learner/mismatch_kl_k3_fresh"), g("learner/grad_norm"),
-                        int(metrics["learner/optimizer_steps"]), metrics["learner/total_step_seconds"])
+            logger.info(
+                "step %d: loss %.5f reward %.3f clip %.3f mismatch_kl %.2e fresh_mismatch_kl %.2e "
+                "grad_norm %.3f opt_steps %d (%.2fs)",
+                step,
+                g("learner/loss_total"),
+                g("learner/batch_reward_mean"),
+                g("learner/clip_frac"),
+                g("learner/mismatch_kl_k3"),
+                g("learner/mismatch_kl_k3_fresh"),
+                g("learner/grad_norm"),
+                int(metrics["learner/optimizer_steps"]),
+                metrics["learner/total_step_seconds"],
+            )
         if self.on_metrics is not None:
             self.on_metrics(step, metrics)
         self._commit(step, lease)

@@ -77,11 +77,15 @@ def target_names(model: nn.Module, cfg: LoraConfig) -> list[str]:
             continue
         names.append(path)
     if wanted is not None and (unknown := sorted(wanted - seen_leaves)):
-        raise ValueError(f"learner.lora.target_modules names {unknown}, which no linear layer of "
-                         f"{type(model).__name__} has; its linear layers are {sorted(seen_leaves)}")
+        raise ValueError(
+            f"learner.lora.target_modules names {unknown}, which no linear layer of "
+            f"{type(model).__name__} has; its linear layers are {sorted(seen_leaves)}"
+        )
     if not names:
-        raise ValueError(f"learner.lora selects no linear layer of {type(model).__name__} (target_modules="
-                         f"{cfg.target_modules!r}, exclude_modules={cfg.exclude_modules!r})")
+        raise ValueError(
+            f"learner.lora selects no linear layer of {type(model).__name__} (target_modules="
+            f"{cfg.target_modules!r}, exclude_modules={cfg.exclude_modules!r})"
+        )
     return names
 
 
@@ -129,7 +133,7 @@ def _set_full(p: torch.Tensor, full: torch.Tensor) -> None:
         if isinstance(p, DTensor):
             local, start = _local_rows(p)
             rows = local.shape[0]
-            local.copy_(full[start:start + rows].to(local.dtype))
+            local.copy_(full[start : start + rows].to(local.dtype))
         else:
             p.copy_(full.to(p.dtype))
 
@@ -161,19 +165,38 @@ def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
 
 
 def peft_config(cfg: LoraConfig, names: list[str], base_model_path: str) -> dict:
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "target_modules": sorted({n.rsplit(".", 1)[-1] for n in names}),
-            "exclude_modules": list(cfg.exclude_modules) or None, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
-            "inference_mode": True, "base_model_name_or_path": base_model_path}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in names}),
+        "exclude_modules": list(cfg.exclude_modules) or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model_path,
+    }
 
 
 def lora_module_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, LoraLinear)]
 
 
-def save_adapter(folder: str | Path, model: nn.Module, cfg: LoraConfig, *, base_model_path: str, rank: int,
-                 dtype: torch.dtype | None = None) -> int:
+def save_adapter(
+    folder: str | Path,
+    model: nn.Module,
+    cfg: LoraConfig,
+    *,
+    base_model_path: str,
+    rank: int,
+    dtype: torch.dtype | None = None,
+) -> int:
     """Collective: gather the adapters and (rank 0) write a peft adapter folder; returns the tensor bytes written
     (0 on other ranks). The weights file is written under a temporary name and renamed, so a reader never sees a
     half-written adapter."""
@@ -185,7 +208,8 @@ def save_adapter(folder: str | Path, model: nn.Module, cfg: LoraConfig, *, base_
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ADAPTER_CONFIG).write_text(
-        json.dumps(peft_config(cfg, lora_module_names(model), base_model_path), indent=2))
+        json.dumps(peft_config(cfg, lora_module_names(model), base_model_path), indent=2)
+    )
     tmp = folder / (ADAPTER_WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.rename(folder / ADAPTER_WEIGHTS)
@@ -199,20 +223,26 @@ def load_adapter(folder: str | Path, model: nn.Module, cfg: LoraConfig) -> None:
 
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).exists() or not (folder / ADAPTER_WEIGHTS).exists():
-        raise FileNotFoundError(f"learner.lora.adapter_path {str(folder)!r} is not a peft adapter folder "
-                                f"(expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+        raise FileNotFoundError(
+            f"learner.lora.adapter_path {str(folder)!r} is not a peft adapter folder "
+            f"(expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
+        )
     meta = json.loads((folder / ADAPTER_CONFIG).read_text())
     if meta.get("r") != cfg.rank or float(meta.get("lora_alpha", -1)) != cfg.alpha:
-        raise ValueError(f"adapter {str(folder)!r} has r={meta.get('r')}, lora_alpha={meta.get('lora_alpha')}; "
-                         f"learner.lora has rank={cfg.rank}, alpha={cfg.alpha}")
+        raise ValueError(
+            f"adapter {str(folder)!r} has r={meta.get('r')}, lora_alpha={meta.get('lora_alpha')}; "
+            f"learner.lora has rank={cfg.rank}, alpha={cfg.alpha}"
+        )
     # peft also writes keys with the adapter name (".lora_A.default.weight") in memory, never on disk; accept both
     stored = {k.replace(".default.", "."): v for k, v in load_file(str(folder / ADAPTER_WEIGHTS)).items()}
     params = dict(adapter_parameters(model))
     missing = sorted(n for n in params if PEFT_PREFIX + n not in stored)
     extra = sorted(k for k in stored if k.removeprefix(PEFT_PREFIX) not in params)
     if missing or extra:
-        raise ValueError(f"adapter {str(folder)!r} does not match learner.lora's modules: missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}")
+        raise ValueError(
+            f"adapter {str(folder)!r} does not match learner.lora's modules: missing {missing[:4]}, "
+            f"unexpected {extra[:4]}"
+        )
     for n, p in params.items():
         full = stored[PEFT_PREFIX + n]
         if tuple(full.shape) != tuple(p.shape):

@@ -67,7 +67,11 @@ MAX_SUFFIX = "_max"
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_index: torch.Tensor, mode: str, drop_uniform: bool, eps: float = 1e-6,
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    mode: str,
+    drop_uniform: bool,
+    eps: float = 1e-6,
     lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample advantages and the mask of samples to keep: learner/advantages.py's estimators.
@@ -119,8 +123,10 @@ def aggregation_scale(mode: str, total_tokens: int, total_seqs: int, loss_scale_
         return t / n
     if mode == "seq_mean_token_sum_norm":
         if not loss_scale_factor or loss_scale_factor < 1:
-            raise ValueError(f"aggregation 'seq_mean_token_sum_norm' needs loss_scale_factor >= 1 (a constant "
-                             f"length, e.g. rollout.sampling.max_tokens), got {loss_scale_factor!r}")
+            raise ValueError(
+                f"aggregation 'seq_mean_token_sum_norm' needs loss_scale_factor >= 1 (a constant "
+                f"length, e.g. rollout.sampling.max_tokens), got {loss_scale_factor!r}"
+            )
         return t / (n * loss_scale_factor)
     raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
 
@@ -155,18 +161,28 @@ class LossSettings:
             raise ValueError(f"clip_ratio_c must be > 1 (the dual-clip bound on -A * ratio), got {self.clip_ratio_c}")
         self.kl_estimator = kl.resolve(self.kl_estimator)
         if self.rejection and self.correction != "bypass":
-            raise ValueError("per-micro-batch rejection rules are bypass mode's; decoupled measures them once per "
-                             "step (learner/correction.py apply)")
+            raise ValueError(
+                "per-micro-batch rejection rules are bypass mode's; decoupled measures them once per "
+                "step (learner/correction.py apply)"
+            )
 
     @classmethod
     def from_config(cls, cfg, rollout_correction=None) -> LossSettings:
         """``cfg``: learner.loss; ``rollout_correction``: learner.rollout_correction (its rules, with bypass)."""
         rc = rollout_correction
         rules = tuple(rc.rejection) if rc is not None and rc.enable and cfg.correction == "bypass" else ()
-        return cls(correction=cfg.correction, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   clip_ratio_c=cfg.clip_ratio_c, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                   kl_estimator=cfg.kl_estimator, policy_loss=cfg.policy_loss, entropy_coeff=cfg.entropy_coeff,
-                   rejection=rules)
+        return cls(
+            correction=cfg.correction,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            tis_cap=cfg.tis_cap,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            policy_loss=cfg.policy_loss,
+            entropy_coeff=cfg.entropy_coeff,
+            rejection=rules,
+        )
 
 
 def needs_proximal(correction: str, recompute_proximal: bool, several_optimizer_steps: bool) -> bool:
@@ -194,8 +210,10 @@ POLICY_LOSSES = ("vanilla", "gspo", "geo_mean")
 def _segments(seq_lens: torch.Tensor | None, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token sequence index [n] and token counts [s] of a packed micro-batch's sequences."""
     if seq_lens is None or int(seq_lens.sum()) != n:
-        raise ValueError(f"a sequence-level policy loss needs seq_lens summing to the {n} tokens, got "
-                         f"{None if seq_lens is None else seq_lens.tolist()}")
+        raise ValueError(
+            f"a sequence-level policy loss needs seq_lens summing to the {n} tokens, got "
+            f"{None if seq_lens is None else seq_lens.tolist()}"
+        )
     lens = seq_lens.to(device)
     return torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens), lens.clamp(min=1)
 
@@ -205,7 +223,11 @@ def _seq_mean(x: torch.Tensor, seg: torch.Tensor, lens: torch.Tensor) -> torch.T
 
 
 def surrogate(
-    logp: torch.Tensor, base: torch.Tensor, advantages: torch.Tensor, is_w: torch.Tensor, s: LossSettings,
+    logp: torch.Tensor,
+    base: torch.Tensor,
+    advantages: torch.Tensor,
+    is_w: torch.Tensor,
+    s: LossSettings,
     seq_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token policy-gradient loss of ``s.policy_loss`` and (ratio, clip_active, dual_active) for metrics.
@@ -298,8 +320,10 @@ def policy_loss(
         is_w = torch.ones_like(logp)
     elif is_weights is not None:
         if s.correction != "decoupled" or is_weights.shape != (n,):
-            raise ValueError(f"is_weights (shape {tuple(is_weights.shape)}) are decoupled's behaviour weight for "
-                             f"the {n} tokens; correction={s.correction!r}")
+            raise ValueError(
+                f"is_weights (shape {tuple(is_weights.shape)}) are decoupled's behaviour weight for "
+                f"the {n} tokens; correction={s.correction!r}"
+            )
         is_w = is_weights.detach().to(logp.dtype)
     else:
         is_w = torch.exp((old - behaviour_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=s.tis_cap).detach()
@@ -316,8 +340,9 @@ def policy_loss(
     per_token = pg
     if s.entropy_coeff > 0:
         if entropy is None or not entropy.requires_grad and logp.requires_grad:
-            raise ValueError(f"entropy_coeff={s.entropy_coeff} needs the entropy with its gradient "
-                             "(forward with entropy_grad=True)")
+            raise ValueError(
+                f"entropy_coeff={s.entropy_coeff} needs the entropy with its gradient (forward with entropy_grad=True)"
+            )
         per_token = per_token - s.entropy_coeff * entropy.to(logp.dtype)
     kl_val = None
     if s.kl_coef > 0:
@@ -356,8 +381,7 @@ def policy_loss(
             # Weight-zero tokens (the empty micro-batches that keep ranks in step) do not count; importance
             # weights are >= 0, so masking them to 0 (and a 0 appended for an empty batch) keeps the max without
             # a host sync per micro-batch.
-            "is_weight_max": torch.cat([torch.where(wd > 0, is_w.to(wd.dtype), 0.0),
-                                        wd.new_zeros(1)]).max(),
+            "is_weight_max": torch.cat([torch.where(wd > 0, is_w.to(wd.dtype), 0.0), wd.new_zeros(1)]).max(),
             "mismatch_kl_k3": (wd * _k3(d)).sum(),
             "mismatch_logp_diff": (wd * (behaviour_logp - lp)).sum(),
             "fresh_token_frac": (wd * fr).sum(),
@@ -369,8 +393,9 @@ def policy_loss(
         if entropy is not None:
             metrics["entropy"] = (wd * entropy.detach().to(wd.dtype)).sum()
         if rejected is not None:  # weighted shares of the step's tokens, as the other metrics
-            names = ["rollout_rs_masked_fraction"] + [f"rollout_rs_{r.name or i}_masked_fraction"
-                                                      for i, r in enumerate(s.rejection)]
+            names = ["rollout_rs_masked_fraction"] + [
+                f"rollout_rs_{r.name or i}_masked_fraction" for i, r in enumerate(s.rejection)
+            ]
             for name, r in zip(names, rejected, strict=True):
                 metrics[name] = (wd * r.to(wd.dtype)).sum()
     return loss, metrics

@@ -34,14 +34,34 @@ log = logging.getLogger(__name__)
 # The scalars of every step: the loop's (learner/loop.py, learner/losses.py, the engine's train_step)
 # and those this module adds from the step's batch and the rank's publish.
 EVERY_STEP = (
-    "learner/loss_total", "learner/loss_policy", "learner/clip_frac", "learner/clip_dual_frac",
-    "learner/ratio_mean", "learner/is_weight_mean", "learner/is_weight_max", "learner/mismatch_kl_k3",
-    "learner/mismatch_kl_k3_fresh", "learner/drift_kl_k3", "learner/entropy", "learner/grad_norm", "learner/lr",
-    "learner/step_skipped", "learner/steps_skipped_total", "learner/batch_samples_dropped_uniform",
-    "learner/groups_dropped_uniform", "learner/staleness_mean_versions", "learner/staleness_max_versions",
-    "learner/time_wait_data_seconds", "learner/time_train_seconds", "learner/time_publish_seconds",
-    "learner/time_checkpoint_seconds", "learner/time_step_seconds", "learner/publish_engine_held_seconds",
-    "rollout/response_length_mean_tokens", "rollout/response_length_max_tokens", "rollout/truncated_fraction",
+    "learner/loss_total",
+    "learner/loss_policy",
+    "learner/clip_frac",
+    "learner/clip_dual_frac",
+    "learner/ratio_mean",
+    "learner/is_weight_mean",
+    "learner/is_weight_max",
+    "learner/mismatch_kl_k3",
+    "learner/mismatch_kl_k3_fresh",
+    "learner/drift_kl_k3",
+    "learner/entropy",
+    "learner/grad_norm",
+    "learner/lr",
+    "learner/step_skipped",
+    "learner/steps_skipped_total",
+    "learner/batch_samples_dropped_uniform",
+    "learner/groups_dropped_uniform",
+    "learner/staleness_mean_versions",
+    "learner/staleness_max_versions",
+    "learner/time_wait_data_seconds",
+    "learner/time_train_seconds",
+    "learner/time_publish_seconds",
+    "learner/time_checkpoint_seconds",
+    "learner/time_step_seconds",
+    "learner/publish_engine_held_seconds",
+    "rollout/response_length_mean_tokens",
+    "rollout/response_length_max_tokens",
+    "rollout/truncated_fraction",
     "rollout/reward_mean",
 )
 JSONL = Path("metrics") / "learner.jsonl"
@@ -60,10 +80,12 @@ def batch_metrics(batch: pa.RecordBatch, step: int) -> tuple[dict[str, float], d
     sources = np.array(batch.column("data_source").to_pylist())
     v0 = np.array([v[0] for v in batch.column("segment_versions").to_pylist()], dtype=np.int64)
     stale = step - 1 - v0
-    out = {"rollout/response_length_mean_tokens": float(lengths.mean()),
-           "rollout/response_length_max_tokens": float(lengths.max()),
-           "rollout/truncated_fraction": float((finish == "length").mean()),
-           "rollout/reward_mean": float(reward.mean())}
+    out = {
+        "rollout/response_length_mean_tokens": float(lengths.mean()),
+        "rollout/response_length_max_tokens": float(lengths.max()),
+        "rollout/truncated_fraction": float((finish == "length").mean()),
+        "rollout/reward_mean": float(reward.mean()),
+    }
     for src in sorted(set(sources.tolist())):
         out[source_key(src)] = float(reward[sources == src].mean())
     if "loss_mask" in batch.schema.names:  # multi-turn episodes: turns (runs of 1) and observations (runs of 0)
@@ -107,9 +129,18 @@ def _prom_name(key: str) -> str:
 class MetricsSink:
     """Rank 0's writer (see the module docstring); ``start_step``: the first step this process runs."""
 
-    def __init__(self, run_dir: str | Path, *, start_step: int, tensorboard: bool = True, prometheus: bool = True,
-                 samples_every: int = 10, samples_n: int = 4, model_path: str | None = None,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        start_step: int,
+        tensorboard: bool = True,
+        prometheus: bool = True,
+        samples_every: int = 10,
+        samples_n: int = 4,
+        model_path: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.samples_every, self.samples_n, self.model_path = samples_every, samples_n, model_path
         self._tok = None
@@ -134,8 +165,9 @@ class MetricsSink:
             (self.run_dir / ENDPOINT).write_text(json.dumps({"learner": url}))
             log.info("learner Prometheus metrics on %s", url)
 
-    def write(self, step: int, metrics: dict[str, float], batch: pa.RecordBatch | None,
-              extra: dict[str, float] | None = None) -> dict[str, float]:
+    def write(
+        self, step: int, metrics: dict[str, float], batch: pa.RecordBatch | None, extra: dict[str, float] | None = None
+    ) -> dict[str, float]:
         """Record one step; returns the scalars written."""
         scalars = {k: float(v) for k, v in metrics.items()}
         self.steps_skipped += int(scalars.get("learner/step_skipped", 0.0) > 0)
@@ -143,12 +175,16 @@ class MetricsSink:
         publish = scalars.get("learner/publish_seconds", 0.0)
         total = scalars.get("learner/total_step_seconds", 0.0)
         ckpt = scalars.get("learner/checkpoint_seconds", 0.0)
-        scalars.update({
-            "learner/steps_skipped_total": float(self.steps_skipped),
-            "learner/time_wait_data_seconds": pull, "learner/time_publish_seconds": publish,
-            "learner/time_checkpoint_seconds": ckpt, "learner/time_step_seconds": total,
-            "learner/time_train_seconds": max(0.0, total - pull - publish - ckpt),
-        })
+        scalars.update(
+            {
+                "learner/steps_skipped_total": float(self.steps_skipped),
+                "learner/time_wait_data_seconds": pull,
+                "learner/time_publish_seconds": publish,
+                "learner/time_checkpoint_seconds": ckpt,
+                "learner/time_step_seconds": total,
+                "learner/time_train_seconds": max(0.0, total - pull - publish - ckpt),
+            }
+        )
         scalars.update(extra or {})
         scalars.setdefault("learner/publish_engine_held_seconds", 0.0)
         hist, groups, samples = {}, [], None
@@ -165,8 +201,7 @@ class MetricsSink:
         self._jsonl.write(json.dumps(row) + "\n")
         if self._tb is not None:
             self._tb.scalars(scalars, step)
-            self._tb.histogram("learner/staleness_versions",
-                               [int(k) for k, n in hist.items() for _ in range(n)], step)
+            self._tb.histogram("learner/staleness_versions", [int(k) for k, n in hist.items() for _ in range(n)], step)
             if samples:
                 self._tb.text("rollout/samples", _table(samples), step)
             self._tb.flush()
@@ -200,8 +235,14 @@ class MetricsSink:
                 continue
             seen.add(r["group_id"])
             dec = (lambda ids: self._tok.decode(ids)) if self._tok is not None else str
-            out.append({"prompt": dec(r["prompt_ids"]), "response": dec(r["response_ids"]),
-                        "reward": r["reward"], "finish_reason": r["finish_reason"]})
+            out.append(
+                {
+                    "prompt": dec(r["prompt_ids"]),
+                    "response": dec(r["response_ids"]),
+                    "reward": r["reward"],
+                    "finish_reason": r["finish_reason"],
+                }
+            )
             if len(out) >= self.samples_n:
                 break
         return out
@@ -221,6 +262,7 @@ def _cell(s: str) -> str:
 
 def _table(samples: list[dict[str, Any]]) -> str:
     lines = ["| prompt | response | reward | finish |", "|---|---|---|---|"]
-    lines += [f"| {_cell(s['prompt'])} | {_cell(s['response'])} | {s['reward']:.3f} | {s['finish_reason']} |"
-              for s in samples]
+    lines += [
+        f"| {_cell(s['prompt'])} | {_cell(s['response'])} | {s['reward']:.3f} | {s['finish_reason']} |" for s in samples
+    ]
     return "\n".join(lines)

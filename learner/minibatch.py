@@ -41,7 +41,7 @@ def group_split(batch: pa.RecordBatch, trainable: np.ndarray, groups_per_mini: i
         return [trainable.copy()]
     masks = []
     for k in range(0, len(groups), groups_per_mini):
-        chosen = np.isin(gids, np.asarray(groups[k:k + groups_per_mini], dtype=object))
+        chosen = np.isin(gids, np.asarray(groups[k : k + groups_per_mini], dtype=object))
         masks.append(chosen & trainable)
     return masks
 
@@ -54,17 +54,35 @@ def epoch_orders(n_mini: int, epochs: int, step: int) -> list[list[int]]:
     return orders
 
 
-def plan_mini_batches(batch: pa.RecordBatch, *, groups_per_mini: int | None, rank: int, world_size: int,
-                      micro_batch_tokens: int, advantage: str, drop_uniform: bool, aggregation: str,
-                      learner_version: int | None = None, mask_truncated: bool = False,
-                      loss_scale_factor: int | None = None) -> tuple[list[StepPlan], dict[str, float]]:
+def plan_mini_batches(
+    batch: pa.RecordBatch,
+    *,
+    groups_per_mini: int | None,
+    rank: int,
+    world_size: int,
+    micro_batch_tokens: int,
+    advantage: str,
+    drop_uniform: bool,
+    aggregation: str,
+    learner_version: int | None = None,
+    mask_truncated: bool = False,
+    loss_scale_factor: int | None = None,
+) -> tuple[list[StepPlan], dict[str, float]]:
     """One :class:`StepPlan` per mini-batch and the whole step batch's stats."""
     # the same rows plan_step trains on: a group whose every response was cut (mask_truncated) must not make a
     # mini-batch of its own, which would be an empty optimizer step averaged into the step's metrics
     trainable = trainable_rows(batch, advantage, drop_uniform, mask_truncated)
-    kw = dict(rank=rank, world_size=world_size, micro_batch_tokens=micro_batch_tokens, advantage=advantage,
-              drop_uniform=drop_uniform, aggregation=aggregation, learner_version=learner_version,
-              mask_truncated=mask_truncated, loss_scale_factor=loss_scale_factor)
+    kw = dict(
+        rank=rank,
+        world_size=world_size,
+        micro_batch_tokens=micro_batch_tokens,
+        advantage=advantage,
+        drop_uniform=drop_uniform,
+        aggregation=aggregation,
+        learner_version=learner_version,
+        mask_truncated=mask_truncated,
+        loss_scale_factor=loss_scale_factor,
+    )
     masks = group_split(batch, trainable, groups_per_mini)
     if len(masks) == 1:
         plans = [plan_step(batch, **kw)]  # exactly today's single optimizer step

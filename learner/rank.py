@@ -115,14 +115,18 @@ class FleetView(Protocol):
 
     def server_urls(self) -> dict[str, str]:
         """Engine id -> URL of every healthy server (bounded wait)."""
+
     def engines_updated(self, engine_ids: list[str], version: int, relabel: bool = False) -> None:
         """Tell the fleet which servers now hold ``version`` (fire and forget); ``relabel``: no weights
         moved (the step changed nothing), the servers' weights already are ``version``'s."""
+
     def set_latest_export(self, version: int, path: str) -> None:
         """Tell the fleet where the newest HF export is (fire and forget)."""
+
     def release(self, step: int) -> dict[str, float]:
         """Colocated mode: close the fleet's gate and put its engines to sleep before step ``step``
         trains (blocks until done); seconds and counts of what it did."""
+
     def wake(self, version: int, phase: str) -> dict[str, float]:
         """Colocated mode: ``phase`` 'weights' wakes the engines' weights (before a publish), 'rest'
         their KV cache, runs a due evaluation and opens the gate (after it); blocks until done."""
@@ -138,8 +142,9 @@ def _nccl_env(cfg: RankConfig) -> dict[str, str]:
 
 
 class LearnerRank:
-    def __init__(self, cfg: RankConfig, broker_address: str, run_dir: str, fleet: FleetView | None,
-                 exports_shared: bool = True) -> None:
+    def __init__(
+        self, cfg: RankConfig, broker_address: str, run_dir: str, fleet: FleetView | None, exports_shared: bool = True
+    ) -> None:
         self.rank = 0
         self.cfg = cfg
         # False on a multi-node job without network.shared_dir: the run directory's exports are on this
@@ -234,19 +239,32 @@ class LearnerRank:
         ws = self.cfg.weight_sync
         colo = self.cfg.colocate
         # SGLang: always its own distributed update over gloo (launch/config.py refuses 'ipc' with it)
-        if colo.enabled and self.cfg.rollout.engine != "sglang" and choose_transport(
-                colo.weight_transport, cuda=torch.cuda.is_available(), shared_gpu=self.world_size == 1) == "ipc":
+        if (
+            colo.enabled
+            and self.cfg.rollout.engine != "sglang"
+            and choose_transport(colo.weight_transport, cuda=torch.cuda.is_available(), shared_gpu=self.world_size == 1)
+            == "ipc"
+        ):
             plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes())
-            log.info("weight sync: CUDA IPC into the colocated engines, %d bucket(s), %d slot(s)",
-                     len(plan.buckets), colo.ipc_slots)
-            return IpcPublisher(plan, device=f"cuda:{torch.cuda.current_device()}", slots=colo.ipc_slots,
-                                timeout_s=ws.timeout_s)
+            log.info(
+                "weight sync: CUDA IPC into the colocated engines, %d bucket(s), %d slot(s)",
+                len(plan.buckets),
+                colo.ipc_slots,
+            )
+            return IpcPublisher(
+                plan, device=f"cuda:{torch.cuda.current_device()}", slots=colo.ipc_slots, timeout_s=ws.timeout_s
+            )
         ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
         nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
         device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
         plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes(), ws.tail_bytes(nccl))
-        log.info("weight sync: backend %s, nccl_impl %s, device %s, %d bucket(s)",
-                 "nccl" if nccl else "gloo", ws.nccl_impl, device, len(plan.buckets))
+        log.info(
+            "weight sync: backend %s, nccl_impl %s, device %s, %d bucket(s)",
+            "nccl" if nccl else "gloo",
+            ws.nccl_impl,
+            device,
+            len(plan.buckets),
+        )
         return Publisher(ws, plan, rank=0, device=device)
 
     def _publish_adapter(self, version: int, engine) -> None:
@@ -254,10 +272,13 @@ class LearnerRank:
         t0 = time.monotonic()
         if self.adapter_pub is None:
             if not self.exports_shared:
-                raise RuntimeError("learner.lora publishes adapter folders by path, but the servers on other nodes "
-                                   "cannot read this run directory: set network.shared_dir")
-            self.adapter_pub = AdapterPublisher([], self.run_dir / "adapters", timeout_s=self.cfg.weight_sync.timeout_s,
-                                                dtype=self._wire_dtype())
+                raise RuntimeError(
+                    "learner.lora publishes adapter folders by path, but the servers on other nodes "
+                    "cannot read this run directory: set network.shared_dir"
+                )
+            self.adapter_pub = AdapterPublisher(
+                [], self.run_dir / "adapters", timeout_s=self.cfg.weight_sync.timeout_s, dtype=self._wire_dtype()
+            )
         if self.rank == 0 and self.fleet is not None:
             try:
                 urls = self.fleet.server_urls()
@@ -278,8 +299,13 @@ class LearnerRank:
                 self._holding.update(dict.fromkeys(ids, version))
                 if self.fleet is not None:
                     self.fleet.engines_updated(ids, version)
-                log.info("published LoRA adapter v%d (%d bytes) to %s in %.2fs", version,
-                         self.adapter_pub.last["bytes"], ids, time.monotonic() - t0)
+                log.info(
+                    "published LoRA adapter v%d (%d bytes) to %s in %.2fs",
+                    version,
+                    self.adapter_pub.last["bytes"],
+                    ids,
+                    time.monotonic() - t0,
+                )
         except AdapterPublishError as exc:
             self.publish_errors += 1
             log.error("publish of adapter v%d failed: %s", version, exc)
@@ -350,8 +376,13 @@ class LearnerRank:
         self._colo.update({f"colocate/wake_rest_{k}": float(v) for k, v in rep2.items()})
         # *_seconds from the fleet are the engines' own calls; the round trips include the Ray calls
         # (and, in wake_rest, a due evaluation: wake_rest_eval_seconds)
-        self._colo.update({"colocate/wake_weights_roundtrip_seconds": t1 - t0, "colocate/weight_load_seconds": t2 - t1,
-                           "colocate/wake_rest_roundtrip_seconds": time.monotonic() - t2})
+        self._colo.update(
+            {
+                "colocate/wake_weights_roundtrip_seconds": t1 - t0,
+                "colocate/weight_load_seconds": t2 - t1,
+                "colocate/wake_rest_roundtrip_seconds": time.monotonic() - t2,
+            }
+        )
 
     def _unchanged(self, version: int) -> None:
         """The step applied no update: no publish (it would pause the fleet for the same weights);
@@ -384,9 +415,14 @@ class LearnerRank:
         if self.sink is None:
             from learner.metrics_sink import MetricsSink
 
-            self.sink = MetricsSink(self.run_dir, start_step=step, tensorboard=self.cfg.run.tensorboard,
-                                    prometheus=self.cfg.run.prometheus, model_path=self.cfg.model.path,
-                                    samples_every=self.cfg.learner.log_samples_every)
+            self.sink = MetricsSink(
+                self.run_dir,
+                start_step=step,
+                tensorboard=self.cfg.run.tensorboard,
+                prometheus=self.cfg.run.prometheus,
+                model_path=self.cfg.model.path,
+                samples_every=self.cfg.learner.log_samples_every,
+            )
             self._continue_counts(step)
         held = self.publish_held_s if not m.get("learner/publish_skipped") else 0.0
         self.publish_held_s = 0.0
@@ -427,14 +463,33 @@ class LearnerRank:
     def _log_step(self, step: int, m: dict[str, float]) -> None:
         """One line per step in ``<run_dir>/metrics/learner_steps.jsonl`` (bench/e2e.py reads it): the
         step's unix time, its training and generation windows, tokens, staleness, mismatch, colocated timings."""
-        keys = ("learner/total_step_seconds", "learner/pull_seconds", "learner/publish_seconds",
-                "learner/train_start_unix", "learner/train_end_unix", "learner/gen_start_min_unix",
-                "learner/gen_end_max_unix", "learner/prompt_tokens", "learner/response_tokens", "learner/samples",
-                "learner/staleness_max_versions", "learner/staleness_mean_versions", "learner/mismatch_kl_k3",
-                "learner/mismatch_logp_diff", "learner/batch_reward_mean", "learner/compute_seconds",
-                "learner/gpu_compute_seconds", "learner/gpu_max_reserved_gib")
-        row = {"step": step, "t_unix": time.time(), "t0_unix": self.t0_unix,
-               **{k.split("/", 1)[1]: float(m[k]) for k in keys if k in m}, **self._colo}
+        keys = (
+            "learner/total_step_seconds",
+            "learner/pull_seconds",
+            "learner/publish_seconds",
+            "learner/train_start_unix",
+            "learner/train_end_unix",
+            "learner/gen_start_min_unix",
+            "learner/gen_end_max_unix",
+            "learner/prompt_tokens",
+            "learner/response_tokens",
+            "learner/samples",
+            "learner/staleness_max_versions",
+            "learner/staleness_mean_versions",
+            "learner/mismatch_kl_k3",
+            "learner/mismatch_logp_diff",
+            "learner/batch_reward_mean",
+            "learner/compute_seconds",
+            "learner/gpu_compute_seconds",
+            "learner/gpu_max_reserved_gib",
+        )
+        row = {
+            "step": step,
+            "t_unix": time.time(),
+            "t0_unix": self.t0_unix,
+            **{k.split("/", 1)[1]: float(m[k]) for k in keys if k in m},
+            **self._colo,
+        }
         try:
             out = self.run_dir / "metrics"
             out.mkdir(parents=True, exist_ok=True)
@@ -465,23 +520,40 @@ class LearnerRank:
         # the collective timeout must outlast both, or they would fail before rank 0 says why.
         coll_timeout = max(600.0, self.cfg.rollout.request_timeout_s + 2 * self.cfg.weight_sync.timeout_s + 60)
         _, self.world_size = init_distributed("gloo" if not torch.cuda.is_available() else "auto", coll_timeout)
-        log.info("learner rank %d/%d up (MASTER %s:%s, LOCAL_RANK %s, CUDA_VISIBLE_DEVICES %s)", self.rank,
-                 self.world_size, env["MASTER_ADDR"], env["MASTER_PORT"], env["LOCAL_RANK"],
-                 os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+        log.info(
+            "learner rank %d/%d up (MASTER %s:%s, LOCAL_RANK %s, CUDA_VISIBLE_DEVICES %s)",
+            self.rank,
+            self.world_size,
+            env["MASTER_ADDR"],
+            env["MASTER_PORT"],
+            env["LOCAL_RANK"],
+            os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+        )
         if self.rank == 0:
-            self._source = BrokerSource(self.broker_address, consumer_id="learner",
-                                        curve_keys_dir=self.cfg.broker.curve_keys_dir,
-                                        lease_timeout_s=self.cfg.broker.lease_timeout_s)
+            self._source = BrokerSource(
+                self.broker_address,
+                consumer_id="learner",
+                curve_keys_dir=self.cfg.broker.curve_keys_dir,
+                lease_timeout_s=self.cfg.broker.lease_timeout_s,
+            )
         self.t0, self.t0_unix = time.monotonic(), time.time()
         colo = self.cfg.colocate.synchronous  # shared async (colocate.mode=async) publishes as disaggregated does
         try:
             # colocated: every step publishes (a sleeping engine at level 2 holds no weights to relabel)
-            run_learner(self.cfg, source=self._source, publish=self._publish_colocated if colo else self._publish,
-                        on_metrics=self._metrics, on_committed=self._committed, batch_timeout_s=self.cfg.rollout.request_timeout_s,
-                        # adapter publishing: a step without an update still publishes (a relabel alone would
-                        # make the fleet name an adapter version no server has loaded); it costs an adapter
-                        on_unchanged=None if colo or adapter_publish(self.cfg) else self._unchanged, on_batch=self._release if colo else None,
-                        needs_weights=None if colo else self._needs_weights, on_engine=self._engine_built)
+            run_learner(
+                self.cfg,
+                source=self._source,
+                publish=self._publish_colocated if colo else self._publish,
+                on_metrics=self._metrics,
+                on_committed=self._committed,
+                batch_timeout_s=self.cfg.rollout.request_timeout_s,
+                # adapter publishing: a step without an update still publishes (a relabel alone would
+                # make the fleet name an adapter version no server has loaded); it costs an adapter
+                on_unchanged=None if colo or adapter_publish(self.cfg) else self._unchanged,
+                on_batch=self._release if colo else None,
+                needs_weights=None if colo else self._needs_weights,
+                on_engine=self._engine_built,
+            )
         except StopRequested:
             log.info("learner rank %d stopped at version %d on request", self.rank, self.version)
         except Exception as exc:
@@ -512,16 +584,26 @@ class LearnerRank:
     def record(self) -> LearnerStatus:
         wall = max(1e-9, time.monotonic() - self.t0)
         return LearnerStatus(
-            simulated=False, step=self.version, rank=self.rank, world_size=self.world_size,
-            learner_wait_s=round(self.wait_s, 3), learner_idle_fraction=self.wait_s / wall,
+            simulated=False,
+            step=self.version,
+            rank=self.rank,
+            world_size=self.world_size,
+            learner_wait_s=round(self.wait_s, 3),
+            learner_idle_fraction=self.wait_s / wall,
             groups_consumed=self.groups_consumed,
             reward=self.reward_per_step[-1] if self.reward_per_step else None,
             reward_per_step=list(self.reward_per_step),
             staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
-            max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
-            publish_s=round(self.publish_s, 3), publishes=self.publishes,
-            last_published_version=self.last_published_version, publish_errors=self.publish_errors,
+            max_staleness_seen=self.max_staleness_seen,
+            bound_violations=self.bound_violations,
+            publish_s=round(self.publish_s, 3),
+            publishes=self.publishes,
+            last_published_version=self.last_published_version,
+            publish_errors=self.publish_errors,
             publishes_skipped=self.publishes_skipped,
             settings=self._engine.settings.as_dict() if self._engine is not None else None,
-            critic_vf_loss=self.critic_last[0], critic_explained_var=self.critic_last[1],
-            done=self.done, error=self.error)
+            critic_vf_loss=self.critic_last[0],
+            critic_explained_var=self.critic_last[1],
+            done=self.done,
+            error=self.error,
+        )

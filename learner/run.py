@@ -118,11 +118,19 @@ def make_engine(lc, model_path: str, *, total_steps: int, seed: int):
     raise ValueError(f"unknown learner.engine {lc.engine!r}; expected 'fsdp' or 'megatron'")
 
 
-def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: PublishHook | None = None,
-                on_metrics: MetricsHook | None = None, batch_timeout_s: float | None = None,
-                on_unchanged: UnchangedHook | None = None, on_batch: BatchHook | None = None,
-                needs_weights: IdleHook | None = None, on_committed: CommittedHook | None = None,
-                on_engine: Callable[[TrainingEngine], None] | None = None) -> list[dict]:
+def run_learner(
+    cfg: LearnerRunLike,
+    *,
+    source: BatchSource | None,
+    publish: PublishHook | None = None,
+    on_metrics: MetricsHook | None = None,
+    batch_timeout_s: float | None = None,
+    on_unchanged: UnchangedHook | None = None,
+    on_batch: BatchHook | None = None,
+    needs_weights: IdleHook | None = None,
+    on_committed: CommittedHook | None = None,
+    on_engine: Callable[[TrainingEngine], None] | None = None,
+) -> list[dict]:
     """Train ``cfg.run.max_steps`` steps (resuming if a checkpoint exists) on this rank.
 
     ``cfg`` is the run config (see :class:`LearnerRunLike`); the process group must be initialised
@@ -145,11 +153,23 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
             from learner.critic import Critic
 
         critic = Critic(lc, cfg.model.path, total_steps=cfg.run.max_steps, seed=cfg.run.seed, engine=engine)
-    learner = Learner(engine, lc, source=source, max_steps=cfg.run.max_steps,
-                      checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
-                      export_root=run_dir / "export", publish=publish, on_metrics=on_metrics,
-                      batch_timeout_s=batch_timeout_s, engine_dtype=cfg.model.dtype, on_unchanged=on_unchanged,
-                      on_batch=on_batch, needs_weights=needs_weights, on_committed=on_committed, critic=critic)
+    learner = Learner(
+        engine,
+        lc,
+        source=source,
+        max_steps=cfg.run.max_steps,
+        checkpoint_dir=Path(lc.checkpoint_dir) if lc.checkpoint_dir else run_dir / "checkpoints",
+        export_root=run_dir / "export",
+        publish=publish,
+        on_metrics=on_metrics,
+        batch_timeout_s=batch_timeout_s,
+        engine_dtype=cfg.model.dtype,
+        on_unchanged=on_unchanged,
+        on_batch=on_batch,
+        needs_weights=needs_weights,
+        on_committed=on_committed,
+        critic=critic,
+    )
     if lc.resume:
         learner.resume()
     try:
@@ -158,8 +178,11 @@ def run_learner(cfg: LearnerRunLike, *, source: BatchSource | None, publish: Pub
         from learner import checkpoint as ckpt
 
         done = learner.checkpoint_dir is not None and ckpt.latest(learner.checkpoint_dir)
-        if learner.checkpoint_dir is not None and lc.checkpoint_every and (
-                not done or done.name != ckpt.step_dir(learner.checkpoint_dir, learner.version).name):
+        if (
+            learner.checkpoint_dir is not None
+            and lc.checkpoint_every
+            and (not done or done.name != ckpt.step_dir(learner.checkpoint_dir, learner.version).name)
+        ):
             learner.save()
         learner.export()
         logger.info("stopped at version %d: checkpoint and export written", learner.version)
@@ -171,7 +194,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import pyarrow as pa
     import yaml
-
 
     ap = argparse.ArgumentParser(prog="python -m learner", description="Run one learner rank.")
     ap.add_argument("--config", required=True, help="RUN_DIR/config/run.yaml written by the launcher")

@@ -28,8 +28,15 @@ log = logging.getLogger(__name__)
 class SimLearner:
     simulated = True
 
-    def __init__(self, broker_address: str, *, step_s: float, max_staleness: int,
-                 publish: Callable[[int], Awaitable[Any]] | None = None, wait_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        broker_address: str,
+        *,
+        step_s: float,
+        max_staleness: int,
+        publish: Callable[[int], Awaitable[Any]] | None = None,
+        wait_s: float = 1.0,
+    ) -> None:
         self.broker_address = broker_address
         self.step_s = step_s
         self.max_staleness = max_staleness
@@ -112,13 +119,21 @@ class SimLearner:
     def record(self) -> LearnerStatus:
         wall = max(1e-9, time.monotonic() - self._t0)
         return LearnerStatus(
-            simulated=True, step=self.version, learner_wait_s=round(self.wait_total_s, 3),
-            learner_idle_fraction=self.wait_total_s / wall, groups_consumed=self.groups_consumed,
-            samples_consumed=self.samples_consumed, reward=self.reward_per_step[-1] if self.reward_per_step else None,
+            simulated=True,
+            step=self.version,
+            learner_wait_s=round(self.wait_total_s, 3),
+            learner_idle_fraction=self.wait_total_s / wall,
+            groups_consumed=self.groups_consumed,
+            samples_consumed=self.samples_consumed,
+            reward=self.reward_per_step[-1] if self.reward_per_step else None,
             reward_per_step=list(self.reward_per_step),
             staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
-            max_staleness_seen=self.max_staleness_seen, bound_violations=self.bound_violations,
-            publish_s=round(self.publish_s, 3), done=self.done, error=self.error)
+            max_staleness_seen=self.max_staleness_seen,
+            bound_violations=self.bound_violations,
+            publish_s=round(self.publish_s, 3),
+            done=self.done,
+            error=self.error,
+        )
 
 
 def lease_table(lease: Any):

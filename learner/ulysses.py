@@ -101,8 +101,7 @@ def block_causal_mask(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[T, T] bool: query i may attend to key j iff both lie in the same packed sequence and j <= i."""
     cu = cu.to(device=device, dtype=torch.int64)
     seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu[1:] - cu[:-1])
-    return (seg[:, None] == seg[None, :]) & torch.ones(seg.numel(), seg.numel(), dtype=torch.bool,
-                                                       device=device).tril()
+    return (seg[:, None] == seg[None, :]) & torch.ones(seg.numel(), seg.numel(), dtype=torch.bool, device=device).tril()
 
 
 def _sdpa_full(q, k, v, cu, scaling, dropout):
@@ -111,13 +110,24 @@ def _sdpa_full(q, k, v, cu, scaling, dropout):
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     mask = block_causal_mask(cu, q.device)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=float(dropout),
-                                                           scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=float(dropout), scale=scaling
+    )
     return out.transpose(1, 2)  # [1, T, h, d]
 
 
-def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                       cu_seq_lens_q=None, max_length_q=None, **_kwargs):
+def _ulysses_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    cu_seq_lens_q=None,
+    max_length_q=None,
+    **_kwargs,
+):
     st = _state
     if st is None:
         raise RuntimeError(f"attention {ULYSSES!r} used before SequenceParallel.setup() set its group")
@@ -131,8 +141,17 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
     # [1, heads, T/sp, d] -> [1, heads/sp, T, d]: scatter heads (dim 1), gather the sequence (dim 2)
     q, k, v = (all_to_all(t, st.group, 1, 2) for t in (query, key, value))
     if st.varlen:
-        out, _ = attention._varlen_attention(module, q, k, v, None, scaling=scaling, dropout=dropout,
-                                             cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q)
+        out, _ = attention._varlen_attention(
+            module,
+            q,
+            k,
+            v,
+            None,
+            scaling=scaling,
+            dropout=dropout,
+            cu_seq_lens_q=cu_seq_lens_q,
+            max_length_q=max_length_q,
+        )
     else:
         out = _sdpa_full(q, k, v, cu_seq_lens_q, scaling, dropout)
     # [1, T, heads/sp, d] -> [1, T/sp, heads, d]: scatter the sequence (dim 1), gather heads (dim 2)
@@ -226,8 +245,16 @@ class SequenceParallel:
                 mine = g
         _state = _State(group=mine, kv_repeat=rep, varlen=varlen)
         register()
-        logger.info("Ulysses SP: rank %d is SP rank %d of %d in data replica %d of %d (key/value heads x%d, %s inside)",
-                    rank, rank % sp, sp, rank // sp, world // sp, rep, "varlen" if varlen else "sdpa")
+        logger.info(
+            "Ulysses SP: rank %d is SP rank %d of %d in data replica %d of %d (key/value heads x%d, %s inside)",
+            rank,
+            rank % sp,
+            sp,
+            rank // sp,
+            world // sp,
+            rep,
+            "varlen" if varlen else "sdpa",
+        )
         return cls(size=sp, rank=rank % sp, dp_rank=rank // sp, dp_size=world // sp, group=mine)
 
     def shard(self, mb):
@@ -245,10 +272,13 @@ def setup_engine(cfg, model_path: str, fast) -> SequenceParallel:
 
     inner = fast.attn_implementation
     if inner not in ("sdpa", "varlen", attention.VARLEN):
-        raise ValueError(f"learner.sequence_parallel_size={cfg.sequence_parallel_size} wraps the varlen or sdpa "
-                         f"attention, not {inner!r}: set learner.attn_implementation to auto, varlen or sdpa")
+        raise ValueError(
+            f"learner.sequence_parallel_size={cfg.sequence_parallel_size} wraps the varlen or sdpa "
+            f"attention, not {inner!r}: set learner.attn_implementation to auto, varlen or sdpa"
+        )
     hf = json.loads((Path(model_path) / "config.json").read_text())
     cfg.check_sequence_parallel(dist.get_world_size(), hf)
     heads = hf["num_attention_heads"]
-    return SequenceParallel.setup(cfg.sequence_parallel_size, heads, hf.get("num_key_value_heads") or heads,
-                                  varlen=fast.varlen)
+    return SequenceParallel.setup(
+        cfg.sequence_parallel_size, heads, hf.get("num_key_value_heads") or heads, varlen=fast.varlen
+    )

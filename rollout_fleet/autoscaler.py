@@ -123,8 +123,13 @@ class Autoscaler:
         idle = sum(1.0 - o.inflight_groups / max(1, o.slots) for _, o in self._hist) / n
         fill = sum(min(1.0, o.queued_groups / max(1, o.queue_capacity_groups)) for _, o in self._hist) / n
         wait = (obs.learner_wait_s - first.learner_wait_s) / span
-        return Signals(wait=min(1.0, max(0.0, wait)), idle=min(1.0, max(0.0, idle)), fill=fill,
-                       groups_per_s=max(0.0, obs.groups_pushed - first.groups_pushed) / span, span_s=span)
+        return Signals(
+            wait=min(1.0, max(0.0, wait)),
+            idle=min(1.0, max(0.0, idle)),
+            fill=fill,
+            groups_per_s=max(0.0, obs.groups_pushed - first.groups_pushed) / span,
+            span_s=span,
+        )
 
     def observe(self, now: float, obs: Observation) -> Decision | None:
         """Feed one observation; returns the decision to carry out now, or None."""
@@ -137,7 +142,9 @@ class Autoscaler:
             return None
         cooling = self._last_action is not None and now - self._last_action < c.cooldown_s
         if obs.servers < c.min and not cooling:
-            return self._decide(now, "add", obs.servers, c.min, s, f"{obs.servers} live servers < autoscale.min {c.min}")
+            return self._decide(
+                now, "add", obs.servers, c.min, s, f"{obs.servers} live servers < autoscale.min {c.min}"
+            )
         if s is None:
             return None
         if self._trial is not None:
@@ -154,15 +161,29 @@ class Autoscaler:
             return None
         if up and now - self._up_since >= c.sustain_s:
             target = min(self.ceiling, obs.servers + c.step)
-            return self._decide(now, "add", obs.servers, target, s,
-                                f"learner waited {s.wait:.0%} of the last {s.span_s:.0f} s (>= up_wait {c.up_wait:.0%}) "
-                                f"for {now - self._up_since:.0f} s; fleet {s.groups_per_s:.2f} groups/s", trial=True)
+            return self._decide(
+                now,
+                "add",
+                obs.servers,
+                target,
+                s,
+                f"learner waited {s.wait:.0%} of the last {s.span_s:.0f} s (>= up_wait {c.up_wait:.0%}) "
+                f"for {now - self._up_since:.0f} s; fleet {s.groups_per_s:.2f} groups/s",
+                trial=True,
+            )
         if down and now - self._down_since >= c.sustain_s:
-            return self._decide(now, "drain", obs.servers, obs.servers - k, s,
-                                f"queue {s.fill:.0%} full (>= down_fill {c.down_fill:.0%}), fleet idle {s.idle:.0%} "
-                                f"(>= down_idle {c.down_idle:.0%}), learner waited {s.wait:.0%} "
-                                f"(<= down_wait {c.down_wait:.0%}) for {now - self._down_since:.0f} s; "
-                                f"fleet {s.groups_per_s:.2f} groups/s", trial=True)
+            return self._decide(
+                now,
+                "drain",
+                obs.servers,
+                obs.servers - k,
+                s,
+                f"queue {s.fill:.0%} full (>= down_fill {c.down_fill:.0%}), fleet idle {s.idle:.0%} "
+                f"(>= down_idle {c.down_idle:.0%}), learner waited {s.wait:.0%} "
+                f"(<= down_wait {c.down_wait:.0%}) for {now - self._down_since:.0f} s; "
+                f"fleet {s.groups_per_s:.2f} groups/s",
+                trial=True,
+            )
         return None
 
     def _judge(self, now: float, obs: Observation, s: Signals, t: _Trial) -> Decision | None:
@@ -175,10 +196,16 @@ class Autoscaler:
             self.floor = min(self.ceiling, t.before)
             if self.floor <= obs.servers:  # drained from above the ceiling (autoscale.max): none to add back
                 return None
-            return self._decide(now, "add", obs.servers, self.floor, s,
-                                f"after draining {t.before} -> {t.after} servers the learner waited {s.wait:.0%} "
-                                f"(>= up_wait {c.up_wait:.0%}; fleet {t.groups_per_s:.2f} -> {s.groups_per_s:.2f} "
-                                f"groups/s): added back, no fewer than {self.floor} servers from now on")
+            return self._decide(
+                now,
+                "add",
+                obs.servers,
+                self.floor,
+                s,
+                f"after draining {t.before} -> {t.after} servers the learner waited {s.wait:.0%} "
+                f"(>= up_wait {c.up_wait:.0%}; fleet {t.groups_per_s:.2f} -> {s.groups_per_s:.2f} "
+                f"groups/s): added back, no fewer than {self.floor} servers from now on",
+            )
         gain = s.groups_per_s / t.groups_per_s - 1.0 if t.groups_per_s > 0 else float("inf")
         added = t.after - t.before
         if t.before == 0 or gain >= c.min_gain * added / t.before:
@@ -186,16 +213,30 @@ class Autoscaler:
         self.ceiling = max(self.floor, t.before)
         if self.ceiling >= obs.servers:  # grown to no more than the floor: none to drain back
             return None
-        return self._decide(now, "drain", obs.servers, self.ceiling, s,
-                            f"adding {added} to {t.before} servers raised the fleet's rate {gain:+.0%} "
-                            f"({t.groups_per_s:.2f} -> {s.groups_per_s:.2f} groups/s; < min_gain {c.min_gain:.0%} "
-                            f"of +{added / t.before:.0%}) and the learner still waited {s.wait:.0%}: "
-                            f"drained back, no more than {self.ceiling} servers from now on")
+        return self._decide(
+            now,
+            "drain",
+            obs.servers,
+            self.ceiling,
+            s,
+            f"adding {added} to {t.before} servers raised the fleet's rate {gain:+.0%} "
+            f"({t.groups_per_s:.2f} -> {s.groups_per_s:.2f} groups/s; < min_gain {c.min_gain:.0%} "
+            f"of +{added / t.before:.0%}) and the learner still waited {s.wait:.0%}: "
+            f"drained back, no more than {self.ceiling} servers from now on",
+        )
 
     def _decide(self, now, action, before, target, s: Signals | None, reason, *, trial: bool = False) -> Decision:
-        d = Decision(at=now, action=action, servers_before=before, target=target, reason=reason,
-                     wait=None if s is None else s.wait, idle=None if s is None else s.idle,
-                     fill=None if s is None else s.fill, groups_per_s=None if s is None else s.groups_per_s)
+        d = Decision(
+            at=now,
+            action=action,
+            servers_before=before,
+            target=target,
+            reason=reason,
+            wait=None if s is None else s.wait,
+            idle=None if s is None else s.idle,
+            fill=None if s is None else s.fill,
+            groups_per_s=None if s is None else s.groups_per_s,
+        )
         self.decisions.append(d)
         self._last_action = now
         # an undo, or a decision without a rate (below min), is not judged again

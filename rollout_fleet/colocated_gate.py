@@ -55,8 +55,9 @@ class SyncGate:
 class ColocatedEngines:
     """Sleep and wake of a fleet's engines around the learner's step, behind the :class:`SyncGate`."""
 
-    def __init__(self, fleet, worker, *, level: int, timeout_s: float, evaluate=None, eval_every: int = 0,
-                 max_steps: int = 0) -> None:
+    def __init__(
+        self, fleet, worker, *, level: int, timeout_s: float, evaluate=None, eval_every: int = 0, max_steps: int = 0
+    ) -> None:
         """``fleet``: the FleetController; ``worker``: the RolloutWorker (its ``inflight``); ``evaluate``: an
         async ``() -> float | None`` run at the wake of every ``eval_every``-th step before ``max_steps``."""
         if level not in (0, 1, 2):
@@ -77,16 +78,19 @@ class ColocatedEngines:
         try:
             await asyncio.wait_for(asyncio.gather(*(fn(e) for e in engines)), timeout=self.timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"colocated {what} of engines {[e.engine_id for e in engines]} took over "
-                               f"{self.timeout_s:.0f} s (colocate.timeout_s)") from None
+            raise TimeoutError(
+                f"colocated {what} of engines {[e.engine_id for e in engines]} took over "
+                f"{self.timeout_s:.0f} s (colocate.timeout_s)"
+            ) from None
         return time.monotonic() - t0
 
     async def release(self, step: int) -> dict[str, float]:
         self.gate.close(step, time.monotonic(), self.worker.inflight)
         t0 = time.monotonic()
         if self.worker.inflight:
-            log.warning("colocated release of step %d: %d groups still in flight; waiting for them",
-                        step, self.worker.inflight)
+            log.warning(
+                "colocated release of step %d: %d groups still in flight; waiting for them", step, self.worker.inflight
+            )
         while self.worker.inflight and time.monotonic() - t0 < self.timeout_s:  # noqa: ASYNC110 (polled count)
             await asyncio.sleep(0.01)
         drain = time.monotonic() - t0
@@ -121,7 +125,10 @@ class ColocatedEngines:
 
     def summary(self) -> dict:
         """What the run summary shows of the schedule."""
-        return {"sleep_level": self.level, "steps_released": len(self.gate.windows),
-                "groups_inflight_at_release": self.gate.inflight_at_close,
-                "sleep_seconds_mean": sum(self.sleep_s) / len(self.sleep_s) if self.sleep_s else None,
-                "wake_seconds_mean": sum(self.wake_s) / len(self.wake_s) if self.wake_s else None}
+        return {
+            "sleep_level": self.level,
+            "steps_released": len(self.gate.windows),
+            "groups_inflight_at_release": self.gate.inflight_at_close,
+            "sleep_seconds_mean": sum(self.sleep_s) / len(self.sleep_s) if self.sleep_s else None,
+            "wake_seconds_mean": sum(self.wake_s) / len(self.wake_s) if self.wake_s else None,
+        }

@@ -113,11 +113,11 @@ class ServerTakenOut(EngineError):
 class FleetController:
     """Owns the servers of a fleet. Example::
 
-        fleet = FleetController(cfg.rollout, SimulatedFactory(cfg.rollout.simulated))
-        await fleet.start(4)
-        engine_id, samples = await fleet.run_group("g1", [1, 2, 3], params)
-        await fleet.update_fleet(1)          # pause, load, reset prefix cache, resume
-        await fleet.scale_to(8)
+    fleet = FleetController(cfg.rollout, SimulatedFactory(cfg.rollout.simulated))
+    await fleet.start(4)
+    engine_id, samples = await fleet.run_group("g1", [1, 2, 3], params)
+    await fleet.update_fleet(1)          # pause, load, reset prefix cache, resume
+    await fleet.scale_to(8)
     """
 
     def __init__(self, cfg: RolloutConfig, factory: EngineFactory, *, max_attempts: int = 5) -> None:
@@ -173,8 +173,12 @@ class FleetController:
         while server.inflight and time.monotonic() < deadline:  # noqa: ASYNC110 (inflight is a plain dict)
             await asyncio.sleep(0.02)
         if server.inflight:
-            log.warning("fleet: %s still had %d groups after %.0f s of draining; they are retried elsewhere",
-                        engine_id, len(server.inflight), timeout_s)
+            log.warning(
+                "fleet: %s still had %d groups after %.0f s of draining; they are retried elsewhere",
+                engine_id,
+                len(server.inflight),
+                timeout_s,
+            )
         server.state = ServerState.REMOVED
         del self.servers[engine_id]
         await self.factory.stop(server.engine)
@@ -184,13 +188,21 @@ class FleetController:
         """Grow or shrink the fleet; shrinking drains the least loaded servers (their indices are returned)."""
         if n_servers < 0:
             raise ValueError(f"scale_to: n_servers must be >= 0, got {n_servers}")
-        live = [s for s in self.servers.values() if s.state in (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)]
+        live = [
+            s
+            for s in self.servers.values()
+            if s.state in (ServerState.HEALTHY, ServerState.RESTARTING, ServerState.DEAD)
+        ]
         if n_servers > len(live) + len(self.starting):  # servers still starting count: they are on the way
             await asyncio.gather(*(self.add_server() for _ in range(n_servers - len(live) - len(self.starting))))
         elif n_servers < len(live):
             if self.starting:
-                raise ValueError(f"fleet: servers {sorted(self.starting)} are still starting; scale down once they joined")
-            victims = sorted(live, key=lambda s: (s.state == ServerState.HEALTHY, s.outstanding_tokens))[: len(live) - n_servers]
+                raise ValueError(
+                    f"fleet: servers {sorted(self.starting)} are still starting; scale down once they joined"
+                )
+            victims = sorted(live, key=lambda s: (s.state == ServerState.HEALTHY, s.outstanding_tokens))[
+                : len(live) - n_servers
+            ]
             await asyncio.gather(*(self.drain_server(s.engine_id) for s in victims))
             return [s.index for s in victims]
         return []
@@ -209,7 +221,11 @@ class FleetController:
 
     # -- work -------------------------------------------------------------------------------
     def _eligible(self, min_version: int = 0) -> list[Server]:
-        return [s for s in self.servers.values() if s.state == ServerState.HEALTHY and s.engine.weight_version >= min_version]
+        return [
+            s
+            for s in self.servers.values()
+            if s.state == ServerState.HEALTHY and s.engine.weight_version >= min_version
+        ]
 
     async def _wake(self) -> None:
         async with self._capacity:
@@ -228,16 +244,19 @@ class FleetController:
                 return min(eligible, key=lambda s: (s.outstanding_tokens, s.index))
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NoServerError(f"fleet: no healthy server at version >= {min_version} for {wait_s:.0f} s "
-                                    f"(servers: {self.states()})")
+                raise NoServerError(
+                    f"fleet: no healthy server at version >= {min_version} for {wait_s:.0f} s "
+                    f"(servers: {self.states()})"
+                )
             async with self._capacity:
                 try:
                     await asyncio.wait_for(self._capacity.wait(), timeout=min(left, 0.5))
                 except TimeoutError:
                     pass
 
-    async def run_group(self, group_id: str, prompt_ids: list[int], params: SamplingParams,
-                        min_version: int = 0) -> tuple[str, list[Sample]]:
+    async def run_group(
+        self, group_id: str, prompt_ids: list[int], params: SamplingParams, min_version: int = 0
+    ) -> tuple[str, list[Sample]]:
         """Generate one GRPO group on a server at ``min_version`` or newer; retried elsewhere if it dies."""
         cost = params.n * params.max_tokens
         last_error: Exception | None = None
@@ -292,8 +311,9 @@ class FleetController:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the caller is cancelled (shutdown), not only the request
-            raise ServerTakenOut(f"fleet: request to {server.engine_id} cancelled: the server was taken out "
-                                 f"({server.state.value})") from None
+            raise ServerTakenOut(
+                f"fleet: request to {server.engine_id} cancelled: the server was taken out ({server.state.value})"
+            ) from None
         finally:
             server.requests.discard(request)
             (watch.answered if answered else watch.failed)(time.monotonic())
@@ -311,7 +331,11 @@ class FleetController:
         """The stall detector: a healthy server that has held requests for ``stall_timeout_s`` and answered
         none is taken out, unless it says it is paused (a weight update loading; see ProgressWatch.excused)."""
         timeout = self.cfg.stall_timeout_s
-        if timeout is None or server.state != ServerState.HEALTHY or not server.progress.stalled(time.monotonic(), timeout):
+        if (
+            timeout is None
+            or server.state != ServerState.HEALTHY
+            or not server.progress.stalled(time.monotonic(), timeout)
+        ):
             return
         try:
             paused = await asyncio.wait_for(server.engine.is_paused(), timeout=self.cfg.health_timeout_s)
@@ -324,16 +348,27 @@ class FleetController:
         first_found = watch.paused_since is None
         if watch.excused(paused, now, timeout):
             if first_found:
-                log.info("fleet: %s has answered none of its %d requests for %.1f s but is paused (a weight "
-                         "update loading); it is stalled if still so in %.0f s", server.engine_id, watch.inflight,
-                         watch.silent_s(now), timeout)
+                log.info(
+                    "fleet: %s has answered none of its %d requests for %.1f s but is paused (a weight "
+                    "update loading); it is stalled if still so in %.0f s",
+                    server.engine_id,
+                    watch.inflight,
+                    watch.silent_s(now),
+                    timeout,
+                )
             return
         self.server_stalls += 1
         paused_for = "" if watch.paused_since is None else f", paused for {now - watch.paused_since:.1f} s"
-        log.error("fleet: server %s stalled: it answers its health probe but answered none of its %d requests in "
-                  "flight for %.1f s (rollout.stall_timeout_s=%g%s); they are re-queued on other servers and it is %s",
-                  server.engine_id, watch.inflight, watch.silent_s(now), timeout, paused_for,
-                  "restarted" if self.cfg.restart_dead_servers else "dropped")
+        log.error(
+            "fleet: server %s stalled: it answers its health probe but answered none of its %d requests in "
+            "flight for %.1f s (rollout.stall_timeout_s=%g%s); they are re-queued on other servers and it is %s",
+            server.engine_id,
+            watch.inflight,
+            watch.silent_s(now),
+            timeout,
+            paused_for,
+            "restarted" if self.cfg.restart_dead_servers else "dropped",
+        )
         self._take_out(server)
 
     async def _suspect(self, server: Server) -> None:
@@ -355,12 +390,21 @@ class FleetController:
             return
         server.failed_probes += 1
         if server.failed_probes < self.cfg.health_failures or server.state != ServerState.HEALTHY:
-            log.warning("fleet: %s failed a health probe (%d of %d): %s", server.engine_id,
-                        server.failed_probes, self.cfg.health_failures, why)
+            log.warning(
+                "fleet: %s failed a health probe (%d of %d): %s",
+                server.engine_id,
+                server.failed_probes,
+                self.cfg.health_failures,
+                why,
+            )
             return
         self.server_deaths += 1
-        log.error("fleet: server %s is dead (%s; %d groups in flight are re-queued)",
-                  server.engine_id, why, len(server.inflight))
+        log.error(
+            "fleet: server %s is dead (%s; %d groups in flight are re-queued)",
+            server.engine_id,
+            why,
+            len(server.inflight),
+        )
         self._take_out(server)
 
     def _take_out(self, server: Server) -> None:
@@ -421,8 +465,9 @@ class FleetController:
             # simulated engines have no files: their "export" is a label the late joiner loads
             self.latest_export = export_path if export_path is not None else f"simulated://v{version}"
             targets = [s for s in self.servers.values() if s.state in (ServerState.HEALTHY, ServerState.DRAINING)]
-            results = await asyncio.gather(*(self._update_one(s, version, plan_id, mode) for s in targets),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._update_one(s, version, plan_id, mode) for s in targets), return_exceptions=True
+            )
             for server, res in zip(targets, results, strict=True):
                 if isinstance(res, BaseException):
                     log.warning("fleet: weight update of %s to v%d failed (%s)", server.engine_id, version, res)
@@ -477,17 +522,41 @@ class FleetController:
         now = time.monotonic()
         return FleetStatus(
             version=self.version,
-            servers=[ServerStatus(engine_id=s.engine_id, index=s.index, state=s.state, version=s.engine.weight_version,
-                                  simulated=s.engine.simulated, outstanding_tokens=s.outstanding_tokens,
-                                  inflight_groups=len(s.inflight), groups_done=s.groups_done,
-                                  tokens_done=s.tokens_done, restarts=s.restarts, pid=getattr(s.engine, "pid", None),
-                                  tok_per_s=s.tokens_done / max(1e-9, now - s.started_at),
-                                  silent_s=round(s.progress.silent_s(now), 3))
-                     for s in sorted(self.servers.values(), key=lambda s: s.index)]
-            + [ServerStatus(engine_id=engine_name(self.cfg.engine, i), index=i, state=ServerState.STARTING, version=0,
-                            simulated=self.cfg.engine == "simulated", outstanding_tokens=0, inflight_groups=0,
-                            groups_done=0, tokens_done=0, restarts=0, pid=None, tok_per_s=0.0)
-               for i in sorted(self.starting)],
+            servers=[
+                ServerStatus(
+                    engine_id=s.engine_id,
+                    index=s.index,
+                    state=s.state,
+                    version=s.engine.weight_version,
+                    simulated=s.engine.simulated,
+                    outstanding_tokens=s.outstanding_tokens,
+                    inflight_groups=len(s.inflight),
+                    groups_done=s.groups_done,
+                    tokens_done=s.tokens_done,
+                    restarts=s.restarts,
+                    pid=getattr(s.engine, "pid", None),
+                    tok_per_s=s.tokens_done / max(1e-9, now - s.started_at),
+                    silent_s=round(s.progress.silent_s(now), 3),
+                )
+                for s in sorted(self.servers.values(), key=lambda s: s.index)
+            ]
+            + [
+                ServerStatus(
+                    engine_id=engine_name(self.cfg.engine, i),
+                    index=i,
+                    state=ServerState.STARTING,
+                    version=0,
+                    simulated=self.cfg.engine == "simulated",
+                    outstanding_tokens=0,
+                    inflight_groups=0,
+                    groups_done=0,
+                    tokens_done=0,
+                    restarts=0,
+                    pid=None,
+                    tok_per_s=0.0,
+                )
+                for i in sorted(self.starting)
+            ],
             groups_requeued=self.groups_requeued,
             groups_bad_request=self.groups_bad_request,
             server_deaths=self.server_deaths,

@@ -68,12 +68,12 @@ def truncate(ids: np.ndarray, limit: int, side: str) -> np.ndarray:
     if len(ids) <= limit:
         return ids
     if side == "left":
-        return ids[len(ids) - limit:]
+        return ids[len(ids) - limit :]
     if side == "right":
         return ids[:limit]
     if side == "middle":
         head = limit // 2
-        return np.concatenate([ids[:head], ids[len(ids) - (limit - head):]])
+        return np.concatenate([ids[:head], ids[len(ids) - (limit - head) :]])
     raise ValueError(f"truncation side must be 'left', 'right' or 'middle', got {side!r}")
 
 
@@ -98,7 +98,9 @@ def _check_ground_truth(value: Any, file: str, row: int) -> str:
     if value is None:
         raise _bad(file, row, "reward_model.ground_truth", "missing (null)")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise _bad(file, row, "reward_model.ground_truth", f"expected a string, got {type(value).__name__} {value!r:.80}")
+        raise _bad(
+            file, row, "reward_model.ground_truth", f"expected a string, got {type(value).__name__} {value!r:.80}"
+        )
     return str(value)
 
 
@@ -125,8 +127,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         )
     for col in ("images", "videos", "audios"):  # verl's multimodal layout (data.image_key and the like)
         if col in names and any(table.column(col).to_pylist()):
-            raise DatasetError(f"{path}: column '{col}' holds media for a vision-language model; fleetrl trains on "
-                               "text prompts only (the media would be dropped silently)")
+            raise DatasetError(
+                f"{path}: column '{col}' holds media for a vision-language model; fleetrl trains on "
+                "text prompts only (the media would be dropped silently)"
+            )
     return table.to_pylist()
 
 
@@ -162,7 +166,7 @@ class PromptDataset:
         self.limit, self.limit_why = max_prompt_tokens, f"data.max_prompt_tokens={max_prompt_tokens}"
         if max_model_len is not None and max_model_len - response_tokens < self.limit:
             self.limit = max_model_len - response_tokens
-            self.limit_why = (f"rollout.max_model_len={max_model_len} - rollout.sampling.max_tokens={response_tokens}")
+            self.limit_why = f"rollout.max_model_len={max_model_len} - rollout.sampling.max_tokens={response_tokens}"
         if self.limit < 1:
             raise DatasetError(f"no prompt fits: {self.limit_why} leaves {self.limit} tokens for the prompt")
         self.skipped: list[str] = []  # the reason for each skipped row
@@ -187,12 +191,20 @@ class PromptDataset:
         if self.overlong:
             self._report_overlong(files, response_tokens, filter_overlong)
         if self.truncated:
-            logger.warning("data.truncation=%s: cut %d prompts to %d tokens (%s)", truncation, self.truncated,
-                           self.limit, self.limit_why)
+            logger.warning(
+                "data.truncation=%s: cut %d prompts to %d tokens (%s)",
+                truncation,
+                self.truncated,
+                self.limit,
+                self.limit_why,
+            )
         if self.skipped:
             logger.warning(
                 "skipped %d bad rows of %d in %s; first: %s",
-                len(self.skipped), len(self.rows) + len(self.skipped), [str(f) for f in files], self.skipped[0],
+                len(self.skipped),
+                len(self.rows) + len(self.skipped),
+                [str(f) for f in files],
+                self.skipped[0],
             )
         if not self.rows:
             raise DatasetError(f"no usable rows in {[str(f) for f in files]} ({len(self.skipped)} skipped)")
@@ -227,8 +239,9 @@ class PromptDataset:
         # Render, then encode without special tokens: the template already holds what it
         # needs, and this path returns plain ids on both transformers 4 and 5.
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                 **self.template_kwargs)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+            )
         except Exception as exc:
             raise _bad(file, i, "prompt", f"chat template failed: {exc}") from exc
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -243,17 +256,26 @@ class PromptDataset:
             mine = [o for o in self.overlong if o[1] == f]
             if mine:
                 n, _, row = max(mine)
-                lines.append(f"{f}: {len(mine)} prompts over {self.limit} tokens, the longest row {row} "
-                             f"with {n} tokens (chat template applied)")
+                lines.append(
+                    f"{f}: {len(mine)} prompts over {self.limit} tokens, the longest row {row} "
+                    f"with {n} tokens (chat template applied)"
+                )
         longest = max(self.overlong)[0]
         if skip:
-            logger.warning("data.filter_overlong_prompts: skipped %d prompts over %d tokens (%s): %s",
-                           len(self.overlong), self.limit, self.limit_why, "; ".join(lines))
+            logger.warning(
+                "data.filter_overlong_prompts: skipped %d prompts over %d tokens (%s): %s",
+                len(self.overlong),
+                self.limit,
+                self.limit_why,
+                "; ".join(lines),
+            )
             return
         raise DatasetError(
-            f"prompts too long for {self.limit_why} = {self.limit} tokens:\n    " + "\n    ".join(lines) +
-            f"\n  raise rollout.max_model_len to at least {longest + response_tokens} (or data.max_prompt_tokens), "
-            "lower rollout.sampling.max_tokens, or set data.filter_overlong_prompts=true to skip them")
+            f"prompts too long for {self.limit_why} = {self.limit} tokens:\n    "
+            + "\n    ".join(lines)
+            + f"\n  raise rollout.max_model_len to at least {longest + response_tokens} (or data.max_prompt_tokens), "
+            "lower rollout.sampling.max_tokens, or set data.filter_overlong_prompts=true to skip them"
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -313,8 +335,15 @@ def load_tokenizer(model_path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
-def from_config(cfg: Any, tokenizer: Any, *, seed: int, split: Literal["train", "test"] = "train",
-                max_model_len: int | None = None, response_tokens: int = 0) -> PromptDataset:
+def from_config(
+    cfg: Any,
+    tokenizer: Any,
+    *,
+    seed: int,
+    split: Literal["train", "test"] = "train",
+    max_model_len: int | None = None,
+    response_tokens: int = 0,
+) -> PromptDataset:
     """A dataset from a :class:`rollout_fleet.config.DataConfig` (test split: no shuffle); prompts
     must leave ``response_tokens`` of room under ``max_model_len`` (the engine's)."""
     files = cfg.train_files if split == "train" else cfg.test_files

@@ -22,12 +22,23 @@ async def evaluate(cfg, fleet, n: int) -> float | None:
     if n <= 0 or not cfg.data.test_files:
         return None
     tok = rdata.load_tokenizer(cfg.model.path)
-    ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, split="test",
-                           response_tokens=cfg.rollout.sampling.max_tokens, max_model_len=cfg.rollout.max_model_len)
+    ds = rdata.from_config(
+        cfg.data,
+        tok,
+        seed=cfg.run.seed,
+        split="test",
+        response_tokens=cfg.rollout.sampling.max_tokens,
+        max_model_len=cfg.rollout.max_model_len,
+    )
     rows = [ds.next() for _ in range(min(n, len(ds)))]
     ev = cfg.rollout.eval_sampling
-    params = SamplingParams(n=ev.n, max_tokens=cfg.rollout.sampling.max_tokens, temperature=ev.effective_temperature,
-                            top_p=ev.top_p, top_k=ev.top_k)
+    params = SamplingParams(
+        n=ev.n,
+        max_tokens=cfg.rollout.sampling.max_tokens,
+        temperature=ev.effective_temperature,
+        top_p=ev.top_p,
+        top_k=ev.top_k,
+    )
     scorer = PoolRewards(reward_pool(cfg, workers=1), tok)  # accuracy: a truncated answer is scored as it is
     sem = asyncio.Semaphore(64)
     # only servers at the newest weights present: one that just joined (version 0 until its first

@@ -27,7 +27,9 @@ class ProgressWatch:
     inflight: int = 0
     silent_s_before: float = 0.0  # silence accumulated over earlier busy spells, since the last answer
     busy_since: float = 0.0  # start of the current busy spell (meaningful while inflight > 0)
-    holds: set[str] = field(default_factory=set)  # why the server generates nothing by design (own weight update, sleep)
+    holds: set[str] = field(
+        default_factory=set
+    )  # why the server generates nothing by design (own weight update, sleep)
     paused_since: float | None = None  # when the server was first found paused (by the engine's word) in this silence
 
     def sent(self, now: float) -> None:

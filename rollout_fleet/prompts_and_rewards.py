@@ -23,8 +23,12 @@ class DatasetPrompts:
 
     def next(self) -> Prompt:
         row = self.ds.next()
-        return Prompt(prompt_ids=row.prompt_ids.tolist(), ground_truth=row.ground_truth, data_source=row.data_source,
-                      extra_info=row.extra_info)
+        return Prompt(
+            prompt_ids=row.prompt_ids.tolist(),
+            ground_truth=row.ground_truth,
+            data_source=row.data_source,
+            extra_info=row.extra_info,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return self.ds.state_dict()
@@ -64,7 +68,9 @@ class PoolRewards:
             # never train on a made-up reward: the group is dropped and counted by the worker
             raise RewardFailed(f"reward failed for {len(bad)} of {len(out)} samples: {bad[0]}")
         if self.on_truncated == "penalize":
-            out = [self.truncated_reward if s.finish_reason == "length" else r for s, r in zip(samples, out, strict=True)]
+            out = [
+                self.truncated_reward if s.finish_reason == "length" else r for s, r in zip(samples, out, strict=True)
+            ]
         return [float(r) for r in out]
 
 
@@ -88,11 +94,18 @@ def load_data(cfg) -> tuple[DatasetPrompts, PoolRewards]:
     from rollout_fleet import data as rdata
 
     if cfg.rollout.engine not in ("vllm", "sglang"):
-        raise ValueError(f"launch/cluster.py runs rollout.engine 'vllm', 'sglang' or 'simulated'; "
-                         f"got {cfg.rollout.engine!r}")
+        raise ValueError(
+            f"launch/cluster.py runs rollout.engine 'vllm', 'sglang' or 'simulated'; got {cfg.rollout.engine!r}"
+        )
     tok = rdata.load_tokenizer(cfg.model.path)
-    ds = rdata.from_config(cfg.data, tok, seed=cfg.run.seed, response_tokens=cfg.rollout.sampling.max_tokens,
-                           max_model_len=cfg.rollout.max_model_len)
+    ds = rdata.from_config(
+        cfg.data,
+        tok,
+        seed=cfg.run.seed,
+        response_tokens=cfg.rollout.sampling.max_tokens,
+        max_model_len=cfg.rollout.max_model_len,
+    )
     check_reward_sources(cfg, ds)
-    return DatasetPrompts(ds), PoolRewards(reward_pool(cfg), tok, on_truncated=cfg.reward.on_truncated,
-                                           truncated_reward=cfg.reward.truncated_reward)
+    return DatasetPrompts(ds), PoolRewards(
+        reward_pool(cfg), tok, on_truncated=cfg.reward.on_truncated, truncated_reward=cfg.reward.truncated_reward
+    )

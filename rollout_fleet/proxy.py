@@ -109,8 +109,16 @@ def _norm(m: Any) -> dict:
 class ChatProxy:
     """``/v1/chat/completions`` (and ``/s/<episode>/v1/chat/completions``) plus ``/v1/models``."""
 
-    def __init__(self, generate: GenerateFn, tokenizer: Any, *, model_name: str, stop_token_ids: list[int],
-                 default_max_tokens: int = 256, max_sessions: int = 10_000) -> None:
+    def __init__(
+        self,
+        generate: GenerateFn,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        stop_token_ids: list[int],
+        default_max_tokens: int = 256,
+        max_sessions: int = 10_000,
+    ) -> None:
         if not stop_token_ids:
             raise ValueError("ChatProxy needs the model's end-of-turn token ids (stop_token_ids)")
         self.generate, self.tok, self.model_name = generate, tokenizer, model_name
@@ -149,14 +157,22 @@ class ChatProxy:
         """The record of episode ``sid`` (removed from the proxy); KeyError if it served nothing."""
         s = self.sessions.pop(sid)
         r = s.rec
-        return EpisodeRecord(prompt_ids=s.prompt_ids, response_ids=r.cat(r.ids, np.int32),
-                             behaviour_logprobs=r.cat(r.lps, np.float32), loss_mask=r.cat(r.mask, np.int8),
-                             segment_starts=r.starts or [0], segment_versions=r.versions or [0], turns=s.turns,
-                             finish_reason=s.finish_reason, engine_ids=s.engines)
+        return EpisodeRecord(
+            prompt_ids=s.prompt_ids,
+            response_ids=r.cat(r.ids, np.int32),
+            behaviour_logprobs=r.cat(r.lps, np.float32),
+            loss_mask=r.cat(r.mask, np.int8),
+            segment_starts=r.starts or [0],
+            segment_versions=r.versions or [0],
+            turns=s.turns,
+            finish_reason=s.finish_reason,
+            engine_ids=s.engines,
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                              "owned_by": "fleetrl"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "fleetrl"}]}
+        )
 
     @staticmethod
     def _error(status: int, message: str, kind: str) -> web.Response:
@@ -204,8 +220,14 @@ class ChatProxy:
         if not isinstance(temp, int | float) or temp < 0 or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
             raise RequestError(f"bad 'temperature' {temp!r} or 'top_p' {top_p!r}")
         seed = body.get("seed")
-        return SamplingParams(n=1, max_tokens=mt, temperature=float(temp), top_p=float(top_p),
-                              stop_token_ids=self.stop_token_ids, seed=seed if isinstance(seed, int) else None)
+        return SamplingParams(
+            n=1,
+            max_tokens=mt,
+            temperature=float(temp),
+            top_p=float(top_p),
+            stop_token_ids=self.stop_token_ids,
+            seed=seed if isinstance(seed, int) else None,
+        )
 
     def _after_stop(self, rendered: str, stopped: bool) -> str:
         """The template's text after the last turn's stop token (ChatML: a newline), which the engine never
@@ -213,7 +235,7 @@ class ChatProxy:
         cut, stop = max((rendered.rfind(t), t) for t in self.stop_texts)
         if cut < 0:
             return ""
-        return rendered[cut + len(stop):] if stopped else rendered[cut:]
+        return rendered[cut + len(stop) :] if stopped else rendered[cut:]
 
     def _prompt(self, sid: str, messages: list[dict], tools: list | None) -> tuple[_Session, list[int], bool]:
         """(session, ids to append before sampling, whether they are observations (masked))."""
@@ -223,10 +245,13 @@ class ChatProxy:
             k = len(s.messages)
             if messages[:k] == s.messages and len(messages) > k and full.startswith(s.rendered):
                 tail = self._after_stop(s.rendered, s.last_stopped)
-                return s, self.tok.encode(tail + full[len(s.rendered):], add_special_tokens=False), True
+                return s, self.tok.encode(tail + full[len(s.rendered) :], add_special_tokens=False), True
             self.counts["proxy/history_restarts"] += 1
-            log.warning("proxy: episode %s: the request's history does not extend the recorded one (or the chat "
-                        "template is not append-only); its record starts again", sid)
+            log.warning(
+                "proxy: episode %s: the request's history does not extend the recorded one (or the chat "
+                "template is not append-only); its record starts again",
+                sid,
+            )
         if len(self.sessions) >= self.max_sessions and sid not in self.sessions:
             raise RequestError(f"the proxy holds {self.max_sessions} unfinished episodes; pop() finished ones")
         ids = self.tok.encode(full, add_special_tokens=False)
@@ -263,8 +288,14 @@ class ChatProxy:
                 self.counts["proxy/bad_tool_calls"] += 1
                 log.info("proxy: episode %s: unparsable tool call left in the content: %s", sid, e)
         content = strip_tool_calls(text) if calls else text
-        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+        tool_calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in calls
+        ]
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -275,12 +306,28 @@ class ChatProxy:
         s.last_stopped = stopped
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
         if body.get("logprobs"):
-            choice["logprobs"] = {"content": [
-                {"token": self.tok.decode([t], skip_special_tokens=False), "logprob": float(lp), "bytes": None,
-                 "top_logprobs": []} for t, lp in zip(ids, sample.logprobs.tolist(), strict=True)]}
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice],
-                "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids),
-                          "total_tokens": len(context) + len(ids)},
-                # fleetrl's extension (clients ignore unknown fields): what the learner will train on
-                "fleetrl": {"episode": sid, "token_ids": ids, "versions": list(sample.segment_versions)}}
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": self.tok.decode([t], skip_special_tokens=False),
+                        "logprob": float(lp),
+                        "bytes": None,
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(ids, sample.logprobs.tolist(), strict=True)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(context),
+                "completion_tokens": len(ids),
+                "total_tokens": len(context) + len(ids),
+            },
+            # fleetrl's extension (clients ignore unknown fields): what the learner will train on
+            "fleetrl": {"episode": sid, "token_ids": ids, "versions": list(sample.segment_versions)},
+        }

@@ -81,11 +81,15 @@ class _ServerStats:
         window = [lat for t, lat in self.recent if now - t <= self.window_s]
         lats = sorted(lat for _, lat in self.recent)
         span = min(self.window_s, now - self.t0)  # a young client: answers over its age so far
-        return {"requests_ok": self.ok, "failures": dict(self.failures), "inflight": self.inflight,
-                "requests_per_s": round(len(window) / max(span, 1e-9), 3),
-                "latency_s_mean": round(self.latency_sum / self.ok, 4) if self.ok else None,
-                "latency_s_p50": round(lats[len(lats) // 2], 4) if lats else None,
-                "latency_s_p95": round(lats[min(len(lats) - 1, int(0.95 * len(lats)))], 4) if lats else None}
+        return {
+            "requests_ok": self.ok,
+            "failures": dict(self.failures),
+            "inflight": self.inflight,
+            "requests_per_s": round(len(window) / max(span, 1e-9), 3),
+            "latency_s_mean": round(self.latency_sum / self.ok, 4) if self.ok else None,
+            "latency_s_p50": round(lats[len(lats) // 2], 4) if lats else None,
+            "latency_s_p95": round(lats[min(len(lats) - 1, int(0.95 * len(lats)))], 4) if lats else None,
+        }
 
 
 class _HttpRewardClient:
@@ -93,11 +97,21 @@ class _HttpRewardClient:
     both clients. Each attempt goes to the server with the fewest requests in flight (a retry prefers
     another server than the one that just failed)."""
 
-    def __init__(self, url: str | list[str], *, model: str, timeout_s: float, retries: int, backoff_s: float,
-                 max_concurrency: int) -> None:
+    def __init__(
+        self,
+        url: str | list[str],
+        *,
+        model: str,
+        timeout_s: float,
+        retries: int,
+        backoff_s: float,
+        max_concurrency: int,
+    ) -> None:
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or max_concurrency < 1:
-            raise ValueError(f"need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1; got "
-                             f"{timeout_s}, {retries}, {backoff_s}, {max_concurrency}")
+            raise ValueError(
+                f"need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1; got "
+                f"{timeout_s}, {retries}, {backoff_s}, {max_concurrency}"
+            )
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ValueError("a reward-model client needs at least one server URL")
@@ -140,8 +154,9 @@ class _HttpRewardClient:
                     still.append(u)
             down = still
             if down and time.monotonic() > deadline:
-                raise RewardModelError("unreachable", f"reward server(s) {down} did not answer /health "
-                                       f"within {timeout_s:g} s")
+                raise RewardModelError(
+                    "unreachable", f"reward server(s) {down} did not answer /health within {timeout_s:g} s"
+                )
             if down:
                 await asyncio.sleep(1.0)
 
@@ -159,7 +174,7 @@ class _HttpRewardClient:
 
     def _pick(self, avoid: str | None) -> str:
         self._turn += 1
-        order = self.urls[self._turn % len(self.urls):] + self.urls[:self._turn % len(self.urls)]
+        order = self.urls[self._turn % len(self.urls) :] + self.urls[: self._turn % len(self.urls)]
         if avoid is not None and len(order) > 1:
             order = [u for u in order if u != avoid]
         return min(order, key=lambda u: self.servers[u].inflight)
@@ -179,22 +194,27 @@ class _HttpRewardClient:
                 try:
                     r = await asyncio.wait_for(self.http.post(url + path, json=body), self.timeout_s)
                 except (TimeoutError, httpx.TimeoutException):
-                    last = _Try(reason="timeout", message=f"no answer from {url}{path} in {self.timeout_s:g} s",
-                                retry=True)
+                    last = _Try(
+                        reason="timeout", message=f"no answer from {url}{path} in {self.timeout_s:g} s", retry=True
+                    )
                 except httpx.TransportError as e:
                     last = _Try(reason="unreachable", message=f"{url}{path}: {type(e).__name__}: {e}", retry=True)
                 else:
                     if r.status_code != 200:
-                        last = _Try(reason="http_status", message=f"{url}{path} -> HTTP {r.status_code}: "
-                                    f"{r.text[:200]}", retry=r.status_code in _RETRIED_STATUS)
+                        last = _Try(
+                            reason="http_status",
+                            message=f"{url}{path} -> HTTP {r.status_code}: {r.text[:200]}",
+                            retry=r.status_code in _RETRIED_STATUS,
+                        )
                     else:
                         try:
                             value = parse(r.json())
                         except _Unparsable as e:
                             last = _Try(reason="unparsable_verdict", message=str(e), retry=e.retry)
                         except (ValueError, KeyError, IndexError, TypeError) as e:
-                            last = _Try(reason="bad_response", message=f"{url}{path}: {type(e).__name__}: {e}",
-                                        retry=False)
+                            last = _Try(
+                                reason="bad_response", message=f"{url}{path}: {type(e).__name__}: {e}", retry=False
+                            )
                         else:
                             now = time.monotonic()
                             self.calls_ok += 1
@@ -206,8 +226,13 @@ class _HttpRewardClient:
             self.failures[last.reason] += 1
             st.failures[last.reason] += 1
             failed = url
-            log.warning("reward model: attempt %d of %d failed (%s): %s", attempt + 1, self.retries + 1, last.reason,
-                        last.message)
+            log.warning(
+                "reward model: attempt %d of %d failed (%s): %s",
+                attempt + 1,
+                self.retries + 1,
+                last.reason,
+                last.message,
+            )
             if not last.retry:
                 break
         self.calls_failed += 1
@@ -215,9 +240,13 @@ class _HttpRewardClient:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        return {"calls_ok": self.calls_ok, "calls_failed": self.calls_failed, "failures": dict(self.failures),
-                "calls_per_s": round(self.calls_ok / self.seconds, 3) if self.seconds else None,
-                "servers": {u: st.status(now) for u, st in self.servers.items()}}
+        return {
+            "calls_ok": self.calls_ok,
+            "calls_failed": self.calls_failed,
+            "failures": dict(self.failures),
+            "calls_per_s": round(self.calls_ok / self.seconds, 3) if self.seconds else None,
+            "servers": {u: st.status(now) for u, st in self.servers.items()},
+        }
 
 
 class _Unparsable(ValueError):
@@ -241,12 +270,27 @@ class JudgeClient(_HttpRewardClient):
     judge's first word. No verdict among the top tokens is ``unparsable_verdict``, not retried (the
     same prompt gives the same distribution)."""
 
-    def __init__(self, url: str | list[str], *, model: str, template: str = JUDGE_TEMPLATE, verdict: re.Pattern = VERDICT,
-                 scores: dict[str, float] | None = None, max_tokens: int = 64, temperature: float = 0.0,
-                 timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64,
-                 extra_body: dict[str, Any] | None = None, verdict_from: str = "text", top_logprobs: int = 20) -> None:
-        super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-                         max_concurrency=max_concurrency)
+    def __init__(
+        self,
+        url: str | list[str],
+        *,
+        model: str,
+        template: str = JUDGE_TEMPLATE,
+        verdict: re.Pattern = VERDICT,
+        scores: dict[str, float] | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        max_concurrency: int = 64,
+        extra_body: dict[str, Any] | None = None,
+        verdict_from: str = "text",
+        top_logprobs: int = 20,
+    ) -> None:
+        super().__init__(
+            url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, max_concurrency=max_concurrency
+        )
         if "{response}" not in template:  # a reference-based judge may leave the question out
             raise ValueError(f"judge template must contain {{response}}, got {template[:80]!r}")
         if verdict_from not in ("text", "logprobs"):
@@ -284,15 +328,23 @@ class JudgeClient(_HttpRewardClient):
         total = sum(mass.values())
         if total <= 0.0:
             tokens = [e.get("token") for e in top[:8]]
-            raise _Unparsable(f"no verdict of {sorted(self.scores)} among the judge's top {len(top)} first tokens "
-                              f"(the first: {tokens})", retry=False)
+            raise _Unparsable(
+                f"no verdict of {sorted(self.scores)} among the judge's top {len(top)} first tokens "
+                f"(the first: {tokens})",
+                retry=False,
+            )
         self.verdict_mass += total
         return sum(self.scores[k] * p for k, p in mass.items()) / total
 
     async def score(self, *, question: str, response: str, reference: str = "") -> float:
         prompt = self.template.format(question=question, response=response, reference=reference)
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": self.max_tokens, "temperature": self.temperature, **self.extra_body}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            **self.extra_body,
+        }
         if self.verdict_from == "logprobs":
             # temperature 1: the first-token distribution itself, also from a server that returns the log-probs
             # after sampling's processing (fleetrl's vLLM servers: processed_logprobs); the sampled token is unused
@@ -312,12 +364,23 @@ class ClassifierClient(_HttpRewardClient):
     ``data[i].data``, a float or a one-element list) or ``/classify`` (``probs[label]``). The input
     is the conversation text as the reward model's chat template renders it (the caller's job)."""
 
-    def __init__(self, url: str | list[str], *, model: str, endpoint: str = "pooling", label: int = 0, timeout_s: float = 30.0,
-                 retries: int = 2, backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
+    def __init__(
+        self,
+        url: str | list[str],
+        *,
+        model: str,
+        endpoint: str = "pooling",
+        label: int = 0,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        max_concurrency: int = 64,
+    ) -> None:
         if endpoint not in ("pooling", "classify"):
             raise ValueError(f"endpoint must be 'pooling' or 'classify', got {endpoint!r}")
-        super().__init__(url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-                         max_concurrency=max_concurrency)
+        super().__init__(
+            url, model=model, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, max_concurrency=max_concurrency
+        )
         self.endpoint, self.label = endpoint, label
 
     def _parse(self, body: dict, n: int) -> list[float]:
@@ -333,8 +396,10 @@ class ClassifierClient(_HttpRewardClient):
             for d in data:
                 v = d["data"]
                 if isinstance(v, list) and len(v) != 1:  # a classifier's probabilities, not one reward
-                    raise ValueError(f"/pooling gave {len(v)} values per input, a reward model gives 1: for a "
-                                     f"classifier use endpoint 'classify' and its label")
+                    raise ValueError(
+                        f"/pooling gave {len(v)} values per input, a reward model gives 1: for a "
+                        f"classifier use endpoint 'classify' and its label"
+                    )
                 out.append(float(v[0] if isinstance(v, list) else v))
         if not all(x == x and abs(x) != float("inf") for x in out):
             raise ValueError(f"non-finite reward in {out}")
@@ -360,8 +425,9 @@ class ModelRewardScorer:
     MAX_OUTAGES = 3
     _OUTAGE_REASONS = ("unreachable", "timeout", "http_status")
 
-    def __init__(self, model: JudgeClient | ClassifierClient, codec: Codec, tokenizer: Any = None,
-                 outage_wait_s: float = 0.0) -> None:
+    def __init__(
+        self, model: JudgeClient | ClassifierClient, codec: Codec, tokenizer: Any = None, outage_wait_s: float = 0.0
+    ) -> None:
         self.model, self.codec, self.tokenizer = model, codec, tokenizer
         self.outage_wait_s = outage_wait_s
         self.outage_waits = 0  # groups that waited for a reward server to come back
@@ -384,16 +450,23 @@ class ModelRewardScorer:
                 if not down:  # every server answers: the failure was the call's, not an outage
                     raise
                 self.outage_waits += 1
-                log.warning("reward model: %s while %s do(es) not answer /health: waiting up to %g s for it, "
-                            "then scoring the group again", exc.reason, down, self.outage_wait_s)
+                log.warning(
+                    "reward model: %s while %s do(es) not answer /health: waiting up to %g s for it, "
+                    "then scoring the group again",
+                    exc.reason,
+                    down,
+                    self.outage_wait_s,
+                )
                 await self.model.wait_ready(self.outage_wait_s)  # raises RewardModelError if it stays down
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _score_once(self, question: str, answers: list[str], reference: str) -> list[float]:
         if isinstance(self.model, ClassifierClient):
             return await self.model.score_texts([question + a for a in answers])
-        out = await asyncio.gather(*(self.model.score(question=question, response=a, reference=reference)
-                                     for a in answers), return_exceptions=True)
+        out = await asyncio.gather(
+            *(self.model.score(question=question, response=a, reference=reference) for a in answers),
+            return_exceptions=True,
+        )
         for r in out:  # every call has ended (none left running unobserved); the first failure fails the group
             if isinstance(r, BaseException):
                 raise r
@@ -406,15 +479,29 @@ def from_config(cfg: Any, model_path: str) -> ModelRewardScorer:
 
     urls = cfg.all_urls()
     if not urls:
-        raise ValueError("reward.model has no server: give reward.model.url, or start reward servers with "
-                         "launch/cluster.py --reward-gpus N")
-    common = {"model": cfg.model, "timeout_s": cfg.timeout_s, "retries": cfg.retries, "backoff_s": cfg.backoff_s,
-              "max_concurrency": cfg.max_concurrency}
+        raise ValueError(
+            "reward.model has no server: give reward.model.url, or start reward servers with "
+            "launch/cluster.py --reward-gpus N"
+        )
+    common = {
+        "model": cfg.model,
+        "timeout_s": cfg.timeout_s,
+        "retries": cfg.retries,
+        "backoff_s": cfg.backoff_s,
+        "max_concurrency": cfg.max_concurrency,
+    }
     if cfg.kind == "judge":
-        client = JudgeClient(urls, template=cfg.template or JUDGE_TEMPLATE,
-                             verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT, scores=cfg.scores,
-                             max_tokens=cfg.max_tokens, extra_body=cfg.extra_body, verdict_from=cfg.verdict_from,
-                             top_logprobs=cfg.top_logprobs, **common)
+        client = JudgeClient(
+            urls,
+            template=cfg.template or JUDGE_TEMPLATE,
+            verdict=re.compile(cfg.verdict) if cfg.verdict else VERDICT,
+            scores=cfg.scores,
+            max_tokens=cfg.max_tokens,
+            extra_body=cfg.extra_body,
+            verdict_from=cfg.verdict_from,
+            top_logprobs=cfg.top_logprobs,
+            **common,
+        )
     else:
         client = ClassifierClient(urls, endpoint=cfg.endpoint, label=cfg.label, **common)
     codec = HFCodec.from_pretrained(model_path)

@@ -80,7 +80,9 @@ def signature_of(fn: RewardFn) -> Literal["fleetrl", "verl"]:
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a builtin without a signature: call it fleetrl's way
         return "fleetrl"
-    return "verl" if "solution_str" in params or (params and params[0] in ("data_source", "data_sources")) else "fleetrl"
+    return (
+        "verl" if "solution_str" in params or (params and params[0] in ("data_source", "data_sources")) else "fleetrl"
+    )
 
 
 def _accepted(fn: RewardFn, extra: dict[str, Any]) -> dict[str, Any]:
@@ -149,8 +151,12 @@ def resolve(name: str) -> RewardFn:
 def invoke(fn: RewardFn, response_text: str, ground_truth: Any, extra: dict[str, Any]) -> Any:
     """One call in the function's own signature (``extra`` holds ``data_source``, ``extra_info``, ...)."""
     if signature_of(fn) == "verl":
-        return fn(data_source=extra.get("data_source", ""), solution_str=response_text, ground_truth=ground_truth,
-                  extra_info=extra.get("extra_info"))
+        return fn(
+            data_source=extra.get("data_source", ""),
+            solution_str=response_text,
+            ground_truth=ground_truth,
+            extra_info=extra.get("extra_info"),
+        )
     return fn(response_text, ground_truth, **_accepted(fn, extra))
 
 
@@ -165,7 +171,9 @@ def check_value(value: Any, name: str, where: str) -> float:
     return float(value)
 
 
-def call_reward(fn: RewardFn, name: str, response_text: str, ground_truth: Any, where: str, extra: dict[str, Any]) -> float:
+def call_reward(
+    fn: RewardFn, name: str, response_text: str, ground_truth: Any, where: str, extra: dict[str, Any]
+) -> float:
     """Run one reward call; any failure becomes a :class:`RewardError` naming ``name`` and ``where``."""
     try:
         value = invoke(fn, response_text, ground_truth, extra)
@@ -183,18 +191,27 @@ def call_batch(fn: RewardFn, name: str, items: Sequence[tuple[str, Any, str, dic
     """One batched call (verl's batch signature) for a group; its failure names every row."""
     where = f"{items[0][2]} .. {items[-1][2]}" if items else "an empty batch"
     try:
-        values = fn(data_sources=[i[3].get("data_source", "") for i in items], solution_strs=[i[0] for i in items],
-                    ground_truths=[i[1] for i in items], extra_infos=[i[3].get("extra_info") for i in items])
+        values = fn(
+            data_sources=[i[3].get("data_source", "") for i in items],
+            solution_strs=[i[0] for i in items],
+            ground_truths=[i[1] for i in items],
+            extra_infos=[i[3].get("extra_info") for i in items],
+        )
     except Exception as exc:
-        raise RewardError(f"reward function {name!r} raised on {where}: {type(exc).__name__}: {exc}",
-                          function=name, where=where) from exc
+        raise RewardError(
+            f"reward function {name!r} raised on {where}: {type(exc).__name__}: {exc}", function=name, where=where
+        ) from exc
     return _check_batch(values, name, items, where)
 
 
 def _check_batch(values: Any, name: str, items: Sequence, where: str) -> list[float]:
     if not isinstance(values, (list, tuple)) or len(values) != len(items):
-        raise RewardError(f"batched reward function {name!r} returned {values!r:.80} on {where}; expected a list "
-                          f"of {len(items)} floats", function=name, where=where)
+        raise RewardError(
+            f"batched reward function {name!r} returned {values!r:.80} on {where}; expected a list "
+            f"of {len(items)} floats",
+            function=name,
+            where=where,
+        )
     return [check_value(v, name, i[2]) for v, i in zip(values, items, strict=True)]
 
 
@@ -224,7 +241,12 @@ class RewardPool:
     """
 
     def __init__(
-        self, function: str, *, workers: int = 2, timeout_s: float = 30.0, mode: Literal["thread", "process"] = "thread",
+        self,
+        function: str,
+        *,
+        workers: int = 2,
+        timeout_s: float = 30.0,
+        mode: Literal["thread", "process"] = "thread",
         batched: bool = False,
     ) -> None:
         if workers < 1 or timeout_s <= 0:
@@ -258,7 +280,9 @@ class RewardPool:
             return executor.submit(call_reward, self.fn, self.name, *args)
         return executor.submit(_score_in_process, self.name, *args)
 
-    async def score(self, response_text: str, ground_truth: Any, *, where: str, extra: dict[str, Any] | None = None) -> float:
+    async def score(
+        self, response_text: str, ground_truth: Any, *, where: str, extra: dict[str, Any] | None = None
+    ) -> float:
         """The reward of one response; raises :class:`RewardError` (or :class:`RewardTimeout`).
 
         The time limit starts when a worker is free, not when the call is queued, so a
@@ -307,12 +331,18 @@ class RewardPool:
                 value = await asyncio.wait_for(invoke(self.fn, text, truth, extra), self.timeout_s)
             except TimeoutError:
                 self.timeouts += 1
-                raise RewardTimeout(f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
-                                    function=self.name, where=where) from None
+                raise RewardTimeout(
+                    f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
+                    function=self.name,
+                    where=where,
+                ) from None
             except Exception as exc:
                 self.errors += 1
-                raise RewardError(f"reward function {self.name!r} raised on {where}: {type(exc).__name__}: {exc}",
-                                  function=self.name, where=where) from exc
+                raise RewardError(
+                    f"reward function {self.name!r} raised on {where}: {type(exc).__name__}: {exc}",
+                    function=self.name,
+                    where=where,
+                ) from exc
         return check_value(value, self.name, where)
 
     async def score_batch(self, items: Sequence[tuple[str, Any, str, dict[str, Any] | None]]) -> list[float]:
@@ -322,26 +352,38 @@ class RewardPool:
         async with self._slots:
             try:
                 if self.is_async:
-                    coro = self.fn(data_sources=[i[3].get("data_source", "") for i in items],
-                                   solution_strs=[i[0] for i in items], ground_truths=[i[1] for i in items],
-                                   extra_infos=[i[3].get("extra_info") for i in items])
+                    coro = self.fn(
+                        data_sources=[i[3].get("data_source", "") for i in items],
+                        solution_strs=[i[0] for i in items],
+                        ground_truths=[i[1] for i in items],
+                        extra_infos=[i[3].get("extra_info") for i in items],
+                    )
                     return _check_batch(await asyncio.wait_for(coro, self.timeout_s), self.name, items, where)
-                fut = (self._executor.submit(call_batch, self.fn, self.name, items) if self.mode == "thread"
-                       else self._executor.submit(_batch_in_process, self.name, items))
+                fut = (
+                    self._executor.submit(call_batch, self.fn, self.name, items)
+                    if self.mode == "thread"
+                    else self._executor.submit(_batch_in_process, self.name, items)
+                )
                 return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
             except TimeoutError:
                 self.timeouts += 1
                 if self.mode == "process" and not self.is_async:
                     self._replace_processes()
-                raise RewardTimeout(f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
-                                    function=self.name, where=where) from None
+                raise RewardTimeout(
+                    f"reward function {self.name!r} timed out after {self.timeout_s:g} s on {where}",
+                    function=self.name,
+                    where=where,
+                ) from None
             except RewardError:
                 self.errors += 1
                 raise
             except Exception as exc:
                 self.errors += 1
-                raise RewardError(f"reward function {self.name!r} raised on {where}: {type(exc).__name__}: {exc}",
-                                  function=self.name, where=where) from exc
+                raise RewardError(
+                    f"reward function {self.name!r} raised on {where}: {type(exc).__name__}: {exc}",
+                    function=self.name,
+                    where=where,
+                ) from exc
 
     async def score_many(
         self, items: Sequence[tuple[str, Any, str, dict[str, Any] | None]]

@@ -121,10 +121,12 @@ def check_sources(sources: set[str]) -> None:
     """Raise ValueError naming every data source the default scorer cannot score."""
     unknown = sorted(s for s in sources if route(s) is None)
     if unknown:
-        raise ValueError(f"reward.function 'default' has no scorer for data_source {', '.join(map(repr, unknown))}; "
-                         f"it knows {', '.join(sorted(ROUTES))} (and names starting {', '.join(_MATH_PREFIXES)}). "
-                         "Set reward.function to a built-in ('exact_match', 'gsm8k', 'gsm8k_flexible', 'math') "
-                         "or to your own 'package.module:function' (a verl compute_score works unchanged)")
+        raise ValueError(
+            f"reward.function 'default' has no scorer for data_source {', '.join(map(repr, unknown))}; "
+            f"it knows {', '.join(sorted(ROUTES))} (and names starting {', '.join(_MATH_PREFIXES)}). "
+            "Set reward.function to a built-in ('exact_match', 'gsm8k', 'gsm8k_flexible', 'math') "
+            "or to your own 'package.module:function' (a verl compute_score works unchanged)"
+        )
 
 
 def default(response_text: str, ground_truth: str, *, data_source: str = "", **extra: Any) -> float:

@@ -56,9 +56,18 @@ class FleetRunConfig(Protocol):
 
 
 class FleetService:
-    def __init__(self, cfg: FleetRunConfig, broker_address: str, *, slots: dict[int, Any] | None = None,
-                 run_dir: str | None = None, eval_every: int = 0, eval_samples: int = 0, launcher=None,
-                 proxy_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        cfg: FleetRunConfig,
+        broker_address: str,
+        *,
+        slots: dict[int, Any] | None = None,
+        run_dir: str | None = None,
+        eval_every: int = 0,
+        eval_samples: int = 0,
+        launcher=None,
+        proxy_host: str = "127.0.0.1",
+    ) -> None:
         """``eval_every`` / ``eval_samples``: colocated mode's evaluations during the run (run.eval_every),
         which it runs at the wake after those steps, never while the learner trains. ``launcher``: how vLLM
         servers start (None: child processes on loopback). ``proxy_host``: where ``rollout.proxy`` binds."""
@@ -86,7 +95,9 @@ class FleetService:
             from rollout_fleet.simulated_data import SimulatedRewards, SyntheticPrompts
 
             return SimulatedFactory(r.simulated, seed=seed), lambda: (
-                SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size), SimulatedRewards(seed=seed))
+                SyntheticPrompts(seed=seed, vocab_size=r.simulated.vocab_size),
+                SimulatedRewards(seed=seed),
+            )
         from engines.vllm.factory import VLLMFactory
         from rollout_fleet.prompts_and_rewards import load_data
 
@@ -97,8 +108,9 @@ class FleetService:
             return SGLangFactory(self.cfg, run_dir, self.slots), lambda: load_data(self.cfg)
         return VLLMFactory(self.cfg, run_dir, self.slots, launcher=self.launcher), lambda: load_data(self.cfg)
 
-    async def start(self, n_servers: int, indices: list[int] | None = None,
-                    catch_up: int | None = None) -> dict[str, Any]:
+    async def start(
+        self, n_servers: int, indices: list[int] | None = None, catch_up: int | None = None
+    ) -> dict[str, Any]:
         """``catch_up``: a fleet restarted mid-run (launch/fleet_recovery.py), with the learner's version then:
         its servers load the learner's latest export (RUN_DIR/export/latest; SIMULATED engines: that version)
         before they take work, as a restarted server does."""
@@ -107,11 +119,15 @@ class FleetService:
         data = asyncio.create_task(asyncio.to_thread(loader))  # tokenizing overlaps the servers' start
         self.fleet = FleetController(self.cfg.rollout, factory)
         if catch_up is not None:
-            latest = (catch_up, f"simulated://v{catch_up}") if self.simulated else position.latest_export(self._run_dir())
+            latest = (
+                (catch_up, f"simulated://v{catch_up}") if self.simulated else position.latest_export(self._run_dir())
+            )
             if latest is not None:
                 self.fleet.set_latest_export(*latest)
                 log.info("restarted fleet: servers load v%d (%s) before taking work", *latest)
-        await asyncio.gather(*(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers))))
+        await asyncio.gather(
+            *(self.fleet.add_server(i) for i in (indices if indices is not None else range(n_servers)))
+        )
         prompts, rewards = await data
         if self.cfg.reward.model is not None:  # a judge or reward-model server scores instead
             rewards = reward_model_scorer(self.cfg.reward.model, self.cfg.model.path)
@@ -121,10 +137,13 @@ class FleetService:
         await self.fleet.start(0)  # servers are in; start the health loop
         if self.cfg.rollout.proxy is not None:
             await self._start_proxy()
-        self.producer = AsyncProducer(ProducerClient(self.broker_address, producer_id="fleet",
-                                                     curve_keys_dir=self.cfg.broker.curve_keys_dir))
-        worker_cls, extra = RolloutWorker, {"filter_groups": self.cfg.rollout.filter_groups,
-                                             "overlong": self.cfg.reward.overlong_buffer}
+        self.producer = AsyncProducer(
+            ProducerClient(self.broker_address, producer_id="fleet", curve_keys_dir=self.cfg.broker.curve_keys_dir)
+        )
+        worker_cls, extra = (
+            RolloutWorker,
+            {"filter_groups": self.cfg.rollout.filter_groups, "overlong": self.cfg.reward.overlong_buffer},
+        )
         if self.cfg.rollout.env is not None:  # multi-turn episodes (rollout_fleet/envs)
             from rollout_fleet.envs.registry import worker_kwargs
             from rollout_fleet.envs.worker import MultiTurnWorker
@@ -134,10 +153,17 @@ class FleetService:
             from rollout_fleet.envs.agent_worker import AgentWorker, resolve_agent
 
             worker_cls, extra = AgentWorker, {"proxy": self.proxy, "agent": resolve_agent(self.cfg.rollout.proxy.agent)}
-        self.worker = worker_cls(self.fleet, self.producer, prompts, rewards, self.cfg.rollout.sampling,
-                                 max_inflight_groups=self.cfg.rollout.max_inflight_groups,
-                                 seed=self.cfg.run.seed,
-                                 gate=self._colocated_gate(), **extra)
+        self.worker = worker_cls(
+            self.fleet,
+            self.producer,
+            prompts,
+            rewards,
+            self.cfg.rollout.sampling,
+            max_inflight_groups=self.cfg.rollout.max_inflight_groups,
+            seed=self.cfg.run.seed,
+            gate=self._colocated_gate(),
+            **extra,
+        )
         state = None if self.simulated else position.load(self._run_dir())
         if state is not None:  # a re-run on this run directory: the data continues where it stopped
             self.worker.load_state_dict(state)
@@ -156,9 +182,14 @@ class FleetService:
 
         p = self.cfg.rollout.proxy
         tok = await asyncio.to_thread(rdata.load_tokenizer, self.cfg.model.path)
-        self.proxy = ChatProxy(fleet_generate(self.fleet), tok, model_name=self.cfg.model.path,
-                               stop_token_ids=stop_token_ids(tok), default_max_tokens=p.max_tokens,
-                               max_sessions=p.max_sessions)
+        self.proxy = ChatProxy(
+            fleet_generate(self.fleet),
+            tok,
+            model_name=self.cfg.model.path,
+            stop_token_ids=stop_token_ids(tok),
+            default_max_tokens=p.max_tokens,
+            max_sessions=p.max_sessions,
+        )
         url = await self.proxy.start(self.proxy_host, p.port)
         log.info("OpenAI-compatible proxy at %s (agent: %s)", url, p.agent)
 
@@ -169,9 +200,15 @@ class FleetService:
         from rollout_fleet.colocated_gate import ColocatedEngines
 
         level = c.sleep_level(bool(self.slots))  # servers with GPU slots run on CUDA
-        self.colocated = ColocatedEngines(self.fleet, None, level=level, timeout_s=c.timeout_s,
-                                          evaluate=lambda: self.evaluate(self.eval_samples),
-                                          eval_every=self.eval_every, max_steps=self.cfg.run.max_steps)
+        self.colocated = ColocatedEngines(
+            self.fleet,
+            None,
+            level=level,
+            timeout_s=c.timeout_s,
+            evaluate=lambda: self.evaluate(self.eval_samples),
+            eval_every=self.eval_every,
+            max_steps=self.cfg.run.max_steps,
+        )
         log.info("colocated mode: synchronous, engines sleep at level %d while the learner trains", level)
         return lambda: self.colocated.gate.is_open
 
@@ -222,8 +259,11 @@ class FleetService:
         ``start`` (a fleet actor restarted mid-run answers before the driver starts it again)."""
         if not hasattr(self, "fleet"):
             return {}
-        return {s.engine_id: s.engine.url for s in self.fleet.servers.values()
-                if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")}
+        return {
+            s.engine_id: s.engine.url
+            for s in self.fleet.servers.values()
+            if s.state == ServerState.HEALTHY and hasattr(s.engine, "url")
+        }
 
     def _run_dir(self) -> str:
         return self.run_dir or self.cfg.run.run_dir
@@ -314,10 +354,13 @@ class FleetService:
         if self.proxy is not None:
             st = msgspec.structs.replace(st, proxy_url=self.proxy.url, proxy=dict(self.proxy.counts))
         return msgspec.structs.replace(
-            st, **msgspec.structs.asdict(w), simulated=self.simulated,
+            st,
+            **msgspec.structs.asdict(w),
+            simulated=self.simulated,
             tok_per_s=(w.tokens_pushed - n_old) / (now - t_old) if now > t_old else None,
             fleet_idle_fraction=w.idle_s / max(1e-9, now - self._t0),
-            healthy_servers=sum(1 for s in st.servers if s.state == ServerState.HEALTHY))
+            healthy_servers=sum(1 for s in st.servers if s.state == ServerState.HEALTHY),
+        )
 
     async def stop(self) -> dict[str, Any]:
         self._save_position()  # before in-flight groups are cancelled: their prompts run first next time

@@ -28,11 +28,14 @@ def overlong_penalty(length: int, max_tokens: int, buffer_len: int, penalty_fact
     return min(-exceed / buffer_len * penalty_factor, 0.0)
 
 
-def shape(rewards: Sequence[float], lengths: Sequence[int], max_tokens: int, buffer_len: int,
-          penalty_factor: float) -> list[float]:
+def shape(
+    rewards: Sequence[float], lengths: Sequence[int], max_tokens: int, buffer_len: int, penalty_factor: float
+) -> list[float]:
     """``rewards`` with each response's overlong penalty added."""
-    return [float(r) + overlong_penalty(int(n), max_tokens, buffer_len, penalty_factor)
-            for r, n in zip(rewards, lengths, strict=True)]
+    return [
+        float(r) + overlong_penalty(int(n), max_tokens, buffer_len, penalty_factor)
+        for r, n in zip(rewards, lengths, strict=True)
+    ]
 
 
 def uniform(values: Sequence[float]) -> bool:

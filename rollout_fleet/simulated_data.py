@@ -49,8 +49,9 @@ class SimulatedRewards:
 
     simulated = True
 
-    def __init__(self, *, seed: int = 0, base: float = 0.2, gain: float = 0.005, cap: float = 0.9,
-                 delay_s: float = 0.0) -> None:
+    def __init__(
+        self, *, seed: int = 0, base: float = 0.2, gain: float = 0.005, cap: float = 0.9, delay_s: float = 0.0
+    ) -> None:
         self._rng = np.random.default_rng(seed)
         self.base, self.gain, self.cap, self.delay_s = base, gain, cap, delay_s
 

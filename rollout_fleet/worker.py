@@ -104,15 +104,27 @@ class AsyncProducer:
 class RolloutWorker:
     """Keeps up to ``max_inflight_groups`` per healthy server in flight. Example::
 
-        worker = RolloutWorker(fleet, AsyncProducer(ProducerClient(addr)), prompts, rewards, cfg.sampling,
-                               max_inflight_groups=16)
-        await worker.run(stop_event)
+    worker = RolloutWorker(fleet, AsyncProducer(ProducerClient(addr)), prompts, rewards, cfg.sampling,
+                           max_inflight_groups=16)
+    await worker.run(stop_event)
     """
 
-    def __init__(self, fleet: FleetController, producer: AsyncProducer, prompts: PromptSource,
-                 rewards: RewardScorer, sampling: SamplingConfig, *, max_inflight_groups: int,
-                 seed: int = 0, push_retries: int = 3, logprob_retries: int = 2,
-                 gate: Callable[[], bool] | None = None, filter_groups: Any = None, overlong: Any = None) -> None:
+    def __init__(
+        self,
+        fleet: FleetController,
+        producer: AsyncProducer,
+        prompts: PromptSource,
+        rewards: RewardScorer,
+        sampling: SamplingConfig,
+        *,
+        max_inflight_groups: int,
+        seed: int = 0,
+        push_retries: int = 3,
+        logprob_retries: int = 2,
+        gate: Callable[[], bool] | None = None,
+        filter_groups: Any = None,
+        overlong: Any = None,
+    ) -> None:
         """``gate``: colocated mode's ``() -> may start groups`` (rollout_fleet/colocated_gate.py); while it says
         False no ticket is taken and no group starts. ``filter_groups`` (rollout.filter_groups) and
         ``overlong`` (reward.overlong_buffer): DAPO's dynamic sampling and length penalty, off when None or
@@ -156,8 +168,15 @@ class RolloutWorker:
         inflight = [p for p in self._tasks.values()] + self._replay
         return {
             "data": self.prompts.state_dict(),
-            "replay": [{"prompt_ids": list(p.prompt_ids), "ground_truth": p.ground_truth,
-                        "data_source": p.data_source, "extra_info": p.extra_info} for p in inflight],
+            "replay": [
+                {
+                    "prompt_ids": list(p.prompt_ids),
+                    "ground_truth": p.ground_truth,
+                    "data_source": p.data_source,
+                    "extra_info": p.extra_info,
+                }
+                for p in inflight
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -188,8 +207,9 @@ class RolloutWorker:
                 tickets = await self.producer.acquire_tickets(free, 0.2)
                 if self.gate is not None and tickets and not self.gate():  # closed while we waited: hold them
                     self.tickets_held_at_gate += len(tickets)
-                    log.warning("rollout: colocated gate closed with %d tickets just taken; held until it opens",
-                                len(tickets))
+                    log.warning(
+                        "rollout: colocated gate closed with %d tickets just taken; held until it opens", len(tickets)
+                    )
                     while not self.gate() and not stop.is_set():  # noqa: ASYNC110 (the gate is a predicate)
                         await asyncio.sleep(0.02)
                 if not tickets:
@@ -243,8 +263,13 @@ class RolloutWorker:
         """The rewards to push: with overlong shaping, each plus its length penalty."""
         if self.overlong is None:
             return rewards
-        out = shape(rewards, [len(s.token_ids) for s in samples], self.sampling.max_tokens, self.overlong.len,
-                    self.overlong.penalty_factor)
+        out = shape(
+            rewards,
+            [len(s.token_ids) for s in samples],
+            self.sampling.max_tokens,
+            self.overlong.len,
+            self.overlong.penalty_factor,
+        )
         self.samples_overlong_penalised += sum(1 for a, b in zip(out, rewards, strict=True) if a < b)
         return out
 
@@ -257,9 +282,13 @@ class RolloutWorker:
         limit = self.filter_groups.max_num_gen_batches
         if limit and tries >= limit:
             self.groups_filter_exhausted += 1
-            log.error("rollout: group %s still uniform after %d generations (rollout.filter_groups."
-                      "max_num_gen_batches=%d): pushed anyway; are the prompts too easy or too hard?",
-                      group_id, tries, limit)
+            log.error(
+                "rollout: group %s still uniform after %d generations (rollout.filter_groups."
+                "max_num_gen_batches=%d): pushed anyway; are the prompts too easy or too hard?",
+                group_id,
+                tries,
+                limit,
+            )
             return True
         self.groups_filtered += 1
         return False
@@ -282,9 +311,13 @@ class RolloutWorker:
     async def _group_once(self, ticket: Any, prompt: Prompt, tries: int) -> bool:
         """One generation of the ticket's group; True only when dynamic sampling filtered it (generate again)."""
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
-        params = SamplingParams(n=self.sampling.n, max_tokens=self.sampling.max_tokens,
-                                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                top_k=self.sampling.top_k)
+        params = SamplingParams(
+            n=self.sampling.n,
+            max_tokens=self.sampling.max_tokens,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+        )
         t_start = time.time()
         try:
             # the oldest weights that may start a group for this step within the bound
@@ -295,16 +328,26 @@ class RolloutWorker:
                 if not bad:
                     break
                 self.samples_nonfinite_logprob += bad
-                log.warning("rollout: group %s: %d of %d samples from %s have non-finite behaviour log-probs "
-                            "(attempt %d of %d)", group_id, bad, len(samples), engine_id, attempt + 1,
-                            self.logprob_retries + 1)
+                log.warning(
+                    "rollout: group %s: %d of %d samples from %s have non-finite behaviour log-probs "
+                    "(attempt %d of %d)",
+                    group_id,
+                    bad,
+                    len(samples),
+                    engine_id,
+                    attempt + 1,
+                    self.logprob_retries + 1,
+                )
                 if attempt < self.logprob_retries:
                     self.groups_resampled_nonfinite += 1
             else:
                 self.prompts_requeued_nonfinite += 1
                 self._replay.append(prompt)
-                log.error("rollout: group %s: prompt requeued after %d attempts with non-finite log-probs",
-                          group_id, self.logprob_retries + 1)
+                log.error(
+                    "rollout: group %s: prompt requeued after %d attempts with non-finite log-probs",
+                    group_id,
+                    self.logprob_retries + 1,
+                )
                 return False
             rewards = await self.rewards.score(prompt, samples)
         except self.GROUP_ERRORS as exc:
@@ -320,11 +363,22 @@ class RolloutWorker:
         t_end = time.time()
         trajs = [
             Trajectory(
-                traj_id=f"{group_id}/{i}", group_id=group_id, sample_index=i, group_size=len(samples),
-                step=int(ticket.step), prompt_ids=prompt.prompt_ids, response_ids=s.token_ids,
-                behaviour_logprobs=s.logprobs, segment_starts=s.segment_starts,
-                segment_versions=s.segment_versions, reward=float(r), finish_reason=s.finish_reason,
-                engine_id=engine_id, data_source=prompt.data_source, t_start=t_start, t_end=t_end,
+                traj_id=f"{group_id}/{i}",
+                group_id=group_id,
+                sample_index=i,
+                group_size=len(samples),
+                step=int(ticket.step),
+                prompt_ids=prompt.prompt_ids,
+                response_ids=s.token_ids,
+                behaviour_logprobs=s.logprobs,
+                segment_starts=s.segment_starts,
+                segment_versions=s.segment_versions,
+                reward=float(r),
+                finish_reason=s.finish_reason,
+                engine_id=engine_id,
+                data_source=prompt.data_source,
+                t_start=t_start,
+                t_end=t_end,
             )
             for i, (s, r) in enumerate(zip(samples, rewards, strict=True))
         ]
@@ -358,15 +412,21 @@ class RolloutWorker:
 
     def record(self) -> WorkerStatus:
         return WorkerStatus(
-            groups_started=self.groups_started, groups_pushed=self.groups_pushed,
-            groups_failed=self.groups_failed, groups_inflight=self.inflight,
-            groups_cancelled=self.groups_cancelled, groups_reward_failed=self.groups_reward_failed,
-            groups_bad_request=self.groups_bad_request, samples_truncated=self.samples_truncated,
+            groups_started=self.groups_started,
+            groups_pushed=self.groups_pushed,
+            groups_failed=self.groups_failed,
+            groups_inflight=self.inflight,
+            groups_cancelled=self.groups_cancelled,
+            groups_reward_failed=self.groups_reward_failed,
+            groups_bad_request=self.groups_bad_request,
+            samples_truncated=self.samples_truncated,
             samples_nonfinite_logprob=self.samples_nonfinite_logprob,
             groups_resampled_nonfinite=self.groups_resampled_nonfinite,
             prompts_requeued_nonfinite=self.prompts_requeued_nonfinite,
-            samples_pushed=self.samples_pushed, tokens_pushed=self.tokens_pushed,
-            groups_generated=self.groups_generated, groups_filtered=self.groups_filtered,
+            samples_pushed=self.samples_pushed,
+            tokens_pushed=self.tokens_pushed,
+            groups_generated=self.groups_generated,
+            groups_filtered=self.groups_filtered,
             groups_filter_exhausted=self.groups_filter_exhausted,
             samples_overlong_penalised=self.samples_overlong_penalised,
             mean_reward=self.reward_sum / self.samples_pushed if self.samples_pushed else None,

@@ -69,15 +69,17 @@ def _wrong(rng: random.Random, ref: str) -> str:
     kind = rng.random()
     if kind < 0.30:  # one digit changed
         i = rng.randrange(len(ref))
-        out = ref[:i] + rng.choice(digits.replace(ref[i], "")) + ref[i + 1:]
+        out = ref[:i] + rng.choice(digits.replace(ref[i], "")) + ref[i + 1 :]
     elif kind < 0.50:  # off by a little (a missed or extra carry, a slip)
         out = str(max(0, int(ref) + rng.choice([-1, 1]) * rng.choice([1, 1, 2, 9, 10, 11, 100])))
     elif kind < 0.65:  # a digit dropped or added
         i = rng.randrange(len(ref) + 1)
-        out = (ref[:i] + ref[i + 1:]) if rng.random() < 0.5 and len(ref) > 1 else ref[:i] + rng.choice(digits) + ref[i:]
+        out = (
+            (ref[:i] + ref[i + 1 :]) if rng.random() < 0.5 and len(ref) > 1 else ref[:i] + rng.choice(digits) + ref[i:]
+        )
     elif kind < 0.75 and len(ref) > 1:  # two neighbours swapped
         i = rng.randrange(len(ref) - 1)
-        out = ref[:i] + ref[i + 1] + ref[i] + ref[i + 2:]
+        out = ref[:i] + ref[i + 1] + ref[i] + ref[i + 2 :]
     elif kind < 0.85:  # the reference and more after it
         out = ref + "".join(rng.choice(digits + "+= ") for _ in range(rng.randint(1, 3)))
     elif kind < 0.95:  # another number
@@ -109,13 +111,13 @@ def p_yes(model, tok, pairs: list[Pair], batch: int = 512) -> list[float]:
     y, n = tok.convert_tokens_to_ids("Y"), tok.convert_tokens_to_ids("N")
     out: list[float] = []
     for i in range(0, len(pairs), batch):
-        enc = [tok.encode(p.prompt, add_special_tokens=False) for p in pairs[i:i + batch]]
+        enc = [tok.encode(p.prompt, add_special_tokens=False) for p in pairs[i : i + batch]]
         width = max(len(e) for e in enc)
         ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(enc), width), dtype=torch.long)
         for r, e in enumerate(enc):  # left padding: the last position is each prompt's end
-            ids[r, width - len(e):] = torch.tensor(e)
-            mask[r, width - len(e):] = 1
+            ids[r, width - len(e) :] = torch.tensor(e)
+            mask[r, width - len(e) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
         two = torch.log_softmax(logits.float(), -1)[:, [y, n]].exp()
@@ -145,9 +147,14 @@ def grade(model, tok, pairs: list[Pair]) -> dict[str, float]:
     right = [s for s, p in zip(scores, pairs, strict=True) if p.answer == "Y"]
     wrong = [s for s, p in zip(scores, pairs, strict=True) if p.answer == "N"]
     acc = sum((s > 0.5) == (p.answer == "Y") for s, p in zip(scores, pairs, strict=True)) / len(pairs)
-    return {"accuracy": round(acc, 4), "auc": round(auc(right, wrong), 4), "n": len(pairs),
-            "right": len(right), "mean_p_yes_right": round(sum(right) / max(1, len(right)), 4),
-            "mean_p_yes_wrong": round(sum(wrong) / max(1, len(wrong)), 4)}
+    return {
+        "accuracy": round(acc, 4),
+        "auc": round(auc(right, wrong), 4),
+        "n": len(pairs),
+        "right": len(right),
+        "mean_p_yes_right": round(sum(right) / max(1, len(right)), 4),
+        "mean_p_yes_wrong": round(sum(wrong) / max(1, len(wrong)), 4),
+    }
 
 
 @torch.no_grad()
@@ -164,9 +171,17 @@ def adder_pairs(adder: Path, n: int, seed: int) -> list[Pair]:
     out = []
     for p in test[:n]:
         ids = torch.tensor([atok.encode(p.prompt, add_special_tokens=False)])
-        gen = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=MAX_RESPONSE_CHARS,
-                             num_return_sequences=4, pad_token_id=atok.pad_token_id, eos_token_id=atok.eos_token_id)
-        for row in gen[:, ids.shape[1]:]:
+        gen = model.generate(
+            ids,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=MAX_RESPONSE_CHARS,
+            num_return_sequences=4,
+            pad_token_id=atok.pad_token_id,
+            eos_token_id=atok.eos_token_id,
+        )
+        for row in gen[:, ids.shape[1] :]:
             out.append(Pair(p.answer, atok.decode(row.tolist(), skip_special_tokens=True)))
     return out
 
@@ -189,8 +204,12 @@ def as_served(tok):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("models/tiny-judge"))
-    ap.add_argument("--adder", type=Path, default=Path("models/tiny-adder"),
-                    help="the policy whose sampled answers the final check grades")
+    ap.add_argument(
+        "--adder",
+        type=Path,
+        default=Path("models/tiny-adder"),
+        help="the policy whose sampled answers the final check grades",
+    )
     ap.add_argument("--pairs", type=int, default=60_000)
     add_training_args(ap, batch=256, lr=2e-3, max_steps=4000, eval_every=100, target_acc=0.99)
     args = ap.parse_args(argv)
@@ -207,8 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     seen = as_served(tok)
     model = build_model(len(tok), args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, tok)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("judge: %d parameters; %d training pairs, %.0f%% right", n_params, len(train),
-                100 * sum(p.answer == "Y" for p in train) / len(train))
+    logger.info(
+        "judge: %d parameters; %d training pairs, %.0f%% right",
+        n_params,
+        len(train),
+        100 * sum(p.answer == "Y" for p in train) / len(train),
+    )
     all_ids, all_lab = encode_batch(train, seen)
     step, val_m = fit(model, args, all_ids, all_lab, lambda: grade(model, seen, val), t0)
     val_m = val_m or {"accuracy": 0.0}
@@ -216,15 +239,33 @@ def main(argv: list[str] | None = None) -> None:
     sampled = grade(model, seen, adder_pairs(args.adder, 200, args.seed)) if args.adder.exists() else None
     wall = time.time() - t0
     logger.info("stopped at step %d: test %s; on the adder's own answers %s; %.0f s", step, test_m, sampled, wall)
-    save(model, tok, args, step=step, val=val_m, test=test_m, sampled=sampled, wall=wall, n_params=n_params,
-         argv=sys.argv[1:] if argv is None else argv)
+    save(
+        model,
+        tok,
+        args,
+        step=step,
+        val=val_m,
+        test=test_m,
+        sampled=sampled,
+        wall=wall,
+        n_params=n_params,
+        argv=sys.argv[1:] if argv is None else argv,
+    )
 
 
 def save(model, tok, args, *, step, val, test, sampled, wall, n_params, argv) -> None:
     save_folder(model, tok, args.out)
     save_tokenizer(tok, args.out / "tokenizer")  # what the server loads (as_served)
-    meta = {"step": step, "val": val, "test": test, "adder_samples": sampled, "wall_s": round(wall, 1),
-            "parameters": n_params, "template": TEMPLATE, "command": "python -m tools.pretrain_judge " + " ".join(argv)}
+    meta = {
+        "step": step,
+        "val": val,
+        "test": test,
+        "adder_samples": sampled,
+        "wall_s": round(wall, 1),
+        "parameters": n_params,
+        "template": TEMPLATE,
+        "command": "python -m tools.pretrain_judge " + " ".join(argv),
+    }
     (args.out / "judge.json").write_text(json.dumps(meta, indent=2) + "\n")
     s = sampled or {}
     (args.out / "README.md").write_text(f"""# tiny-judge
@@ -236,14 +277,14 @@ addition task against the reference (`tools/pretrain_judge.py`). Input, the user
 `--tokenizer models/tiny-judge/tokenizer` (no `config.json` there: from this folder transformers 5 loads
 a byte-level `Qwen2Tokenizer` that drops spaces of the template, and the judge grades at chance).
 
-- command: `{meta['command']}` (seed {args.seed}, {args.threads} thread(s), batch {args.batch}, lr {args.lr})
+- command: `{meta["command"]}` (seed {args.seed}, {args.threads} thread(s), batch {args.batch}, lr {args.lr})
 - shape: hidden {args.hidden}, {args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads,
   intermediate {args.intermediate}, vocab {model.config.vocab_size}, float32
-- stopped at step {step}; validation accuracy {val['accuracy']:.3f}
-- held-out pairs (test-split references, {test['n']} pairs): accuracy **{test['accuracy']:.3f}**, AUC {test['auc']:.3f}
-- answers the tiny adder samples to test problems ({s.get('n', 0)} answers, {s.get('right', 0)} right by the
-  rule): accuracy **{s.get('accuracy', float('nan')):.3f}**, AUC {s.get('auc', float('nan')):.3f}
-  (mean P(Y) {s.get('mean_p_yes_right', float('nan')):.3f} on right answers, {s.get('mean_p_yes_wrong', float('nan')):.3f} on wrong)
+- stopped at step {step}; validation accuracy {val["accuracy"]:.3f}
+- held-out pairs (test-split references, {test["n"]} pairs): accuracy **{test["accuracy"]:.3f}**, AUC {test["auc"]:.3f}
+- answers the tiny adder samples to test problems ({s.get("n", 0)} answers, {s.get("right", 0)} right by the
+  rule): accuracy **{s.get("accuracy", float("nan")):.3f}**, AUC {s.get("auc", float("nan")):.3f}
+  (mean P(Y) {s.get("mean_p_yes_right", float("nan")):.3f} on right answers, {s.get("mean_p_yes_wrong", float("nan")):.3f} on wrong)
 - wall time: {wall:.0f} s on the shared 2-core CPU machine
 - figures also in `judge.json`
 """)

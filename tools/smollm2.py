@@ -62,9 +62,17 @@ def _unpermute(w, n_head: int):
 
 
 def _hf_name(name: str) -> str | None:
-    parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    parts = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -119,8 +127,9 @@ def convert(out: Path = DEFAULT_OUT, *, force: bool = False) -> Path:
         del config.quantization_config
     config.torch_dtype = torch.bfloat16
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    missing, unexpected = model.load_state_dict({k: v.to(torch.bfloat16) for k, v in dq.state_dict().items()},
-                                                strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(torch.bfloat16) for k, v in dq.state_dict().items()}, strict=False
+    )
     # tied embeddings: lm_head.weight is the embedding and may be absent from the dequantized dict
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise ConversionError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
@@ -137,16 +146,22 @@ def convert(out: Path = DEFAULT_OUT, *, force: bool = False) -> Path:
 
     saved = LlamaForCausalLM.from_pretrained(str(tmp), dtype=torch.bfloat16)
     n = check_against_gguf(saved.state_dict(), src, config)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 35?"}], add_generation_prompt=True,
-                                  return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 35?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     with torch.no_grad():
         ref = dq(ids).logits[0, -1]
         got = saved(ids).logits[0, -1].float()
     if int(ref.argmax()) != int(got.argmax()):
         raise ConversionError(f"next token differs: GGUF model {int(ref.argmax())}, saved bf16 {int(got.argmax())}")
-    info = {"source": str(src), "tensors_checked": n, "parameters": sum(p.numel() for p in saved.parameters()),
-            "eos_token": tok.eos_token, "seconds": round(time.monotonic() - t0, 1)}
+    info = {
+        "source": str(src),
+        "tensors_checked": n,
+        "parameters": sum(p.numel() for p in saved.parameters()),
+        "eos_token": tok.eos_token,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     (tmp / DONE_MARK).write_text(json.dumps(info, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

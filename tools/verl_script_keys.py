@@ -30,8 +30,12 @@ import tempfile
 from pathlib import Path
 
 FOLDERS = {
-    "verl-project/verl": ["examples/grpo_trainer", "examples/ppo_trainer",
-                          "verl/experimental/fully_async_policy/shell", "verl/experimental/one_step_off_policy/shell"],
+    "verl-project/verl": [
+        "examples/grpo_trainer",
+        "examples/ppo_trainer",
+        "verl/experimental/fully_async_policy/shell",
+        "verl/experimental/one_step_off_policy/shell",
+    ],
     "verl-project/verl-recipe": ["dapo"],
 }
 LAUNCHERS = ("python", "python3", "ray", "torchrun")
@@ -73,8 +77,15 @@ def invocations(script: str, timeout_s: float = 30.0) -> list[list[str]]:
         # a variable the script demands (${NAME:?message}) and gives no default for: a placeholder
         env.update({name: f"/placeholder/{name}" for name in re.findall(r"\$\{(\w+):?\?", script)})
         try:
-            subprocess.run(["/bin/bash", "--noprofile", "--norc", "-s"], input=PRELUDE + "\n".join(lines) + "\n",
-                           cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s)
+            subprocess.run(
+                ["/bin/bash", "--noprofile", "--norc", "-s"],
+                input=PRELUDE + "\n".join(lines) + "\n",
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
             print(f"warning: a script ran past {timeout_s} s; keeping the calls it made", file=sys.stderr)
         # the scratch directory is the script's $PWD: a fixed name keeps the records reproducible
@@ -98,7 +109,7 @@ def verl_call(calls: list[list[str]]) -> tuple[str | None, list[str]]:
         i = call.index("-m")
         module = call[i + 1] if i + 1 < len(call) else ""
         if module.startswith(("verl.", "recipe.")):
-            return module, [w for w in call[i + 2:] if "=" in w and not w.startswith("-")]
+            return module, [w for w in call[i + 2 :] if "=" in w and not w.startswith("-")]
     return None, []
 
 
@@ -123,8 +134,11 @@ def records(repo: str, gitdir: str, ref: str) -> list[dict]:
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LOCAL = {"{train_files}": "data/word_problems/train.parquet", "{val_files}": "data/word_problems/test.parquet",
-         "{model_path}": "models/tiny-adder"}
+LOCAL = {
+    "{train_files}": "data/word_problems/train.parquet",
+    "{val_files}": "data/word_problems/test.parquet",
+    "{model_path}": "models/tiny-adder",
+}
 
 
 def local_command(rec: dict, root: Path = REPO_ROOT) -> list[str]:
@@ -161,9 +175,13 @@ def table(recs: list[dict]) -> str:
     for rec, caps in res:
         for c in sorted(caps or [], key=str):
             by.setdefault(str(c), []).append(Path(rec["path"]).name)
-    lines = [f"{len(mapped)} of {len(res)} scripts with a trainer call map with no refusal "
-             f"({len(recs) - len(res)} more have no trainer call).", "",
-             "| capability | scripts | which |", "|---|---|---|"]
+    lines = [
+        f"{len(mapped)} of {len(res)} scripts with a trainer call map with no refusal "
+        f"({len(recs) - len(res)} more have no trainer call).",
+        "",
+        "| capability | scripts | which |",
+        "|---|---|---|",
+    ]
     lines += [f"| {c} | {len(v)} | {', '.join(v)} |" for c, v in sorted(by.items(), key=lambda kv: -len(kv[1]))]
     return "\n".join(lines + ["", "Mapped: " + ", ".join(Path(m).name for m in mapped)])
 
@@ -175,17 +193,26 @@ def defaults_table() -> str:
     lines += [f"| `{k}` | `{json.dumps(v)}` |" for k, v in DEFAULTS.items()]
     for entry, extra in ENTRY_DEFAULTS.items():
         if extra:
-            lines += ["", f"`python -m {entry}` sets on top: " + ", ".join(f"`{k}={json.dumps(v)}`"
-                                                                           for k, v in extra.items())]
+            lines += [
+                "",
+                f"`python -m {entry}` sets on top: " + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in extra.items()),
+            ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repo", action="append", default=[], metavar="OWNER/NAME=GITDIR@REF",
-                   help="a bare repository and the commit or tag to read")
+    p.add_argument(
+        "--repo",
+        action="append",
+        default=[],
+        metavar="OWNER/NAME=GITDIR@REF",
+        help="a bare repository and the commit or tag to read",
+    )
     p.add_argument("--out", help="the JSON file written (a list of records)")
-    p.add_argument("--table", metavar="JSON", help="print the markdown table of refusals by capability of these records")
+    p.add_argument(
+        "--table", metavar="JSON", help="print the markdown table of refusals by capability of these records"
+    )
     p.add_argument("--defaults", action="store_true", help="print the markdown table of verl's defaults")
     args = p.parse_args(argv)
     if args.table or args.defaults:
@@ -205,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         recs += records(repo, os.path.expanduser(gitdir), ref or "HEAD")
     # one record per line: a re-extraction diffs script by script
     Path(args.out).write_text("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n")
-    print(f"{len(recs)} scripts, {sum(1 for r in recs if r['entry'])} with a trainer call -> {args.out}",
-          file=sys.stderr)
+    print(
+        f"{len(recs)} scripts, {sum(1 for r in recs if r['entry'])} with a trainer call -> {args.out}", file=sys.stderr
+    )
     return 0
 
 

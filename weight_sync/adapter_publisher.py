@@ -51,13 +51,15 @@ class AdapterPublishError(RuntimeError):
 
 
 class AdapterPublisher:
-    def __init__(self, endpoints: list[AdapterEndpoint], root: str | Path, *, keep: int = 3,
-                 timeout_s: float = 120.0, dtype=None) -> None:
+    def __init__(
+        self, endpoints: list[AdapterEndpoint], root: str | Path, *, keep: int = 3, timeout_s: float = 120.0, dtype=None
+    ) -> None:
         """``dtype``: of the adapter tensors written (a torch dtype; None: as trained). bf16 halves the bytes and
         is what a bf16 engine computes with anyway."""
         if keep < 2:
-            raise ValueError(f"keep must be >= 2 (the newest adapter and the one a lagging server may reload), "
-                             f"got {keep}")
+            raise ValueError(
+                f"keep must be >= 2 (the newest adapter and the one a lagging server may reload), got {keep}"
+            )
         self.endpoints, self.root, self.keep, self.timeout_s = list(endpoints), Path(root), keep, timeout_s
         self.dtype = dtype
         self.last: dict[str, Any] = {}
@@ -74,12 +76,22 @@ class AdapterPublisher:
             return
         written = time.perf_counter() - t0
         steps = asyncio.run(self._push(str(folder.resolve()), version))
-        for old in sorted(p for p in self.root.glob("v*") if p.is_dir())[:-self.keep]:
+        for old in sorted(p for p in self.root.glob("v*") if p.is_dir())[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        self.last = {"version": version, "bytes": n_bytes, "write_seconds": written,
-                     "seconds": time.perf_counter() - t0, "engines": steps}
-        logger.info("LoRA adapter v%d published: %d bytes, %.3f s (write %.3f s)", version, n_bytes,
-                    self.last["seconds"], written)
+        self.last = {
+            "version": version,
+            "bytes": n_bytes,
+            "write_seconds": written,
+            "seconds": time.perf_counter() - t0,
+            "engines": steps,
+        }
+        logger.info(
+            "LoRA adapter v%d published: %d bytes, %.3f s (write %.3f s)",
+            version,
+            n_bytes,
+            self.last["seconds"],
+            written,
+        )
 
     async def _push(self, path: str, version: int) -> dict[str, dict[str, float]]:
         async def one(ep: AdapterEndpoint) -> dict[str, float]:
@@ -89,10 +101,17 @@ class AdapterPublisher:
                 await ep.close()  # its HTTP session is bound to this call's event loop
 
         results = await asyncio.gather(*(one(ep) for ep in self.endpoints), return_exceptions=True)
-        failed = {ep.engine_id: (f"no answer within {self.timeout_s:.0f} s" if isinstance(r, TimeoutError)
-                                 else f"{type(r).__name__}: {r}")
-                  for ep, r in zip(self.endpoints, results, strict=True) if isinstance(r, BaseException)}
+        failed = {
+            ep.engine_id: (
+                f"no answer within {self.timeout_s:.0f} s"
+                if isinstance(r, TimeoutError)
+                else f"{type(r).__name__}: {r}"
+            )
+            for ep, r in zip(self.endpoints, results, strict=True)
+            if isinstance(r, BaseException)
+        }
         if failed:
             raise AdapterPublishError(version, failed)
-        return {ep.engine_id: r for ep, r in zip(self.endpoints, results, strict=True)
-                if not isinstance(r, BaseException)}  # every one, after the check above
+        return {
+            ep.engine_id: r for ep, r in zip(self.endpoints, results, strict=True) if not isinstance(r, BaseException)
+        }  # every one, after the check above

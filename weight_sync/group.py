@@ -123,8 +123,14 @@ def all_gather_async(pg, out: torch.Tensor, inp: torch.Tensor):
     raise TypeError(f"weight-sync group {type(pg).__name__} has no all-gather; use acks='rpc' with it")
 
 
-def wait_work(work, deadline: float, what: str, max_sleep_s: float = 2e-4,
-              check: Callable[[], None] | None = None, spin_s: float = 0.0) -> None:
+def wait_work(
+    work,
+    deadline: float,
+    what: str,
+    max_sleep_s: float = 2e-4,
+    check: Callable[[], None] | None = None,
+    spin_s: float = 0.0,
+) -> None:
     """Wait for an asynchronous collective until ``deadline`` (a ``time.monotonic()`` value).
 
     Why not ``work.wait(timeout)``: on NCCL a wait with a timeout blocks the thread

@@ -82,10 +82,14 @@ def choose_transport(choice: str, *, cuda: bool, shared_gpu: bool) -> Transport:
         return "gloo"
     if choice == "ipc":
         if not cuda:
-            raise ValueError("colocate.weight_transport='ipc' needs CUDA (CUDA IPC handles); on CPU use 'gloo' or 'auto'")
+            raise ValueError(
+                "colocate.weight_transport='ipc' needs CUDA (CUDA IPC handles); on CPU use 'gloo' or 'auto'"
+            )
         if not shared_gpu:
-            raise ValueError("colocate.weight_transport='ipc' needs every server on learner rank 0's GPU (one GPU, "
-                             "--gpus 1); with more GPUs the servers sit on others: use 'auto' or 'gloo'")
+            raise ValueError(
+                "colocate.weight_transport='ipc' needs every server on learner rank 0's GPU (one GPU, "
+                "--gpus 1); with more GPUs the servers sit on others: use 'auto' or 'gloo'"
+            )
         return "ipc"
     return "ipc" if cuda and shared_gpu else "gloo"
 
@@ -110,8 +114,12 @@ def engine_param_table(model: torch.nn.Module) -> dict[str, tuple[list[int], str
     return {n: (list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
 
 
-def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]],
-               packed: Mapping[str, Sequence[str]] | None = None, skip_prefixes: Sequence[str] = ()) -> None:
+def check_plan(
+    plan: WeightPlan,
+    params: Mapping[str, tuple[Sequence[int], str]],
+    packed: Mapping[str, Sequence[str]] | None = None,
+    skip_prefixes: Sequence[str] = (),
+) -> None:
     """Raise :class:`WeightPlanMismatch` unless every tensor of ``plan`` (HF names) fits a parameter of the
     engine (``params``: vLLM names -> (shape, dtype)), for an unsharded engine (TP = 1).
 
@@ -134,8 +142,12 @@ def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]]
             continue
         if name in params:
             pshape, pdtype = list(params[name][0]), params[name][1]
-            padded = name.endswith(("embed_tokens.weight", "lm_head.weight")) and len(shape) == len(pshape) \
-                and shape[1:] == pshape[1:] and shape[0] <= pshape[0]
+            padded = (
+                name.endswith(("embed_tokens.weight", "lm_head.weight"))
+                and len(shape) == len(pshape)
+                and shape[1:] == pshape[1:]
+                and shape[0] <= pshape[0]
+            )
             if pdtype != dtype:
                 problems.append(f"{name}: dtype {dtype} but the engine's parameter is {pdtype}")
             elif shape != pshape and not padded and not _repacked(pshape):
@@ -157,12 +169,15 @@ def check_plan(plan: WeightPlan, params: Mapping[str, tuple[Sequence[int], str]]
             fused_parts.setdefault(fused, []).append(f"{name} {shape}")
     for fused, rows in fused_rows.items():
         if rows != params[fused][0][0]:
-            problems.append(f"{fused}: its parts ({', '.join(fused_parts[fused])}) bring {rows} rows, the engine's "
-                            f"parameter has {params[fused][0][0]}")
+            problems.append(
+                f"{fused}: its parts ({', '.join(fused_parts[fused])}) bring {rows} rows, the engine's "
+                f"parameter has {params[fused][0][0]}"
+            )
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise WeightPlanMismatch(f"weight plan {plan.plan_id} does not fit the engine's model: "
-                                 + "; ".join(problems[:8]) + more)
+        raise WeightPlanMismatch(
+            f"weight plan {plan.plan_id} does not fit the engine's model: " + "; ".join(problems[:8]) + more
+        )
 
 
 def _repacked(shape: Sequence[int]) -> bool:
@@ -188,27 +203,50 @@ def gpu_uuid(device: torch.device | int) -> str:
 def export_slot(buf: torch.Tensor) -> IpcHandle:
     """The IPC handle of a flat uint8 CUDA buffer (the buffer must outlive every engine that opened it)."""
     if not buf.is_cuda or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(f"an IPC slot is a flat contiguous uint8 CUDA tensor, got {buf.dtype} {list(buf.shape)} "
-                         f"on {buf.device}")
-    (_device, handle, size, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = buf.untyped_storage()._share_cuda_()
-    return IpcHandle(nbytes=buf.numel(), tensor_offset=int(buf.storage_offset()), handle=bytes(handle),
-                     storage_size_bytes=int(size), storage_offset_bytes=int(offset),
-                     ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-                     event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
+        raise ValueError(
+            f"an IPC slot is a flat contiguous uint8 CUDA tensor, got {buf.dtype} {list(buf.shape)} on {buf.device}"
+        )
+    (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        buf.untyped_storage()._share_cuda_()
+    )
+    return IpcHandle(
+        nbytes=buf.numel(),
+        tensor_offset=int(buf.storage_offset()),
+        handle=bytes(handle),
+        storage_size_bytes=int(size),
+        storage_offset_bytes=int(offset),
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync),
+    )
 
 
 def open_slot(h: IpcHandle, device: torch.device) -> torch.Tensor:
     """The publisher's slot as a uint8 tensor in this process (on ``device``, the same physical GPU)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor(torch.Tensor, (h.nbytes,), (1,), h.tensor_offset, torch.UntypedStorage, torch.uint8,
-                               device.index if device.index is not None else torch.cuda.current_device(), h.handle,
-                               h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle,
-                               h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        (h.nbytes,),
+        (1,),
+        h.tensor_offset,
+        torch.UntypedStorage,
+        torch.uint8,
+        device.index if device.index is not None else torch.cuda.current_device(),
+        h.handle,
+        h.storage_size_bytes,
+        h.storage_offset_bytes,
+        False,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle,
+        h.event_sync_required,
+    )
 
 
 _M = TypeVar("_M")
+
 
 def decode(kind: type[_M], data) -> _M:
     """A message of this module from plain data (an HTTP body's JSON), type-checked, naming what is wrong."""
@@ -230,56 +268,80 @@ class IpcReceiver:
         self._prints: dict[int, torch.Tensor] = {}  # bucket -> fingerprint, this publish
         self._publishing = -1
 
-    def join(self, plan: WeightPlan, init: IpcInit, params: Mapping[str, tuple[Sequence[int], str]],
-             packed: Mapping[str, Sequence[str]] | None = None, skip_prefixes: Sequence[str] = (),
-             tensor_parallel: int = 1) -> None:
+    def join(
+        self,
+        plan: WeightPlan,
+        init: IpcInit,
+        params: Mapping[str, tuple[Sequence[int], str]],
+        packed: Mapping[str, Sequence[str]] | None = None,
+        skip_prefixes: Sequence[str] = (),
+        tensor_parallel: int = 1,
+    ) -> None:
         """Check the plan against the engine's parameters, then open the slots; raises before opening anything
         if the plan does not fit (:class:`WeightPlanMismatch`) or the GPU is another one. A new join first lets
         go of the slots of the last one."""
         self.leave()
         validate_plan(plan)
         if tensor_parallel != 1:
-            raise ValueError(f"engine {self.engine_id}: CUDA IPC weight loads take an unsharded engine (TP 1), "
-                             f"this one runs {tensor_parallel} workers")
+            raise ValueError(
+                f"engine {self.engine_id}: CUDA IPC weight loads take an unsharded engine (TP 1), "
+                f"this one runs {tensor_parallel} workers"
+            )
         check_plan(plan, params, packed, skip_prefixes)
         if self.device.type != "cuda":
-            raise RuntimeError(f"engine {self.engine_id}: CUDA IPC weight loads need a CUDA engine, this one is on "
-                               f"{self.device}")
+            raise RuntimeError(
+                f"engine {self.engine_id}: CUDA IPC weight loads need a CUDA engine, this one is on {self.device}"
+            )
         mine = gpu_uuid(self.device)
         if mine != init.gpu_uuid:
-            raise RuntimeError(f"engine {self.engine_id}: the publisher's slots are on GPU {init.gpu_uuid}, this engine "
-                               f"is on GPU {mine}: CUDA IPC needs both on one GPU (use colocate.weight_transport=gloo)")
+            raise RuntimeError(
+                f"engine {self.engine_id}: the publisher's slots are on GPU {init.gpu_uuid}, this engine "
+                f"is on GPU {mine}: CUDA IPC needs both on one GPU (use colocate.weight_transport=gloo)"
+            )
         need = slot_of_buckets(plan, len(init.slots))
         if len(init.slots) != len(need) or any(s.nbytes < n for s, n in zip(init.slots, need, strict=True)):
-            raise ValueError(f"engine {self.engine_id}: {len(init.slots)} slots of {[s.nbytes for s in init.slots]} "
-                             f"bytes cannot hold plan {plan.plan_id}'s buckets ({need})")
+            raise ValueError(
+                f"engine {self.engine_id}: {len(init.slots)} slots of {[s.nbytes for s in init.slots]} "
+                f"bytes cannot hold plan {plan.plan_id}'s buckets ({need})"
+            )
         t0 = time.perf_counter()
         self.slots = [open_slot(h, self.device) for h in init.slots]
         self.plan = plan
-        log.info("engine %s: opened %d CUDA IPC slots (%.0f MB) of plan %s in %.3fs", self.engine_id,
-                 len(self.slots), sum(h.nbytes for h in init.slots) / 1e6, plan.plan_id, time.perf_counter() - t0)
+        log.info(
+            "engine %s: opened %d CUDA IPC slots (%.0f MB) of plan %s in %.3fs",
+            self.engine_id,
+            len(self.slots),
+            sum(h.nbytes for h in init.slots) / 1e6,
+            plan.plan_id,
+            time.perf_counter() - t0,
+        )
 
     def load(self, msg: IpcLoad, load: LoadFn) -> str | None:
         """Load one round; after the ``last`` one return the checksum of every bucket of the publish."""
         if self.plan is None:
             raise RuntimeError(f"engine {self.engine_id}: IPC load of v{msg.version} before the join")
         if msg.plan_id != self.plan.plan_id:
-            raise ValueError(f"engine {self.engine_id}: IPC load uses plan {msg.plan_id!r} but the joined plan is "
-                             f"{self.plan.plan_id!r}")
+            raise ValueError(
+                f"engine {self.engine_id}: IPC load uses plan {msg.plan_id!r} but the joined plan is "
+                f"{self.plan.plan_id!r}"
+            )
         if msg.version != self._publishing:
             self._publishing, self._prints = msg.version, {}
         n = len(self.plan.buckets)
         for b, s in msg.loads:
             if not (0 <= b < n and 0 <= s < len(self.slots)):
-                raise ValueError(f"engine {self.engine_id}: IPC load of bucket {b} from slot {s}: the plan has {n} "
-                                 f"buckets and {len(self.slots)} slots")
+                raise ValueError(
+                    f"engine {self.engine_id}: IPC load of bucket {b} from slot {s}: the plan has {n} "
+                    f"buckets and {len(self.slots)} slots"
+                )
             buf = self.slots[s][: self.plan.bucket_bytes()[b]]
             self._prints[b] = bucket_fingerprint(buf)
             try:
                 load(unpack_bucket(buf, self.plan, b))
             except (AssertionError, RuntimeError, ValueError) as e:  # a weight loader's shape check, a bad copy
-                raise WeightPlanMismatch(f"engine {self.engine_id}: loading bucket {b} of v{msg.version} failed: "
-                                         f"{type(e).__name__}: {e}") from e
+                raise WeightPlanMismatch(
+                    f"engine {self.engine_id}: loading bucket {b} of v{msg.version} failed: {type(e).__name__}: {e}"
+                ) from e
         if not msg.last:
             return None
         if sorted(self._prints) != list(range(n)):

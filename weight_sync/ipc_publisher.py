@@ -64,18 +64,27 @@ class IpcPublisher:
 
     backend = "ipc"
 
-    def __init__(self, plan: WeightPlan, *, device: str | torch.device, slots: int = 3, timeout_s: float = 60.0,
-                 engines: Iterable[IpcEndpoint] = ()) -> None:
+    def __init__(
+        self,
+        plan: WeightPlan,
+        *,
+        device: str | torch.device,
+        slots: int = 3,
+        timeout_s: float = 60.0,
+        engines: Iterable[IpcEndpoint] = (),
+    ) -> None:
         self.plan, self.device, self.timeout_s = plan, torch.device(device), timeout_s
         if self.device.type != "cuda":
             raise ValueError(f"CUDA IPC publishes from a CUDA device, got {self.device}")
         self.bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in slot_of_buckets(plan, slots)]
-        self.init = IpcInit(gpu_uuid=gpu_uuid(self.device), slots=[export_slot(b) for b in self.bufs],
-                            timeout_s=timeout_s)
+        self.init = IpcInit(
+            gpu_uuid=gpu_uuid(self.device), slots=[export_slot(b) for b in self.bufs], timeout_s=timeout_s
+        )
         self.rounds = rounds(len(plan.buckets), len(self.bufs))
         self.sizes = plan.bucket_bytes()
-        self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in
-                       zip(plan.names, plan.shapes, plan.dtypes, strict=True)]
+        self.expect = [
+            (n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes, strict=True)
+        ]
         self._views: dict[int, list[torch.Tensor]] = {}  # bucket -> typed views of its slot, built once
         self.engines: dict[str, IpcEndpoint] = {}
         self.joined: set[str] = set()
@@ -85,9 +94,14 @@ class IpcPublisher:
         threading.Thread(target=self._loop.run_forever, name="weight-sync-ipc-rpc", daemon=True).start()
         for e in engines:
             self.add_engine(e)
-        log.info("IPC publisher: %d bucket(s) in %d slot(s) of %.0f MB on GPU %s, %d round(s) a publish",
-                 len(plan.buckets), len(self.bufs), sum(self.sizes[: len(self.bufs)]) / 1e6, self.init.gpu_uuid,
-                 len(self.rounds))
+        log.info(
+            "IPC publisher: %d bucket(s) in %d slot(s) of %.0f MB on GPU %s, %d round(s) a publish",
+            len(plan.buckets),
+            len(self.bufs),
+            sum(self.sizes[: len(self.bufs)]) / 1e6,
+            self.init.gpu_uuid,
+            len(self.rounds),
+        )
 
     # ---- membership (as Publisher) --------------------------------------------------------------------
     def add_engine(self, client: IpcEndpoint, export_path: str | None = None, version: int = 0) -> None:
@@ -96,8 +110,10 @@ class IpcPublisher:
         if client.engine_id in self.engines:
             raise ValueError(f"engine id {client.engine_id!r} is already a weight-sync member")
         if export_path is not None:
-            self.call(client.load_weights_from_path(export_path, version),
-                      f"engine {client.engine_id}: load_weights_from_path({export_path}, v{version})")
+            self.call(
+                client.load_weights_from_path(export_path, version),
+                f"engine {client.engine_id}: load_weights_from_path({export_path}, v{version})",
+            )
         self.engines[client.engine_id] = client
 
     def remove_engine(self, engine_id: str) -> None:
@@ -139,8 +155,10 @@ class IpcPublisher:
         if failed:
             for eid in failed:
                 self.remove_engine(eid)
-            raise PublishError(f"IPC publish: {step} failed on " + "; ".join(f"engine {k}: {v}" for k, v in failed.items()),
-                               list(failed))
+            raise PublishError(
+                f"IPC publish: {step} failed on " + "; ".join(f"engine {k}: {v}" for k, v in failed.items()),
+                list(failed),
+            )
         return {eid: f.result() for eid, f in futs.items()}
 
     # ---- publish --------------------------------------------------------------------------------------
@@ -175,8 +193,11 @@ class IpcPublisher:
             self._mark(f"round{r}_packed")
             msg = IpcLoad(version=version, plan_id=self.plan.plan_id, loads=loads, last=r == len(self.rounds) - 1)
             if ids:
-                self._each(ids, f"round {r}/{len(self.rounds)} (buckets {[b for b, _ in loads]})",
-                           lambda e, msg=msg: e.ipc_load(msg))
+                self._each(
+                    ids,
+                    f"round {r}/{len(self.rounds)} (buckets {[b for b, _ in loads]})",
+                    lambda e, msg=msg: e.ipc_load(msg),
+                )
             self._mark(f"round{r}_loaded")
         load_s = time.perf_counter() - tl
         checksum = combine_fingerprints(prints)
@@ -186,12 +207,23 @@ class IpcPublisher:
         if bad:
             for eid in bad:
                 self.remove_engine(eid)
-            raise PublishError(f"IPC publish v{version}: checksum mismatch (ours {checksum}) from "
-                               + ", ".join(f"engine {k} ({v})" for k, v in bad.items()), list(bad))
+            raise PublishError(
+                f"IPC publish v{version}: checksum mismatch (ours {checksum}) from "
+                + ", ".join(f"engine {k} ({v})" for k, v in bad.items()),
+                list(bad),
+            )
         dt = time.perf_counter() - t0
-        return PublishReport(version=version, bytes=sum(self.sizes), seconds=dt, broadcast_seconds=load_s,
-                             engines=ids, checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
-                             per_engine_checksums=dict(acks))
+        return PublishReport(
+            version=version,
+            bytes=sum(self.sizes),
+            seconds=dt,
+            broadcast_seconds=load_s,
+            engines=ids,
+            checksum=checksum,
+            epoch=self.epoch,
+            rebuild_seconds=rebuild_s,
+            per_engine_checksums=dict(acks),
+        )
 
     @torch.no_grad()
     def _pack(self, b: int, s: int, it) -> torch.Tensor:
@@ -201,8 +233,10 @@ class IpcPublisher:
             name, t = next(it)
             want = self.expect[i]
             if name != want[0] or t.shape != want[1] or t.dtype != want[2]:
-                raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan {self.plan.plan_id} "
-                                 f"expects {self.plan.names[i]} {self.plan.shapes[i]} {self.plan.dtypes[i]} (index {i})")
+                raise ValueError(
+                    f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan {self.plan.plan_id} "
+                    f"expects {self.plan.names[i]} {self.plan.shapes[i]} {self.plan.dtypes[i]} (index {i})"
+                )
             parts.append(t if t.device == self.device else t.to(self.device))
         buf = self.bufs[s][: self.sizes[b]]
         views = self._views.get(b)
@@ -217,6 +251,7 @@ class IpcPublisher:
     def close(self) -> None:
         async def _close_all():
             await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
+
         if self._loop is not None:
             try:
                 asyncio.run_coroutine_threadsafe(_close_all(), self._loop).result(5)

@@ -57,11 +57,17 @@ def nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * _DTYPES[dtype].itemsize
 
 
-TAIL_FACTOR = 4  # an estimate (not measured alone) of how much faster a receiver loads and checksums than the wire brings
+TAIL_FACTOR = (
+    4  # an estimate (not measured alone) of how much faster a receiver loads and checksums than the wire brings
+)
 
 
-def build_plan(params: Sequence[tuple[str, Sequence[int], torch.dtype | str]], bucket_bytes: int,
-               tail_bytes: int = 0, tail_factor: int = 0) -> WeightPlan:
+def build_plan(
+    params: Sequence[tuple[str, Sequence[int], torch.dtype | str]],
+    bucket_bytes: int,
+    tail_bytes: int = 0,
+    tail_factor: int = 0,
+) -> WeightPlan:
     """Plan for ``params`` = [(name, full shape, dtype)] in broadcast order.
 
     ``tail_bytes > 0`` cuts the last bucket into pieces that shrink towards the end:
@@ -127,7 +133,9 @@ def packed_buffer_bytes(plan: WeightPlan) -> int:
     lo = max(sum(b[:-1]) for b in sizes)  # no bucket may cross the limit before its last tensor
     hi = min(sum(b) for b in sizes[:-1]) - 1 if len(sizes) > 1 else max(lo, sum(sizes[0]))  # every cut must cross it
     if hi < lo:
-        raise ValueError(f"plan {plan.plan_id}: buckets were not cut by the packed rule; vLLM's NCCL backend cannot follow them")
+        raise ValueError(
+            f"plan {plan.plan_id}: buckets were not cut by the packed rule; vLLM's NCCL backend cannot follow them"
+        )
     return max(hi, 1)  # the largest consistent limit: closest to the bucket size the plan was built with
 
 
@@ -135,7 +143,9 @@ def validate_plan(plan: WeightPlan) -> None:
     """Reject a malformed plan received over the wire, naming the problem."""
     n = len(plan.names)
     if len(plan.shapes) != n or len(plan.dtypes) != n:
-        raise ValueError(f"weight plan {plan.plan_id}: {n} names but {len(plan.shapes)} shapes, {len(plan.dtypes)} dtypes")
+        raise ValueError(
+            f"weight plan {plan.plan_id}: {n} names but {len(plan.shapes)} shapes, {len(plan.dtypes)} dtypes"
+        )
     for d in plan.dtypes:
         torch_dtype(d)
     flat = [i for b in plan.buckets for i in b]
@@ -188,7 +198,9 @@ class SendRing:
 
     def __init__(self, plan: WeightPlan, slots: int, device: torch.device, group_bytes: int) -> None:
         self.plan, self.sizes = plan, plan.bucket_bytes()
-        self.expect = [(n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes, strict=True)]
+        self.expect = [
+            (n, torch.Size(s), torch_dtype(d)) for n, s, d in zip(plan.names, plan.shapes, plan.dtypes, strict=True)
+        ]
         self.groups: list[list[int]] = []
         used = group_bytes
         for b, n in enumerate(self.sizes):
@@ -198,8 +210,9 @@ class SendRing:
             self.groups[-1].append(b)
             used += n
         slot_bytes = max(sum(self.sizes[b] for b in group) for group in self.groups)
-        self.bufs = [torch.empty(slot_bytes, dtype=torch.uint8, device=device)
-                     for _ in range(min(slots, len(self.groups)))]
+        self.bufs = [
+            torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(min(slots, len(self.groups)))
+        ]
         self.views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @torch.no_grad()
@@ -211,7 +224,7 @@ class SendRing:
         if entry is None:
             slot, at, bufs, views = self.bufs[g % len(self.bufs)], 0, [], []
             for b in self.groups[g]:
-                bufs.append(slot[at: at + self.sizes[b]])
+                bufs.append(slot[at : at + self.sizes[b]])
                 views += [v for _, v in unpack_bucket(bufs[-1], self.plan, b)]
                 at += self.sizes[b]
             entry = self.views[g] = (bufs, views)
@@ -251,8 +264,12 @@ def bucket_fingerprint(buf: torch.Tensor) -> torch.Tensor:
 def _row_weights(rows: int, device: torch.device) -> torch.Tensor:
     """``[[1, 1, ...], [1, 2, ..., rows]]`` (int64): both sums of a fingerprint in one multiply and one
     reduction, from weights made once per bucket size (a plan has few), not per publish."""
-    return torch.stack([torch.ones(rows, dtype=torch.int64, device=device),
-                        torch.arange(1, rows + 1, dtype=torch.int64, device=device)])
+    return torch.stack(
+        [
+            torch.ones(rows, dtype=torch.int64, device=device),
+            torch.arange(1, rows + 1, dtype=torch.int64, device=device),
+        ]
+    )
 
 
 def combine_fingerprints(prints: Sequence[torch.Tensor]) -> str:

@@ -87,8 +87,16 @@ class RunHost(Protocol):
     def _reject(self, version: int, checksum: str, bad: dict[str, str], where: str) -> None: ...
     def _fail(self, version: int, step: str, err: Exception, futs: dict[str, cf.Future]): ...
     def _acks_to_host(self, work, gathered: torch.Tensor) -> AcksIn: ...
-    def _group_acked(self, version: int, futs: dict[str, cf.Future], gathered: torch.Tensor, t0: float, sent: int,
-                     broadcast_s: float, rebuild_s: float) -> PublishReport: ...
+    def _group_acked(
+        self,
+        version: int,
+        futs: dict[str, cf.Future],
+        gathered: torch.Tensor,
+        t0: float,
+        sent: int,
+        broadcast_s: float,
+        rebuild_s: float,
+    ) -> PublishReport: ...
 
 
 class PublishRun:
@@ -165,9 +173,11 @@ class PublishRun:
                 name, t = next(self.it)
                 want = ring.expect[i]
                 if name != want[0] or t.shape != want[1] or t.dtype != want[2]:
-                    raise ValueError(f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
-                                     f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
-                                     f"(index {i})")
+                    raise ValueError(
+                        f"weight source yielded {name} {list(t.shape)} {t.dtype} where plan "
+                        f"{plan.plan_id} expects {plan.names[i]} {plan.shapes[i]} {plan.dtypes[i]} "
+                        f"(index {i})"
+                    )
                 parts.append(t if t.device == dev else t.to(dev))
         bufs = ring.pack(g, parts)
         # Bounded memory: at most `depth` groups are on the wire; the packing of this one
@@ -251,11 +261,26 @@ class RpcAcks(AckMode):
         dt = time.perf_counter() - run.t0
         # DEBUG: the learner logs each publish itself; a line here costs this thread time of its own (its
         # write releases the GIL, and getting it back waits on the RPC thread).
-        log.debug("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs, %.0f MB/s)", run.version,
-                  run.sent / 1e6, len(run.futs), dt, run.broadcast_s, run.sent / 1e6 / max(run.broadcast_s, 1e-9))
-        return PublishReport(version=run.version, bytes=run.sent, seconds=dt, broadcast_seconds=run.broadcast_s,
-                             engines=list(run.futs), checksum=checksum, epoch=pub.epoch, rebuild_seconds=run.rebuild_s,
-                             per_engine_checksums=acks)
+        log.debug(
+            "published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs, %.0f MB/s)",
+            run.version,
+            run.sent / 1e6,
+            len(run.futs),
+            dt,
+            run.broadcast_s,
+            run.sent / 1e6 / max(run.broadcast_s, 1e-9),
+        )
+        return PublishReport(
+            version=run.version,
+            bytes=run.sent,
+            seconds=dt,
+            broadcast_seconds=run.broadcast_s,
+            engines=list(run.futs),
+            checksum=checksum,
+            epoch=pub.epoch,
+            rebuild_seconds=run.rebuild_s,
+            per_engine_checksums=acks,
+        )
 
 
 class StagedAcks(RpcAcks):
@@ -294,19 +319,29 @@ class GroupAcks(AckMode):
         mine = torch.stack(run.prints)
         gathered = torch.empty((pub.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)
         acks_in = self.acks_in = pub._acks_to_host(wgroup.all_gather_async(pub.pg, gathered, mine), gathered)
-        run.step = "acknowledge (group)" if not run.inflight else \
-            f"broadcast bucket {run.inflight[0][0][0]}/{len(run.plan.buckets)}, then acknowledge (group)"
+        run.step = (
+            "acknowledge (group)"
+            if not run.inflight
+            else f"broadcast bucket {run.inflight[0][0][0]}/{len(run.plan.buckets)}, then acknowledge (group)"
+        )
         # (spinning only on CUDA: on gloo the RPC thread and gloo's need the GIL this loop would hold)
-        wgroup.wait_work(acks_in, time.monotonic() + run.timeout_s, run.step, max_sleep_s=5e-5,
-                         check=lambda: run.watch(acks_in), spin_s=5e-3 if acks_in.copied is not None else 0.0)
+        wgroup.wait_work(
+            acks_in,
+            time.monotonic() + run.timeout_s,
+            run.step,
+            max_sleep_s=5e-5,
+            check=lambda: run.watch(acks_in),
+            spin_s=5e-3 if acks_in.copied is not None else 0.0,
+        )
         run.mark("acked")
         if acks_in.copied is not None:
             run.inflight.clear()  # NCCL: one stream, in order, so every broadcast before the acks is done
 
     def report(self, run: PublishRun) -> PublishReport:
         assert self.acks_in is not None  # after_broadcast sets it before the report
-        return run.pub._group_acked(run.version, run.futs, self.acks_in.host, run.t0, run.sent, run.broadcast_s,
-                                    run.rebuild_s)
+        return run.pub._group_acked(
+            run.version, run.futs, self.acks_in.host, run.t0, run.sent, run.broadcast_s, run.rebuild_s
+        )
 
 
 class AcksIn:

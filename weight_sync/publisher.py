@@ -72,9 +72,16 @@ log = logging.getLogger(__name__)
 class Publisher:
     """Weight publisher; construct on every learner rank, with ``engines`` on rank 0 only."""
 
-    def __init__(self, cfg: WeightSyncConfig, plan: WeightPlan, *, rank: int = 0,
-                 engines: Iterable[WeightEndpoint] = (), device: str = "cpu",
-                 group_factory: Callable[[GroupInfo], Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: WeightSyncConfig,
+        plan: WeightPlan,
+        *,
+        rank: int = 0,
+        engines: Iterable[WeightEndpoint] = (),
+        device: str = "cpu",
+        group_factory: Callable[[GroupInfo], Any] | None = None,
+    ) -> None:
         """``group_factory(info)`` opens rank 0 of a group that hosts its own rendezvous on ``info.master_port``
         (a fresh port each epoch), e.g. vLLM's NCCL group; by default gloo/NCCL groups use our TCP store and
         ``nccl_impl='vllm'`` uses :class:`weight_sync.vllm_nccl.VllmNcclGroup`."""
@@ -86,8 +93,9 @@ class Publisher:
         if self._factory is None and self._vllm_nccl:
             from weight_sync.vllm_nccl import VllmNcclGroup
 
-            self._factory = lambda g: VllmNcclGroup.open(g.master_addr, g.master_port, g.world_size, cfg.timeout_s,
-                                                          self.device)
+            self._factory = lambda g: VllmNcclGroup.open(
+                g.master_addr, g.master_port, g.world_size, cfg.timeout_s, self.device
+            )
         self.timeline: list[tuple[str, float]] = []  # (event, time.perf_counter()) of the last publish
         self.engines: dict[str, WeightEndpoint] = {}
         self.members: list[str] = []  # engine ids in the current epoch's group
@@ -123,16 +131,21 @@ class Publisher:
         if client.engine_id in self.engines:
             raise ValueError(f"engine id {client.engine_id!r} is already a weight-sync member")
         if self.cfg.staging and not client.supports_staging:
-            raise ValueError(f"weight_sync.staging is on but engine {client.engine_id} ({type(client).__name__}) "
-                             "takes no staged publish (vLLM with fleetrl's backend and the standalone receiver do)")
+            raise ValueError(
+                f"weight_sync.staging is on but engine {client.engine_id} ({type(client).__name__}) "
+                "takes no staged publish (vLLM with fleetrl's backend and the standalone receiver do)"
+            )
         self.engines[client.engine_id] = client
         self._dirty = True
 
     def add_engine(self, client: WeightEndpoint, export_path: str | None = None, version: int = 0) -> None:
         """A late joiner: load the latest export first (if given), then join at the next rebuild."""
         if export_path is not None:
-            self.call(client.load_weights_from_path(export_path, version), self.cfg.timeout_s,
-                       f"engine {client.engine_id}: load_weights_from_path({export_path}, v{version})")
+            self.call(
+                client.load_weights_from_path(export_path, version),
+                self.cfg.timeout_s,
+                f"engine {client.engine_id}: load_weights_from_path({export_path}, v{version})",
+            )
         self._add(client)
 
     def remove_engine(self, engine_id: str) -> None:
@@ -186,24 +199,47 @@ class Publisher:
             # vLLM's NCCL workers rendezvous through a store that rank 0 hosts itself: a fresh port per epoch.
             port = free_port(self.cfg.master_addr) if self._factory else self._hosted_store().port
             acks = self._group_acks_possible(ids)
-            infos = {eid: GroupInfo(master_addr=self.cfg.master_addr, master_port=port,
-                                    rank_offset=offsets[eid], world_size=world, backend=self.backend,
-                                    group_epoch=self.epoch, group_acks=acks) for eid in ids}
+            infos = {
+                eid: GroupInfo(
+                    master_addr=self.cfg.master_addr,
+                    master_port=port,
+                    rank_offset=offsets[eid],
+                    world_size=world,
+                    backend=self.backend,
+                    group_epoch=self.epoch,
+                    group_acks=acks,
+                )
+                for eid in ids
+            }
             futs = {eid: self._submit(self.engines[eid].init_weight_transfer(infos[eid], self.plan)) for eid in ids}
-            own = GroupInfo(master_addr=self.cfg.master_addr, master_port=infos[ids[0]].master_port if ids else 0,
-                            rank_offset=0, world_size=world, backend=self.backend, group_epoch=self.epoch,
-                            group_acks=acks)
+            own = GroupInfo(
+                master_addr=self.cfg.master_addr,
+                master_port=infos[ids[0]].master_port if ids else 0,
+                rank_offset=0,
+                world_size=world,
+                backend=self.backend,
+                group_epoch=self.epoch,
+                group_acks=acks,
+            )
             try:
                 pg = self._open_group(own) if ids else None
                 failed = self._collect(futs, self.cfg.timeout_s)
             except Exception as e:  # noqa: BLE001 - the join failed; find who did not come
-                failed = self._collect(futs, 1.0) or {eid: f"did not join: {e}" for eid, f in futs.items() if not f.done()}
+                failed = self._collect(futs, 1.0) or {
+                    eid: f"did not join: {e}" for eid, f in futs.items() if not f.done()
+                }
                 pg = None
             if not failed:
                 self.pg, self.members, self._dirty = pg, ids, False
                 self.group_acks, self.world_size, self._offsets = acks, world, offsets
-                log.info("weight-sync epoch %d: %d engines, world %d, acks through the %s, joined in %.2fs",
-                         self.epoch, len(ids), world, "group" if acks else "RPCs", time.perf_counter() - t0)
+                log.info(
+                    "weight-sync epoch %d: %d engines, world %d, acks through the %s, joined in %.2fs",
+                    self.epoch,
+                    len(ids),
+                    world,
+                    "group" if acks else "RPCs",
+                    time.perf_counter() - t0,
+                )
                 return time.perf_counter() - t0
             wgroup.close_group(pg)
             for eid, why in failed.items():
@@ -216,8 +252,13 @@ class Publisher:
         built-in backend and SGLang's own update run no all-gather of ours); a staged publish's commit
         RPC is its ack anyway."""
         own_group = self._factory is None and self.cfg.nccl_impl != "sglang"
-        return (self.cfg.acks == "group" and own_group and not self.cfg.staging and bool(ids)
-                and all(self.engines[eid].supports_group_acks for eid in ids))
+        return (
+            self.cfg.acks == "group"
+            and own_group
+            and not self.cfg.staging
+            and bool(ids)
+            and all(self.engines[eid].supports_group_acks for eid in ids)
+        )
 
     def _open_group(self, own: GroupInfo):
         if self._factory is not None:
@@ -255,8 +296,9 @@ class Publisher:
 
     def _publish(self, version: int, it, t0: float, rebuild_s: float) -> PublishReport:
         if self._ring is None:
-            self._ring = SendRing(self.plan, self.cfg.inflight_buckets + 1, self.device,
-                                  int(self.cfg.bucket_mb * (1 << 20)))
+            self._ring = SendRing(
+                self.plan, self.cfg.inflight_buckets + 1, self.device, int(self.cfg.bucket_mb * (1 << 20))
+            )
         return PublishRun(self, version, it, t0, rebuild_s).run()
 
     def _acks_to_host(self, work, gathered: torch.Tensor) -> AcksIn:
@@ -272,21 +314,33 @@ class Publisher:
         copied.record()
         return AcksIn(work, self._ack_host, copied)
 
-    def _group_acked(self, version: int, futs: dict[str, cf.Future], gathered: torch.Tensor, t0: float, sent: int,
-                     broadcast_s: float, rebuild_s: float) -> PublishReport:
+    def _group_acked(
+        self,
+        version: int,
+        futs: dict[str, cf.Future],
+        gathered: torch.Tensor,
+        t0: float,
+        sent: int,
+        broadcast_s: float,
+        rebuild_s: float,
+    ) -> PublishReport:
         """Check the gathered fingerprints (on the host): every rank of every engine must match ours (row 0).
         The engines' RPC answers are left to :meth:`settle` (called by the next publish)."""
         rows = gathered.numpy()
         checksum = fingerprints_checksum(rows[0])
         if (rows == rows[0]).all():  # the usual case: one comparison for every rank
             self._mark("checksum")
-            return self._group_report(version, futs, checksum, {eid: checksum for eid in self.members}, t0, sent,
-                                      broadcast_s, rebuild_s)
+            return self._group_report(
+                version, futs, checksum, {eid: checksum for eid in self.members}, t0, sent, broadcast_s, rebuild_s
+            )
         acks, bad = {}, {}
         for eid in self.members:
             first = self._rank_of(eid)
-            theirs = {fingerprints_checksum(rows[r]) for r in range(first, first + self.engines[eid].group_ranks)
-                      if not (rows[r] == rows[0]).all()}
+            theirs = {
+                fingerprints_checksum(rows[r])
+                for r in range(first, first + self.engines[eid].group_ranks)
+                if not (rows[r] == rows[0]).all()
+            }
             acks[eid] = ",".join(sorted(theirs)) or checksum
             if theirs:
                 bad[eid] = acks[eid]
@@ -297,15 +351,38 @@ class Publisher:
             self._reject(version, checksum, bad, " in the group acks")
         return self._group_report(version, futs, checksum, acks, t0, sent, broadcast_s, rebuild_s)
 
-    def _group_report(self, version: int, futs: dict[str, cf.Future], checksum: str, acks: dict[str, str], t0: float,
-                      sent: int, broadcast_s: float, rebuild_s: float) -> PublishReport:
+    def _group_report(
+        self,
+        version: int,
+        futs: dict[str, cf.Future],
+        checksum: str,
+        acks: dict[str, str],
+        t0: float,
+        sent: int,
+        broadcast_s: float,
+        rebuild_s: float,
+    ) -> PublishReport:
         self._unsettled = (version, futs, checksum)
         dt = time.perf_counter() - t0
-        log.debug("published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs), acked through the group",
-                  version, sent / 1e6, len(futs), dt, broadcast_s)
-        return PublishReport(version=version, bytes=sent, seconds=dt, broadcast_seconds=broadcast_s,
-                             engines=list(futs), checksum=checksum, epoch=self.epoch, rebuild_seconds=rebuild_s,
-                             per_engine_checksums=acks)
+        log.debug(
+            "published v%d: %.1f MB to %d engines in %.3fs (broadcast %.3fs), acked through the group",
+            version,
+            sent / 1e6,
+            len(futs),
+            dt,
+            broadcast_s,
+        )
+        return PublishReport(
+            version=version,
+            bytes=sent,
+            seconds=dt,
+            broadcast_seconds=broadcast_s,
+            engines=list(futs),
+            checksum=checksum,
+            epoch=self.epoch,
+            rebuild_seconds=rebuild_s,
+            per_engine_checksums=acks,
+        )
 
     def settle(self, timeout_s: float | None = None) -> dict[str, str]:
         """Collect the RPC answers of the last group-acked publish (bounded; by then they are normally in).
@@ -333,8 +410,11 @@ class Publisher:
         """Drop the engines whose checksum (``bad``: engine id -> theirs) differs from ours, and raise."""
         for eid in bad:
             self.remove_engine(eid)
-        raise PublishError(f"publish v{version}: checksum mismatch{where} (ours {checksum}) from "
-                           + ", ".join(f"engine {k} ({v})" for k, v in bad.items()), list(bad))
+        raise PublishError(
+            f"publish v{version}: checksum mismatch{where} (ours {checksum}) from "
+            + ", ".join(f"engine {k} ({v})" for k, v in bad.items()),
+            list(bad),
+        )
 
     def _mark(self, event: str) -> None:
         self.timeline.append((event, time.perf_counter()))
@@ -379,11 +459,14 @@ class Publisher:
         for eid in blamed:
             self.engines.pop(eid, None)
         self._dirty = True
-        who = ", ".join(f"engine {eid} (rank {self._rank_of(eid)}): {why}" for eid, why in blamed.items()) \
+        who = (
+            ", ".join(f"engine {eid} (rank {self._rank_of(eid)}): {why}" for eid, why in blamed.items())
             or "no engine identified (all answered health probes)"
+        )
         cause = "" if any(why in str(err) for why in blamed.values()) else f"; cause: {err}"
-        raise PublishError(f"publish v{version} aborted at '{step}' (epoch {self.epoch}); blamed: {who}{cause}",
-                           list(blamed)) from err
+        raise PublishError(
+            f"publish v{version} aborted at '{step}' (epoch {self.epoch}); blamed: {who}{cause}", list(blamed)
+        ) from err
 
     def _rank_of(self, eid: str) -> int:
         return self._offsets.get(eid, -1)
@@ -394,8 +477,10 @@ class Publisher:
         wgroup.close_group(self.pg)
         self.pg = None
         if self._loop is not None:
+
             async def _close_all():
                 await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
+
             try:
                 self._submit(_close_all()).result(5)
             except Exception:  # noqa: BLE001 - closing is best effort

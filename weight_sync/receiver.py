@@ -80,8 +80,9 @@ class ReceiveError(RuntimeError):
     def __init__(self, message: str, step: str) -> None:
         super().__init__(message)
         self.step = step
-        self.code = (EngineErrorCode.TRANSPORT if step.startswith(("receive bucket", "acknowledge"))
-                     else EngineErrorCode.LOAD)
+        self.code = (
+            EngineErrorCode.TRANSPORT if step.startswith(("receive bucket", "acknowledge")) else EngineErrorCode.LOAD
+        )
 
 
 class WeightReceiver:
@@ -121,8 +122,14 @@ class WeightReceiver:
         if self.plan is None or self.plan.plan_id != plan.plan_id:
             self._sizes, self._ring, self._views = plan.bucket_bytes(), [], {}
         self.plan, self.group, self.timeout_s = plan, group, timeout_s
-        log.info("engine %s joined weight-sync epoch %d as rank %d/%d in %.2fs", self.engine_id,
-                 group.group_epoch, rank, group.world_size, time.perf_counter() - t0)
+        log.info(
+            "engine %s joined weight-sync epoch %d as rank %d/%d in %.2fs",
+            self.engine_id,
+            group.group_epoch,
+            rank,
+            group.world_size,
+            time.perf_counter() - t0,
+        )
 
     def leave(self) -> None:
         wgroup.close_group(self.pg)
@@ -139,7 +146,9 @@ class WeightReceiver:
         if self.pg is None or self.plan is None:
             raise RuntimeError(f"engine {self.engine_id}: {what}(v{version}) before joining a weight-sync group")
         if plan_id != self.plan.plan_id:
-            raise ValueError(f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}")
+            raise ValueError(
+                f"engine {self.engine_id}: publish uses plan {plan_id!r} but the announced plan is {self.plan.plan_id!r}"
+            )
         return self.plan
 
     def _unpacked(self, buf: torch.Tensor, b: int) -> list[tuple[str, torch.Tensor]]:
@@ -170,8 +179,10 @@ class WeightReceiver:
         """
         self._check("update_weights", version, plan_id)
         if not self._ring:
-            self._ring = [torch.empty(max(self._sizes), dtype=torch.uint8, device=self.device)
-                          for _ in range(min(self.depth + 1, len(self._sizes)))]
+            self._ring = [
+                torch.empty(max(self._sizes), dtype=torch.uint8, device=self.device)
+                for _ in range(min(self.depth + 1, len(self._sizes)))
+            ]
         if self.device.type == "cuda" and self._fp_stream is None:
             self._fp_stream = torch.cuda.Stream(self.device)
         self.timeline = [("receive", time.perf_counter())]
@@ -184,8 +195,9 @@ class WeightReceiver:
             run.wait_ack()
         except Exception as e:
             self.leave()  # the publisher and other receivers see the group fail at once
-            raise ReceiveError(f"engine {self.engine_id}: publish v{version} failed at '{run.step}': {e}",
-                               run.step) from e
+            raise ReceiveError(
+                f"engine {self.engine_id}: publish v{version} failed at '{run.step}': {e}", run.step
+            ) from e
         self.last_checksum = run.checksum(version)
         self.timeline.append(("checksum", time.perf_counter()))
         return self.last_checksum
@@ -195,13 +207,13 @@ class WeightReceiver:
         """Post every bucket's receive into the staging buffers and return; :meth:`commit` loads them."""
         plan = self._check("stage", version, plan_id)
         if self._staging is None or self._staging[0] != plan.plan_id:
-            self._staging = (plan.plan_id, [torch.empty(n, dtype=torch.uint8, device=self.device)
-                                            for n in self._sizes])
+            self._staging = (plan.plan_id, [torch.empty(n, dtype=torch.uint8, device=self.device) for n in self._sizes])
         if self._staged is not None:
             # A stage that was never committed (its publish failed on the learner side) left receives posted
             # in a group that was torn down; a live group would have matched them with this publish's sends.
-            raise RuntimeError(f"engine {self.engine_id}: stage(v{version}) while v{self._staged[0]} is staged "
-                               "and not committed")
+            raise RuntimeError(
+                f"engine {self.engine_id}: stage(v{version}) while v{self._staged[0]} is staged and not committed"
+            )
         try:
             works = [wgroup.broadcast_async(self.pg, buf) for buf in self._staging[1]]
         except Exception as e:
@@ -234,7 +246,9 @@ class WeightReceiver:
             self.last_commit_parts = {"wait_s": t1 - t0, "checksum_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except Exception as e:
             self.leave()
-            raise ReceiveError(f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}", step) from e
+            raise ReceiveError(
+                f"engine {self.engine_id}: staged publish v{version} failed at '{step}': {e}", step
+            ) from e
         return self.last_checksum
 
 
@@ -263,8 +277,12 @@ class _ReceiveRun:
 
     def wait(self, b: int) -> None:
         """Wait for bucket ``b``'s receive within the per-step limit, then start the next step's."""
-        wgroup.wait_work(self.works[b], self.deadline,
-                         f"engine {self.rx.engine_id}: receive bucket {b}/{len(self.sizes)}", max_sleep_s=5e-5)
+        wgroup.wait_work(
+            self.works[b],
+            self.deadline,
+            f"engine {self.rx.engine_id}: receive bucket {b}/{len(self.sizes)}",
+            max_sleep_s=5e-5,
+        )
         self.mark((f"bucket{b}_received", time.perf_counter()))
         self.deadline = time.monotonic() + self.rx.timeout_s  # the limit is per step, not per publish
 
@@ -316,8 +334,9 @@ class _ReceiveRun:
             return
         self.step = "acknowledge (group)"
         self.mine = torch.stack(self.prints)
-        self.gathered = torch.empty((group.world_size, *self.mine.shape), dtype=self.mine.dtype,
-                                    device=self.mine.device)
+        self.gathered = torch.empty(
+            (group.world_size, *self.mine.shape), dtype=self.mine.dtype, device=self.mine.device
+        )
         self.ack = wgroup.all_gather_async(self.pg, self.gathered, self.mine)
 
     def wait_receives(self) -> None:
@@ -342,8 +361,10 @@ class _ReceiveRun:
         self.rx.last_checksum = mine
         if theirs != mine:
             # The publisher sees the same mismatch in the gathered rows and drops this engine.
-            raise RuntimeError(f"engine {self.rx.engine_id}: publish v{version}: checksum mismatch in the group acks: "
-                               f"the received bytes' {mine}, the publisher's {theirs}")
+            raise RuntimeError(
+                f"engine {self.rx.engine_id}: publish v{version}: checksum mismatch in the group acks: "
+                f"the received bytes' {mine}, the publisher's {theirs}"
+            )
         return mine
 
 
@@ -379,6 +400,7 @@ class ReceiverState:
 def _handler(state: ReceiverState):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a publish's request goes out on an open connection
+
         def log_message(self, fmt, *args):  # route http.server's access log to logging
             log.debug("receiver http: " + fmt, *args)
 
@@ -398,9 +420,14 @@ def _handler(state: ReceiverState):
 
         def do_POST(self):
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            routes = {"/init_weight_transfer": m.InitTransfer, "/update_weights": m.UpdateWeights,
-                      "/stage_weights": m.StageWeights, "/commit_weights": m.CommitWeights,
-                      "/load_weights_from_path": m.LoadFromPath, "/dump": m.DumpState}
+            routes = {
+                "/init_weight_transfer": m.InitTransfer,
+                "/update_weights": m.UpdateWeights,
+                "/stage_weights": m.StageWeights,
+                "/commit_weights": m.CommitWeights,
+                "/load_weights_from_path": m.LoadFromPath,
+                "/dump": m.DumpState,
+            }
             if self.path not in routes:
                 return self._reply(m.Reply(ok=False, error=f"unknown path {self.path}"), 404)
             try:
@@ -450,8 +477,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--port-file", help="write the bound port here once serving")
     ap.add_argument("--init", help="safetensors file or HF folder to load first")
-    ap.add_argument("--corrupt-tensor", metavar="NAME",
-                    help="tests only: flip one bit of this tensor in every publish received (checksums must catch it)")
+    ap.add_argument(
+        "--corrupt-tensor",
+        metavar="NAME",
+        help="tests only: flip one bit of this tensor in every publish received (checksums must catch it)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s receiver[{args.engine_id}] %(levelname)s %(message)s")
     torch.set_num_threads(1)

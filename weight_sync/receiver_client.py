@@ -42,8 +42,14 @@ class ReceiverClient(HttpEngineClient, WeightEndpoint):
 
     async def _post(self, path: str, msg: msgspec.Struct, timeout_s: float) -> m.Reply:
         # Errors come back as a Reply with ok=False and a 4xx/5xx status: read the body, not the status.
-        r = await self._request("POST", path, timeout_s=timeout_s, check_status=False,
-                                content=msgspec.json.encode(msg), headers={"Content-Type": "application/json"})
+        r = await self._request(
+            "POST",
+            path,
+            timeout_s=timeout_s,
+            check_status=False,
+            content=msgspec.json.encode(msg),
+            headers={"Content-Type": "application/json"},
+        )
         return self._reply(path, r.status_code, r.content)
 
     def _reply(self, path: str, status: int, body: bytes) -> m.Reply:
@@ -70,7 +76,9 @@ class ReceiverClient(HttpEngineClient, WeightEndpoint):
 
     async def update_weights(self, version: int, plan_id: str) -> str:
         # The server's own group timeout bounds each bucket; this bounds the whole call.
-        reply = await self._post("/update_weights", m.UpdateWeights(version=version, plan_id=plan_id), 10 * self.timeout_s)
+        reply = await self._post(
+            "/update_weights", m.UpdateWeights(version=version, plan_id=plan_id), 10 * self.timeout_s
+        )
         self._version = version
         return reply.checksum
 
@@ -84,14 +92,19 @@ class ReceiverClient(HttpEngineClient, WeightEndpoint):
             try:
                 if self._sync_conn is None:
                     u = urllib.parse.urlsplit(self.url)
-                    self._sync_conn = http.client.HTTPConnection(u.hostname or "", u.port or 80,
-                                                                 timeout=10 * self.timeout_s)
-                self._sync_conn.request("POST", "/update_weights", body=body,
-                                        headers={"Content-Type": "application/json"})
+                    self._sync_conn = http.client.HTTPConnection(
+                        u.hostname or "", u.port or 80, timeout=10 * self.timeout_s
+                    )
+                self._sync_conn.request(
+                    "POST", "/update_weights", body=body, headers={"Content-Type": "application/json"}
+                )
             except (OSError, http.client.HTTPException) as e:
                 self._drop_sync_conn()
-                fut.set_exception(EngineError(f"engine {self.engine_id}: sending /update_weights(v{version}) failed: "
-                                              f"{type(e).__name__}: {e}"))
+                fut.set_exception(
+                    EngineError(
+                        f"engine {self.engine_id}: sending /update_weights(v{version}) failed: {type(e).__name__}: {e}"
+                    )
+                )
                 return fut
             if self._reader is None:
                 self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix=f"update-answers-{self.engine_id}")
@@ -103,11 +116,14 @@ class ReceiverClient(HttpEngineClient, WeightEndpoint):
             raw = r.read()
         except TimeoutError:
             self._drop_sync_conn(conn)
-            raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) got no answer within "
-                              f"{conn.timeout:.0f}s") from None
+            raise EngineError(
+                f"engine {self.engine_id}: /update_weights(v{version}) got no answer within {conn.timeout:.0f}s"
+            ) from None
         except (OSError, http.client.HTTPException) as e:
             self._drop_sync_conn(conn)
-            raise EngineError(f"engine {self.engine_id}: /update_weights(v{version}) failed: {type(e).__name__}: {e}") from e
+            raise EngineError(
+                f"engine {self.engine_id}: /update_weights(v{version}) failed: {type(e).__name__}: {e}"
+            ) from e
         if r.will_close:
             self._drop_sync_conn(conn)
         reply = self._reply("/update_weights", r.status, raw)

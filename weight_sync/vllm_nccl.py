@@ -52,8 +52,9 @@ class VllmNcclGroup:
             from vllm.distributed.utils import StatelessProcessGroup
         except ImportError as e:
             raise RuntimeError(f"weight sync to vLLM's nccl backend needs vLLM importable in the learner: {e}") from e
-        pg = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size,
-                                          store_timeout=int(timeout_s))
+        pg = StatelessProcessGroup.create(
+            host=host, port=port, rank=0, world_size=world_size, store_timeout=int(timeout_s)
+        )
         comm = PyNcclCommunicator(pg, device=device)
         return cls(comm, torch.cuda.Stream(device=device))
 

@@ -24,9 +24,15 @@ from pathlib import Path
 
 # key:value pairs of a verl console line; numpy scalars print as np.float64(1.5)
 _PAIR = re.compile(r"([A-Za-z_][\w/@.\-]*):(?:np\.\w+\()?(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
-VERL_PHASES = {"step_s": "timing_s/step", "generation_s": "timing_s/gen", "old_log_prob_s": "timing_s/old_log_prob",
-               "update_actor_s": "timing_s/update_actor", "weight_update_s": "timing_s/update_weights",
-               "reward_s": "timing_s/reward", "actor_mfu": "perf/mfu/actor"}
+VERL_PHASES = {
+    "step_s": "timing_s/step",
+    "generation_s": "timing_s/gen",
+    "old_log_prob_s": "timing_s/old_log_prob",
+    "update_actor_s": "timing_s/update_actor",
+    "weight_update_s": "timing_s/update_weights",
+    "reward_s": "timing_s/reward",
+    "actor_mfu": "perf/mfu/actor",
+}
 
 
 def parse_verl_log(text: str) -> list[dict[str, float]]:
@@ -96,8 +102,13 @@ def _median(summary: dict | None, key: str) -> float | None:
 
 def build(case: str, fleetrl_dir: Path, verl_dir: Path, skip: int = 1) -> dict:
     """The comparison record of one case from the two runs' folders (either may be missing: then null)."""
-    result: dict = {"case": case, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "skip_warmup_steps": skip, "ratio": None, "generation_ratio": None}
+    result: dict = {
+        "case": case,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "skip_warmup_steps": skip,
+        "ratio": None,
+        "generation_ratio": None,
+    }
     meta = fleetrl_dir / "case.json"
     if meta.exists():
         result.update(json.loads(meta.read_text()))

@@ -20,8 +20,14 @@ SHAPES = {  # Qwen2 / Qwen2.5 sizes (hidden, intermediate, layers, heads, kv hea
     "3b": (2048, 11008, 36, 16, 2),
     "7b": (3584, 18944, 28, 28, 4),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "chat_template.jinja")  # not generation_config.json: sampling defaults would ride along
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)  # not generation_config.json: sampling defaults would ride along
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,10 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(a.like)
     h, f, layers, heads, kv = SHAPES[a.shape]
     vocab = -(-len(tok) // 64) * 64  # room for every token id, padded as the engines like
-    conf = Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=f, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=a.max_positions,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=a.shape in ("0.5b", "1.5b", "3b"),
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    conf = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=f,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=a.max_positions,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=a.shape in ("0.5b", "1.5b", "3b"),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(conf).to(torch.bfloat16)

@@ -63,27 +63,38 @@ class SGLangFactory(ServerFactory):
     def _args(self, index: int) -> SGLangServerArgs:
         r = self.cfg.rollout
         if index not in self.slots:
-            raise ValueError("rollout.engine=sglang needs GPUs: SGLang has no CPU build "
-                             "(run with --rollout-gpus N --learner-gpus M)")
+            raise ValueError(
+                "rollout.engine=sglang needs GPUs: SGLang has no CPU build (run with --rollout-gpus N --learner-gpus M)"
+            )
         gpus = [int(g) for g in self.slots[index][1]]
         dtype = self.cfg.model.dtype if self.cfg.model.dtype != "auto" else "bfloat16"
         log_dir = self.run_dir / f"sglang-{index}"
         log_dir.mkdir(parents=True, exist_ok=True)
         return SGLangServerArgs(
-            model=str(Path(self.cfg.model.path).resolve()), gpus=gpus, port=free_port(),
-            tensor_parallel_size=r.tensor_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
-            max_running_requests=r.max_num_seqs, dtype=dtype, seed=self.cfg.run.seed + index, radix_cache=False,
+            model=str(Path(self.cfg.model.path).resolve()),
+            gpus=gpus,
+            port=free_port(),
+            tensor_parallel_size=r.tensor_parallel_size,
+            mem_fraction_static=r.gpu_memory_utilization,
+            max_running_requests=r.max_num_seqs,
+            dtype=dtype,
+            seed=self.cfg.run.seed + index,
+            radix_cache=False,
             # colocated: the engine frees its GPU memory while the learner trains (rollout_fleet/colocated_gate.py)
             memory_saver=self.cfg.colocate.enabled and self.cfg.colocate.sleep_level(cuda=True) > 0,
             extra_args=["--context-length", str(r.max_model_len), *r.sglang_server_args],
-            env={**{k: os.environ.get(k, v) for k, v in NCCL_ENV.items()},
-                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-            log_path=str(log_dir / "sglang_server.log"))
+            env={
+                **{k: os.environ.get(k, v) for k, v in NCCL_ENV.items()},
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            },
+            log_path=str(log_dir / "sglang_server.log"),
+        )
 
     async def start(self, index: int) -> FleetSGLangClient:
         server = SGLangServer(self._args(index))
         await server.start(timeout_s=self.cfg.rollout.startup_timeout_s)
-        client = FleetSGLangClient(f"sglang-{index}", server.url, radix_cache=False,
-                                   timeout_s=self.cfg.rollout.request_timeout_s)
+        client = FleetSGLangClient(
+            f"sglang-{index}", server.url, radix_cache=False, timeout_s=self.cfg.rollout.request_timeout_s
+        )
         client.server = server
         return client

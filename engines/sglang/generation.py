@@ -46,15 +46,20 @@ class SGLangGenerationClient(SGLangHandle, EngineClient):
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None and params.n > 1:
             # one seed for n parallel samples would make them identical: give each its own
-            body = {"input_ids": [list(prompt_ids)] * params.n, "return_logprob": True,
-                    "sampling_params": [dict(sp, sampling_seed=params.seed + i) for i in range(params.n)]}
+            body = {
+                "input_ids": [list(prompt_ids)] * params.n,
+                "return_logprob": True,
+                "sampling_params": [dict(sp, sampling_seed=params.seed + i) for i in range(params.n)],
+            }
         else:
             if params.seed is not None:
                 sp["sampling_seed"] = params.seed
             body = {"input_ids": list(prompt_ids), "return_logprob": True, "sampling_params": dict(sp, n=params.n)}
         if self._released or self._releasing:  # SGLang would run the batch on unmapped memory
-            raise EngineError(f"engine {self.engine_id}: generate while its GPU memory is released "
-                              f"({sorted(self._released or RELEASE_TAGS)}); wake_up first")
+            raise EngineError(
+                f"engine {self.engine_id}: generate while its GPU memory is released "
+                f"({sorted(self._released or RELEASE_TAGS)}); wake_up first"
+            )
         start_version = self._version
         if self.adapter_prefix and start_version > 0:
             body["lora_path"] = lora_name(self.adapter_prefix, start_version)
@@ -79,7 +84,10 @@ class SGLangGenerationClient(SGLangHandle, EngineClient):
         fr = (o.meta_info.finish_reason or {}).get("type", "abort")
         # A sample that spans an in-flight update is tagged with its oldest version: SGLang does
         # not say at which token the weights changed, and staleness is counted from the oldest.
-        return Sample(token_ids=np.asarray(o.output_ids, dtype=np.int32),
-                      logprobs=np.asarray([x[0] for x in lps], dtype=np.float32),
-                      finish_reason=fr if fr in ("stop", "length", "abort") else "stop",
-                      segment_starts=[0], segment_versions=[start_version])
+        return Sample(
+            token_ids=np.asarray(o.output_ids, dtype=np.int32),
+            logprobs=np.asarray([x[0] for x in lps], dtype=np.float32),
+            finish_reason=fr if fr in ("stop", "length", "abort") else "stop",
+            segment_starts=[0],
+            segment_versions=[start_version],
+        )

@@ -38,9 +38,17 @@ RELEASE_TAGS = ("kv_cache", "weights")
 class SGLangHandle(HttpServerHandle):
     """One SGLang server's control calls (any TP size); one instance per event loop."""
 
-    def __init__(self, engine_id: str, url: str, *, radix_cache: bool = True, timeout_s: float = 600.0,
-                 control_timeout_s: float = 120.0, max_connections: int = 1024,
-                 adapter_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        url: str,
+        *,
+        radix_cache: bool = True,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 120.0,
+        max_connections: int = 1024,
+        adapter_prefix: str | None = None,
+    ) -> None:
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.timeout_s, self.control_timeout_s = timeout_s, control_timeout_s
@@ -58,8 +66,13 @@ class SGLangHandle(HttpServerHandle):
         self.adapter_prefix = adapter_prefix  # LoRA: version v > 0 is adapter '<prefix>-v<v>' (engines/sglang/lora.py)
 
     async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
-        r = await self._request("POST", path, timeout_s=timeout_s or self.control_timeout_s,
-                                content=msgspec.json.encode(body), headers={"Content-Type": "application/json"})
+        r = await self._request(
+            "POST",
+            path,
+            timeout_s=timeout_s or self.control_timeout_s,
+            content=msgspec.json.encode(body),
+            headers={"Content-Type": "application/json"},
+        )
         return r.content
 
     async def _control(self, path: str, body: dict, timeout_s: float | None = None) -> None:
@@ -82,8 +95,10 @@ class SGLangHandle(HttpServerHandle):
             try:
                 await asyncio.wait_for(self._idle.wait(), self.timeout_s)
             except asyncio.TimeoutError:
-                raise EngineError(f"engine {self.engine_id}: {self._inflight} requests still running "
-                                  f"after {self.timeout_s:.0f}s of pause(wait)") from None
+                raise EngineError(
+                    f"engine {self.engine_id}: {self._inflight} requests still running "
+                    f"after {self.timeout_s:.0f}s of pause(wait)"
+                ) from None
         await self._post("/pause_generation", {"mode": "retract" if mode == "keep" else "abort"})
         self._paused = mode
 
@@ -94,8 +109,11 @@ class SGLangHandle(HttpServerHandle):
     async def reset_prefix_cache(self) -> None:
         if self._paused == "keep":
             if self.radix_cache:
-                log.warning("engine %s: prefix cache not flushed during an in-flight update (requests are "
-                            "queued); start SGLang with radix_cache=False for in-flight updates", self.engine_id)
+                log.warning(
+                    "engine %s: prefix cache not flushed during an in-flight update (requests are "
+                    "queued); start SGLang with radix_cache=False for in-flight updates",
+                    self.engine_id,
+                )
             return
         await self._post("/flush_cache", {})  # refused (requests still queued) -> HTTP 400 -> EngineError
 
@@ -122,8 +140,10 @@ class SGLangHandle(HttpServerHandle):
         try:
             await asyncio.wait_for(self._idle.wait(), self.control_timeout_s)
         except TimeoutError:
-            raise EngineError(f"engine {self.engine_id}: {self._inflight} requests still running after "
-                              f"{self.control_timeout_s:.0f}s; SGLang releases memory only when idle") from None
+            raise EngineError(
+                f"engine {self.engine_id}: {self._inflight} requests still running after "
+                f"{self.control_timeout_s:.0f}s; SGLang releases memory only when idle"
+            ) from None
         self._releasing = True  # no request may start between the idle check and the release
         try:
             await self._memory_call("/release_memory_occupation", list(RELEASE_TAGS), "memory release")
@@ -149,8 +169,11 @@ class SGLangHandle(HttpServerHandle):
         return bool(self._released)
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
-        await self._control("/update_weights_from_disk", {"model_path": path, "weight_version": str(version),
-                                                          "flush_cache": True}, self.timeout_s)
+        await self._control(
+            "/update_weights_from_disk",
+            {"model_path": path, "weight_version": str(version), "flush_cache": True},
+            self.timeout_s,
+        )
         self._version = version
         if self._paused == "frozen":  # a failed staged commit froze it; whole new weights end that
             await self.resume()
@@ -158,4 +181,3 @@ class SGLangHandle(HttpServerHandle):
     async def load_adapter(self, path: str, version: int) -> dict[str, float]:
         """Serve the peft adapter folder ``path`` as policy ``version`` (engines/sglang/lora.py)."""
         return await sglang_load_adapter(self, path, version)
-

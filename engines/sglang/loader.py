@@ -224,17 +224,22 @@ class _Worker:
         from weight_sync.plan import plan_from_dict
 
         g = cmd["group"]
-        group = GroupInfo(master_addr=g["master_addr"], master_port=int(g["master_port"]),
-                          rank_offset=int(g["rank_offset"]), world_size=int(g["world_size"]),
-                          backend=str(g.get("backend", "nccl")),  # gloo: the CPU tests
-                          group_epoch=int(g["group_epoch"]))
+        group = GroupInfo(
+            master_addr=g["master_addr"],
+            master_port=int(g["master_port"]),
+            rank_offset=int(g["rank_offset"]),
+            world_size=int(g["world_size"]),
+            backend=str(g.get("backend", "nccl")),  # gloo: the CPU tests
+            group_epoch=int(g["group_epoch"]),
+        )
         if self.requests is not None:  # the previous epoch's
             self.requests.stopped.set()
             self.requests = None
         self.pending = None
         self.receiver.engine_id = str(cmd["engine_id"])
-        self.receiver.join(group, plan_from_dict(cmd["plan"]), group.rank_offset + self.tp_rank,
-                           float(cmd["timeout_s"]))
+        self.receiver.join(
+            group, plan_from_dict(cmd["plan"]), group.rank_offset + self.tp_rank, float(cmd["timeout_s"])
+        )
         if self.model is not model:
             self.copy_loader, self.model = None, model
         self.hook(model)
@@ -257,8 +262,13 @@ class _Worker:
         checksum = self.receiver.commit(version, loader.load)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the next batch must see every copy, whatever stream it runs on
-        return {"checksum": checksum, "version": version, "commit_s": time.perf_counter() - t0,
-                "commit_parts": self.receiver.last_commit_parts, "replayed_buckets": loader.replayed - replayed}
+        return {
+            "checksum": checksum,
+            "version": version,
+            "commit_s": time.perf_counter() - t0,
+            "commit_parts": self.receiver.last_commit_parts,
+            "replayed_buckets": loader.replayed - replayed,
+        }
 
 
 _WORKER: _Worker | None = None
@@ -287,7 +297,7 @@ def fleetrl_loader(model, named_tensors) -> None:
         log.error("fleetrl loader got %d tensors that are not a fleetrl command; nothing loaded", len(named_tensors))
         return
     t_enter = time.perf_counter()  # CLOCK_MONOTONIC: the client on the same host can place it on its timeline
-    cmd = json.loads(named_tensors[0][0][len(PREFIX):])
+    cmd = json.loads(named_tensors[0][0][len(PREFIX) :])
     try:
         if _WORKER is None:
             _WORKER = _Worker()

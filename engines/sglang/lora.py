@@ -28,8 +28,17 @@ def sglang_lora_server_args(rank: int) -> list[str]:
     be told the largest rank and the target modules up front; two adapters per batch (old and new version)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", "all",
-            "--max-loras-per-batch", "2", "--max-loaded-loras", "3"]
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(rank),
+        "--lora-target-modules",
+        "all",
+        "--max-loras-per-batch",
+        "2",
+        "--max-loaded-loras",
+        "3",
+    ]
 
 
 async def load_adapter(client: SGLangHandle, path: str, version: int) -> dict[str, float]:
@@ -38,8 +47,11 @@ async def load_adapter(client: SGLangHandle, path: str, version: int) -> dict[st
         raise ValueError(f"engine {client.engine_id}: load_adapter needs the client's adapter_prefix (learner.lora)")
     steps: dict[str, float] = {}
     t = time.perf_counter()
-    await client._control("/load_lora_adapter", {"lora_name": lora_name(client.adapter_prefix, version),
-                                                 "lora_path": str(path)}, client.timeout_s)
+    await client._control(
+        "/load_lora_adapter",
+        {"lora_name": lora_name(client.adapter_prefix, version), "lora_path": str(path)},
+        client.timeout_s,
+    )
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
     await client._control("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()

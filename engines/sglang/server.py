@@ -56,8 +56,10 @@ def installed_sglang_version(python: str = sys.executable) -> str:
     except subprocess.TimeoutExpired:
         raise EngineError(f"{python} did not report sglang's version within 60s") from None
     if out.returncode != 0:
-        raise EngineError(f"sglang is not installed for {python}: install sglang>={SGLANG_MIN} "
-                          f"(`pip install fleetrl[sglang]`); {out.stderr.strip().splitlines()[-1:]}")
+        raise EngineError(
+            f"sglang is not installed for {python}: install sglang>={SGLANG_MIN} "
+            f"(`pip install fleetrl[sglang]`); {out.stderr.strip().splitlines()[-1:]}"
+        )
     return out.stdout.strip()
 
 
@@ -89,8 +91,10 @@ class SGLangServerArgs:
 
     def __post_init__(self) -> None:
         if len(self.gpus) != self.tensor_parallel_size:
-            raise ValueError(f"SGLang server with tensor_parallel_size={self.tensor_parallel_size} "
-                             f"needs that many GPUs, got gpus={self.gpus}")
+            raise ValueError(
+                f"SGLang server with tensor_parallel_size={self.tensor_parallel_size} "
+                f"needs that many GPUs, got gpus={self.gpus}"
+            )
 
 
 def compat_args(version: Version) -> list[str]:
@@ -101,19 +105,26 @@ def compat_args(version: Version) -> list[str]:
     bench/sglang_flags.py measures; it has not run yet, so all are kept.
     """
     if version < Version("0.5.17"):
-        return ["--disable-overlap-schedule", "--skip-server-warmup", "--attention-backend", "triton",
-                "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+        return [
+            "--disable-overlap-schedule",
+            "--skip-server-warmup",
+            "--attention-backend",
+            "triton",
+            "--sampling-backend",
+            "pytorch",
+            "--disable-cuda-graph",
+        ]
     return []
 
 
 class SGLangServer:
     """One SGLang server process. Example::
 
-        server = SGLangServer(SGLangServerArgs(model="models/qwen", gpus=[1], port=30000))
-        await server.start(timeout_s=600)
-        client = server.generation_client("sglang-0")
-        ...
-        server.stop()
+    server = SGLangServer(SGLangServerArgs(model="models/qwen", gpus=[1], port=30000))
+    await server.start(timeout_s=600)
+    client = server.generation_client("sglang-0")
+    ...
+    server.stop()
     """
 
     def __init__(self, args: SGLangServerArgs) -> None:
@@ -128,10 +139,27 @@ class SGLangServer:
 
     def command(self, version: Version) -> list[str]:
         a = self.args
-        cmd = [a.python, "-m", "sglang.launch_server", "--model-path", a.model, "--host", a.host,
-               "--port", str(a.port), "--tp-size", str(a.tensor_parallel_size), "--dtype", a.dtype,
-               "--mem-fraction-static", str(a.mem_fraction_static),
-               "--max-running-requests", str(a.max_running_requests), "--random-seed", str(a.seed)]
+        cmd = [
+            a.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            a.model,
+            "--host",
+            a.host,
+            "--port",
+            str(a.port),
+            "--tp-size",
+            str(a.tensor_parallel_size),
+            "--dtype",
+            a.dtype,
+            "--mem-fraction-static",
+            str(a.mem_fraction_static),
+            "--max-running-requests",
+            str(a.max_running_requests),
+            "--random-seed",
+            str(a.seed),
+        ]
         if a.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
         if a.fleetrl_loader:  # staged updates (engines/sglang/loader.py); unused otherwise
@@ -158,8 +186,10 @@ class SGLangServer:
         # training refuses): the distribution sampled from, what the learner scores. This switch would make it
         # report the pre-temperature log-probs instead; an inherited setting must not change the meaning.
         if env.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
-            log.warning("ignoring SGLANG_RETURN_ORIGINAL_LOGPROB=%s: behaviour log-probs must be post-temperature",
-                        env["SGLANG_RETURN_ORIGINAL_LOGPROB"])
+            log.warning(
+                "ignoring SGLANG_RETURN_ORIGINAL_LOGPROB=%s: behaviour log-probs must be post-temperature",
+                env["SGLANG_RETURN_ORIGINAL_LOGPROB"],
+            )
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         return env
 
@@ -171,14 +201,16 @@ class SGLangServer:
         self._log = open(log_path, "ab")  # noqa: ASYNC230 (opening a log file does not block)
         log.info("starting sglang %s on GPUs %s: %s", self.version, self.args.gpus, " ".join(cmd))
         self.proc = subprocess.Popen(  # noqa: ASYNC220 (fork+exec, returns at once)
-            cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            cmd, env=self.environment(), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         t0 = time.monotonic()
         async with httpx.AsyncClient(timeout=5.0, headers=auth_headers(engine_token(self.environment()))) as http:
             while time.monotonic() - t0 < timeout_s:
                 if self.proc.poll() is not None:
-                    raise EngineError(f"sglang server on port {self.args.port} exited with {self.proc.returncode} "
-                                      f"during start; log tail:\n{_tail(log_path)}")
+                    raise EngineError(
+                        f"sglang server on port {self.args.port} exited with {self.proc.returncode} "
+                        f"during start; log tail:\n{_tail(log_path)}"
+                    )
                 try:
                     if (await http.get(self.url + "/health")).status_code == 200:
                         log.info("sglang on port %d healthy after %.0fs", self.args.port, time.monotonic() - t0)
@@ -187,8 +219,9 @@ class SGLangServer:
                     pass
                 await asyncio.sleep(1.0)
         self.stop()
-        raise EngineError(f"sglang server on port {self.args.port} not healthy within {timeout_s:.0f}s; "
-                          f"log tail:\n{_tail(log_path)}")
+        raise EngineError(
+            f"sglang server on port {self.args.port} not healthy within {timeout_s:.0f}s; log tail:\n{_tail(log_path)}"
+        )
 
     def generation_client(self, engine_id: str, **kw):
         """A :class:`engines.sglang.generation.SGLangGenerationClient` of this server."""
@@ -200,9 +233,14 @@ class SGLangServer:
         """A :class:`engines.sglang.weights.SGLangWeightClient` of this server."""
         from engines.sglang.weights import SGLangWeightClient
 
-        return SGLangWeightClient(engine_id, self.url, tp_size=self.args.tensor_parallel_size,
-                                  version=str(self.version) if self.version else None,
-                                  radix_cache=self.args.radix_cache, **kw)
+        return SGLangWeightClient(
+            engine_id,
+            self.url,
+            tp_size=self.args.tensor_parallel_size,
+            version=str(self.version) if self.version else None,
+            radix_cache=self.args.radix_cache,
+            **kw,
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Terminate the server's process group (it forks schedulers and detokenizers)."""

@@ -63,8 +63,17 @@ _SESSION_API = Version("0.5.23")  # update_weights_from_distributed must sit ins
 class SGLangWeightClient(SGLangHandle, WeightEndpoint):
     """Weight transfer into one SGLang server (any TP size)."""
 
-    def __init__(self, engine_id: str, url: str, *, tp_size: int = 1, version: str | None = None,
-                 staging: bool = False, between_steps: bool = True, **kw) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        url: str,
+        *,
+        tp_size: int = 1,
+        version: str | None = None,
+        staging: bool = False,
+        between_steps: bool = True,
+        **kw,
+    ) -> None:
         """``version``: the server's SGLang (None: asked of the server at the first join); ``staging``: weights
         arrive through fleetrl's loader in the server's workers (the server must run
         with :data:`engines.sglang.loader.LOADER` as ``--custom-weight-loader``, as
@@ -81,7 +90,9 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         self._plan: WeightPlan | None = None
         self._group: GroupInfo | None = None
         self.staging = staging
-        self._store: Any = None  # a torch TCPStore: fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
+        self._store: Any = (
+            None  # a torch TCPStore: fleetrl's weight-sync store, where the loader leaves its outcomes (staging)
+        )
         self._store_at: tuple[str, int] | None = None
         self._seq = 0
         self._req_n = 0
@@ -105,19 +116,28 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         if self.staging:  # fleetrl's receivers take gloo too (the CPU tests' stand-in server)
             return await self._loader_join(group, plan)
         if group.backend not in ("nccl", "gloo"):  # gloo: colocated mode, learner and server on one GPU
-            raise EngineError(f"engine {self.engine_id}: SGLang receives weights over NCCL or gloo, "
-                              f"not {group.backend!r}")
+            raise EngineError(
+                f"engine {self.engine_id}: SGLang receives weights over NCCL or gloo, not {group.backend!r}"
+            )
         await self._detect_session_api()
         if self._group is not None:
             try:  # leave the previous epoch's group so its communicator is freed
-                await self._control("/destroy_weights_update_group",
-                                    {"group_name": sglang_group_name(self._group.group_epoch)})
+                await self._control(
+                    "/destroy_weights_update_group", {"group_name": sglang_group_name(self._group.group_epoch)}
+                )
             except EngineError as e:
                 log.debug("engine %s: destroying the old update group failed: %s", self.engine_id, e)
-        await self._control("/init_weights_update_group", {
-            "master_address": group.master_addr, "master_port": group.master_port,
-            "rank_offset": group.rank_offset, "world_size": group.world_size,
-            "group_name": sglang_group_name(group.group_epoch), "backend": group.backend})
+        await self._control(
+            "/init_weights_update_group",
+            {
+                "master_address": group.master_addr,
+                "master_port": group.master_port,
+                "rank_offset": group.rank_offset,
+                "world_size": group.world_size,
+                "group_name": sglang_group_name(group.group_epoch),
+                "backend": group.backend,
+            },
+        )
         self._group, self._plan = group, plan
 
     async def update_weights(self, version: int, plan_id: str) -> str:
@@ -135,10 +155,19 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
             await self._control("/begin_weight_update", {})
         for b, idx in enumerate(plan.buckets):
             last = b == len(plan.buckets) - 1
-            await self._control("/update_weights_from_distributed", {
-                "names": [plan.names[i] for i in idx], "dtypes": [plan.dtypes[i] for i in idx],
-                "shapes": [plan.shapes[i] for i in idx], "group_name": name, "load_format": "flattened_bucket",
-                "flush_cache": False, "weight_version": str(version) if last else None}, self.timeout_s)
+            await self._control(
+                "/update_weights_from_distributed",
+                {
+                    "names": [plan.names[i] for i in idx],
+                    "dtypes": [plan.dtypes[i] for i in idx],
+                    "shapes": [plan.shapes[i] for i in idx],
+                    "group_name": name,
+                    "load_format": "flattened_bucket",
+                    "flush_cache": False,
+                    "weight_version": str(version) if last else None,
+                },
+                self.timeout_s,
+            )
         if self._session_api:
             await self._control("/end_weight_update", {})
         self._version = version
@@ -167,8 +196,14 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
             self._store = await asyncio.to_thread(wgroup.connect_store, *at, min(self.control_timeout_s, 30.0))
             self._store_at = at
         self._group = self._plan = None  # until this join succeeds
-        g = {"master_addr": group.master_addr, "master_port": group.master_port, "rank_offset": group.rank_offset,
-             "world_size": group.world_size, "group_epoch": group.group_epoch, "backend": group.backend}
+        g = {
+            "master_addr": group.master_addr,
+            "master_port": group.master_port,
+            "rank_offset": group.rank_offset,
+            "world_size": group.world_size,
+            "group_epoch": group.group_epoch,
+            "backend": group.backend,
+        }
         await self._loader_call("join", self.control_timeout_s + 10, group=g, plan=plan_to_dict(plan))
         self._group, self._plan = group, plan
         self._req_n, self._req_keys = 0, []  # requests are counted per join: the workers' threads count alike
@@ -187,10 +222,21 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
             self._seq += 1
             seq = self._seq
         caller = self._caller()
-        body = {"serialized_named_tensors": [loader.payload(
-                    cmd, engine_id=caller, seq=seq, timeout_s=self.control_timeout_s,
-                    store={"addr": store_addr, "port": store_port}, **args)] * self.group_ranks,
-                "load_format": loader.LOADER, "flush_cache": False}
+        body = {
+            "serialized_named_tensors": [
+                loader.payload(
+                    cmd,
+                    engine_id=caller,
+                    seq=seq,
+                    timeout_s=self.control_timeout_s,
+                    store={"addr": store_addr, "port": store_port},
+                    **args,
+                )
+            ]
+            * self.group_ranks,
+            "load_format": loader.LOADER,
+            "flush_cache": False,
+        }
         if cmd == "commit":
             body["weight_version"] = str(args["version"])
         t0 = time.perf_counter()
@@ -211,7 +257,9 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
                 laps["from_loader"] = t2 - outs[0]["t_exit"]
         except EngineError as e:
             if cmd == "commit":
-                raise EngineError(f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)") from e
+                raise EngineError(
+                    f"{e} (engine {self.engine_id} stays paused: its weights may be partly loaded)"
+                ) from e
             if freeze:
                 await self.resume()
             raise
@@ -230,8 +278,9 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         self._seq += 1
         self._req_n += 1
         key = loader.request_key(self._group.group_epoch, self._group.rank_offset, self._req_n)
-        await asyncio.to_thread(self._store.set, key, loader.request(cmd, engine_id=self._caller(),
-                                                                        seq=self._seq, **args))
+        await asyncio.to_thread(
+            self._store.set, key, loader.request(cmd, engine_id=self._caller(), seq=self._seq, **args)
+        )
         self._req_keys.append(key)
         return self._seq
 
@@ -292,9 +341,14 @@ class SGLangWeightClient(SGLangHandle, WeightEndpoint):
         sums = {o["checksum"] for o in outs}
         if len(sums) != 1:
             raise EngineError(f"engine {self.engine_id}: TP workers disagree after v{version}: {outs}")
-        steps = {**self._stage_steps, "commit_held": held, "commit_in_engine": max(o["commit_s"] for o in outs),
-                 "commit_replayed": float(outs[0].get("replayed_buckets", 0)),
-                 "commit_between_steps": float(bool(outs[0].get("between_steps"))), **laps}
+        steps = {
+            **self._stage_steps,
+            "commit_held": held,
+            "commit_in_engine": max(o["commit_s"] for o in outs),
+            "commit_replayed": float(outs[0].get("replayed_buckets", 0)),
+            "commit_between_steps": float(bool(outs[0].get("between_steps"))),
+            **laps,
+        }
         for part, sec in (outs[0].get("commit_parts") or {}).items():
             steps[f"commit_{part}"] = sec
         steps["unavailable_s"] = held  # the stage held nothing: it ran in the workers' own threads

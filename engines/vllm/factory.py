@@ -97,18 +97,28 @@ class VLLMFactory(ServerFactory):
             env.update({k: os.environ.get(k, v) for k, v in NCCL_ENV.items()})
         if adapter_publish(self.cfg):  # LoRA: the policy arrives as adapters loaded at runtime
             env.update(lora_server_settings(self.cfg.learner.lora.rank)[1])
-        args = VLLMServerArgs(model=self.cfg.model.path, dtype=self.cfg.model.dtype,
-                              max_model_len=r.max_model_len, tensor_parallel_size=r.tensor_parallel_size,
-                              gpu_memory_utilization=r.gpu_memory_utilization, max_num_seqs=r.max_num_seqs,
-                              seed=self.cfg.run.seed + index, enforce_eager=r.enforce_eager,
-                              startup_timeout_s=r.startup_timeout_s, extra_args=self._extra_args(index), env=env,
-                              # vLLM's own nccl backend only when asked for (and on GPU); else fleetrl's
-                              weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl")
+        args = VLLMServerArgs(
+            model=self.cfg.model.path,
+            dtype=self.cfg.model.dtype,
+            max_model_len=r.max_model_len,
+            tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_num_seqs=r.max_num_seqs,
+            seed=self.cfg.run.seed + index,
+            enforce_eager=r.enforce_eager,
+            startup_timeout_s=r.startup_timeout_s,
+            extra_args=self._extra_args(index),
+            env=env,
+            # vLLM's own nccl backend only when asked for (and on GPU); else fleetrl's
+            weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl",
+        )
         return args
 
     def _server(self, index: int) -> VLLMServer:
         """The server process ``index`` would be, as the local launcher builds it (its command, env)."""
-        return VLLMServer(self._server_args(index), self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server")
+        return VLLMServer(
+            self._server_args(index), self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server"
+        )
 
     def _extra_args(self, index: int) -> list[str]:
         args = list(self.cfg.rollout.vllm_server_args)
@@ -126,21 +136,33 @@ class VLLMFactory(ServerFactory):
     async def start(self, index: int) -> FleetVLLMClient:
         if self.urls:
             return await self._attach(index)
-        server = await self.launcher.start(index, self._server_args(index), self.run_dir / f"vllm-{index}",
-                                           self.cache_dir / "vllm-server")
-        client = FleetVLLMClient(f"vllm-{index}", server.url, model=server.model_name,
-                                 adapter_prefix=self._adapter_prefix(), request_timeout_s=self.cfg.rollout.request_timeout_s)
+        server = await self.launcher.start(
+            index, self._server_args(index), self.run_dir / f"vllm-{index}", self.cache_dir / "vllm-server"
+        )
+        client = FleetVLLMClient(
+            f"vllm-{index}",
+            server.url,
+            model=server.model_name,
+            adapter_prefix=self._adapter_prefix(),
+            request_timeout_s=self.cfg.rollout.request_timeout_s,
+        )
         client.server = server
         return client
 
     async def _attach(self, index: int) -> FleetVLLMClient:
         if not 0 <= index < len(self.urls):
-            raise ValueError(f"attach mode (rollout.urls) has {len(self.urls)} server(s); there is no server "
-                             f"{index} to attach, and the fleet starts none of its own")
+            raise ValueError(
+                f"attach mode (rollout.urls) has {len(self.urls)} server(s); there is no server "
+                f"{index} to attach, and the fleet starts none of its own"
+            )
         url = self.urls[index].rstrip("/")
-        client = FleetVLLMClient(f"vllm-{index}", url, model=self.cfg.model.path,
-                                 request_timeout_s=self.cfg.rollout.request_timeout_s,
-                                 adapter_prefix=self._adapter_prefix())
+        client = FleetVLLMClient(
+            f"vllm-{index}",
+            url,
+            model=self.cfg.model.path,
+            request_timeout_s=self.cfg.rollout.request_timeout_s,
+            adapter_prefix=self._adapter_prefix(),
+        )
         deadline = asyncio.get_running_loop().time() + self.cfg.rollout.startup_timeout_s
         while True:
             try:
@@ -150,8 +172,10 @@ class VLLMFactory(ServerFactory):
                 log.debug("attached server %s: health failed: %s", url, exc)
             if asyncio.get_running_loop().time() > deadline:
                 await client.close()
-                raise EngineError(f"attached server {url} (rollout.urls[{index}]) did not answer /health "
-                                  f"within {self.cfg.rollout.startup_timeout_s:.0f} s")
+                raise EngineError(
+                    f"attached server {url} (rollout.urls[{index}]) did not answer /health "
+                    f"within {self.cfg.rollout.startup_timeout_s:.0f} s"
+                )
             await asyncio.sleep(1.0)
         r = await client._request("GET", "/v1/models", timeout_s=30.0)
         served = [m["id"] for m in r.json().get("data", [])]
@@ -159,6 +183,10 @@ class VLLMFactory(ServerFactory):
             await client.close()
             raise EngineError(f"attached server {url} serves no model (GET /v1/models)")
         client.model = served[0]  # the name it serves under (--served-model-name), not our path
-        log.info("fleet: attached vllm-%d at %s serving %r (not started, never restarted by the fleet)",
-                 index, url, client.model)
+        log.info(
+            "fleet: attached vllm-%d at %s serving %r (not started, never restarted by the fleet)",
+            index,
+            url,
+            client.model,
+        )
         return client

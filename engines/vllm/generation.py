@@ -63,8 +63,13 @@ class VLLMGenerationClient(VLLMHandle, EngineClient):
         self.api = api
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        sp: dict[str, Any] = {"n": params.n, "max_tokens": params.max_tokens, **params.processing(), "logprobs": 0,
-              "stop_token_ids": params.stop_token_ids}
+        sp: dict[str, Any] = {
+            "n": params.n,
+            "max_tokens": params.max_tokens,
+            **params.processing(),
+            "logprobs": 0,
+            "stop_token_ids": params.stop_token_ids,
+        }
         if params.seed is not None:
             sp["seed"] = params.seed
         # Without per-token spans a sample is tagged with the version the server held when it started:
@@ -93,10 +98,15 @@ class VLLMGenerationClient(VLLMHandle, EngineClient):
         else:
             lp = lp_field.get("token_logprobs")
         if ids is None or lp is None or len(ids) != len(lp):
-            raise EngineError(f"engine {self.engine_id}: choice {c.get('index')} lacks token ids or per-token "
-                              f"log-probs (token_ids={ids is not None}, logprobs={lp is not None})")
+            raise EngineError(
+                f"engine {self.engine_id}: choice {c.get('index')} lacks token ids or per-token "
+                f"log-probs (token_ids={ids is not None}, logprobs={lp is not None})"
+            )
         seg = _segments(c.get("weight_versions"), start_version)
-        return Sample(token_ids=np.asarray(ids, dtype=np.int32),
-                      logprobs=np.asarray([-np.inf if x is None else x for x in lp], dtype=np.float32),
-                      finish_reason=c.get("finish_reason") or "abort",
-                      segment_starts=seg.starts, segment_versions=seg.versions)
+        return Sample(
+            token_ids=np.asarray(ids, dtype=np.int32),
+            logprobs=np.asarray([-np.inf if x is None else x for x in lp], dtype=np.float32),
+            finish_reason=c.get("finish_reason") or "abort",
+            segment_starts=seg.starts,
+            segment_versions=seg.versions,
+        )

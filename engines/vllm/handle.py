@@ -21,9 +21,18 @@ log = logging.getLogger(__name__)
 class VLLMHandle(HttpServerHandle):
     """One vLLM server's control calls; one instance per event loop (its HTTP session binds to the loop)."""
 
-    def __init__(self, engine_id: str, url: str, *, model: str, timeout_s: float = 60.0,
-                 request_timeout_s: float = 600.0, initial_version: int = 0, update_pause_mode: str = "keep",
-                 adapter_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        url: str,
+        *,
+        model: str,
+        timeout_s: float = 60.0,
+        request_timeout_s: float = 600.0,
+        initial_version: int = 0,
+        update_pause_mode: str = "keep",
+        adapter_prefix: str | None = None,
+    ) -> None:
         """``update_pause_mode``: how a weight load pauses the server: ``wait`` lets running
         requests finish under the old weights first (``rollout.weight_update: pause``), ``keep``
         freezes them and lets them continue under the new weights (``inflight``)."""
@@ -47,8 +56,9 @@ class VLLMHandle(HttpServerHandle):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
         # clear_cache (vLLM's default, stated so the update path can rely on it): a 'wait' or 'abort'
         # pause ends with an empty prefix cache; 'keep' ignores it (its frozen requests keep their KV).
-        await self._request("POST", "/pause", params={"mode": mode, "clear_cache": "true"},
-                            timeout_s=self.request_timeout_s)
+        await self._request(
+            "POST", "/pause", params={"mode": mode, "clear_cache": "true"}, timeout_s=self.request_timeout_s
+        )
         self._paused = True
 
     async def resume(self) -> None:
@@ -69,8 +79,9 @@ class VLLMHandle(HttpServerHandle):
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Reallocate what sleep freed: ``["weights"]`` first (then load new ones), ``["kv_cache"]`` after;
         None: everything."""
-        await self._request("POST", "/wake_up", params=[("tags", t) for t in tags or []],
-                            timeout_s=self.request_timeout_s)
+        await self._request(
+            "POST", "/wake_up", params=[("tags", t) for t in tags or []], timeout_s=self.request_timeout_s
+        )
 
     async def is_sleeping(self) -> bool:
         return bool((await self._request("GET", "/is_sleeping")).json()["is_sleeping"])
@@ -88,8 +99,11 @@ class VLLMHandle(HttpServerHandle):
             body = None
         if isinstance(body, dict) and body.get("success") is False:
             self.prefix_cache_resets_refused += 1
-            log.info("engine %s: vLLM refused to reset its prefix cache (running requests hold KV blocks); "
-                     "fleetrl's requests are kept off older KV by their per-version cache salt", self.engine_id)
+            log.info(
+                "engine %s: vLLM refused to reset its prefix cache (running requests hold KV blocks); "
+                "fleetrl's requests are kept off older KV by their per-version cache salt",
+                self.engine_id,
+            )
 
     async def abort(self) -> int:
         """Abort every in-flight request; returns how many."""
@@ -101,8 +115,9 @@ class VLLMHandle(HttpServerHandle):
         the only record, as for every update."""
         if not self._label_api:
             return False
-        r = await self._request("POST", "/update_weight_version", json={"new_version": str(version)},
-                                check_status=False)
+        r = await self._request(
+            "POST", "/update_weight_version", json={"new_version": str(version)}, check_status=False
+        )
         if r.status_code == 404:
             self._label_api = False
             return False
@@ -122,8 +137,12 @@ class VLLMHandle(HttpServerHandle):
         if pause_here:
             self._stuck = True  # ours until the load succeeds (see VLLMWeightClient.update_weights)
             await self.pause(self.update_pause_mode)
-        await self._request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
-                        timeout_s=self.request_timeout_s)
+        await self._request(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout_s=self.request_timeout_s,
+        )
         await self.label_version(version)
         await self.reset_prefix_cache()
         self._version = version

@@ -35,11 +35,21 @@ class VLLMIpcClient(VLLMWeightClient, IpcEndpoint):
 
     async def ipc_join(self, plan: WeightPlan, init: IpcInit, epoch: int) -> None:
         self._plan = plan
-        info = {"master_address": "", "master_port": 0, "rank_offset": 0, "world_size": 1, "group_epoch": epoch,
-                "plan": plan_to_dict(plan), "engine_id": self.engine_id, "timeout_s": init.timeout_s,
-                "backend": "ipc", "ipc": msgspec.to_builtins(init)}
-        await self._request("POST", "/init_weight_transfer_engine", json={"init_info": info},
-                            timeout_s=self._join_timeout_s + 10)
+        info = {
+            "master_address": "",
+            "master_port": 0,
+            "rank_offset": 0,
+            "world_size": 1,
+            "group_epoch": epoch,
+            "plan": plan_to_dict(plan),
+            "engine_id": self.engine_id,
+            "timeout_s": init.timeout_s,
+            "backend": "ipc",
+            "ipc": msgspec.to_builtins(init),
+        }
+        await self._request(
+            "POST", "/init_weight_transfer_engine", json={"init_info": info}, timeout_s=self._join_timeout_s + 10
+        )
 
     async def ipc_begin(self, version: int) -> None:
         self._laps = lap = _Laps()
@@ -83,5 +93,7 @@ class VLLMIpcClient(VLLMWeightClient, IpcEndpoint):
         return checksum
 
     async def update_weights(self, version: int, plan_id: str) -> str:
-        raise EngineError(f"engine {self.engine_id}: takes its weights by CUDA IPC (ipc_begin/ipc_load/ipc_end), "
-                          "not from a weight-sync group")
+        raise EngineError(
+            f"engine {self.engine_id}: takes its weights by CUDA IPC (ipc_begin/ipc_load/ipc_end), "
+            "not from a weight-sync group"
+        )

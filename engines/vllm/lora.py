@@ -43,8 +43,10 @@ def lora_server_settings(rank: int) -> tuple[list[str], dict[str, str]]:
     fit = next((r for r in VLLM_LORA_RANKS if rank <= r), None)
     if fit is None:
         raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
-    return (["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", "2", "--max-cpu-loras", "3"],
-            {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    return (
+        ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", "2", "--max-cpu-loras", "3"],
+        {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    )
 
 
 async def load_adapter(client: VLLMHandle, path: str, version: int) -> dict[str, float]:
@@ -54,8 +56,12 @@ async def load_adapter(client: VLLMHandle, path: str, version: int) -> dict[str,
     steps: dict[str, float] = {}
     t = time.perf_counter()
     name = lora_name(client.adapter_prefix, version)
-    await client._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                          timeout_s=client.request_timeout_s)
+    await client._request(
+        "POST",
+        "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(path)},
+        timeout_s=client.request_timeout_s,
+    )
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
     await client.label_version(version)
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
@@ -75,5 +81,6 @@ async def _unload(client: VLLMHandle, name: str) -> None:
     if r.status_code == 404:  # never loaded here (a server that joined late, or already gone)
         return
     if r.status_code != 200:
-        raise EngineError(f"engine {client.engine_id}: unloading LoRA adapter {name!r} -> HTTP {r.status_code}: "
-                          f"{r.text[:200]}")
+        raise EngineError(
+            f"engine {client.engine_id}: unloading LoRA adapter {name!r} -> HTTP {r.status_code}: {r.text[:200]}"
+        )

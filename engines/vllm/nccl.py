@@ -67,8 +67,12 @@ class VLLMNcclClient(VLLMWeightClient):
         paused_here = not self._paused
         if paused_here:
             await self.pause("keep")
-        await self._request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}},
-                        timeout_s=self.request_timeout_s)
+        await self._request(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+            timeout_s=self.request_timeout_s,
+        )
         await self.reset_prefix_cache()
         self._version = version
         if paused_here:

@@ -136,9 +136,14 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         if self.ipc is not None:  # back to a group: let go of the learner's slots
             self.ipc.leave()
             self.ipc = None
-        group = GroupInfo(master_addr=init_info.master_address, master_port=init_info.master_port,
-                          rank_offset=init_info.rank_offset, world_size=init_info.world_size,
-                          backend=init_info.backend, group_epoch=init_info.group_epoch)
+        group = GroupInfo(
+            master_addr=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=init_info.rank_offset,
+            world_size=init_info.world_size,
+            backend=init_info.backend,
+            group_epoch=init_info.group_epoch,
+        )
         if self.receiver is None:
             self.receiver = WeightReceiver(init_info.engine_id, device=self.device)
         self.receiver.join(group, plan, self._rank(init_info.rank_offset), init_info.timeout_s)
@@ -152,9 +157,14 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         rx = self.ipc or IpcReceiver(init_info.engine_id, self.device)
         model = self.model
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        rx.join(plan, decode(IpcInit, init_info.ipc), engine_param_table(model),
-                getattr(model, "packed_modules_mapping", None) or {},
-                skip_prefixes=("lm_head.",) if tied else (), tensor_parallel=self.parallel_config.world_size)
+        rx.join(
+            plan,
+            decode(IpcInit, init_info.ipc),
+            engine_param_table(model),
+            getattr(model, "packed_modules_mapping", None) or {},
+            skip_prefixes=("lm_head.",) if tied else (),
+            tensor_parallel=self.parallel_config.world_size,
+        )
         if self.receiver is not None:  # joined: the group of a gloo/NCCL epoch is no longer ours
             self.receiver.leave()
         self.ipc = rx
@@ -190,8 +200,10 @@ class GlooWeightTransferEngine(WeightTransferEngine):
 
             msg = decode(IpcLoad, update_info.extra.get("ipc"))
             if msg.version != update_info.version or msg.plan_id != update_info.plan_id:
-                raise ValueError(f"fleetrl: IPC round of v{msg.version} (plan {msg.plan_id}) in an update of "
-                                 f"v{update_info.version} (plan {update_info.plan_id})")
+                raise ValueError(
+                    f"fleetrl: IPC round of v{msg.version} (plan {msg.plan_id}) in an update of "
+                    f"v{update_info.version} (plan {update_info.plan_id})"
+                )
             if self.ipc.load(msg, self._load_weights) is not None:
                 self.version = msg.version
             return
@@ -258,8 +270,11 @@ class FleetrlWorkerExtension:
         if engine is None or engine.receiver is None:
             return {"checksum": "", "version": -1, "epoch": -1}
         group = engine.receiver.group
-        return {"checksum": engine.receiver.last_checksum, "version": engine.version,
-                "epoch": group.group_epoch if group is not None else -1}
+        return {
+            "checksum": engine.receiver.last_checksum,
+            "version": engine.version,
+            "epoch": group.group_epoch if group is not None else -1,
+        }
 
     def fleetrl_stage_begin(self, version: int, plan_id: str) -> dict[str, Any]:
         """Post the receives of a staged publish; the engine goes on generating while they complete."""
@@ -273,9 +288,12 @@ class FleetrlWorkerExtension:
         engine.commit(version)
         loader = engine._copy_loader
         parts = engine.receiver.last_commit_parts if engine.receiver is not None else {}  # (commit checked it)
-        return {**self.fleetrl_weight_sync_status(), "commit_s": time.perf_counter() - t0,
-                "commit_parts": parts,
-                "replayed_buckets": loader.replayed if loader is not None else 0}
+        return {
+            **self.fleetrl_weight_sync_status(),
+            "commit_s": time.perf_counter() - t0,
+            "commit_parts": parts,
+            "replayed_buckets": loader.replayed if loader is not None else 0,
+        }
 
 
 def _engine() -> GlooWeightTransferEngine:

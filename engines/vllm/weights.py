@@ -54,13 +54,16 @@ class _Laps:
 class VLLMWeightClient(VLLMHandle, WeightEndpoint):
     """Weight transfer into one vLLM server; one instance per event loop (its HTTP session binds to the loop)."""
 
-    def __init__(self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl",
-                 group_ranks: int = 1, **kw) -> None:
+    def __init__(
+        self, engine_id: str, url: str, *, model: str, weight_backend: str = "fleetrl", group_ranks: int = 1, **kw
+    ) -> None:
         """``weight_backend``: the server's (``fleetrl``, or vLLM's ``nccl``); ``group_ranks``: the server's
         workers (TP x PP), each a rank of the weight-sync group. ``kw``: :class:`~engines.vllm.handle.VLLMHandle`'s."""
         if weight_backend not in ("fleetrl", "fleetrl_gloo", "nccl"):
-            raise ValueError("weight_backend must be 'fleetrl' (fleetrl's receiver, gloo or NCCL; 'fleetrl_gloo' is "
-                             f"its older name) or 'nccl' (vLLM's built-in, GPU), got {weight_backend!r}")
+            raise ValueError(
+                "weight_backend must be 'fleetrl' (fleetrl's receiver, gloo or NCCL; 'fleetrl_gloo' is "
+                f"its older name) or 'nccl' (vLLM's built-in, GPU), got {weight_backend!r}"
+            )
         super().__init__(engine_id, url, model=model, **kw)
         self.weight_backend = weight_backend
         self.group_ranks = group_ranks
@@ -73,24 +76,43 @@ class VLLMWeightClient(VLLMHandle, WeightEndpoint):
 
         if self.weight_backend == "nccl":
             # vLLM's built-in NCCL backend: its packed chunks equal our buckets for this buffer size.
-            return {"master_address": group.master_addr, "master_port": group.master_port,
-                    "rank_offset": group.rank_offset, "world_size": group.world_size, "packed": True,
-                    "packed_buffer_size_bytes": packed_buffer_bytes(plan), "packed_num_buffers": 2}
-        return {"master_address": group.master_addr, "master_port": group.master_port,
-                "rank_offset": group.rank_offset, "world_size": group.world_size, "group_epoch": group.group_epoch,
-                "plan": plan_to_dict(plan), "engine_id": self.engine_id, "timeout_s": self._join_timeout_s,
-                "backend": group.backend}
+            return {
+                "master_address": group.master_addr,
+                "master_port": group.master_port,
+                "rank_offset": group.rank_offset,
+                "world_size": group.world_size,
+                "packed": True,
+                "packed_buffer_size_bytes": packed_buffer_bytes(plan),
+                "packed_num_buffers": 2,
+            }
+        return {
+            "master_address": group.master_addr,
+            "master_port": group.master_port,
+            "rank_offset": group.rank_offset,
+            "world_size": group.world_size,
+            "group_epoch": group.group_epoch,
+            "plan": plan_to_dict(plan),
+            "engine_id": self.engine_id,
+            "timeout_s": self._join_timeout_s,
+            "backend": group.backend,
+        }
 
     async def init_weight_transfer(self, group: GroupInfo, plan: WeightPlan) -> None:
         self._plan = plan
-        await self._request("POST", "/init_weight_transfer_engine", json={"init_info": self._init_info(group, plan)},
-                        timeout_s=self._join_timeout_s + 10)
+        await self._request(
+            "POST",
+            "/init_weight_transfer_engine",
+            json={"init_info": self._init_info(group, plan)},
+            timeout_s=self._join_timeout_s + 10,
+        )
 
     def _update_info(self, version: int, plan_id: str) -> dict:
         plan = self._plan
         if plan is None or plan.plan_id != plan_id:
-            raise EngineError(f"engine {self.engine_id}: update_weights(v{version}) with plan {plan_id!r} but the "
-                              f"announced plan is {plan.plan_id if plan else None!r}")
+            raise EngineError(
+                f"engine {self.engine_id}: update_weights(v{version}) with plan {plan_id!r} but the "
+                f"announced plan is {plan.plan_id if plan else None!r}"
+            )
         if self.weight_backend == "nccl":
             return {"names": plan.names, "dtype_names": plan.dtypes, "shapes": plan.shapes}
         return {"version": version, "plan_id": plan_id}
@@ -145,8 +167,12 @@ class VLLMWeightClient(VLLMHandle, WeightEndpoint):
         """Post the receives of ``version`` (workers' staging copies); the server keeps generating."""
         self._update_info(version, plan_id)  # the plan check
         t = time.perf_counter()
-        await self._request("POST", "/collective_rpc", timeout_s=self._join_timeout_s,
-                            json={"method": "fleetrl_stage_begin", "kwargs": {"version": version, "plan_id": plan_id}})
+        await self._request(
+            "POST",
+            "/collective_rpc",
+            timeout_s=self._join_timeout_s,
+            json={"method": "fleetrl_stage_begin", "kwargs": {"version": version, "plan_id": plan_id}},
+        )
         self._stage_steps = {"stage_begin": time.perf_counter() - t}
 
     async def commit_update(self, version: int) -> str:
@@ -160,8 +186,12 @@ class VLLMWeightClient(VLLMHandle, WeightEndpoint):
             await self.pause(self.update_pause_mode)
             lap("pause")
         try:
-            r = await self._request("POST", "/collective_rpc", timeout_s=self.request_timeout_s,
-                                    json={"method": "fleetrl_stage_commit", "kwargs": {"version": version}})
+            r = await self._request(
+                "POST",
+                "/collective_rpc",
+                timeout_s=self.request_timeout_s,
+                json={"method": "fleetrl_stage_commit", "kwargs": {"version": version}},
+            )
             lap("commit")
             states = r.json()["results"]
             checksum = self._agreed_checksum(states, version)

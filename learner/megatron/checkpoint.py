@@ -35,8 +35,10 @@ _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _sharded(engine, is_loading: bool) -> dict:
     model_sd = engine.gpt.sharded_state_dict()
-    return {"model": model_sd, "optimizer": engine.optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)}
+    return {
+        "model": model_sd,
+        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
+    }
 
 
 def _rng(engine) -> dict:
@@ -64,8 +66,14 @@ def save(engine, path: Path, extra: dict[str, Any]) -> None:
     torch.save(_rng(engine), path / "rng" / f"rank{engine.rank}.pt")
     dist.barrier()
     if engine.rank == 0:
-        meta = {"extra": extra, "steps_taken": engine.steps_taken, "world_size": engine.world_size,
-                "tp": engine.tp, "pp": engine.pp, "engine": "megatron"}
+        meta = {
+            "extra": extra,
+            "steps_taken": engine.steps_taken,
+            "world_size": engine.world_size,
+            "tp": engine.tp,
+            "pp": engine.pp,
+            "engine": "megatron",
+        }
         tmp = path / (META + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
         tmp.rename(path / META)
@@ -82,8 +90,10 @@ def load(engine, path: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META}); it was interrupted while saving")
     meta = json.loads(meta_path.read_text())
     if meta.get("engine") != "megatron":
-        raise ValueError(f"{path} was written by learner.engine={meta.get('engine', 'fsdp')!r}, not megatron; "
-                         "FSDP and Megatron checkpoints are not interchangeable (start from its HF export)")
+        raise ValueError(
+            f"{path} was written by learner.engine={meta.get('engine', 'fsdp')!r}, not megatron; "
+            "FSDP and Megatron checkpoints are not interchangeable (start from its HF export)"
+        )
     loaded = dist_checkpointing.load(_sharded(engine, is_loading=True), str(path / "mcore"))
     # No autograd while copying into parameters and optimizer state (megatron-core's dp_reshardable load
     # copies into views of fp32 parameters that require grad, which autograd refuses outside no_grad).
@@ -102,7 +112,12 @@ def load(engine, path: Path) -> dict[str, Any]:
             torch.cuda.set_rng_state(rng["cuda"])
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
     else:
-        logger.warning("checkpoint %s has another layout (world %s tp %s pp %s): RNG states not restored",
-                       path, meta["world_size"], meta["tp"], meta["pp"])
+        logger.warning(
+            "checkpoint %s has another layout (world %s tp %s pp %s): RNG states not restored",
+            path,
+            meta["world_size"],
+            meta["tp"],
+            meta["pp"],
+        )
     logger.info("Megatron checkpoint loaded: %s (version %s)", path, meta["extra"].get("version"))
     return meta["extra"]

@@ -76,17 +76,27 @@ class ModelShape:
         qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))
         if mt == "llama" and cfg.get("mlp_bias"):
             raise ValueError("llama with mlp_bias=true is not supported by the Megatron conversion")
-        return cls(num_layers=cfg["num_hidden_layers"], hidden=hidden, heads=heads,
-                   kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-                   ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                   padded_vocab=padded_vocab_size(cfg["vocab_size"], tp, divisible_by),
-                   tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, qk_norm=mt == "qwen3")
+        return cls(
+            num_layers=cfg["num_hidden_layers"],
+            hidden=hidden,
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            ffn=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"],
+            padded_vocab=padded_vocab_size(cfg["vocab_size"], tp, divisible_by),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=mt == "qwen3",
+        )
 
     def check_tp(self, tp: int) -> None:
         problems = []
         if self.heads % tp or self.kv_heads % tp:
-            problems.append(f"tensor parallel size {tp} must divide the {self.heads} attention heads "
-                            f"and the {self.kv_heads} key/value heads")
+            problems.append(
+                f"tensor parallel size {tp} must divide the {self.heads} attention heads "
+                f"and the {self.kv_heads} key/value heads"
+            )
         if self.ffn % tp:
             problems.append(f"tensor parallel size {tp} must divide intermediate_size {self.ffn}")
         if self.padded_vocab % tp:
@@ -106,20 +116,29 @@ def _norm_names(fused_norms: bool) -> tuple[str, str]:
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
-def megatron_names(shape: ModelShape, fused_norms: bool = False, layers: Sequence[int] | None = None,
-                   pre_process: bool = True, post_process: bool = True) -> list[str]:
+def megatron_names(
+    shape: ModelShape,
+    fused_norms: bool = False,
+    layers: Sequence[int] | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> list[str]:
     """Megatron parameter names in HF order; ``layers`` (global indices) and pre/post select a pipeline stage."""
     attn_norm, mlp_norm = _norm_names(fused_norms)
     names = ["embedding.word_embeddings.weight"] if pre_process else []
-    for i in (range(shape.num_layers) if layers is None else layers):
+    for i in range(shape.num_layers) if layers is None else layers:
         p = f"decoder.layers.{i}."
         names += [p + attn_norm, p + "self_attention.linear_qkv.weight"]
         if shape.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
         if shape.qk_norm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names += [p + "self_attention.linear_proj.weight", p + mlp_norm, p + "mlp.linear_fc1.weight",
-                  p + "mlp.linear_fc2.weight"]
+        names += [
+            p + "self_attention.linear_proj.weight",
+            p + mlp_norm,
+            p + "mlp.linear_fc1.weight",
+            p + "mlp.linear_fc2.weight",
+        ]
     if post_process:
         names.append("decoder.final_layernorm.weight")
         if not shape.tied:
@@ -161,13 +180,15 @@ def tp_dim(mname: str) -> int | None:
     """Dimension along which tensor parallelism splits the parameter (None: replicated)."""
     if mname.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
-    if mname.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-                       "linear_fc1.weight")):
+    if mname.endswith(
+        ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")
+    ):
         return 0
     return None
 
 
 # ---- one parameter ---------------------------------------------------------------------------------
+
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: ModelShape) -> torch.Tensor:
     ng, qpg, hd = s.kv_heads, s.heads // s.kv_heads, s.head_dim
@@ -257,8 +278,10 @@ def hf_shape_of(mname: str, shape: ModelShape) -> list[tuple[str, list[int]]]:
 
 # ---- whole state dicts ---------------------------------------------------------------------------
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int,
-                   fused_norms: bool = False) -> list[dict[str, torch.Tensor]]:
+
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, fused_norms: bool = False
+) -> list[dict[str, torch.Tensor]]:
     """One Megatron state dict (global layer numbers) per TP rank."""
     shape.check_tp(tp)
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
@@ -268,14 +291,16 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, tp: int,
     return out
 
 
-def iter_megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelShape,
-                        fused_norms: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_megatron_to_hf(
+    shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelShape, fused_norms: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     for mname in megatron_names(shape, fused_norms):
         yield from to_hf(mname, [s[mname] for s in shards], shape)
 
 
-def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelShape,
-                   fused_norms: bool = False) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, torch.Tensor]], shape: ModelShape, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
     """The HF state dict (without ``lm_head.weight`` when tied) from the TP rank state dicts."""
     return dict(iter_megatron_to_hf(shards, shape, fused_norms))
 

@@ -77,8 +77,7 @@ class ValueHead(torch.nn.Module):
 class MegatronCritic(Critic):
     """One rank's replica of the Megatron value model, its optimizer and schedule. Every method is collective."""
 
-    def __init__(self, cfg: LearnerConfig, actor_model_path: str, *, total_steps: int, seed: int = 0,
-                 engine) -> None:
+    def __init__(self, cfg: LearnerConfig, actor_model_path: str, *, total_steps: int, seed: int = 0, engine) -> None:
         """``engine``: the actor's :class:`learner.megatron.engine.MegatronEngine` on this rank."""
         import_megatron()
         from megatron.core.distributed import (
@@ -106,15 +105,21 @@ class MegatronCritic(Critic):
         self.shape = cv.ModelShape.from_hf(hf_cfg, tp=tp)
         self.shape.check_tp(tp)
         self.reduce_group = ps.get_data_parallel_group()
-        self.tcfg = transformer_config(hf_cfg, self.shape, engine.mcfg, bf16=on_gpu,
-                                       recompute=engine.settings.activation_checkpointing)
-        gpt = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(self.sp, self.shape.num_layers,
-                                                                           engine.varlen, self.shape.qk_norm),
-                       vocab_size=self.shape.padded_vocab,
-                       max_sequence_length=int(hf_cfg.get("max_position_embeddings", 4096)),
-                       pre_process=True, post_process=True, parallel_output=True,
-                       share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                       rotary_base=rope_theta(hf_cfg))
+        self.tcfg = transformer_config(
+            hf_cfg, self.shape, engine.mcfg, bf16=on_gpu, recompute=engine.settings.activation_checkpointing
+        )
+        gpt = GPTModel(
+            config=self.tcfg,
+            transformer_layer_spec=layer_spec(self.sp, self.shape.num_layers, engine.varlen, self.shape.qk_norm),
+            vocab_size=self.shape.padded_vocab,
+            max_sequence_length=int(hf_cfg.get("max_position_embeddings", 4096)),
+            pre_process=True,
+            post_process=True,
+            parallel_output=True,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=rope_theta(hf_cfg),
+        )
         gpt.output_layer = None  # the vocabulary head is never used: values come through output_processor
         with HFWeights(self.model_path) as hf:
             copy_hf_into(gpt, hf, self.shape, tp=tp, tp_rank=engine.tp_rank, layer_offset=0)
@@ -125,16 +130,25 @@ class MegatronCritic(Critic):
         self.gpt = gpt  # unwrapped: parameter names without the wrappers' prefixes
         model = Float16Module(self.tcfg, gpt) if on_gpu else gpt
         mc = engine.mcfg
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=mc.use_distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=mc.use_distributed_optimizer
+        )
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model)
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         o = self.c.optim
-        ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
-                               adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
-                               clip_grad=self.c.grad_clip, bf16=on_gpu,
-                               params_dtype=torch.bfloat16 if on_gpu else torch.float32,
-                               use_distributed_optimizer=mc.use_distributed_optimizer)
+        ocfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.lr * o.min_lr_ratio,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=self.c.grad_clip,
+            bf16=on_gpu,
+            params_dtype=torch.bfloat16 if on_gpu else torch.float32,
+            use_distributed_optimizer=mc.use_distributed_optimizer,
+        )
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
         if on_gpu and engine.fused_optimizer:
             for inner in _torch_optimizers(self.optimizer):
@@ -144,8 +158,14 @@ class MegatronCritic(Critic):
         self.steps_taken = 0
         self.epochs = self.c.ppo_epochs or cfg.ppo_epochs
         self._checkpointing = True  # recompute, when on, is built into the transformer config above
-        logger.info("Megatron critic: rank %d/%d on %s, %d parameters, from %s", self.rank, self.world_size,
-                    self.device, sum(p.numel() for p in gpt.parameters()), self.model_path)
+        logger.info(
+            "Megatron critic: rank %d/%d on %s, %d parameters, from %s",
+            self.rank,
+            self.world_size,
+            self.device,
+            sum(p.numel() for p in gpt.parameters()),
+            self.model_path,
+        )
 
     # ---- values ------------------------------------------------------------------------------
     def _head(self, *, hidden_states: torch.Tensor, context: MicroBatch, **_unused) -> torch.Tensor:
@@ -161,8 +181,13 @@ class MegatronCritic(Critic):
     def values(self, mb: MicroBatch, *, grad: bool = False) -> torch.Tensor:
         ids, pos, mask = self.engine._inputs(mb, self.engine._row_length([mb]))
         with torch.set_grad_enabled(grad):
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, output_processor=self._head,
-                             output_processor_context=mb)
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=mask,
+                output_processor=self._head,
+                output_processor_context=mb,
+            )
             return out.float()
 
     def loss_of(self, v: torch.Tensor, mb: MicroBatch, plan: StepPlan) -> tuple[torch.Tensor, dict]:
@@ -200,8 +225,13 @@ class MegatronCritic(Critic):
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids, pos, mask = self.engine._inputs(mb, length)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, output_processor=self._head,
-                        output_processor_context=mb)
+            out = model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=mask,
+                output_processor=self._head,
+                output_processor_context=mb,
+            )
 
             def loss_func(v):
                 loss, m = self.loss_of(v.float(), mb, plan)
@@ -210,9 +240,15 @@ class MegatronCritic(Critic):
 
             return out, loss_func
 
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
-                                    num_microbatches=len(mbs), seq_length=length or max(mb.n_tokens for mb in mbs),
-                                    micro_batch_size=1, forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=length or max(mb.n_tokens for mb in mbs),
+            micro_batch_size=1,
+            forward_only=False,
+        )
         lr = self.c.optim.lr * self.lr_fn(self.steps_taken)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -238,8 +274,10 @@ class MegatronCritic(Critic):
     # ---- checkpoints -----------------------------------------------------------------------------
     def _sharded(self, is_loading: bool) -> dict:
         model_sd = self.gpt.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA)}
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
+        }
 
     def save(self, path: Path) -> None:
         """Collective: the critic's model and optimizer shards (Megatron's distributed checkpoint) and its
@@ -265,8 +303,9 @@ class MegatronCritic(Critic):
 
         path = Path(path)
         if not (path / PART_SCHEDULER).exists():
-            raise FileNotFoundError(f"{path} holds no saved critic (no {PART_SCHEDULER}): the checkpoint was written "
-                                    "without learner.critic")
+            raise FileNotFoundError(
+                f"{path} holds no saved critic (no {PART_SCHEDULER}): the checkpoint was written without learner.critic"
+            )
         loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(path / "mcore"))
         with torch.no_grad():  # (as the engine's load: dp_reshardable copies into views that require grad)
             self.gpt.load_state_dict(loaded["model"], strict=False)

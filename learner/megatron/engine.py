@@ -103,22 +103,38 @@ def transformer_config(hf: dict, shape: cv.ModelShape, mcfg, *, bf16: bool, reco
 
     # Fusions off: they need apex / TE kernels, which the target environment does not have.
     return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
-        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
-        sequence_parallel=mcfg.sequence_parallel, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        sequence_parallel=mcfg.sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
-        use_cpu_initialization=True, perform_initialization=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,
     )
 
 
@@ -224,16 +240,18 @@ class MegatronEngine(TrainingEngine):
             raise ValueError("learner.logprobs=chunked needs tensor_model_parallel_size=1 on the Megatron engine")
         # Every auto (varlen attention: GPU, PP=1, no SP; chunked head; fused AdamW; compiled MLPs; micro-batch
         # budget and recompute) decided once: learner/fastpath.py
-        self.settings = resolve_fast_path(cfg, self._device_props(on_gpu),
-                                          FastShape.from_hf(self.hf_config) if on_gpu else None, self.world_size)
+        self.settings = resolve_fast_path(
+            cfg, self._device_props(on_gpu), FastShape.from_hf(self.hf_config) if on_gpu else None, self.world_size
+        )
         if self.rank == 0:
             logger.info("%s", self.settings.describe())
         self.varlen = self.settings.varlen
         self.chunked = self.settings.chunked_logprobs
         self.shape = cv.ModelShape.from_hf(self.hf_config, tp=tp)
         self.shape.check_tp(tp)
-        self.tcfg = transformer_config(self.hf_config, self.shape, mc, bf16=on_gpu,
-                                       recompute=self.settings.activation_checkpointing)
+        self.tcfg = transformer_config(
+            self.hf_config, self.shape, mc, bf16=on_gpu, recompute=self.settings.activation_checkpointing
+        )
         per_stage = self.shape.num_layers // pp
         self.layers = list(range(self.pp_rank * per_stage, (self.pp_rank + 1) * per_stage))
         self.pre, self.post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -258,16 +276,25 @@ class MegatronEngine(TrainingEngine):
             if self.ref_offload:
                 self._ref_cpu = [p.data.pin_memory() for p in self.ref.parameters()]
                 self._reference_on_gpu(False)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=mc.use_distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=mc.use_distributed_optimizer
+        )
         self.model = DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model)
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         o = cfg.optim
-        ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr * o.min_lr_ratio, weight_decay=o.weight_decay,
-                               adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
-                               clip_grad=o.grad_clip, bf16=on_gpu,
-                               params_dtype=torch.bfloat16 if on_gpu else torch.float32,
-                               use_distributed_optimizer=mc.use_distributed_optimizer)
+        ocfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.lr * o.min_lr_ratio,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip,
+            bf16=on_gpu,
+            params_dtype=torch.bfloat16 if on_gpu else torch.float32,
+            use_distributed_optimizer=mc.use_distributed_optimizer,
+        )
         self.optimizer = get_megatron_optimizer(ocfg, [self.model])
         # Without Transformer Engine/apex Megatron's Adam is torch.optim.AdamW in its default (foreach) mode;
         # learner.fused_optimizer (auto: on GPU) switches its groups to the fused CUDA kernel, as FSDP does.
@@ -287,10 +314,23 @@ class MegatronEngine(TrainingEngine):
         self.lr_fn = lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio)
         self.steps_taken = 0
         n_local = sum(p.numel() for p in self.gpt.parameters())
-        logger.info("Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, chunked "
-                    "log-probs %s, fused AdamW %s, model %s",
-                    self.rank, self.world_size, self.tp_rank, tp, self.pp_rank, pp, self.data_rank,
-                    self.data_world_size, self.device, n_local, self.chunked, self.fused_optimizer, model_path)
+        logger.info(
+            "Megatron engine: rank %d/%d tp %d/%d pp %d/%d dp %d/%d on %s, %d local parameters, chunked "
+            "log-probs %s, fused AdamW %s, model %s",
+            self.rank,
+            self.world_size,
+            self.tp_rank,
+            tp,
+            self.pp_rank,
+            pp,
+            self.data_rank,
+            self.data_world_size,
+            self.device,
+            n_local,
+            self.chunked,
+            self.fused_optimizer,
+            model_path,
+        )
 
     def _device_props(self, on_gpu: bool) -> DeviceProps:
         """This rank's device; on GPU the least free memory of any rank (all plan the same micro-batches)."""
@@ -311,14 +351,20 @@ class MegatronEngine(TrainingEngine):
         and output layer on the last), its parameters overwritten with their shards of the HF weights."""
         from megatron.core.models.gpt import GPTModel
 
-        model = GPTModel(config=self.tcfg, transformer_layer_spec=layer_spec(self.mcfg.sequence_parallel,
-                                                                              len(self.layers), self.varlen,
-                                                                              self.shape.qk_norm),
-                         vocab_size=self.shape.padded_vocab,
-                         max_sequence_length=int(self.hf_config.get("max_position_embeddings", 4096)),
-                         pre_process=self.pre, post_process=self.post, parallel_output=True,
-                         share_embeddings_and_output_weights=self.shape.tied, position_embedding_type="rope",
-                         rotary_base=rope_theta(self.hf_config))
+        model = GPTModel(
+            config=self.tcfg,
+            transformer_layer_spec=layer_spec(
+                self.mcfg.sequence_parallel, len(self.layers), self.varlen, self.shape.qk_norm
+            ),
+            vocab_size=self.shape.padded_vocab,
+            max_sequence_length=int(self.hf_config.get("max_position_embeddings", 4096)),
+            pre_process=self.pre,
+            post_process=self.post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=self.shape.tied,
+            position_embedding_type="rope",
+            rotary_base=rope_theta(self.hf_config),
+        )
         with HFWeights(self.model_path) as hf:
             copy_hf_into(model, hf, self.shape, tp=self.tp, tp_rank=self.tp_rank, layer_offset=self.layers[0])
         if self.post:
@@ -364,8 +410,15 @@ class MegatronEngine(TrainingEngine):
             return {}
         return {"output_processor": self._chunked_head, "output_processor_context": mb}
 
-    def _chunked_head(self, *, hidden_states: torch.Tensor, output_layer: torch.nn.Module,
-                      output_weight: torch.Tensor | None, context: MicroBatch, **_unused) -> torch.Tensor:
+    def _chunked_head(
+        self,
+        *,
+        hidden_states: torch.Tensor,
+        output_layer: torch.nn.Module,
+        output_weight: torch.Tensor | None,
+        context: MicroBatch,
+        **_unused,
+    ) -> torch.Tensor:
         """GPTModel's output processor (last stage): [S, 1, H] final hidden state -> [n, 2] (log-prob, entropy)."""
         from learner.logprobs import chunked_logprobs
 
@@ -374,8 +427,14 @@ class MegatronEngine(TrainingEngine):
         h = hidden_states[mb.target_index, 0]  # [n, H] response positions only
         # fp32 logits from the bf16 operands (tensor cores, fp32 accumulation: learner/logprobs.py), the same
         # function as fp32_output_layer's upcast head; the vocab padding rows dropped
-        logp, ent = chunked_logprobs(h, w[: self.shape.vocab], mb.targets, self.cfg.temperature,
-                                     self.cfg.logprob_chunk, fused=self.settings.fused_head)
+        logp, ent = chunked_logprobs(
+            h,
+            w[: self.shape.vocab],
+            mb.targets,
+            self.cfg.temperature,
+            self.cfg.logprob_chunk,
+            fused=self.settings.fused_head,
+        )
         return torch.stack([logp, ent.detach()], dim=-1)
 
     def _logprobs(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,8 +455,9 @@ class MegatronEngine(TrainingEngine):
             logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, **self._head_kwargs(mb))
             return self._logprobs(logits, mb)
 
-    def _run(self, mbs: list[MicroBatch], loss_of, forward_only: bool,
-             model: torch.nn.Module | None = None) -> list[dict[str, torch.Tensor]]:
+    def _run(
+        self, mbs: list[MicroBatch], loss_of, forward_only: bool, model: torch.nn.Module | None = None
+    ) -> list[dict[str, torch.Tensor]]:
         """Megatron's forward/backward schedule over the micro-batches; ``loss_of(logp, ent, mb)`` on the last stage.
 
         ``model``: the policy (default) or the frozen KL reference (forward only)."""
@@ -421,10 +481,15 @@ class MegatronEngine(TrainingEngine):
             return out, loss_func
 
         seq = length or max(mb.n_tokens for mb in mbs)
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs),
-                                    model=[self.model if model is None else model],
-                                    num_microbatches=len(mbs), seq_length=seq, micro_batch_size=1,
-                                    forward_only=forward_only)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model if model is None else model],
+            num_microbatches=len(mbs),
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
         return parts
 
     def needs_proximal(self) -> bool:
@@ -441,6 +506,7 @@ class MegatronEngine(TrainingEngine):
             with torch.no_grad():
                 self._run(plan.micro_batches, keep, forward_only=True)
         if self.ref is not None:
+
             def keep_ref(logp, ent, mb):
                 mb.ref_logp = logp.detach()
                 return logp.sum() * 0.0, {}
@@ -474,9 +540,19 @@ class MegatronEngine(TrainingEngine):
         self.optimizer.zero_grad()
 
         def loss_of(logp, ent, mb):
-            return policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, self.loss,
-                               prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent, fresh=mb.fresh,
-                               seq_lens=mb.seq_lens, loss_scale=mb.loss_scale)
+            return policy_loss(
+                logp,
+                mb.behaviour_logp,
+                mb.advantages,
+                mb.weights,
+                self.loss,
+                prox_logp=mb.prox_logp,
+                ref_logp=mb.ref_logp,
+                entropy=ent,
+                fresh=mb.fresh,
+                seq_lens=mb.seq_lens,
+                loss_scale=mb.loss_scale,
+            )
 
         parts = self._run(plan.micro_batches, loss_of, forward_only=False)
         lr = self.cfg.optim.lr * self.lr_fn(self.steps_taken)
@@ -496,8 +572,9 @@ class MegatronEngine(TrainingEngine):
         if step_scheduler:  # the LR schedule counts step batches (policy versions), not optimizer steps
             self.steps_taken += 1
         metrics = self._reduce(combine_metrics(parts) if parts else {})
-        metrics.update(grad_norm=grad_norm, lr=lr, step_skipped=float(not finite or empty),
-                       step_seconds=time.perf_counter() - t0)
+        metrics.update(
+            grad_norm=grad_norm, lr=lr, step_skipped=float(not finite or empty), step_seconds=time.perf_counter() - t0
+        )
         return metrics
 
     def _reduce(self, m: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -506,16 +583,19 @@ class MegatronEngine(TrainingEngine):
 
         out: dict[str, float] = {}
         keys = sorted(m)
-        for names, op in (([k for k in keys if not k.endswith(MAX_SUFFIX)], dist.ReduceOp.SUM),
-                          ([k for k in keys if k.endswith(MAX_SUFFIX)], dist.ReduceOp.MAX)):
+        for names, op in (
+            ([k for k in keys if not k.endswith(MAX_SUFFIX)], dist.ReduceOp.SUM),
+            ([k for k in keys if k.endswith(MAX_SUFFIX)], dist.ReduceOp.MAX),
+        ):
             if names:
                 t = torch.stack([m[k].detach().float().reshape(()) for k in names]).to(self.device)
                 dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
                 out.update(zip(names, t.tolist(), strict=True))
         if self.pp > 1:  # only the last stage evaluated the loss
             box = [out]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(
+                box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
             out = box[0]
         return out
 

@@ -33,14 +33,16 @@ def check() -> list[str]:
     problems = []
     version = _version()
     if not _in_range(version, RESULTS_QUEUE_VERSIONS):
-        problems.append(f"in_process_checkpoint_results_queue: megatron-core {version} is outside "
-                        f"{RESULTS_QUEUE_VERSIONS}")
+        problems.append(
+            f"in_process_checkpoint_results_queue: megatron-core {version} is outside {RESULTS_QUEUE_VERSIONS}"
+        )
     else:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
         if not (hasattr(fa, "_results_queue") and hasattr(fa, "get_write_results_queue")):
-            problems.append("in_process_checkpoint_results_queue: filesystem_async has no _results_queue "
-                            "/ get_write_results_queue")
+            problems.append(
+                "in_process_checkpoint_results_queue: filesystem_async has no _results_queue / get_write_results_queue"
+            )
     return problems
 
 

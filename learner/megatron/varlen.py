@@ -31,13 +31,24 @@ def core_attention_class():
     from megatron.core.transformer.module import MegatronModule
 
     class VarlenCoreAttention(MegatronModule):
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None, **_unused) -> None:
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            cp_comm_type=None,
+            pg_collection=None,
+            **_unused,
+        ) -> None:
             super().__init__(config=config)
             self.scale = softmax_scale if softmax_scale is not None else config.softmax_scale
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
             cu, longest = _segments["cu"], _segments["max"]
             if cu is None:
                 raise RuntimeError("VarlenCoreAttention: no segments set for this row (learner.megatron.varlen)")
@@ -45,8 +56,18 @@ def core_attention_class():
             if b != 1:
                 raise ValueError(f"VarlenCoreAttention takes one packed row, got batch {b}")
             out = torch.ops.aten._flash_attention_forward(
-                query[:, 0].contiguous(), key[:, 0].contiguous(), value[:, 0].contiguous(), cu, cu, longest, longest,
-                0.0, True, False, scale=self.scale)[0]
+                query[:, 0].contiguous(),
+                key[:, 0].contiguous(),
+                value[:, 0].contiguous(),
+                cu,
+                cu,
+                longest,
+                longest,
+                0.0,
+                True,
+                False,
+                scale=self.scale,
+            )[0]
             return out.reshape(sq, b, heads * dim)  # [sq, b, hidden per partition], as DotProductAttention
 
     return VarlenCoreAttention

@@ -72,12 +72,19 @@ def global_name(local: str, layer_offset: int) -> str:
     m = _LOCAL_LAYER.match(local)
     if not m:
         return local
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}." + local[m.end():]
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}." + local[m.end() :]
 
 
 @torch.no_grad()
-def copy_hf_into(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], shape: cv.ModelShape, *, tp: int,
-                 tp_rank: int, layer_offset: int) -> None:
+def copy_hf_into(
+    model: torch.nn.Module,
+    hf: Mapping[str, torch.Tensor],
+    shape: cv.ModelShape,
+    *,
+    tp: int,
+    tp_rank: int,
+    layer_offset: int,
+) -> None:
     """Overwrite every parameter of this rank's (unwrapped) GPTModel with its shard of the HF weights."""
     seen = 0
     for local, p in model.named_parameters():

@@ -42,6 +42,7 @@ def fleet_generate(fleet: Any) -> Callable[[list[int], SamplingParams, int], Awa
     async def generate(context: list[int], params: SamplingParams, min_version: int) -> tuple[str, Sample]:
         engine_id, (sample,) = await fleet.run_group(f"proxy-{next(counter)}", context, params, min_version)
         return engine_id, sample
+
     return generate
 
 
@@ -77,8 +78,9 @@ class AgentWorker(RolloutWorker):
             self.proxy.floors[sid] = floor
         t0 = time.time()
         try:
-            results = await asyncio.gather(*(self.agent(f"{self.proxy.url}/s/{sid}/v1", prompt) for sid in sids),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self.agent(f"{self.proxy.url}/s/{sid}/v1", prompt) for sid in sids), return_exceptions=True
+            )
             reason = None
             for sid, r in zip(sids, results, strict=True):
                 if isinstance(r, BaseException):
@@ -100,13 +102,28 @@ class AgentWorker(RolloutWorker):
                 self.proxy.floors.pop(sid, None)
         self.turns += sum(r.turns for r in records)
         t_end = time.time()
-        trajs = [Trajectory(traj_id=f"{group_id}/{i}", group_id=group_id, sample_index=i, group_size=len(records),
-                            step=int(ticket.step), prompt_ids=r.prompt_ids, response_ids=r.response_ids,
-                            behaviour_logprobs=r.behaviour_logprobs, segment_starts=r.segment_starts,
-                            segment_versions=r.segment_versions, reward=float(reward), finish_reason=r.finish_reason,
-                            engine_id=r.engine_ids[0], data_source=prompt.data_source, t_start=t0, t_end=t_end,
-                            loss_mask=r.loss_mask)
-                 for i, (r, reward) in enumerate(zip(records, results, strict=True))]
+        trajs = [
+            Trajectory(
+                traj_id=f"{group_id}/{i}",
+                group_id=group_id,
+                sample_index=i,
+                group_size=len(records),
+                step=int(ticket.step),
+                prompt_ids=r.prompt_ids,
+                response_ids=r.response_ids,
+                behaviour_logprobs=r.behaviour_logprobs,
+                segment_starts=r.segment_starts,
+                segment_versions=r.segment_versions,
+                reward=float(reward),
+                finish_reason=r.finish_reason,
+                engine_id=r.engine_ids[0],
+                data_source=prompt.data_source,
+                t_start=t0,
+                t_end=t_end,
+                loss_mask=r.loss_mask,
+            )
+            for i, (r, reward) in enumerate(zip(records, results, strict=True))
+        ]
         await self._push(group_id, trajs)
 
     def record(self) -> WorkerStatus:

@@ -54,8 +54,11 @@ class ChainAdditionEnv(Environment):
         self.correct += ok
         reward = float(ok) / n_turns
         if self.k == len(self.addends):
-            return StepResult(done=True, reward=reward, info={"parsed": value, "correct": self.correct,
-                                                             "chain_ok": m.group(1) == self.total})
+            return StepResult(
+                done=True,
+                reward=reward,
+                info={"parsed": value, "correct": self.correct, "chain_ok": m.group(1) == self.total},
+            )
         self.expected = value + self.addends[self.k]
         obs = f"{value}+{self.addends[self.k]}="
         self.k += 1
@@ -69,10 +72,15 @@ def make_rows(n: int, seed: int, *, turns: int = 2, max_digits: int = 2, split: 
     for i in range(n):
         a, b = _operand(rng, max_digits), _operand(rng, max_digits)
         addends = [_operand(rng, max_digits) for _ in range(turns - 1)]
-        rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-                     "ability": "arithmetic",
-                     "reward_model": {"style": "rule", "ground_truth": str(a + b + sum(addends))},
-                     "extra_info": {"split": split, "index": i, "first": a + b, "addends": addends}})
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b + sum(addends))},
+                "extra_info": {"split": split, "index": i, "first": a + b, "addends": addends},
+            }
+        )
     return rows
 
 
@@ -80,14 +88,25 @@ def write_parquet(rows: list[dict[str, Any]], path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("first", pa.int64()),
-                                  ("addends", pa.list_(pa.int64()))])),
-    ])
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [
+                        ("split", pa.string()),
+                        ("index", pa.int64()),
+                        ("first", pa.int64()),
+                        ("addends", pa.list_(pa.int64())),
+                    ]
+                ),
+            ),
+        ]
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, compression="zstd")
 
@@ -105,9 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-digits", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    write_parquet(make_rows(args.train, args.seed * 2, turns=args.turns, max_digits=args.max_digits), args.out / "train.parquet")
-    write_parquet(make_rows(args.test, args.seed * 2 + 1, turns=args.turns, max_digits=args.max_digits, split="test"),
-                  args.out / "test.parquet")
+    write_parquet(
+        make_rows(args.train, args.seed * 2, turns=args.turns, max_digits=args.max_digits), args.out / "train.parquet"
+    )
+    write_parquet(
+        make_rows(args.test, args.seed * 2 + 1, turns=args.turns, max_digits=args.max_digits, split="test"),
+        args.out / "test.parquet",
+    )
     print(f"wrote {args.train} train and {args.test} test episodes' prompts to {args.out}")
 
 

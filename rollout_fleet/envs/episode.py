@@ -105,19 +105,42 @@ async def _env_call(coro: Awaitable, reason: str, env: Environment, timeout_s: f
         raise EnvError(reason, f"environment {env.name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
-async def run_episode(generate: GenerateFn, env: Environment, codec: Codec, prompt_ids: list[int], *,
-                      ground_truth: str, extra_info: dict[str, Any], limits: EpisodeLimits, temperature: float = 1.0,
-                      top_p: float = 1.0, stop_token_ids: list[int] | None = None, min_version: int = 0) -> Episode:
+async def run_episode(
+    generate: GenerateFn,
+    env: Environment,
+    codec: Codec,
+    prompt_ids: list[int],
+    *,
+    ground_truth: str,
+    extra_info: dict[str, Any],
+    limits: EpisodeLimits,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_token_ids: list[int] | None = None,
+    min_version: int = 0,
+) -> Episode:
     """Run one episode of ``env`` against ``generate``. Example::
 
-        ep = await run_episode(gen, ChainAdditionEnv(), HFCodec.from_pretrained(model), ids,
-                               ground_truth="7", extra_info={"addends": [3]}, limits=limits)
+    ep = await run_episode(gen, ChainAdditionEnv(), HFCodec.from_pretrained(model), ids,
+                           ground_truth="7", extra_info={"addends": [3]}, limits=limits)
     """
     t0 = time.time()
     try:
         async with asyncio.timeout(limits.wall_time_s):
-            return await _episode(generate, env, codec, list(prompt_ids), ground_truth, extra_info, limits,
-                                  temperature, top_p, list(stop_token_ids or []), min_version, t0)
+            return await _episode(
+                generate,
+                env,
+                codec,
+                list(prompt_ids),
+                ground_truth,
+                extra_info,
+                limits,
+                temperature,
+                top_p,
+                list(stop_token_ids or []),
+                min_version,
+                t0,
+            )
     except TimeoutError:
         raise EnvError("wall_time", f"episode of {env.name!r} ran past its {limits.wall_time_s:g} s limit") from None
     finally:
@@ -127,22 +150,32 @@ async def run_episode(generate: GenerateFn, env: Environment, codec: Codec, prom
             pass
 
 
-async def _episode(generate, env, codec, prompt_ids, ground_truth, extra_info, limits, temperature, top_p,
-                   stop_ids, min_version, t0) -> Episode:
+async def _episode(
+    generate, env, codec, prompt_ids, ground_truth, extra_info, limits, temperature, top_p, stop_ids, min_version, t0
+) -> Episode:
     await _env_call(env.reset(ground_truth, extra_info), "env_reset", env, limits.env_timeout_s)
     rec, spans, engines, infos = TokenRecord(), [], [], []
     reward, end = 0.0, "max_turns"
     for k in range(limits.max_turns):
         room = limits.max_tokens - rec.n
-        params = SamplingParams(n=1, max_tokens=min(limits.turn_max_tokens, room), temperature=temperature,
-                                top_p=top_p, stop_token_ids=stop_ids)
+        params = SamplingParams(
+            n=1,
+            max_tokens=min(limits.turn_max_tokens, room),
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=stop_ids,
+        )
         context = prompt_ids + (rec.cat(rec.ids, np.int32).tolist() if rec.ids else [])
         floor = max(min_version, rec.versions[-1] if rec.versions else 0)
         engine_id, sample = await generate(context, params, floor)
         engines.append(engine_id)
         spans.append(rec.add_turn(sample))
-        turn = Turn(index=k, token_ids=sample.token_ids, text=codec.decode(sample.token_ids.tolist()),
-                    finish_reason=sample.finish_reason)
+        turn = Turn(
+            index=k,
+            token_ids=sample.token_ids,
+            text=codec.decode(sample.token_ids.tolist()),
+            finish_reason=sample.finish_reason,
+        )
         res: StepResult = await _env_call(env.step(turn), "env_step", env, limits.env_timeout_s)
         if not isinstance(res, StepResult):
             raise EnvError("env_step", f"environment {env.name!r} returned {type(res).__name__}, not a StepResult")
@@ -160,15 +193,26 @@ async def _episode(generate, env, codec, prompt_ids, ground_truth, extra_info, l
             end = "max_tokens"
             break
         rec.add_observation(obs)
-    return Episode(prompt_ids=prompt_ids, token_ids=rec.cat(rec.ids, np.int32), logprobs=rec.cat(rec.lps, np.float32),
-                   loss_mask=rec.cat(rec.mask, np.int8), segment_starts=rec.starts or [0],
-                   segment_versions=rec.versions or [min_version], turn_spans=spans, reward=reward,
-                   finish_reason="stop" if end == "done" else "length", end=end, engine_ids=engines, infos=infos,
-                   t_start=t0)
+    return Episode(
+        prompt_ids=prompt_ids,
+        token_ids=rec.cat(rec.ids, np.int32),
+        logprobs=rec.cat(rec.lps, np.float32),
+        loss_mask=rec.cat(rec.mask, np.int8),
+        segment_starts=rec.starts or [0],
+        segment_versions=rec.versions or [min_version],
+        turn_spans=spans,
+        reward=reward,
+        finish_reason="stop" if end == "done" else "length",
+        end=end,
+        engine_ids=engines,
+        infos=infos,
+        t_start=t0,
+    )
 
 
-async def run_episode_group(n: int, generate: GenerateFn, env_factory: EnvFactory, codec: Codec,
-                            prompt_ids: list[int], **kw) -> list[Episode]:
+async def run_episode_group(
+    n: int, generate: GenerateFn, env_factory: EnvFactory, codec: Codec, prompt_ids: list[int], **kw
+) -> list[Episode]:
     """``n`` episodes of one prompt (a GRPO group), each with a fresh environment; whole or not at all:
     the first failure cancels the others and is raised."""
     tasks = [asyncio.create_task(run_episode(generate, env_factory(), codec, prompt_ids, **kw)) for _ in range(n)]

@@ -22,8 +22,13 @@ def env_factory(cfg: EnvConfig) -> EnvFactory:
 
 
 def limits(cfg: EnvConfig) -> EpisodeLimits:
-    return EpisodeLimits(max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, turn_max_tokens=cfg.turn_max_tokens,
-                         wall_time_s=cfg.wall_time_s, env_timeout_s=cfg.env_timeout_s)
+    return EpisodeLimits(
+        max_turns=cfg.max_turns,
+        max_tokens=cfg.max_tokens,
+        turn_max_tokens=cfg.turn_max_tokens,
+        wall_time_s=cfg.wall_time_s,
+        env_timeout_s=cfg.env_timeout_s,
+    )
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
@@ -39,8 +44,12 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
 def worker_kwargs(cfg: EnvConfig, model_path: str) -> dict[str, Any]:
     """The keyword arguments :class:`rollout_fleet.envs.worker.MultiTurnWorker` adds to the worker's."""
     codec = HFCodec.from_pretrained(model_path)
-    return {"env_factory": env_factory(cfg), "codec": codec, "limits": limits(cfg),
-            "stop_token_ids": stop_token_ids(codec.tokenizer)}
+    return {
+        "env_factory": env_factory(cfg),
+        "codec": codec,
+        "limits": limits(cfg),
+        "stop_token_ids": stop_token_ids(codec.tokenizer),
+    }
 
 
 async def evaluate_episodes(cfg: Any, fleet: Any, n: int) -> float | None:
@@ -50,8 +59,14 @@ async def evaluate_episodes(cfg: Any, fleet: Any, n: int) -> float | None:
     if n <= 0 or not cfg.data.test_files:
         return None
     kw = worker_kwargs(cfg.rollout.env, cfg.model.path)
-    ds = rdata.from_config(cfg.data, kw["codec"].tokenizer, seed=cfg.run.seed, split="test",
-                           response_tokens=cfg.rollout.sampling.max_tokens, max_model_len=cfg.rollout.max_model_len)
+    ds = rdata.from_config(
+        cfg.data,
+        kw["codec"].tokenizer,
+        seed=cfg.run.seed,
+        split="test",
+        response_tokens=cfg.rollout.sampling.max_tokens,
+        max_model_len=cfg.rollout.max_model_len,
+    )
     rows = [ds.next() for _ in range(min(n, len(ds)))]
     sem = asyncio.Semaphore(64)
 
@@ -63,9 +78,17 @@ async def evaluate_episodes(cfg: Any, fleet: Any, n: int) -> float | None:
             return engine_id, s
 
         async with sem:
-            ep = await run_episode(generate, kw["env_factory"](), kw["codec"], row.prompt_ids.tolist(),
-                                   ground_truth=row.ground_truth, extra_info=row.extra_info, limits=kw["limits"],
-                                   temperature=0.0, stop_token_ids=kw["stop_token_ids"])
+            ep = await run_episode(
+                generate,
+                kw["env_factory"](),
+                kw["codec"],
+                row.prompt_ids.tolist(),
+                ground_truth=row.ground_truth,
+                extra_info=row.extra_info,
+                limits=kw["limits"],
+                temperature=0.0,
+                stop_token_ids=kw["stop_token_ids"],
+            )
         return ep.reward
 
     scores = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))

@@ -33,8 +33,10 @@ SYSTEM = (
 # <tool_response>, then the bare number.
 DEMO = [
     {"role": "user", "content": "Mia buys 37 bags with 48 stickers in each bag. How many stickers does Mia buy?"},
-    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n'
-                                     "</tool_call>"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n</tool_call>',
+    },
     {"role": "user", "content": "<tool_response>\n1776\n</tool_response>"},
     {"role": "assistant", "content": "1776"},
 ]
@@ -42,14 +44,25 @@ NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Ben", "Lily", "Max"]
 THINGS = ["apples", "marbles", "stickers", "shells", "books", "pencils", "cookies", "coins"]
 TEMPLATES = [
     ("{n} buys {a} bags with {b} {t} in each bag. How many {t} does {n} buy?", lambda a, b: a * b, (12, 99), (12, 99)),
-    ("{n} has {a} boxes of {t}. Each box holds {b} {t}. How many {t} are there?", lambda a, b: a * b, (12, 99), (12, 99)),
-    ("{n} had {a} {t} and found {b} more. How many {t} does {n} have in total?", lambda a, b: a + b, (100, 999), (100, 999)),
+    (
+        "{n} has {a} boxes of {t}. Each box holds {b} {t}. How many {t} are there?",
+        lambda a, b: a * b,
+        (12, 99),
+        (12, 99),
+    ),
+    (
+        "{n} had {a} {t} and found {b} more. How many {t} does {n} have in total?",
+        lambda a, b: a + b,
+        (100, 999),
+        (100, 999),
+    ),
     ("{n} has {a} {t} and gives away {b}. How many {t} are left?", lambda a, b: a - b, (500, 999), (100, 499)),
 ]
 
 
-def make_rows(n: int, seed: int, split: str, exclude: frozenset[str] = frozenset(),
-              shots: int = 1) -> list[dict[str, Any]]:
+def make_rows(
+    n: int, seed: int, split: str, exclude: frozenset[str] = frozenset(), shots: int = 1
+) -> list[dict[str, Any]]:
     if shots not in (0, 1):
         raise ValueError(f"shots must be 0 or 1 (one worked exchange), got {shots}")
     rng, rows, seen = random.Random(seed), [], set(exclude) | {DEMO[0]["content"]}
@@ -60,11 +73,19 @@ def make_rows(n: int, seed: int, split: str, exclude: frozenset[str] = frozenset
         if q in seen:
             continue
         seen.add(q)
-        rows.append({"data_source": DATA_SOURCE,
-                     "prompt": [{"role": "system", "content": SYSTEM}, *(DEMO if shots else []),
-                                {"role": "user", "content": q}],
-                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(op(a, b))},
-                     "extra_info": {"split": split, "index": len(rows)}})
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [
+                    {"role": "system", "content": SYSTEM},
+                    *(DEMO if shots else []),
+                    {"role": "user", "content": q},
+                ],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(op(a, b))},
+                "extra_info": {"split": split, "index": len(rows)},
+            }
+        )
     return rows
 
 

@@ -64,14 +64,22 @@ def strip_tool_calls(text: str) -> str:
     return _CALL.sub("", text).strip()
 
 
-_OPS: dict[type, Callable[..., Any]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-                                        ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
-                                        ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos,
-                                        ast.Pow: operator.pow}
+_OPS: dict[type, Callable[..., Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+    ast.Pow: operator.pow,
+}
 
 
 def calculator(expression: str) -> str:
     """Evaluate arithmetic (+ - * / // % ** and parentheses) without ``eval``; errors come back as text."""
+
     def ev(node: ast.AST) -> float | int:
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
             return node.value
@@ -95,9 +103,14 @@ def calculator(expression: str) -> str:
     return str(value)
 
 
-CALCULATOR_SCHEMA = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression, e.g. '(12+7)*3'.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression, e.g. '(12+7)*3'.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 @dataclass(frozen=True, slots=True)

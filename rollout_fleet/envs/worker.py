@@ -35,13 +35,20 @@ log = logging.getLogger(__name__)
 class MultiTurnWorker(RolloutWorker):
     """A :class:`RolloutWorker` whose groups are episodes of ``env_factory``'s environments. Example::
 
-        worker = MultiTurnWorker(fleet, producer, prompts, None, cfg.sampling, max_inflight_groups=8,
-                                 env_factory=ChainAdditionEnv, codec=HFCodec.from_pretrained(m),
-                                 limits=EpisodeLimits(max_turns=3, max_tokens=40, turn_max_tokens=8, wall_time_s=60))
+    worker = MultiTurnWorker(fleet, producer, prompts, None, cfg.sampling, max_inflight_groups=8,
+                             env_factory=ChainAdditionEnv, codec=HFCodec.from_pretrained(m),
+                             limits=EpisodeLimits(max_turns=3, max_tokens=40, turn_max_tokens=8, wall_time_s=60))
     """
 
-    def __init__(self, *args: Any, env_factory: EnvFactory, codec: Codec, limits: EpisodeLimits,
-                 stop_token_ids: list[int] | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        env_factory: EnvFactory,
+        codec: Codec,
+        limits: EpisodeLimits,
+        stop_token_ids: list[int] | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(*args, **kw)
         self.env_factory, self.codec, self.limits = env_factory, codec, limits
         self.stop_token_ids = list(stop_token_ids or [])
@@ -62,9 +69,11 @@ class MultiTurnWorker(RolloutWorker):
         turn_no = iter(range(1 << 30))
 
         async def generate(context: list[int], params: SamplingParams, min_version: int) -> tuple[str, Sample]:
-            engine_id, (sample,) = await self.fleet.run_group(f"{group_id}/t{next(turn_no)}", context, params,
-                                                              min_version)
+            engine_id, (sample,) = await self.fleet.run_group(
+                f"{group_id}/t{next(turn_no)}", context, params, min_version
+            )
             return engine_id, sample
+
         return generate
 
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
@@ -72,10 +81,19 @@ class MultiTurnWorker(RolloutWorker):
         min_version = int(ticket.min_version)
         try:
             episodes = await run_episode_group(
-                self.sampling.n, self._generate(group_id), self.env_factory, self.codec, prompt.prompt_ids,
-                ground_truth=prompt.ground_truth, extra_info=prompt.extra_info, limits=self.limits,
-                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                stop_token_ids=self.stop_token_ids, min_version=min_version)
+                self.sampling.n,
+                self._generate(group_id),
+                self.env_factory,
+                self.codec,
+                prompt.prompt_ids,
+                ground_truth=prompt.ground_truth,
+                extra_info=prompt.extra_info,
+                limits=self.limits,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                stop_token_ids=self.stop_token_ids,
+                min_version=min_version,
+            )
         except self.GROUP_ERRORS as exc:
             self._drop(group_id, exc)
             return
@@ -84,26 +102,42 @@ class MultiTurnWorker(RolloutWorker):
             self.samples_nonfinite_logprob += bad
             self.prompts_requeued_nonfinite += 1
             self._replay.append(prompt)
-            log.error("rollout: group %s: %d episodes hold non-finite behaviour log-probs; prompt requeued",
-                      group_id, bad)
+            log.error(
+                "rollout: group %s: %d episodes hold non-finite behaviour log-probs; prompt requeued", group_id, bad
+            )
             return
         self.turns += sum(len(e.turn_spans) for e in episodes)
         self.episode_ends.update(e.end for e in episodes)
         await self._push(group_id, episode_rows(episodes, group_id, int(ticket.step), prompt.data_source))
 
     def record(self) -> WorkerStatus:
-        return msgspec.structs.replace(super().record(), env_errors=dict(self.env_errors),
-                                       episode_ends=dict(self.episode_ends), turns=self.turns)
+        return msgspec.structs.replace(
+            super().record(), env_errors=dict(self.env_errors), episode_ends=dict(self.episode_ends), turns=self.turns
+        )
 
 
 def episode_rows(episodes: list[Episode], group_id: str, step: int, data_source: str) -> list[Trajectory]:
     """The trajectory rows of one group of episodes."""
     t_end = time.time()
     return [
-        Trajectory(traj_id=f"{group_id}/{i}", group_id=group_id, sample_index=i, group_size=len(episodes), step=step,
-                   prompt_ids=e.prompt_ids, response_ids=e.token_ids, behaviour_logprobs=e.logprobs,
-                   segment_starts=e.segment_starts, segment_versions=e.segment_versions, reward=e.reward,
-                   finish_reason=e.finish_reason, engine_id=e.engine_ids[0] if e.engine_ids else "",
-                   data_source=data_source, t_start=e.t_start, t_end=t_end, loss_mask=e.loss_mask)
+        Trajectory(
+            traj_id=f"{group_id}/{i}",
+            group_id=group_id,
+            sample_index=i,
+            group_size=len(episodes),
+            step=step,
+            prompt_ids=e.prompt_ids,
+            response_ids=e.token_ids,
+            behaviour_logprobs=e.logprobs,
+            segment_starts=e.segment_starts,
+            segment_versions=e.segment_versions,
+            reward=e.reward,
+            finish_reason=e.finish_reason,
+            engine_id=e.engine_ids[0] if e.engine_ids else "",
+            data_source=data_source,
+            t_start=e.t_start,
+            t_end=t_end,
+            loss_mask=e.loss_mask,
+        )
         for i, e in enumerate(episodes)
     ]

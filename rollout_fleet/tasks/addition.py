@@ -46,7 +46,9 @@ def _operand(rng: random.Random, max_digits: int) -> int:
     return rng.randint(low, 10**digits - 1)
 
 
-def generate(n: int, seed: int, max_digits: int = 3, exclude: set[Problem] | frozenset[Problem] = frozenset()) -> list[Problem]:
+def generate(
+    n: int, seed: int, max_digits: int = 3, exclude: set[Problem] | frozenset[Problem] = frozenset()
+) -> list[Problem]:
     """``n`` distinct problems, none in ``exclude``, in a seed-determined order."""
     if n < 0 or max_digits < 1:
         raise ValueError(f"need n >= 0 and max_digits >= 1, got n={n}, max_digits={max_digits}")

@@ -55,7 +55,9 @@ def _problem(rng: random.Random, max_value: int) -> tuple[str, int]:
     return text, answer
 
 
-def generate(n: int, seed: int, max_value: int = 10, exclude: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, int]]:
+def generate(
+    n: int, seed: int, max_value: int = 10, exclude: frozenset[str] | set[str] = frozenset()
+) -> list[tuple[str, int]]:
     """``n`` distinct ``(question, answer)`` pairs, none whose question is in ``exclude``."""
     if n < 0 or max_value < 2:
         raise ValueError(f"need n >= 0 and max_value >= 2, got n={n}, max_value={max_value}")

@@ -66,10 +66,12 @@ WAIT_BACK = ("fleet", "reward")  # the second kill waits until this first one is
 def schedule(seed: int) -> list[dict]:
     """The seeded kills: one the run survives, then one that ends launch 1 (resumed by launch 2)."""
     rng = random.Random(seed)
-    first = {"what": rng.choice(SURVIVED), "at_step": rng.randint(2, 4),
-             "delay_s": round(rng.uniform(0.0, 1.5), 2)}
-    second = {"what": rng.choice(ENDING), "at_step": rng.randint(first["at_step"] + 3, 9),
-              "delay_s": round(rng.uniform(0.0, 1.5), 2)}
+    first = {"what": rng.choice(SURVIVED), "at_step": rng.randint(2, 4), "delay_s": round(rng.uniform(0.0, 1.5), 2)}
+    second = {
+        "what": rng.choice(ENDING),
+        "at_step": rng.randint(first["at_step"] + 3, 9),
+        "delay_s": round(rng.uniform(0.0, 1.5), 2),
+    }
     return [first, second]
 
 
@@ -105,11 +107,13 @@ def _target(driver: int, what: str) -> int | None:
             continue
         vllm = "vllm.entrypoints.openai.api_server" in cmd
         judge = JUDGE in cmd  # the reward server serves the judge under its reward.model.model name
-        if ((what == "broker" and cmd[1:3] == ["-m", "broker"])
-                or (what == "rank" and "LearnerActor" in " ".join(cmd))
-                or (what == "fleet" and "ray::FleetActor" in " ".join(cmd))
-                or (what == "server" and vllm and not judge)
-                or (what == "reward" and vllm and judge)):
+        if (
+            (what == "broker" and cmd[1:3] == ["-m", "broker"])
+            or (what == "rank" and "LearnerActor" in " ".join(cmd))
+            or (what == "fleet" and "ray::FleetActor" in " ".join(cmd))
+            or (what == "server" and vllm and not judge)
+            or (what == "reward" and vllm and judge)
+        ):
             return p.pid
     return None
 
@@ -125,13 +129,29 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
     """One launch of the plan's recipe; each of ``kills`` in order once the learner reached its step."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("FLEETRL_ENGINE_TOKEN", None)  # the run makes its own token (core.engine_auth)
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", *_recipe(plan),
-           "--max-steps", str(STEPS), "--run-dir", str(run_dir), "--no-live", f"broker.groups_per_step={GROUPS}",
-           f"broker.max_staleness={K}", "run.eval_samples=0", f"learner.checkpoint_every={EVERY}"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "0",
+        "--learner-gpus",
+        "0",
+        *_recipe(plan),
+        "--max-steps",
+        str(STEPS),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        f"broker.groups_per_step={GROUPS}",
+        f"broker.max_staleness={K}",
+        "run.eval_samples=0",
+        f"learner.checkpoint_every={EVERY}",
+    ]
     log = run_dir.parent / f"{run_dir.name}-launch-{n}.out"
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     seen: set[int] = {proc.pid}
     done: list[dict] = []
     armed: float | None = None
@@ -146,16 +166,17 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
                 # (trained past it): kills that overlap test the restart of a restart, not each one. A fleet
                 # actor or a reward server must also be back in service: the learner trains past the step
                 # on queued groups long before either is, and their recovery is what their kill tests.
-                settled = not done or (step > done[-1]["step_at_kill"]
-                                       and (done[-1]["what"] not in WAIT_BACK or _back(run_dir, log, done[-1])))
+                settled = not done or (
+                    step > done[-1]["step_at_kill"]
+                    and (done[-1]["what"] not in WAIT_BACK or _back(run_dir, log, done[-1]))
+                )
                 if armed is None and settled and step >= k["at_step"]:
                     armed = time.monotonic() + k["delay_s"]
                 if armed is not None and time.monotonic() >= armed:
                     pid = _target(proc.pid, k["what"])
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
-                        done.append({**k, "pid": pid, "step_at_kill": step, "t": time.monotonic(),
-                                     "unix": time.time()})
+                        done.append({**k, "pid": pid, "step_at_kill": step, "t": time.monotonic(), "unix": time.time()})
                         armed = None
             for d in done:  # the learner trains a step past the one it was at (it may never have stalled)
                 if d["what"] in SURVIVED and "learner_next_step_s" not in d and step > d["step_at_kill"]:
@@ -176,11 +197,19 @@ def _launch(run_dir: Path, plan: list[dict], kills: list[dict], n: int) -> dict:
     text = log.read_text()
     # recoveries the launch logged, the soak's kills and any other (Ray's memory monitor kills a restartable
     # actor first when the host runs short: on the shared dev box it has killed the fleet actor while it started)
-    recovered = {"fleet": text.count("launch.fleet_recovery: fleet back in service"),
-                 "reward": text.count("restarted and healthy at http"),
-                 "ray_memory_monitor_kills": text.count("killed due to the node running low on memory")}
-    return {"rc": proc.returncode, "kills": done, "seen": seen, "seconds": round(time.monotonic() - t0, 1),
-            "text": text, "recovered": recovered}
+    recovered = {
+        "fleet": text.count("launch.fleet_recovery: fleet back in service"),
+        "reward": text.count("restarted and healthy at http"),
+        "ray_memory_monitor_kills": text.count("killed due to the node running low on memory"),
+    }
+    return {
+        "rc": proc.returncode,
+        "kills": done,
+        "seen": seen,
+        "seconds": round(time.monotonic() - t0, 1),
+        "text": text,
+        "recovered": recovered,
+    }
 
 
 def _back(run_dir: Path, log: Path, kill: dict) -> float | None:
@@ -189,7 +218,8 @@ def _back(run_dir: Path, log: Path, kill: dict) -> float | None:
         "server": (run_dir / "logs" / "fleet.log", "engines.vllm.server: vLLM server", "healthy after"),
         "broker": (log, "launch.broker_supervisor: broker restarted", ""),
         "fleet": (log, "launch.fleet_recovery: fleet back in service", ""),
-        "reward": (log, "launch.reward_servers: reward server", "restarted and healthy")}[kill["what"]]
+        "reward": (log, "launch.reward_servers: reward server", "restarted and healthy"),
+    }[kill["what"]]
     return _first_after(path, marker, also, kill["unix"])
 
 
@@ -243,9 +273,17 @@ def soak(tmp_path_factory):
             lingered[p]["seconds"] = round(time.monotonic() - t_end, 1)
         time.sleep(1.0)
     rows = spool_rows(run_dir / "spool", run_dir / "spool.parquet")
-    return {"dir": run_dir, "plan": plan, "launches": [first, second], "starts": starts, "left": left,
-            "lingered": list(lingered.values()),
-            "spool": rows, "resumed_from": resumed_from, "seconds": round(time.time() - t_start, 1)}
+    return {
+        "dir": run_dir,
+        "plan": plan,
+        "launches": [first, second],
+        "starts": starts,
+        "left": left,
+        "lingered": list(lingered.values()),
+        "spool": rows,
+        "resumed_from": resumed_from,
+        "seconds": round(time.time() - t_start, 1),
+    }
 
 
 def _effective(run_dir: Path) -> dict[int, dict]:
@@ -256,14 +294,25 @@ def _effective(run_dir: Path) -> dict[int, dict]:
 
 def test_chaos_soak_loses_nothing_trains_nothing_twice_and_leaves_no_process(soak):
     first, second = soak["launches"]
-    outcome: dict = {"seed": SEED, "schedule": soak["plan"], "steps": STEPS, "groups_per_step": GROUPS,
-                     "max_staleness": K, "kills": first["kills"], "launch_rc": [first["rc"], second["rc"]],
-                     "launch_seconds": [first["seconds"], second["seconds"]], "learner_starts": soak["starts"],
-                     "seconds": soak["seconds"], "processes_lingered": soak["lingered"],
-                     "recoveries_logged": [first["recovered"], second["recovered"]]}
+    outcome: dict = {
+        "seed": SEED,
+        "schedule": soak["plan"],
+        "steps": STEPS,
+        "groups_per_step": GROUPS,
+        "max_staleness": K,
+        "kills": first["kills"],
+        "launch_rc": [first["rc"], second["rc"]],
+        "launch_seconds": [first["seconds"], second["seconds"]],
+        "learner_starts": soak["starts"],
+        "seconds": soak["seconds"],
+        "processes_lingered": soak["lingered"],
+        "recoveries_logged": [first["recovered"], second["recovered"]],
+    }
     try:
         assert [k["what"] for k in first["kills"]] == [p["what"] for p in soak["plan"]], (
-            first["kills"], first["text"][-3000:])
+            first["kills"],
+            first["text"][-3000:],
+        )
         assert first["rc"] != 0 and second["rc"] == 0, (first["rc"], second["text"][-4000:])
         survived = first["kills"][0]
         if survived["what"] in WAIT_BACK:  # it came back within launch 1, before the second kill

@@ -7,8 +7,13 @@ import os
 import pytest
 
 # The 2-GPU machine shares its NVLink fabric: multicast stays off in every process we start.
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-               "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1"}.items():
+for _k, _v in {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "HF_HUB_OFFLINE": "1",
+}.items():
     os.environ.setdefault(_k, _v)
 
 
@@ -23,8 +28,6 @@ def qwen_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen2-0.5b-random")
     s0, s1 = random_qwen2_state(0), random_qwen2_state(1)
     return save_checkpoint(s0, root / "v0"), save_checkpoint(s1, root / "v1"), s0, s1
-
-
 
 
 @pytest.fixture(scope="module")

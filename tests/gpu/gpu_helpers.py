@@ -17,16 +17,30 @@ VOCAB = 151936
 EOS = 151643
 
 
-SHAPE = dict(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-             num_attention_heads=14, num_key_value_heads=2)  # Qwen2-0.5B
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+)  # Qwen2-0.5B
 
 
 def qwen2_05b_config():
     from transformers import Qwen2Config
 
-    return Qwen2Config(**SHAPE, max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, dtype="bfloat16", bos_token_id=EOS, eos_token_id=EOS,
-                       use_sliding_window=False)
+    return Qwen2Config(
+        **SHAPE,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+        use_sliding_window=False,
+    )
 
 
 def random_qwen2_state(seed: int, embed_scale: float = 5.0) -> dict:
@@ -54,8 +68,7 @@ def write_tokenizer(out: Path) -> None:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##")  # joins with spaces; any decoder that never fails will do
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=f"<t{EOS}>", unk_token="<t0>",
-                                  pad_token=f"<t{EOS}>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=f"<t{EOS}>", unk_token="<t0>", pad_token=f"<t{EOS}>")
     tok.save_pretrained(str(out))
 
 
@@ -67,8 +80,7 @@ def save_checkpoint(state: dict, out: Path) -> Path:
     cfg = qwen2_05b_config()
     cfg.architectures = ["Qwen2ForCausalLM"]  # SGLang picks the model class from this (vLLM infers it)
     cfg.save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     if not (out / "tokenizer.json").exists():
         write_tokenizer(out)
     return out
@@ -87,18 +99,16 @@ class Reference:
         self.load(state)
 
     def load(self, state: dict) -> None:
-        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()},
-                                                         strict=False)
+        missing, unexpected = self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         self.model.tie_weights()
 
-    def logprobs(self, prompt: list[int], response: list[int],
-                 temperature: float = 1.0) -> "np.ndarray":  # noqa: F821
+    def logprobs(self, prompt: list[int], response: list[int], temperature: float = 1.0) -> "np.ndarray":  # noqa: F821
         import torch
 
         ids = torch.tensor([prompt + response], device=self.device)
         with torch.no_grad():
-            logits = self.model(ids).logits[0, len(prompt) - 1: -1].float() / temperature
+            logits = self.model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
         lp = torch.log_softmax(logits, dim=-1)
         return lp.gather(1, torch.tensor(response, device=self.device)[:, None])[:, 0].cpu().numpy()
 
@@ -135,16 +145,25 @@ def record(test: str, what: str, **kw) -> None:
             f.write(json.dumps({"test": test, "what": what, **kw}) + "\n")
 
 
-def check_logprobs(test: str, samples, prompt: list[int], ref_same: "Reference", ref_other: "Reference",
-                   label: str) -> None:
+def check_logprobs(
+    test: str, samples, prompt: list[int], ref_same: "Reference", ref_other: "Reference", label: str
+) -> None:
     """Engine log-probs must fit the weights they were sampled with, and must not fit the other version's
     (otherwise the check could not fail)."""
     d_same = compare(samples, prompt, ref_same)
     d_other = compare(samples, prompt, ref_other)
-    record(test, label, tokens=int(d_same.size), mean_abs=float(d_same.mean()), max_abs=float(d_same.max()),
-           other_mean_abs=float(d_other.mean()))
-    print(f"{label}: log-prob |diff| mean {d_same.mean():.4f} max {d_same.max():.4f}; "
-          f"other weights mean {d_other.mean():.3f}")
+    record(
+        test,
+        label,
+        tokens=int(d_same.size),
+        mean_abs=float(d_same.mean()),
+        max_abs=float(d_same.max()),
+        other_mean_abs=float(d_other.mean()),
+    )
+    print(
+        f"{label}: log-prob |diff| mean {d_same.mean():.4f} max {d_same.max():.4f}; "
+        f"other weights mean {d_other.mean():.3f}"
+    )
     assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL, (label, d_same.mean(), d_same.max())
     assert d_other.mean() > OTHER_MIN, f"{label}: the other version's weights fit as well: the check is blind"
 
@@ -162,9 +181,18 @@ def vllm_server_on_gpu1(test: str, model: str, run_dir: str, weight_backend: str
 
     if torch.cuda.device_count() < 2:
         raise RuntimeError("the vLLM GPU tests need 2 GPUs (engine on GPU 1, learner on GPU 0)")
-    srv = VLLMServer(VLLMServerArgs(model=model, dtype="bfloat16", max_model_len=2048, tensor_parallel_size=1,
-                                    **{"gpu_memory_utilization": 0.5, "max_num_seqs": 256, **overrides},
-                                    weight_backend=weight_backend, env={"CUDA_VISIBLE_DEVICES": "1"}), run_dir)
+    srv = VLLMServer(
+        VLLMServerArgs(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=2048,
+            tensor_parallel_size=1,
+            **{"gpu_memory_utilization": 0.5, "max_num_seqs": 256, **overrides},
+            weight_backend=weight_backend,
+            env={"CUDA_VISIBLE_DEVICES": "1"},
+        ),
+        run_dir,
+    )
     t0 = time.monotonic()
     srv.start()
     record(test, "startup", seconds=time.monotonic() - t0, command=srv.command())

@@ -37,34 +37,62 @@ def bf16_model(src: Path, out: Path) -> Path:
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy2(f, out / f.name)
     sd = load_file(str(src / "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     cfg = json.loads((out / "config.json").read_text())
     cfg["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
-def learner_cfg(tp: int = 1, sp: bool = False, dist_opt: bool = True, pp: int = 1, kl_coef: float = 0.0,
-                reference_offload: bool = True, attn: str = "auto", logprobs: str = "auto", temperature: float = 1.0,
-                logprob_chunk: int = 4096):
+def learner_cfg(
+    tp: int = 1,
+    sp: bool = False,
+    dist_opt: bool = True,
+    pp: int = 1,
+    kl_coef: float = 0.0,
+    reference_offload: bool = True,
+    attn: str = "auto",
+    logprobs: str = "auto",
+    temperature: float = 1.0,
+    logprob_chunk: int = 4096,
+):
     from learner.config import LearnerConfig
 
-    return LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled", "kl_coef": kl_coef},
-        # eps 1e-5: as in the CPU learner tests, Adam's first step of a near-zero gradient stays smooth.
-        "optim": {"lr": 1e-3, "eps": 1e-5, "grad_clip": 1.0},
-        "micro_batch_tokens": 64,
-        "reference_offload": reference_offload, "attn_implementation": attn, "logprobs": logprobs, "temperature": temperature,
-        "logprob_chunk": logprob_chunk,
-        "megatron": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "sequence_parallel": sp,
-                     "use_distributed_optimizer": dist_opt},
-    })
+    return LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled", "kl_coef": kl_coef},
+            # eps 1e-5: as in the CPU learner tests, Adam's first step of a near-zero gradient stays smooth.
+            "optim": {"lr": 1e-3, "eps": 1e-5, "grad_clip": 1.0},
+            "micro_batch_tokens": 64,
+            "reference_offload": reference_offload,
+            "attn_implementation": attn,
+            "logprobs": logprobs,
+            "temperature": temperature,
+            "logprob_chunk": logprob_chunk,
+            "megatron": {
+                "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
+                "sequence_parallel": sp,
+                "use_distributed_optimizer": dist_opt,
+            },
+        }
+    )
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0", NCCL_CUMEM_ENABLE="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        NCCL_NVLS_ENABLE="0",
+        NCCL_CUMEM_ENABLE="0",
+    )
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
     from learner.run import init_distributed
 
@@ -76,8 +104,15 @@ def _plan(engine, seed: int = 0):
 
     from learner.batch import plan_step
 
-    return plan_step(make_batches(1, seed=seed)[0], rank=engine.data_rank, world_size=engine.data_world_size,
-                     micro_batch_tokens=64, advantage="mean_std", drop_uniform=True, aggregation="token")
+    return plan_step(
+        make_batches(1, seed=seed)[0],
+        rank=engine.data_rank,
+        world_size=engine.data_world_size,
+        micro_batch_tokens=64,
+        advantage="mean_std",
+        drop_uniform=True,
+        aggregation="token",
+    )
 
 
 def megatron_grads(engine, plan) -> dict:
@@ -95,14 +130,23 @@ def megatron_grads(engine, plan) -> dict:
     engine.model.zero_grad_buffer()
 
     def loss_of(logp, ent, mb):
-        return policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss,
-                           prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+        return policy_loss(
+            logp,
+            mb.behaviour_logp,
+            mb.advantages,
+            mb.weights,
+            engine.loss,
+            prox_logp=mb.prox_logp,
+            ref_logp=mb.ref_logp,
+            entropy=ent,
+        )
 
     engine._run(plan.micro_batches, loss_of, forward_only=False)
     params = {global_name(n, engine.layers[0]): p for n, p in engine.gpt.named_parameters()}
     out = {}
-    for mname in cv.megatron_names(engine.shape, layers=engine.layers, pre_process=engine.pre,
-                                   post_process=engine.post):
+    for mname in cv.megatron_names(
+        engine.shape, layers=engine.layers, pre_process=engine.pre, post_process=engine.post
+    ):
         g = params[mname].main_grad.detach().float()
         shards = [g]
         if engine.tp > 1 and cv.tp_dim(mname) is not None:
@@ -125,17 +169,30 @@ def megatron_rank(rank: int, world: int, port: int, kw: dict) -> None:
     _init(rank, world, port)
     res: dict = {}
     for i, model in enumerate(kw["models"]):
-        engine = MegatronEngine(learner_cfg(kw["tp"], kw.get("sp", False), kw.get("dist_opt", True), kw.get("pp", 1),
-                                            kw.get("kl_coef", 0.0), kw.get("reference_offload", True),
-                                            kw.get("attn", "auto"), kw.get("logprobs", "auto"),
-                                            kw.get("temperature", 1.0), kw.get("logprob_chunk", 4096)), model,
-                                total_steps=3, seed=0)
+        engine = MegatronEngine(
+            learner_cfg(
+                kw["tp"],
+                kw.get("sp", False),
+                kw.get("dist_opt", True),
+                kw.get("pp", 1),
+                kw.get("kl_coef", 0.0),
+                kw.get("reference_offload", True),
+                kw.get("attn", "auto"),
+                kw.get("logprobs", "auto"),
+                kw.get("temperature", 1.0),
+                kw.get("logprob_chunk", 4096),
+            ),
+            model,
+            total_steps=3,
+            seed=0,
+        )
         res[f"build_s_{i}"] = time.time() - t0
         res["chunked"] = engine.chunked
         if engine.post:  # the dtype the output layer's logits come out in (fp32: learner/megatron/engine.py;
             # never called with chunked log-probs, whose head takes the output layer's weight instead)
             engine.gpt.output_layer.register_forward_hook(
-                lambda _m, _i, out: res.__setitem__("head_dtype", str(out[0].dtype)))
+                lambda _m, _i, out: res.__setitem__("head_dtype", str(out[0].dtype))
+            )
         if kw.get("roundtrip"):
             full = {n: t.detach().cpu().clone() for n, t in engine.full_tensors()}
             engine.export_hf(Path(kw["out"] + f".export{i}"))
@@ -189,8 +246,11 @@ def _kl_steps(engine) -> dict:
     import torch
 
     def logps(plan, attr):
-        return [getattr(mb, attr).detach().float().cpu().clone() for mb in plan.micro_batches
-                if getattr(mb, attr) is not None]
+        return [
+            getattr(mb, attr).detach().float().cpu().clone()
+            for mb in plan.micro_batches
+            if getattr(mb, attr) is not None
+        ]
 
     plan_a, plan_b = _plan(engine, seed=0), _plan(engine, seed=1)
     engine.prepare_logprobs(plan_b)
@@ -208,11 +268,19 @@ def _kl_steps(engine) -> dict:
     def mean_diff(xs, ys):
         return torch.cat([(x - y).abs() for x, y in zip(xs, ys, strict=True)]).mean().item() if xs else None
 
-    return {"m1": m1, "m2": m2, "last_stage": engine.post, "n_logp": sum(x.numel() for x in ref_a),
-            "ref_vs_policy_step1": max_diff(ref_a, prox_a), "ref_moved": max_diff(ref_b0, ref_b1),
-            "policy_moved": max_diff(prox_b0, prox_b1), "ref_moved_mean": mean_diff(ref_b0, ref_b1),
-            "policy_moved_mean": mean_diff(prox_b0, prox_b1), "ref_on": str(next(engine.ref.parameters()).device),
-            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
+    return {
+        "m1": m1,
+        "m2": m2,
+        "last_stage": engine.post,
+        "n_logp": sum(x.numel() for x in ref_a),
+        "ref_vs_policy_step1": max_diff(ref_a, prox_a),
+        "ref_moved": max_diff(ref_b0, ref_b1),
+        "policy_moved": max_diff(prox_b0, prox_b1),
+        "ref_moved_mean": mean_diff(ref_b0, ref_b1),
+        "policy_moved_mean": mean_diff(prox_b0, prox_b1),
+        "ref_on": str(next(engine.ref.parameters()).device),
+        "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+    }
 
 
 def _publish(engine, kw: dict, rank: int) -> dict:
@@ -229,8 +297,13 @@ def _publish(engine, kw: dict, rank: int) -> dict:
     if rank == 0:
         rx = bench.PipeEngine("megatron-rx", kw["conn"])
         plan = build_plan(engine.param_plan(torch.bfloat16), 1 << 20)  # small buckets: several per publish
-        pub = Publisher(WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=1, timeout_s=120), plan,
-                        rank=0, engines=[rx], device=str(engine.device))
+        pub = Publisher(
+            WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=1, timeout_s=120),
+            plan,
+            rank=0,
+            engines=[rx],
+            device=str(engine.device),
+        )
     try:
         for version in (1, 2):
             if version == 2:
@@ -265,11 +338,16 @@ def one_sequence(prompt: list[int], response: list[int]):
 
     n = len(response)
     z = torch.zeros(n)
-    return MicroBatch(input_ids=torch.tensor([prompt + response]),
-                      position_ids=torch.arange(len(prompt) + n).view(1, -1),
-                      target_index=torch.arange(len(prompt) - 1, len(prompt) + n - 1),
-                      targets=torch.tensor(response), behaviour_logp=z, advantages=z, weights=z,
-                      seq_lens=torch.tensor([n]))
+    return MicroBatch(
+        input_ids=torch.tensor([prompt + response]),
+        position_ids=torch.arange(len(prompt) + n).view(1, -1),
+        target_index=torch.arange(len(prompt) - 1, len(prompt) + n - 1),
+        targets=torch.tensor(response),
+        behaviour_logp=z,
+        advantages=z,
+        weights=z,
+        seq_lens=torch.tensor([n]),
+    )
 
 
 def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
@@ -302,8 +380,13 @@ def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
         # staged publishes: the first (the server's own v0 weights again) records the engine's copy plan,
         # the second (Megatron's) is replayed from it (weight_sync/copy_plan.py), so the comparison below
         # also checks that a replayed commit loads every weight
-        pub = Publisher(WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=256, timeout_s=120,
-                                         staging=True), plan, rank=0, engines=[target], device=str(engine.device))
+        pub = Publisher(
+            WeightSyncConfig(backend=BACKEND, nccl_impl="torch", bucket_mb=256, timeout_s=120, staging=True),
+            plan,
+            rank=0,
+            engines=[target],
+            device=str(engine.device),
+        )
         if kw.get("v0"):
             from safetensors.torch import load_file
 
@@ -331,8 +414,9 @@ def megatron_vllm_rank(rank: int, world: int, port: int, kw: dict) -> None:
             out["checksums"] = (rep.checksum, dict(rep.per_engine_checksums))
             hi = min(100000, engine.shape.vocab)
             prompt = random.Random(1).sample(range(min(1000, hi // 4), hi), 16)
-            samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32,
-                                                                                       temperature=1.0)))
+            samples = loop.run_until_complete(
+                sampler.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0))
+            )
             box = [(prompt, [(s.token_ids.tolist(), s.logprobs.tolist()) for s in samples])]
         else:
             for _ in tensors:  # the TP all-gathers are collectives
@@ -372,8 +456,16 @@ def fsdp_rank(rank: int, world: int, port: int, kw: dict) -> None:
     engine.model.train()
     for mb in plan.micro_batches:
         logp, ent = engine.forward_logprobs(mb, grad=True)
-        loss, _ = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss,
-                              prox_logp=mb.prox_logp, ref_logp=mb.ref_logp, entropy=ent)
+        loss, _ = policy_loss(
+            logp,
+            mb.behaviour_logp,
+            mb.advantages,
+            mb.weights,
+            engine.loss,
+            prox_logp=mb.prox_logp,
+            ref_logp=mb.ref_logp,
+            entropy=ent,
+        )
         (loss * engine.world_size).backward()
     grads = {n: p.grad.full_tensor().float().cpu() for n, p in engine.model.named_parameters()}
     engine.optimizer.zero_grad(set_to_none=True)

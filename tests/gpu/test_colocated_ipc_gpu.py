@@ -30,10 +30,20 @@ def server(qwen_checkpoints, tmp_path_factory):
     from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     run_dir = os.environ.get("FLEETRL_COLOCATED_IPC_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-ipc"))
-    srv = VLLMServer(VLLMServerArgs(model=str(qwen_checkpoints[0]), dtype="bfloat16", max_model_len=2048,
-                                    gpu_memory_utilization=0.35, max_num_seqs=64, enforce_eager=True,
-                                    weight_backend="fleetrl", extra_args=["--enable-sleep-mode"],
-                                    env={"CUDA_VISIBLE_DEVICES": os.environ.get("FLEETRL_IPC_GPU", "0")}), run_dir)
+    srv = VLLMServer(
+        VLLMServerArgs(
+            model=str(qwen_checkpoints[0]),
+            dtype="bfloat16",
+            max_model_len=2048,
+            gpu_memory_utilization=0.35,
+            max_num_seqs=64,
+            enforce_eager=True,
+            weight_backend="fleetrl",
+            extra_args=["--enable-sleep-mode"],
+            env={"CUDA_VISIBLE_DEVICES": os.environ.get("FLEETRL_IPC_GPU", "0")},
+        ),
+        run_dir,
+    )
     t0 = time.monotonic()
     srv.start()
     record(TEST, "startup", seconds=time.monotonic() - t0, command=srv.command())
@@ -60,7 +70,7 @@ def _greedy_fits(loop, sampler, ref: Reference, prompts: list[list[int]]) -> flo
         (s,) = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=1, max_tokens=8, temperature=0.0)))
         ids = torch.tensor([prompt + [int(t) for t in s.token_ids]], device=ref.device)
         with torch.no_grad():
-            top = ref.model(ids).logits[0, len(prompt) - 1: -1].argmax(-1).cpu().tolist()
+            top = ref.model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).cpu().tolist()
         hit += sum(int(a == b) for a, b in zip(top, s.token_ids, strict=True))
         total += len(top)
     return hit / total
@@ -102,15 +112,32 @@ def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpo
         ipc_s, steps = [], []
         for version, state in ((1, s1), (2, s0), (3, s1), (4, s0), (5, s1)):  # v1 includes the join
             learner = _on_gpu(state)
-            rep, load_s = _colocated_publish(loop, sampler, lambda v=version, w=learner: pub.publish(v, iter(w.items())))
+            rep, load_s = _colocated_publish(
+                loop, sampler, lambda v=version, w=learner: pub.publish(v, iter(w.items()))
+            )
             assert rep.per_engine_checksums == {"vllm-ipc": rep.checksum}, rep
             ipc_s.append(load_s)
             steps.append(dict(engine.last_update_steps))
             del learner
-        record(TEST, "ipc_load", bytes=rep.bytes, buckets=len(plan.buckets), slots=len(pub.bufs),
-               rounds=len(pub.rounds), first_s=ipc_s[0], seconds=ipc_s[1:], http_steps_s=steps[1:])
-        print("IPC load per publish (s):", [round(x, 4) for x in ipc_s], "buckets", len(plan.buckets),
-              "rounds", len(pub.rounds))
+        record(
+            TEST,
+            "ipc_load",
+            bytes=rep.bytes,
+            buckets=len(plan.buckets),
+            slots=len(pub.bufs),
+            rounds=len(pub.rounds),
+            first_s=ipc_s[0],
+            seconds=ipc_s[1:],
+            http_steps_s=steps[1:],
+        )
+        print(
+            "IPC load per publish (s):",
+            [round(x, 4) for x in ipc_s],
+            "buckets",
+            len(plan.buckets),
+            "rounds",
+            len(pub.rounds),
+        )
         ref1, ref0 = Reference(s1), Reference(s0)
         rng = random.Random(3)
         prompts = [rng.sample(range(1000, 100000), 16) for _ in range(4)]
@@ -118,22 +145,31 @@ def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpo
         record(TEST, "greedy_after_ipc", fraction_argmax_new=fit1, fraction_argmax_old=fit0)
         print(f"greedy tokens that are transformers' argmax: new weights {fit1:.3f}, old {fit0:.3f}")
         assert fit1 >= 0.9 and fit0 < 0.5, (fit1, fit0)
-        samples = loop.run_until_complete(sampler.generate(prompts[0], SamplingParams(n=4, max_tokens=32,
-                                                                                      temperature=1.0)))
+        samples = loop.run_until_complete(
+            sampler.generate(prompts[0], SamplingParams(n=4, max_tokens=32, temperature=1.0))
+        )
         check_logprobs(TEST, samples, prompts[0], ref1, ref0, "logprobs_after_ipc")
         del ref0, ref1
         torch.cuda.empty_cache()
 
         # the gloo path colocated mode took so far, side by side (same server, same weights, same step)
         gplan = build_plan(params, int(ws.bucket_mb * (1 << 20)), ws.tail_bytes(False))  # as rank.py for gloo
-        gengine = VLLMWeightClient("vllm-gloo", server.url, model=server.model_name, weight_backend="fleetrl",
-                                   timeout_s=120, update_pause_mode="wait")
+        gengine = VLLMWeightClient(
+            "vllm-gloo",
+            server.url,
+            model=server.model_name,
+            weight_backend="fleetrl",
+            timeout_s=120,
+            update_pause_mode="wait",
+        )
         gpub = Publisher(ws, gplan, rank=0, engines=[gengine], device="cpu")
         try:
             gloo_s = []
             for version, state in ((6, s0), (7, s1), (8, s0)):
                 learner = _on_gpu(state)
-                rep, load_s = _colocated_publish(loop, sampler, lambda v=version, w=learner: gpub.publish(v, iter(w.items())))
+                rep, load_s = _colocated_publish(
+                    loop, sampler, lambda v=version, w=learner: gpub.publish(v, iter(w.items()))
+                )
                 assert rep.per_engine_checksums == {"vllm-gloo": rep.checksum}, rep
                 gloo_s.append(load_s)
                 del learner
@@ -150,8 +186,9 @@ def test_ipc_load_matches_transformers_and_beats_gloo(server, loop, qwen_checkpo
         learner = _on_gpu(s1)
         rep, _ = _colocated_publish(loop, sampler, lambda: pub.publish(9, iter(learner.items())))
         assert rep.per_engine_checksums == {"vllm-ipc": rep.checksum}, rep
-        samples = loop.run_until_complete(sampler.generate(prompts[1], SamplingParams(n=4, max_tokens=32,
-                                                                                      temperature=1.0)))
+        samples = loop.run_until_complete(
+            sampler.generate(prompts[1], SamplingParams(n=4, max_tokens=32, temperature=1.0))
+        )
         check_logprobs(TEST, samples, prompts[1], Reference(s1), Reference(s0), "logprobs_after_ipc_rejoin")
     finally:
         pub.close()

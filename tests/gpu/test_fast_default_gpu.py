@@ -60,8 +60,9 @@ def one_rank_group():
     from core.http_client import free_port
 
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
         torch.cuda.set_device(0)
         dist.init_process_group("nccl")
     yield
@@ -78,15 +79,23 @@ def test_engine_as_shipped_takes_the_fast_path(tmp_path, one_rank_group):
     from learner.fsdp import FSDPEngine
 
     model = make_tiny_model(tmp_path / "model")
-    eng = FSDPEngine(LearnerConfig.model_validate({"loss": {"correction": "tis"}, "optim": {"lr": 1e-3}}),
-                     str(model), total_steps=10)
+    eng = FSDPEngine(
+        LearnerConfig.model_validate({"loss": {"correction": "tis"}, "optim": {"lr": 1e-3}}), str(model), total_steps=10
+    )
     s = eng.settings
     assert (s.chunked_logprobs, s.varlen, s.fused_optimizer, s.meta_init, s.compile_blocks, s.fused_head) == (True,) * 6
     assert s.root_dtype == "bfloat16" and s.pending
     tokens = eng.micro_batch_tokens  # settles: a tiny model gets the cap
     assert tokens == MAX_AUTO_TOKENS and not eng.settings.pending and not eng.settings.activation_checkpointing
     assert "GiB free" in eng.settings.micro_batch_source
-    plan = plan_step(make_batches(1)[0], rank=0, world_size=1, micro_batch_tokens=tokens, advantage="mean_std",
-                     drop_uniform=True, aggregation="token")
+    plan = plan_step(
+        make_batches(1)[0],
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=tokens,
+        advantage="mean_std",
+        drop_uniform=True,
+        aggregation="token",
+    )
     m = [eng.train_step(plan) for _ in range(2)]
     assert all(math.isfinite(x["loss_total"]) and math.isfinite(x["grad_norm"]) and x["grad_norm"] > 0 for x in m)

@@ -68,8 +68,15 @@ def _tiny_bf16_model(attn: str):
     if attn == "varlen":
         attn = attention.register()
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
-                      intermediate_size=512, vocab_size=96, max_position_embeddings=512)
+    cfg = Qwen2Config(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        intermediate_size=512,
+        vocab_size=96,
+        max_position_embeddings=512,
+    )
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16).cuda().eval()
 
 
@@ -82,8 +89,15 @@ def test_varlen_attention_matches_sdpa_packed_mask():
     from learner.batch import plan_step
     from learner.engine import packed_forward
 
-    plan = plan_step(batch(n_groups=6, group_size=4), rank=0, world_size=1, micro_batch_tokens=10_000,
-                     advantage="mean", drop_uniform=False, aggregation="token")
+    plan = plan_step(
+        batch(n_groups=6, group_size=4),
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=10_000,
+        advantage="mean",
+        drop_uniform=False,
+        aggregation="token",
+    )
     (mb,) = plan.micro_batches
     assert len(mb.seq_lens) > 10  # many sequences in one row: the masking is really exercised
     mb.to(torch.device("cuda"))
@@ -109,8 +123,9 @@ def one_rank_group():
     from core.http_client import free_port
 
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
         torch.cuda.set_device(0)
         dist.init_process_group("nccl")
     yield
@@ -130,17 +145,33 @@ def test_fast_engine_step_matches_plain(tmp_path, one_rank_group, tie):
     model = make_tiny_model(tmp_path / "model", tie=tie)
     batch = make_batches(1)[0]
     out = {}
-    for name, over in {"plain": {"logprobs": "full", "attn_implementation": "sdpa", "fused_optimizer": "off",
-                                 "meta_init": "off"},
-                       "fast": {"logprobs": "chunked", "attn_implementation": "varlen", "fused_optimizer": "on",
-                                "meta_init": "on", "logprob_chunk": 7}}.items():
-        cfg = LearnerConfig.model_validate({"loss": {"correction": "tis"}, "optim": {"lr": 1e-3},
-                                            "micro_batch_tokens": 64, **over})
+    for name, over in {
+        "plain": {"logprobs": "full", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off"},
+        "fast": {
+            "logprobs": "chunked",
+            "attn_implementation": "varlen",
+            "fused_optimizer": "on",
+            "meta_init": "on",
+            "logprob_chunk": 7,
+        },
+    }.items():
+        cfg = LearnerConfig.model_validate(
+            {"loss": {"correction": "tis"}, "optim": {"lr": 1e-3}, "micro_batch_tokens": 64, **over}
+        )
         eng = FSDPEngine(cfg, str(model), total_steps=10)
-        init = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for k, v in eng.model.state_dict().items()}
-        plan = plan_step(batch, rank=0, world_size=1, micro_batch_tokens=64, advantage="mean_std",
-                         drop_uniform=True, aggregation="token")
+        init = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in eng.model.state_dict().items()
+        }
+        plan = plan_step(
+            batch,
+            rank=0,
+            world_size=1,
+            micro_batch_tokens=64,
+            advantage="mean_std",
+            drop_uniform=True,
+            aggregation="token",
+        )
         out[name] = (init, [eng.train_step(plan) for _ in range(2)])
         del eng
     (i0, m0), (i1, m1) = out["plain"], out["fast"]
@@ -176,5 +207,7 @@ def test_the_head_matmul_of_half_operands_is_their_exact_fp32_product():
         err = float((out.double() - ref).abs().max() / ref.abs().max())
         rounded = float(((a @ b).double() - ref).abs().max() / ref.abs().max())
         assert err < 1e-5 and rounded > 1e-4, (dtype, err, rounded, logprobs._out_dtype_mm)
-        print(f"mm_fp32 {dtype}: max rel err {err:.2e} (a half-precision result: {rounded:.2e}); "
-              f"torch.mm out_dtype used: {logprobs._out_dtype_mm}")
+        print(
+            f"mm_fp32 {dtype}: max rel err {err:.2e} (a half-precision result: {rounded:.2e}); "
+            f"torch.mm out_dtype used: {logprobs._out_dtype_mm}"
+        )

@@ -24,11 +24,26 @@ def test_fsdp2_two_gpus_nccl_bf16_matches_one_gpu(tmp_path):
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
     model = make_tiny_model(tmp_path / "model")
     data = write_batches(tmp_path / "data.arrow", make_batches(2))
-    kw = dict(model=str(model), data=str(data), steps=2, backend="nccl", correction="decoupled",
-              micro_tokens=64, start_method="spawn", timeout=300)
+    kw = dict(
+        model=str(model),
+        data=str(data),
+        steps=2,
+        backend="nccl",
+        correction="decoupled",
+        micro_tokens=64,
+        start_method="spawn",
+        timeout=300,
+    )
     one = run_ranks(1, out=str(tmp_path / "one"), **kw)[0]["history"]
-    two = run_ranks(2, out=str(tmp_path / "two"), ckpt=str(tmp_path / "ckpt"), checkpoint_every=1,
-                    export=str(tmp_path / "export"), **kw)
+    two = run_ranks(
+        2,
+        out=str(tmp_path / "two"),
+        ckpt=str(tmp_path / "ckpt"),
+        checkpoint_every=1,
+        export=str(tmp_path / "export"),
+        **kw,
+    )
+
     def reduced(h):  # timings are per rank; everything else is reduced over ranks
         return [{k: v for k, v in step.items() if not k.endswith("_seconds")} for step in h]
 

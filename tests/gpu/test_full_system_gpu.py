@@ -44,15 +44,31 @@ def _need(engine: str, learner: str) -> None:
 
 def _run_cluster(engine: str, learner: str, out: Path, extra: tuple[str, ...] = ()) -> tuple[int, str, dict | None]:
     summary = out / "summary.json"
-    cmd = [sys.executable, str(REPO / "launch" / "cluster.py"), "--rollout-gpus", "1", "--learner-gpus", "1",
-           "--recipe", "gpu-tiny", "--max-steps", str(STEPS), "--summary", str(summary), "--no-live",
-           "--run-dir", str(out / "run"), f"rollout.engine={engine}", f"learner.engine={learner}", *extra]
+    cmd = [
+        sys.executable,
+        str(REPO / "launch" / "cluster.py"),
+        "--rollout-gpus",
+        "1",
+        "--learner-gpus",
+        "1",
+        "--recipe",
+        "gpu-tiny",
+        "--max-steps",
+        str(STEPS),
+        "--summary",
+        str(summary),
+        "--no-live",
+        "--run-dir",
+        str(out / "run"),
+        f"rollout.engine={engine}",
+        f"learner.engine={learner}",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_path = out / "cluster.log"
     with open(log_path, "wb") as logf:
         # own session: on timeout the driver gets SIGINT (its clean shutdown), then the group SIGKILL
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(LIMIT_S)
         except subprocess.TimeoutExpired:
@@ -67,13 +83,16 @@ def _run_cluster(engine: str, learner: str, out: Path, extra: tuple[str, ...] = 
     return rc, text, json.loads(summary.read_text()) if summary.exists() else None
 
 
-@pytest.mark.parametrize("engine,learner,staged", [
-    pytest.param("vllm", "fsdp", False, id="vllm"),
-    pytest.param("sglang", "fsdp", False, id="sglang"),
-    pytest.param("vllm", "megatron", False, id="vllm-megatron"),  # Megatron-core TP=1 learner on GPU 0
-    pytest.param("vllm", "fsdp", True, id="vllm-staged"),  # weight_sync.staging: receives while serving
-    pytest.param("sglang", "fsdp", True, id="sglang-staged"),  # through fleetrl's loader in SGLang's worker
-])
+@pytest.mark.parametrize(
+    "engine,learner,staged",
+    [
+        pytest.param("vllm", "fsdp", False, id="vllm"),
+        pytest.param("sglang", "fsdp", False, id="sglang"),
+        pytest.param("vllm", "megatron", False, id="vllm-megatron"),  # Megatron-core TP=1 learner on GPU 0
+        pytest.param("vllm", "fsdp", True, id="vllm-staged"),  # weight_sync.staging: receives while serving
+        pytest.param("sglang", "fsdp", True, id="sglang-staged"),  # through fleetrl's loader in SGLang's worker
+    ],
+)
 def test_full_system_two_gpus(engine, learner, staged, tmp_path):
     _need(engine, learner)
     base = os.environ.get("FLEETRL_SYSTEM_OUT")

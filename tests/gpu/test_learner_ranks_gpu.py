@@ -35,8 +35,17 @@ def test_two_gpu_ranks_train_over_nccl(tmp_path):
     from launch.learner_ranks import LearnerRanks
 
     steps = 3
-    cfg = load_run_config("tiny", [f"run.max_steps={steps}", f"run.run_dir={tmp_path}", "broker.groups_per_step=2",
-                                   "broker.max_staleness=1", "learner.export_every=0", "rollout.request_timeout_s=120"])
+    cfg = load_run_config(
+        "tiny",
+        [
+            f"run.max_steps={steps}",
+            f"run.run_dir={tmp_path}",
+            "broker.groups_per_step=2",
+            "broker.max_staleness=1",
+            "learner.export_every=0",
+            "rollout.request_timeout_s=120",
+        ],
+    )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     broker = BrokerProcess(groups_per_step=2, max_staleness=1).start()
     producer = _Producer(broker.address, group_size=4)
@@ -45,8 +54,9 @@ def test_two_gpu_ranks_train_over_nccl(tmp_path):
     ranks = None
     try:
         ray.get(pg.ready(), timeout=60)
-        ranks = LearnerRanks.start(cfg.model_dump(mode="json"), broker.address, str(tmp_path), None, n=2,
-                                   placement_group=pg, gpus_per_rank=1)
+        ranks = LearnerRanks.start(
+            cfg.model_dump(mode="json"), broker.address, str(tmp_path), None, n=2, placement_group=pg, gpus_per_rank=1
+        )
         deadline = time.monotonic() + 300
         while not ranks.poll(1.0):
             assert time.monotonic() < deadline, "two GPU learner ranks did not finish 3 steps in 300 s"

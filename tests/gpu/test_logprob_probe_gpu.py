@@ -29,11 +29,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 def server(qwen_checkpoints, tmp_path_factory):
     from engines.vllm.server import VLLMServer, VLLMServerArgs
 
-    srv = VLLMServer(VLLMServerArgs(model=str(qwen_checkpoints[0]), dtype="bfloat16", max_model_len=2048,
-                                    tensor_parallel_size=1, gpu_memory_utilization=0.3, max_num_seqs=64,
-                                    enforce_eager=True, weight_backend="nccl",
-                                    env={"CUDA_VISIBLE_DEVICES": "0"}),
-                     str(tmp_path_factory.mktemp("vllm-probe")))
+    srv = VLLMServer(
+        VLLMServerArgs(
+            model=str(qwen_checkpoints[0]),
+            dtype="bfloat16",
+            max_model_len=2048,
+            tensor_parallel_size=1,
+            gpu_memory_utilization=0.3,
+            max_num_seqs=64,
+            enforce_eager=True,
+            weight_backend="nccl",
+            env={"CUDA_VISIBLE_DEVICES": "0"},
+        ),
+        str(tmp_path_factory.mktemp("vllm-probe")),
+    )
     t0 = time.monotonic()
     srv.start()
     record("logprob_probe", "startup", seconds=time.monotonic() - t0, command=srv.command())
@@ -54,8 +63,9 @@ def test_processed_logprobs_at_t07_match_learner_within_probe_tolerance(server, 
     async def sample(prompts):
         client = VLLMGenerationClient("vllm-probe", server.url, model=server.model_name)
         try:
-            return await asyncio.gather(*(client.generate(p, SamplingParams(n=4, max_tokens=32, temperature=0.7))
-                                          for p in prompts))
+            return await asyncio.gather(
+                *(client.generate(p, SamplingParams(n=4, max_tokens=32, temperature=0.7)) for p in prompts)
+            )
         finally:
             await client.close()
 
@@ -65,9 +75,18 @@ def test_processed_logprobs_at_t07_match_learner_within_probe_tolerance(server, 
     ref = Reference(qwen_checkpoints[2])
     at_07 = np.concatenate([compare(g, p, ref, 0.7) for p, g in zip(prompts, groups, strict=True)])
     at_10 = np.concatenate([compare(g, p, ref, 1.0) for p, g in zip(prompts, groups, strict=True)])
-    record("logprob_probe", "t0.7", tokens=int(at_07.size), mean_abs=float(at_07.mean()), max_abs=float(at_07.max()),
-           mean_abs_scored_at_t1=float(at_10.mean()), tolerance=BF16_TOLERANCE)
-    print(f"T=0.7 processed log-probs vs learner at T=0.7: mean {at_07.mean():.4f} max {at_07.max():.4f} over "
-          f"{at_07.size} tokens; scored at T=1.0: mean {at_10.mean():.4f} (probe tolerance {BF16_TOLERANCE})")
+    record(
+        "logprob_probe",
+        "t0.7",
+        tokens=int(at_07.size),
+        mean_abs=float(at_07.mean()),
+        max_abs=float(at_07.max()),
+        mean_abs_scored_at_t1=float(at_10.mean()),
+        tolerance=BF16_TOLERANCE,
+    )
+    print(
+        f"T=0.7 processed log-probs vs learner at T=0.7: mean {at_07.mean():.4f} max {at_07.max():.4f} over "
+        f"{at_07.size} tokens; scored at T=1.0: mean {at_10.mean():.4f} (probe tolerance {BF16_TOLERANCE})"
+    )
     assert at_07.mean() < BF16_TOLERANCE and at_07.max() < MAX_TOL
     assert at_10.mean() > BF16_TOLERANCE, "scoring at the wrong temperature fits as well: the probe is blind"

@@ -37,8 +37,17 @@ os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 
 def _run(model: str, out: Path, logprobs: str) -> dict:
-    kw = {"models": [model], "tp": 1, "grads": True, "logp": True, "out": str(out), "attn": "varlen",
-          "logprobs": logprobs, "temperature": 0.7, "logprob_chunk": 7}  # several chunks per micro-batch
+    kw = {
+        "models": [model],
+        "tp": 1,
+        "grads": True,
+        "logp": True,
+        "out": str(out),
+        "attn": "varlen",
+        "logprobs": logprobs,
+        "temperature": 0.7,
+        "logprob_chunk": 7,
+    }  # several chunks per micro-batch
     run_procs(mw.megatron_rank, 1, kw, 150, "spawn")
     return torch.load(str(out) + ".rank0.pt", weights_only=False)
 
@@ -53,9 +62,11 @@ def test_megatron_chunked_logprobs_match_full_logits(tmp_path, tie):
     diff = sum(float((got["grads"][n] - ref["grads"][n]).pow(2).sum()) for n in ref["grads"]) ** 0.5
     norm = sum(float(g.pow(2).sum()) for g in ref["grads"].values()) ** 0.5
     m0, m1 = ref["metrics"], got["metrics"]
-    print(f"chunked vs full ({'tied' if tie else 'untied'}): {ref['logp'].numel()} tokens, max |dlogp| {dlogp:.2e}; "
-          f"grad rel {diff / norm:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; grad_norm "
-          f"{m0['grad_norm']:.5f} {m1['grad_norm']:.5f}; entropy {m0['entropy']:.5f} {m1['entropy']:.5f}")
+    print(
+        f"chunked vs full ({'tied' if tie else 'untied'}): {ref['logp'].numel()} tokens, max |dlogp| {dlogp:.2e}; "
+        f"grad rel {diff / norm:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; grad_norm "
+        f"{m0['grad_norm']:.5f} {m1['grad_norm']:.5f}; entropy {m0['entropy']:.5f} {m1['entropy']:.5f}"
+    )
     # The same bf16 body and the same fp32 logits (the full head upcasts both operands, the chunked one multiplies
     # the bf16 operands with an fp32 result: the same products): the log-probs differ only by the order of fp32
     # sums (~1e-6). The chunked head's backward takes the logits' gradient in bf16 into its two matmuls (as every

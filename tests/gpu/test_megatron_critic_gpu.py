@@ -37,9 +37,19 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 STEPS = 4
-KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
-        "critic/vf_explained_var", "critic/values_mean", "critic/returns_mean", "critic/advantages_mean",
-        "learner/loss_total", "learner/grad_norm")
+KEYS = (
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/grad_norm",
+    "critic/lr",
+    "critic/vf_explained_var",
+    "critic/values_mean",
+    "critic/returns_mean",
+    "critic/advantages_mean",
+    "learner/loss_total",
+    "learner/grad_norm",
+)
 
 
 def _rank(rank: int, world: int, port: int, kw: dict) -> None:
@@ -54,13 +64,23 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
 
     torch.cuda.set_device(rank)
     mw._init(rank, world, port)
-    cfg = LearnerConfig.model_validate({
-        "engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
-        "critic": {"optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"}, "warmup_steps": 1,
-                   "cliprange_value": 0.2},
-        "micro_batch_tokens": 48, "checkpoint_every": 2, "ppo_mini_batch_size": 2,
-        "megatron": {"tensor_model_parallel_size": kw["tp"]},
-        "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5}, "logprob_probe_tolerance": None})
+    cfg = LearnerConfig.model_validate(
+        {
+            "engine": "megatron",
+            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
+            "critic": {
+                "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+                "warmup_steps": 1,
+                "cliprange_value": 0.2,
+            },
+            "micro_batch_tokens": 48,
+            "checkpoint_every": 2,
+            "ppo_mini_batch_size": 2,
+            "megatron": {"tensor_model_parallel_size": kw["tp"]},
+            "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5},
+            "logprob_probe_tolerance": None,
+        }
+    )
     engine = MegatronEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     critic = MegatronCritic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
     values_dtype = []
@@ -77,13 +97,23 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
         with pa.ipc.open_file(kw["data"]) as f:
             source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
     published: list[int] = []
-    learner = Learner(engine, cfg, source=source, max_steps=STEPS, checkpoint_dir=Path(kw["ckpt"]),
-                      publish=lambda v, e: published.append(v), on_unchanged=lambda v: published.append(-v),
-                      critic=critic)
+    learner = Learner(
+        engine,
+        cfg,
+        source=source,
+        max_steps=STEPS,
+        checkpoint_dir=Path(kw["ckpt"]),
+        publish=lambda v, e: published.append(v),
+        on_unchanged=lambda v: published.append(-v),
+        critic=critic,
+    )
     resumed = learner.resume()
     history = learner.run()
-    Path(kw["out"], f"rank{rank}.json").write_text(json.dumps({
-        "history": history, "resumed": resumed, "published": published, "dtypes": sorted(set(values_dtype))}))
+    Path(kw["out"], f"rank{rank}.json").write_text(
+        json.dumps(
+            {"history": history, "resumed": resumed, "published": published, "dtypes": sorted(set(values_dtype))}
+        )
+    )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -61,16 +61,21 @@ def check_round_trip(models: dict, names: list[str], tmp_path: Path, label: str,
     """HF -> Megatron shards (``layout``: tp, pp) -> HF, through ``full_tensors`` and ``export_hf``: bitwise."""
     _two_gpus()
     tmp_path.mkdir(parents=True, exist_ok=True)
-    res = spawn(mw.megatron_rank, 2, {"models": [str(models[n]) for n in names], **layout, "roundtrip": True,
-                                      "out": str(tmp_path / "rt")})[0]
+    res = spawn(
+        mw.megatron_rank,
+        2,
+        {"models": [str(models[n]) for n in names], **layout, "roundtrip": True, "out": str(tmp_path / "rt")},
+    )[0]
     for i, name in enumerate(names):
         hf, full, export = res[f"hf_{i}"], res[f"full_{i}"], res[f"export_{i}"]
         want = {k: v for k, v in hf.items() if k != "lm_head.weight" or "lm_head.weight" in full}
         assert sorted(full) == sorted(want), (name, sorted(set(full) ^ set(want)))
         bad = [k for k in want if full[k].dtype != want[k].dtype or not torch.equal(_bits(full[k]), _bits(want[k]))]
         bad_export = [k for k in want if not torch.equal(_bits(export[k]), _bits(want[k]))]
-        print(f"{label} round trip {name}: {len(full)} tensors, mismatched {bad}, export mismatched {bad_export}, "
-              f"build {res[f'build_s_{i}']:.1f}s")
+        print(
+            f"{label} round trip {name}: {len(full)} tensors, mismatched {bad}, export mismatched {bad_export}, "
+            f"build {res[f'build_s_{i}']:.1f}s"
+        )
         assert not bad and not bad_export
     print(f"{label} round trip total {res['total_s']:.1f}s")
 
@@ -86,13 +91,22 @@ def _compare(ref: dict, got: dict, label: str) -> dict:
     g_got = torch.cat([got["grads"][k].flatten() for k in sorted(ref["grads"])])
     rel = float((g_got - g_ref).norm() / g_ref.norm())
     cos = float(torch.nn.functional.cosine_similarity(g_got, g_ref, dim=0))
-    worst = max(((got["grads"][k] - ref["grads"][k]).norm() / ref["grads"][k].norm().clamp_min(1e-12)).item()
-                for k in ref["grads"] if ref["grads"][k].norm() > 1e-3 * g_ref.norm() / math.sqrt(len(ref["grads"])))
+    worst = max(
+        ((got["grads"][k] - ref["grads"][k]).norm() / ref["grads"][k].norm().clamp_min(1e-12)).item()
+        for k in ref["grads"]
+        if ref["grads"][k].norm() > 1e-3 * g_ref.norm() / math.sqrt(len(ref["grads"]))
+    )
     upd = max((got["after"][k] - ref["after"][k]).abs().max().item() for k in ref["after"] if k in got["after"])
     m_ref, m_got = ref["metrics"], got["metrics"]
-    out = dict(grad_rel=rel, grad_cos=cos, worst_tensor_rel=worst, max_weight_diff_after_step=upd,
-               loss=(m_ref["loss_total"], m_got["loss_total"]), grad_norm=(m_ref["grad_norm"], m_got["grad_norm"]),
-               entropy=(m_ref["entropy"], m_got["entropy"]))
+    out = dict(
+        grad_rel=rel,
+        grad_cos=cos,
+        worst_tensor_rel=worst,
+        max_weight_diff_after_step=upd,
+        loss=(m_ref["loss_total"], m_got["loss_total"]),
+        grad_norm=(m_ref["grad_norm"], m_got["grad_norm"]),
+        entropy=(m_ref["entropy"], m_got["entropy"]),
+    )
     print(f"{label} vs FSDP: " + ", ".join(f"{k}={v}" for k, v in out.items()))
     return out
 
@@ -133,24 +147,31 @@ def test_sequence_parallel_data_parallel_and_checkpoint_resume(models, tmp_path)
     _two_gpus()
     model = str(models["untied"])
     base = spawn(mw.megatron_rank, 2, {"models": [model], "tp": 2, "grads": True, "out": str(tmp_path / "b")})[0]
-    sp = spawn(mw.megatron_rank, 2, {"models": [model], "tp": 2, "sp": True, "grads": True,
-                                     "out": str(tmp_path / "sp")})[0]
+    sp = spawn(
+        mw.megatron_rank, 2, {"models": [model], "tp": 2, "sp": True, "grads": True, "out": str(tmp_path / "sp")}
+    )[0]
     r = _compare(base, sp, "megatron TP=2 + sequence parallel (TP=2 as reference)")
     assert r["grad_rel"] < 5e-2 and r["loss"][1] == pytest.approx(r["loss"][0], abs=5e-3)
-    dp = spawn(mw.megatron_rank, 2, {"models": [model], "tp": 1, "step": True, "ckpt": True,
-                                     "out": str(tmp_path / "dp")})
+    dp = spawn(
+        mw.megatron_rank, 2, {"models": [model], "tp": 1, "step": True, "ckpt": True, "out": str(tmp_path / "dp")}
+    )
     m, mb = dp[0]["metrics"], base["metrics"]
     upd = max((dp[0]["after"][k] - base["after"][k]).abs().max().item() for k in base["after"])
-    print(f"megatron DP=2 (distributed optimizer) vs TP=2: loss {m['loss_total']} vs {mb['loss_total']}, "
-          f"grad_norm {m['grad_norm']} vs {mb['grad_norm']}, max weight diff after step {upd}")
+    print(
+        f"megatron DP=2 (distributed optimizer) vs TP=2: loss {m['loss_total']} vs {mb['loss_total']}, "
+        f"grad_norm {m['grad_norm']} vs {mb['grad_norm']}, max weight diff after step {upd}"
+    )
     assert dp[0]["metrics"] == dp[1]["metrics"] or all(
-        dp[0]["metrics"][k] == pytest.approx(dp[1]["metrics"][k], rel=1e-6) for k in m if not k.endswith("seconds"))
+        dp[0]["metrics"][k] == pytest.approx(dp[1]["metrics"][k], rel=1e-6) for k in m if not k.endswith("seconds")
+    )
     assert m["loss_total"] == pytest.approx(mb["loss_total"], abs=5e-3)
     assert m["grad_norm"] == pytest.approx(mb["grad_norm"], rel=3e-2)
     assert upd < 3e-3 + 5e-4
     c = dp[0]["ckpt"]
-    print(f"checkpoint resume: step 2 straight loss {c['straight']['loss_total']} grad_norm "
-          f"{c['straight']['grad_norm']}; resumed loss {c['resumed']['loss_total']} grad_norm {c['resumed']['grad_norm']}")
+    print(
+        f"checkpoint resume: step 2 straight loss {c['straight']['loss_total']} grad_norm "
+        f"{c['straight']['grad_norm']}; resumed loss {c['resumed']['loss_total']} grad_norm {c['resumed']['grad_norm']}"
+    )
     assert c["extra"] == {"version": 1}
     assert c["resumed"]["loss_total"] == pytest.approx(c["straight"]["loss_total"], abs=1e-6)
     assert c["resumed"]["grad_norm"] == pytest.approx(c["straight"]["grad_norm"], rel=1e-5)
@@ -168,8 +189,12 @@ def check_publish_into_receiver(model: Path, tmp_path: Path, label: str, **layou
     import bench.weight_sync as bws
 
     with bws.receiver_process("cuda:1") as (parent, rx):
-        res = spawn(mw.megatron_rank, 2, {"models": [str(model)], **layout, "publish": True, "conn": parent,
-                                          "out": str(tmp_path / "pub")}, extra=[rx])[0]
+        res = spawn(
+            mw.megatron_rank,
+            2,
+            {"models": [str(model)], **layout, "publish": True, "conn": parent, "out": str(tmp_path / "pub")},
+            extra=[rx],
+        )[0]
     hf = load_file(str(model / "model.safetensors"))
     for version in (1, 2):
         got = load_file(res[f"dump_{version}"])
@@ -177,8 +202,10 @@ def check_publish_into_receiver(model: Path, tmp_path: Path, label: str, **layou
         nbytes, checksum, per_engine = res[f"report_{version}"]
         assert sorted(got) == sorted(want)
         bad = [k for k in want if not torch.equal(_bits(got[k]), _bits(want[k].to(got[k].dtype)))]
-        print(f"{label} publish v{version}: {len(got)} tensors, {nbytes} bytes in {res[f'publish_s_{version}']:.3f}s, "
-              f"checksum {checksum} receiver {per_engine}, mismatched {bad}")
+        print(
+            f"{label} publish v{version}: {len(got)} tensors, {nbytes} bytes in {res[f'publish_s_{version}']:.3f}s, "
+            f"checksum {checksum} receiver {per_engine}, mismatched {bad}"
+        )
         assert not bad and per_engine["megatron-rx"] == checksum
     assert any(not torch.equal(res["want_2"][k], hf[k]) for k in hf), "the training step changed no weight"
 

@@ -55,8 +55,9 @@ def test_pp2_matches_fsdp_and_tp1_loss_and_gradients(models, tmp_path):
     model = str(models["untied"])
     ref = spawn(mw.fsdp_rank, 1, {"models": [model], "out": str(tmp_path / "fsdp")})[0]
     tp1 = spawn(mw.megatron_rank, 1, {"models": [model], "tp": 1, "grads": True, "out": str(tmp_path / "tp1")})[0]
-    pp2_ranks = spawn(mw.megatron_rank, 2, {"models": [model], "tp": 1, "pp": 2, "grads": True,
-                                            "out": str(tmp_path / "pp2")})
+    pp2_ranks = spawn(
+        mw.megatron_rank, 2, {"models": [model], "tp": 1, "pp": 2, "grads": True, "out": str(tmp_path / "pp2")}
+    )
     m0, m1 = ({k: v for k, v in r["metrics"].items() if not k.endswith("seconds")} for r in pp2_ranks)
     assert m0 == m1, f"the stages disagree on the step's metrics: {m0} vs {m1}"
     pp2 = _merged(pp2_ranks)
@@ -78,10 +79,13 @@ def test_pp2_round_trip_and_publish_into_receiver(models, tmp_path):
     check_publish_into_receiver(models["tiny"], tmp_path / "pub", "megatron PP=2", tp=1, pp=2)
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param({"tp": 1, "pp": 2, "reference_offload": True}, id="pp2-offload"),
-    pytest.param({"tp": 2, "pp": 1, "reference_offload": False}, id="tp2-on-gpu"),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"tp": 1, "pp": 2, "reference_offload": True}, id="pp2-offload"),
+        pytest.param({"tp": 2, "pp": 1, "reference_offload": False}, id="tp2-on-gpu"),
+    ],
+)
 def test_kl_reference(models, tmp_path, layout):
     """kl_coef > 0: the frozen reference's log-probs equal the policy's before the first step (KL = 0), the
     policy moves after one AdamW step (lr 1e-3: log-probs change by ~0.1 nats, KL > 0) while the reference
@@ -93,16 +97,19 @@ def test_kl_reference(models, tmp_path, layout):
     weighted mean) < 1e-4 at step 1, against ~1e-3 after the step (6e-4 to 1.3e-3 on CPU)."""
     _two_gpus()
     model = models["tied"] if layout["tp"] == 2 else models["untied"]
-    ranks = spawn(mw.megatron_rank, 2, {"models": [str(model)], **layout, "kl": True, "kl_coef": 0.1,
-                                        "out": str(tmp_path / "kl")})
+    ranks = spawn(
+        mw.megatron_rank, 2, {"models": [str(model)], **layout, "kl": True, "kl_coef": 0.1, "out": str(tmp_path / "kl")}
+    )
     last = [r["kl"] for r in ranks if r["kl"]["last_stage"]]
     assert last, "no rank reported the last pipeline stage"
     k = last[0]
     m1, m2 = k["m1"], k["m2"]
-    print(f"KL {layout}: step 1 loss_kl {m1['loss_kl']:.3e} (ref vs policy max |diff| {k['ref_vs_policy_step1']}), "
-          f"step 2 loss_kl {m2['loss_kl']:.3e}; on batch B the policy moved max {k['policy_moved']:.4f} mean "
-          f"{k['policy_moved_mean']:.4f}, the reference max {k['ref_moved']} mean {k['ref_moved_mean']}; reference "
-          f"kept on {k['ref_on']}; {k['n_logp']} tokens; peak GPU {k['gpu_mem_gib']:.2f} GiB")
+    print(
+        f"KL {layout}: step 1 loss_kl {m1['loss_kl']:.3e} (ref vs policy max |diff| {k['ref_vs_policy_step1']}), "
+        f"step 2 loss_kl {m2['loss_kl']:.3e}; on batch B the policy moved max {k['policy_moved']:.4f} mean "
+        f"{k['policy_moved_mean']:.4f}, the reference max {k['ref_moved']} mean {k['ref_moved_mean']}; reference "
+        f"kept on {k['ref_on']}; {k['n_logp']} tokens; peak GPU {k['gpu_mem_gib']:.2f} GiB"
+    )
     assert k["n_logp"] > 0
     assert k["ref_vs_policy_step1"] < 5e-2 and abs(m1["loss_kl"]) < 1e-4, "policy == reference must give KL 0"
     assert k["policy_moved"] > 1e-2, "the optimizer step did not change the policy's log-probs"

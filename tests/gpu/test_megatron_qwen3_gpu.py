@@ -43,9 +43,20 @@ def make_tiny_qwen3(out: Path, seed: int = 5) -> Path:
 
     tok_src = make_tiny_model(out.parent / f"{out.name}_tok", seed=seed)
     torch.manual_seed(seed)
-    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      num_hidden_layers=2, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -89,15 +100,18 @@ def test_qwen3_megatron_matches_fsdp_with_fp32_heads(qwen3, tmp_path):
     kernels: ~1e-2 nats per token through two layers; both heads fp32, so the head adds nothing)."""
     ref = _spawn(mw.fsdp_rank, {"models": [qwen3], "out": str(tmp_path / "fsdp")})
     # logprobs=full: the output layer itself runs, so its output dtype can be checked (auto would be chunked)
-    got = _spawn(mw.megatron_rank, {"models": [qwen3], "tp": 1, "grads": True, "logprobs": "full",
-                                    "out": str(tmp_path / "meg")})
+    got = _spawn(
+        mw.megatron_rank, {"models": [qwen3], "tp": 1, "grads": True, "logprobs": "full", "out": str(tmp_path / "meg")}
+    )
     assert got["head_dtype"] == "torch.float32"
     g_ref = torch.cat([ref["grads"][k].flatten() for k in sorted(ref["grads"])])
     g_got = torch.cat([got["grads"][k].flatten() for k in sorted(ref["grads"])])
     rel = float((g_got - g_ref).norm() / g_ref.norm())
     m0, m1 = ref["metrics"], got["metrics"]
-    print(f"Qwen3 Megatron TP=1 vs FSDP: grad rel {rel:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; "
-          f"entropy {m0['entropy']:.5f} {m1['entropy']:.5f}")
+    print(
+        f"Qwen3 Megatron TP=1 vs FSDP: grad rel {rel:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; "
+        f"entropy {m0['entropy']:.5f} {m1['entropy']:.5f}"
+    )
     assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=3e-2)
     assert m1["mismatch_logp_diff"] == pytest.approx(m0["mismatch_logp_diff"], abs=5e-3)
     assert rel < 5e-2

@@ -44,8 +44,10 @@ def test_megatron_varlen_matches_masked_attention(tmp_path):
     diff = sum(float((got["grads"][n] - ref["grads"][n]).pow(2).sum()) for n in ref["grads"]) ** 0.5
     norm = sum(float(g.pow(2).sum()) for g in ref["grads"].values()) ** 0.5
     m0, m1 = ref["metrics"], got["metrics"]
-    print(f"varlen vs masked: grad rel {diff / norm:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; "
-          f"grad_norm {m0['grad_norm']:.5f} {m1['grad_norm']:.5f}; entropy {m0['entropy']:.5f} {m1['entropy']:.5f}")
+    print(
+        f"varlen vs masked: grad rel {diff / norm:.2e}; loss {m0['loss_total']:.6f} {m1['loss_total']:.6f}; "
+        f"grad_norm {m0['grad_norm']:.5f} {m1['grad_norm']:.5f}; entropy {m0['entropy']:.5f} {m1['entropy']:.5f}"
+    )
     # bf16 compute in both, two attention kernels (flash vs unfused softmax over the masked square): the same
     # tolerances as tests/gpu/test_megatron_gpu.py's FSDP-vs-Megatron comparison, whose reasoning applies
     # unchanged (a leak across packed sequences or a wrong head grouping gives O(1) relative gradient error).

@@ -39,12 +39,26 @@ def server(qwen_checkpoints, loop, tmp_path_factory):
         pytest.fail("torch_memory_saver is not installed: SGLang's --enable-memory-saver needs it")
     v0, _, _, _ = qwen_checkpoints
     log_path = os.environ.get("FLEETRL_SGLANG_LOG") or str(tmp_path_factory.mktemp("sglang") / "server.log")
-    srv = SGLangServer(SGLangServerArgs(model=str(v0), gpus=[0], port=_port(), mem_fraction_static=0.5,
-                                        max_running_requests=64, memory_saver=True, log_path=log_path))
+    srv = SGLangServer(
+        SGLangServerArgs(
+            model=str(v0),
+            gpus=[0],
+            port=_port(),
+            mem_fraction_static=0.5,
+            max_running_requests=64,
+            memory_saver=True,
+            log_path=log_path,
+        )
+    )
     t0 = time.monotonic()
     loop.run_until_complete(srv.start(timeout_s=600))
-    record("sglang_colocated", "startup", seconds=time.monotonic() - t0, version=str(srv.version),
-           command=srv.command(srv.version))
+    record(
+        "sglang_colocated",
+        "startup",
+        seconds=time.monotonic() - t0,
+        version=str(srv.version),
+        command=srv.command(srv.version),
+    )
     yield srv
     srv.stop()
 
@@ -87,11 +101,17 @@ def test_release_frees_memory_then_publish_and_resume_serve_the_new_weights(serv
     refs = {0: Reference(s0), 1: Reference(s1)}
     params = SamplingParams(n=4, max_tokens=32, temperature=1.0)
     engine = server.generation_client("sglang-colo", timeout_s=300, control_timeout_s=120)
-    learner_side = SGLangPublishClient("sglang-colo", server.url, version=str(server.version), timeout_s=120,
-                                       control_timeout_s=120)
+    learner_side = SGLangPublishClient(
+        "sglang-colo", server.url, version=str(server.version), timeout_s=120, control_timeout_s=120
+    )
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
-    pub = Publisher(WeightSyncConfig(backend="gloo", nccl_impl="sglang", timeout_s=120.0), plan, rank=0,
-                    engines=[learner_side], device="cpu")
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", nccl_impl="sglang", timeout_s=120.0),
+        plan,
+        rank=0,
+        engines=[learner_side],
+        device="cpu",
+    )
     weight_bytes = sum(t.numel() * t.element_size() for t in s1.values())
     prompt = random.Random(0).sample(range(1000, 100000), 16)
     try:
@@ -125,18 +145,28 @@ def test_release_frees_memory_then_publish_and_resume_serve_the_new_weights(serv
             loop.run_until_complete(engine.wake_up(["kv_cache"]))
             t_kv = time.perf_counter() - t0
             free3 = _free()
-            cycles.append({"version": version, "freed_gib": (free1 - free0) / GIB,
-                           "freed_at_answer_gib": (free_at_answer - free0) / GIB,
-                           "weights_back_gib": (free1 - free2) / GIB, "kv_back_gib": (free2 - free3) / GIB,
-                           "sleep_s": t_sleep, "wake_weights_s": t_weights, "publish_s": t_publish,
-                           "wake_kv_s": t_kv})
+            cycles.append(
+                {
+                    "version": version,
+                    "freed_gib": (free1 - free0) / GIB,
+                    "freed_at_answer_gib": (free_at_answer - free0) / GIB,
+                    "weights_back_gib": (free1 - free2) / GIB,
+                    "kv_back_gib": (free2 - free3) / GIB,
+                    "sleep_s": t_sleep,
+                    "wake_weights_s": t_weights,
+                    "publish_s": t_publish,
+                    "wake_kv_s": t_kv,
+                }
+            )
             print(f"cycle v{version}: {cycles[-1]}")
             # released: at least the weights (and the KV cache, far larger at mem_fraction_static=0.5)
             assert free1 - free0 > weight_bytes + 4 * GIB, cycles[-1]
             assert free1 - free2 > 0.8 * weight_bytes, cycles[-1]  # the weights are back
             assert free2 - free3 > 4 * GIB, cycles[-1]  # and the KV cache
             samples = loop.run_until_complete(engine.generate(prompt, params))
-            check_logprobs("sglang_colocated", samples, prompt, refs[held], refs[1 - held], f"generate_after_v{version}")
+            check_logprobs(
+                "sglang_colocated", samples, prompt, refs[held], refs[1 - held], f"generate_after_v{version}"
+            )
         record("sglang_colocated", "cycles", weight_bytes=weight_bytes, buckets=len(plan.buckets), cycles=cycles)
     finally:
         pub.close()

@@ -41,8 +41,11 @@ def server(qwen_checkpoints, loop, tmp_path_factory):
         pytest.fail("the SGLang GPU test needs 2 GPUs (engine on GPU 1, learner on GPU 0)")
     v0, _, _, _ = qwen_checkpoints
     log_path = os.environ.get("FLEETRL_SGLANG_LOG") or str(tmp_path_factory.mktemp("sglang") / "server.log")
-    srv = SGLangServer(SGLangServerArgs(model=str(v0), gpus=[1], port=_port(), mem_fraction_static=0.5,
-                                        max_running_requests=128, log_path=log_path))
+    srv = SGLangServer(
+        SGLangServerArgs(
+            model=str(v0), gpus=[1], port=_port(), mem_fraction_static=0.5, max_running_requests=128, log_path=log_path
+        )
+    )
     t0 = time.monotonic()
     loop.run_until_complete(srv.start(timeout_s=600))
     _record("startup", seconds=time.monotonic() - t0, version=str(srv.version), command=srv.command(srv.version))
@@ -93,8 +96,9 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
     learner = {k: v.to("cuda:0") for k, v in s1.items()}
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in learner.items()], 256 << 20)
     store = wgroup.host_store("127.0.0.1", 0, 60)
-    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
-                      backend="nccl", group_epoch=1)
+    group = GroupInfo(
+        master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, backend="nccl", group_epoch=1
+    )
     weights = server.weight_client("sglang-0-weights")  # the learner's side; `client` generates
 
     async def join():
@@ -130,9 +134,14 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
         times = [loop.run_until_complete(update(2, "wait"))]
         learner = {k: v.to("cuda:0") for k, v in s1.items()}
         times.append(loop.run_until_complete(update(3, "wait")))
-        _record("nccl_update", bytes=sum(t.numel() * t.element_size() for t in learner.values()),
-                buckets=len(plan.buckets), first_s=first, pause_to_resume_s=[t[0] for t in times],
-                after_pause_s=[t[1] for t in times])
+        _record(
+            "nccl_update",
+            bytes=sum(t.numel() * t.element_size() for t in learner.values()),
+            buckets=len(plan.buckets),
+            first_s=first,
+            pause_to_resume_s=[t[0] for t in times],
+            after_pause_s=[t[1] for t in times],
+        )
         assert weights.weight_version == 3 and client.weight_version == 3
         prompt = random.Random(1).sample(range(1000, 100000), 16)
         samples = _group(client, loop, prompt)
@@ -161,10 +170,18 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints,
     torch.cuda.set_device(0)
     states = [{k: v.to("cuda:0") for k, v in s.items()} for s in (s0, s1)]
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], 256 << 20)
-    staged = server.weight_client(f"sglang-staged-{int(between_steps)}", staging=True,  # on the publisher's RPC loop
-                                  between_steps=between_steps)
-    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", staging=True, timeout_s=120.0), plan,
-                    rank=0, engines=[staged], device="cuda:0")
+    staged = server.weight_client(
+        f"sglang-staged-{int(between_steps)}",
+        staging=True,  # on the publisher's RPC loop
+        between_steps=between_steps,
+    )
+    pub = Publisher(
+        WeightSyncConfig(backend="nccl", nccl_impl="torch", staging=True, timeout_s=120.0),
+        plan,
+        rank=0,
+        engines=[staged],
+        device="cuda:0",
+    )
     versions = list(range(1, 6))  # v1 (group creation, copy-plan recording) = s1, then s0, s1, s0, s1
     steps, reports = [], []
 
@@ -176,9 +193,15 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints,
     async def load(done: asyncio.Event):
         n = 0
         while not done.is_set():
-            await asyncio.gather(*(client.generate(random.Random(n + i).sample(range(1000, 100000), 16),
-                                                   SamplingParams(n=2, max_tokens=48, temperature=1.0))
-                                   for i in range(4)))
+            await asyncio.gather(
+                *(
+                    client.generate(
+                        random.Random(n + i).sample(range(1000, 100000), 16),
+                        SamplingParams(n=2, max_tokens=48, temperature=1.0),
+                    )
+                    for i in range(4)
+                )
+            )
             n += 4
         return n
 
@@ -194,15 +217,35 @@ def test_staged_publish_while_generating(server, client, loop, qwen_checkpoints,
     try:
         groups = loop.run_until_complete(run())
         timed = steps[1:]
-        _record("staged_update", between_steps_asked=between_steps, bytes=reports[-1].bytes, buckets=len(plan.buckets), generated_groups=groups,
-                publish_s=[r.seconds for r in reports[1:]], unavailable_s=[s["unavailable_s"] for s in timed],
-                stage_s=[s["stage"] for s in timed], commit_held_s=[s["commit_held"] for s in timed],
-                commit_in_engine_s=[s["commit_in_engine"] for s in timed],
-                laps={k: [s.get(k) for s in timed] for k in (
-                    "commit_between_steps_s", "commit_pause_s", "commit_call_s", "commit_to_loader_s",
-                    "commit_from_loader_s", "commit_continue_s", "commit_wait_s", "commit_checksum_s", "commit_load_s")},
-                replayed=[s["commit_replayed"] for s in timed], between_steps=[s["commit_between_steps"] for s in timed],
-                first=steps[0])
+        _record(
+            "staged_update",
+            between_steps_asked=between_steps,
+            bytes=reports[-1].bytes,
+            buckets=len(plan.buckets),
+            generated_groups=groups,
+            publish_s=[r.seconds for r in reports[1:]],
+            unavailable_s=[s["unavailable_s"] for s in timed],
+            stage_s=[s["stage"] for s in timed],
+            commit_held_s=[s["commit_held"] for s in timed],
+            commit_in_engine_s=[s["commit_in_engine"] for s in timed],
+            laps={
+                k: [s.get(k) for s in timed]
+                for k in (
+                    "commit_between_steps_s",
+                    "commit_pause_s",
+                    "commit_call_s",
+                    "commit_to_loader_s",
+                    "commit_from_loader_s",
+                    "commit_continue_s",
+                    "commit_wait_s",
+                    "commit_checksum_s",
+                    "commit_load_s",
+                )
+            },
+            replayed=[s["commit_replayed"] for s in timed],
+            between_steps=[s["commit_between_steps"] for s in timed],
+            first=steps[0],
+        )
         assert all(r.checksum and r.per_engine_checksums[staged.engine_id] == r.checksum for r in reports)
         assert all(s["commit_replayed"] == len(plan.buckets) for s in timed), timed
         assert groups > 0

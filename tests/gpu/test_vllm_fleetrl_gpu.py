@@ -59,8 +59,13 @@ def test_fleetrl_nccl_publish_checked_and_logprobs_match(server, loop, qwen_chec
     torch.cuda.set_device(0)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
     engine = VLLMWeightClient("vllm-f", server.url, model=server.model_name, weight_backend="fleetrl")
-    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120), plan,
-                    rank=0, engines=[engine], device="cuda:0")
+    pub = Publisher(
+        WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120),
+        plan,
+        rank=0,
+        engines=[engine],
+        device="cuda:0",
+    )
     sampler = VLLMGenerationClient("vllm-f-gen", server.url, model=server.model_name)
     try:
         reports, walls, steps = [], [], []
@@ -73,21 +78,33 @@ def test_fleetrl_nccl_publish_checked_and_logprobs_match(server, loop, qwen_chec
             steps.append(dict(engine.last_update_steps))
         for r in reports:  # the engine acknowledged exactly the bytes we sent
             assert r.per_engine_checksums == {"vllm-f": r.checksum}, r
-        _record("update", bytes=reports[-1].bytes, buckets=len(plan.buckets), first_s=walls[0],
-                pause_to_resume_s=walls[1:], broadcast_s=[r.broadcast_seconds for r in reports[1:]],
-                http_steps_s=steps[1:])
+        _record(
+            "update",
+            bytes=reports[-1].bytes,
+            buckets=len(plan.buckets),
+            first_s=walls[0],
+            pause_to_resume_s=walls[1:],
+            broadcast_s=[r.broadcast_seconds for r in reports[1:]],
+            http_steps_s=steps[1:],
+        )
         print("pause-to-resume per update:", [round(w, 4) for w in walls[1:]])
         for st in steps[1:]:
             print("  steps:", {k: round(v, 4) for k, v in st.items()})
         prompt = random.Random(1).sample(range(1000, 100000), 16)
-        samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32,
-                                                                                   temperature=1.0)))
+        samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0)))
         d_same = compare(samples, prompt, Reference(s1))
         d_other = compare(samples, prompt, Reference(s0))
-        _record("generate_after_publish", tokens=int(d_same.size), mean_abs=float(d_same.mean()),
-                max_abs=float(d_same.max()), other_mean_abs=float(d_other.mean()))
-        print(f"log-prob |diff| vs new weights: mean {d_same.mean():.4f} max {d_same.max():.4f}; "
-              f"vs old: mean {d_other.mean():.3f}")
+        _record(
+            "generate_after_publish",
+            tokens=int(d_same.size),
+            mean_abs=float(d_same.mean()),
+            max_abs=float(d_same.max()),
+            other_mean_abs=float(d_other.mean()),
+        )
+        print(
+            f"log-prob |diff| vs new weights: mean {d_same.mean():.4f} max {d_same.max():.4f}; "
+            f"vs old: mean {d_other.mean():.3f}"
+        )
         assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL
         assert d_other.mean() > OTHER_MIN, "the old weights fit as well: the check is blind"
     finally:
@@ -110,10 +127,16 @@ def test_staged_publish_keeps_serving_and_logprobs_match(server, loop, qwen_chec
     _, _, s0, s1 = qwen_checkpoints
     torch.cuda.set_device(0)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
-    engine = VLLMWeightClient("vllm-s", server.url, model=server.model_name, weight_backend="fleetrl",
-                              update_pause_mode="keep")
-    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120, staging=True),
-                    plan, rank=0, engines=[engine], device="cuda:0")
+    engine = VLLMWeightClient(
+        "vllm-s", server.url, model=server.model_name, weight_backend="fleetrl", update_pause_mode="keep"
+    )
+    pub = Publisher(
+        WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=256, timeout_s=120, staging=True),
+        plan,
+        rank=0,
+        engines=[engine],
+        device="cuda:0",
+    )
     sampler = VLLMGenerationClient("vllm-s-gen", server.url, model=server.model_name)
     try:
         reports, steps = [], []
@@ -126,17 +149,30 @@ def test_staged_publish_keeps_serving_and_logprobs_match(server, loop, qwen_chec
             assert r.per_engine_checksums == {"vllm-s": r.checksum}, r
         assert all("pause" not in st for st in steps), steps
         replayed = [st.get("commit_replayed", 0) for st in steps]
-        _record("staged_update", bytes=reports[-1].bytes, publish_s=[r.seconds for r in reports[1:]],
-                commit_in_engine_s=[st["commit_in_engine"] for st in steps[1:]], http_steps_s=steps[1:],
-                replayed_buckets=replayed)
-        print("staged: commit inside the engine per update:", [round(st["commit_in_engine"], 4) for st in steps[1:]],
-              "buckets replayed so far:", replayed)
+        _record(
+            "staged_update",
+            bytes=reports[-1].bytes,
+            publish_s=[r.seconds for r in reports[1:]],
+            commit_in_engine_s=[st["commit_in_engine"] for st in steps[1:]],
+            http_steps_s=steps[1:],
+            replayed_buckets=replayed,
+        )
+        print(
+            "staged: commit inside the engine per update:",
+            [round(st["commit_in_engine"], 4) for st in steps[1:]],
+            "buckets replayed so far:",
+            replayed,
+        )
         prompt = random.Random(2).sample(range(1000, 100000), 16)
-        samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32,
-                                                                                   temperature=1.0)))
+        samples = loop.run_until_complete(sampler.generate(prompt, SamplingParams(n=4, max_tokens=32, temperature=1.0)))
         d_same, d_other = compare(samples, prompt, Reference(s1)), compare(samples, prompt, Reference(s0))
-        _record("generate_after_staged_publish", tokens=int(d_same.size), mean_abs=float(d_same.mean()),
-                max_abs=float(d_same.max()), other_mean_abs=float(d_other.mean()))
+        _record(
+            "generate_after_staged_publish",
+            tokens=int(d_same.size),
+            mean_abs=float(d_same.mean()),
+            max_abs=float(d_same.max()),
+            other_mean_abs=float(d_other.mean()),
+        )
         assert d_same.mean() < MEAN_TOL and d_same.max() < MAX_TOL
         assert d_other.mean() > OTHER_MIN, "the old weights fit as well: the check is blind"
     finally:

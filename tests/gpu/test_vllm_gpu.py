@@ -77,8 +77,13 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in s1.items()], 256 << 20)
     # The publisher drives its engines from its own event loop: it gets its own client of the server.
     engine = VLLMNcclClient("vllm-0", server.url, model=server.model_name)
-    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="vllm", bucket_mb=256, timeout_s=120), plan,
-                    rank=0, engines=[engine], device="cuda:0")
+    pub = Publisher(
+        WeightSyncConfig(backend="nccl", nccl_impl="vllm", bucket_mb=256, timeout_s=120),
+        plan,
+        rank=0,
+        engines=[engine],
+        device="cuda:0",
+    )
     try:
         reports, walls, steps = [], [], []
         for version, state in ((1, s1), (2, s0), (3, s1), (4, s0), (5, s1)):  # v1 includes the group's creation
@@ -90,9 +95,16 @@ def test_nccl_publish_from_learner_then_logprobs_match_new_weights(server, clien
             steps.append(dict(engine.last_update_steps))
         # VLLMWeightClient.update_weights pauses (keep), loads, resets the prefix cache and resumes: the
         # publish's wall time is the engine's unavailability per update.
-        _record("nccl_update", bytes=reports[-1].bytes, buckets=len(plan.buckets), first_s=walls[0],
-                rebuild_s=reports[0].rebuild_seconds, pause_to_resume_s=walls[1:],
-                broadcast_s=[r.broadcast_seconds for r in reports[1:]], http_steps_s=steps[1:])
+        _record(
+            "nccl_update",
+            bytes=reports[-1].bytes,
+            buckets=len(plan.buckets),
+            first_s=walls[0],
+            rebuild_s=reports[0].rebuild_seconds,
+            pause_to_resume_s=walls[1:],
+            broadcast_s=[r.broadcast_seconds for r in reports[1:]],
+            http_steps_s=steps[1:],
+        )
         print("pause-to-resume per update:", [round(w, 4) for w in walls[1:]])
         for st in steps[1:]:
             print("  steps:", {k: round(v, 4) for k, v in st.items()})

@@ -36,9 +36,18 @@ def client(qwen_checkpoints, tmp_path_factory, loop):
     v0 = qwen_checkpoints[0]
     run_dir = os.environ.get("FLEETRL_VLLM_TP2_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-tp2"))
     # 0.4 of each GPU: the reference forward of the learner runs beside it on GPU 0
-    srv = VLLMServer(VLLMServerArgs(model=str(v0), dtype="bfloat16", max_model_len=2048, tensor_parallel_size=2,
-                                    gpu_memory_utilization=0.4, weight_backend="nccl",
-                                    env={"CUDA_VISIBLE_DEVICES": "0,1"}), run_dir)
+    srv = VLLMServer(
+        VLLMServerArgs(
+            model=str(v0),
+            dtype="bfloat16",
+            max_model_len=2048,
+            tensor_parallel_size=2,
+            gpu_memory_utilization=0.4,
+            weight_backend="nccl",
+            env={"CUDA_VISIBLE_DEVICES": "0,1"},
+        ),
+        run_dir,
+    )
     t0 = time.monotonic()
     srv.start()
     _record("startup", seconds=time.monotonic() - t0, command=srv.command())

@@ -59,8 +59,13 @@ def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path, acks):
     state = _state(bench)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 128 << 20)
     assert len(plan.buckets) > 3, "several buckets, so the overlap of gather and broadcast is exercised"
-    pub = Publisher(WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=128, timeout_s=120, acks=acks),
-                    plan, rank=0, engines=[engine], device="cuda:0")
+    pub = Publisher(
+        WeightSyncConfig(backend="nccl", nccl_impl="torch", bucket_mb=128, timeout_s=120, acks=acks),
+        plan,
+        rank=0,
+        engines=[engine],
+        device="cuda:0",
+    )
     try:
         for version in (1, 2):
             if version == 2:  # a training step changed every tensor: nothing stale may survive
@@ -82,7 +87,9 @@ def test_nccl_publish_gpu0_to_gpu1_bit_identical(receiver, tmp_path, acks):
                 g = got[name]
                 assert g.dtype == want.dtype and list(g.shape) == list(want.shape), name
                 # bitwise, not allclose: views as integers so NaN/-0.0 cannot hide a difference
-                assert torch.equal(g.view(torch.int16 if g.element_size() == 2 else torch.int32),
-                                   want.cpu().view(torch.int16 if want.element_size() == 2 else torch.int32)), name
+                assert torch.equal(
+                    g.view(torch.int16 if g.element_size() == 2 else torch.int32),
+                    want.cpu().view(torch.int16 if want.element_size() == 2 else torch.int32),
+                ), name
     finally:
         pub.close()

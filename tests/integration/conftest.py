@@ -58,9 +58,14 @@ def vllm_server(tmp_path_factory):
     if not (TINY_MODEL / "config.json").exists():
         pytest.fail(f"the tiny model is missing at {TINY_MODEL}: build it with `python -m tools.pretrain_tiny`")
     model = hostile_generation_config_copy(tmp_path_factory.mktemp("tiny-adder-topk2"))
-    with cpu_vllm_server(model, tmp_path_factory.mktemp("vllm_server"), max_model_len=64, max_num_seqs=16,
-                         served_model_name="tiny-adder",
-                         extra_args=["--block-size", "32", "--enable-prompt-tokens-details", "--enable-scale-out"]) as s:
+    with cpu_vllm_server(
+        model,
+        tmp_path_factory.mktemp("vllm_server"),
+        max_model_len=64,
+        max_num_seqs=16,
+        served_model_name="tiny-adder",
+        extra_args=["--block-size", "32", "--enable-prompt-tokens-details", "--enable-scale-out"],
+    ) as s:
         yield s
 
 

@@ -8,8 +8,17 @@ import pyarrow as pa
 from broker.schema import TRAJECTORY_SCHEMA, SchemaError, _find_error
 
 
-def make_groups(group_ids: list[str], *, step: int, version: int, group_size: int = 2, resp_len: int = 16,
-                prompt_len: int = 8, engine_id: str = "sim-0", rng: np.random.Generator | None = None) -> pa.RecordBatch:
+def make_groups(
+    group_ids: list[str],
+    *,
+    step: int,
+    version: int,
+    group_size: int = 2,
+    resp_len: int = 16,
+    prompt_len: int = 8,
+    engine_id: str = "sim-0",
+    rng: np.random.Generator | None = None,
+) -> pa.RecordBatch:
     """Rows of whole groups, built from numpy buffers (no per-token Python work)."""
     rng = rng or np.random.default_rng(0)
     n = len(group_ids) * group_size
@@ -43,9 +52,13 @@ def make_groups(group_ids: list[str], *, step: int, version: int, group_size: in
 def batch_from_rows(rows: list[dict]) -> pa.RecordBatch:
     """A batch in the trajectory schema from row dicts, not validated (tests build bad rows with it)."""
     # rows written before the loss mask existed (schema v1) train every token: an empty mask
-    return pa.RecordBatch.from_pydict({f.name: pa.array([r.get(f.name, []) if f.name == "loss_mask" else r[f.name]
-                                                         for r in rows], f.type) for f in TRAJECTORY_SCHEMA},
-                                      schema=TRAJECTORY_SCHEMA)
+    return pa.RecordBatch.from_pydict(
+        {
+            f.name: pa.array([r.get(f.name, []) if f.name == "loss_mask" else r[f.name] for r in rows], f.type)
+            for f in TRAJECTORY_SCHEMA
+        },
+        schema=TRAJECTORY_SCHEMA,
+    )
 
 
 def passes_row_checks(batch: pa.RecordBatch) -> bool:

@@ -28,14 +28,29 @@ def make_tiny_model(out: Path, seed: int = 0, tie: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
-                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
-                                  pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+        pad_token="t0",
+        bos_token="t1",
+        eos_token="t2",
+        unk_token="t3",
+    )
     tok.save_pretrained(out)
     return out
 
@@ -46,8 +61,14 @@ def join_gloo(rank: int, world_size: int, port: int, timeout_s: float = 120) -> 
 
     from learner.run import init_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     init_distributed("gloo", timeout_s=timeout_s)
 
@@ -65,14 +86,25 @@ def make_batches(n_steps: int, groups: int = 4, group_size: int = 4, seed: int =
             uniform = g == groups - 1
             for i in range(group_size):
                 n = int(rng.integers(1, 12))
-                trajs.append(Trajectory(
-                    traj_id=f"s{step}g{g}/{i}", group_id=f"s{step}g{g}", sample_index=i, group_size=group_size,
-                    step=step, prompt_ids=prompt, response_ids=rng.integers(3, VOCAB, size=n).tolist(),
-                    # Near the tiny model's own log-probs (about -log 96 = -4.56), so weights are not all capped.
-                    behaviour_logprobs=(-4.56 + rng.normal(0, 0.3, size=n)).clip(max=0).tolist(),
-                    segment_starts=[0], segment_versions=[max(0, step - 2)],
-                    reward=1.0 if uniform else float(rng.integers(0, 2)) + 0.1 * i, finish_reason="stop",
-                    engine_id="test", data_source="synthetic"))
+                trajs.append(
+                    Trajectory(
+                        traj_id=f"s{step}g{g}/{i}",
+                        group_id=f"s{step}g{g}",
+                        sample_index=i,
+                        group_size=group_size,
+                        step=step,
+                        prompt_ids=prompt,
+                        response_ids=rng.integers(3, VOCAB, size=n).tolist(),
+                        # Near the tiny model's own log-probs (about -log 96 = -4.56), so weights are not all capped.
+                        behaviour_logprobs=(-4.56 + rng.normal(0, 0.3, size=n)).clip(max=0).tolist(),
+                        segment_starts=[0],
+                        segment_versions=[max(0, step - 2)],
+                        reward=1.0 if uniform else float(rng.integers(0, 2)) + 0.1 * i,
+                        finish_reason="stop",
+                        engine_id="test",
+                        data_source="synthetic",
+                    )
+                )
         out.append(to_record_batch(trajs))
     return out
 
@@ -87,8 +119,14 @@ def write_batches(path: Path, batches) -> Path:
 
 
 def _rank_main(rank: int, world_size: int, port: int, kw: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s %(levelname)s %(message)s")
     worker(rank=rank, **kw)
 
@@ -130,8 +168,10 @@ def run_procs(target, world_size: int, kw: dict, timeout: float, start_method: s
 
     ctx = mp.get_context(start_method)
     port = free_port()
-    procs = [ctx.Process(target=_exit_when_done, args=(target, r, world_size, port, kw), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_exit_when_done, args=(target, r, world_size, port, kw), daemon=True)
+        for r in range(world_size)
+    ]
     try:
         for p in procs:
             p.start()
@@ -149,13 +189,32 @@ def run_procs(target, world_size: int, kw: dict, timeout: float, start_method: s
                 p.join(5)
 
 
-def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_steps: int | None = None,
-           correction: str = "decoupled", aggregation: str = "token", micro_tokens: int = 64, kl_coef: float = 0.0,
-           ckpt: str | None = None, checkpoint_every: int = 0, export: str | None = None,
-           dump_at: tuple[int, ...] = (), dump_path: str | None = None, activation_checkpointing: bool = False,
-           backend: str = "gloo", mini_batch: int | None = None, epochs: int = 1,
-           recompute_proximal: bool = False, lr: float = 1e-3, loss_extra: dict | None = None,
-           learner_extra: dict | None = None) -> None:
+def worker(
+    *,
+    rank: int,
+    model: str,
+    data: str,
+    out: str,
+    steps: int,
+    total_steps: int | None = None,
+    correction: str = "decoupled",
+    aggregation: str = "token",
+    micro_tokens: int = 64,
+    kl_coef: float = 0.0,
+    ckpt: str | None = None,
+    checkpoint_every: int = 0,
+    export: str | None = None,
+    dump_at: tuple[int, ...] = (),
+    dump_path: str | None = None,
+    activation_checkpointing: bool = False,
+    backend: str = "gloo",
+    mini_batch: int | None = None,
+    epochs: int = 1,
+    recompute_proximal: bool = False,
+    lr: float = 1e-3,
+    loss_extra: dict | None = None,
+    learner_extra: dict | None = None,
+) -> None:
     """One learner rank: FSDP2 engine + loop on an in-process source; writes ``out.rank{r}`` (JSON).
 
     ``dump_at``: versions whose full weights rank 0 writes to ``dump_path.format(version=v)``
@@ -171,20 +230,31 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
     from learner.source import InProcessSource
 
     init_distributed(backend, timeout_s=120)
-    cfg = LearnerConfig.model_validate({
-        "loss": {"correction": correction, "aggregation": aggregation, "kl_coef": kl_coef, **(loss_extra or {})},
-        "optim": {"lr": lr, "warmup_steps": 1, "schedule": "cosine", "grad_clip": 1.0, "weight_decay": 0.01,
-                  # Adam's first step is ~lr * g / (|g| + eps): with the default 1e-8 a gradient that is zero up
-                  # to rounding (contributions cancelling inside a GRPO group) becomes a step of random sign.
-                  # 1e-5 (far below the typical |g| ~ 1e-3 here) keeps the update a smooth function of the
-                  # gradient, so weights of 1-rank and 2-rank runs can be compared.
-                  "eps": 1e-5},
-        "micro_batch_tokens": micro_tokens, "checkpoint_every": checkpoint_every,
-        "activation_checkpointing": activation_checkpointing,
-        "ppo_mini_batch_size": mini_batch, "ppo_epochs": epochs, "recompute_proximal": recompute_proximal,
-        "logprob_probe_tolerance": None,  # synthetic behaviour log-probs (make_batches), not a model's
-        **(learner_extra or {}),
-    })
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": correction, "aggregation": aggregation, "kl_coef": kl_coef, **(loss_extra or {})},
+            "optim": {
+                "lr": lr,
+                "warmup_steps": 1,
+                "schedule": "cosine",
+                "grad_clip": 1.0,
+                "weight_decay": 0.01,
+                # Adam's first step is ~lr * g / (|g| + eps): with the default 1e-8 a gradient that is zero up
+                # to rounding (contributions cancelling inside a GRPO group) becomes a step of random sign.
+                # 1e-5 (far below the typical |g| ~ 1e-3 here) keeps the update a smooth function of the
+                # gradient, so weights of 1-rank and 2-rank runs can be compared.
+                "eps": 1e-5,
+            },
+            "micro_batch_tokens": micro_tokens,
+            "checkpoint_every": checkpoint_every,
+            "activation_checkpointing": activation_checkpointing,
+            "ppo_mini_batch_size": mini_batch,
+            "ppo_epochs": epochs,
+            "recompute_proximal": recompute_proximal,
+            "logprob_probe_tolerance": None,  # synthetic behaviour log-probs (make_batches), not a model's
+            **(learner_extra or {}),
+        }
+    )
     engine = FSDPEngine(cfg, model, total_steps=total_steps or steps, seed=0)
     # Count executions of one MLP (forward hooks do not fire in checkpoint recomputes, a wrapper does).
     mlp_calls = [0]
@@ -214,13 +284,25 @@ def worker(*, rank: int, model: str, data: str, out: str, steps: int, total_step
 
             save_file(full, dump_path.format(version=version))
 
-    learner = Learner(engine, cfg, source=source, max_steps=steps,
-                      checkpoint_dir=Path(ckpt) if ckpt else None,
-                      export_root=Path(export) if export else None, publish=publish)
+    learner = Learner(
+        engine,
+        cfg,
+        source=source,
+        max_steps=steps,
+        checkpoint_dir=Path(ckpt) if ckpt else None,
+        export_root=Path(export) if export else None,
+        publish=publish,
+    )
     resumed = learner.resume()
     history = learner.run()
-    result = {"history": history, "version": learner.version, "resumed": resumed, "published": published,
-              "mlp_calls": mlp_calls[0], "acked": source.acked_step if source else None,
-              "reported": source.versions if source else None}
+    result = {
+        "history": history,
+        "version": learner.version,
+        "resumed": resumed,
+        "published": published,
+        "mlp_calls": mlp_calls[0],
+        "acked": source.acked_step if source else None,
+        "reported": source.versions if source else None,
+    }
     Path(f"{out}.rank{rank}").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()

@@ -18,6 +18,11 @@ def start_receiver(engine_id: str, log_dir: Path, *extra: str) -> tuple[subproce
     Wait for it with ``health.wait_healthy``."""
     port = free_port()
     log = open(log_dir / f"{engine_id}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "weight_sync.receiver", "--engine-id", engine_id,
-                             "--port", str(port), *extra], env=ENV, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weight_sync.receiver", "--engine-id", engine_id, "--port", str(port), *extra],
+        env=ENV,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     return proc, f"http://127.0.0.1:{port}"

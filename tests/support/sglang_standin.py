@@ -78,8 +78,12 @@ def decode_payload(data: str) -> list:
 def state(seed: int) -> dict[str, torch.Tensor]:
     """Random HF-style tensors that :class:`Tiny` loads."""
     g = torch.Generator().manual_seed(seed)
-    return {"q": torch.randn(4, 8, generator=g), "k": torch.randn(4, 8, generator=g),
-            "v": torch.randn(4, 8, generator=g), "norm": torch.randn(8, generator=g)}
+    return {
+        "q": torch.randn(4, 8, generator=g),
+        "k": torch.randn(4, 8, generator=g),
+        "v": torch.randn(4, 8, generator=g),
+        "norm": torch.randn(8, generator=g),
+    }
 
 
 class Tiny(torch.nn.Module):
@@ -106,15 +110,15 @@ class Tiny(torch.nn.Module):
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
 
 
-def join_like_sglang(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                     backend: str):
+def join_like_sglang(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str):
     """What SGLang's ModelRunner.init_weights_update_group does (sglang.srt.utils.init_custom_process_group)."""
     timeout = datetime.timedelta(seconds=60)
     store, rank, world = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world, rank, [], dist.Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
     return pg
 
@@ -166,16 +170,29 @@ class Scheduler:
             if total != total:  # NaN: the weights' pages hold nothing
                 return {"error": "generated from released weights"}, 500
             token = int(abs(total) * 1000) % 997
-            outs = [{"output_ids": [token + i for i in range(p["max_new_tokens"])],
-                     "meta_info": {"output_token_logprobs": [[-0.5, token + i, None] for i in range(p["max_new_tokens"])],
-                                   "finish_reason": {"type": "length"}}} for p in sps]
+            outs = [
+                {
+                    "output_ids": [token + i for i in range(p["max_new_tokens"])],
+                    "meta_info": {
+                        "output_token_logprobs": [[-0.5, token + i, None] for i in range(p["max_new_tokens"])],
+                        "finish_reason": {"type": "length"},
+                    },
+                }
+                for p in sps
+            ]
             return (outs if len(outs) > 1 else outs[0]), 200
         finally:
             self.running -= 1
 
     def join(self, body: dict) -> dict:
-        pg = join_like_sglang(body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
-                              body["group_name"], body.get("backend", "nccl"))
+        pg = join_like_sglang(
+            body["master_address"],
+            body["master_port"],
+            body["rank_offset"],
+            body["world_size"],
+            body["group_name"],
+            body.get("backend", "nccl"),
+        )
         self.groups[body["group_name"]] = pg
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
@@ -187,8 +204,10 @@ class Scheduler:
         sizes = [nbytes(s, d) for s, d in zip(body["shapes"], body["dtypes"], strict=True)]
         buf = torch.empty(sum(sizes), dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.groups[body["group_name"]])
-        pairs = [(n, part.view(torch_dtype(d)).view(s)) for n, s, d, part in
-                 zip(body["names"], body["shapes"], body["dtypes"], buf.split(sizes), strict=True)]
+        pairs = [
+            (n, part.view(torch_dtype(d)).view(s))
+            for n, s, d, part in zip(body["names"], body["shapes"], body["dtypes"], buf.split(sizes), strict=True)
+        ]
         with self.lock:
             self.model.load_weights(pairs)
         return {"success": True, "message": "Succeeded to update parameter online."}, 200
@@ -219,8 +238,11 @@ class Scheduler:
         return {"success": True, "message": "Success"}
 
     def state(self) -> dict:
-        return {"paused": self.paused, "forwards": self.forwards,
-                "tensors": {k: v.tolist() for k, v in self.model.state_dict().items()}}
+        return {
+            "paused": self.paused,
+            "forwards": self.forwards,
+            "tensors": {k: v.tolist() for k, v in self.model.state_dict().items()},
+        }
 
 
 def _handler(sched: Scheduler):
@@ -251,8 +273,11 @@ def _handler(sched: Scheduler):
                 if self.path == "/slow":
                     sched.generate_s = float(body["generate_s"])
                 else:
-                    sched.faults[body["path"]] = {"status": body.get("status", 200), "delay_s": body.get("delay_s", 0.0),
-                                                  "times": body.get("times", 1)}
+                    sched.faults[body["path"]] = {
+                        "status": body.get("status", 200),
+                        "delay_s": body.get("delay_s", 0.0),
+                        "times": body.get("times", 1),
+                    }
                 return self._reply({})
             sched.calls.append({"path": self.path, "tags": body.get("tags"), "t": time.monotonic()})
             f = sched.fault(self.path)

@@ -1,5 +1,5 @@
 """Greedy answers (24 tokens) to the first 8 test prompts from each checkpoint given:
-    python greedy_check.py .cache/models/smollm2-135m-instruct RUN/export/step_00000002
+python greedy_check.py .cache/models/smollm2-135m-instruct RUN/export/step_00000002
 """
 
 import sys
@@ -19,4 +19,8 @@ for path in sys.argv[1:]:
         out = m.generate(**enc, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id)
     print("==", path)
     for r, o in zip(rows, out, strict=True):
-        print(r["reward_model"]["ground_truth"], "|", repr(tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True)))
+        print(
+            r["reward_model"]["ground_truth"],
+            "|",
+            repr(tok.decode(o[enc["input_ids"].shape[1] :], skip_special_tokens=True)),
+        )

@@ -37,8 +37,9 @@ V = P.PROTOCOL_VERSION
 @pytest.fixture(scope="module")
 def bp(tmp_path_factory):
     spool = tmp_path_factory.mktemp("fuzz-spool")
-    with BrokerProcess(groups_per_step=1, max_staleness=2, spool_dir=str(spool), fsync="never",
-                       byte_budget_mb=64, lease_timeout_s=30) as b:
+    with BrokerProcess(
+        groups_per_step=1, max_staleness=2, spool_dir=str(spool), fsync="never", byte_budget_mb=64, lease_timeout_s=30
+    ) as b:
         yield b
 
 
@@ -123,8 +124,13 @@ def test_each_message_that_killed_the_broker_gets_its_error_and_it_keeps_serving
         assert error_code(raw.ask(push)) == "bad_request"
     good = P.batch_to_ipc(make_groups(["u"], step=1, version=0)).to_pybytes()
     not_utf8 = good.replace(b"traj_id", b"traj\xffid"[:7], 1)  # 4
-    multi = [hdr(type="multi", frames=[2, 2]), hdr(type="push", producer_id="evil"), not_utf8,
-             hdr(type="push", producer_id="evil"), not_utf8]
+    multi = [
+        hdr(type="multi", frames=[2, 2]),
+        hdr(type="push", producer_id="evil"),
+        not_utf8,
+        hdr(type="push", producer_id="evil"),
+        not_utf8,
+    ]
     assert [r.code for r, _ in raw.ask(multi)] == ["bad_schema", "bad_schema"]
     big = _zeros(make_groups(["zz"], step=1, version=0, resp_len=200_000))  # 2.4 MB, a few KB compressed
     for _ in range(3):  # 5
@@ -145,8 +151,20 @@ def test_peer_state_is_bounded():
     r = Raw(bp.address)
     try:
         for i in range(L.MAX_WAITERS_PER_PEER + 40):  # one peer, unbounded waits: its oldest are answered early
-            r.s.send_multipart([msgspec.msgpack.encode({"proto": V, "req": 1000 + i, "type": "next_batch",
-                                                        "consumer_id": f"w{i}", "step": 1, "wait_s": 600.0})])
+            r.s.send_multipart(
+                [
+                    msgspec.msgpack.encode(
+                        {
+                            "proto": V,
+                            "req": 1000 + i,
+                            "type": "next_batch",
+                            "consumer_id": f"w{i}",
+                            "step": 1,
+                            "wait_s": 600.0,
+                        }
+                    )
+                ]
+            )
         early = []
         deadline = time.monotonic() + 10
         while len(early) < 40 and time.monotonic() < deadline:
@@ -170,15 +188,31 @@ def test_peer_state_is_bounded():
 # -- hypothesis: every message type, random and extreme values -------------------------------------
 EXTREME_INTS = [-(2**63), -5, -1, 0, 1, 2, 2**31 - 1, 2**31, 2**40, 2**62, 2**63 - 1, 2**64 - 1]
 values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.sampled_from(EXTREME_INTS), st.integers(-(2**63), 2**64 - 1),
-              st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=40),
-              st.just("x" * 1000)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from(EXTREME_INTS),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=40),
+        st.binary(max_size=40),
+        st.just("x" * 1000),
+    ),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-    max_leaves=8)
-FIELDS = {"acquire": ["producer_id", "max_groups", "wait_s", "min_groups"], "push": ["producer_id", "want_tickets"],
-          "engine_version": ["engine_id", "version"], "next_batch": ["consumer_id", "step", "wait_s", "acks"],
-          "ack": ["consumer_id", "lease_id"], "renew": ["lease_id"], "report_version": ["version"],
-          "status": [], "ping": [], "multi": ["frames"]}
+    max_leaves=8,
+)
+FIELDS = {
+    "acquire": ["producer_id", "max_groups", "wait_s", "min_groups"],
+    "push": ["producer_id", "want_tickets"],
+    "engine_version": ["engine_id", "version"],
+    "next_batch": ["consumer_id", "step", "wait_s", "acks"],
+    "ack": ["consumer_id", "lease_id"],
+    "renew": ["lease_id"],
+    "report_version": ["version"],
+    "status": [],
+    "ping": [],
+    "multi": ["frames"],
+}
 
 
 @st.composite

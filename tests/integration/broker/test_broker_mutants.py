@@ -61,20 +61,38 @@ def test_structurally_invalid_mutants_are_refused_with_a_named_code_and_never_sp
     verdicts: dict[str, int] = {}
     invalid = refused_invalid = 0
     accepted: list[str] = []
-    with BrokerProcess(groups_per_step=1, max_staleness=1024, spool_dir=str(spool), fsync="never",
-                       byte_budget_mb=256, lease_timeout_s=60) as bp:
+    with BrokerProcess(
+        groups_per_step=1,
+        max_staleness=1024,
+        spool_dir=str(spool),
+        fsync="never",
+        byte_budget_mb=256,
+        lease_timeout_s=60,
+    ) as bp:
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(bp.address)
         try:
             for i in range(N_MUTANTS):
-                batch = make_groups([f"m{i:04d}"], step=1, version=0, group_size=int(rng.integers(1, 5)),
-                                    resp_len=int(rng.integers(1, 40)), rng=rng)
+                batch = make_groups(
+                    [f"m{i:04d}"],
+                    step=1,
+                    version=0,
+                    group_size=int(rng.integers(1, 5)),
+                    resp_len=int(rng.integers(1, 40)),
+                    rng=rng,
+                )
                 payload = mutate(P.batch_to_ipc(batch).to_pybytes(), rng, head)
                 valid = structurally_valid(payload)
-                s.send_multipart([msgspec.msgpack.encode({"proto": P.PROTOCOL_VERSION, "type": "push", "req": i,
-                                                          "producer_id": "fuzz"}), payload])
+                s.send_multipart(
+                    [
+                        msgspec.msgpack.encode(
+                            {"proto": P.PROTOCOL_VERSION, "type": "push", "req": i, "producer_id": "fuzz"}
+                        ),
+                        payload,
+                    ]
+                )
                 assert s.poll(10_000), f"no reply to mutant {i}"
                 ((reply, _),) = P.split_replies(s.recv_multipart())
                 assert reply.req == i
@@ -88,7 +106,9 @@ def test_structurally_invalid_mutants_are_refused_with_a_named_code_and_never_sp
                     refused_invalid += 1
                 elif isinstance(reply, P.PushReply) and reply.groups:
                     # a flip may have changed the group id itself: the one the mutant carries
-                    accepted += pa.ipc.open_stream(pa.py_buffer(payload)).read_all().column("group_id").unique().to_pylist()
+                    accepted += (
+                        pa.ipc.open_stream(pa.py_buffer(payload)).read_all().column("group_id").unique().to_pylist()
+                    )
                 if isinstance(reply, P.ErrorReply):
                     assert reply.code in CODES, reply.code
             errors = get_status(bp.address)["errors"]

@@ -22,8 +22,13 @@ from tests.support.broker_groups import make_groups
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
-OPS = st.lists(st.sampled_from(["produce", "produce", "produce", "consume", "consume", "ack", "defer", "bump",
-                                "crash", "restart"]), min_size=6, max_size=14)
+OPS = st.lists(
+    st.sampled_from(
+        ["produce", "produce", "produce", "consume", "consume", "ack", "defer", "bump", "crash", "restart"]
+    ),
+    min_size=6,
+    max_size=14,
+)
 K, G, LEASE_S = 1, 2, 1.0
 
 
@@ -31,8 +36,10 @@ K, G, LEASE_S = 1, 2, 1.0
 @given(ops=OPS, lags=st.lists(st.integers(0, 2), min_size=14, max_size=14))
 # Found by CI runs: a crash drops a deferred ack, so that lease's groups come back (then are trained, or go stale).
 @example(ops=["produce", "produce", "produce", "consume", "defer", "crash"], lags=[0] * 14)
-@example(ops=["bump", "restart", "produce", "produce", "consume", "defer", "crash", "bump"],
-         lags=[0, 1, 0, 0, 0, 2, 0, 0, 0, 2, 0, 1, 2, 1])
+@example(
+    ops=["bump", "restart", "produce", "produce", "consume", "defer", "crash", "bump"],
+    lags=[0, 1, 0, 0, 0, 2, 0, 0, 0, 2, 0, 1, 2, 1],
+)
 def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
     spool = tmp_path_factory.mktemp("spool")
     opts = dict(groups_per_step=G, max_staleness=K, spool_dir=spool, fsync="never", lease_timeout_s=LEASE_S)
@@ -74,7 +81,7 @@ def test_random_interleavings_over_real_sockets(tmp_path_factory, ops, lags):
                     refused = [lid for lid, _ in sent].index(e.lease_id)
                     for g in sent[refused][1]:  # counted when deferred: take that back
                         del acked[g]
-                    deferred[:] = sent[refused + 1:]  # not applied yet: the client sends them again
+                    deferred[:] = sent[refused + 1 :]  # not applied yet: the client sends them again
                     continue
                 if lease is not None:
                     gids = sorted(set(lease.batch.column("group_id").to_pylist()))

@@ -92,8 +92,9 @@ def test_flow_status_and_prometheus_metrics(broker):
     assert 'broker_drops_total{reason="stale"} 3.0' in text
     assert 'broker_engine_version_lag{engine="sim-0"} 4.0' in text
     assert 'broker_staleness_versions_bucket{le="0"} 4.0' in text
-    out = subprocess.run([sys.executable, "-m", "broker", "status", bp.address], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "broker", "status", bp.address], capture_output=True, text=True, timeout=30
+    )
     assert json.loads(out.stdout)["status"]["broker/produced_groups_total"] == 5
 
 
@@ -121,15 +122,25 @@ def test_hostile_frames_get_error_replies_and_the_broker_keeps_serving(broker):
     dictionary = P.batch_to_ipc(pa.RecordBatch.from_pydict({"traj_id": pa.array(["a"]).dictionary_encode()}))
     v = P.PROTOCOL_VERSION
     cases = {
-        "bad_frame": [[b"\x00garbage\xff"], [push, good[: len(good) // 2]], [push, b"\x93garbage" * 10],
-                      [push, huge_prefix], [push], [push, good, good], [push, dictionary.to_pybytes()],
-                      [push, good[good.index(b"\xff\xff\xff\xff", 8):]]],  # a batch message, no schema
+        "bad_frame": [
+            [b"\x00garbage\xff"],
+            [push, good[: len(good) // 2]],
+            [push, b"\x93garbage" * 10],
+            [push, huge_prefix],
+            [push],
+            [push, good, good],
+            [push, dictionary.to_pybytes()],
+            [push, good[good.index(b"\xff\xff\xff\xff", 8) :]],
+        ],  # a batch message, no schema
         "unknown_type": [[msgspec.msgpack.encode({"proto": v, "type": "launch_missiles", "req": 5})]],
-        "old_protocol": [[msgspec.msgpack.encode({"proto": 0, "type": "push", "req": 6})],
-                         [msgspec.msgpack.encode({"proto": 1, "type": "ack", "req": 6, "consumer_id": "c",
-                                                  "lease_id": "x"})]],  # a version-1 client
-        "bad_request": [[msgspec.msgpack.encode({"proto": v, "type": "next_batch", "req": 7, "step": "one"})],
-                        [P.encode(P.Push(producer_id="evil", want_tickets=-1)), good]],
+        "old_protocol": [
+            [msgspec.msgpack.encode({"proto": 0, "type": "push", "req": 6})],
+            [msgspec.msgpack.encode({"proto": 1, "type": "ack", "req": 6, "consumer_id": "c", "lease_id": "x"})],
+        ],  # a version-1 client
+        "bad_request": [
+            [msgspec.msgpack.encode({"proto": v, "type": "next_batch", "req": 7, "step": "one"})],
+            [P.encode(P.Push(producer_id="evil", want_tickets=-1)), good],
+        ],
         "bad_schema": [[push, wrong_schema]],
     }
     for code, frames_list in cases.items():
@@ -191,8 +202,12 @@ def test_kill_9_with_spool_loses_nothing_and_returns_nothing_acked(broker, tmp_p
         cons.close()
     bp2.stop()
     out = tmp_path / "all.parquet"
-    subprocess.run([sys.executable, "-m", "broker", "export", str(spool), "--out", str(out)], check=True,
-                   timeout=60, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "broker", "export", str(spool), "--out", str(out)],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
     import pyarrow.parquet as pq
 
     t = pq.read_table(out)
@@ -300,11 +315,14 @@ def test_a_ctrl_c_at_the_terminal_reaches_the_starter_not_the_broker():
 
     from broker.client import ping
 
-    code = ("import signal, sys; from broker.process import BrokerProcess; "
-            "signal.signal(signal.SIGINT, signal.SIG_IGN); bp = BrokerProcess().start(); "
-            "print(bp.address, bp.pid, flush=True); sys.stdin.read(); bp.stop()")
-    starter = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    code = (
+        "import signal, sys; from broker.process import BrokerProcess; "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); bp = BrokerProcess().start(); "
+        "print(bp.address, bp.pid, flush=True); sys.stdin.read(); bp.stop()"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         address, pid = starter.stdout.readline().split()
         os.killpg(starter.pid, signal.SIGINT)
@@ -444,14 +462,16 @@ def test_a_multi_is_answered_request_by_request_and_its_pushes_are_checked_toget
         good = [P.batch_to_ipc(make_groups([g], step=1, version=0)).to_pybytes() for g in ("a", "b", "c")]
         wrong = P.batch_to_ipc(pa.RecordBatch.from_pydict({"traj_id": ["x"]})).to_pybytes()
         dup = P.batch_to_ipc(make_groups(["b"], step=1, version=0)).to_pybytes()  # b again, same rows
-        units = [[P.encode(P.Push(req=1, producer_id="w")), good[0]],
-                 [P.encode(P.Push(req=2, producer_id="w")), wrong],
-                 [P.encode(P.Push(req=3, producer_id="w", want_tickets=1)), good[1]],
-                 [P.encode(P.Push(req=4, producer_id="w")), dup],
-                 [P.encode(P.Push(req=5, producer_id="w")), good[2]],
-                 [P.encode(P.Ping(req=6))],
-                 [P.encode(P.NextBatch(req=7, consumer_id="c", step=1, wait_s=1.0))],
-                 [P.encode(P.NextBatch(req=8, consumer_id="c", step=2, wait_s=1.0))]]
+        units = [
+            [P.encode(P.Push(req=1, producer_id="w")), good[0]],
+            [P.encode(P.Push(req=2, producer_id="w")), wrong],
+            [P.encode(P.Push(req=3, producer_id="w", want_tickets=1)), good[1]],
+            [P.encode(P.Push(req=4, producer_id="w")), dup],
+            [P.encode(P.Push(req=5, producer_id="w")), good[2]],
+            [P.encode(P.Ping(req=6))],
+            [P.encode(P.NextBatch(req=7, consumer_id="c", step=1, wait_s=1.0))],
+            [P.encode(P.NextBatch(req=8, consumer_id="c", step=2, wait_s=1.0))],
+        ]
         s.send_multipart([P.encode(P.Multi(req=99, frames=[len(u) for u in units]))] + [f for u in units for f in u])
         got, messages = _replies(s, 8)
         assert messages <= 2 and 99 not in got
@@ -488,8 +508,9 @@ def test_clients_coalesce_and_a_consumer_may_ask_several_steps_ahead(broker, tmp
             await asyncio.sleep(0.2)  # all four wait in the broker: the version must only move up
             assert (await cons.status())["status"]["broker/version"] == 3
             tickets = await prod.acquire_tickets(8, wait_s=1.0)
-            replies = await asyncio.gather(*(prod.push(make_groups([f"g{i}"], step=t.step, version=0))
-                                             for i, t in enumerate(tickets[:6])))
+            replies = await asyncio.gather(
+                *(prod.push(make_groups([f"g{i}"], step=t.step, version=0)) for i, t in enumerate(tickets[:6]))
+            )
             assert [r.groups for r in replies] == [1] * 6
             leases = []
             for fut in ahead:

@@ -16,13 +16,21 @@ from engines.vllm.generation import VLLMGenerationClient
 pytestmark = pytest.mark.timeout(600)
 
 # (method, path, body): the RL endpoints (pause, weights, collective_rpc) and the OpenAI API
-DRIVING = [("POST", "/pause", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
-           ("POST", "/update_weights", {"update_info": {}}), ("POST", "/start_weight_update", None),
-           ("POST", "/update_weight_version", {"new_version": "999"}),
-           ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp/x"}}),
-           ("POST", "/init_weight_transfer_engine", {"init_info": {}}), ("POST", "/sleep", None),
-           ("POST", "/reset_prefix_cache", None), ("GET", "/weight_info", None), ("GET", "/v1/models", None),
-           ("POST", "/v1/completions", {"model": "tiny-adder", "prompt": "1+1=", "max_tokens": 1})]
+DRIVING = [
+    ("POST", "/pause", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/update_weights", {"update_info": {}}),
+    ("POST", "/start_weight_update", None),
+    ("POST", "/update_weight_version", {"new_version": "999"}),
+    ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp/x"}}),
+    ("POST", "/init_weight_transfer_engine", {"init_info": {}}),
+    ("POST", "/sleep", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("GET", "/weight_info", None),
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"model": "tiny-adder", "prompt": "1+1=", "max_tokens": 1}),
+]
 
 
 def test_calls_without_the_run_token_are_refused_and_the_fleet_clients_work(vllm_server):
@@ -50,6 +58,7 @@ def test_calls_without_the_run_token_are_refused_and_the_fleet_clients_work(vllm
     paused, still, version = asyncio.run(fleet_client())
     assert paused and not still  # the authenticated pause and resume took effect
     assert version != "999"  # the refused /update_weight_version changed nothing
-    r = httpx.post(url + "/collective_rpc", json={"method": "fleetrl_weight_sync_status"}, headers=auth_headers(),
-                   timeout=60)
+    r = httpx.post(
+        url + "/collective_rpc", json={"method": "fleetrl_weight_sync_status"}, headers=auth_headers(), timeout=60
+    )
     assert r.status_code == 200, r.text[:300]

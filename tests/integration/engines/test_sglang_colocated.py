@@ -45,9 +45,13 @@ PARAMS = SamplingParams(n=2, max_tokens=3, temperature=1.0)
 def standin(tmp_path):
     port = free_port()
     log = open(tmp_path / "standin.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support" / "sglang_standin.py"),
-                             "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "support" / "sglang_standin.py"), "--port", str(port)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, tmp_path / "standin.log", "the SGLang stand-in")
     yield url
@@ -95,8 +99,13 @@ def test_colocated_steps_release_publish_and_resume_in_order(standin):
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], bucket_bytes=200)
     assert len(plan.buckets) > 1
     learner_side = SGLangPublishClient("sglang-0", standin, timeout_s=30, control_timeout_s=30)
-    pub = Publisher(WeightSyncConfig(backend="gloo", nccl_impl="sglang", timeout_s=30), plan, rank=0,
-                    engines=[learner_side], device="cpu")
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", nccl_impl="sglang", timeout_s=30),
+        plan,
+        rank=0,
+        engines=[learner_side],
+        device="cpu",
+    )
 
     async def steps():
         fleet, ce = await _fleet(standin)
@@ -108,7 +117,9 @@ def test_colocated_steps_release_publish_and_resume_in_order(standin):
                 first = first if first is not None else int(samples[0].token_ids[0])
                 rel = await ce.release(step)  # the learner has step s's batch
                 assert rel["sleep_seconds"] > 0 and await engine.is_sleeping()
-                with pytest.raises(EngineError, match="generate while its GPU memory is released"):  # SGLang would run on unmapped pages
+                with pytest.raises(
+                    EngineError, match="generate while its GPU memory is released"
+                ):  # SGLang would run on unmapped pages
                     await engine.generate([1, 2, 3], PARAMS)
                 await ce.wake(step, "weights")  # the learner trained step s
                 rep = await asyncio.to_thread(pub.publish, step, iter(states[step].items()))
@@ -132,9 +143,19 @@ def test_colocated_steps_release_publish_and_resume_in_order(standin):
     release, resume = "/release_memory_occupation", "/resume_memory_occupation"
     update = [("/update_weights_from_distributed", None)] * len(plan.buckets)
     step = [(release, ("kv_cache", "weights")), (resume, ("weights",))]
-    assert calls == [("/generate", None), *step, ("/init_weights_update_group", None), *update,
-                     (resume, ("kv_cache",)), ("/generate", None),
-                     ("/generate", None), *step, *update, (resume, ("kv_cache",)), ("/generate", None)], calls
+    assert calls == [
+        ("/generate", None),
+        *step,
+        ("/init_weights_update_group", None),
+        *update,
+        (resume, ("kv_cache",)),
+        ("/generate", None),
+        ("/generate", None),
+        *step,
+        *update,
+        (resume, ("kv_cache",)),
+        ("/generate", None),
+    ], calls
 
 
 def test_release_waits_for_running_requests(standin):
@@ -163,8 +184,11 @@ def test_failed_resume_is_named_and_leaves_the_engine_released(standin):
         try:
             await ce.release(1)
             _fail(standin, "/resume_memory_occupation", status=500)
-            with pytest.raises(EngineError, match=r"memory resume of \['weights'\] failed: engine sglang-0: "
-                                                  r"POST /resume_memory_occupation -> HTTP 500"):
+            with pytest.raises(
+                EngineError,
+                match=r"memory resume of \['weights'\] failed: engine sglang-0: "
+                r"POST /resume_memory_occupation -> HTTP 500",
+            ):
                 await ce.wake(1, "weights")
             assert await engine.is_sleeping()
             with pytest.raises(EngineError, match="generate while its GPU memory is released"):
@@ -187,9 +211,12 @@ def test_a_memory_call_times_out_naming_engine_and_call(standin):
         try:
             _fail(standin, "/release_memory_occupation", delay_s=3.0)
             t0 = time.monotonic()
-            with pytest.raises(EngineError, match=r"memory release of \['kv_cache', 'weights'\] failed: "
-                                                  r"engine sglang-0: POST /release_memory_occupation got no answer "
-                                                  r"within 1s") as e:
+            with pytest.raises(
+                EngineError,
+                match=r"memory release of \['kv_cache', 'weights'\] failed: "
+                r"engine sglang-0: POST /release_memory_occupation got no answer "
+                r"within 1s",
+            ) as e:
                 await engine.sleep(2)
             assert e.value.code == EngineErrorCode.TIMEOUT and time.monotonic() - t0 < 2.5
         finally:
@@ -204,8 +231,11 @@ def test_the_gates_wake_times_out_naming_the_engines(standin):
         try:
             await ce.release(1)
             _fail(standin, "/resume_memory_occupation", delay_s=3.0)
-            with pytest.raises(TimeoutError, match=r"colocated wake \(weights\) of engines \['sglang-0'\] "
-                                                   r"took over 1 s \(colocate.timeout_s\)"):
+            with pytest.raises(
+                TimeoutError,
+                match=r"colocated wake \(weights\) of engines \['sglang-0'\] "
+                r"took over 1 s \(colocate.timeout_s\)",
+            ):
                 await ce.wake(1, "weights")
         finally:
             await fleet.close()

@@ -76,8 +76,9 @@ def test_join_stage_commit_over_a_real_group(worker):
     state = make_state(1)
     plan = build_plan([(k, list(v.shape), v.dtype) for k, v in state.items()], bucket_bytes=200)
     assert len(plan.buckets) > 1
-    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
-                      backend="gloo", group_epoch=1)
+    group = GroupInfo(
+        master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, backend="gloo", group_epoch=1
+    )
     common = {"engine_id": "sgl-test", "timeout_s": 20.0, "store": {"addr": "127.0.0.1", "port": store.port}}
     seq = 0
 
@@ -103,8 +104,18 @@ def test_join_stage_commit_over_a_real_group(worker):
         assert worker.recv() == "done"
         return loader.read_outcomes(store, "sgl-test", s, 1)[0]
 
-    s = call("join", group={"master_addr": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
-                            "world_size": 2, "group_epoch": 1, "backend": "gloo"}, plan=plan_to_dict(plan))
+    s = call(
+        "join",
+        group={
+            "master_addr": "127.0.0.1",
+            "master_port": store.port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_epoch": 1,
+            "backend": "gloo",
+        },
+        plan=plan_to_dict(plan),
+    )
     pg = wgroup.make_group(store, group, 0, 20)  # the publisher's side of the join
     joined = outcome(s)
     assert joined["ok"] and joined["rank"] == 1 and joined["t_exit"] >= joined["t_enter"], joined

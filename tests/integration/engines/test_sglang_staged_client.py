@@ -35,9 +35,13 @@ pytestmark = pytest.mark.timeout(180)
 def standin(tmp_path):
     port = free_port()
     log = open(tmp_path / "standin.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support" / "sglang_standin.py"),
-                             "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "support" / "sglang_standin.py"), "--port", str(port)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, tmp_path / "standin.log", "the SGLang stand-in")
     yield url
@@ -47,8 +51,11 @@ def standin(tmp_path):
 
 def _held(url: str) -> dict:
     st = httpx.get(url + "/state", timeout=10).json()
-    return {"paused": st["paused"], "forwards": st["forwards"],
-            **{k: torch.tensor(v) for k, v in st["tensors"].items()}}
+    return {
+        "paused": st["paused"],
+        "forwards": st["forwards"],
+        **{k: torch.tensor(v) for k, v in st["tensors"].items()},
+    }
 
 
 def _assert_holds(url: str, state: dict[str, torch.Tensor]) -> None:
@@ -62,10 +69,16 @@ def test_staged_publishes_into_a_serving_engine(standin, between_steps):
     states = {v: state(v) for v in range(1, 5)}
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in states[1].items()], bucket_bytes=200)
     assert len(plan.buckets) > 1
-    client = SGLangWeightClient("standin", standin, staging=True, between_steps=between_steps, timeout_s=60,
-                                control_timeout_s=30)
-    pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, nccl_impl="torch", timeout_s=30), plan, rank=0,
-                    engines=[client], device="cpu")
+    client = SGLangWeightClient(
+        "standin", standin, staging=True, between_steps=between_steps, timeout_s=60, control_timeout_s=30
+    )
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", staging=True, nccl_impl="torch", timeout_s=30),
+        plan,
+        rank=0,
+        engines=[client],
+        device="cpu",
+    )
     try:
         httpx.post(standin + "/busy", json={"busy": True}, timeout=10)
         for v in (1, 2):  # the second commit replays the copies recorded by the first

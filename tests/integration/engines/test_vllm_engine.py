@@ -56,7 +56,7 @@ def _hf_model(state: dict[str, torch.Tensor] | None = None):
 def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + response])
     logits = model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(response) - 1], dim=-1)
+    lp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(response) - 1], dim=-1)
     return lp.gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
@@ -196,8 +196,10 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
 
     base = load_file(str(TINY_MODEL / "model.safetensors"))
     gen = torch.Generator().manual_seed(3)
-    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
-           for k, v in base.items()}
+    new = {
+        k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
+        for k, v in base.items()
+    }
     plan = build_plan([(k, v.shape, v.dtype) for k, v in new.items()], bucket_bytes=256 * 1024)
     client = _weights(vllm_server)
     pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[client])
@@ -209,9 +211,14 @@ def test_gloo_weight_update_then_logprobs_match_new_weights(vllm_server, tmp_pat
     # Nothing ran during the updates, so vLLM did reset its cache (it refuses while requests hold KV
     # blocks: on the GPU, every in-flight staged update under load; bench/results/engines_gpu.md).
     assert client.prefix_cache_resets_refused == 0
-    timing = {"bytes": second.bytes, "buckets": len(plan.buckets), "first_publish_s": first.seconds,
-              "first_rebuild_s": first.rebuild_seconds, "publish_s": second.seconds,
-              "broadcast_s": second.broadcast_seconds}
+    timing = {
+        "bytes": second.bytes,
+        "buckets": len(plan.buckets),
+        "first_publish_s": first.seconds,
+        "first_rebuild_s": first.rebuild_seconds,
+        "publish_s": second.seconds,
+        "broadcast_s": second.broadcast_seconds,
+    }
     (tmp_path / "publish_timing.json").write_text(json.dumps(timing))
     record_property("gloo_publish", timing)
     log.info("gloo publish into live vLLM CPU server: %s", timing)
@@ -261,8 +268,14 @@ def test_requests_reuse_prefix_kv_only_within_one_weight_version(vllm_server):
     prompt = _tokenizer()(LONG_PROMPT)["input_ids"]
 
     async def run():
-        c = VLLMGenerationClient("vllm-salt", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
-                                 request_timeout_s=120, initial_version=41)
+        c = VLLMGenerationClient(
+            "vllm-salt",
+            vllm_server.url,
+            model=vllm_server.model_name,
+            timeout_s=60,
+            request_timeout_s=120,
+            initial_version=41,
+        )
         try:
             await c.generate(prompt, SamplingParams(n=1, max_tokens=2, temperature=0))
         finally:
@@ -286,8 +299,14 @@ def test_wait_pause_update_relies_on_the_pause_to_empty_the_prefix_cache(vllm_se
     _cached_tokens(vllm_server, prompt)
     assert _cached_tokens(vllm_server, prompt) >= 32, "prefix caching is not active; the check would be vacuous"
     base = load_file(str(TINY_MODEL / "model.safetensors"))
-    client = VLLMWeightClient("vllm-wait", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
-                              request_timeout_s=120, update_pause_mode="wait")
+    client = VLLMWeightClient(
+        "vllm-wait",
+        vllm_server.url,
+        model=vllm_server.model_name,
+        timeout_s=60,
+        request_timeout_s=120,
+        update_pause_mode="wait",
+    )
     plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
     pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=60), plan, engines=[client])
     try:
@@ -317,10 +336,18 @@ def test_staged_update_keeps_serving_during_the_broadcast(vllm_server):
     prompt = tok(LONG_PROMPT)["input_ids"]
     base = load_file(str(TINY_MODEL / "model.safetensors"))
     gen = torch.Generator().manual_seed(5)
-    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
-           for k, v in base.items()}
-    client = VLLMWeightClient("vllm-staged", vllm_server.url, model=vllm_server.model_name, timeout_s=60,
-                              request_timeout_s=120, update_pause_mode="keep")
+    new = {
+        k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
+        for k, v in base.items()
+    }
+    client = VLLMWeightClient(
+        "vllm-staged",
+        vllm_server.url,
+        model=vllm_server.model_name,
+        timeout_s=60,
+        request_timeout_s=120,
+        update_pause_mode="keep",
+    )
     plan = build_plan([(k, v.shape, v.dtype) for k, v in base.items()], bucket_bytes=256 * 1024)
     pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, timeout_s=60), plan, engines=[client])
     during: dict = {}
@@ -354,7 +381,9 @@ def test_staged_update_keeps_serving_during_the_broadcast(vllm_server):
     err_new, err_old = _max_err(_hf_model(new), prompt, after), _max_err(_hf_model(), prompt, after)
     assert err_new < TOL, f"after the staged commit log-probs differ from the new weights by {err_new:.2e} nats"
     assert err_old > 10 * TOL, f"the perturbation was too small to tell old from new weights ({err_old:.2e})"
-    assert httpx.get(vllm_server.url + "/weight_info", timeout=10, headers=auth_headers()).json()["weight_version"] == "8"
+    assert (
+        httpx.get(vllm_server.url + "/weight_info", timeout=10, headers=auth_headers()).json()["weight_version"] == "8"
+    )
     assert _max_err(_hf_model(), prompt, asyncio.run(_generate(vllm_server, prompt))) < TOL
 
 
@@ -388,12 +417,33 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
             await c.close()
 
     groups = asyncio.run(run())
-    trajs = [Trajectory(traj_id=f"g{g}/{i}", group_id=f"g{g}", sample_index=i, group_size=4, step=1,
-                        prompt_ids=prompts[g], response_ids=s.token_ids, behaviour_logprobs=s.logprobs,
-                        segment_starts=[0], segment_versions=[0], reward=float(i))
-             for g, samples in enumerate(groups) for i, s in enumerate(samples)]
-    plan = plan_step(to_record_batch(trajs), rank=0, world_size=1, micro_batch_tokens=4096, advantage="mean",
-                     drop_uniform=False, aggregation="token", learner_version=0)
+    trajs = [
+        Trajectory(
+            traj_id=f"g{g}/{i}",
+            group_id=f"g{g}",
+            sample_index=i,
+            group_size=4,
+            step=1,
+            prompt_ids=prompts[g],
+            response_ids=s.token_ids,
+            behaviour_logprobs=s.logprobs,
+            segment_starts=[0],
+            segment_versions=[0],
+            reward=float(i),
+        )
+        for g, samples in enumerate(groups)
+        for i, s in enumerate(samples)
+    ]
+    plan = plan_step(
+        to_record_batch(trajs),
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=4096,
+        advantage="mean",
+        drop_uniform=False,
+        aggregation="token",
+        learner_version=0,
+    )
     model = _hf_model()
     stats = {}
     for temperature in (0.7, 1.0):
@@ -404,8 +454,13 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
             s, mx, n = gap(lp, mb.behaviour_logp, mb.fresh)
             total, worst, count = total + s, max(worst, mx), count + n
         stats[temperature] = (total / count, worst, count)
-    log.info("engine (T=0.7, processed) vs learner: at T=0.7 mean %.2e max %.2e over %d tokens; at T=1.0 mean %.3f",
-             stats[0.7][0], stats[0.7][1], stats[0.7][2], stats[1.0][0])
+    log.info(
+        "engine (T=0.7, processed) vs learner: at T=0.7 mean %.2e max %.2e over %d tokens; at T=1.0 mean %.3f",
+        stats[0.7][0],
+        stats[0.7][1],
+        stats[0.7][2],
+        stats[1.0][0],
+    )
     assert stats[0.7][2] >= 16
     # fp32 on both sides, same model: the same bound as the T=1 test above, for every token.
     assert stats[0.7][1] < TOL, f"learner at T=0.7 differs from the engine by up to {stats[0.7][1]:.2e} nats"

@@ -32,8 +32,9 @@ def test_attached_server_serves_takes_weights_and_is_never_restarted(vllm_server
     from weight_sync.plan import build_plan
     from weight_sync.publisher import Publisher
 
-    cfg = load_run_config("tiny", [f"run.run_dir={tmp_path}", f"rollout.urls=[{vllm_server.url}]",
-                                   "rollout.startup_timeout_s=30"])
+    cfg = load_run_config(
+        "tiny", [f"run.run_dir={tmp_path}", f"rollout.urls=[{vllm_server.url}]", "rollout.startup_timeout_s=30"]
+    )
     pid = vllm_server.pid
 
     async def body():

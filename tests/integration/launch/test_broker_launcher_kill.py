@@ -20,10 +20,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def without_spool(tmp_path_factory):
     # run.default_spool=false: no spool (the launcher's default puts one in the run directory)
     # no evaluation: the kill is what is tested (an eval of 200 prompts cost ~50 s before the first step)
-    return _run(tmp_path_factory.mktemp("broker-kill-nospool"), ["broker.max_staleness=2", "run.default_spool=false",
-                                                                 "run.eval_samples=0"],
-                kill_at_step=2,
-                kill="broker", steps=STEPS)
+    return _run(
+        tmp_path_factory.mktemp("broker-kill-nospool"),
+        ["broker.max_staleness=2", "run.default_spool=false", "run.eval_samples=0"],
+        kill_at_step=2,
+        kill="broker",
+        steps=STEPS,
+    )
 
 
 def test_killed_broker_without_a_spool_stops_the_job_and_leaves_no_process(without_spool):

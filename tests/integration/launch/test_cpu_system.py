@@ -43,8 +43,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def _status(run_dir: Path) -> dict | None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "launch/cluster.py", "status", "--run-dir", str(run_dir), "--json"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "launch/cluster.py", "status", "--run-dir", str(run_dir), "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(p.stdout) if p.returncode == 0 else None
 
 
@@ -92,17 +98,42 @@ def _freeze_busy(run_dir: Path, pid: int, wait_s: float = 90.0) -> int:
     return 0
 
 
-def _run(run_dir: Path, overrides: list[str], *, kills: tuple[tuple[int, str], ...] = (),
-         kill_at_step: int | None = None, kill: str = "server", steps: int = STEPS, flags: tuple[str, ...] = ()) -> dict:
+def _run(
+    run_dir: Path,
+    overrides: list[str],
+    *,
+    kills: tuple[tuple[int, str], ...] = (),
+    kill_at_step: int | None = None,
+    kill: str = "server",
+    steps: int = STEPS,
+    flags: tuple[str, ...] = (),
+) -> dict:
     """One run of launch/cluster.py; each of ``kills`` (and ``kill_at_step``, ``kill``) is ``(step, what)``:
     ``kill -9`` of the engine server (``"server"``, frozen while it has groups in flight) or of the broker
     (``"broker"``) once the learner is at that step and a server is up, in order."""
     plan = list(kills) + ([(kill_at_step, kill)] if kill_at_step is not None else [])
     summary = run_dir / "out.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
-           "--max-steps", str(steps), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
-           *flags, "run.eval_samples=200", *overrides]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "0",
+        "--learner-gpus",
+        "0",
+        "--recipe",
+        "tiny",
+        "--max-steps",
+        str(steps),
+        "--summary",
+        str(summary),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        *flags,
+        "run.eval_samples=200",
+        *overrides,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     done: list[dict] = []
@@ -116,8 +147,9 @@ def _run(run_dir: Path, overrides: list[str], *, kills: tuple[tuple[int, str], .
                     pid = st["servers"][0]["pid"] if what == "server" else _broker_pid(proc.pid)
                     if pid:
                         inflight = _freeze_busy(run_dir, pid) if what == "server" else 0
-                        done.append({"what": what, "pid": pid, "step": st["step"], "t": time.monotonic(),
-                                     "inflight": inflight})
+                        done.append(
+                            {"what": what, "pid": pid, "step": st["step"], "t": time.monotonic(), "inflight": inflight}
+                        )
                         os.kill(pid, signal.SIGKILL)  # kill -9 of the engine server or the broker
             time.sleep(1.0 if done else 2.0)
         t_exit = time.monotonic()
@@ -128,8 +160,16 @@ def _run(run_dir: Path, overrides: list[str], *, kills: tuple[tuple[int, str], .
             proc.wait(60)
     time.sleep(2.0)
     left = alive(seen)
-    return {"rc": proc.returncode, "out": out, "run_dir": run_dir, "summary": json.loads(summary.read_text()) if summary.exists() else None,
-            "killed": done[0] if done else {}, "kills": done, "left": left, "t_exit": t_exit}
+    return {
+        "rc": proc.returncode,
+        "out": out,
+        "run_dir": run_dir,
+        "summary": json.loads(summary.read_text()) if summary.exists() else None,
+        "killed": done[0] if done else {},
+        "kills": done,
+        "left": left,
+        "t_exit": t_exit,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +178,11 @@ def run_a(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cpu-k2")
     # kill -9 of the server at step 3, and of the broker at step 12 (after the server is back): the
     # launcher restarts the broker on its spool at the same address
-    out = _run(run_dir, ["broker.max_staleness=2", "weight_sync.staging=true", f"broker.spool_dir={run_dir / 'spool'}"],
-               kills=((3, "server"), (12, "broker")))
+    out = _run(
+        run_dir,
+        ["broker.max_staleness=2", "weight_sync.staging=true", f"broker.spool_dir={run_dir / 'spool'}"],
+        kills=((3, "server"), (12, "broker")),
+    )
     out["spool"] = spool_rows(run_dir / "spool", run_dir / "spool.parquet")
     return out
 
@@ -151,13 +194,26 @@ def spool_rows(spool: Path, out: Path) -> list[dict] | None:
     if not spool.is_dir():
         return None
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "broker", "export", str(spool), "--out", str(out)], cwd=REPO, env=env,
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "broker", "export", str(spool), "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     import pyarrow.parquet as pq
 
     t = pq.read_table(out, columns=["group_id", "segment_versions", "status", "consumed_step"]).to_pylist()
-    return [{"group": r["group_id"], "v0": r["segment_versions"][0], "status": r["status"],
-             "consumed_step": r["consumed_step"]} for r in t]
+    return [
+        {
+            "group": r["group_id"],
+            "v0": r["segment_versions"][0],
+            "status": r["status"],
+            "consumed_step": r["consumed_step"],
+        }
+        for r in t
+    ]
 
 
 def check_accounting(s: dict, rows: list[dict], k: int) -> None:
@@ -189,8 +245,11 @@ def check_accounting(s: dict, rows: list[dict], k: int) -> None:
 
 @pytest.fixture(scope="module")
 def run_b(tmp_path_factory, run_a):  # after run A: never two vLLM servers at once on this machine
-    return _run(tmp_path_factory.mktemp("cpu-colocated"), ["run.eval_every=15", "learner.cpu_processes=2"],
-                flags=("--colocate",))
+    return _run(
+        tmp_path_factory.mktemp("cpu-colocated"),
+        ["run.eval_every=15", "learner.cpu_processes=2"],
+        flags=("--colocate",),
+    )
 
 
 def _learned(s: dict) -> None:
@@ -198,7 +257,8 @@ def _learned(s: dict) -> None:
     # 200 greedy test prompts: +0.04 is above the noise of the measurement (std error ~0.035 per
     # side is the worst case at p = 0.5; the two sides share prompts, so the paired noise is smaller)
     assert s["eval_accuracy_after"] >= s["eval_accuracy_before"] + 0.04, (
-        f"accuracy {s['eval_accuracy_before']:.3f} -> {s['eval_accuracy_after']:.3f}")
+        f"accuracy {s['eval_accuracy_before']:.3f} -> {s['eval_accuracy_after']:.3f}"
+    )
 
 
 def test_async_run_learns_within_the_bound(run_a):

@@ -36,12 +36,34 @@ def out_dir():
 
 def test_e2e_bench_runs_a_case_and_writes_json_and_png(out_dir):
     out = out_dir
-    cmd = [sys.executable, "bench/e2e.py", "--out-dir", str(out), "--cases", "async_k1", "--steps", str(STEPS),
-           "--eval-every", "2", "--eval-samples", "50", "--correction", "tis"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                      "PYTHONPATH": os.pathsep.join(filter(None, [
-                                                          str(REPO), os.environ.get("PYTHONPATH")]))},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "bench/e2e.py",
+        "--out-dir",
+        str(out),
+        "--cases",
+        "async_k1",
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "2",
+        "--eval-samples",
+        "50",
+        "--correction",
+        "tis",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen: set[int] = set()
     try:
         while proc.poll() is None:

@@ -59,24 +59,51 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def _env(token: str) -> dict[str, str]:
     # Every emulated host sees the machine's same cores: vLLM's automatic OpenMP binding would pin every
     # server to core 0 (a returning server then shared it with the busy one and took 6 min to start)
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
 
 
 def _ray_node(hosts: EmulatedHosts, i: int, env: dict, logs: Path) -> subprocess.Popen:
-    common = ["--node-ip-address", hosts.ip(i), "--num-cpus", "2", "--num-gpus", "1", "--block",
-              "--disable-usage-stats", "--temp-dir", f"/tmp/{hosts.prefix}-ray-h{i}"]
-    role = ["--head", "--port", "6379", "--include-dashboard", "false"] if i == 0 else \
-        ["--address", f"{hosts.ip(0)}:6379"]
-    return hosts.popen(i, [RAY, "start", *common, *role], env=env, stdout=open(logs / f"ray-h{i}.log", "ab"),
-                       stderr=subprocess.STDOUT)
+    common = [
+        "--node-ip-address",
+        hosts.ip(i),
+        "--num-cpus",
+        "2",
+        "--num-gpus",
+        "1",
+        "--block",
+        "--disable-usage-stats",
+        "--temp-dir",
+        f"/tmp/{hosts.prefix}-ray-h{i}",
+    ]
+    role = (
+        ["--head", "--port", "6379", "--include-dashboard", "false"] if i == 0 else ["--address", f"{hosts.ip(0)}:6379"]
+    )
+    return hosts.popen(
+        i, [RAY, "start", *common, *role], env=env, stdout=open(logs / f"ray-h{i}.log", "ab"), stderr=subprocess.STDOUT
+    )
 
 
 def _cli(hosts: EmulatedHosts, env: dict, *args: str, timeout: float = 120) -> dict | None:
     """``launch/cluster.py status|scale|stop`` from host 0 (the control endpoint listens on its address)."""
-    p = hosts.run(0, [sys.executable, "launch/cluster.py", *args, "--json"] if args[0] == "status" else
-                  [sys.executable, "launch/cluster.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                  timeout=timeout)
+    p = hosts.run(
+        0,
+        [sys.executable, "launch/cluster.py", *args, "--json"]
+        if args[0] == "status"
+        else [sys.executable, "launch/cluster.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if p.returncode != 0:
         return None
     try:
@@ -139,17 +166,42 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
         time.sleep(5)
         for i in (1, 2):
             _ray_node(hosts, i, env, logs)
-        cmd = [sys.executable, "launch/cluster.py", "--address", f"{hosts.ip(0)}:6379", "--ray-auth", "token",
-               "--rollout-gpus", "2", "--learner-gpus", "1", "--recipe", "tiny", "--max-steps", str(MAX_STEPS),
-               "--run-dir", str(run_dir), "--summary", str(run_dir / "out.json"), "--no-live",
-               "run.eval_samples=200", "rollout.restart_dead_servers=false", "rollout.health_interval_s=1.0",
-               "rollout.health_failures=2"]
-        driver = hosts.popen(0, cmd, cwd=REPO, env=env, stdout=open(logs / "driver.out", "wb"),
-                             stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "launch/cluster.py",
+            "--address",
+            f"{hosts.ip(0)}:6379",
+            "--ray-auth",
+            "token",
+            "--rollout-gpus",
+            "2",
+            "--learner-gpus",
+            "1",
+            "--recipe",
+            "tiny",
+            "--max-steps",
+            str(MAX_STEPS),
+            "--run-dir",
+            str(run_dir),
+            "--summary",
+            str(run_dir / "out.json"),
+            "--no-live",
+            "run.eval_samples=200",
+            "rollout.restart_dead_servers=false",
+            "rollout.health_interval_s=1.0",
+            "rollout.health_failures=2",
+        ]
+        driver = hosts.popen(
+            0, cmd, cwd=REPO, env=env, stdout=open(logs / "driver.out", "wb"), stderr=subprocess.STDOUT
+        )
 
         # -- placement: every server where the plan put it, listening on its host's address ----------
-        placement = _wait(lambda: (run_dir / "placement.json").exists() and
-                          json.loads((run_dir / "placement.json").read_text()), 600, "placement.json", driver)
+        placement = _wait(
+            lambda: (run_dir / "placement.json").exists() and json.loads((run_dir / "placement.json").read_text()),
+            600,
+            "placement.json",
+            driver,
+        )
         ns = {hosts.ip(i): _netns(hosts, i) for i in range(3)}
         learner_ip = placement["learner"][0]["node_ip"]
         servers = placement["servers"]
@@ -163,8 +215,12 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
             port = int(s["url"].rsplit(":", 1)[1])
             assert (s["node_ip"], port) in _listeners(hosts, host), "vLLM does not listen on its host's address"
             assert ("127.0.0.1", port) not in _listeners(hosts, host)
-        control = _wait(lambda: (run_dir / "control.json").exists() and
-                        json.loads((run_dir / "control.json").read_text()), 600, "control.json", driver)
+        control = _wait(
+            lambda: (run_dir / "control.json").exists() and json.loads((run_dir / "control.json").read_text()),
+            600,
+            "control.json",
+            driver,
+        )
         assert control["address"].startswith(f"tcp://{hosts.ip(0)}:") and control["curve_keys_dir"]
         broker_cfg = (run_dir / "config" / "broker.yaml").read_text()
         assert f"tcp://{hosts.ip(0)}:0" in broker_cfg
@@ -173,27 +229,48 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
         assert not any(a == "127.0.0.1" and p == int(control["address"].rsplit(":", 1)[1]) for a, p in h0)
 
         # -- a client without the keys gets nothing from the control endpoint ------------------------
-        probe = ("import zmq,sys; s=zmq.Context().socket(zmq.REQ); s.setsockopt(zmq.LINGER,0); "
-                 f"s.connect('{control['address']}'); s.send(b'{{\"op\":\"status\"}}'); "
-                 "sys.exit(0 if s.poll(3000) else 3)")
+        probe = (
+            "import zmq,sys; s=zmq.Context().socket(zmq.REQ); s.setsockopt(zmq.LINGER,0); "
+            f"s.connect('{control['address']}'); s.send(b'{{\"op\":\"status\"}}'); "
+            "sys.exit(0 if s.poll(3000) else 3)"
+        )
         assert hosts.run(1, [sys.executable, "-c", probe], env=env, timeout=60).returncode == 3
 
         # -- take a fleet host away (not the driver's, not the learner's) -----------------------------
-        st = _wait(lambda: (s := _status(hosts, env, run_dir)) and s.get("step", 0) >= KILL_AT and s, 900,
-                   f"learner step {KILL_AT}", driver)
+        st = _wait(
+            lambda: (s := _status(hosts, env, run_dir)) and s.get("step", 0) >= KILL_AT and s,
+            900,
+            f"learner step {KILL_AT}",
+            driver,
+        )
         victim_ip = next(s["node_ip"] for s in servers.values() if s["node_ip"] not in (hosts.ip(0), learner_ip))
         victim = [i for i in range(3) if hosts.ip(i) == victim_ip][0]
         killed = hosts.kill_host(victim)
         assert killed, "nothing ran on the fleet host that was to be taken away"
         step_at_kill = st["step"]
         _ray_node(hosts, victim, env, logs)  # the host comes back (a new Ray node) while training goes on
-        _wait(lambda: (s := _status(hosts, env, run_dir)) and s.get("step", 0) >= step_at_kill + 2 and
-              [x["state"] for x in s["fleet_servers"]] == ["healthy"] and s, 600,
-              "training to go on with the one server left", driver)
+        _wait(
+            lambda: (
+                (s := _status(hosts, env, run_dir))
+                and s.get("step", 0) >= step_at_kill + 2
+                and [x["state"] for x in s["fleet_servers"]] == ["healthy"]
+                and s
+            ),
+            600,
+            "training to go on with the one server left",
+            driver,
+        )
 
         # -- scale the fleet back onto that host: the answer comes at once, the server starts --------
-        grown = _wait(lambda: _cli(hosts, env, "scale", "--rollout-gpus", "2", "--run-dir", str(run_dir),
-                                   "--timeout", "60", timeout=90), 300, "scale back to 2 servers", driver, poll_s=5)
+        grown = _wait(
+            lambda: _cli(
+                hosts, env, "scale", "--rollout-gpus", "2", "--run-dir", str(run_dir), "--timeout", "60", timeout=90
+            ),
+            300,
+            "scale back to 2 servers",
+            driver,
+            poll_s=5,
+        )
         t_scale = time.monotonic()
         assert grown["ok"] and grown["servers_after"] == 2 and len(grown["starting"]) == 1, grown
         new_id = grown["starting"][0]
@@ -205,13 +282,27 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
 
         # it joins when vLLM answers, gets the learner's weights at the next publish (weight sync, no shared
         # disk) and only then work
-        joined = _wait(lambda: (s := _status(hosts, env, run_dir)) and _server(s, new_id, "healthy") and s, 420,
-                       f"{new_id} to join", driver)
+        joined = _wait(
+            lambda: (s := _status(hosts, env, run_dir)) and _server(s, new_id, "healthy") and s,
+            420,
+            f"{new_id} to join",
+            driver,
+        )
         join_s = time.monotonic() - t_scale
         joined_step = joined["step"]
-        caught = _wait(lambda: (s := _status(hosts, env, run_dir)) and (x := _server(s, new_id, "healthy")) and
-                       x["version"] > joined_step and x["groups_done"] > 0 and s, 180,
-                       f"{new_id} to take a publish after step {joined_step} and serve", driver, poll_s=2)
+        caught = _wait(
+            lambda: (
+                (s := _status(hosts, env, run_dir))
+                and (x := _server(s, new_id, "healthy"))
+                and x["version"] > joined_step
+                and x["groups_done"] > 0
+                and s
+            ),
+            180,
+            f"{new_id} to take a publish after step {joined_step} and serve",
+            driver,
+            poll_s=2,
+        )
         back_version = _server(caught, new_id, "healthy")["version"]
         assert back_version >= caught["last_published_version"] - 1, caught  # the current weights, not old ones
         placement = json.loads((run_dir / "placement.json").read_text())
@@ -232,10 +323,12 @@ def test_job_across_emulated_hosts_survives_losing_one(tmp_path):
         assert out["server_deaths"] >= 1 and out["bound_violations"] == 0
         assert [e["ok"] for e in out["scale_starts"]] == [True], out["scale_starts"]
         assert out["eval_accuracy_after"] > out["eval_accuracy_before"], out
-        print(f"\nemulated cluster: {out['steps']} steps, eval {out['eval_accuracy_before']} -> "
-              f"{out['eval_accuracy_after']}, {out['groups_lost']} lost, {out['server_deaths']} death(s), "
-              f"killed at step {step_at_kill}, {new_id} joined {join_s:.0f} s after scale at step {joined_step}, "
-              f"held v{back_version} at step {caught['step']}, run wall {out['wall_s']:.0f} s")
+        print(
+            f"\nemulated cluster: {out['steps']} steps, eval {out['eval_accuracy_before']} -> "
+            f"{out['eval_accuracy_after']}, {out['groups_lost']} lost, {out['server_deaths']} death(s), "
+            f"killed at step {step_at_kill}, {new_id} joined {join_s:.0f} s after scale at step {joined_step}, "
+            f"held v{back_version} at step {caught['step']}, run wall {out['wall_s']:.0f} s"
+        )
     finally:
         if driver is not None and driver.poll() is None:
             driver.terminate()

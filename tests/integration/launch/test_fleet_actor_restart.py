@@ -35,8 +35,14 @@ def _fleet_actor(driver: int) -> int | None:
 
 def _status(run_dir: Path) -> dict | None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "launch/cluster.py", "status", "--run-dir", str(run_dir), "--json"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "launch/cluster.py", "status", "--run-dir", str(run_dir), "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
@@ -44,9 +50,25 @@ def test_a_killed_fleet_actor_is_restarted_and_the_run_finishes(tmp_path):
     run_dir = tmp_path / "run"
     summary = tmp_path / "summary.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "2", "--learner-gpus", "1", "--simulate",
-           "--max-steps", str(STEPS), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
-           "rollout.simulated.learner_step_s=0.1", "broker.groups_per_step=4", "broker.max_staleness=1"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "2",
+        "--learner-gpus",
+        "1",
+        "--simulate",
+        "--max-steps",
+        str(STEPS),
+        "--summary",
+        str(summary),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        "rollout.simulated.learner_step_s=0.1",
+        "broker.groups_per_step=4",
+        "broker.max_staleness=1",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     killed = None

@@ -31,12 +31,24 @@ def _group(ticket, group_size: int, rng: np.random.Generator):
     rows = []
     for i in range(group_size):
         n = int(rng.integers(2, 9))
-        rows.append(Trajectory(
-            traj_id=f"{gid}/{i}", group_id=gid, sample_index=i, group_size=group_size, step=int(ticket.step),
-            prompt_ids=prompt, response_ids=rng.integers(3, VOCAB, size=n).tolist(),
-            behaviour_logprobs=(-4.8 + rng.normal(0, 0.2, size=n)).clip(max=0).tolist(),
-            segment_starts=[0], segment_versions=[max(0, int(ticket.step) - 1)],
-            reward=float(i % 2), finish_reason="stop", engine_id="test-producer", data_source="synthetic"))
+        rows.append(
+            Trajectory(
+                traj_id=f"{gid}/{i}",
+                group_id=gid,
+                sample_index=i,
+                group_size=group_size,
+                step=int(ticket.step),
+                prompt_ids=prompt,
+                response_ids=rng.integers(3, VOCAB, size=n).tolist(),
+                behaviour_logprobs=(-4.8 + rng.normal(0, 0.2, size=n)).clip(max=0).tolist(),
+                segment_starts=[0],
+                segment_versions=[max(0, int(ticket.step) - 1)],
+                reward=float(i % 2),
+                finish_reason="stop",
+                engine_id="test-producer",
+                data_source="synthetic",
+            )
+        )
     return to_record_batch(rows)
 
 
@@ -80,15 +92,25 @@ def _start(ray_local, tmp_path: Path, steps: int):
     from launch.config import load_run_config
     from launch.learner_ranks import LearnerRanks
 
-    cfg = load_run_config("tiny", [f"run.max_steps={steps}", f"run.run_dir={tmp_path}", "broker.groups_per_step=2",
-                                   "broker.max_staleness=1", "learner.cpu_processes=2", "learner.export_every=0",
-                                   "rollout.request_timeout_s=120",
-                                   "learner.logprob_probe_tolerance=null"])  # synthetic behaviour log-probs
+    cfg = load_run_config(
+        "tiny",
+        [
+            f"run.max_steps={steps}",
+            f"run.run_dir={tmp_path}",
+            "broker.groups_per_step=2",
+            "broker.max_staleness=1",
+            "learner.cpu_processes=2",
+            "learner.export_every=0",
+            "rollout.request_timeout_s=120",
+            "learner.logprob_probe_tolerance=null",
+        ],
+    )  # synthetic behaviour log-probs
     broker = BrokerProcess(groups_per_step=2, max_staleness=1).start()
     producer = _Producer(broker.address, group_size=4)
     producer.start()
-    ranks = LearnerRanks.start(cfg.model_dump(mode="json"), broker.address, str(tmp_path), None,
-                               n=cfg.learner.cpu_processes)
+    ranks = LearnerRanks.start(
+        cfg.model_dump(mode="json"), broker.address, str(tmp_path), None, n=cfg.learner.cpu_processes
+    )
     return broker, producer, ranks
 
 

@@ -23,13 +23,25 @@ import pyarrow.ipc as ipc
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.skipif(os.environ.get("FLEETRL_SLOW_EXTRA") != "1",
-                                 reason="a launcher run with two vLLM CPU servers: FLEETRL_SLOW_EXTRA=1 runs it")]
-JUDGE = {"kind": "judge", "model": "tiny-judge", "template": "{response}+0=", "verdict": "(YES|NO)",
-         "scores": {"YES": 0.95, "NO": 0.05}, "max_tokens": 4, "timeout_s": 30,
-         "extra_body": {"structured_outputs": {"choice": ["YES", "NO"]}},
-         "server": {"max_model_len": 64, "enforce_eager": True, "colocated": True}}
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        os.environ.get("FLEETRL_SLOW_EXTRA") != "1",
+        reason="a launcher run with two vLLM CPU servers: FLEETRL_SLOW_EXTRA=1 runs it",
+    ),
+]
+JUDGE = {
+    "kind": "judge",
+    "model": "tiny-judge",
+    "template": "{response}+0=",
+    "verdict": "(YES|NO)",
+    "scores": {"YES": 0.95, "NO": 0.05},
+    "max_tokens": 4,
+    "timeout_s": 30,
+    "extra_body": {"structured_outputs": {"choice": ["YES", "NO"]}},
+    "server": {"max_model_len": 64, "enforce_eager": True, "colocated": True},
+}
 _T = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 
@@ -44,11 +56,30 @@ def test_a_colocated_judge_starts_first_and_scores_every_sample():
     # a short run directory: vLLM's ZMQ socket paths under it must stay within 107 characters
     tmp_path = Path(tempfile.mkdtemp(prefix="rjc", dir="/tmp"))
     run = tmp_path / "run"
-    cmd = [sys.executable, "launch/cluster.py", "--colocate", "--recipe", "tiny", "--max-steps", "3", "--no-live",
-           "--run-dir", str(run), "--summary", str(tmp_path / "out.json"), "run.eval_samples=0",
-           f"reward.model={json.dumps(JUDGE)}"]
-    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=540)
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--colocate",
+        "--recipe",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--no-live",
+        "--run-dir",
+        str(run),
+        "--summary",
+        str(tmp_path / "out.json"),
+        "run.eval_samples=0",
+        f"reward.model={json.dumps(JUDGE)}",
+    ]
+    p = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads((tmp_path / "out.json").read_text())
     assert s["steps"] == 3 and s["groups_lost"] == 0 and s["colocated"]["steps_released"] == 3

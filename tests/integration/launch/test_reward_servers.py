@@ -32,13 +32,38 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 @pytest.fixture(scope="module")
 def judged_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("judge")
-    judge = {"kind": "judge", "model": "tiny-judge", "template": "{response}+0=", "verdict": r"(\d)",
-             "scores": SCORES, "max_tokens": 4, "timeout_s": 30,
-             "server": {"max_model_len": 64, "enforce_eager": True}}
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--reward-gpus", "1",
-           "--recipe", "tiny", "--max-steps", "3", "--run-dir", str(run_dir), "--no-live",
-           "--summary", str(run_dir / "out.json"), "run.eval_samples=0", f"reward.model={json.dumps(judge)}",
-           "rollout.proxy={port: 0, max_tokens: 4}"]
+    judge = {
+        "kind": "judge",
+        "model": "tiny-judge",
+        "template": "{response}+0=",
+        "verdict": r"(\d)",
+        "scores": SCORES,
+        "max_tokens": 4,
+        "timeout_s": 30,
+        "server": {"max_model_len": 64, "enforce_eager": True},
+    }
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "0",
+        "--learner-gpus",
+        "0",
+        "--reward-gpus",
+        "1",
+        "--recipe",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        "--summary",
+        str(run_dir / "out.json"),
+        "run.eval_samples=0",
+        f"reward.model={json.dumps(judge)}",
+        "rollout.proxy={port: 0, max_tokens: 4}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -63,8 +88,9 @@ def judged_run(tmp_path_factory):
 
                 url = re.search(r"OpenAI-compatible proxy: (\S+)/v1", "".join(lines)).group(1)
                 client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60.0, max_retries=0)
-                answer = client.chat.completions.create(model="tiny-adder", max_tokens=4, temperature=0.0,
-                                                        messages=[{"role": "user", "content": "12+35="}])
+                answer = client.chat.completions.create(
+                    model="tiny-adder", max_tokens=4, temperature=0.0, messages=[{"role": "user", "content": "12+35="}]
+                )
             time.sleep(0.5)
         reader.join(10)
     finally:
@@ -76,8 +102,15 @@ def judged_run(tmp_path_factory):
     left = alive(children)
     out = "".join(lines)
     summary_path = run_dir / "out.json"
-    return {"rc": proc.returncode, "out": out, "run_dir": run_dir, "answer": answer, "left": left, "wall_s": wall,
-            "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None}
+    return {
+        "rc": proc.returncode,
+        "out": out,
+        "run_dir": run_dir,
+        "answer": answer,
+        "left": left,
+        "wall_s": wall,
+        "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
+    }
 
 
 def test_the_judge_server_scored_and_its_rewards_reached_the_broker(judged_run):

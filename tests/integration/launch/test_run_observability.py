@@ -87,8 +87,10 @@ def _series(text: str) -> set[str]:
     out = set()
     for fam in text_string_to_metric_families(text):
         out |= {s.name for s in fam.samples}
-        out |= {fam.name + x for x in {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(
-            fam.type, ("",))}
+        out |= {
+            fam.name + x
+            for x in {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(fam.type, ("",))
+        }
     return out
 
 
@@ -105,18 +107,41 @@ def _rank_pid(driver: int) -> int | None:
 def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> dict:
     """One launch; ``kill`` ("driver", "rank": kill -9; "ctrl-c": SIGINT to the launch's process group)
     once this launch's learner has trained ``at`` steps."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
     env.pop("WANDB_API_KEY", None)
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "tiny",
-           "--max-steps", str(STEPS), "--run-dir", str(run_dir), "--no-live", f"broker.groups_per_step={GROUPS}",
-           "run.eval_samples=16", "run.eval_every=3", f"learner.checkpoint_every={EVERY}",
-           "learner.log_samples_every=2", "run.wandb.project=fleetrl-test"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "0",
+        "--learner-gpus",
+        "0",
+        "--recipe",
+        "tiny",
+        "--max-steps",
+        str(STEPS),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        f"broker.groups_per_step={GROUPS}",
+        "run.eval_samples=16",
+        "run.eval_every=3",
+        f"learner.checkpoint_every={EVERY}",
+        "learner.log_samples_every=2",
+        "run.wandb.project=fleetrl-test",
+    ]
     log = run_dir.parent / f"{run_dir.name}-launch-{len(list(run_dir.parent.glob(run_dir.name + '-launch-*')))}.out"
     with open(log, "w") as f:  # a file, not a pipe: nothing blocks on a full pipe, orphans hold nothing
         # its own session, as a terminal's foreground job: Ctrl-C is SIGINT to the whole process group
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     seen, out, killed, probed = set(), {}, None, False
     before = len(_starts(run_dir))
     deadline = time.monotonic() + 600
@@ -161,8 +186,11 @@ def _has_learner(run_dir: Path) -> bool:
     """This launch's learner endpoint is listed (the file is rewritten by each launch's driver)."""
     try:
         eps = json.loads((run_dir / "metrics.json").read_text())
-        return "learner" in eps and eps["learner"] == json.loads(
-            (run_dir / "metrics" / "learner_endpoint.json").read_text())["learner"] and _scrape(eps["learner"]) != ""
+        return (
+            "learner" in eps
+            and eps["learner"] == json.loads((run_dir / "metrics" / "learner_endpoint.json").read_text())["learner"]
+            and _scrape(eps["learner"]) != ""
+        )
     except (OSError, ValueError):
         return False
 
@@ -173,8 +201,14 @@ def _probe(run_dir: Path) -> dict:
     got = {k: _scrape(eps[k]) for k in ("driver", "broker", "learner")}
     got["engines"] = {e: _scrape(u) for e, u in eps["engines"].items()}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    st = subprocess.run([sys.executable, "launch/cluster.py", "status", "--run-dir", str(run_dir)], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=60)
+    st = subprocess.run(
+        [sys.executable, "launch/cluster.py", "status", "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return {"endpoints": eps, "scrapes": got, "status": st.stdout + st.stderr}
 
 
@@ -187,15 +221,30 @@ def run(tmp_path_factory):
     launches["R"] = _launch(d, kill="rank", at=EVERY)
     after["R"] = json.loads((d / "summary.json").read_text())
     launches["C"] = _launch(d, kill="ctrl-c", at=EVERY + 1)
-    after["C"] = {"summary": json.loads((d / "summary.json").read_text()),
-                  "checkpoints": sorted(p.name for p in (d / "checkpoints").glob("step_*") if (p / "meta.json").exists()),
-                  "export_latest": os.readlink(d / "export" / "latest"),
-                  "export_files": sorted(p.name for p in (d / "export" / "latest").iterdir())}
+    after["C"] = {
+        "summary": json.loads((d / "summary.json").read_text()),
+        "checkpoints": sorted(p.name for p in (d / "checkpoints").glob("step_*") if (p / "meta.json").exists()),
+        "export_latest": os.readlink(d / "export" / "latest"),
+        "export_files": sorted(p.name for p in (d / "export" / "latest").iterdir()),
+    }
     launches["D"] = _launch(d, probe=_probe)
-    rep = subprocess.run([sys.executable, "launch/cluster.py", "report", "--run-dir", str(d)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    return {"dir": d, "launches": launches, "after": after, "report": rep, "starts": _starts(d),
-            "segments": _segments(d), "spool": spool_rows(d / "spool", d / "spool.parquet")}
+    rep = subprocess.run(
+        [sys.executable, "launch/cluster.py", "report", "--run-dir", str(d)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return {
+        "dir": d,
+        "launches": launches,
+        "after": after,
+        "report": rep,
+        "starts": _starts(d),
+        "segments": _segments(d),
+        "spool": spool_rows(d / "spool", d / "spool.parquet"),
+    }
 
 
 def test_run_finishes_after_the_kills(run):
@@ -238,8 +287,9 @@ def test_tensorboard_has_every_metric_at_every_step(run):
 
     from learner.metrics_sink import EVERY_STEP
 
-    acc = EventAccumulator(str(run["dir"] / "tensorboard" / "learner"),
-                           size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc = EventAccumulator(
+        str(run["dir"] / "tensorboard" / "learner"), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}
+    )
     acc.Reload()
     want = list(range(1, STEPS + 1))
     for tag in EVERY_STEP + ("rollout/reward_mean_addition",):
@@ -254,8 +304,12 @@ def test_prometheus_endpoints_answer_with_every_series_the_board_reads(run):
 
     p = run["launches"]["D"]["probe"]
     series = {k: _series(v) for k, v in p["scrapes"].items() if k != "engines"}
-    assert {"broker_queue_depth_groups", "broker_staleness_versions_bucket", "broker_engine_version_lag",
-            "broker_acked_groups_total"} <= series["broker"]
+    assert {
+        "broker_queue_depth_groups",
+        "broker_staleness_versions_bucket",
+        "broker_engine_version_lag",
+        "broker_acked_groups_total",
+    } <= series["broker"]
     assert {"fleetrl_learner_step", "fleetrl_rollout_tokens_per_s"} <= series["driver"]
     learner = {"fleetrl_step_" + k.replace("/", "_") for k in EVERY_STEP}
     assert learner <= series["learner"], learner - series["learner"]

@@ -36,8 +36,12 @@ def test_server_slot_gets_its_bundles_gpu_not_the_learners():
         def learner_gpus() -> list:
             return [str(g) for g in ray.get_gpu_ids()]
 
-        learner = ray.get(learner_gpus.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            learner_pg, placement_group_bundle_index=0)).remote(), timeout=60)
+        learner = ray.get(
+            learner_gpus.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(learner_pg, placement_group_bundle_index=0)
+            ).remote(),
+            timeout=60,
+        )
         # the plan numbers the server's GPU as the learner's on purpose: pinning must not trust it
         job._add_server_pg(0, Slot("node", (int(learner[0]),)))
         job._wait_pgs(ray, [job.pgs["server-0"]])

@@ -24,8 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cpu-shared-async")
-    out = _run(run_dir, [f"broker.max_staleness={K}", f"broker.spool_dir={run_dir / 'spool'}", "run.eval_every=0"],
-               steps=STEPS, flags=("--colocate", "--async"))
+    out = _run(
+        run_dir,
+        [f"broker.max_staleness={K}", f"broker.spool_dir={run_dir / 'spool'}", "run.eval_every=0"],
+        steps=STEPS,
+        flags=("--colocate", "--async"),
+    )
     out["spool"] = spool_rows(run_dir / "spool", run_dir / "spool.parquet")
     return out
 

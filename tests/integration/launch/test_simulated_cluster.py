@@ -25,8 +25,9 @@ STEPS = 300
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "launch/cluster.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "launch/cluster.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,24 @@ def sim_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("simrun")
     summary = run_dir / "summary-out.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "32", "--learner-gpus", "32", "--simulate",
-           "--max-steps", str(STEPS), "--summary", str(summary), "--run-dir", str(run_dir), "--no-live",
-           "rollout.simulated.learner_step_s=0.02", "broker.groups_per_step=16"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "32",
+        "--learner-gpus",
+        "32",
+        "--simulate",
+        "--max-steps",
+        str(STEPS),
+        "--summary",
+        str(summary),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        "rollout.simulated.learner_step_s=0.02",
+        "broker.groups_per_step=16",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     control: dict = {}
@@ -64,8 +80,14 @@ def sim_run(tmp_path_factory):
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
     time.sleep(1.0)
-    yield {"rc": proc.returncode, "out": out, "summary": json.loads(summary.read_text()),
-           "control": control, "seen": seen, "run_dir": run_dir}
+    yield {
+        "rc": proc.returncode,
+        "out": out,
+        "summary": json.loads(summary.read_text()),
+        "control": control,
+        "seen": seen,
+        "run_dir": run_dir,
+    }
 
 
 @pytest.mark.slow
@@ -97,7 +119,10 @@ def test_status_and_scale_while_running(sim_run):
     # a grow answers at once with what it started; those servers are listed (starting, then healthy)
     up = c["scale_up"]
     assert {k: up[k] for k in ("ok", "servers_before", "servers_after")} == {
-        "ok": True, "servers_before": 16, "servers_after": 24}, up
+        "ok": True,
+        "servers_before": 16,
+        "servers_after": 24,
+    }, up
     assert len(up["starting"]) == 8 and all(x.startswith("sim-") for x in up["starting"]), up
     assert len(c["status_after"]["servers"]) == 24
     assert {x["state"] for x in c["status_after"]["servers"]} <= {"healthy", "starting"}
@@ -124,8 +149,22 @@ def test_no_process_left_behind(sim_run):
 def test_ctrl_c_shuts_everything_down(tmp_path):
     """SIGINT (Ctrl-C) mid-run: a summary marked interrupted, and no process or control file left."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "8", "--learner-gpus", "8", "--simulate",
-           "--max-steps", "100000", "--summary", str(tmp_path / "s.json"), "--run-dir", str(tmp_path), "--no-live"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "8",
+        "--learner-gpus",
+        "8",
+        "--simulate",
+        "--max-steps",
+        "100000",
+        "--summary",
+        str(tmp_path / "s.json"),
+        "--run-dir",
+        str(tmp_path),
+        "--no-live",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     try:

@@ -61,8 +61,13 @@ def test_conversion_matches_the_gguf_and_catches_a_corrupted_tensor(smollm2_mode
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_model, tmp_path_factory):
-    with cpu_vllm_server(smollm2_model, tmp_path_factory.mktemp("smollm2_server"), max_model_len=256,
-                         max_num_seqs=16, served_model_name="smollm2") as s:
+    with cpu_vllm_server(
+        smollm2_model,
+        tmp_path_factory.mktemp("smollm2_server"),
+        max_model_len=256,
+        max_num_seqs=16,
+        served_model_name="smollm2",
+    ) as s:
         yield s
 
 
@@ -100,10 +105,17 @@ def test_vllm_serves_chat_templated_samples_with_the_learners_logprobs(smollm2_m
     for s in samples:
         ids = torch.tensor(prompt + s.token_ids.tolist(), dtype=torch.int64)
         n = len(s.token_ids)
-        mb = MicroBatch(input_ids=ids[:-1].view(1, -1), position_ids=torch.arange(len(ids) - 1).view(1, -1),
-                        target_index=torch.arange(len(prompt) - 1, len(ids) - 1), targets=ids[len(prompt):],
-                        behaviour_logp=torch.zeros(n), advantages=torch.zeros(n), weights=torch.zeros(n),
-                        seq_lens=torch.tensor([n]), fresh=torch.zeros(n, dtype=torch.bool))
+        mb = MicroBatch(
+            input_ids=ids[:-1].view(1, -1),
+            position_ids=torch.arange(len(ids) - 1).view(1, -1),
+            target_index=torch.arange(len(prompt) - 1, len(ids) - 1),
+            targets=ids[len(prompt) :],
+            behaviour_logp=torch.zeros(n),
+            advantages=torch.zeros(n),
+            weights=torch.zeros(n),
+            seq_lens=torch.tensor([n]),
+            fresh=torch.zeros(n, dtype=torch.bool),
+        )
         with torch.no_grad():
             ours, _ = packed_forward(model, mb, 1.0)
         diffs.append(np.abs(ours.numpy() - s.logprobs))
@@ -119,10 +131,29 @@ def test_short_real_model_run_through_the_launcher(smollm2_model, short_tmp):
     run_dir = short_tmp / "run"
     summary = short_tmp / "summary.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "0", "--learner-gpus", "0", "--recipe", "smollm2",
-           "--max-steps", "2", "--run-dir", str(run_dir), "--summary", str(summary), "--no-live",
-           f"model.path={smollm2_model}", "broker.groups_per_step=2", "broker.max_staleness=1",
-           "rollout.sampling.max_tokens=16", "run.eval_samples=8", "reward.on_truncated=penalize"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "0",
+        "--learner-gpus",
+        "0",
+        "--recipe",
+        "smollm2",
+        "--max-steps",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--summary",
+        str(summary),
+        "--no-live",
+        f"model.path={smollm2_model}",
+        "broker.groups_per_step=2",
+        "broker.max_staleness=1",
+        "rollout.sampling.max_tokens=16",
+        "run.eval_samples=8",
+        "reward.on_truncated=penalize",
+    ]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(summary.read_text())

@@ -43,7 +43,7 @@ def read_wandb_records(path: Path) -> list:
             pos += left
             continue
         pos += HEADER.size
-        parts.append(data[pos:pos + length])
+        parts.append(data[pos : pos + length])
         pos += length
         if kind in (FULL, LAST):
             rec = pb.Record()
@@ -65,13 +65,34 @@ def history(records: list) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_simulated_run_logs_its_scalars_to_wandb_offline(tmp_path):
     pytest.importorskip("wandb")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
     env.pop("WANDB_API_KEY", None)
-    cmd = [sys.executable, "launch/cluster.py", "--rollout-gpus", "2", "--learner-gpus", "2", "--simulate",
-           "--max-steps", str(STEPS), "--summary", str(tmp_path / "s.json"), "--run-dir", str(tmp_path), "--no-live",
-           "rollout.simulated.learner_step_s=0.05", "broker.groups_per_step=4",
-           "run.wandb.project=fleetrl-test", "run.wandb.name=sim-wandb"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--rollout-gpus",
+        "2",
+        "--learner-gpus",
+        "2",
+        "--simulate",
+        "--max-steps",
+        str(STEPS),
+        "--summary",
+        str(tmp_path / "s.json"),
+        "--run-dir",
+        str(tmp_path),
+        "--no-live",
+        "rollout.simulated.learner_step_s=0.05",
+        "broker.groups_per_step=4",
+        "run.wandb.project=fleetrl-test",
+        "run.wandb.name=sim-wandb",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     try:
@@ -96,9 +117,14 @@ def test_simulated_run_logs_its_scalars_to_wandb_offline(tmp_path):
     rows = history(records)
     keys = set().union(*rows)
     # the scalars TensorBoard gets, under the same names (SIMULATED runs carry the prefix)
-    for k in ("simulated/learner/step", "simulated/learner/idle_fraction", "simulated/rollout/servers",
-              "simulated/rollout/tokens_per_s", "simulated/broker/queue_groups",
-              "simulated/rollout/staleness_max_versions"):
+    for k in (
+        "simulated/learner/step",
+        "simulated/learner/idle_fraction",
+        "simulated/rollout/servers",
+        "simulated/rollout/tokens_per_s",
+        "simulated/broker/queue_groups",
+        "simulated/rollout/staleness_max_versions",
+    ):
         assert k in keys, f"{k} missing from the W&B history (keys {sorted(keys)})"
     steps = [row["_step"] for row in rows]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)

@@ -26,25 +26,42 @@ def _rank(rank, world_size, port, kw):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
-    (mb,) = plan_step(make_batches(1)[0], rank=0, world_size=1, micro_batch_tokens=10_000, advantage="mean",
-                      drop_uniform=False, aggregation="token").micro_batches
+    (mb,) = plan_step(
+        make_batches(1)[0],
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=10_000,
+        advantage="mean",
+        drop_uniform=False,
+        aggregation="token",
+    ).micro_batches
     out = {}
     norm_w = None
     for name, root in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = _load_model(kw["model"], "sdpa")
         with torch.no_grad():  # a final norm whose weights are not 1.0 (rounding to bf16 must change them)
             if norm_w is None:
-                norm_w = 1 + 0.3 * torch.randn(model.model.norm.weight.shape, generator=torch.Generator().manual_seed(3))
+                norm_w = 1 + 0.3 * torch.randn(
+                    model.model.norm.weight.shape, generator=torch.Generator().manual_seed(3)
+                )
             model.model.norm.weight.copy_(norm_w)
         head_w = model.get_output_embeddings().weight.detach().to(torch.bfloat16).float()
-        _shard(model, init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                           reduce_dtype=torch.float32),
-               offload=False, root_dtype=root)
+        _shard(
+            model,
+            init_device_mesh("cpu", (1,)),
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            offload=False,
+            root_dtype=root,
+        )
         seen = {}
         model.model.norm.register_forward_hook(lambda m, a, o, seen=seen: seen.update(h=o.detach()))
         logp, _ = head_logprobs(model, mb, 1.0, chunk=7, compute_dtype=torch.bfloat16)
-        out[name] = {"logp": logp.detach().tolist(), "h_dtype": str(seen["h"].dtype),
-                     "h": seen["h"][0, mb.target_index].float().tolist(), "w": head_w.tolist()}
+        out[name] = {
+            "logp": logp.detach().tolist(),
+            "h_dtype": str(seen["h"].dtype),
+            "h": seen["h"][0, mb.target_index].float().tolist(),
+            "w": head_w.tolist(),
+        }
     Path(kw["out"]).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -67,9 +84,9 @@ def test_bf16_root_log_probs_match_fp32_root(tmp_path):
     # by at most ~3u |h_i| (g's rounding, two final roundings). A logit z_v = sum_i W_vi h_i (exact bf16 products,
     # fp32 sums) then moves by at most 3u sum_i |W_vi||h_i| plus the two fp32 sums' error (2 n 2^-24 of the same
     # sum, n = hidden size); log p = z_target - logsumexp(z) by at most twice the largest logit change.
-    u = 2.0 ** -8
+    u = 2.0**-8
     mag = (h.abs() @ w.abs().t()).max(-1).values  # per token: max over the vocabulary of sum_i |W_vi||h_i|
-    bound = 2 * (3 * u + 2 * h.shape[1] * 2.0 ** -24) * mag
+    bound = 2 * (3 * u + 2 * h.shape[1] * 2.0**-24) * mag
     diff = (la - lb).abs()
     assert bool((diff <= bound).all()), (diff - bound).max()
     assert diff.max() > 0  # the two roots did compute different hidden states (the bound was exercised)

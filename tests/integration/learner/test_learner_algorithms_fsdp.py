@@ -12,23 +12,43 @@ import torch
 from learner_testkit import make_batches, make_tiny_model, run_ranks, write_batches
 
 CASES = {
-    "geo_mean_rloo_entropy": dict(loss_extra={"policy_loss": "geo_mean", "advantage": "rloo", "entropy_coeff": 0.1},
-                                  learner_extra={"logprobs": "chunked"}),
-    "dr_grpo_sum_rpp_entropy": dict(aggregation="seq_mean_token_sum_norm",
-                               loss_extra={"advantage": "reinforce_plus_plus", "loss_scale_factor": 16,
-                                           "entropy_coeff": 0.01}),
+    "geo_mean_rloo_entropy": dict(
+        loss_extra={"policy_loss": "geo_mean", "advantage": "rloo", "entropy_coeff": 0.1},
+        learner_extra={"logprobs": "chunked"},
+    ),
+    "dr_grpo_sum_rpp_entropy": dict(
+        aggregation="seq_mean_token_sum_norm",
+        loss_extra={"advantage": "reinforce_plus_plus", "loss_scale_factor": 16, "entropy_coeff": 0.01},
+    ),
     # KL in the reward: zero at step 1 (the reference is the start), so step 2 is compared
-    "kl_reward_reinforce_pp": dict(steps=3, loss_extra={"advantage": "reinforce_plus_plus"},
-                                   learner_extra={"kl_reward": {"enable": True, "coef": 0.5, "type": "adaptive",
-                                                               "estimator": "k3"}}),
+    "kl_reward_reinforce_pp": dict(
+        steps=3,
+        loss_extra={"advantage": "reinforce_plus_plus"},
+        learner_extra={"kl_reward": {"enable": True, "coef": 0.5, "type": "adaptive", "estimator": "k3"}},
+    ),
     # verl's rollout_correction: sequence IS, batch-normalised, and a token k3 rejection; the weights'
     # normalisation and the kept-token count are collective, so 1 and 2 ranks must still agree
-    "rollout_correction_seq_is_rs": dict(learner_extra={"rollout_correction": {
-        "enable": True, "is_level": "sequence", "is_upper": 2.0, "is_batch_normalize": True,
-        "rejection": [{"statistic": "k3", "level": "token", "upper": 0.05, "name": "token_k3"}]}}),
+    "rollout_correction_seq_is_rs": dict(
+        learner_extra={
+            "rollout_correction": {
+                "enable": True,
+                "is_level": "sequence",
+                "is_upper": 2.0,
+                "is_batch_normalize": True,
+                "rejection": [{"statistic": "k3", "level": "token", "upper": 0.05, "name": "token_k3"}],
+            }
+        }
+    ),
     # verl's bypass (ratio against the sampler) with a sequence rejection rule measured in the loss
-    "bypass_seq_rejection": dict(correction="bypass", learner_extra={"rollout_correction": {
-        "enable": True, "rejection": [{"statistic": "k3", "level": "seq_max", "upper": 0.05, "name": "seq_max_k3"}]}}),
+    "bypass_seq_rejection": dict(
+        correction="bypass",
+        learner_extra={
+            "rollout_correction": {
+                "enable": True,
+                "rejection": [{"statistic": "k3", "level": "seq_max", "upper": 0.05, "name": "seq_max_k3"}],
+            }
+        },
+    ),
 }
 
 
@@ -59,8 +79,11 @@ def test_new_losses_match_across_ranks(tmp_path, case):
         assert resumed["resumed"]
         assert resumed["history"][-1]["learner/batch_kl_reward_coef"] == one["learner/batch_kl_reward_coef"]
     if case == "rollout_correction_seq_is_rs":
-        for key in ("learner/batch_rollout_rs_masked_fraction", "learner/batch_rollout_is_batch_norm_factor",
-                    "learner/batch_rollout_is_mean"):
+        for key in (
+            "learner/batch_rollout_rs_masked_fraction",
+            "learner/batch_rollout_is_batch_norm_factor",
+            "learner/batch_rollout_is_mean",
+        ):
             assert one[key] == pytest.approx(two[key], rel=1e-5), key
         # the rule rejects some tokens and keeps others (0.32 of 57 when written), so both paths run
         assert 0 < one["learner/batch_rollout_rs_masked_fraction"] < 1

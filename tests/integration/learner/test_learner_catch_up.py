@@ -31,9 +31,14 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
 
     join_gloo(rank, world_size, port)
-    cfg = LearnerConfig.model_validate({"loss": {"correction": "decoupled"}, "micro_batch_tokens": 64,
-                                        "logprob_probe_tolerance": None,
-                                        "optim": {"lr": 1e-3, "warmup_steps": 1}})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled"},
+            "micro_batch_tokens": 64,
+            "logprob_probe_tolerance": None,
+            "optim": {"lr": 1e-3, "warmup_steps": 1},
+        }
+    )
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     published: list[int] = []
     asked: list[float] = []
@@ -61,9 +66,16 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         asked.append(time.monotonic())
         return kw["lacking"] and published.count(1) < 2
 
-    learner = Learner(engine, cfg, source=source, max_steps=STEPS, publish=publish,
-                      needs_weights=needs_weights if kw["hook"] else None, idle_poll_s=0.2,
-                      batch_timeout_s=kw["timeout_s"])
+    learner = Learner(
+        engine,
+        cfg,
+        source=source,
+        max_steps=STEPS,
+        publish=publish,
+        needs_weights=needs_weights if kw["hook"] else None,
+        idle_poll_s=0.2,
+        batch_timeout_s=kw["timeout_s"],
+    )
     out: dict = {"published": published, "catch_up": 0, "asked": 0, "error": None}
     try:
         learner.run()
@@ -82,8 +94,10 @@ def files(tmp_path_factory):
 
 def _run(files, name: str, **kw) -> list[dict]:
     d, model, data = files
-    args = dict(model=str(model), data=str(data), out=str(d / name), hold=True, hook=True, lacking=True,
-                timeout_s=30.0) | kw
+    args = (
+        dict(model=str(model), data=str(data), out=str(d / name), hold=True, hook=True, lacking=True, timeout_s=30.0)
+        | kw
+    )
     run_procs(_rank, 2, args, timeout=180, start_method="fork")
     return [json.loads(Path(f"{d / name}.rank{r}").read_text()) for r in range(2)]
 

@@ -32,9 +32,15 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
 
     join_gloo(0, 1, port)
-    cfg = LearnerConfig.model_validate({"loss": {"correction": "decoupled"}, "micro_batch_tokens": 64,
-                                        "logprob_probe_tolerance": None,
-                                        "checkpoint_every": EVERY, "optim": {"lr": 1e-3, "warmup_steps": 1}})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled"},
+            "micro_batch_tokens": 64,
+            "logprob_probe_tolerance": None,
+            "checkpoint_every": EVERY,
+            "optim": {"lr": 1e-3, "warmup_steps": 1},
+        }
+    )
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     events: list[list] = []
     save = engine.save_checkpoint
@@ -58,16 +64,23 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         if step == kw["stop_at"]:
             raise StopRun
 
-    learner = Learner(engine, cfg, source=source, max_steps=STEPS, checkpoint_dir=Path(kw["out"]) / "ckpt",
-                      on_metrics=lambda step, m: events.append(["record", step, m["learner/checkpoint_seconds"]]),
-                      on_committed=committed)
+    learner = Learner(
+        engine,
+        cfg,
+        source=source,
+        max_steps=STEPS,
+        checkpoint_dir=Path(kw["out"]) / "ckpt",
+        on_metrics=lambda step, m: events.append(["record", step, m["learner/checkpoint_seconds"]]),
+        on_committed=committed,
+    )
     stopped = False
     try:
         learner.run()
     except StopRun:
         stopped = True
-    Path(kw["out"], "events.json").write_text(json.dumps({"events": events, "stopped": stopped,
-                                                          "version": learner.version}))
+    Path(kw["out"], "events.json").write_text(
+        json.dumps({"events": events, "stopped": stopped, "version": learner.version})
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -80,8 +93,13 @@ def files(tmp_path_factory):
 def _run(files, name: str, stop_at: int) -> dict:
     d, model, data = files
     (d / name).mkdir()
-    run_procs(_rank, 1, dict(model=str(model), data=str(data), out=str(d / name), stop_at=stop_at),
-              timeout=180, start_method="fork")
+    run_procs(
+        _rank,
+        1,
+        dict(model=str(model), data=str(data), out=str(d / name), stop_at=stop_at),
+        timeout=180,
+        start_method="fork",
+    )
     return json.loads((d / name / "events.json").read_text())
 
 

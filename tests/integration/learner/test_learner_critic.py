@@ -33,12 +33,21 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
 
     join_gloo(rank, world_size, port)
-    cfg = LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
-        "critic": {"optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"}, "warmup_steps": 1,
-                   "cliprange_value": 0.2},
-        "micro_batch_tokens": 48, "checkpoint_every": 2, "ppo_mini_batch_size": 2,
-        "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5}, "logprob_probe_tolerance": None})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
+            "critic": {
+                "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+                "warmup_steps": 1,
+                "cliprange_value": 0.2,
+            },
+            "micro_batch_tokens": 48,
+            "checkpoint_every": 2,
+            "ppo_mini_batch_size": 2,
+            "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5},
+            "logprob_probe_tolerance": None,
+        }
+    )
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     critic = Critic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
     source = None
@@ -52,8 +61,16 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
             pass
         published.append(version)
 
-    learner = Learner(engine, cfg, source=source, max_steps=STEPS, checkpoint_dir=Path(kw["ckpt"]),
-                      publish=publish, on_unchanged=lambda v: published.append(-v), critic=critic)
+    learner = Learner(
+        engine,
+        cfg,
+        source=source,
+        max_steps=STEPS,
+        checkpoint_dir=Path(kw["ckpt"]),
+        publish=publish,
+        on_unchanged=lambda v: published.append(-v),
+        critic=critic,
+    )
     resumed = learner.resume()
     history = learner.run()
     if rank == 0:
@@ -69,16 +86,18 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         with urllib.request.urlopen(url, timeout=10) as r:
             Path(kw["out"], "prometheus.txt").write_bytes(r.read())
         sink.close()
-    Path(kw["out"], f"rank{rank}.json").write_text(json.dumps({"history": history, "resumed": resumed,
-                                                               "published": published}))
+    Path(kw["out"], f"rank{rank}.json").write_text(
+        json.dumps({"history": history, "resumed": resumed, "published": published})
+    )
     torch.distributed.destroy_process_group()
 
 
 def _run(d: Path, name: str, model: Path, data: Path, ckpt: Path) -> list[dict]:
     out = d / name
     out.mkdir()
-    run_procs(_rank, 2, dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt)), timeout=200,
-              start_method="fork")
+    run_procs(
+        _rank, 2, dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt)), timeout=200, start_method="fork"
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -94,8 +113,17 @@ def runs(tmp_path_factory):
     return {"dir": d, "straight": straight, "resumed": resumed}
 
 
-CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
-               "critic/vf_explained_var", "critic/values_mean", "critic/returns_mean", "critic/advantages_mean")
+CRITIC_KEYS = (
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/grad_norm",
+    "critic/lr",
+    "critic/vf_explained_var",
+    "critic/values_mean",
+    "critic/returns_mean",
+    "critic/advantages_mean",
+)
 
 
 def test_critic_warm_up_then_ppo_steps(runs):
@@ -128,7 +156,9 @@ def test_resume_gives_the_same_next_steps(runs):
 
 
 def test_critic_metrics_reach_the_sink(runs):
-    rows = [json.loads(line) for line in (runs["dir"] / "straight" / "metrics" / "learner.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (runs["dir"] / "straight" / "metrics" / "learner.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if "metrics" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
@@ -153,8 +183,11 @@ def test_critic_metrics_reach_every_sink(runs, tmp_path, monkeypatch):
     for k in CRITIC_KEYS:  # TensorBoard keeps float32: 1e-6 relative covers its rounding (2^-24 ~ 6e-8)
         assert [e.step for e in acc.Scalars(k)] == list(want), k
         assert [e.value for e in acc.Scalars(k)] == pytest.approx([want[s][k] for s in want], rel=1e-6), k
-    prom = {ln.split()[0]: float(ln.split()[1]) for ln in (out / "prometheus.txt").read_text().splitlines()
-            if ln.startswith("fleetrl_step_critic_")}
+    prom = {
+        ln.split()[0]: float(ln.split()[1])
+        for ln in (out / "prometheus.txt").read_text().splitlines()
+        if ln.startswith("fleetrl_step_critic_")
+    }
     for k in CRITIC_KEYS:  # a gauge per metric, holding the last step's value (the text format keeps float64)
         name = "fleetrl_step_" + k.replace("/", "_")
         assert prom[name] == want[4][k], name
@@ -168,12 +201,20 @@ def test_critic_metrics_reach_every_sink(runs, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run_dir = tmp_path / "run"
     shutil.copytree(out / "metrics", run_dir / "metrics")  # the learner's lines, as the driver finds them
-    writer = WandbWriter(WandbConfig(project="fleetrl-test", mode="offline"), run_dir, simulated=False,
-                         run_config={})
-    mon = Monitor(run_dir, simulated=False, tensorboard=False, live=False, prometheus=False, wandb=writer,
-                  learner_rows_from=0)
-    mon.update(JobSnapshot(fleet=FleetStatus(), learner=LearnerStatus(step=4), max_steps=4, max_staleness=2,
-                           simulated=False, wall_s=1.0))
+    writer = WandbWriter(WandbConfig(project="fleetrl-test", mode="offline"), run_dir, simulated=False, run_config={})
+    mon = Monitor(
+        run_dir, simulated=False, tensorboard=False, live=False, prometheus=False, wandb=writer, learner_rows_from=0
+    )
+    mon.update(
+        JobSnapshot(
+            fleet=FleetStatus(),
+            learner=LearnerStatus(step=4),
+            max_steps=4,
+            max_staleness=2,
+            simulated=False,
+            wall_s=1.0,
+        )
+    )
     mon.close()
     # W&B's service process writes the offline file; finish() can return before the last records reach the
     # disk (seen once in a longer pytest session): read until the four steps are there, 30 s at most

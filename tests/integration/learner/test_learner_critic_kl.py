@@ -50,11 +50,16 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
 
     join_gloo(rank, world_size, port)
-    cfg = LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled", "advantage": "gae", "gamma": GAMMA, "lam": LAM},
-        "critic": {"optim": {"lr": 1e-3}},
-        "kl_reward": {"enable": True, "coef": BETA, "estimator": "k1", "type": "fixed"},
-        "micro_batch_tokens": 48, "optim": {"lr": 1e-2, "warmup_steps": 0}, "logprob_probe_tolerance": None})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": GAMMA, "lam": LAM},
+            "critic": {"optim": {"lr": 1e-3}},
+            "kl_reward": {"enable": True, "coef": BETA, "estimator": "k1", "type": "fixed"},
+            "micro_batch_tokens": 48,
+            "optim": {"lr": 1e-2, "warmup_steps": 0},
+            "logprob_probe_tolerance": None,
+        }
+    )
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     critic = Critic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
     kept: list = []
@@ -80,8 +85,16 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
             worst = max(worst, float((mb.returns.double().cpu() - want).abs().max()))
             kl_max = max(kl_max, float((mb.prox_logp - mb.ref_logp).abs().max()))
             n_tok += mb.returns.shape[0]
-        steps.append({"worst": worst, "kl_max": kl_max, "tokens": n_tok, "kl": m["learner/batch_kl_reward_kl"],
-                      "coef": m["learner/batch_kl_reward_coef"], "ev": m["critic/vf_explained_var"]})
+        steps.append(
+            {
+                "worst": worst,
+                "kl_max": kl_max,
+                "tokens": n_tok,
+                "kl": m["learner/batch_kl_reward_kl"],
+                "coef": m["learner/batch_kl_reward_coef"],
+                "ev": m["critic/vf_explained_var"],
+            }
+        )
     Path(kw["out"], f"rank{rank}.json").write_text(json.dumps(steps))
     torch.distributed.destroy_process_group()
 

@@ -28,10 +28,18 @@ def runs(tmp_path_factory):
     model = make_tiny_model(d / "model")
     data = write_batches(d / "data.arrow", make_batches(STEPS))
     common = dict(model=str(model), data=str(data), steps=STEPS, dump_at=(1, STEPS))
-    one = run_ranks(1, out=str(d / "one"), export=str(d / "export1"), dump_path=str(d / "w1_v{version}.safetensors"),
-                    **common)
-    two = run_ranks(2, out=str(d / "two"), export=str(d / "export2"), dump_path=str(d / "w2_v{version}.safetensors"),
-                    ckpt=str(d / "ckpt2"), checkpoint_every=2, **common)
+    one = run_ranks(
+        1, out=str(d / "one"), export=str(d / "export1"), dump_path=str(d / "w1_v{version}.safetensors"), **common
+    )
+    two = run_ranks(
+        2,
+        out=str(d / "two"),
+        export=str(d / "export2"),
+        dump_path=str(d / "w2_v{version}.safetensors"),
+        ckpt=str(d / "ckpt2"),
+        checkpoint_every=2,
+        **common,
+    )
     return {"dir": d, "model": model, "data": data, "one": one, "two": two}
 
 
@@ -77,8 +85,15 @@ def test_resume_continues_loss_curve_exactly(runs):
     ckpt = d / "ckpt_resume"
     shutil.copytree(d / "ckpt2" / "step_00000002", ckpt / "step_00000002")
     assert (d / "ckpt2" / "step_00000004" / "meta.json").exists()
-    resumed = run_ranks(2, model=str(runs["model"]), data=str(runs["data"]), out=str(d / "resumed"), steps=STEPS,
-                        ckpt=str(ckpt), checkpoint_every=2)
+    resumed = run_ranks(
+        2,
+        model=str(runs["model"]),
+        data=str(runs["data"]),
+        out=str(d / "resumed"),
+        steps=STEPS,
+        ckpt=str(ckpt),
+        checkpoint_every=2,
+    )
     r0 = resumed[0]
     assert r0["resumed"] and r0["version"] == STEPS
     assert r0["published"] == [2, 3, 4]  # the resumed version is published first, then each new one
@@ -119,16 +134,30 @@ def test_sequence_aggregation_tis_kl_match_across_ranks(runs):
     change anything but memory.
     """
     d = runs["dir"]
-    kw = dict(model=str(runs["model"]), data=str(runs["data"]), steps=1, correction="tis",
-              aggregation="sequence", kl_coef=0.1, micro_tokens=40)
+    kw = dict(
+        model=str(runs["model"]),
+        data=str(runs["data"]),
+        steps=1,
+        correction="tis",
+        aggregation="sequence",
+        kl_coef=0.1,
+        micro_tokens=40,
+    )
     r1 = run_ranks(1, out=str(d / "seq1"), **kw)[0]
     r2 = run_ranks(2, out=str(d / "seq2"), activation_checkpointing=True, **kw)[0]
     one, two = r1["history"][0], r2["history"][0]
     # One MLP execution per micro-batch, two with checkpointing (the recompute in backward).
     assert r1["mlp_calls"] == one["learner/batch_micro_batches"]
     assert r2["mlp_calls"] == 2 * two["learner/batch_micro_batches"]
-    for key in ("learner/loss_total", "learner/loss_policy", "learner/loss_kl", "learner/grad_norm",
-                "learner/entropy", "learner/is_weight_mean", "learner/mismatch_kl_k3"):
+    for key in (
+        "learner/loss_total",
+        "learner/loss_policy",
+        "learner/loss_kl",
+        "learner/grad_norm",
+        "learner/entropy",
+        "learner/is_weight_mean",
+        "learner/mismatch_kl_k3",
+    ):
         assert one[key] == pytest.approx(two[key], rel=1e-5, abs=1e-7), key
     # The largest weight exp(logp - behaviour) comes from one token's fp32 log-prob, computed on a micro-batch
     # of another shape with 2 ranks (other packing, another kernel path and reduction order in the matmuls and
@@ -150,15 +179,33 @@ def test_cli_entry_point_trains_and_exports(runs, tmp_path):
     cfg = {
         "model": {"path": str(runs["model"])},
         "data": {"train_files": ["unused.parquet"]},
-        "learner": {"loss": {"correction": "decoupled"}, "micro_batch_tokens": 256, "checkpoint_every": 1,
-                    "logprob_probe_tolerance": None},  # replayed synthetic behaviour log-probs
+        "learner": {
+            "loss": {"correction": "decoupled"},
+            "micro_batch_tokens": 256,
+            "checkpoint_every": 1,
+            "logprob_probe_tolerance": None,
+        },  # replayed synthetic behaviour log-probs
         "run": {"seed": 0, "max_steps": 1, "run_dir": str(run_dir)},
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-m", "learner", "--config", str(tmp_path / "run.yaml"),
-                        "--replay", str(runs["data"])], cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "learner", "--config", str(tmp_path / "run.yaml"), "--replay", str(runs["data"])],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert (run_dir / "checkpoints" / "step_00000001" / "meta.json").exists()
     assert (run_dir / "export" / "latest" / "model.safetensors").exists()

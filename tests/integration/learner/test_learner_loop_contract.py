@@ -35,9 +35,17 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     join_gloo(0, 1, port)
     # 3 trainable groups a step (make_batches' 4th is uniform), one per mini-batch, two epochs: 6 optimizer steps;
     # a tolerance of 50 nats passes whatever the synthetic behaviour log-probs are, so the probe only has to run
-    cfg = LearnerConfig.model_validate({"loss": {"correction": "none"}, "micro_batch_tokens": 64,
-                                        "ppo_mini_batch_size": 1, "ppo_epochs": 2, "checkpoint_every": 0,
-                                        "logprob_probe_tolerance": 50.0, "optim": {"lr": 1e-3}})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "none"},
+            "micro_batch_tokens": 64,
+            "ppo_mini_batch_size": 1,
+            "ppo_epochs": 2,
+            "checkpoint_every": 0,
+            "logprob_probe_tolerance": 50.0,
+            "optim": {"lr": 1e-3},
+        }
+    )
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     events: list[list] = []
     prepare, train = engine.prepare_logprobs, engine.train_step
@@ -55,15 +63,29 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     with pa.ipc.open_file(kw["data"]) as f:
         source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
     records = {}
-    learner = Learner(engine, cfg, source=source, max_steps=STEPS,
-                      on_metrics=lambda step, m: (events.append(["record", step]),
-                                                  records.__setitem__(step, m)))
+    learner = Learner(
+        engine,
+        cfg,
+        source=source,
+        max_steps=STEPS,
+        on_metrics=lambda step, m: (events.append(["record", step]), records.__setitem__(step, m)),
+    )
     learner.run()
-    keep = ("learner/logprob_probe_tokens", "learner/optimizer_steps", "learner/clip_frac_last",
-            "learner/batch_mini_batches")
-    Path(kw["out"], "events.json").write_text(json.dumps({
-        "events": events, "probed": learner.probed,
-        "records": {s: {k: m[k] for k in keep if k in m} for s, m in records.items()}}))
+    keep = (
+        "learner/logprob_probe_tokens",
+        "learner/optimizer_steps",
+        "learner/clip_frac_last",
+        "learner/batch_mini_batches",
+    )
+    Path(kw["out"], "events.json").write_text(
+        json.dumps(
+            {
+                "events": events,
+                "probed": learner.probed,
+                "records": {s: {k: m[k] for k in keep if k in m} for s, m in records.items()},
+            }
+        )
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -93,8 +115,9 @@ def test_the_proximal_pass_runs_once_per_mini_batch_before_the_first_optimizer_s
         n_prep = kinds.count("prepare")
         assert n_prep == 3, step  # one per mini-batch, not per epoch
         assert kinds == ["prepare"] * 3 + ["train"] * 6, step  # all before the first optimizer step
-        assert all(e[2] for e in step if e[0] == "prepare"), "correction none with several optimizer steps " \
-            "needs the proximal log-probs"
+        assert all(e[2] for e in step if e[0] == "prepare"), (
+            "correction none with several optimizer steps needs the proximal log-probs"
+        )
         assert {e[1] for e in step if e[0] == "train"} == {e[1] for e in step if e[0] == "prepare"}
 
 

@@ -23,8 +23,12 @@ def _rank(rank, world_size, port, kw):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     model = _load_model(kw["model"], "sdpa")
-    _shard(model, init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                       reduce_dtype=torch.float32), offload=False)
+    _shard(
+        model,
+        init_device_mesh("cpu", (1,)),
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        offload=False,
+    )
     seen = {}
 
     def layer_hook(m, args, out):  # forward hooks must return None, or they replace the output
@@ -57,8 +61,15 @@ def test_dropout_is_forced_to_zero(tmp_path):
 
     from learner.engine import disable_dropout
 
-    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=96, attention_dropout=0.5)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=96,
+        attention_dropout=0.5,
+    )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").train()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     torch.manual_seed(0)

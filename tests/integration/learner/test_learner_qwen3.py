@@ -26,18 +26,33 @@ def make_tiny_qwen3(out: Path) -> Path:
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
-                      intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # random QK-norm weights, so a wrong mapping of them cannot go unnoticed
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(out)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)},
-                                                                              unk_token="t3")),
-                                  pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3")),
+        pad_token="t0",
+        bos_token="t1",
+        eos_token="t2",
+        unk_token="t3",
+    )
     tok.save_pretrained(out)
     return out
 
@@ -56,8 +71,14 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     from learner.batch import MicroBatch
     from learner.config import LearnerConfig
     from learner.engine import packed_forward
@@ -67,20 +88,33 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
 
     init_distributed("gloo", timeout_s=120)
-    cfg = LearnerConfig.model_validate({"loss": {"correction": "decoupled"}, "micro_batch_tokens": 64,
-                                        "optim": {"lr": 1e-2, "grad_clip": 1.0},
-                                        "logprob_probe_tolerance": None})  # synthetic behaviour log-probs
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled"},
+            "micro_batch_tokens": 64,
+            "optim": {"lr": 1e-2, "grad_clip": 1.0},
+            "logprob_probe_tolerance": None,
+        }
+    )  # synthetic behaviour log-probs
     engine = FSDPEngine(cfg, kw["model"], total_steps=2, seed=0)
     batches = make_batches(2, seed=3)
     batches[1] = _uniform(batches[1])
 
     def norms() -> dict[str, list[float]]:
-        return {n: t.float().tolist() for n, t in engine.full_tensors() if n.endswith(("q_norm.weight", "k_norm.weight"))}
+        return {
+            n: t.float().tolist() for n, t in engine.full_tensors() if n.endswith(("q_norm.weight", "k_norm.weight"))
+        }
 
     published, unchanged, before = [], [], norms()
-    learner = Learner(engine, cfg, source=InProcessSource(batches), max_steps=2,
-                      publish=lambda v, e: published.append((v, [n for n, _ in e.full_tensors()])),
-                      on_unchanged=unchanged.append, export_root=Path(kw["out"]) / "export")
+    learner = Learner(
+        engine,
+        cfg,
+        source=InProcessSource(batches),
+        max_steps=2,
+        publish=lambda v, e: published.append((v, [n for n, _ in e.full_tensors()])),
+        on_unchanged=unchanged.append,
+        export_root=Path(kw["out"]) / "export",
+    )
     m1 = learner.step()
     after1 = norms()
     m2 = learner.step()
@@ -88,16 +122,35 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     learner.export()
     # the learner's log-probs of one packed sequence, for the comparison with the exported model
     ids = torch.arange(3, 20, dtype=torch.int64)
-    mb = MicroBatch(input_ids=ids[:-1].view(1, -1), position_ids=torch.arange(len(ids) - 1).view(1, -1),
-                    target_index=torch.arange(len(ids) - 1), targets=ids[1:], behaviour_logp=torch.zeros(len(ids) - 1),
-                    advantages=torch.zeros(len(ids) - 1), weights=torch.zeros(len(ids) - 1),
-                    seq_lens=torch.tensor([len(ids) - 1]), fresh=torch.zeros(len(ids) - 1, dtype=torch.bool))
+    mb = MicroBatch(
+        input_ids=ids[:-1].view(1, -1),
+        position_ids=torch.arange(len(ids) - 1).view(1, -1),
+        target_index=torch.arange(len(ids) - 1),
+        targets=ids[1:],
+        behaviour_logp=torch.zeros(len(ids) - 1),
+        advantages=torch.zeros(len(ids) - 1),
+        weights=torch.zeros(len(ids) - 1),
+        seq_lens=torch.tensor([len(ids) - 1]),
+        fresh=torch.zeros(len(ids) - 1, dtype=torch.bool),
+    )
     with torch.no_grad():
         logp, _ = packed_forward(engine.model, mb, 1.0)
-    Path(kw["out"], "result.json").write_text(json.dumps({
-        "published": published, "unchanged": unchanged, "skipped": [m1["learner/step_skipped"], m2["learner/step_skipped"]],
-        "loss1": m1["learner/loss_total"], "before": before, "after1": after1, "after2": after2,
-        "publishes_skipped": learner.publishes_skipped, "logp": logp.tolist(), "ids": ids.tolist()}))
+    Path(kw["out"], "result.json").write_text(
+        json.dumps(
+            {
+                "published": published,
+                "unchanged": unchanged,
+                "skipped": [m1["learner/step_skipped"], m2["learner/step_skipped"]],
+                "loss1": m1["learner/loss_total"],
+                "before": before,
+                "after1": after1,
+                "after2": after2,
+                "publishes_skipped": learner.publishes_skipped,
+                "logp": logp.tolist(),
+                "ids": ids.tolist(),
+            }
+        )
+    )
 
 
 def test_fsdp_trains_qwen3_and_skips_the_publish_of_a_step_without_update(tmp_path):

@@ -33,38 +33,66 @@ def _step_batch():
     """3 groups of 2: input lengths (prompt + response - 1) 8, 10, 1, 8, 6, 12 tokens."""
     from broker.schema import Trajectory, to_record_batch
 
-    shape = [((5, 6, 7), (4, 9, 3, 8, 5, 6)), ((5, 6, 7), (9, 9, 4, 3, 7, 5, 8, 6)),
-             ((11,), (12,)), ((13, 14, 15, 16), (20, 21, 22, 23, 24)),
-             ((30, 31), (32, 33, 34, 35, 36)), ((30, 31), (40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50))]
+    shape = [
+        ((5, 6, 7), (4, 9, 3, 8, 5, 6)),
+        ((5, 6, 7), (9, 9, 4, 3, 7, 5, 8, 6)),
+        ((11,), (12,)),
+        ((13, 14, 15, 16), (20, 21, 22, 23, 24)),
+        ((30, 31), (32, 33, 34, 35, 36)),
+        ((30, 31), (40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50)),
+    ]
     trajs = []
     for i, (prompt, resp) in enumerate(shape):
         g = i // 2
-        trajs.append(Trajectory(
-            traj_id=f"g{g}/{i % 2}", group_id=f"g{g}", sample_index=i % 2, group_size=2, step=1,
-            prompt_ids=list(prompt), response_ids=list(resp),
-            behaviour_logprobs=[-4.5 + 0.05 * ((7 * i + j) % 5) for j in range(len(resp))],
-            segment_starts=[0], segment_versions=[0], reward=float(i % 2) + 0.1 * g, finish_reason="stop",
-            engine_id="test", data_source="synthetic"))
+        trajs.append(
+            Trajectory(
+                traj_id=f"g{g}/{i % 2}",
+                group_id=f"g{g}",
+                sample_index=i % 2,
+                group_size=2,
+                step=1,
+                prompt_ids=list(prompt),
+                response_ids=list(resp),
+                behaviour_logprobs=[-4.5 + 0.05 * ((7 * i + j) % 5) for j in range(len(resp))],
+                segment_starts=[0],
+                segment_versions=[0],
+                reward=float(i % 2) + 0.1 * g,
+                finish_reason="stop",
+                engine_id="test",
+                data_source="synthetic",
+            )
+        )
     return to_record_batch(trajs)
 
 
 def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     from learner.batch import plan_step
     from learner.config import LearnerConfig
     from learner.fsdp import FSDPEngine
     from learner.run import init_distributed
 
     init_distributed("gloo", timeout_s=120)
-    cfg = LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled", "kl_coef": 0.5, "kl_estimator": "k2"},
-        # no clipping (the gradient is compared as computed), one micro-batch budget that packs a replica's
-        # sequences into two rows
-        "optim": {"lr": 1e-3, "grad_clip": 1e6},
-        "micro_batch_tokens": 24, "sequence_parallel_size": kw["sp"], "logprob_probe_tolerance": None,
-        # recomputing a layer in backward repeats its two exchanges on every rank alike
-        "activation_checkpointing": kw["ac"]})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled", "kl_coef": 0.5, "kl_estimator": "k2"},
+            # no clipping (the gradient is compared as computed), one micro-batch budget that packs a replica's
+            # sequences into two rows
+            "optim": {"lr": 1e-3, "grad_clip": 1e6},
+            "micro_batch_tokens": 24,
+            "sequence_parallel_size": kw["sp"],
+            "logprob_probe_tolerance": None,
+            # recomputing a layer in backward repeats its two exchanges on every rank alike
+            "activation_checkpointing": kw["ac"],
+        }
+    )
     engine = FSDPEngine(cfg, kw["model"], total_steps=1, seed=0)
     with torch.no_grad():  # elementwise, so the same on every sharding: a sharper reference head, KL well above 0
         for name, p in engine.ref_model.named_parameters():
@@ -76,16 +104,23 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
             grads[name] = p.grad.full_tensor().clone()
 
     engine.optimizer.register_step_pre_hook(keep_grads)
-    plan = plan_step(_step_batch(), rank=engine.data_rank, world_size=engine.data_world_size,
-                     micro_batch_tokens=cfg.micro_batch_tokens, advantage="mean", drop_uniform=True,
-                     aggregation="token")
+    plan = plan_step(
+        _step_batch(),
+        rank=engine.data_rank,
+        world_size=engine.data_world_size,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        advantage="mean",
+        drop_uniform=True,
+        aggregation="token",
+    )
     lens = [mb.n_tokens for mb in plan.micro_batches]
     engine.prepare_logprobs(plan)
     metrics = engine.train_step(plan)
     if rank == 0:
         torch.save(grads, f"{kw['out']}.grads")
-    Path(f"{kw['out']}.rank{rank}").write_text(json.dumps({"metrics": metrics, "row_tokens": lens,
-                                                            "local_tokens": [mb.n_tokens for mb in plan.micro_batches]}))
+    Path(f"{kw['out']}.rank{rank}").write_text(
+        json.dumps({"metrics": metrics, "row_tokens": lens, "local_tokens": [mb.n_tokens for mb in plan.micro_batches]})
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -101,8 +136,12 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("ulysses")
     model = make_tiny_model(d / "model")  # 4 attention heads, 2 key/value heads
-    return {"model": model, "sp1": _run(1, 1, d, "sp1", model), "sp2": _run(2, 2, d, "sp2", model),
-            "sp2dp2": _run(4, 2, d, "sp2dp2", model, ac=True)}
+    return {
+        "model": model,
+        "sp1": _run(1, 1, d, "sp1", model),
+        "sp2": _run(2, 2, d, "sp2", model),
+        "sp2dp2": _run(4, 2, d, "sp2dp2", model, ac=True),
+    }
 
 
 def _compare(ref: dict, got: dict) -> None:

@@ -21,8 +21,14 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     from learner.config import LearnerConfig
     from learner.fsdp import FSDPEngine
     from learner.loading import load_shards, meta_model
@@ -33,8 +39,10 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     for mode in ("off", "on"):
         cfg = LearnerConfig.model_validate({"loss": {"correction": "tis"}, "meta_init": mode})
         eng = FSDPEngine(cfg, kw["model"], total_steps=1)
-        shards[mode] = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-                        for n, p in eng.model.state_dict().items()}
+        shards[mode] = {
+            n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in eng.model.state_dict().items()
+        }
     assert shards["off"].keys() == shards["on"].keys()
     bad = [n for n in shards["off"] if not torch.equal(shards["off"][n], shards["on"][n])]
     # What one rank read: its rows only (about 1/world of the file), counted by load_shards itself.

@@ -26,16 +26,29 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.run import init_distributed
     from learner.source import InProcessSource
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     init_distributed("gloo", timeout_s=120)
 
     def config(meta_init: str) -> LearnerConfig:
-        return LearnerConfig.model_validate({
-            "loss": {"correction": "decoupled", "kl_coef": 0.01}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
-            "checkpoint_every": STEPS, "optim": {"lr": 1e-2, "weight_decay": 0.01}, "meta_init": meta_init,
-            "lora": {"rank": 4, "alpha": 8, "exclude_modules": ["down_proj"], "dtype": kw["dtype"]}})
+        return LearnerConfig.model_validate(
+            {
+                "loss": {"correction": "decoupled", "kl_coef": 0.01},
+                "micro_batch_tokens": 64,
+                "logprob_probe_tolerance": None,
+                "checkpoint_every": STEPS,
+                "optim": {"lr": 1e-2, "weight_decay": 0.01},
+                "meta_init": meta_init,
+                "lora": {"rank": 4, "alpha": 8, "exclude_modules": ["down_proj"], "dtype": kw["dtype"]},
+            }
+        )
 
     cfg = config("off")
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS + 1, seed=0)
@@ -44,8 +57,9 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     ad0 = {n: t.clone() for n, t in lora.adapter_tensors(engine.model)}
     source = InProcessSource(make_batches(STEPS, seed=1)) if rank == 0 else None
     ckpt_dir = Path(kw["tmp"]) / "ckpt"
-    learner = Learner(engine, cfg, source=source, max_steps=STEPS, checkpoint_dir=ckpt_dir,
-                      export_root=Path(kw["tmp"]) / "export")
+    learner = Learner(
+        engine, cfg, source=source, max_steps=STEPS, checkpoint_dir=ckpt_dir, export_root=Path(kw["tmp"]) / "export"
+    )
     history = learner.run()
     base1 = {n: t for n, t in engine.model.state_dict().items() if not lora.is_adapter_name(n)}
     base1 = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in base1.items()}
@@ -63,9 +77,11 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     ad2 = {n: t for n, t in lora.adapter_tensors(engine2.model)}
     opt_equal = all(
         torch.equal(engine.optimizer.state[p1][k], engine2.optimizer.state[p2][k])
-        for (_, p1), (_, p2) in zip(lora.adapter_parameters(engine.model), lora.adapter_parameters(engine2.model),
-                                    strict=True)
-        for k in ("exp_avg", "exp_avg_sq"))
+        for (_, p1), (_, p2) in zip(
+            lora.adapter_parameters(engine.model), lora.adapter_parameters(engine2.model), strict=True
+        )
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     if rank == 0:
         from safetensors.torch import load_file
 
@@ -83,15 +99,20 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
             "a_changed": all(not torch.equal(ad0[n], ad1[n]) for n in ad0 if ".lora_A." in n),
             "b_changed": all(not torch.equal(ad0[n], ad1[n]) for n in ad0 if ".lora_B." in n),
             "b_started_zero": all(not ad0[n].any() for n in ad0 if ".lora_B." in n),
-            "n_adapter": n_adapter, "n_opt_state": n_opt_state, "no_ref_copy": no_ref_copy,
+            "n_adapter": n_adapter,
+            "n_opt_state": n_opt_state,
+            "no_ref_copy": no_ref_copy,
             "kl": [h.get("learner/loss_kl") for h in history],
             "excluded": not any("down_proj" in n for n in ad0),
-            "resumed": resumed, "fresh_differs": any(not torch.equal(ad_fresh[n], ad1[n]) for n in ad1),
-            "resume_bit_exact": all(torch.equal(ad1[n], ad2[n]) for n in ad1), "opt_bit_exact": opt_equal,
+            "resumed": resumed,
+            "fresh_differs": any(not torch.equal(ad_fresh[n], ad1[n]) for n in ad1),
+            "resume_bit_exact": all(torch.equal(ad1[n], ad2[n]) for n in ad1),
+            "opt_bit_exact": opt_equal,
             "peft_equal": sorted(peft) == sorted(ad1) and all(torch.equal(peft[n], ad1[n]) for n in ad1),
             "merged_equal": all(torch.equal(hf[n], merged[n]) for n in merged if n in hf),
             "merged_moved": sum(not torch.equal(merged[n], base1[n]) for n in merged),
-            "ckpt_model_keys": sorted(model_keys), "adapter_keys": sorted(n.removeprefix(PEFT_PREFIX) for n in ad1),
+            "ckpt_model_keys": sorted(model_keys),
+            "adapter_keys": sorted(n.removeprefix(PEFT_PREFIX) for n in ad1),
             "peft_prefix_ok": all(n.startswith(PEFT_PREFIX) for n in peft),
         }
         Path(kw["out"]).write_text(json.dumps(result))

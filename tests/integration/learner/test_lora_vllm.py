@@ -33,8 +33,12 @@ def _server_logprobs(url: str, model: str) -> list[list[float]]:
     out = []
     for ids in PROBES:
         # generous: a server's first LoRA request on a loaded 2-core box took over 60 s once
-        r = httpx.post(url + "/v1/completions", timeout=240, headers=auth_headers(), json={
-            "model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=240,
+            headers=auth_headers(),
+            json={"model": model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0},
+        )
         r.raise_for_status()
         pl = r.json()["choices"][0]["prompt_logprobs"]
         out.append([pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))])
@@ -79,13 +83,21 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
     from weight_sync.adapter_publisher import AdapterPublisher
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1"
+    )
     torch.set_num_threads(1)
     init_distributed("gloo", timeout_s=120)
-    cfg = LearnerConfig.model_validate({
-        "loss": {"correction": "decoupled"}, "micro_batch_tokens": 64, "logprob_probe_tolerance": None,
-        "checkpoint_every": 0, "optim": {"lr": 2e-2}, "lora": {"rank": 8, "alpha": 16}})
+    cfg = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "decoupled"},
+            "micro_batch_tokens": 64,
+            "logprob_probe_tolerance": None,
+            "checkpoint_every": 0,
+            "optim": {"lr": 2e-2},
+            "lora": {"rank": 8, "alpha": 16},
+        }
+    )
     engine = FSDPEngine(cfg, str(TINY), total_steps=STEPS, seed=0)
     client = VLLMWeightClient("vllm-lora", kw["url"], model=kw["served"], adapter_prefix="policy")
     pub = AdapterPublisher([client], Path(kw["root"]))
@@ -93,23 +105,41 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
     def publish(version: int, eng) -> None:
         pub.publish(version, eng)
-        records.append({"version": version, "bytes": pub.last["bytes"], "seconds": pub.last["seconds"],
-                        "learner": _learner_logprobs(eng.model),
-                        "server": _server_logprobs(kw["url"], client.served_model(version)),
-                        "models": _served_models(kw["url"])})
+        records.append(
+            {
+                "version": version,
+                "bytes": pub.last["bytes"],
+                "seconds": pub.last["seconds"],
+                "learner": _learner_logprobs(eng.model),
+                "server": _server_logprobs(kw["url"], client.served_model(version)),
+                "models": _served_models(kw["url"]),
+            }
+        )
 
     base = _learner_logprobs(engine.model)
-    learner = Learner(engine, cfg, source=InProcessSource(make_batches(STEPS, seed=3)), max_steps=STEPS,
-                      publish=publish, export_root=Path(kw["root"]) / "export")
+    learner = Learner(
+        engine,
+        cfg,
+        source=InProcessSource(make_batches(STEPS, seed=3)),
+        max_steps=STEPS,
+        publish=publish,
+        export_root=Path(kw["root"]) / "export",
+    )
     learner.run()
     # A server that restarts loads the latest export: with LoRA, its adapter/ folder, as the next version.
     import asyncio
 
     asyncio.run(_load_export(client, str(learner.export()), STEPS + 1))
-    records.append({"version": STEPS + 1, "bytes": pub.last["bytes"], "seconds": 0.0,
-                    "learner": _learner_logprobs(engine.model),
-                    "server": _server_logprobs(kw["url"], client.served_model(STEPS + 1)),
-                    "models": _served_models(kw["url"])})
+    records.append(
+        {
+            "version": STEPS + 1,
+            "bytes": pub.last["bytes"],
+            "seconds": 0.0,
+            "learner": _learner_logprobs(engine.model),
+            "server": _server_logprobs(kw["url"], client.served_model(STEPS + 1)),
+            "models": _served_models(kw["url"]),
+        }
+    )
     full_bytes = sum(t.numel() * 4 for _, t in engine.full_tensors())
     Path(kw["out"]).write_text(json.dumps({"records": records, "base": base, "full_bytes": full_bytes}))
     torch.distributed.destroy_process_group()
@@ -120,12 +150,24 @@ def test_lora_publish_vllm(tmp_path):
     from tests.support.vllm_cpu import cpu_vllm_server
 
     args, env = lora_server_settings(8)
-    with cpu_vllm_server(TINY, tmp_path / "s", max_model_len=64, max_num_seqs=16, served_model_name="tiny-adder",
-                         extra_args=args, env=env) as server:
+    with cpu_vllm_server(
+        TINY,
+        tmp_path / "s",
+        max_model_len=64,
+        max_num_seqs=16,
+        served_model_name="tiny-adder",
+        extra_args=args,
+        env=env,
+    ) as server:
         base_server = _server_logprobs(server.url, "tiny-adder")
         out = tmp_path / "result.json"
-        run_procs(_rank, 1, {"url": server.url, "served": "tiny-adder", "root": str(tmp_path / "adapters"),
-                                  "out": str(out)}, 300, "fork")
+        run_procs(
+            _rank,
+            1,
+            {"url": server.url, "served": "tiny-adder", "root": str(tmp_path / "adapters"), "out": str(out)},
+            300,
+            "fork",
+        )
     res = json.loads(out.read_text())
     recs = res["records"]
     assert [r["version"] for r in recs] == list(range(1, STEPS + 2))  # the last: from the export's adapter/

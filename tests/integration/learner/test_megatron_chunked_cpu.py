@@ -31,8 +31,9 @@ TEMPERATURE = 0.7
 
 
 def _rank(rank: int, world: int, port: int, kw: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     import megatron.core.optimizer as mopt
     import torch
     import torch.distributed as dist
@@ -57,13 +58,28 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     init_distributed("gloo", timeout_s=60)
     res: dict = {}
     for name, model in kw["models"].items():
-        cfg = LearnerConfig.model_validate({
-            "engine": "megatron", "loss": {"correction": "tis"}, "micro_batch_tokens": 64,
-            "temperature": TEMPERATURE, "logprobs": "chunked", "logprob_chunk": 5, "optim": {"lr": 1e-3}})
+        cfg = LearnerConfig.model_validate(
+            {
+                "engine": "megatron",
+                "loss": {"correction": "tis"},
+                "micro_batch_tokens": 64,
+                "temperature": TEMPERATURE,
+                "logprobs": "chunked",
+                "logprob_chunk": 5,
+                "optim": {"lr": 1e-3},
+            }
+        )
         engine = MegatronEngine(cfg, model, total_steps=1, seed=0)
         assert engine.chunked  # chosen by learner.logprobs
-        plan = plan_step(make_batches(1, seed=2)[0], rank=0, world_size=1, micro_batch_tokens=64,
-                         advantage="mean_std", drop_uniform=True, aggregation="token")
+        plan = plan_step(
+            make_batches(1, seed=2)[0],
+            rank=0,
+            world_size=1,
+            micro_batch_tokens=64,
+            advantage="mean_std",
+            drop_uniform=True,
+            aggregation="token",
+        )
         assert max(mb.targets.numel() for mb in plan.micro_batches) > cfg.logprob_chunk
         params = dict(engine.gpt.named_parameters())
         for chunked in (False, True):
@@ -77,15 +93,19 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
             # hooks accumulating the gradient into main_grad.
             for mb in plan.micro_batches:
                 lp, en = engine.forward_logprobs(mb, grad=True)
-                loss, _ = policy_loss(lp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss, entropy=en,
-                                      fresh=mb.fresh)
+                loss, _ = policy_loss(
+                    lp, mb.behaviour_logp, mb.advantages, mb.weights, engine.loss, entropy=en, fresh=mb.fresh
+                )
                 loss.backward()
                 logp.append(lp.detach().clone())
                 ent.append(en.detach().clone())
                 losses.append(loss.detach().clone())
             res[f"{name}.{chunked}"] = {
-                "logp": torch.cat(logp), "ent": torch.cat(ent), "loss": torch.stack(losses).sum(),
-                "grads": {n: p.main_grad.detach().clone() for n, p in params.items()}}
+                "logp": torch.cat(logp),
+                "ent": torch.cat(ent),
+                "loss": torch.stack(losses).sum(),
+                "grads": {n: p.main_grad.detach().clone() for n, p in params.items()},
+            }
         del engine
     torch.save(res, kw["out"])
     dist.barrier()
@@ -98,17 +118,21 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
 def test_megatron_chunked_head_equals_full_logits(tmp_path):
     import torch
 
-    models = {"untied": str(make_tiny_model(tmp_path / "untied", seed=1)),
-              "tied": str(make_tiny_model(tmp_path / "tied", seed=2, tie=True))}
+    models = {
+        "untied": str(make_tiny_model(tmp_path / "untied", seed=1)),
+        "tied": str(make_tiny_model(tmp_path / "tied", seed=2, tie=True)),
+    }
     out = tmp_path / "res.pt"
     run_procs(_rank, 1, {"models": models, "out": str(out)}, 100, "spawn")
     res = torch.load(out, weights_only=False)
     for name in models:
         full, chunk = res[f"{name}.False"], res[f"{name}.True"]
         gerr = max(float((chunk["grads"][n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in full["grads"].items())
-        print(f"{name}: {full['logp'].numel()} tokens; max |dlogp| {float((chunk['logp'] - full['logp']).abs().max()):.2e}"
-              f", max |dent| {float((chunk['ent'] - full['ent']).abs().max()):.2e}, loss {float(full['loss']):.6f} vs "
-              f"{float(chunk['loss']):.6f}, max grad rel err {gerr:.2e}")
+        print(
+            f"{name}: {full['logp'].numel()} tokens; max |dlogp| {float((chunk['logp'] - full['logp']).abs().max()):.2e}"
+            f", max |dent| {float((chunk['ent'] - full['ent']).abs().max()):.2e}, loss {float(full['loss']):.6f} vs "
+            f"{float(chunk['loss']):.6f}, max grad rel err {gerr:.2e}"
+        )
         # fp32 on CPU in both paths, the same fp32 head matmul: they differ only by the order of fp32 sums
         # (the chunk's logsumexp vs log_softmax over the same row; the weight gradient accumulated per chunk),
         # ~1e-7 relative. 1e-5 is far above that and far below what a wrong temperature (0.7 vs 1: log-probs

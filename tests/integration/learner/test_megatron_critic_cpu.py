@@ -35,8 +35,9 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install fl
 
 
 def _rank(rank: int, world: int, port: int, kw: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     import megatron.core.optimizer as mopt
     import torch
     import torch.distributed as dist
@@ -62,18 +63,30 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     init_distributed("gloo", timeout_s=60)
     res: dict = {}
     for name, model in kw["models"].items():
-        cfg = LearnerConfig.model_validate({
-            "engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.9, "lam": 0.95},
-            "critic": {"cliprange_value": 0.05}, "micro_batch_tokens": 64,
-            "megatron": {"tensor_model_parallel_size": world, "sequence_parallel": kw["sp"]}})
+        cfg = LearnerConfig.model_validate(
+            {
+                "engine": "megatron",
+                "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.9, "lam": 0.95},
+                "critic": {"cliprange_value": 0.05},
+                "micro_batch_tokens": 64,
+                "megatron": {"tensor_model_parallel_size": world, "sequence_parallel": kw["sp"]},
+            }
+        )
         engine = MegatronEngine(cfg, model, total_steps=1, seed=0)
         critic = MegatronCritic(cfg, model, total_steps=1, seed=0, engine=engine)
         ref = load_value_model(model, "eager")
         with torch.no_grad():  # the same fresh head in both
             ref.score.weight.copy_(critic.gpt.value_head.weight)
             ref.score.bias.copy_(critic.gpt.value_head.bias)
-        plan = plan_step(make_batches(1, seed=3)[0], rank=engine.data_rank, world_size=engine.data_world_size,
-                         micro_batch_tokens=64, advantage="gae", drop_uniform=True, aggregation="token")
+        plan = plan_step(
+            make_batches(1, seed=3)[0],
+            rank=engine.data_rank,
+            world_size=engine.data_world_size,
+            micro_batch_tokens=64,
+            advantage="gae",
+            drop_uniform=True,
+            aggregation="token",
+        )
         assert len(plan.micro_batches) > 1 and max(len(mb.seq_lens) for mb in plan.micro_batches) > 1
 
         def ref_values(mb, ref=ref):
@@ -107,8 +120,9 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
             loss, m = critic.loss_of(critic.values(mb, grad=True), mb, plan)
             loss.backward()
             meg_loss += float(loss.detach())
-            rl, _ = value_loss(ref_values(mb), mb.values, mb.returns, critic._weights(mb, plan),
-                               cfg.critic.cliprange_value)
+            rl, _ = value_loss(
+                ref_values(mb), mb.values, mb.returns, critic._weights(mb, plan), cfg.critic.cliprange_value
+            )
             rl.backward()
             ref_loss += float(rl.detach())
         if kw["sp"]:  # what the schedule's finalize_model_grads does: the norms' partial gradients summed over TP
@@ -123,13 +137,21 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
         pairs = []
         for n in shards:
             parts = [g[n] for g in gathered]
-            hf = [(n.replace("value_head", "score"), parts[0])] if n.startswith("value_head") else \
-                cv.to_hf(n, parts, critic.shape)
+            hf = (
+                [(n.replace("value_head", "score"), parts[0])]
+                if n.startswith("value_head")
+                else cv.to_hf(n, parts, critic.shape)
+            )
             pairs += [(h, t, ref_grads[h]) for h, t in hf]
         assert {h for h, _, _ in pairs} == set(ref_grads)  # every parameter of the HF critic compared
-        res[name] = {"meg_v": torch.cat(meg_v), "ref_v": torch.cat(ref_v), "meg_loss": meg_loss,
-                     "ref_loss": ref_loss, "ev": prep.get("critic/vf_explained_var"),
-                     "grads": {h: (a.detach().clone(), b.detach().clone()) for h, a, b in pairs}}
+        res[name] = {
+            "meg_v": torch.cat(meg_v),
+            "ref_v": torch.cat(ref_v),
+            "meg_loss": meg_loss,
+            "ref_loss": ref_loss,
+            "ev": prep.get("critic/vf_explained_var"),
+            "grads": {h: (a.detach().clone(), b.detach().clone()) for h, a, b in pairs},
+        }
         del critic, engine
     torch.save(res, kw["out"] + f".rank{rank}")
     dist.barrier()
@@ -155,8 +177,10 @@ def test_megatron_critic_equals_the_hf_value_model(tmp_path, tp, sp):
             assert torch.equal(other[name]["meg_v"], r["meg_v"]), name
         verr = float((r["meg_v"] - r["ref_v"]).abs().max())
         gerr = {h: float((a - b).norm() / b.norm().clamp_min(1e-12)) for h, (a, b) in r["grads"].items()}
-        print(f"{name}: {r['meg_v'].numel()} values, max |dv| {verr:.2e}, loss {r['meg_loss']:.6f} vs "
-              f"{r['ref_loss']:.6f}, max grad rel err {max(gerr.values()):.2e}")
+        print(
+            f"{name}: {r['meg_v'].numel()} values, max |dv| {verr:.2e}, loss {r['meg_loss']:.6f} vs "
+            f"{r['ref_loss']:.6f}, max grad rel err {max(gerr.values()):.2e}"
+        )
         # fp32 on CPU in both, different attention kernels (Megatron's masked unfused attention over the packed
         # row, transformers' eager attention per sequence) and sum orders: ~1e-7 relative per op, a few 1e-6 after
         # two layers. 1e-5 absolute on values of order 0.1-1 (and 1e-4 relative on gradients) sits well above

@@ -51,11 +51,17 @@ def test_run_config_checks_the_buffer_against_max_tokens():
     from launch.config import RunConfig
 
     with pytest.raises(ValueError, match="overlong_buffer.len=32 exceeds"):
-        RunConfig.model_validate({
-            "model": {"path": "models/tiny-adder"}, "data": {"train_files": ["x.parquet"]}, "run": {"eval_samples": 0},
-            "rollout": {"engine": "simulated", "sampling": {"max_tokens": 16}}, "broker": {"max_staleness": 0},
-            "reward": {"overlong_buffer": {"enable": True, "len": 32}},
-            "learner": {"loss": {"correction": "none"}}})
+        RunConfig.model_validate(
+            {
+                "model": {"path": "models/tiny-adder"},
+                "data": {"train_files": ["x.parquet"]},
+                "run": {"eval_samples": 0},
+                "rollout": {"engine": "simulated", "sampling": {"max_tokens": 16}},
+                "broker": {"max_staleness": 0},
+                "reward": {"overlong_buffer": {"enable": True, "len": 32}},
+                "learner": {"loss": {"correction": "none"}},
+            }
+        )
 
 
 class CountingPrompts:
@@ -91,13 +97,20 @@ def test_dynamic_sampling_fills_every_step_with_non_uniform_groups():
 
     async def main():
         sim = SimulatedEngineConfig(tokens_per_s=50_000.0, length_median=6, length_sigma=0.3)
-        fleet = FleetController(RolloutConfig(engine="simulated", health_interval_s=0.1, simulated=sim),
-                                SimulatedFactory(sim))
+        fleet = FleetController(
+            RolloutConfig(engine="simulated", health_interval_s=0.1, simulated=sim), SimulatedFactory(sim)
+        )
         await fleet.start(1)
         producer = AsyncProducer(ProducerClient(bp.address, producer_id="fleet", timeout_s=10))
-        worker = RolloutWorker(fleet, producer, CountingPrompts(), RuleScorer(), SamplingConfig(n=4, max_tokens=16),
-                               max_inflight_groups=4,
-                               filter_groups=FilterGroupsConfig(enable=True, metric="acc"))
+        worker = RolloutWorker(
+            fleet,
+            producer,
+            CountingPrompts(),
+            RuleScorer(),
+            SamplingConfig(n=4, max_tokens=16),
+            max_inflight_groups=4,
+            filter_groups=FilterGroupsConfig(enable=True, metric="acc"),
+        )
         stop = asyncio.Event()
         run = asyncio.create_task(worker.run(stop))
         cons = ConsumerClient(bp.address, consumer_id="learner", timeout_s=10)
@@ -138,8 +151,15 @@ def test_dynamic_sampling_fills_every_step_with_non_uniform_groups():
 
 def test_metric_choice_and_the_generation_limit():
     def worker(**kw):
-        return RolloutWorker(None, None, None, None, SamplingConfig(n=2, max_tokens=16), max_inflight_groups=1,
-                             filter_groups=FilterGroupsConfig(enable=True, **kw))
+        return RolloutWorker(
+            None,
+            None,
+            None,
+            None,
+            SamplingConfig(n=2, max_tokens=16),
+            max_inflight_groups=1,
+            filter_groups=FilterGroupsConfig(enable=True, **kw),
+        )
 
     w = worker(metric="acc")
     # raw scores uniform, shaped ones not (one sample ran into the overlong buffer): acc filters it ...

@@ -125,7 +125,6 @@ def test_scale_up_and_drain_while_running():
     assert len({eid for eid, _ in res}) >= 3  # the added servers took work
 
 
-
 def test_a_server_being_started_is_listed_as_starting_and_counts_toward_the_target():
     async def main():
         cfg = _cfg()
@@ -149,6 +148,7 @@ def test_a_server_being_started_is_listed_as_starting_and_counts_toward_the_targ
     assert again == [] and joined == "sim-3"
     assert after == {"sim-0": "healthy", "sim-3": "healthy"}
 
+
 @pytest.mark.parametrize("mode", ["pause", "inflight"])
 def test_weight_update_choreography_segments(mode):
     async def main():
@@ -171,8 +171,7 @@ def test_weight_update_choreography_segments(mode):
         assert not multi
     else:
         # requests kept running across the load: a new segment at the new version
-        assert multi and all(s.segment_versions == [0, 1] and 0 < s.segment_starts[1] < len(s.token_ids)
-                             for s in multi)
+        assert multi and all(s.segment_versions == [0, 1] and 0 < s.segment_starts[1] < len(s.token_ids) for s in multi)
 
 
 def test_fleet_with_real_broker_kill_and_scale(tmp_path):
@@ -184,9 +183,18 @@ def test_fleet_with_real_broker_kill_and_scale(tmp_path):
     from launch.config import load_run_config
     from launch.ray_actors import FleetRunner
 
-    cfg = load_run_config("tiny", ["rollout.engine=simulated", "broker.groups_per_step=4", "broker.max_staleness=1",
-                                   "rollout.health_interval_s=0.1", "rollout.max_inflight_groups=2",
-                                   "rollout.simulated.tokens_per_s=400", f"run.run_dir={tmp_path}"])
+    cfg = load_run_config(
+        "tiny",
+        [
+            "rollout.engine=simulated",
+            "broker.groups_per_step=4",
+            "broker.max_staleness=1",
+            "rollout.health_interval_s=0.1",
+            "rollout.max_inflight_groups=2",
+            "rollout.simulated.tokens_per_s=400",
+            f"run.run_dir={tmp_path}",
+        ],
+    )
 
     async def main(address: str):
         runner = FleetRunner(cfg.model_dump(mode="json"), address)
@@ -219,7 +227,9 @@ def test_fleet_with_real_broker_kill_and_scale(tmp_path):
     assert final["server_deaths"] == 1 and final["groups_requeued"] >= 1
     assert len(final["servers"]) == 2
     # every group the broker accepted was consumed or is still held: none lost
-    assert b["groups_accepted"] == b["groups_acked"] + b["queued_groups"] + b["leased_groups"] + sum(b["drops"].values())
+    assert b["groups_accepted"] == b["groups_acked"] + b["queued_groups"] + b["leased_groups"] + sum(
+        b["drops"].values()
+    )
     assert b["groups_acked"] == 30 * 4
     # a push cancelled at shutdown may still have reached the broker: accepted, not counted as pushed
     assert final["groups_pushed"] <= b["groups_accepted"] <= final["groups_pushed"] + final["groups_cancelled"]

@@ -44,7 +44,9 @@ class SharedServerFactory:
         self.url, self.versions, self.calls = url, versions, []
 
     async def start(self, index: int) -> VLLMGenerationClient:
-        client = VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=self.versions[index])
+        client = VLLMGenerationClient(
+            f"vllm-{index}", self.url, model="tiny-adder", initial_version=self.versions[index]
+        )
         inner = client.generate
 
         async def generate(prompt_ids, params):  # records what the engine was asked and what it sampled
@@ -68,7 +70,6 @@ class MemoryProducer:
 
     def push(self, batch):
         self.batches.append(validate_batch(batch))
-
 
 
 class ExplodingEnv(ChainAdditionEnv):
@@ -98,10 +99,18 @@ def run_group(url: str, versions: list[int], env_factory, prompt: Prompt, n: int
         fleet = FleetController(cfg, factory)
         await fleet.start(len(versions))
         producer = MemoryProducer()
-        worker = MultiTurnWorker(fleet, AsyncProducer(producer), None, None,
-                                 SamplingConfig(n=n, max_tokens=6, temperature=1.0), max_inflight_groups=4,
-                                 env_factory=env_factory, codec=HFCodec.from_pretrained(str(TINY_MODEL)),
-                                 limits=LIMITS, stop_token_ids=[EOS])
+        worker = MultiTurnWorker(
+            fleet,
+            AsyncProducer(producer),
+            None,
+            None,
+            SamplingConfig(n=n, max_tokens=6, temperature=1.0),
+            max_inflight_groups=4,
+            env_factory=env_factory,
+            codec=HFCodec.from_pretrained(str(TINY_MODEL)),
+            limits=LIMITS,
+            stop_token_ids=[EOS],
+        )
         try:
             await worker._group(Ticket(step=step, ticket_id=0), prompt)
         finally:
@@ -113,8 +122,12 @@ def run_group(url: str, versions: list[int], env_factory, prompt: Prompt, n: int
 
 
 def chain_prompt(codec) -> Prompt:
-    return Prompt(prompt_ids=codec.encode("23+41="), ground_truth=str(23 + 41 + 7 + 15), data_source="chain_addition",
-                  extra_info={"first": 23 + 41, "addends": [7, 15]})
+    return Prompt(
+        prompt_ids=codec.encode("23+41="),
+        ground_truth=str(23 + 41 + 7 + 15),
+        data_source="chain_addition",
+        extra_info={"first": 23 + 41, "addends": [7, 15]},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +153,18 @@ def test_episode_record_is_exactly_what_the_engine_sampled(episodes):
         pos, turns = 0, 0
         while pos < len(resp):
             ctx = tuple(list(prompt.prompt_ids) + resp[:pos])
-            match = [j for j in sorted(unused) if tuple(factory.calls[j][1]) == ctx
-                     and resp[pos:pos + len(factory.calls[j][2].token_ids)] == factory.calls[j][2].token_ids.tolist()]
+            match = [
+                j
+                for j in sorted(unused)
+                if tuple(factory.calls[j][1]) == ctx
+                and resp[pos : pos + len(factory.calls[j][2].token_ids)] == factory.calls[j][2].token_ids.tolist()
+            ]
             assert match, f"{t.traj_id}: the record at {pos} is no turn the engine sampled on this context"
             unused.remove(match[0])  # the turn, exactly as sampled
             s = factory.calls[match[0]][2]
             n = len(s.token_ids)
-            assert (mask[pos:pos + n] == 1).all()
-            np.testing.assert_array_equal(t.behaviour_logprobs[pos:pos + n], s.logprobs)
+            assert (mask[pos : pos + n] == 1).all()
+            np.testing.assert_array_equal(t.behaviour_logprobs[pos : pos + n], s.logprobs)
             pos += n
             turns += 1
             # an observation follows a turn (until the end): the environment's text, tokenised once
@@ -178,7 +195,9 @@ def test_logprobs_match_a_teacher_forced_forward_of_the_whole_record(episodes):
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0].float()
         p = len(prompt.prompt_ids)
-        lp = torch.log_softmax(logits[p - 1:-1], -1).gather(1, torch.tensor(t.response_ids, dtype=torch.long)[:, None])[:, 0]
+        lp = torch.log_softmax(logits[p - 1 : -1], -1).gather(
+            1, torch.tensor(t.response_ids, dtype=torch.long)[:, None]
+        )[:, 0]
         m = t.loss_mask.astype(bool)
         err = np.abs(lp.numpy()[m] - t.behaviour_logprobs[m]).max()
         assert err < TOL, f"{t.traj_id}: sampled log-probs differ from the forward over the record by {err:.2e}"
@@ -187,8 +206,15 @@ def test_logprobs_match_a_teacher_forced_forward_of_the_whole_record(episodes):
 def test_learner_trains_only_on_sampled_tokens(episodes):
     _, _, _, producer, _ = episodes
     batch = producer.batches[0]
-    plan = plan_step(batch, rank=0, world_size=1, micro_batch_tokens=10_000, advantage="mean", drop_uniform=False,
-                     aggregation="token")
+    plan = plan_step(
+        batch,
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=10_000,
+        advantage="mean",
+        drop_uniform=False,
+        aggregation="token",
+    )
     rows = from_record_batch(batch)
     targets = torch.cat([mb.targets for mb in plan.micro_batches])
     want = np.concatenate([rows[i].response_ids[rows[i].loss_mask == 1] for mb in plan.micro_batches for i in mb.rows])

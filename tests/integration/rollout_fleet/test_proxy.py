@@ -63,8 +63,14 @@ def agent(base_url: str) -> list:
     messages = [{"role": "user", "content": "23+41="}]
     out = []
     for follow_up in ("+7=", None):
-        r = client.chat.completions.create(model="tiny-adder", messages=messages, tools=[CALCULATOR_SCHEMA],
-                                           max_tokens=6, temperature=1.0, logprobs=True)
+        r = client.chat.completions.create(
+            model="tiny-adder",
+            messages=messages,
+            tools=[CALCULATOR_SCHEMA],
+            max_tokens=6,
+            temperature=1.0,
+            logprobs=True,
+        )
         out.append(r)
         messages.append(r.choices[0].message.model_dump())
         if follow_up:
@@ -81,13 +87,15 @@ def test_a_stock_openai_agent_runs_and_the_proxy_records_exactly_what_was_sample
     (ctx1, s1), (ctx2, s2) = calls[-2:]
     assert rec.prompt_ids == ctx1 == tok.encode("23+41=", add_special_tokens=False)
     n1 = len(s1.token_ids)
-    delta = rec.response_ids[n1:len(rec.response_ids) - len(s2.token_ids)].tolist()
+    delta = rec.response_ids[n1 : len(rec.response_ids) - len(s2.token_ids)].tolist()
     stopped = s1.token_ids[-1] == EOS
     assert delta == tok.encode(("" if stopped else "<eos>") + "+7=", add_special_tokens=False)
     assert rec.response_ids.tolist() == s1.token_ids.tolist() + delta + s2.token_ids.tolist()
-    assert ctx2 == rec.prompt_ids + rec.response_ids[:n1 + len(delta)].tolist()  # turn 2 ran on the record itself
+    assert ctx2 == rec.prompt_ids + rec.response_ids[: n1 + len(delta)].tolist()  # turn 2 ran on the record itself
     assert rec.loss_mask.tolist() == [1] * n1 + [0] * len(delta) + [1] * len(s2.token_ids)
-    np.testing.assert_array_equal(rec.behaviour_logprobs[rec.loss_mask == 1], np.concatenate([s1.logprobs, s2.logprobs]))
+    np.testing.assert_array_equal(
+        rec.behaviour_logprobs[rec.loss_mask == 1], np.concatenate([s1.logprobs, s2.logprobs])
+    )
     # the log-probs the client saw are the recorded ones
     seen = [e.logprob for r in responses for e in r.choices[0].logprobs.content]
     np.testing.assert_allclose(seen, rec.behaviour_logprobs[rec.loss_mask == 1], rtol=0, atol=1e-6)
@@ -153,14 +161,24 @@ def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vll
         return float(r.choices[0].message.content.strip() == prompt.ground_truth)
 
     async def main():
-        fleet = FleetController(RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60,
-                                              startup_timeout_s=30), _Factory(vllm_server.url))
+        fleet = FleetController(
+            RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60, startup_timeout_s=30),
+            _Factory(vllm_server.url),
+        )
         await fleet.start(1)
         tok = AutoTokenizer.from_pretrained(str(TINY_MODEL))
         proxy = ChatProxy(fleet_generate(fleet), tok, model_name="tiny-adder", stop_token_ids=[EOS])
         await proxy.start("127.0.0.1", 0)
-        worker = AgentWorker(fleet, AsyncProducer(Producer()), None, None, SamplingConfig(n=3, max_tokens=5),
-                             max_inflight_groups=2, proxy=proxy, agent=agent)
+        worker = AgentWorker(
+            fleet,
+            AsyncProducer(Producer()),
+            None,
+            None,
+            SamplingConfig(n=3, max_tokens=5),
+            max_inflight_groups=2,
+            proxy=proxy,
+            agent=agent,
+        )
         prompt = Prompt(prompt_ids=[], ground_truth="58", extra_info={"question": "12+45="})
         await worker._group(Ticket(step=1, ticket_id=0), prompt)
 

@@ -43,9 +43,15 @@ def classifier_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def classifier_server(classifier_dir, tmp_path_factory):
-    with cpu_vllm_server(classifier_dir, tmp_path_factory.mktemp("classifier_server"), max_model_len=64,
-                         max_num_seqs=8, served_model_name="tiny-rm", weight_transfer=False,
-                         extra_args=["--runner", "pooling"]) as s:
+    with cpu_vllm_server(
+        classifier_dir,
+        tmp_path_factory.mktemp("classifier_server"),
+        max_model_len=64,
+        max_num_seqs=8,
+        served_model_name="tiny-rm",
+        weight_transfer=False,
+        extra_args=["--runner", "pooling"],
+    ) as s:
         yield s
 
 
@@ -66,11 +72,19 @@ def reference_probs(classifier_dir, texts):
 
 def test_the_classifier_rewards_are_the_models_class_probabilities(classifier_server, classifier_dir):
     async def main():
-        rm = ClassifierClient(classifier_server.url, model="tiny-rm", endpoint="classify", label=1, timeout_s=60,
-                              retries=1, backoff_s=0.01)
+        rm = ClassifierClient(
+            classifier_server.url,
+            model="tiny-rm",
+            endpoint="classify",
+            label=1,
+            timeout_s=60,
+            retries=1,
+            backoff_s=0.01,
+        )
         got = await rm.score_texts(TEXTS)
-        wrong_label = ClassifierClient(classifier_server.url, model="tiny-rm", endpoint="classify", label=2,
-                                       timeout_s=60, retries=1)
+        wrong_label = ClassifierClient(
+            classifier_server.url, model="tiny-rm", endpoint="classify", label=2, timeout_s=60, retries=1
+        )
         with pytest.raises(RewardModelError, match="label 2 asked of a classifier with 2 classes"):
             await wrong_label.score_texts(TEXTS[:1])
         await rm.close()

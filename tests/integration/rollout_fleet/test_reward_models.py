@@ -100,8 +100,14 @@ def test_a_hanging_judge_times_out_is_retried_and_counted():
 
 def test_retry_after_503_then_a_verdict_and_no_retry_after_400():
     async def main():
-        async with CannedServer([(503, {"error": "busy"}), verdict("VERDICT: CORRECT"),
-                                 verdict("I think... VERDICT: incorrect"), (400, {"error": "too long"})]) as srv:
+        async with CannedServer(
+            [
+                (503, {"error": "busy"}),
+                verdict("VERDICT: CORRECT"),
+                verdict("I think... VERDICT: incorrect"),
+                (400, {"error": "too long"}),
+            ]
+        ) as srv:
             judge = JudgeClient(srv.url, model="judge", timeout_s=5, retries=2, backoff_s=0.01)
             first = await judge.score(question="q", response="r", reference="a")
             second = await judge.score(question="q", response="r")
@@ -119,8 +125,12 @@ def test_retry_after_503_then_a_verdict_and_no_retry_after_400():
 
 def test_classifier_reward_model_pooling_format():
     async def main():
-        async with CannedServer([(200, {"data": [{"index": 1, "data": [-0.5]}, {"index": 0, "data": [2.0]}]}),
-                                 (200, {"data": [{"index": 0, "data": [1.0]}]})]) as srv:
+        async with CannedServer(
+            [
+                (200, {"data": [{"index": 1, "data": [-0.5]}, {"index": 0, "data": [2.0]}]}),
+                (200, {"data": [{"index": 0, "data": [1.0]}]}),
+            ]
+        ) as srv:
             rm = ClassifierClient(srv.url, model="rm", timeout_s=5, retries=1, backoff_s=0.01)
             scores = await rm.score_texts(["a", "b"])
             with pytest.raises(RewardModelError, match="1 scores for 2 inputs"):
@@ -136,25 +146,46 @@ def test_classifier_reward_model_pooling_format():
 def first_token(*pairs):
     """A chat answer whose first token has the top logprobs ``pairs`` ((token, logprob), ...)."""
     top = [{"token": t, "logprob": lp, "bytes": None} for t, lp in pairs]
-    return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": pairs[0][0]},
-                              "logprobs": {"content": [{"token": pairs[0][0], "logprob": pairs[0][1],
-                                                        "top_logprobs": top}]}}]}
+    return 200, {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": pairs[0][0]},
+                "logprobs": {"content": [{"token": pairs[0][0], "logprob": pairs[0][1], "top_logprobs": top}]},
+            }
+        ]
+    }
 
 
 def test_a_logprob_judge_scores_the_verdicts_probability_weighted():
     """SmolLM2 writes YES as 'Y' + 'ES': a first token that starts one verdict counts for it, in any case and
     with its leading space; tokens of no verdict, or of two, count for none; the reward is renormalised."""
     answers = [
-        first_token(("Y", math.log(0.3)), ("NO", math.log(0.1)), (" Yes", math.log(0.1)), ("The", math.log(0.4)), ("no", math.log(0.05))),
+        first_token(
+            ("Y", math.log(0.3)),
+            ("NO", math.log(0.1)),
+            (" Yes", math.log(0.1)),
+            ("The", math.log(0.4)),
+            ("no", math.log(0.05)),
+        ),
         first_token(("Maybe", math.log(0.9)), ("I", math.log(0.1))),  # no verdict: counted, not retried
-        first_token(("Y", float("nan"))),                    # not a log-probability: bad_response
-        first_token(("Y", 1e6)),                             # above 0 (exp would overflow): bad_response
+        first_token(("Y", float("nan"))),  # not a log-probability: bad_response
+        first_token(("Y", 1e6)),  # above 0 (exp would overflow): bad_response
     ]
+
     async def main():
         async with CannedServer(answers) as srv:
-            judge = JudgeClient(srv.url, model="judge", template="Ref {reference}: {response}?",
-                                scores={"YES": 1.0, "NO": 0.0, "NOPE": 0.0}, verdict_from="logprobs", top_logprobs=5,
-                                timeout_s=5, retries=2, backoff_s=0.01)
+            judge = JudgeClient(
+                srv.url,
+                model="judge",
+                template="Ref {reference}: {response}?",
+                scores={"YES": 1.0, "NO": 0.0, "NOPE": 0.0},
+                verdict_from="logprobs",
+                top_logprobs=5,
+                timeout_s=5,
+                retries=2,
+                backoff_s=0.01,
+            )
             r = await judge.score(question="q", response="7", reference="7")
             errors = []
             for _ in range(3):
@@ -176,12 +207,16 @@ def test_a_logprob_judge_scores_the_verdicts_probability_weighted():
 
 def test_a_logprob_judge_between_two_verdicts():
     async def main():
-        async with CannedServer([first_token(("NO", math.log(0.6)), ("Y", math.log(0.2)), (" yes", math.log(0.1)))]) as srv:
-            judge = JudgeClient(srv.url, model="judge", scores={"YES": 1.0, "NO": -1.0}, verdict_from="logprobs",
-                                timeout_s=5, retries=0)
+        async with CannedServer(
+            [first_token(("NO", math.log(0.6)), ("Y", math.log(0.2)), (" yes", math.log(0.1)))]
+        ) as srv:
+            judge = JudgeClient(
+                srv.url, model="judge", scores={"YES": 1.0, "NO": -1.0}, verdict_from="logprobs", timeout_s=5, retries=0
+            )
             r = await judge.score(question="q", response="r")
             await judge.close()
             return r
+
     # (0.3 * 1.0 + 0.6 * -1.0) / 0.9
     assert asyncio.run(main()) == pytest.approx(-1.0 / 3.0, abs=1e-12)
 
@@ -198,8 +233,17 @@ def test_the_real_vllm_server_as_logprob_judge_matches_transformers(vllm_server)
     questions = [("12+", "3="), ("40+", "45="), ("7+", "2=")]
 
     async def main():
-        judge = JudgeClient(vllm_server.url, model="tiny-adder", template="{question}{response}", scores=scores,
-                            verdict_from="logprobs", top_logprobs=20, timeout_s=30, retries=1, backoff_s=0.01)
+        judge = JudgeClient(
+            vllm_server.url,
+            model="tiny-adder",
+            template="{question}{response}",
+            scores=scores,
+            verdict_from="logprobs",
+            top_logprobs=20,
+            timeout_s=30,
+            retries=1,
+            backoff_s=0.01,
+        )
         out = [await judge.score(question=q, response=r) for q, r in questions]
         await judge.close()
         return out, judge
@@ -228,8 +272,15 @@ def test_the_real_vllm_server_as_logprob_judge_matches_transformers(vllm_server)
 @pytest.mark.slow
 def test_the_real_vllm_server_as_judge_gives_no_verdict_and_that_is_counted(vllm_server):
     async def main():
-        judge = JudgeClient(vllm_server.url, model="tiny-adder", template="{question}{response}", max_tokens=4,
-                            timeout_s=30, retries=1, backoff_s=0.01)
+        judge = JudgeClient(
+            vllm_server.url,
+            model="tiny-adder",
+            template="{question}{response}",
+            max_tokens=4,
+            timeout_s=30,
+            retries=1,
+            backoff_s=0.01,
+        )
         with pytest.raises(RewardModelError) as e:
             await judge.score(question="12+", response="3=")
         await judge.close()
@@ -237,7 +288,6 @@ def test_the_real_vllm_server_as_judge_gives_no_verdict_and_that_is_counted(vllm
 
     judge, err = asyncio.run(main())
     assert err.reason == "unparsable_verdict" and judge.failures == {"unparsable_verdict": 2}
-
 
 
 class Factory:
@@ -263,14 +313,22 @@ def test_a_group_scored_by_a_hanging_judge_is_dropped_and_counted_never_zero(vll
             pushed.append(batch)
 
     async def main():
-        fleet = FleetController(RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60,
-                                              startup_timeout_s=30), Factory(vllm_server.url))
+        fleet = FleetController(
+            RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60, startup_timeout_s=30),
+            Factory(vllm_server.url),
+        )
         await fleet.start(1)
         async with HangingServer() as srv:
             judge = JudgeClient(srv.url, model="judge", timeout_s=0.2, retries=1, backoff_s=0.01)
             codec = HFCodec.from_pretrained(str(TINY_MODEL))
-            worker = RolloutWorker(fleet, AsyncProducer(Producer()), None, ModelRewardScorer(judge, codec),
-                                   SamplingConfig(n=2, max_tokens=4), max_inflight_groups=2)
+            worker = RolloutWorker(
+                fleet,
+                AsyncProducer(Producer()),
+                None,
+                ModelRewardScorer(judge, codec),
+                SamplingConfig(n=2, max_tokens=4),
+                max_inflight_groups=2,
+            )
             await worker._group(Ticket(step=1, ticket_id=0), Prompt(prompt_ids=codec.encode("3+4="), ground_truth="7"))
             await judge.close()
         await fleet.close()

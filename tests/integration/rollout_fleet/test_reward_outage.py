@@ -44,9 +44,14 @@ class Judge:
             if self.refuse:
                 return web.json_response({"error": "too long"}, status=400)
             text = body["messages"][0]["content"]
-            ok = text.split("Reference answer:\n")[1].split("\n")[0] == text.split("Candidate answer:\n")[1].split("\n")[0]
+            ok = (
+                text.split("Reference answer:\n")[1].split("\n")[0]
+                == text.split("Candidate answer:\n")[1].split("\n")[0]
+            )
             self.served += 1
-            return web.json_response({"choices": [{"message": {"content": "VERDICT: " + ("CORRECT" if ok else "INCORRECT")}}]})
+            return web.json_response(
+                {"choices": [{"message": {"content": "VERDICT: " + ("CORRECT" if ok else "INCORRECT")}}]}
+            )
 
         app = web.Application()
         app.router.add_get("/health", health)
@@ -61,8 +66,14 @@ class Judge:
 
 def _group(codec):
     prompt = Prompt(prompt_ids=codec.encode("3+4="), ground_truth="7")
-    samples = [Sample(token_ids=np.asarray(codec.encode(a), np.int32), logprobs=np.zeros(len(codec.encode(a)), np.float32),
-                      finish_reason="stop") for a in ("7", "8", "7")]
+    samples = [
+        Sample(
+            token_ids=np.asarray(codec.encode(a), np.int32),
+            logprobs=np.zeros(len(codec.encode(a)), np.float32),
+            finish_reason="stop",
+        )
+        for a in ("7", "8", "7")
+    ]
     return prompt, samples
 
 
@@ -102,8 +113,9 @@ def test_a_judge_that_stays_down_fails_the_group_after_the_wait_and_a_refusal_is
     async def main():
         codec = HFCodec.from_pretrained(str(TINY_MODEL))
         prompt, samples = _group(codec)
-        client = JudgeClient(f"http://127.0.0.1:{free_port('127.0.0.1')}", model="judge", timeout_s=1, retries=0,
-                             backoff_s=0.01)  # nothing listens there
+        client = JudgeClient(
+            f"http://127.0.0.1:{free_port('127.0.0.1')}", model="judge", timeout_s=1, retries=0, backoff_s=0.01
+        )  # nothing listens there
         scorer = ModelRewardScorer(client, codec, outage_wait_s=1.5)
         t0 = time.monotonic()
         with pytest.raises(RewardModelError) as down:

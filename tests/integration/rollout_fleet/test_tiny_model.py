@@ -34,7 +34,13 @@ def model_and_tok():
 
 
 def test_folder_is_standard_and_small():
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (MODEL / name).is_file(), name
     total = sum(p.stat().st_size for p in MODEL.iterdir())
     assert total < 20 * 2**20, f"model folder is {total} bytes"
@@ -54,7 +60,9 @@ def test_tokenizer_and_chat_template(model_and_tok):
     assert text == "347+85="
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == 7 and tok.decode(ids) == "347+85="
-    assert tok.decode(tok.encode("432", add_special_tokens=False) + [tok.eos_token_id], skip_special_tokens=True) == "432"
+    assert (
+        tok.decode(tok.encode("432", add_special_tokens=False) + [tok.eos_token_id], skip_special_tokens=True) == "432"
+    )
     assert tok.pad_token_id != tok.eos_token_id
 
 

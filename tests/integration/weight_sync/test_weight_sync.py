@@ -37,10 +37,24 @@ def run(tmp_path_factory):
         for rank in range(2):
             env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
             log = open(tmp / f"learner{rank}.log", "w")
-            learners.append(subprocess.Popen(
-                [sys.executable, str(REPO / "tests/support/ws_learner_proc.py"), "--out", str(tmp),
-                 "--urls", ",".join(f"{k}={v}" for k, v in urls.items()), "--kill-pid", str(procs[1].pid)],
-                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            learners.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(REPO / "tests/support/ws_learner_proc.py"),
+                        "--out",
+                        str(tmp),
+                        "--urls",
+                        ",".join(f"{k}={v}" for k, v in urls.items()),
+                        "--kill-pid",
+                        str(procs[1].pid),
+                    ],
+                    env=env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         procs += learners
         for rank, lp in enumerate(learners):
             try:
@@ -48,7 +62,9 @@ def run(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             if rc != 0:
-                raise AssertionError(f"learner rank {rank} exited {rc}:\n{(tmp / f'learner{rank}.log').read_text()[-4000:]}")
+                raise AssertionError(
+                    f"learner rank {rank} exited {rc}:\n{(tmp / f'learner{rank}.log').read_text()[-4000:]}"
+                )
         yield tmp, json.loads((tmp / "result.json").read_text())
     finally:
         for p in procs:

@@ -65,8 +65,11 @@ def _publisher(urls: dict[str, str], acks: str, names: tuple[str, ...]) -> tuple
     assert len(plan.buckets) > 3
     clients = {n: ReceiverClient(n, urls[n], timeout_s=15) for n in names}
     # bucket_mb (16 KiB) sets how many small buckets the publisher sends as one group: here the last two
-    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=15, acks=acks, bucket_mb=16 / 1024), plan,
-                    engines=list(clients.values()))
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", timeout_s=15, acks=acks, bucket_mb=16 / 1024),
+        plan,
+        engines=list(clients.values()),
+    )
     return pub, clients
 
 
@@ -130,8 +133,9 @@ def test_group_acks_need_every_engine_to_support_them(receivers):
 
     state = _state(3)
     plan = build_plan([(n, list(t.shape), t.dtype) for n, t in state.items()], 8 << 10)
-    pub = Publisher(WeightSyncConfig(backend="gloo", timeout_s=15), plan,
-                    engines=[RpcOnly("good", urls["good"], timeout_s=15)])
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", timeout_s=15), plan, engines=[RpcOnly("good", urls["good"], timeout_s=15)]
+    )
     try:
         report = pub.publish(1, iter(state.items()))
         assert not pub.group_acks, "an engine without group acks makes the epoch ack by RPC"

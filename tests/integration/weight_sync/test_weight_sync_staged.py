@@ -29,8 +29,10 @@ pytestmark = pytest.mark.timeout(180)
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.w": torch.randn(256, 512, generator=g).to(torch.bfloat16) for i in range(6)} | \
-        {"norm.weight": torch.randn(512, generator=g), "head.bias": torch.randn(300, generator=g)}
+    return {f"layers.{i}.w": torch.randn(256, 512, generator=g).to(torch.bfloat16) for i in range(6)} | {
+        "norm.weight": torch.randn(512, generator=g),
+        "head.bias": torch.randn(300, generator=g),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +67,11 @@ def test_staged_publish_bit_identical_and_buffers_reused(receivers, tmp_path):
     s1, s2 = _state(1), _state(2)
     plan = build_plan([(k, v.shape, v.dtype) for k, v in s1.items()], bucket_bytes=300 * 1024)
     assert len(plan.buckets) > 3, "several buckets, so several staged receives are posted at once"
-    pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, timeout_s=20), plan,
-                    engines=[ReceiverClient(eid, url, timeout_s=20) for eid, url in urls.items()])
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", staging=True, timeout_s=20),
+        plan,
+        engines=[ReceiverClient(eid, url, timeout_s=20) for eid, url in urls.items()],
+    )
     try:
         r1 = pub.publish(1, s1.items())
         for eid in urls:
@@ -84,8 +89,11 @@ def test_receiver_killed_between_stage_and_commit_is_named_and_survivor_continue
     procs, urls = receivers
     s1, s2 = _state(3), _state(4)
     plan = build_plan([(k, v.shape, v.dtype) for k, v in s1.items()], bucket_bytes=300 * 1024)
-    pub = Publisher(WeightSyncConfig(backend="gloo", staging=True, timeout_s=20), plan,
-                    engines=[ReceiverClient(eid, url, timeout_s=20) for eid, url in urls.items()])
+    pub = Publisher(
+        WeightSyncConfig(backend="gloo", staging=True, timeout_s=20),
+        plan,
+        engines=[ReceiverClient(eid, url, timeout_s=20) for eid, url in urls.items()],
+    )
 
     def killing(state):  # s1 dies once its receives are posted, before any byte is sent
         time.sleep(0.5)

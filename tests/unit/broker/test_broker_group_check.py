@@ -28,13 +28,44 @@ pytestmark = pytest.mark.timeout(120)
 
 BENIGN = ["none", "si_permuted", "lp_tiny_positive", "empty_response", "versions_mixed"]
 DEFECTS = BENIGN + [
-    "si_dup", "si_high", "si_negative", "gs_all_off", "gs_one_off", "step_one_off", "gid_one_off", "two_segments",
-    "seg_not_zero", "seg_empty", "version_negative", "lp_nan", "lp_inf", "lp_neg_inf", "lp_positive",
-    "lp_len_moved", "lp_short", "versions_len_moved", "reward_nan", "reward_inf", "reward_inf_minus_inf",
-    "finish_unknown", "dup_traj",
-    "null_reward", "null_logprob", "null_traj", "null_prompt_token"]
-LAYOUTS = ["plain", "ipc", "slice", "child_offset", "child_offset_lp", "child_offset_versions", "shifted_offsets",
-           "shifted_ipc"]
+    "si_dup",
+    "si_high",
+    "si_negative",
+    "gs_all_off",
+    "gs_one_off",
+    "step_one_off",
+    "gid_one_off",
+    "two_segments",
+    "seg_not_zero",
+    "seg_empty",
+    "version_negative",
+    "lp_nan",
+    "lp_inf",
+    "lp_neg_inf",
+    "lp_positive",
+    "lp_len_moved",
+    "lp_short",
+    "versions_len_moved",
+    "reward_nan",
+    "reward_inf",
+    "reward_inf_minus_inf",
+    "finish_unknown",
+    "dup_traj",
+    "null_reward",
+    "null_logprob",
+    "null_traj",
+    "null_prompt_token",
+]
+LAYOUTS = [
+    "plain",
+    "ipc",
+    "slice",
+    "child_offset",
+    "child_offset_lp",
+    "child_offset_versions",
+    "shifted_offsets",
+    "shifted_ipc",
+]
 JUNK_LP = -0.5  # what rows around a slice or before shifted offsets hold: valid, so a misread passes
 
 
@@ -43,10 +74,26 @@ def _rows(n, defects, lens, ints, perm):
     rows = []
     for i in range(n):
         r = lens[i]
-        rows.append(dict(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=n, step=5, prompt_ids=[1, 2],
-                         response_ids=list(range(r)), behaviour_logprobs=[-0.25] * r, segment_starts=[0],
-                         segment_versions=[3], reward=0.5, finish_reason=["stop", "length", "abort"][i % 3],
-                         engine_id="e", data_source="d", t_start=0.0, t_end=1.0))
+        rows.append(
+            dict(
+                traj_id=f"g/{i}",
+                group_id="g",
+                sample_index=i,
+                group_size=n,
+                step=5,
+                prompt_ids=[1, 2],
+                response_ids=list(range(r)),
+                behaviour_logprobs=[-0.25] * r,
+                segment_starts=[0],
+                segment_versions=[3],
+                reward=0.5,
+                finish_reason=["stop", "length", "abort"][i % 3],
+                engine_id="e",
+                data_source="d",
+                t_start=0.0,
+                t_end=1.0,
+            )
+        )
     row, other = rows[ints(0, n - 1)], rows[ints(0, n - 1)]
     for d in defects:
         r = len(row["response_ids"])
@@ -81,10 +128,18 @@ def _rows(n, defects, lens, ints, perm):
             row.update(segment_starts=[], segment_versions=[])
         elif d == "version_negative":
             row["segment_versions"] = [-1]
-        elif d in ("lp_nan", "lp_inf", "lp_neg_inf", "lp_positive", "lp_tiny_positive", "null_logprob") \
-                and row["behaviour_logprobs"]:  # its current length: an earlier defect may have moved one
-            value = {"lp_nan": float("nan"), "lp_inf": float("inf"), "lp_neg_inf": float("-inf"),
-                     "lp_positive": 0.5, "lp_tiny_positive": 5e-5, "null_logprob": None}[d]
+        elif (
+            d in ("lp_nan", "lp_inf", "lp_neg_inf", "lp_positive", "lp_tiny_positive", "null_logprob")
+            and row["behaviour_logprobs"]
+        ):  # its current length: an earlier defect may have moved one
+            value = {
+                "lp_nan": float("nan"),
+                "lp_inf": float("inf"),
+                "lp_neg_inf": float("-inf"),
+                "lp_positive": 0.5,
+                "lp_tiny_positive": 5e-5,
+                "null_logprob": None,
+            }[d]
             row["behaviour_logprobs"][ints(0, len(row["behaviour_logprobs"]) - 1)] = value
         elif d == "lp_len_moved" and r and row is not other:  # same total, wrong rows
             row["behaviour_logprobs"] = row["behaviour_logprobs"][:-1]
@@ -111,9 +166,24 @@ def _rows(n, defects, lens, ints, perm):
 
 
 def _junk_row(i):
-    return dict(traj_id=f"junk/{i}", group_id="g", sample_index=0, group_size=1, step=5, prompt_ids=[1],
-                response_ids=[7, 7], behaviour_logprobs=[JUNK_LP] * 2, segment_starts=[0], segment_versions=[3],
-                reward=0.0, finish_reason="stop", engine_id="e", data_source="d", t_start=0.0, t_end=1.0)
+    return dict(
+        traj_id=f"junk/{i}",
+        group_id="g",
+        sample_index=0,
+        group_size=1,
+        step=5,
+        prompt_ids=[1],
+        response_ids=[7, 7],
+        behaviour_logprobs=[JUNK_LP] * 2,
+        segment_starts=[0],
+        segment_versions=[3],
+        reward=0.0,
+        finish_reason="stop",
+        engine_id="e",
+        data_source="d",
+        t_start=0.0,
+        t_end=1.0,
+    )
 
 
 def _shift_lists(batch, names, pad):
@@ -138,7 +208,8 @@ def _layout(rows, layout, pad):
     if layout.startswith("child_offset"):  # children sliced: their buffers begin before their values
         cols = b.columns
         names = {"child_offset_lp": ["behaviour_logprobs"], "child_offset_versions": ["segment_versions"]}.get(
-            layout, ["response_ids", "behaviour_logprobs", "segment_starts", "segment_versions"])
+            layout, ["response_ids", "behaviour_logprobs", "segment_starts", "segment_versions"]
+        )
         for name in names:
             i = TRAJECTORY_SCHEMA.get_field_index(name)
             c = cols[i]
@@ -192,8 +263,9 @@ def _check(rows, layout, pad, defects):
 def test_whole_group_path_accepts_only_valid_whole_groups(data, n, layout, pad):
     defects = data.draw(st.lists(st.sampled_from(DEFECTS), min_size=0, max_size=2))
     lens = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
-    rows = _rows(n, defects, lens, lambda lo, hi: data.draw(st.integers(lo, hi)),
-                 lambda k: data.draw(st.permutations(range(k))))
+    rows = _rows(
+        n, defects, lens, lambda lo, hi: data.draw(st.integers(lo, hi)), lambda k: data.draw(st.permutations(range(k)))
+    )
     _check(rows, layout, pad, defects)
 
 
@@ -210,8 +282,9 @@ def test_whole_group_path_takes_the_pushes_the_broker_sees():
     """Groups as the bench and the fleet push them, read back from IPC, take the fast path
     and get the same view as the joint path gives them."""
     for size, resp in ((1, 1), (8, 1000), (16, 3000), (123, 1000)):
-        b = P.ipc_to_batches(P.trajectory_to_ipc(make_groups(["g7"], step=4, version=2, group_size=size,
-                                                             resp_len=resp)))[0]
+        b = P.ipc_to_batches(
+            P.trajectory_to_ipc(make_groups(["g7"], step=4, version=2, group_size=size, resp_len=resp))
+        )[0]
         view = inspect_batch(b)
         assert view.whole and (view.single_group, view.label, view.vmin, view.vmax) == ("g7", 4, 2, 2)
         assert _general_groups(b) == [("g7", 4, 2, 2, size)]

@@ -44,8 +44,10 @@ def _outcome(batches, view) -> object:
             return "bad_frame"
         batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
         view = view if view is not None else inspect_batch(batch)
-        return tuple((g.group_id, g.label, g.vmin, g.vmax, g.batch.num_rows, g.versions.tolist())
-                     for g in split_groups(batch, None, view))
+        return tuple(
+            (g.group_id, g.label, g.vmin, g.vmax, g.batch.num_rows, g.versions.tolist())
+            for g in split_groups(batch, None, view)
+        )
     except SchemaError:
         return "bad_schema"
     except (BrokerError, P.ProtocolError) as e:
@@ -101,8 +103,13 @@ def test_each_push_of_a_multi_gets_the_verdict_it_gets_alone(data, k):
                 b = b.slice(1)
         else:
             groups = [f"m{j}-{i}" for i in range(draw(st.integers(1, 3)))]
-            b = make_groups(groups, step=1, version=draw(st.integers(0, 3)), group_size=draw(st.integers(1, 3)),
-                            resp_len=20000 if kind == "big" else 5)
+            b = make_groups(
+                groups,
+                step=1,
+                version=draw(st.integers(0, 3)),
+                group_size=draw(st.integers(1, 3)),
+                resp_len=20000 if kind == "big" else 5,
+            )
         data_ = P.batch_to_ipc(b).to_pybytes()
         if kind == "flip":
             data_ = _flip(data_, draw)

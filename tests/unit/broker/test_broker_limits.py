@@ -37,15 +37,22 @@ class Recorder:
 
 
 def state(k=1, G=2, journal=None) -> BrokerState:
-    return BrokerState(max_staleness=k, groups_per_step=G, lease_timeout_s=10.0, ticket_timeout_s=20.0,
-                       byte_budget_bytes=64 << 20, journal=journal)
+    return BrokerState(
+        max_staleness=k,
+        groups_per_step=G,
+        lease_timeout_s=10.0,
+        ticket_timeout_s=20.0,
+        byte_budget_bytes=64 << 20,
+        journal=journal,
+    )
 
 
 def with_versions(gid: str, versions: list[int], step: int = 1) -> pa.RecordBatch:
     """One whole group whose rows' (single) segments carry ``versions``, one per row."""
     b = make_groups([gid], step=step, version=0, group_size=len(versions))
-    col = pa.ListArray.from_arrays(pa.array(np.arange(len(versions) + 1, dtype=np.int32)),
-                                   pa.array(versions, pa.int64()))
+    col = pa.ListArray.from_arrays(
+        pa.array(np.arange(len(versions) + 1, dtype=np.int32)), pa.array(versions, pa.int64())
+    )
     i = b.schema.get_field_index("segment_versions")
     return b.set_column(i, b.schema.field(i), col)
 
@@ -63,21 +70,24 @@ def test_a_deeply_nested_header_is_a_bad_frame_not_a_recursion_error():
 
 
 # -- 1 (b), 3: integer ranges at decode ------------------------------------------------------------
-@pytest.mark.parametrize("fields", [
-    {"type": "report_version", "version": 2**64 - 1},
-    {"type": "report_version", "version": L.MAX_VERSION + 1},
-    {"type": "report_version", "version": -1},
-    {"type": "next_batch", "consumer_id": "c", "step": 2**62},
-    {"type": "next_batch", "consumer_id": "c", "step": 0},
-    {"type": "next_batch", "consumer_id": "c", "step": 1, "wait_s": float("nan")},
-    {"type": "next_batch", "consumer_id": "c", "step": 1, "wait_s": 1e9},
-    {"type": "next_batch", "consumer_id": "c", "step": 1, "acks": ["x"] * (L.MAX_ACKS + 1)},
-    {"type": "acquire", "producer_id": "p", "max_groups": 2**63},
-    {"type": "acquire", "producer_id": "p", "max_groups": 1, "wait_s": -1.0},
-    {"type": "acquire", "producer_id": "x" * (L.MAX_ID_CHARS + 1), "max_groups": 1},
-    {"type": "engine_version", "engine_id": "e", "version": 2**40},
-    {"type": "push", "producer_id": "p", "want_tickets": -1},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"type": "report_version", "version": 2**64 - 1},
+        {"type": "report_version", "version": L.MAX_VERSION + 1},
+        {"type": "report_version", "version": -1},
+        {"type": "next_batch", "consumer_id": "c", "step": 2**62},
+        {"type": "next_batch", "consumer_id": "c", "step": 0},
+        {"type": "next_batch", "consumer_id": "c", "step": 1, "wait_s": float("nan")},
+        {"type": "next_batch", "consumer_id": "c", "step": 1, "wait_s": 1e9},
+        {"type": "next_batch", "consumer_id": "c", "step": 1, "acks": ["x"] * (L.MAX_ACKS + 1)},
+        {"type": "acquire", "producer_id": "p", "max_groups": 2**63},
+        {"type": "acquire", "producer_id": "p", "max_groups": 1, "wait_s": -1.0},
+        {"type": "acquire", "producer_id": "x" * (L.MAX_ID_CHARS + 1), "max_groups": 1},
+        {"type": "engine_version", "engine_id": "e", "version": 2**40},
+        {"type": "push", "producer_id": "p", "want_tickets": -1},
+    ],
+)
 def test_out_of_range_fields_are_bad_requests_at_decode(fields):
     with pytest.raises(P.ProtocolError) as e:
         P.decode_request(msgspec.msgpack.encode({"proto": P.PROTOCOL_VERSION, "req": 1, **fields}))
@@ -95,12 +105,15 @@ def test_state_refuses_versions_past_the_bound_and_every_reply_encodes():
 
 
 # -- 1 (c), 3: a push's step and versions against the state ---------------------------------------
-@pytest.mark.parametrize("batch, what", [
-    (with_versions("v40", [2**40, 2**40]), "policy version"),
-    (make_groups(["neg"], step=-5, version=0), "step -5"),
-    (make_groups(["far"], step=2**62, version=0), "step"),
-    (make_groups(["ahead"], step=1, version=5), "policy version 5"),  # learner at 0, k=1: at most 2
-])
+@pytest.mark.parametrize(
+    "batch, what",
+    [
+        (with_versions("v40", [2**40, 2**40]), "policy version"),
+        (make_groups(["neg"], step=-5, version=0), "step -5"),
+        (make_groups(["far"], step=2**62, version=0), "step"),
+        (make_groups(["ahead"], step=1, version=5), "policy version 5"),  # learner at 0, k=1: at most 2
+    ],
+)
 def test_pushes_outside_the_window_are_refused_and_never_journaled(batch, what):
     j = Recorder()
     s = state(k=1, journal=j)

@@ -57,8 +57,14 @@ def test_structurally_invalid_spooled_batches_are_quarantined_and_the_rest_repla
         assert rec.quarantined == 2 and rec.torn_segments == 0
         for b in rec.batches:
             b.validate(full=True)
-        s = BrokerState(max_staleness=2, groups_per_step=3, lease_timeout_s=10.0, ticket_timeout_s=20.0,
-                        byte_budget_bytes=64 << 20, journal=sp2)
+        s = BrokerState(
+            max_staleness=2,
+            groups_per_step=3,
+            lease_timeout_s=10.0,
+            ticket_timeout_s=20.0,
+            byte_budget_bytes=64 << 20,
+            journal=sp2,
+        )
         s.restore(rec.batches, rec.records, now=0)
         assert set(s.pending) == {"a", "b", "c"}  # the good batches after each bad one too
         sp2.close()

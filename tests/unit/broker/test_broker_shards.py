@@ -14,13 +14,18 @@ pytestmark = pytest.mark.timeout(120)
 
 def _batch(spec: list[tuple[int, int]]) -> pa.RecordBatch:
     """One group per (rows, response length), ids g0, g1, ..."""
-    return pa.concat_batches([make_groups([f"g{i}"], step=1, version=0, group_size=rows, resp_len=resp, prompt_len=3)
-                              for i, (rows, resp) in enumerate(spec)])
+    return pa.concat_batches(
+        [
+            make_groups([f"g{i}"], step=1, version=0, group_size=rows, resp_len=resp, prompt_len=3)
+            for i, (rows, resp) in enumerate(spec)
+        ]
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(spec=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 40)), min_size=1, max_size=12),
-       ranks=st.integers(1, 6))
+@given(
+    spec=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 40)), min_size=1, max_size=12), ranks=st.integers(1, 6)
+)
 def test_shards_partition_whole_groups_in_order_with_balanced_tokens(spec, ranks):
     batch = _batch(spec)
     shards = shard_by_tokens(batch, ranks)

@@ -25,8 +25,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def new_state(k=1, G=2, journal=None, budget=1 << 30, lease_timeout_s=10.0, ticket_timeout_s=20.0):
-    return BrokerState(max_staleness=k, groups_per_step=G, lease_timeout_s=lease_timeout_s,
-                       ticket_timeout_s=ticket_timeout_s, byte_budget_bytes=budget, journal=journal)
+    return BrokerState(
+        max_staleness=k,
+        groups_per_step=G,
+        lease_timeout_s=lease_timeout_s,
+        ticket_timeout_s=ticket_timeout_s,
+        byte_budget_bytes=budget,
+        journal=journal,
+    )
 
 
 def test_tickets_follow_the_admission_rule():
@@ -92,6 +98,7 @@ def test_stale_groups_are_dropped_never_leased():
 
 def test_stale_drops_are_counted_by_response_length_bucket():
     from broker.state import length_bucket
+
     assert [length_bucket(n) for n in (0, 1, 2, 3, 64, 65, 1000)] == [1, 1, 2, 4, 64, 128, 1024]
     s = new_state(k=1, G=2)
     s.accept("w", make_groups(["long", "short"], step=1, version=0, resp_len=300), now=0)
@@ -267,8 +274,9 @@ class BrokerMachine(RuleBasedStateMachine):
         self.n += groups
         version = max(0, self.state.version - lag)
         try:
-            accepted, _, _ = self.state.accept(p, make_groups(gids, step=step, version=version,
-                                                              group_size=self.gsize), self.now)
+            accepted, _, _ = self.state.accept(
+                p, make_groups(gids, step=step, version=version, group_size=self.gsize), self.now
+            )
         except BrokerError as e:
             assert e.code == ErrorCode.NO_TICKET
             return
@@ -280,8 +288,9 @@ class BrokerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def repush(self, data):
         gid = data.draw(st.sampled_from(sorted(self.versions)))
-        got = self.state.accept("p0", make_groups([gid], step=1, version=self.versions[gid],
-                                                  group_size=self.gsize), self.now)
+        got = self.state.accept(
+            "p0", make_groups([gid], step=1, version=self.versions[gid], group_size=self.gsize), self.now
+        )
         assert got == (0, 0, 1)
 
     @precondition(lambda self: len(self.versions) >= 2)
@@ -289,8 +298,9 @@ class BrokerMachine(RuleBasedStateMachine):
     def repush_several(self, data):
         """A push of several groups already accepted (pending, acked or dropped) stores none."""
         gids = data.draw(st.lists(st.sampled_from(sorted(self.versions)), min_size=2, max_size=3, unique=True))
-        batch = pa.concat_batches([make_groups([g], step=1, version=self.versions[g], group_size=self.gsize)
-                                   for g in gids])
+        batch = pa.concat_batches(
+            [make_groups([g], step=1, version=self.versions[g], group_size=self.gsize) for g in gids]
+        )
         assert self.state.accept("p0", batch, self.now) == (0, 0, len(gids))
 
     @rule(c=st.sampled_from(["c0", "c1"]), ahead=st.integers(0, 2))
@@ -382,5 +392,6 @@ class DrainingMachine(BrokerMachine):
 
 
 TestBrokerStateMachine = DrainingMachine.TestCase
-TestBrokerStateMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                           suppress_health_check=[HealthCheck.too_slow])
+TestBrokerStateMachine.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

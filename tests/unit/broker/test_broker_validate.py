@@ -29,11 +29,34 @@ from tests.support.broker_groups import batch_from_rows, make_groups, passes_row
 
 pytestmark = pytest.mark.timeout(120)
 
-DEFECTS = ["none", "none", "none", "lp_nan", "lp_inf", "lp_neg_inf", "lp_positive", "lp_tiny_positive",
-           "lp_short", "dup_traj", "seg_two_ok", "seg_two_unordered", "seg_two_past_end", "seg_versions_down",
-           "seg_not_zero", "seg_empty", "version_negative", "reward_nan", "reward_inf", "finish_unknown",
-           "sample_index_high", "sample_index_negative", "group_size_zero", "empty_response", "null_reward",
-           "null_logprob"]
+DEFECTS = [
+    "none",
+    "none",
+    "none",
+    "lp_nan",
+    "lp_inf",
+    "lp_neg_inf",
+    "lp_positive",
+    "lp_tiny_positive",
+    "lp_short",
+    "dup_traj",
+    "seg_two_ok",
+    "seg_two_unordered",
+    "seg_two_past_end",
+    "seg_versions_down",
+    "seg_not_zero",
+    "seg_empty",
+    "version_negative",
+    "reward_nan",
+    "reward_inf",
+    "finish_unknown",
+    "sample_index_high",
+    "sample_index_negative",
+    "group_size_zero",
+    "empty_response",
+    "null_reward",
+    "null_logprob",
+]
 
 
 def _rows(n, defects, resp_len, draw_int):
@@ -71,14 +94,26 @@ def _rows(n, defects, resp_len, draw_int):
             starts, vers = [], []
         elif d == "version_negative":
             vers = [-1]
-        rows.append(dict(
-            traj_id=f"g/{i}" if d != "dup_traj" else "g/0", group_id="g" if i % 3 else "h",
-            sample_index={"sample_index_high": 9, "sample_index_negative": -1}.get(d, i % 4),
-            group_size=0 if d == "group_size_zero" else 4, step=2, prompt_ids=[1, 2],
-            response_ids=list(range(r)), behaviour_logprobs=lp, segment_starts=starts, segment_versions=vers,
-            reward={"reward_nan": float("nan"), "reward_inf": float("inf"), "null_reward": None}.get(d, 0.5),
-            finish_reason="exploded" if d == "finish_unknown" else ["stop", "length", "abort"][i % 3],
-            engine_id="e", data_source="d", t_start=0.0, t_end=1.0))
+        rows.append(
+            dict(
+                traj_id=f"g/{i}" if d != "dup_traj" else "g/0",
+                group_id="g" if i % 3 else "h",
+                sample_index={"sample_index_high": 9, "sample_index_negative": -1}.get(d, i % 4),
+                group_size=0 if d == "group_size_zero" else 4,
+                step=2,
+                prompt_ids=[1, 2],
+                response_ids=list(range(r)),
+                behaviour_logprobs=lp,
+                segment_starts=starts,
+                segment_versions=vers,
+                reward={"reward_nan": float("nan"), "reward_inf": float("inf"), "null_reward": None}.get(d, 0.5),
+                finish_reason="exploded" if d == "finish_unknown" else ["stop", "length", "abort"][i % 3],
+                engine_id="e",
+                data_source="d",
+                t_start=0.0,
+                t_end=1.0,
+            )
+        )
     return rows
 
 
@@ -111,8 +146,9 @@ def test_fast_path_accepts_only_what_the_row_wise_checks_accept(data, n, resp_le
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data(), k=st.integers(2, 4), resp_len=st.integers(0, 4), whole_copy=st.booleans(),
-       shared_traj=st.booleans())
+@given(
+    data=st.data(), k=st.integers(2, 4), resp_len=st.integers(0, 4), whole_copy=st.booleans(), shared_traj=st.booleans()
+)
 def test_batches_checked_together_pass_only_if_each_passes_alone(data, k, resp_len, whole_copy, shared_traj):
     """inspect_batches (the pushes of one message, checked at once, by either of its two
     paths) accepts only when inspect_batch accepts every batch, and then gives each the
@@ -166,8 +202,7 @@ def test_batches_checked_together_know_which_are_one_whole_group(data, k, whole_
         vers = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
         rows = _rows(n, ["none"] * n, 2, lambda m: 0)
         for row, (r, i, st_, g, v) in enumerate(zip(rows, si, steps, gids, vers, strict=True)):
-            r.update(traj_id=f"{j}/{row}", group_id=g, sample_index=i, group_size=size, step=st_,
-                     segment_versions=[v])
+            r.update(traj_id=f"{j}/{row}", group_id=g, sample_index=i, group_size=size, step=st_, segment_versions=[v])
         batches.append(batch_from_rows(rows))
         expect.append((True, 3, min(vers), max(vers)) if kind == "whole" else (False,))
     views = inspect_batches(batches, 1 if whole_copy else JOINT_MAX_BYTES)

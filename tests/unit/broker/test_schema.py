@@ -20,10 +20,24 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def traj(i=0, **kw):
-    base = dict(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=4, step=3, prompt_ids=[1, 2, 3],
-                response_ids=[4, 5, 6, 7], behaviour_logprobs=[-0.1, -0.2, -0.3, -0.4], segment_starts=[0, 2],
-                segment_versions=[1, 2], reward=1.0, finish_reason="stop", engine_id="vllm-0",
-                data_source="addition", t_start=1.0, t_end=2.0)
+    base = dict(
+        traj_id=f"g/{i}",
+        group_id="g",
+        sample_index=i,
+        group_size=4,
+        step=3,
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5, 6, 7],
+        behaviour_logprobs=[-0.1, -0.2, -0.3, -0.4],
+        segment_starts=[0, 2],
+        segment_versions=[1, 2],
+        reward=1.0,
+        finish_reason="stop",
+        engine_id="vllm-0",
+        data_source="addition",
+        t_start=1.0,
+        t_end=2.0,
+    )
     base.update(kw)
     return Trajectory(**base)
 
@@ -64,20 +78,23 @@ def test_oldest_and_token_versions():
     assert token_versions(np.array([0, 2]), np.array([1, 2]), 4).tolist() == [1, 1, 2, 2]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(behaviour_logprobs=[-0.1, float("nan"), -0.3, -0.4]), "NaN"),
-    (dict(behaviour_logprobs=[-0.1, -0.2, -0.3]), "has 3 values but 'response_ids' has 4"),
-    (dict(behaviour_logprobs=[-0.1, 0.5, -0.3, -0.4]), "positive"),
-    (dict(segment_starts=[1], segment_versions=[1]), "begin at 0"),
-    (dict(segment_starts=[0, 2, 2], segment_versions=[1, 2, 3]), "strictly increase"),
-    (dict(segment_starts=[0, 2], segment_versions=[2, 1]), "must not decrease"),
-    (dict(segment_starts=[0, 9], segment_versions=[1, 2]), "past the end"),
-    (dict(segment_starts=[0, 2], segment_versions=[1]), "same, non-zero length"),
-    (dict(segment_starts=[0], segment_versions=[-1]), ">= 0"),
-    (dict(reward=float("inf")), "'reward'"),
-    (dict(finish_reason="eos"), "'finish_reason' is 'eos'"),
-    (dict(sample_index=4), "outside its group of 4"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(behaviour_logprobs=[-0.1, float("nan"), -0.3, -0.4]), "NaN"),
+        (dict(behaviour_logprobs=[-0.1, -0.2, -0.3]), "has 3 values but 'response_ids' has 4"),
+        (dict(behaviour_logprobs=[-0.1, 0.5, -0.3, -0.4]), "positive"),
+        (dict(segment_starts=[1], segment_versions=[1]), "begin at 0"),
+        (dict(segment_starts=[0, 2, 2], segment_versions=[1, 2, 3]), "strictly increase"),
+        (dict(segment_starts=[0, 2], segment_versions=[2, 1]), "must not decrease"),
+        (dict(segment_starts=[0, 9], segment_versions=[1, 2]), "past the end"),
+        (dict(segment_starts=[0, 2], segment_versions=[1]), "same, non-zero length"),
+        (dict(segment_starts=[0], segment_versions=[-1]), ">= 0"),
+        (dict(reward=float("inf")), "'reward'"),
+        (dict(finish_reason="eos"), "'finish_reason' is 'eos'"),
+        (dict(sample_index=4), "outside its group of 4"),
+    ],
+)
 def test_bad_row_is_named(bad, message):
     with pytest.raises(SchemaError, match="row 1") as e:
         validate_batch(unchecked([traj(0), traj(1, **bad)]))
@@ -131,7 +148,7 @@ def test_duplicate_traj_ids_and_ragged_offsets():
     good = np.array([0, 16, 32, 48, 64], np.int32).tobytes()
     at = raw.find(good)
     assert at > 0
-    raw[at + 16: at + 20] = np.array([9999], np.int32).tobytes()
+    raw[at + 16 : at + 20] = np.array([9999], np.int32).tobytes()
     hostile = pa.ipc.open_stream(pa.py_buffer(bytes(raw))).read_next_batch()
     with pytest.raises(SchemaError, match="not valid Arrow data"):
         validate_batch(hostile)

@@ -54,9 +54,15 @@ def test_middleware_refuses_every_route_without_the_token_but_the_read_only_prob
     token = "t" * 32
     monkeypatch.setenv(TOKEN_ENV, token)
     good = [(b"authorization", b"Bearer " + token.encode())]
-    for method, path in [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/collective_rpc"),
-                         ("GET", "/is_paused"), ("POST", "/v1/completions"), ("POST", "/health"),
-                         ("GET", "/anything/new")]:
+    for method, path in [
+        ("POST", "/pause"),
+        ("POST", "/update_weights"),
+        ("POST", "/collective_rpc"),
+        ("GET", "/is_paused"),
+        ("POST", "/v1/completions"),
+        ("POST", "/health"),
+        ("GET", "/anything/new"),
+    ]:
         assert _call(RequireEngineToken, method, path, []) == 401, path
         assert _call(RequireEngineToken, method, path, [(b"authorization", b"Bearer " + b"u" * 32)]) == 401
         assert _call(RequireEngineToken, method, path, [(b"authorization", token.encode())]) == 401  # no scheme

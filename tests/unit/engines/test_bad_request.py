@@ -21,9 +21,13 @@ from rollout_fleet.controller import FleetController
 
 pytestmark = pytest.mark.timeout(60)
 
-VLLM_400 = {"object": "error", "type": "BadRequestError", "code": 400,
-            "message": "This model's maximum context length is 64 tokens. However, you requested 80 tokens "
-                       "(72 in the messages, 8 in the completion)."}
+VLLM_400 = {
+    "object": "error",
+    "type": "BadRequestError",
+    "code": 400,
+    "message": "This model's maximum context length is 64 tokens. However, you requested 80 tokens "
+    "(72 in the messages, 8 in the completion).",
+}
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -16,8 +16,15 @@ import pytest
 from engines.base import SamplingParams, model_sampling_defaults
 from engines.vllm.server import VLLMServer, VLLMServerArgs
 
-PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-          "presence_penalty": 0.0, "frequency_penalty": 0.0}
+PINNED = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -53,8 +60,9 @@ def test_vllm_requests_pin_every_sampling_field(recorder):
     from engines.vllm.generation import VLLMGenerationClient
 
     handler, url = recorder
-    handler.reply = json.dumps({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop",
-                                             "logprobs": {"token_logprobs": [-0.1]}}]}).encode()
+    handler.reply = json.dumps(
+        {"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1]}}]}
+    ).encode()
 
     async def run():
         c = VLLMGenerationClient("e", url, model="m", timeout_s=5, request_timeout_s=5)
@@ -74,8 +82,12 @@ def test_sglang_requests_pin_every_sampling_field(recorder):
     from engines.sglang.generation import SGLangGenerationClient
 
     handler, url = recorder
-    handler.reply = json.dumps({"output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.2, 7, None]],
-                                                                  "finish_reason": {"type": "stop"}}}).encode()
+    handler.reply = json.dumps(
+        {
+            "output_ids": [7],
+            "meta_info": {"output_token_logprobs": [[-0.2, 7, None]], "finish_reason": {"type": "stop"}},
+        }
+    ).encode()
 
     async def run():
         c = SGLangGenerationClient("e", url, timeout_s=5, control_timeout_s=5)
@@ -101,11 +113,25 @@ def test_vllm_server_ignores_the_folders_generation_config(tmp_path):
 
 def test_a_models_sampling_defaults_are_read_and_reported(tmp_path):
     assert model_sampling_defaults(tmp_path) == {}
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-         "repetition_penalty": 1.05, "min_p": 0.0}))
-    assert model_sampling_defaults(tmp_path) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                                 "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 1,
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.8,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "min_p": 0.0,
+            }
+        )
+    )
+    assert model_sampling_defaults(tmp_path) == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         model_sampling_defaults(tmp_path)
@@ -121,8 +147,16 @@ def _cfg(**rollout):
 def test_training_refuses_truncated_sampling_and_evaluation_may_truncate():
     with pytest.raises(Exception, match="top_k=20 truncates"):
         _cfg(**{"sampling.top_k": 20})
-    cfg = _cfg(**{"sampling.top_k": -1, "eval_sampling.top_k": 20, "eval_sampling.top_p": 0.9,
-                  "eval_sampling.temperature": 0.6, "eval_sampling.n": 4, "eval_sampling.do_sample": True})
+    cfg = _cfg(
+        **{
+            "sampling.top_k": -1,
+            "eval_sampling.top_k": 20,
+            "eval_sampling.top_p": 0.9,
+            "eval_sampling.temperature": 0.6,
+            "eval_sampling.n": 4,
+            "eval_sampling.do_sample": True,
+        }
+    )
     ev = cfg.rollout.eval_sampling
     assert (ev.top_k, ev.top_p, ev.n, ev.effective_temperature) == (20, 0.9, 4, 0.6)
     # verl's val_kwargs default: greedy unless do_sample

@@ -71,8 +71,9 @@ def _sglang_like_worker(port: int, group_name: str, q) -> None:
         store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
         store.set_timeout(timeout)
         store = PrefixStore(group_name, store)
-        pg, _ = _new_process_group_helper(world, rank, [], dist.Backend("gloo"), store, group_name=group_name,
-                                          backend_options=None, timeout=timeout)
+        pg, _ = _new_process_group_helper(
+            world, rank, [], dist.Backend("gloo"), store, group_name=group_name, backend_options=None, timeout=timeout
+        )
         _world.pg_group_ranks[pg] = {i: i for i in range(world)}
         t = torch.zeros(5)
         dist.broadcast(t, src=0, group=pg)
@@ -90,8 +91,9 @@ def test_publisher_group_meets_sglangs_own_group_construction():
     from weight_sync.sglang_group import publisher_group
 
     store = host_store("127.0.0.1", 0, 120)
-    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, backend="gloo",
-                      group_epoch=7)
+    group = GroupInfo(
+        master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, backend="gloo", group_epoch=7
+    )
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_sglang_like_worker, args=(store.port, sglang_group_name(7), q), daemon=True)

@@ -65,9 +65,22 @@ def test_keep_pause_freezes_and_version_change_opens_a_segment():
     assert rest > 0.1  # the 0.2 s pause did not count as decoding time
     for s in samples:
         assert s.segment_versions == [0, 1] and 20 <= s.segment_starts[1] <= 100
-    trajs = [Trajectory(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=2, step=1, prompt_ids=[1],
-                        response_ids=s.token_ids, behaviour_logprobs=s.logprobs, segment_starts=s.segment_starts,
-                        segment_versions=s.segment_versions, engine_id="sim-7") for i, s in enumerate(samples)]
+    trajs = [
+        Trajectory(
+            traj_id=f"g/{i}",
+            group_id="g",
+            sample_index=i,
+            group_size=2,
+            step=1,
+            prompt_ids=[1],
+            response_ids=s.token_ids,
+            behaviour_logprobs=s.logprobs,
+            segment_starts=s.segment_starts,
+            segment_versions=s.segment_versions,
+            engine_id="sim-7",
+        )
+        for i, s in enumerate(samples)
+    ]
     to_record_batch(trajs)  # the schema accepts what the engine produces
 
 

@@ -54,7 +54,9 @@ async def _serve(stand_in: StandIn):
 
 
 def _client(url: str) -> VLLMWeightClient:
-    return VLLMWeightClient("vllm-standin", url, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait")
+    return VLLMWeightClient(
+        "vllm-standin", url, model="tiny", timeout_s=5, request_timeout_s=5, update_pause_mode="wait"
+    )
 
 
 def test_a_cancelled_load_leaves_the_pause_to_the_next_load():
@@ -142,8 +144,9 @@ def test_a_server_the_publisher_dropped_and_takes_back_keeps_the_client_that_own
         s = StandIn()
         runner, url = await _serve(s)
         # the recipe's rollout.weight_update 'pause': the registry's client pauses with 'wait'
-        cfg = load_run_config("tiny", [f"run.run_dir={tmp_path}", "rollout.weight_update=pause",
-                                       "weight_sync.timeout_s=5"])
+        cfg = load_run_config(
+            "tiny", [f"run.run_dir={tmp_path}", "rollout.weight_update=pause", "weight_sync.timeout_s=5"]
+        )
         rank = LearnerRank(cfg, "tcp://127.0.0.1:1", str(tmp_path), Fleet(url))
         rank.pub = _Members()
         try:

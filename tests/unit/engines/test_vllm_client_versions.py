@@ -29,8 +29,12 @@ def _server(on_request):
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             on_request()
-            choice = {"index": 0, "token_ids": [5, 6, 7], "finish_reason": "length",
-                      "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]}}
+            choice = {
+                "index": 0,
+                "token_ids": [5, 6, 7],
+                "finish_reason": "length",
+                "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]},
+            }
             if self.server.spans is not None:
                 choice["weight_versions"] = self.server.spans
             body = json.dumps({"choices": [choice]}).encode()
@@ -46,10 +50,13 @@ def _server(on_request):
     return srv
 
 
-@pytest.mark.parametrize("spans, want_starts, want_versions", [
-    (None, [0], [3]),  # no spans: the version at the start, not the 4 learned meanwhile
-    ([{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}], [0, 1], [3, 4]),
-])
+@pytest.mark.parametrize(
+    "spans, want_starts, want_versions",
+    [
+        (None, [0], [3]),  # no spans: the version at the start, not the 4 learned meanwhile
+        ([{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}], [0, 1], [3, 4]),
+    ],
+)
 def test_sample_versions_under_an_update_in_flight(spans, want_starts, want_versions):
     client = VLLMGenerationClient("v", "http://127.0.0.1:1", model="m", initial_version=3)
     srv = _server(lambda: client.record_version(4))  # the update lands while the request runs

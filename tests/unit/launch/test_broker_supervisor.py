@@ -10,8 +10,14 @@ from tests.support.broker_groups import make_groups
 
 def test_spool_accounting_counts_accepted_acked_dropped_and_pending(tmp_path):
     sp = Spool(tmp_path, fsync="never")
-    s = BrokerState(max_staleness=1, groups_per_step=2, lease_timeout_s=10, ticket_timeout_s=10,
-                    byte_budget_bytes=1 << 30, journal=sp)
+    s = BrokerState(
+        max_staleness=1,
+        groups_per_step=2,
+        lease_timeout_s=10,
+        ticket_timeout_s=10,
+        byte_budget_bytes=1 << 30,
+        journal=sp,
+    )
     s.accept("w", make_groups(["a", "b"], step=1, version=0), now=0)
     s.ack(s.lease("L", 1, now=0).lease_id, now=0)
     s.accept("w", make_groups(["old"], step=2, version=0), now=0)
@@ -21,8 +27,14 @@ def test_spool_accounting_counts_accepted_acked_dropped_and_pending(tmp_path):
     s.accept("w", make_groups(["e"], step=3, version=2), now=0)
     sp.close()
     view = spool_accounting(tmp_path)
-    assert view == {"groups_accepted": 6, "groups_acked": 2, "queued_groups": 3, "leased_groups": 0,
-                    "drops": {"stale": 1}, "from_spool": True}  # c, d leased (not acked) and e: pending
+    assert view == {
+        "groups_accepted": 6,
+        "groups_acked": 2,
+        "queued_groups": 3,
+        "leased_groups": 0,
+        "drops": {"stale": 1},
+        "from_spool": True,
+    }  # c, d leased (not acked) and e: pending
 
 
 def test_engine_groups_are_the_server_pids_of_a_snapshot():

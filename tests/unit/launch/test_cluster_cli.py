@@ -38,8 +38,7 @@ def test_help_is_fast_and_imports_nothing_heavy():
     assert "--rollout-gpus" in p.stdout and "--simulate" in p.stdout and "scale" in p.stdout
     assert dt < 1.0, f"--help took {dt:.2f} s of CPU"
     # the module itself must not pull torch, vllm or ray in
-    code = ("import sys, launch.cluster; heavy = [m for m in ('torch', 'vllm', 'ray') if m in sys.modules]; "
-            "print(heavy)")
+    code = "import sys, launch.cluster; heavy = [m for m in ('torch', 'vllm', 'ray') if m in sys.modules]; print(heavy)"
     p, _ = _run("-c", code)
     assert p.stdout.strip() == "[]", p.stdout + p.stderr
 
@@ -70,6 +69,7 @@ def test_status_without_job_says_so(tmp_path):
 
 
 # -- placement as a pure function -------------------------------------------------------------------
+
 
 def _disjoint(plan) -> bool:
     gpus = plan.all_gpus()

@@ -40,12 +40,15 @@ def test_sleep_level_follows_the_device():
     assert ColocateConfig(sleep="off").sleep_level(cuda=True) == 0
 
 
-@pytest.mark.parametrize("bad, says", [
-    ("broker.max_staleness=2", "broker.max_staleness=2"),
-    ("weight_sync.staging=true", "weight_sync.staging"),
-    ("weight_sync.backend=nccl", "NCCL between two processes on one GPU"),
-    ("rollout.weight_update=inflight", "rollout.weight_update"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("broker.max_staleness=2", "broker.max_staleness=2"),
+        ("weight_sync.staging=true", "weight_sync.staging"),
+        ("weight_sync.backend=nccl", "NCCL between two processes on one GPU"),
+        ("rollout.weight_update=inflight", "rollout.weight_update"),
+    ],
+)
 def test_colocated_config_refuses_what_does_not_fit(bad, says):
     with pytest.raises(ConfigError, match=says):
         load_run_config("tiny", [*COLO, bad])
@@ -113,11 +116,19 @@ def test_release_and_wake_order_the_engines_calls_and_evaluate_at_the_wake():
             await ce.wake(s, "weights")
             await ce.wake(s, "rest")
             assert ce.gate.is_open
+
     asyncio.run(steps())
     asleep = "colocated sleep"
-    assert log[:8] == [("fleet", "hold", asleep), ("e0", "sleep", 1), ("e1", "sleep", 1),
-                       ("e0", "wake", ("weights",)), ("e1", "wake", ("weights",)), ("e0", "wake", ("kv_cache",)),
-                       ("e1", "wake", ("kv_cache",)), ("fleet", "unhold", asleep)]
+    assert log[:8] == [
+        ("fleet", "hold", asleep),
+        ("e0", "sleep", 1),
+        ("e1", "sleep", 1),
+        ("e0", "wake", ("weights",)),
+        ("e1", "wake", ("weights",)),
+        ("e0", "wake", ("kv_cache",)),
+        ("e1", "wake", ("kv_cache",)),
+        ("fleet", "unhold", asleep),
+    ]
     assert ce.eval_history == [{"step": 2, "accuracy": 0.5}] and len(evals) == 1  # step 2 only: every 2nd step
     # the evaluation ran on awake engines, their stall clocks running again
     assert evals[0][-2:] == [("e1", "wake", ("kv_cache",)), ("fleet", "unhold", asleep)]
@@ -125,20 +136,40 @@ def test_release_and_wake_order_the_engines_calls_and_evaluate_at_the_wake():
 
 
 def _run(final: float, evals: list[tuple[int, float]], step_s: float, steps: int = 10) -> dict:
-    rows = [{"step": s, "t0_unix": 100.0, "t_unix": 100.0 + s * step_s, "samples": 8, "prompt_tokens": 10,
-             "response_tokens": 6, "total_step_seconds": step_s, "pull_seconds": step_s / 2,
-             "staleness_mean_versions": 0.5, "staleness_max_versions": 1, "mismatch_kl_k3": 1e-4}
-            for s in range(1, steps + 1)]
-    summary = {"eval_accuracy_before": 0.3, "eval_accuracy_after": final, "tokens_generated": 70 * steps,
-               "eval_history": [{"step": s, "accuracy": a} for s, a in evals], "learner_idle_fraction": 0.5,
-               "fleet_idle_fraction": 0.1, "wall_s": 99.0}
+    rows = [
+        {
+            "step": s,
+            "t0_unix": 100.0,
+            "t_unix": 100.0 + s * step_s,
+            "samples": 8,
+            "prompt_tokens": 10,
+            "response_tokens": 6,
+            "total_step_seconds": step_s,
+            "pull_seconds": step_s / 2,
+            "staleness_mean_versions": 0.5,
+            "staleness_max_versions": 1,
+            "mismatch_kl_k3": 1e-4,
+        }
+        for s in range(1, steps + 1)
+    ]
+    summary = {
+        "eval_accuracy_before": 0.3,
+        "eval_accuracy_after": final,
+        "tokens_generated": 70 * steps,
+        "eval_history": [{"step": s, "accuracy": a} for s, a in evals],
+        "learner_idle_fraction": 0.5,
+        "fleet_idle_fraction": 0.1,
+        "wall_s": 99.0,
+    }
     return e2e.collect_run(summary, rows)
 
 
 def test_bench_targets_the_colocated_final_accuracy_and_takes_the_best_async_case():
-    runs = {("colocated", 0): _run(0.5, [(5, 0.4)], step_s=2.0),        # reaches 0.5 at its end: t = 20
-            ("async_k1", 0): _run(0.52, [(5, 0.5)], step_s=1.0),        # first at 0.5 at step 5: t = 5
-            ("async_k2", 0): _run(0.49, [(5, 0.45)], step_s=0.8)}       # never reaches 0.5
+    runs = {
+        ("colocated", 0): _run(0.5, [(5, 0.4)], step_s=2.0),  # reaches 0.5 at its end: t = 20
+        ("async_k1", 0): _run(0.52, [(5, 0.5)], step_s=1.0),  # first at 0.5 at step 5: t = 5
+        ("async_k2", 0): _run(0.49, [(5, 0.45)], step_s=0.8),
+    }  # never reaches 0.5
     out = e2e.analyse(runs)
     seed = out["per_seed"]["0"]
     assert seed["target_accuracy"] == 0.5
@@ -154,8 +185,14 @@ def test_bench_targets_the_colocated_final_accuracy_and_takes_the_best_async_cas
 def test_bench_case_arguments():
     assert e2e.case_args("colocated", 0, "tis") == ["--colocate"]
     assert e2e.case_args("colocated", 2, "tis") == ["--gpus", "2"]
-    assert e2e.case_args("async_k4", 2, "tis") == ["--rollout-gpus", "1", "--learner-gpus", "1",
-                                                    "broker.max_staleness=4", "learner.loss.correction=tis"]
+    assert e2e.case_args("async_k4", 2, "tis") == [
+        "--rollout-gpus",
+        "1",
+        "--learner-gpus",
+        "1",
+        "broker.max_staleness=4",
+        "learner.loss.correction=tis",
+    ]
     with pytest.raises(ValueError, match="even count"):
         e2e.case_args("sync_k0", 3, "tis")
     with pytest.raises(ValueError, match="unknown case"):
@@ -182,8 +219,11 @@ def test_colocated_sglang_is_accepted_and_its_servers_start_with_the_memory_save
     assert args.memory_saver
     off = load_run_config("tiny", [*COLO, "rollout.engine=sglang", "colocate.sleep='off'"])
     assert not SGLangFactory(off, tmp_path, {0: ("node", (0,))})._args(0).memory_saver
-    assert not SGLangFactory(load_run_config("tiny", ["rollout.engine=sglang"]), tmp_path,
-                             {0: ("node", (0,))})._args(0).memory_saver
+    assert (
+        not SGLangFactory(load_run_config("tiny", ["rollout.engine=sglang"]), tmp_path, {0: ("node", (0,))})
+        ._args(0)
+        .memory_saver
+    )
     with pytest.raises(ConfigError, match="SGLang takes the colocated publish over gloo"):
         load_run_config("tiny", [*COLO, "rollout.engine=sglang", "colocate.weight_transport=ipc"])
 

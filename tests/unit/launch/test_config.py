@@ -98,23 +98,33 @@ def test_config_modules_import_neither_torch_nor_vllm():
 
 def test_learner_temperature_follows_sampling_and_a_different_one_is_refused():
     assert load_run_config("tiny", ["rollout.sampling.temperature=0.7"]).learner.temperature == 0.7
-    assert load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=0.7"]).learner.temperature == 0.7
+    assert (
+        load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=0.7"]).learner.temperature
+        == 0.7
+    )
     with pytest.raises(ConfigError, match="learner.temperature=1.0 differs from rollout.sampling.temperature=0.7"):
         load_run_config("tiny", ["rollout.sampling.temperature=0.7", "learner.temperature=1.0"])
 
 
 # ---- checks that catch what breaks a first run (issue 19) ------------------------------------------
 
+
 def test_grpo_with_one_sample_per_prompt_is_refused():
-    with pytest.raises(ConfigError, match=r"rollout.sampling.n=1: GRPO scores each sample against the others of its "
-                       r"group.*use n >= 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.sampling.n=1: GRPO scores each sample against the others of its "
+        r"group.*use n >= 2",
+    ):
         load_run_config("tiny", ["rollout.sampling.n=1"])
 
 
 def test_eval_needs_test_files_or_is_switched_off():
-    with pytest.raises(ConfigError, match=r"data.test_files is empty but the run evaluates before and after training "
-                       r"\(run.eval_samples=200\): give data.test_files \(verl's data.val_files\) or set "
-                       r"run.eval_samples=0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.test_files is empty but the run evaluates before and after training "
+        r"\(run.eval_samples=200\): give data.test_files \(verl's data.val_files\) or set "
+        r"run.eval_samples=0",
+    ):
         load_run_config("tiny", ["data.test_files=[]"])
     cfg = load_run_config("tiny", ["data.test_files=[]", "run.eval_samples=0"])
     assert cfg.run.eval_samples == 0
@@ -141,7 +151,9 @@ def test_fsdp_offload_keys_and_megatron_refusal():
 
 def test_megatron_chunked_logprobs_need_tp1():
     tp2 = ["learner.engine=megatron", "learner.megatron.tensor_model_parallel_size=2"]
-    assert load_run_config("tiny", ["learner.engine=megatron", "learner.logprobs=chunked"]).learner.logprobs == "chunked"
+    assert (
+        load_run_config("tiny", ["learner.engine=megatron", "learner.logprobs=chunked"]).learner.logprobs == "chunked"
+    )
     assert load_run_config("tiny", tp2).learner.logprobs == "auto"  # auto: the full head with TP>1
     with pytest.raises(ConfigError, match="logprobs=chunked with learner.engine=megatron needs tensor_model_parallel"):
         load_run_config("tiny", [*tp2, "learner.logprobs=chunked"])
@@ -152,9 +164,12 @@ def test_a_hub_id_not_in_the_cache_fails_at_config_time_saying_what_to_do(tmp_pa
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to find, nothing downloaded
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match=r"model.path 'Qwen/Qwen2-7B-Instruct' is not a local folder; as a Hugging "
-                       r"Face hub id it is not in the local HF cache either. Download it first \(`hf download "
-                       r"Qwen/Qwen2-7B-Instruct`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.path 'Qwen/Qwen2-7B-Instruct' is not a local folder; as a Hugging "
+        r"Face hub id it is not in the local HF cache either. Download it first \(`hf download "
+        r"Qwen/Qwen2-7B-Instruct`",
+    ):
         resolve_model_path("Qwen/Qwen2-7B-Instruct")
     with pytest.raises(ConfigError, match="has no config.json"):
         resolve_model_path(str(tmp_path))

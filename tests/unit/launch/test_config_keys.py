@@ -20,16 +20,23 @@ def test_every_key_is_described():
 def test_the_list_covers_nested_and_optional_sections():
     names = {k.name for k in all_keys()}
     # a nested section, an optional section's own key and a key inside it, a deep key
-    for key in ("learner.loss.correction", "reward.model", "reward.model.kind", "learner.megatron.sequence_parallel",
-                "rollout.sampling.top_k", "broker.max_staleness"):
+    for key in (
+        "learner.loss.correction",
+        "reward.model",
+        "reward.model.kind",
+        "learner.megatron.sequence_parallel",
+        "rollout.sampling.top_k",
+        "broker.max_staleness",
+    ):
         assert key in names, key
     required = {k.name for k in all_keys() if k.default == "(required)"}
     assert "learner.loss.correction" in required and "model.path" in required
 
 
 def test_docs_configuration_md_is_current():
-    assert (REPO / "docs" / "configuration.md").read_text() == markdown(all_keys()), \
+    assert (REPO / "docs" / "configuration.md").read_text() == markdown(all_keys()), (
         "docs/configuration.md is stale: python launch/cluster.py config --keys --markdown > docs/configuration.md"
+    )
 
 
 def test_a_section_and_an_unknown_one(capsys):

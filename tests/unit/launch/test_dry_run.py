@@ -26,14 +26,30 @@ def test_plan_for_a_described_cluster_keeps_roles_apart_and_tp_inside_a_node():
 
 
 def test_cli_prints_json_and_refuses_what_does_not_fit():
-    cmd = [sys.executable, "launch/cluster.py", "--dry-run", "--nodes", "2,2,2", "--rollout-gpus", "4",
-           "--learner-gpus", "2", "--json-plan", "network.host=127.0.0.1"]
+    cmd = [
+        sys.executable,
+        "launch/cluster.py",
+        "--dry-run",
+        "--nodes",
+        "2,2,2",
+        "--rollout-gpus",
+        "4",
+        "--learner-gpus",
+        "2",
+        "--json-plan",
+        "network.host=127.0.0.1",
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert [s["node"] for s in out["servers"]] == ["n1", "n1", "n2", "n2"] and out["curve_zmq"] is False
-    p = subprocess.run(cmd[:3] + ["--nodes", "1,1", "--rollout-gpus", "4", "--learner-gpus", "2"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        cmd[:3] + ["--nodes", "1,1", "--rollout-gpus", "4", "--learner-gpus", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "but the cluster has 2" in p.stderr
 
 

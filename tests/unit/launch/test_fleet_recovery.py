@@ -13,9 +13,18 @@ from launch.fleet_recovery import engine_groups_of_run, orphaned_engines
 
 def _engine(run_dir, new_session: bool = True) -> subprocess.Popen:
     """A process whose command line reads like a vLLM server's of ``run_dir`` (it only sleeps)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m",
-                             "vllm.entrypoints.openai.api_server", "--download-dir", str(run_dir)],
-                            start_new_session=new_session)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--download-dir",
+            str(run_dir),
+        ],
+        start_new_session=new_session,
+    )
 
 
 def test_engines_of_this_run_without_a_ray_parent_are_orphans_and_no_other(tmp_path):

@@ -68,12 +68,15 @@ def test_vllm_server_weight_backend_follows_nccl_impl(tmp_path, monkeypatch, imp
     assert f'"backend": "{backend}"' in server.command()[i + 1]
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["rollout.engine=sglang", "weight_sync.nccl_impl=torch"], "does not fit"),
-    (["weight_sync.nccl_impl=sglang"], "does not fit"),
-    (["weight_sync.staging=true", "weight_sync.nccl_impl=vllm"], "staging needs"),
-    (["weight_sync.staging=true", "rollout.engine=sglang", "weight_sync.nccl_impl=sglang"], "does not fit"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.engine=sglang", "weight_sync.nccl_impl=torch"], "does not fit"),
+        (["weight_sync.nccl_impl=sglang"], "does not fit"),
+        (["weight_sync.staging=true", "weight_sync.nccl_impl=vllm"], "staging needs"),
+        (["weight_sync.staging=true", "rollout.engine=sglang", "weight_sync.nccl_impl=sglang"], "does not fit"),
+    ],
+)
 def test_weight_sync_choices_that_do_not_fit_the_fleet_are_refused(overrides, match):
     from launch.config import ConfigError
 

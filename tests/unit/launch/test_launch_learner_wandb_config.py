@@ -27,12 +27,15 @@ def test_wandb_section_from_dotted_overrides():
     assert (w.project, w.mode, w.tags, w.entity, w.name) == ("fleet", "offline", ["a", "b"], None, None)
 
 
-@pytest.mark.parametrize("override, named", [
-    ("run.wandb.mode=sometimes", "mode"),
-    ("run.wandb.projct=x", "projct"),
-    ("run.wandb.entity=e", "project"),  # a section without a project: the required key is named
-    ("learner.cpu_processes=0", "cpu_processes"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("run.wandb.mode=sometimes", "mode"),
+        ("run.wandb.projct=x", "projct"),
+        ("run.wandb.entity=e", "project"),  # a section without a project: the required key is named
+        ("learner.cpu_processes=0", "cpu_processes"),
+    ],
+)
 def test_bad_values_name_the_key(override, named):
     with pytest.raises(ConfigError, match=named):
         load_run_config("tiny", [override])
@@ -40,7 +43,22 @@ def test_bad_values_name_the_key(override, named):
 
 def test_cpu_processes_with_gpus_fails_before_anything_starts():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "launch/cluster.py", "--rollout-gpus", "2", "--learner-gpus", "2",
-                        "--recipe", "tiny", "learner.cpu_processes=2"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "launch/cluster.py",
+            "--rollout-gpus",
+            "2",
+            "--learner-gpus",
+            "2",
+            "--recipe",
+            "tiny",
+            "learner.cpu_processes=2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "learner.cpu_processes=2 is for --learner-gpus 0" in p.stderr, p.stderr

@@ -64,14 +64,20 @@ def test_rewind_hands_out_again_what_the_checkpoint_lacks(tmp_path):
     for s in (1, 2, 3, 4):
         sp.on_accept(make_groups([f"g{s}"], step=s, version=s - 1))
     sp.on_accept(make_groups(["late"], step=5, version=4))  # g4 and this: sampled after the checkpoint
-    sp.on_lease("L1", 1, "learner", ["g1"]); sp.on_ack("L1", 1, ["g1"]); sp.on_version(1)  # noqa: E702
+    sp.on_lease("L1", 1, "learner", ["g1"])
+    sp.on_ack("L1", 1, ["g1"])
+    sp.on_version(1)  # noqa: E702
     sp.on_lease("L2", 2, "learner", ["g2"])  # checkpointed at 2, killed before the ack
-    sp.on_lease("L3", 3, "learner", ["g3"]); sp.on_ack("L3", 3, ["g3"]); sp.on_version(3)  # noqa: E702
+    sp.on_lease("L3", 3, "learner", ["g3"])
+    sp.on_ack("L3", 3, ["g3"])
+    sp.on_version(3)  # noqa: E702
     sp.close()
     report = rewind(tmp_path, version=2)
     assert report == {"acks_undone": 1, "open_leases_acked": 1, "future_groups_dropped": 2}
     rec = Spool(tmp_path).recover()
-    st = BrokerState(max_staleness=2, groups_per_step=1, lease_timeout_s=60, ticket_timeout_s=60, byte_budget_bytes=1 << 30)
+    st = BrokerState(
+        max_staleness=2, groups_per_step=1, lease_timeout_s=60, ticket_timeout_s=60, byte_budget_bytes=1 << 30
+    )
     st.restore(rec.batches, rec.records, now=0.0)
     assert st.version == 1  # the last version record at or before the checkpoint
     assert sorted(st.pending) == ["g3"]  # g3 is trained again; g1, g2 are in the checkpoint
@@ -84,12 +90,24 @@ def test_report_writes_pngs(tmp_path):
 
     sink = MetricsSink(tmp_path, start_step=1, prometheus=False, tensorboard=False)
     for s in range(1, 6):
-        sink.write(s, {k: 0.1 * s for k in EVERY_STEP if k.startswith("learner/")},
-                   _batch(s, [f"g{s}"], max(0, s - 2)))
+        sink.write(s, {k: 0.1 * s for k in EVERY_STEP if k.startswith("learner/")}, _batch(s, [f"g{s}"], max(0, s - 2)))
     sink.close()
-    (tmp_path / "metrics" / "driver.jsonl").write_text("\n".join(json.dumps(
-        {"time": 1e9 + i, "step": i, "tokens_per_s": 100.0 + i, "fleet_idle_fraction": 0.1,
-         "learner_idle_fraction": 0.5, "eval_accuracy": 0.4 if i > 2 else None}) for i in range(6)) + "\n")
+    (tmp_path / "metrics" / "driver.jsonl").write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "time": 1e9 + i,
+                    "step": i,
+                    "tokens_per_s": 100.0 + i,
+                    "fleet_idle_fraction": 0.1,
+                    "learner_idle_fraction": 0.5,
+                    "eval_accuracy": 0.4 if i > 2 else None,
+                }
+            )
+            for i in range(6)
+        )
+        + "\n"
+    )
     paths = build_report(tmp_path)
     for name in PLOTS:
         data = (tmp_path / "report" / name).read_bytes()
@@ -98,8 +116,20 @@ def test_report_writes_pngs(tmp_path):
     assert len(paths) == len(PLOTS) + 1
 
 
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                "offset", "le"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "le",
+}
 
 
 def dashboard_series(path: Path = REPO / "docs" / "grafana" / "fleetrl.json") -> set[str]:
@@ -120,8 +150,13 @@ def dashboard_series(path: Path = REPO / "docs" / "grafana" / "fleetrl.json") ->
 
 def test_dashboard_parses_and_names_series():
     names = dashboard_series()
-    assert {"broker_engine_version_lag", "fleetrl_rollout_tokens_per_s", "fleetrl_step_learner_time_publish_seconds",
-            "fleetrl_step_rollout_reward_mean", "broker_staleness_versions_bucket"} <= names
+    assert {
+        "broker_engine_version_lag",
+        "fleetrl_rollout_tokens_per_s",
+        "fleetrl_step_learner_time_publish_seconds",
+        "fleetrl_step_rollout_reward_mean",
+        "broker_staleness_versions_bucket",
+    } <= names
     assert all(n.startswith(("broker_", "fleetrl_")) for n in names), names  # no function or label taken for one
 
 
@@ -143,8 +178,9 @@ def test_a_rerun_ends_the_engine_group_a_killed_driver_left(tmp_path):
     from launch.resume import _members, end_leftovers
 
     env = {**os.environ, "VLLM_RPC_BASE_PATH": str(tmp_path / "vllm-0" / "tmp")}  # as a real server's
-    leader = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], env=env, stdout=subprocess.PIPE,
-                              start_new_session=True, text=True)
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo $!; wait"], env=env, stdout=subprocess.PIPE, start_new_session=True, text=True
+    )
     child = int(leader.stdout.readline())
     # `$!` is known as soon as the shell forks: wait for the child to have become `sleep` (mid-exec its
     # /proc environ reads empty, and end_leftovers would rightly not count it as this run's; seen in CI)

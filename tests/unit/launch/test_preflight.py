@@ -28,8 +28,9 @@ def test_prompt_plus_response_over_the_model_length_names_the_longest_prompt(cap
 
 
 def test_filter_overlong_prompts_skips_and_counts_them():
-    cfg = load_run_config("tiny", ["rollout.max_model_len=16", "rollout.sampling.max_tokens=10",
-                                   "data.filter_overlong_prompts=true"])
+    cfg = load_run_config(
+        "tiny", ["rollout.max_model_len=16", "rollout.sampling.max_tokens=10", "data.filter_overlong_prompts=true"]
+    )
     counts = preflight(cfg)
     rows = pq.ParquetFile(cfg.data.train_files[0]).metadata.num_rows
     assert counts["train_skipped_overlong"] > 0 and counts["train"] > 0
@@ -44,8 +45,13 @@ def test_one_sample_per_prompt_and_missing_test_files_stop_the_launcher(capsys):
 
 
 def test_default_reward_without_a_scorer_for_the_data_source(tmp_path, capsys):
-    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"},
-             "data_source": "my/new_task"}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "1+1="}],
+            "reward_model": {"ground_truth": "2"},
+            "data_source": "my/new_task",
+        }
+    ]
     path = tmp_path / "t.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     rc, err = _run(capsys, f"data.train_files=[{path}]", f"data.test_files=[{path}]", "reward.function=default")

@@ -41,8 +41,11 @@ def test_a_colocated_reward_server_takes_no_gpu_of_rays_and_names_its_shared_gpu
 def test_own_gpu_and_cpu_reward_servers_keep_their_placement():
     pg = object()
     opts, gpus = actor_options([Slot("n", (2, 3))], [pg], 0, shared=False, here=HERE)
-    assert opts["num_gpus"] == 2 and gpus == [] and isinstance(opts["scheduling_strategy"],
-                                                               PlacementGroupSchedulingStrategy)
+    assert (
+        opts["num_gpus"] == 2
+        and gpus == []
+        and isinstance(opts["scheduling_strategy"], PlacementGroupSchedulingStrategy)
+    )
     opts, gpus = actor_options([], [], 0, shared=False, here=HERE)  # CPU: the driver's node
     assert opts["scheduling_strategy"].node_id == HERE and "num_gpus" not in opts and gpus == []
     opts, gpus = actor_options([], [], 0, shared=True, here=HERE)  # --colocate on CPU: one CPU server there
@@ -62,16 +65,25 @@ def test_the_job_gets_shared_reward_servers_without_placement_groups(tmp_path: P
     assert job.rewards.shared and job.rewards.count == 1 and job.rewards.slots == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([SHARED], "colocated=true shares the colocated GPUs: it needs --gpus N"),
-    (["--gpus", "1", "--reward-gpus", "1", SHARED], "drop --reward-gpus"),
-    (["--gpus", "1", "reward.model={kind: judge, model: j, server: {colocated: true}}"],
-     r"\+ reward.model.server.gpu_memory_utilization 0.85 > 0.9"),
-    (["--gpus", "1", "reward.model={kind: judge, model: j, server: {colocated: true, tensor_parallel_size: 2}}"],
-     "engine vllm, tensor_parallel_size 1"),
-    (["--gpus", "1", "--reward-gpus", "1", "reward.model={kind: judge, model: j}"],
-     "--reward-gpus is for the disaggregated mode.*reward.model.server.colocated=true"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([SHARED], "colocated=true shares the colocated GPUs: it needs --gpus N"),
+        (["--gpus", "1", "--reward-gpus", "1", SHARED], "drop --reward-gpus"),
+        (
+            ["--gpus", "1", "reward.model={kind: judge, model: j, server: {colocated: true}}"],
+            r"\+ reward.model.server.gpu_memory_utilization 0.85 > 0.9",
+        ),
+        (
+            ["--gpus", "1", "reward.model={kind: judge, model: j, server: {colocated: true, tensor_parallel_size: 2}}"],
+            "engine vllm, tensor_parallel_size 1",
+        ),
+        (
+            ["--gpus", "1", "--reward-gpus", "1", "reward.model={kind: judge, model: j}"],
+            "--reward-gpus is for the disaggregated mode.*reward.model.server.colocated=true",
+        ),
+    ],
+)
 def test_colocated_reward_config_errors(argv, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         _resolve(*argv)
@@ -101,9 +113,14 @@ def test_the_judge_sends_extra_body_fields_and_reads_the_chosen_verdict():
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         try:
-            judge = JudgeClient(url, model="j", verdict=re.compile("(YES|NO)"),
-                                scores={"YES": 1.0, "NO": 0.0}, retries=0,
-                                extra_body={"structured_outputs": {"choice": ["YES", "NO"]}})
+            judge = JudgeClient(
+                url,
+                model="j",
+                verdict=re.compile("(YES|NO)"),
+                scores={"YES": 1.0, "NO": 0.0},
+                retries=0,
+                extra_body={"structured_outputs": {"choice": ["YES", "NO"]}},
+            )
             r = await judge.score(question="q", response="42", reference="42")
             await judge.close()
             return r

@@ -34,12 +34,15 @@ def test_async_flag_selects_shared_async_and_keeps_the_recipes_bound():
         _args("--async", "--recipe", "tiny")
 
 
-@pytest.mark.parametrize("bad, says", [
-    ("broker.max_staleness=0", "broker.max_staleness=0"),
-    ("colocate.sleep=level1", "never sleep"),
-    ("weight_sync.staging=true", "weight_sync.staging"),
-    ("weight_sync.backend=nccl", "NCCL between two processes"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("broker.max_staleness=0", "broker.max_staleness=0"),
+        ("colocate.sleep=level1", "never sleep"),
+        ("weight_sync.staging=true", "weight_sync.staging"),
+        ("weight_sync.backend=nccl", "NCCL between two processes"),
+    ],
+)
 def test_async_config_refuses_what_does_not_fit(bad, says):
     with pytest.raises(ConfigError, match=says):
         load_run_config("tiny", [*ASYNC, bad])
@@ -48,19 +51,22 @@ def test_async_config_refuses_what_does_not_fit(bad, says):
 def test_async_keeps_the_correction_rules_of_the_disaggregated_mode():
     with pytest.raises(ConfigError, match="correction='none' is only legal"):
         load_run_config("tiny", [*ASYNC, "learner.loss.correction=none"])
-    cfg = load_run_config("tiny", [*ASYNC, "broker.max_staleness=1", "rollout.weight_update=inflight",
-                                   "learner.loss.correction=tis"])
+    cfg = load_run_config(
+        "tiny", [*ASYNC, "broker.max_staleness=1", "rollout.weight_update=inflight", "learner.loss.correction=tis"]
+    )
     assert cfg.rollout.weight_update == "inflight" and cfg.broker.max_staleness == 1
 
 
 def test_memory_split_refuses_a_split_that_cannot_fit_naming_the_numbers():
-    ok = check_memory_split(device="GPU 0", total_bytes=80 * GiB, engine_fraction=0.5, learner_bytes=20 * GiB,
-                            headroom=0.05)
+    ok = check_memory_split(
+        device="GPU 0", total_bytes=80 * GiB, engine_fraction=0.5, learner_bytes=20 * GiB, headroom=0.05
+    )
     assert ok.learner_fraction == pytest.approx(0.25)  # 20 / 80 exactly
     assert ok.describe()["free_fraction"] == pytest.approx(0.25, abs=1e-4)  # rounded to 4 places
     with pytest.raises(ValueError) as e:
-        check_memory_split(device="GPU 0", total_bytes=80 * GiB, engine_fraction=0.8, learner_bytes=20 * GiB,
-                           headroom=0.05)
+        check_memory_split(
+            device="GPU 0", total_bytes=80 * GiB, engine_fraction=0.8, learner_bytes=20 * GiB, headroom=0.05
+        )
     msg = str(e.value)
     assert "engine 0.80" in msg and "20.00 GiB" in msg and "0.25 of 80.0 GiB" in msg and "1.10 > 1" in msg
     assert "<= 0.70" in msg  # the engine fraction that would fit
@@ -83,8 +89,12 @@ def test_learner_memory_estimate_parts(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 16}))
-    header = json.dumps({"a": {"dtype": "F32", "shape": [16, 8], "data_offsets": [0, 512]},
-                         "b": {"dtype": "F32", "shape": [8], "data_offsets": [512, 544]}}).encode()
+    header = json.dumps(
+        {
+            "a": {"dtype": "F32", "shape": [16, 8], "data_offsets": [0, 512]},
+            "b": {"dtype": "F32", "shape": [8], "data_offsets": [512, 544]},
+        }
+    ).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(544))
     assert model_shape(folder) == ModelShape(params=136, hidden=8, layers=2, vocab=16)
 
@@ -123,8 +133,10 @@ def test_busy_fractions_from_steps_and_engine_intervals():
     assert union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)] and length([(0, 2), (1, 3)]) == 3
     assert intersect([(0, 4)], [(1, 2), (3, 6)]) == [(1, 2), (3, 4)]
     # the learner ran from t=100 to t=110: two steps computing 2 s each at 102 and 106
-    steps = [{"step": 1, "t0_unix": 100.0, "t_unix": 105.0, "train_start_unix": 102.0, "compute_seconds": 2.0},
-             {"step": 2, "t0_unix": 100.0, "t_unix": 110.0, "train_start_unix": 106.0, "compute_seconds": 2.0}]
+    steps = [
+        {"step": 1, "t0_unix": 100.0, "t_unix": 105.0, "train_start_unix": 102.0, "compute_seconds": 2.0},
+        {"step": 2, "t0_unix": 100.0, "t_unix": 110.0, "train_start_unix": 106.0, "compute_seconds": 2.0},
+    ]
     engines = {"vllm-0": [(95.0, 103.0), (104.0, 107.0)]}  # before the window: clipped
     b = busy_fractions(steps, engines)
     assert b["window_s"] == 10.0 and b["steps_per_s"] == 0.2
@@ -147,8 +159,13 @@ def test_bench_shared_cases_and_pmon_parsing():
         mods[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mods[name])
     e2e, pmon = mods["e2e"], mods["pmon"]
-    assert e2e.case_args("shared_k2", 1, "decoupled") == ["--gpus", "1", "--async", "broker.max_staleness=2",
-                                                          "learner.loss.correction=decoupled"]
+    assert e2e.case_args("shared_k2", 1, "decoupled") == [
+        "--gpus",
+        "1",
+        "--async",
+        "broker.max_staleness=2",
+        "learner.loss.correction=decoupled",
+    ]
     assert e2e.case_args("shared_k1", 0, "tis")[:2] == ["--colocate", "--async"]
     with pytest.raises(ValueError, match="unknown case"):
         e2e.case_args("shared_k0", 2, "tis")

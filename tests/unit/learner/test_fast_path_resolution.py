@@ -29,18 +29,38 @@ from learner.fastpath import (
 from learner.status import LearnerStatus
 
 # Qwen2-0.5B and -1.5B config.json sizes (the shapes bench/learner.py builds)
-QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN2_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 QWEN2_15B = dict(QWEN2_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
 S05, S15 = ModelShape.from_hf(QWEN2_05B), ModelShape.from_hf(QWEN2_15B)
 CPU = DeviceProps(type="cpu")
 # an 80 GB H100 as a fresh process sees it (CUDA context taken)
-H100 = DeviceProps(type="cuda", free_bytes=int(78.6 * GIB), total_bytes=int(79.2 * GIB), name="NVIDIA H100 80GB HBM3",
-                   capability=(9, 0))
-H200 = DeviceProps(type="cuda", free_bytes=int(139.0 * GIB), total_bytes=int(139.8 * GIB), name="NVIDIA H200",
-                   capability=(9, 0))
-OLD = {"logprobs": "full", "attn_implementation": "sdpa", "fused_optimizer": "off", "meta_init": "off",
-       "compile_blocks": False, "micro_batch_tokens": 8192, "activation_checkpointing": False}
+H100 = DeviceProps(
+    type="cuda",
+    free_bytes=int(78.6 * GIB),
+    total_bytes=int(79.2 * GIB),
+    name="NVIDIA H100 80GB HBM3",
+    capability=(9, 0),
+)
+H200 = DeviceProps(
+    type="cuda", free_bytes=int(139.0 * GIB), total_bytes=int(139.8 * GIB), name="NVIDIA H200", capability=(9, 0)
+)
+OLD = {
+    "logprobs": "full",
+    "attn_implementation": "sdpa",
+    "fused_optimizer": "off",
+    "meta_init": "off",
+    "compile_blocks": False,
+    "micro_batch_tokens": 8192,
+    "activation_checkpointing": False,
+}
 
 
 def cfg(**over) -> LearnerConfig:
@@ -56,7 +76,12 @@ def test_parameter_counts_match_the_published_sizes():
 def test_cpu_defaults_are_the_plain_path(engine):
     s = resolve_fast_path(cfg(engine=engine), CPU)
     assert (s.chunked_logprobs, s.fused_optimizer, s.meta_init, s.compile_blocks, s.activation_checkpointing) == (
-        False, False, False, False, False)
+        False,
+        False,
+        False,
+        False,
+        False,
+    )
     assert s.attn_implementation == ("sdpa" if engine == "fsdp" else "masked")
     assert s.micro_batch_tokens == CPU_MICRO_BATCH_TOKENS and s.root_dtype == "float32" and s.device == "cpu"
 
@@ -99,8 +124,12 @@ def test_explicit_settings_win_on_gpu():
 def test_varlen_on_cpu_is_refused_and_config_values_are_checked():
     with pytest.raises(ValueError, match="varlen needs a GPU"):
         resolve_fast_path(cfg(attn_implementation="varlen"), CPU)
-    for key, bad in (("micro_batch_tokens", 8), ("micro_batch_tokens", "big"), ("compile_blocks", "sometimes"),
-                     ("activation_checkpointing", "maybe")):
+    for key, bad in (
+        ("micro_batch_tokens", 8),
+        ("micro_batch_tokens", "big"),
+        ("compile_blocks", "sometimes"),
+        ("activation_checkpointing", "maybe"),
+    ):
         with pytest.raises((ValueError, ConfigError), match=key):
             cfg(**{key: bad})
 
@@ -111,8 +140,11 @@ def test_gpu_auto_needs_the_model_shape():
 
 
 @pytest.mark.parametrize("shape", [S05, S15], ids=["0.5b", "1.5b"])
-@pytest.mark.parametrize("plan", [MemoryPlan(), MemoryPlan(compiled=False, root_fp32=True), MemoryPlan(shards=4),
-                                  MemoryPlan(engine="megatron")], ids=["fsdp", "eager", "fsdp4", "megatron"])
+@pytest.mark.parametrize(
+    "plan",
+    [MemoryPlan(), MemoryPlan(compiled=False, root_fp32=True), MemoryPlan(shards=4), MemoryPlan(engine="megatron")],
+    ids=["fsdp", "eager", "fsdp4", "megatron"],
+)
 def test_budget_is_monotone_in_free_memory(shape, plan):
     for ac in (False, True):
         budgets = [micro_batch_budget(g * GIB, shape, plan, ac) for g in range(4, 200)]
@@ -153,8 +185,12 @@ def test_memory_model_agrees_with_measured_peaks():
         if c["engine"] != "fsdp" or not c.get("peak_mem_gib") or c["variant"] not in ("fused", "meta", "compile", "ac"):
             continue
         shape = S15 if "1.5b" in c["model"] else S05
-        est = memory_estimate(c["micro_batch_tokens"], shape, MemoryPlan(compiled=c["variant"] == "compile",
-                                                                          root_fp32=True), c["variant"] == "ac")
+        est = memory_estimate(
+            c["micro_batch_tokens"],
+            shape,
+            MemoryPlan(compiled=c["variant"] == "compile", root_fp32=True),
+            c["variant"] == "ac",
+        )
         ratio = est["total"] / GIB / c["peak_mem_gib"]
         assert 0.97 <= ratio <= (1.4 if c["variant"] == "ac" else 1.1), (c["variant"], c["micro_batch_tokens"], ratio)
         checked += 1

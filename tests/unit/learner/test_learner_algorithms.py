@@ -22,12 +22,18 @@ TOL = 1e-5
 
 
 def adv(rewards, groups, mode, drop_uniform=False, lengths=None):
-    a, keep = sequence_advantages(torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups), mode, drop_uniform,
-                                  lengths=None if lengths is None else torch.tensor(lengths))
+    a, keep = sequence_advantages(
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(groups),
+        mode,
+        drop_uniform,
+        lengths=None if lengths is None else torch.tensor(lengths),
+    )
     return a.tolist(), keep.tolist()
 
 
 # ---- advantage estimators ----------------------------------------------------------------------------------
+
 
 def test_rloo_is_reward_minus_the_others_mean():
     # group 0 = [1, 0, 0]: leave-one-out baselines 0, 0.5, 0.5 -> A = 1, -0.5, -0.5
@@ -91,8 +97,9 @@ def test_config_refuses_gae_naming_the_critic_and_needs_a_norm_length():
     with pytest.raises(ValueError, match="critic"):
         LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}})
     # KL in the reward with GAE is legal: the penalty enters the token rewards (tests/unit/learner/test_learner_gae.py)
-    assert LearnerConfig.model_validate({"loss": {"correction": "none", "advantage": "gae"}, "critic": {},
-                                         "kl_reward": {"enable": True}}).kl_reward.enable
+    assert LearnerConfig.model_validate(
+        {"loss": {"correction": "none", "advantage": "gae"}, "critic": {}, "kl_reward": {"enable": True}}
+    ).kl_reward.enable
     with pytest.raises(ValueError, match="loss_scale_factor"):
         LossConfig(correction="none", aggregation="seq_mean_token_sum_norm")
     cfg = LossConfig(correction="none", aggregation="token_sum", policy_loss="gspo")
@@ -102,18 +109,32 @@ def test_config_refuses_gae_naming_the_critic_and_needs_a_norm_length():
 def test_run_config_fills_the_norm_length_from_max_tokens():
     from launch.config import RunConfig
 
-    base = {"model": {"path": "models/tiny-adder"}, "data": {"train_files": ["x.parquet"]}, "run": {"eval_samples": 0},
-            "rollout": {"engine": "simulated", "sampling": {"max_tokens": 48}}}
-    cfg = RunConfig.model_validate({**base, "learner": {"loss": {"correction": "none",
-                                                                  "aggregation": "seq_mean_token_sum_norm"}},
-                                    "broker": {"max_staleness": 0}})
+    base = {
+        "model": {"path": "models/tiny-adder"},
+        "data": {"train_files": ["x.parquet"]},
+        "run": {"eval_samples": 0},
+        "rollout": {"engine": "simulated", "sampling": {"max_tokens": 48}},
+    }
+    cfg = RunConfig.model_validate(
+        {
+            **base,
+            "learner": {"loss": {"correction": "none", "aggregation": "seq_mean_token_sum_norm"}},
+            "broker": {"max_staleness": 0},
+        }
+    )
     assert cfg.learner.loss.loss_scale_factor == 48
     with pytest.raises(ValueError, match="entropy_coeff"):
-        RunConfig.model_validate({**base, "broker": {"max_staleness": 0},
-                                  "learner": {"engine": "megatron", "loss": {"correction": "none", "entropy_coeff": 0.01}}})
+        RunConfig.model_validate(
+            {
+                **base,
+                "broker": {"max_staleness": 0},
+                "learner": {"engine": "megatron", "loss": {"correction": "none", "entropy_coeff": 0.01}},
+            }
+        )
 
 
 # ---- aggregation ---------------------------------------------------------------------------------------------
+
 
 def _agg(losses, lens, mode, factor=None, split=None):
     """sum over micro-batches of loss_scale * sum(weights * token losses); ``split``: sequences per micro-batch."""
@@ -122,8 +143,8 @@ def _agg(losses, lens, mode, factor=None, split=None):
     scale = aggregation_scale(mode, total_t, total_s, factor)
     out, i = 0.0, 0
     for k in split:
-        part = lens[i:i + k]
-        tok = torch.tensor([x for seq in losses[i:i + k] for x in seq])
+        part = lens[i : i + k]
+        tok = torch.tensor([x for seq in losses[i : i + k] for x in seq])
         w = aggregation_weights(torch.tensor(part), mode, total_t, total_s)
         out += scale * float((w * tok).sum())
         i += k
@@ -165,9 +186,19 @@ def _batch(seed=0):
     for g in range(4):
         for i in range(3):
             n = int(rng.integers(1, 9))
-            trajs.append(Trajectory(traj_id=f"g{g}/{i}", group_id=f"g{g}", sample_index=i, group_size=3, step=1,
-                                    prompt_ids=[5, 6, 7][: 1 + g % 3], response_ids=rng.integers(3, 50, size=n).tolist(),
-                                    behaviour_logprobs=[-1.0] * n, reward=float(i == g % 3)))
+            trajs.append(
+                Trajectory(
+                    traj_id=f"g{g}/{i}",
+                    group_id=f"g{g}",
+                    sample_index=i,
+                    group_size=3,
+                    step=1,
+                    prompt_ids=[5, 6, 7][: 1 + g % 3],
+                    response_ids=rng.integers(3, 50, size=n).tolist(),
+                    behaviour_logprobs=[-1.0] * n,
+                    reward=float(i == g % 3),
+                )
+            )
     return to_record_batch(trajs)
 
 
@@ -181,23 +212,42 @@ def test_micro_batches_and_ranks_sum_to_verls_aggregate(mode):
     mask = torch.tensor([[1.0 if t < r_len[i] else 0.0 for t in range(L)] for i in range(b.num_rows)])
     total = 0.0
     for rank in range(2):  # two ranks, micro-batches of at most 16 tokens: many parts
-        plan = plan_step(b, rank=rank, world_size=2, micro_batch_tokens=16, advantage="mean", drop_uniform=False,
-                         aggregation=mode, loss_scale_factor=10)
+        plan = plan_step(
+            b,
+            rank=rank,
+            world_size=2,
+            micro_batch_tokens=16,
+            advantage="mean",
+            drop_uniform=False,
+            aggregation=mode,
+            loss_scale_factor=10,
+        )
         for mb in plan.micro_batches:
-            tok = torch.cat([loss_mat[row, :n] for row, n in zip(mb.rows, mb.seq_lens.tolist(), strict=True)]) \
-                if mb.rows else torch.zeros(1)
+            tok = (
+                torch.cat([loss_mat[row, :n] for row, n in zip(mb.rows, mb.seq_lens.tolist(), strict=True)])
+                if mb.rows
+                else torch.zeros(1)
+            )
             total += mb.loss_scale * float((mb.weights * tok).sum())
     assert total == pytest.approx(_verl_style(loss_mat, mask, mode, 10), rel=1e-5)
 
 
 # ---- policy losses -----------------------------------------------------------------------------------------
 
+
 def _loss(mode, logp_vals, prox_vals, adv_vals, seq_lens, weights, **kw):
     logp = torch.tensor(logp_vals, requires_grad=True)
     prox = torch.tensor(prox_vals)
     s = LossSettings(correction="decoupled", clip_low=0.2, clip_high=0.28, policy_loss=mode, **kw)
-    loss, m = policy_loss(logp, prox.clone(), torch.tensor(adv_vals), torch.tensor(weights), s, prox_logp=prox,
-                          seq_lens=torch.tensor(seq_lens))
+    loss, m = policy_loss(
+        logp,
+        prox.clone(),
+        torch.tensor(adv_vals),
+        torch.tensor(weights),
+        s,
+        prox_logp=prox,
+        seq_lens=torch.tensor(seq_lens),
+    )
     loss.backward()
     return float(loss.detach()), logp.grad.tolist(), m
 
@@ -213,8 +263,7 @@ def test_gspo_uses_the_sequence_ratio_at_every_token():
     assert loss == pytest.approx(-0.152585, abs=TOL)
     assert grad == pytest.approx([-0.276293, -0.276293, 0.0], abs=TOL)
     assert float(m["clip_frac"]) == pytest.approx(0.5)  # the weight of seq 1's token
-    _, grad_v, _ = _loss("vanilla", [-1.0, -2.0, -1.4], [-1.2, -2.0, -1.0], [1.0, 1.0, -1.0], [2, 1],
-                         [0.25, 0.25, 0.5])
+    _, grad_v, _ = _loss("vanilla", [-1.0, -2.0, -1.4], [-1.2, -2.0, -1.0], [1.0, 1.0, -1.0], [2, 1], [0.25, 0.25, 0.5])
     # vanilla: -0.25 * e^0.2 = -0.305351 and -0.25 * e^0 = -0.25
     assert grad_v[:2] == pytest.approx([-0.305351, -0.25], abs=TOL)
 
@@ -227,8 +276,9 @@ def test_geo_mean_clips_token_log_ratios_by_the_sign_of_the_advantage():
     #   pg1 = +0.818731, clipped (no gradient)
     # sequence weights [1/4, 1/4, 1/2] put pg_i on each token: loss = (pg0 + pg1) / 2 = -0.165772
     # gradient at token 1 = 2 tokens * 1/4 * -0.575137 = -0.287568
-    loss, grad, m = _loss("geo_mean", [-0.5, -2.0, -1.4], [-1.0, -2.0, -1.0], [1.0, 1.0, -1.0], [2, 1],
-                          [0.25, 0.25, 0.5])
+    loss, grad, m = _loss(
+        "geo_mean", [-0.5, -2.0, -1.4], [-1.0, -2.0, -1.0], [1.0, 1.0, -1.0], [2, 1], [0.25, 0.25, 0.5]
+    )
     assert loss == pytest.approx(-0.165772, abs=TOL)
     assert grad == pytest.approx([0.0, -0.287568, 0.0], abs=TOL)
     assert float(m["clip_frac"]) == pytest.approx(0.75)  # tokens 0 and 2 are clipped
@@ -242,6 +292,7 @@ def test_sequence_losses_need_seq_lens():
 
 
 # ---- entropy bonus -----------------------------------------------------------------------------------------
+
 
 def test_entropy_bonus_value_and_gradient_through_the_chunked_head():
     torch.manual_seed(0)
@@ -271,25 +322,46 @@ def test_policy_loss_subtracts_the_entropy_bonus():
     logp = torch.zeros(2, requires_grad=True)
     ent = torch.tensor([2.0, 1.0], requires_grad=True)
     s = LossSettings(correction="decoupled", entropy_coeff=0.1)
-    loss, _ = policy_loss(logp, torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 0.5]), s,
-                          prox_logp=torch.zeros(2), entropy=ent)
+    loss, _ = policy_loss(
+        logp, torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 0.5]), s, prox_logp=torch.zeros(2), entropy=ent
+    )
     assert float(loss) == pytest.approx(-0.15)
     loss.backward()
     assert ent.grad.tolist() == pytest.approx([-0.05, -0.05])
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(logp, torch.zeros(2), torch.zeros(2), torch.tensor([0.5, 0.5]), s,
-                    prox_logp=torch.zeros(2), entropy=ent.detach())
+        policy_loss(
+            logp,
+            torch.zeros(2),
+            torch.zeros(2),
+            torch.tensor([0.5, 0.5]),
+            s,
+            prox_logp=torch.zeros(2),
+            entropy=ent.detach(),
+        )
 
 
 # ---- KL in the reward --------------------------------------------------------------------------------------
 
+
 def _kl_plan(advantage):
-    trajs = [Trajectory(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=2, step=1, prompt_ids=[5],
-                        response_ids=[7] * n, behaviour_logprobs=[-1.0] * n, reward=r)
-             for i, (n, r) in enumerate([(2, 1.0), (1, 0.0)])]
+    trajs = [
+        Trajectory(
+            traj_id=f"g/{i}",
+            group_id="g",
+            sample_index=i,
+            group_size=2,
+            step=1,
+            prompt_ids=[5],
+            response_ids=[7] * n,
+            behaviour_logprobs=[-1.0] * n,
+            reward=r,
+        )
+        for i, (n, r) in enumerate([(2, 1.0), (1, 0.0)])
+    ]
     b = to_record_batch(trajs)
-    plan = plan_step(b, rank=0, world_size=1, micro_batch_tokens=64, advantage=advantage, drop_uniform=True,
-                     aggregation="token")
+    plan = plan_step(
+        b, rank=0, world_size=1, micro_batch_tokens=64, advantage=advantage, drop_uniform=True, aggregation="token"
+    )
     (mb,) = plan.micro_batches
     assert mb.rows == [0, 1]
     # old - ref per token: sample 0 [0.1, 0.3], sample 1 [0.2]
@@ -316,8 +388,14 @@ def test_kl_in_the_reward_gives_reinforce_plus_plus_token_returns():
     from learner import kl_reward
 
     b, plan, mb = _kl_plan("reinforce_plus_plus")
-    kl_reward.apply(b, [plan], advantage="reinforce_plus_plus", drop_uniform=True, estimator="k1",
-                    controller=kl_reward.KLController("fixed", 0.5))
+    kl_reward.apply(
+        b,
+        [plan],
+        advantage="reinforce_plus_plus",
+        drop_uniform=True,
+        estimator="k1",
+        controller=kl_reward.KLController("fixed", 0.5),
+    )
     # returns (gamma 1): sample 0: 1 - 0.5 * (0.1 + 0.3) = 0.8, 1 - 0.5 * 0.3 = 0.85; sample 1: 0 - 0.5 * 0.2 = -0.1
     # whitened over the 3 tokens: mean 0.516667, unbiased var 0.285833, std 0.534634
     assert mb.advantages.tolist() == pytest.approx([0.529958, 0.623480, -1.153437], abs=TOL)

@@ -85,17 +85,25 @@ def test_legacy_geometric_rule_and_the_veto():
 
 def _plan(stats_seqs: int = 2) -> tuple[StepPlan, MicroBatch]:
     n = 3
-    mb = MicroBatch(input_ids=torch.zeros(1, 6, dtype=torch.int64), position_ids=torch.zeros(1, 6, dtype=torch.int64),
-                    target_index=torch.arange(n), targets=torch.zeros(n, dtype=torch.int64),
-                    behaviour_logp=torch.zeros(n), advantages=torch.ones(n), weights=torch.full((n,), 1 / 3),
-                    seq_lens=LENS.clone(), prox_logp=D.float())
+    mb = MicroBatch(
+        input_ids=torch.zeros(1, 6, dtype=torch.int64),
+        position_ids=torch.zeros(1, 6, dtype=torch.int64),
+        target_index=torch.arange(n),
+        targets=torch.zeros(n, dtype=torch.int64),
+        behaviour_logp=torch.zeros(n),
+        advantages=torch.ones(n),
+        weights=torch.full((n,), 1 / 3),
+        seq_lens=LENS.clone(),
+        prox_logp=D.float(),
+    )
     return StepPlan(micro_batches=[mb], stats={"samples_trained": float(stats_seqs)}), mb
 
 
 def test_apply_rebuilds_the_aggregation_over_kept_tokens_and_reports_verls_metrics():
     plan, mb = _plan()
-    rc = RolloutCorrectionConfig(enable=True, is_level="token", is_upper=3.0,
-                                 rejection=[rule("seq_mean_k1", 0.999, 1.001)])
+    rc = RolloutCorrectionConfig(
+        enable=True, is_level="token", is_upper=3.0, rejection=[rule("seq_mean_k1", 0.999, 1.001)]
+    )
     m = apply([plan], rc, aggregation="token")
     assert close(mb.weights, [0.5, 0.5, 0.0], F32_TOL)  # token mean over the 2 kept tokens
     assert close(mb.is_weights, [2.0, 0.5, 3.0], F32_TOL)
@@ -123,13 +131,19 @@ def test_apply_sequence_mean_and_sum_modes_count_the_rejected_sequence():
 
 def test_apply_batch_normalizes_token_and_sequence_weights():
     plan, mb = _plan()
-    m = apply([plan], RolloutCorrectionConfig(enable=True, is_level="token", is_upper=3.0, is_batch_normalize=True),
-              aggregation="token")
+    m = apply(
+        [plan],
+        RolloutCorrectionConfig(enable=True, is_level="token", is_upper=3.0, is_batch_normalize=True),
+        aggregation="token",
+    )
     assert close(mb.is_weights, [12 / 11, 3 / 11, 18 / 11], F32_TOL)  # [2, 0.5, 3] / (5.5 / 3)
     assert m["rollout_is_batch_norm_factor"] == pytest.approx(5.5 / 3)
     plan, mb = _plan()
-    apply([plan], RolloutCorrectionConfig(enable=True, is_level="sequence", is_upper=2.0, is_batch_normalize=True),
-          aggregation="token")
+    apply(
+        [plan],
+        RolloutCorrectionConfig(enable=True, is_level="sequence", is_upper=2.0, is_batch_normalize=True),
+        aggregation="token",
+    )
     assert close(mb.is_weights, [2 / 3, 2 / 3, 4 / 3], F32_TOL)  # sequence weights [1, 2], mean 1.5 over sequences
 
 
@@ -139,15 +153,17 @@ def test_policy_loss_takes_the_precomputed_weights():
     s = LossSettings(correction="decoupled")
     logp = mb.prox_logp.clone().requires_grad_(True)
     # at pi = prox the ratio is 1, so each token's loss is -w * A = -w: (1/3) * -(2 + 0.5 + 3)
-    loss, met = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, s, prox_logp=mb.prox_logp,
-                            is_weights=mb.is_weights)
+    loss, met = policy_loss(
+        logp, mb.behaviour_logp, mb.advantages, mb.weights, s, prox_logp=mb.prox_logp, is_weights=mb.is_weights
+    )
     assert float(loss.detach()) == pytest.approx(-5.5 / 3, abs=1e-6)
     # without them decoupled truncates at tis_cap 2: -(2 + 0.5 + 2) / 3
     loss2, _ = policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, s, prox_logp=mb.prox_logp)
     assert float(loss2.detach()) == pytest.approx(-4.5 / 3, abs=1e-6)
     with pytest.raises(ValueError, match="is_weights"):
-        policy_loss(logp, mb.behaviour_logp, mb.advantages, mb.weights, LossSettings(correction="tis"),
-                    is_weights=mb.is_weights)
+        policy_loss(
+            logp, mb.behaviour_logp, mb.advantages, mb.weights, LossSettings(correction="tis"), is_weights=mb.is_weights
+        )
 
 
 def test_bypass_takes_the_ratio_against_the_sampler_with_no_weight():
@@ -178,12 +194,18 @@ def test_bypass_rejection_is_measured_per_micro_batch_and_keeps_the_denominator(
     assert float(met["rollout_rs_seq_mean_k1_masked_fraction"]) == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="bypass mode"):
         LossSettings(correction="decoupled", rejection=tuple(rc.rejection))
-    lc = LearnerConfig.model_validate({"loss": {"correction": "bypass"}, "engine": "megatron",
-                                       "rollout_correction": {"enable": True, "rejection": [rc.rejection[0].model_dump()]}})
+    lc = LearnerConfig.model_validate(
+        {
+            "loss": {"correction": "bypass"},
+            "engine": "megatron",
+            "rollout_correction": {"enable": True, "rejection": [rc.rejection[0].model_dump()]},
+        }
+    )
     assert LossSettings.from_config(lc.loss, lc.rollout_correction).rejection == tuple(rc.rejection)
     with pytest.raises(ValueError, match="is_level=none"):
-        LearnerConfig.model_validate({"loss": {"correction": "bypass"},
-                                      "rollout_correction": {"enable": True, "is_level": "token"}})
+        LearnerConfig.model_validate(
+            {"loss": {"correction": "bypass"}, "rollout_correction": {"enable": True, "is_level": "token"}}
+        )
 
 
 def test_config_refuses_rollout_correction_without_decoupled_or_on_megatron():

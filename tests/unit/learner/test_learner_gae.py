@@ -45,12 +45,24 @@ def test_kl_in_the_reward_enters_gae_per_token():
     from learner import kl_reward
     from learner.batch import plan_step
 
-    trajs = [Trajectory(traj_id=f"p{i}/0", group_id=f"p{i}", sample_index=0, group_size=1, step=1, prompt_ids=[5],
-                        response_ids=[7] * n, behaviour_logprobs=[-1.0] * n, reward=r)
-             for i, (n, r) in enumerate([(3, 1.0), (2, 0.0)])]
+    trajs = [
+        Trajectory(
+            traj_id=f"p{i}/0",
+            group_id=f"p{i}",
+            sample_index=0,
+            group_size=1,
+            step=1,
+            prompt_ids=[5],
+            response_ids=[7] * n,
+            behaviour_logprobs=[-1.0] * n,
+            reward=r,
+        )
+        for i, (n, r) in enumerate([(3, 1.0), (2, 0.0)])
+    ]
     b = to_record_batch(trajs)
-    plan = plan_step(b, rank=0, world_size=1, micro_batch_tokens=64, advantage="gae", drop_uniform=True,
-                     aggregation="token")
+    plan = plan_step(
+        b, rank=0, world_size=1, micro_batch_tokens=64, advantage="gae", drop_uniform=True, aggregation="token"
+    )
     (mb,) = plan.micro_batches
     assert mb.rows == [0, 1] and mb.seq_lens.tolist() == [3, 2]
     # k1 = old - ref per token: sample 0 [0.2, -0.1, 0.4], sample 1 [0.3, 0.5]
@@ -107,8 +119,9 @@ def test_gae_over_trained_tokens_equals_verl_masked_gae():
     ref = _verl_masked_gae(full_r, full_v, mask, 0.9, 0.8)
     kept = [i for i, m in enumerate(mask) if m]
     seq_lens = torch.tensor([len(kept)])
-    adv, _ = gae(token_rewards(torch.tensor([1.0]), seq_lens), torch.tensor([full_v[i] for i in kept]),
-                 seq_lens, 0.9, 0.8)
+    adv, _ = gae(
+        token_rewards(torch.tensor([1.0]), seq_lens), torch.tensor([full_v[i] for i in kept]), seq_lens, 0.9, 0.8
+    )
     torch.testing.assert_close(adv, torch.tensor([ref[i] for i in kept], dtype=torch.float32), atol=TOL, rtol=0)
     # by hand: d(c) = 1 - .5 = .5; d(b) = .9*.5 - .6 = -.15, A(b) = -.15 + .72*.5 = .21;
     #          d(a) = .9*.6 - .2 = .34 (the next trained token's value), A(a) = .34 + .72*.21 = .4912
@@ -125,8 +138,9 @@ def test_gae_scan_equals_the_token_by_token_recursion():
     adv, ret = gae(rewards, values, seq_lens, gamma=0.99, lam=0.95)
     ref, start = [], 0
     for L in seq_lens.tolist():
-        ref += _verl_masked_gae(rewards[start:start + L].tolist(), values[start:start + L].double().tolist(),
-                                [1] * L, 0.99, 0.95)
+        ref += _verl_masked_gae(
+            rewards[start : start + L].tolist(), values[start : start + L].double().tolist(), [1] * L, 0.99, 0.95
+        )
         start += L
     ref = torch.tensor(ref, dtype=torch.float64)
     # both float64 until the final cast: the results differ by float32 rounding, 2^-24 relative (|A| < 30 here)
@@ -231,26 +245,49 @@ def test_ppo_recipe_allows_one_sample_per_prompt_grpo_does_not():
 def test_critic_defaults_are_verls():
     from learner.config import LearnerConfig
 
-    c = LearnerConfig.model_validate({"loss": {"correction": "decoupled", "advantage": "gae"},
-                                      "critic": {"optim": {"lr": 2e-5}}}).critic
+    c = LearnerConfig.model_validate(
+        {"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"lr": 2e-5}}}
+    ).critic
     assert (c.optim.lr, c.optim.weight_decay, c.cliprange_value, c.grad_clip) == (2e-5, 0.01, 0.5, 1.0)
 
 
-@pytest.mark.parametrize("learner, match", [
-    ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
-    ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
-    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {},
-      "megatron": {"pipeline_model_parallel_size": 2}}, "Megatron critic .* has no pipeline stages"),
-    ({"engine": "megatron", "loss": {"correction": "decoupled", "advantage": "gae"},
-      "critic": {"param_offload": True}}, "critic.param_offload / optimizer_offload are FSDP's"),
-    ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"micro_batch_tokens": 512}},
-     "critic.micro_batch_tokens=512 differs"),
-    ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"grad_clip": 2.0}}},
-     "learner.critic.grad_clip"),
-    ({"loss": {"correction": "decoupled", "advantage": "gae", "lam": 1.5}, "critic": {}}, "lam"),
-    ({"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {}, "sequence_parallel_size": 2},
-     "sequence_parallel_size=1 for PPO"),
-])
+@pytest.mark.parametrize(
+    "learner, match",
+    [
+        ({"loss": {"correction": "decoupled", "advantage": "gae"}}, "advantage=gae needs a value model"),
+        ({"loss": {"correction": "decoupled"}, "critic": {}}, "never uses its values"),
+        (
+            {
+                "engine": "megatron",
+                "loss": {"correction": "decoupled", "advantage": "gae"},
+                "critic": {},
+                "megatron": {"pipeline_model_parallel_size": 2},
+            },
+            "Megatron critic .* has no pipeline stages",
+        ),
+        (
+            {
+                "engine": "megatron",
+                "loss": {"correction": "decoupled", "advantage": "gae"},
+                "critic": {"param_offload": True},
+            },
+            "critic.param_offload / optimizer_offload are FSDP's",
+        ),
+        (
+            {"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"micro_batch_tokens": 512}},
+            "critic.micro_batch_tokens=512 differs",
+        ),
+        (
+            {"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {"optim": {"grad_clip": 2.0}}},
+            "learner.critic.grad_clip",
+        ),
+        ({"loss": {"correction": "decoupled", "advantage": "gae", "lam": 1.5}, "critic": {}}, "lam"),
+        (
+            {"loss": {"correction": "decoupled", "advantage": "gae"}, "critic": {}, "sequence_parallel_size": 2},
+            "sequence_parallel_size=1 for PPO",
+        ),
+    ],
+)
 def test_critic_config_refusals_name_the_problem(learner, match):
     from pydantic import ValidationError
 
@@ -270,8 +307,9 @@ def test_live_view_shows_the_critic():
     from learner.status import LearnerStatus
 
     def view(learner: LearnerStatus) -> str:
-        snap = JobSnapshot(fleet=FleetStatus(), learner=learner, max_steps=3, max_staleness=2, simulated=False,
-                           wall_s=1.0)
+        snap = JobSnapshot(
+            fleet=FleetStatus(), learner=learner, max_steps=3, max_staleness=2, simulated=False, wall_s=1.0
+        )
         snap = JobSnapshot.from_wire(_json.loads(_json.dumps(snap.to_wire())))  # as it crosses from the rank
         console = Console(record=True, width=200)
         console.print(Monitor.render(type("M", (), {"simulated": False})(), snap))

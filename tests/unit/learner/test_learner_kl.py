@@ -91,6 +91,7 @@ def test_k3_is_clamped_like_verls_low_var_kl():
     """A token whose log-ratio to the reference exploded gives k3 = e^|d|: clamped to KL_CLAMP, no gradient,
     so one token cannot overflow fp32 and skip the optimizer step."""
     from learner.losses import KL_CLAMP
+
     logp = torch.tensor([-0.5, -30.0], dtype=torch.float32, requires_grad=True)
     ref = torch.tensor([-0.6, -0.1], dtype=torch.float32)
     s = LossSettings(correction="tis", kl_coef=1.0, kl_estimator="k3", tis_cap=1e9)

@@ -31,8 +31,15 @@ def _batch(rewards: list[float], finish: list[str], group_size: int = 4, resp_le
 
 
 def _plan(batch, **kw):
-    args = dict(rank=0, world_size=1, micro_batch_tokens=4096, advantage="mean", drop_uniform=True,
-                aggregation="token", learner_version=0)
+    args = dict(
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=4096,
+        advantage="mean",
+        drop_uniform=True,
+        aggregation="token",
+        learner_version=0,
+    )
     args.update(kw)
     return plan_step(batch, **args)
 
@@ -43,7 +50,7 @@ def test_truncated_rows_stay_in_their_groups_baseline():
     # (0.25): the others' advantage is -0.25, not 0 (a baseline without row 0 would make the group uniform)
     batch = _batch([1.0, 0.0, 0.0, 0.0], ["length", "stop", "stop", "stop"])
     plan = _plan(batch, mask_truncated=True)
-    mb, = plan.micro_batches
+    (mb,) = plan.micro_batches
     assert mb.rows == [1, 2, 3]
     assert mb.advantages.unique().tolist() == pytest.approx([-0.25])
     assert plan.stats["samples_trained"] == 3.0 and plan.stats["samples_truncated"] == 1.0
@@ -51,11 +58,19 @@ def test_truncated_rows_stay_in_their_groups_baseline():
 
 def test_a_mini_batch_split_never_makes_an_empty_optimizer_step_of_truncated_groups():
     # group 0: every response cut (nothing to train under mask_truncated); group 1: trainable
-    batch = _batch([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0],
-                   ["length"] * 4 + ["stop"] * 4)
-    plans, stats = plan_mini_batches(batch, groups_per_mini=1, rank=0, world_size=1, micro_batch_tokens=4096,
-                                     advantage="mean", drop_uniform=True, aggregation="token",
-                                     learner_version=0, mask_truncated=True)
+    batch = _batch([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0], ["length"] * 4 + ["stop"] * 4)
+    plans, stats = plan_mini_batches(
+        batch,
+        groups_per_mini=1,
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=4096,
+        advantage="mean",
+        drop_uniform=True,
+        aggregation="token",
+        learner_version=0,
+        mask_truncated=True,
+    )
     assert len(plans) == 1 and stats["mini_batches"] == 1.0
     assert [p.stats["samples_trained"] for p in plans] == [4.0]
 
@@ -79,8 +94,9 @@ def test_sequence_weights_are_normalised_over_the_whole_step_not_each_micro_batc
 def _kl_loss(logp, behaviour, prox, ref, cap=2.0):
     s = LossSettings(correction="decoupled", kl_coef=1.0, kl_estimator="k2", tis_cap=cap)
     lp = t(logp, grad=True)
-    loss, m = policy_loss(lp, t(behaviour), t([0.0] * len(logp)), t([1.0 / len(logp)] * len(logp)), s,
-                          prox_logp=t(prox), ref_logp=t(ref))
+    loss, m = policy_loss(
+        lp, t(behaviour), t([0.0] * len(logp)), t([1.0 / len(logp)] * len(logp)), s, prox_logp=t(prox), ref_logp=t(ref)
+    )
     return loss.item(), m
 
 
@@ -112,8 +128,9 @@ def test_dual_clip_bounds_the_surrogate_before_the_behaviour_weight():
 
 def test_group_baseline_counts_every_row_of_the_group():
     # the plain function the planner calls: the same [1, 0, 0, 0] group, mean 0.25
-    adv, keep = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.int64), "mean",
-                                 drop_uniform=True)
+    adv, keep = group_advantages(
+        torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.int64), "mean", drop_uniform=True
+    )
     assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25]) and keep.all()
 
 

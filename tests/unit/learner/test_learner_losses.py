@@ -30,8 +30,16 @@ def t(x, grad=False):
 def run(correction, prox=None, ref=None, weights=THIRD, **kw):
     logp = t(LOGP, grad=True)
     s = LossSettings(correction=correction, clip_low=0.2, clip_high=0.28, **kw)
-    loss, m = policy_loss(logp, t(BEHAV), t(ADV), t(weights), s, prox_logp=None if prox is None else t(prox),
-                          ref_logp=None if ref is None else t(ref), entropy=t([1.0, 2.0, 3.0]))
+    loss, m = policy_loss(
+        logp,
+        t(BEHAV),
+        t(ADV),
+        t(weights),
+        s,
+        prox_logp=None if prox is None else t(prox),
+        ref_logp=None if ref is None else t(ref),
+        entropy=t([1.0, 2.0, 3.0]),
+    )
     loss.backward()
     return loss.item(), {k: v.item() for k, v in m.items()}, logp.grad.tolist()
 
@@ -171,6 +179,7 @@ def test_tis_uses_the_recomputed_proximal():
 
 def test_dual_clip_bounds_negative_advantage_tokens():
     """The issue's case: log-ratio 7.9 and A = -1 gave loss and gradient 2,697 without dual-clip."""
+
     def one(logp, behav, adv, c=3.0):
         lp = t([logp], grad=True)
         s = LossSettings(correction="none", clip_ratio_c=c)
@@ -197,8 +206,14 @@ def test_dual_clip_bounds_negative_advantage_tokens():
 def test_log_ratio_is_clamped_before_exp():
     # fp32: exp(100) = inf and inf * 0 = nan; clamped at 20 the zero-advantage token contributes exactly 0.
     lp = torch.tensor([0.0, -1.0], requires_grad=True)
-    loss, m = policy_loss(lp, torch.tensor([-100.0, -1.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]),
-                          LossSettings(correction="none"), prox_logp=torch.tensor([-100.0, -1.0]))
+    loss, m = policy_loss(
+        lp,
+        torch.tensor([-100.0, -1.0]),
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([0.5, 0.5]),
+        LossSettings(correction="none"),
+        prox_logp=torch.tensor([-100.0, -1.0]),
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert loss.item() == pytest.approx(-0.5)  # token 2: ratio 1, A = 1, weight 0.5
@@ -207,8 +222,15 @@ def test_log_ratio_is_clamped_before_exp():
 def test_mismatch_on_fresh_tokens_is_separate_from_drift():
     prox = [-1.4, -0.5, -1.8]
     logp = t(LOGP, grad=True)
-    _, m = policy_loss(logp, t(BEHAV), t(ADV), t(THIRD), LossSettings(correction="decoupled"),
-                       prox_logp=t(prox), fresh=torch.tensor([True, True, False]))
+    _, m = policy_loss(
+        logp,
+        t(BEHAV),
+        t(ADV),
+        t(THIRD),
+        LossSettings(correction="decoupled"),
+        prox_logp=t(prox),
+        fresh=torch.tensor([True, True, False]),
+    )
     f = finalize_metrics({k: v.item() for k, v in m.items()})
     # pre-step (prox) - behaviour = [0.1, 0, -0.8]; k3 = exp(d) - d - 1 = [0.0051709, 0, 0.2493290]
     assert f["fresh_token_frac"] == pytest.approx(2 / 3)

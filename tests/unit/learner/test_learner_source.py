@@ -10,8 +10,16 @@ from learner.source import BatchSource, InProcessSource
 
 
 def one_batch(step: int):
-    t = Trajectory(traj_id=f"s{step}/0", group_id=f"s{step}", sample_index=0, group_size=1, step=step,
-                   prompt_ids=[1], response_ids=[2], behaviour_logprobs=[-0.5])
+    t = Trajectory(
+        traj_id=f"s{step}/0",
+        group_id=f"s{step}",
+        sample_index=0,
+        group_size=1,
+        step=step,
+        prompt_ids=[1],
+        response_ids=[2],
+        behaviour_logprobs=[-0.5],
+    )
     return to_record_batch([t])
 
 

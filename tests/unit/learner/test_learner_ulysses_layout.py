@@ -20,17 +20,37 @@ LOSS = {"correction": "decoupled"}
 def _batch(shapes):
     trajs = []
     for i, (p, r) in enumerate(shapes):
-        trajs.append(Trajectory(
-            traj_id=f"t{i}", group_id=f"g{i // 2}", sample_index=i % 2, group_size=2, step=1,
-            prompt_ids=[3 + (7 * i + j) % 50 for j in range(p)], response_ids=[5 + (3 * i + j) % 40 for j in range(r)],
-            behaviour_logprobs=[-1.0 - 0.01 * j for j in range(r)], segment_starts=[0], segment_versions=[0],
-            reward=float(i % 2), finish_reason="stop", engine_id="e", data_source="s"))
+        trajs.append(
+            Trajectory(
+                traj_id=f"t{i}",
+                group_id=f"g{i // 2}",
+                sample_index=i % 2,
+                group_size=2,
+                step=1,
+                prompt_ids=[3 + (7 * i + j) % 50 for j in range(p)],
+                response_ids=[5 + (3 * i + j) % 40 for j in range(r)],
+                behaviour_logprobs=[-1.0 - 0.01 * j for j in range(r)],
+                segment_starts=[0],
+                segment_versions=[0],
+                reward=float(i % 2),
+                finish_reason="stop",
+                engine_id="e",
+                data_source="s",
+            )
+        )
     return to_record_batch(trajs)
 
 
 def _row(shapes):
-    plan = plan_step(_batch(shapes), rank=0, world_size=1, micro_batch_tokens=10_000, advantage="mean",
-                     drop_uniform=False, aggregation="token")
+    plan = plan_step(
+        _batch(shapes),
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=10_000,
+        advantage="mean",
+        drop_uniform=False,
+        aggregation="token",
+    )
     assert len(plan.micro_batches) == 1
     return plan.micro_batches[0]
 
@@ -71,13 +91,16 @@ def test_slicing_is_idempotent_and_refuses_another_layout():
 
 def test_block_causal_mask():
     m = ulysses.block_causal_mask(torch.tensor([0, 2, 3, 5], dtype=torch.int32), torch.device("cpu"))
-    want = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
-                        dtype=torch.bool)
+    want = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool
+    )
     assert torch.equal(m, want)
 
 
-@pytest.mark.parametrize(("heads", "kv", "sp", "rep"), [(4, 2, 2, 1), (4, 2, 4, 2), (8, 1, 4, 4), (12, 4, 6, 3),
-                                                        (28, 4, 7, 7), (14, 2, 1, 1)])
+@pytest.mark.parametrize(
+    ("heads", "kv", "sp", "rep"),
+    [(4, 2, 2, 1), (4, 2, 4, 2), (8, 1, 4, 4), (12, 4, 6, 3), (28, 4, 7, 7), (14, 2, 1, 1)],
+)
 def test_kv_repeat(heads, kv, sp, rep):
     assert ulysses.kv_repeat(heads, kv, sp) == rep
 
@@ -95,12 +118,16 @@ def test_head_split_with_repeated_kv_is_gqa_attention(heads, kv, sp):
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     t, d = 9, 8
     q, k, v = torch.randn(1, heads, t, d), torch.randn(1, kv, t, d), torch.randn(1, kv, t, d)
-    want = ulysses._sdpa_full(q, k, v, cu, d ** -0.5, 0.0)  # GQA: each query head on its own key/value group
+    want = ulysses._sdpa_full(q, k, v, cu, d**-0.5, 0.0)  # GQA: each query head on its own key/value group
     rep = ulysses.kv_repeat(heads, kv, sp)
     k2, v2 = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     hq, hk = heads // sp, k2.shape[1] // sp
-    parts = [ulysses._sdpa_full(q[:, j * hq:(j + 1) * hq], k2[:, j * hk:(j + 1) * hk], v2[:, j * hk:(j + 1) * hk],
-                                cu, d ** -0.5, 0.0) for j in range(sp)]
+    parts = [
+        ulysses._sdpa_full(
+            q[:, j * hq : (j + 1) * hq], k2[:, j * hk : (j + 1) * hk], v2[:, j * hk : (j + 1) * hk], cu, d**-0.5, 0.0
+        )
+        for j in range(sp)
+    ]
     # same kernel on the same per-head operands: fp32 differences come only from batching heads differently
     torch.testing.assert_close(torch.cat(parts, dim=2), want, rtol=1e-6, atol=1e-6)
 
@@ -123,11 +150,14 @@ def test_launcher_refuses_a_layout_that_does_not_divide():
     from launch.cluster import resolve_config, run_parser
 
     with pytest.raises(ConfigError, match="sequence_parallel_size=2 does not divide the learner's 3 ranks"):
-        resolve_config(run_parser().parse_args(["--recipe", "tiny", "learner.cpu_processes=3",
-                                                "learner.sequence_parallel_size=2"]))
+        resolve_config(
+            run_parser().parse_args(["--recipe", "tiny", "learner.cpu_processes=3", "learner.sequence_parallel_size=2"])
+        )
     with pytest.raises(ConfigError, match="sequence_parallel_size=3 does not divide the model's 4 attention heads"):
-        resolve_config(run_parser().parse_args(["--recipe", "tiny", "learner.cpu_processes=3",
-                                                "learner.sequence_parallel_size=3"]))
-    cfg = resolve_config(run_parser().parse_args(["--recipe", "tiny", "learner.cpu_processes=4",
-                                                  "learner.sequence_parallel_size=2"]))
+        resolve_config(
+            run_parser().parse_args(["--recipe", "tiny", "learner.cpu_processes=3", "learner.sequence_parallel_size=3"])
+        )
+    cfg = resolve_config(
+        run_parser().parse_args(["--recipe", "tiny", "learner.cpu_processes=4", "learner.sequence_parallel_size=2"])
+    )
     assert cfg.learner.sequence_parallel_size == 2

@@ -63,8 +63,16 @@ def _tiny(tie: bool):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=96, max_position_embeddings=256, tie_word_embeddings=tie)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=96,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    )
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
 
 
@@ -73,13 +81,22 @@ def _tiny(tie: bool):
 def test_head_logprobs_equal_packed_forward_with_gradients(tie):
     torch.set_num_threads(1)
     model = _tiny(tie)
-    plan = plan_step(batch(), rank=0, world_size=1, micro_batch_tokens=10_000, advantage="mean",
-                     drop_uniform=False, aggregation="token")
+    plan = plan_step(
+        batch(),
+        rank=0,
+        world_size=1,
+        micro_batch_tokens=10_000,
+        advantage="mean",
+        drop_uniform=False,
+        aggregation="token",
+    )
     (mb,) = plan.micro_batches
     coef = torch.randn(mb.targets.shape[0], generator=torch.Generator().manual_seed(1))
     res = {}
-    for name, fn in {"full": lambda: packed_forward(model, mb, 0.8),
-                     "chunked": lambda: head_logprobs(model, mb, 0.8, chunk=5)}.items():
+    for name, fn in {
+        "full": lambda: packed_forward(model, mb, 0.8),
+        "chunked": lambda: head_logprobs(model, mb, 0.8, chunk=5),
+    }.items():
         model.zero_grad(set_to_none=True)
         lp, ent = fn()
         (lp * coef).sum().backward()

@@ -37,6 +37,5 @@ def test_fused_chunk_math_equals_eager(cd):
     # a bf16 rounding: 2^-8 relative of a gradient entry, summed over rows: 1e-2 relative, 1e-3 absolute.
     tol = dict(rtol=2e-5, atol=2e-5) if cd is None else dict(rtol=1e-2, atol=1e-3)
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref, strict=True):
-        torch.testing.assert_close(a, b, **(tol if name.startswith("grad") else dict(rtol=2e-5, atol=2e-5)),
-                                   msg=name)
+        torch.testing.assert_close(a, b, **(tol if name.startswith("grad") else dict(rtol=2e-5, atol=2e-5)), msg=name)
     assert not torch.equal(got[2], torch.zeros_like(got[2]))  # a real gradient flowed

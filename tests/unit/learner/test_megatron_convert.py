@@ -13,8 +13,18 @@ pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[3]
 TINY = json.loads((REPO / "models/tiny-adder/config.json").read_text())
 # GQA with 4 query heads per group, tied embeddings, a vocab that needs padding, llama (no qkv bias).
-GQA = dict(model_type="llama", hidden_act="silu", num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
-           head_dim=16, intermediate_size=96, num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=True)
+GQA = dict(
+    model_type="llama",
+    hidden_act="silu",
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    hidden_size=64,
+    head_dim=16,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    vocab_size=1000,
+    tie_word_embeddings=True,
+)
 
 
 def random_hf(cfg: dict, seed: int = 0, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -56,7 +66,7 @@ def test_every_tp_shard_has_megatron_local_shape():
     assert s0["decoder.layers.0.mlp.linear_fc2.weight"].shape == (64, 96 // tp)
     assert "output_layer.weight" not in s0  # tied
     # the padding rows (1000..1023, all on rank 1) are zero
-    assert torch.count_nonzero(shards[1]["embedding.word_embeddings.weight"][1000 - 512:]) == 0
+    assert torch.count_nonzero(shards[1]["embedding.word_embeddings.weight"][1000 - 512 :]) == 0
 
 
 def test_qwen2_untied_has_qkv_bias_and_output_layer():
@@ -69,18 +79,29 @@ def test_qwen2_untied_has_qkv_bias_and_output_layer():
 def test_known_layout_by_hand():
     """4 query heads, 2 kv groups, head_dim 1, hidden 1: Megatron's 'q1 q2 k1 v1 | q3 q4 k2 v2', split over TP=2;
     fc1 per rank = cat(gate_r, up_r)."""
-    cfg = dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, hidden_size=1, head_dim=1,
-               intermediate_size=4, num_hidden_layers=1, vocab_size=4, tie_word_embeddings=True)
+    cfg = dict(
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=1,
+        head_dim=1,
+        intermediate_size=4,
+        num_hidden_layers=1,
+        vocab_size=4,
+        tie_word_embeddings=True,
+    )
     shape = cv.ModelShape.from_hf(cfg, tp=2, divisible_by=1)
     p = "model.layers.0."
-    hf = {p + "self_attn.q_proj.weight": torch.tensor([[1.], [2.], [3.], [4.]]),
-          p + "self_attn.k_proj.weight": torch.tensor([[10.], [20.]]),
-          p + "self_attn.v_proj.weight": torch.tensor([[100.], [200.]]),
-          p + "self_attn.q_proj.bias": torch.tensor([1., 2., 3., 4.]),
-          p + "self_attn.k_proj.bias": torch.tensor([10., 20.]),
-          p + "self_attn.v_proj.bias": torch.tensor([100., 200.]),
-          p + "mlp.gate_proj.weight": torch.tensor([[1.], [2.], [3.], [4.]]),
-          p + "mlp.up_proj.weight": torch.tensor([[-1.], [-2.], [-3.], [-4.]])}
+    hf = {
+        p + "self_attn.q_proj.weight": torch.tensor([[1.0], [2.0], [3.0], [4.0]]),
+        p + "self_attn.k_proj.weight": torch.tensor([[10.0], [20.0]]),
+        p + "self_attn.v_proj.weight": torch.tensor([[100.0], [200.0]]),
+        p + "self_attn.q_proj.bias": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+        p + "self_attn.k_proj.bias": torch.tensor([10.0, 20.0]),
+        p + "self_attn.v_proj.bias": torch.tensor([100.0, 200.0]),
+        p + "mlp.gate_proj.weight": torch.tensor([[1.0], [2.0], [3.0], [4.0]]),
+        p + "mlp.up_proj.weight": torch.tensor([[-1.0], [-2.0], [-3.0], [-4.0]]),
+    }
     qkv = cv.from_hf("decoder.layers.0.self_attention.linear_qkv.weight", hf, shape, tp=2)
     assert qkv[0].flatten().tolist() == [1, 2, 10, 100]
     assert qkv[1].flatten().tolist() == [3, 4, 20, 200]
@@ -110,10 +131,13 @@ def test_pipeline_stage_names_use_global_layers():
     assert sorted(first + last) == sorted(cv.megatron_names(shape))
 
 
-@pytest.mark.parametrize(("cfg", "needle"), [
-    (dict(GQA, model_type="gpt2"), "supports model_type"),
-    (dict(GQA, hidden_act="gelu"), "SwiGLU"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "needle"),
+    [
+        (dict(GQA, model_type="gpt2"), "supports model_type"),
+        (dict(GQA, hidden_act="gelu"), "SwiGLU"),
+    ],
+)
 def test_unsupported_models_are_named(cfg, needle):
     with pytest.raises(ValueError, match=needle):
         cv.ModelShape.from_hf(cfg)
@@ -126,9 +150,20 @@ def test_tp_must_divide_kv_heads():
 
 
 # Qwen3: QK-norm, head_dim set apart from hidden / heads (as Qwen3 does), no qkv bias, untied.
-QWEN3 = dict(model_type="qwen3", hidden_act="silu", num_attention_heads=4, num_key_value_heads=2, hidden_size=48,
-             head_dim=16, intermediate_size=64, num_hidden_layers=2, vocab_size=300, tie_word_embeddings=False,
-             attention_bias=False, rms_norm_eps=1e-6)
+QWEN3 = dict(
+    model_type="qwen3",
+    hidden_act="silu",
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_size=48,
+    head_dim=16,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    vocab_size=300,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    rms_norm_eps=1e-6,
+)
 
 
 def test_qwen3_qk_norm_maps_to_megatron_q_and_k_layernorm():
@@ -137,16 +172,20 @@ def test_qwen3_qk_norm_maps_to_megatron_q_and_k_layernorm():
     names = cv.megatron_names(shape)
     assert "decoder.layers.1.self_attention.q_layernorm.weight" in names
     assert "decoder.layers.1.self_attention.k_layernorm.weight" in names
-    assert cv.hf_names_of("decoder.layers.1.self_attention.q_layernorm.weight", shape) == \
-        ["model.layers.1.self_attn.q_norm.weight"]
-    assert cv.hf_shape_of("decoder.layers.0.self_attention.k_layernorm.weight", shape) == \
-        [("model.layers.0.self_attn.k_norm.weight", [16])]
+    assert cv.hf_names_of("decoder.layers.1.self_attention.q_layernorm.weight", shape) == [
+        "model.layers.1.self_attn.q_norm.weight"
+    ]
+    assert cv.hf_shape_of("decoder.layers.0.self_attention.k_layernorm.weight", shape) == [
+        ("model.layers.0.self_attn.k_norm.weight", [16])
+    ]
     assert cv.tp_dim("decoder.layers.0.self_attention.q_layernorm.weight") is None  # replicated per rank
     hf = random_hf(QWEN3)
     shards = cv.hf_to_megatron(hf, shape, tp=2)
     for r in range(2):  # every TP rank holds the whole per-head norm
-        assert torch.equal(shards[r]["decoder.layers.0.self_attention.q_layernorm.weight"],
-                           hf["model.layers.0.self_attn.q_norm.weight"])
+        assert torch.equal(
+            shards[r]["decoder.layers.0.self_attention.q_layernorm.weight"],
+            hf["model.layers.0.self_attn.q_norm.weight"],
+        )
     back = cv.megatron_to_hf(shards, shape)
     assert set(back) == set(hf)
     assert all(torch.equal(back[n], t) for n, t in hf.items())

@@ -18,18 +18,18 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "models" / "tiny-adder"
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAVE_MEGATRON = (
+    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+)
 
 
 def test_packed_mask_keeps_sequences_apart_and_causal():
     pos = torch.tensor([[0, 1, 2, 0, 1]])
     blocked = packed_attention_mask(pos)[0, 0]
     allowed = ~blocked
-    want = torch.tensor([[1, 0, 0, 0, 0],
-                         [1, 1, 0, 0, 0],
-                         [1, 1, 1, 0, 0],
-                         [0, 0, 0, 1, 0],
-                         [0, 0, 0, 1, 1]], dtype=torch.bool)
+    want = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool
+    )
     assert torch.equal(allowed, want)
 
 
@@ -37,9 +37,17 @@ def test_pad_row_adds_one_separate_sequence():
     from learner.batch import MicroBatch
 
     z = torch.zeros(1)
-    mb = MicroBatch(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[0, 1, 2]]),
-                    target_index=torch.tensor([1]), targets=torch.tensor([7]), behaviour_logp=z, advantages=z,
-                    weights=z, seq_lens=torch.tensor([1]), fresh=torch.zeros(1, dtype=torch.bool))
+    mb = MicroBatch(
+        input_ids=torch.tensor([[5, 6, 7]]),
+        position_ids=torch.tensor([[0, 1, 2]]),
+        target_index=torch.tensor([1]),
+        targets=torch.tensor([7]),
+        behaviour_logp=z,
+        advantages=z,
+        weights=z,
+        seq_lens=torch.tensor([1]),
+        fresh=torch.zeros(1, dtype=torch.bool),
+    )
     ids, pos = pad_row(mb, 5)
     assert ids.tolist() == [[5, 6, 7, 0, 0]] and pos.tolist() == [[0, 1, 2, 0, 1]]
     # the padding is its own sequence: the real tokens never attend to it
@@ -84,9 +92,21 @@ def test_engine_megatron_without_megatron_core_says_how_to_install():
 @pytest.mark.skipif(HAVE_MEGATRON, reason="megatron-core is installed here")
 def test_launcher_names_the_missing_extra_before_starting_anything():
     p = subprocess.run(
-        [sys.executable, "launch/cluster.py", "--learner-gpus", "2", "--rollout-gpus", "1", "learner.engine=megatron",
-         "learner.megatron.tensor_model_parallel_size=2", f"model.path={TINY}"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "launch/cluster.py",
+            "--learner-gpus",
+            "2",
+            "--rollout-gpus",
+            "1",
+            "learner.engine=megatron",
+            "learner.megatron.tensor_model_parallel_size=2",
+            f"model.path={TINY}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert p.returncode == 2, p.stderr
     assert "pip install 'fleetrl[megatron]'" in p.stderr

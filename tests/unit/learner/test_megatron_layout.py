@@ -38,9 +38,20 @@ def test_each_violation_is_named(tp, pp, gpus, sp, needle):
 
 def test_launcher_rejects_a_bad_layout_before_starting_anything():
     p = subprocess.run(
-        [sys.executable, "launch/cluster.py", "--learner-gpus", "3", "--rollout-gpus", "1", "learner.engine=megatron",
-         "learner.megatron.tensor_model_parallel_size=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "launch/cluster.py",
+            "--learner-gpus",
+            "3",
+            "--rollout-gpus",
+            "1",
+            "learner.engine=megatron",
+            "learner.megatron.tensor_model_parallel_size=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert p.returncode == 2
     assert "2 x 1 = 2 does not divide --learner-gpus 3" in p.stderr

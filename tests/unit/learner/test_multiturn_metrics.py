@@ -10,10 +10,17 @@ from learner.metrics_sink import batch_metrics
 
 def _batch(masks):
     n = len(masks)
-    return pa.RecordBatch.from_pydict({
-        "response_ids": [[1] * max(1, len(m)) for m in masks], "finish_reason": ["stop"] * n,
-        "reward": [1.0] * n, "data_source": ["s"] * n, "segment_versions": [[0]] * n, "group_id": ["g"] * n,
-        "loss_mask": pa.array(masks, type=pa.list_(pa.int8()))})
+    return pa.RecordBatch.from_pydict(
+        {
+            "response_ids": [[1] * max(1, len(m)) for m in masks],
+            "finish_reason": ["stop"] * n,
+            "reward": [1.0] * n,
+            "data_source": ["s"] * n,
+            "segment_versions": [[0]] * n,
+            "group_id": ["g"] * n,
+            "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
+        }
+    )
 
 
 def test_turns_and_observation_fraction_come_from_the_loss_masks():

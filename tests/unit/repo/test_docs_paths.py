@@ -52,6 +52,8 @@ def test_the_readme_is_a_manual():
 
 
 def test_the_path_finder_finds_paths():
-    found = named_paths("see `learner/losses.py` and `bench/results/x/` but not `runs/tiny`, `<run_dir>/a` or the "
-                        "metric `learner/clip_frac`")
+    found = named_paths(
+        "see `learner/losses.py` and `bench/results/x/` but not `runs/tiny`, `<run_dir>/a` or the "
+        "metric `learner/clip_frac`"
+    )
     assert found == {"learner/losses.py", "bench/results/x/"}

@@ -11,9 +11,11 @@ from bench.peers.compare import build, parse_verl_log
 
 def _verl_line(step: int, total: float, gen: float) -> str:
     # verl's LocalLogger: "step:N - key:value - ...", numpy scalars as np.float64(...)
-    return (f"(TaskRunner pid=1) step:{step} - actor/pg_loss:np.float64(-0.0123) - timing_s/gen:{gen} - "
-            f"timing_s/old_log_prob:np.float64(3.5) - timing_s/update_actor:10.25 - timing_s/step:{total} - "
-            f"perf/mfu/actor:0.05 - response_length/mean:511.2")
+    return (
+        f"(TaskRunner pid=1) step:{step} - actor/pg_loss:np.float64(-0.0123) - timing_s/gen:{gen} - "
+        f"timing_s/old_log_prob:np.float64(3.5) - timing_s/update_actor:10.25 - timing_s/step:{total} - "
+        f"perf/mfu/actor:0.05 - response_length/mean:511.2"
+    )
 
 
 def test_verl_lines_parse():
@@ -31,12 +33,24 @@ def test_ratio_against_the_fastest_verl_attempt_that_ran(tmp_path):
     t0, rows, t = 1000.0, [], 1000.0
     for step, dt in enumerate([60.0, 4.0, 5.0, 4.5, 6.0], start=1):  # the first step carries the start-up
         t += dt
-        rows.append({"step": step, "t_unix": t, "t0_unix": t0, "pull_seconds": dt - 1.0,
-                     "train_start_unix": t - 0.8, "train_end_unix": t - 0.2, "colocate/weight_load_seconds": 0.08})
+        rows.append(
+            {
+                "step": step,
+                "t_unix": t,
+                "t0_unix": t0,
+                "pull_seconds": dt - 1.0,
+                "train_start_unix": t - 0.8,
+                "train_end_unix": t - 0.2,
+                "colocate/weight_load_seconds": 0.08,
+            }
+        )
     (fl / "learner_steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (fl / "rc").write_text("0")
-    for name, totals, rc in (("best", None, "1"), ("nofused", [90.0, 20.0, 22.0, 21.0], "0"),
-                             ("as_written", [95.0, 24.0, 25.0], "0")):
+    for name, totals, rc in (
+        ("best", None, "1"),
+        ("nofused", [90.0, 20.0, 22.0, 21.0], "0"),
+        ("as_written", [95.0, 24.0, 25.0], "0"),
+    ):
         a = vd / f"attempt_{name}"
         a.mkdir(parents=True)
         (a / "rc").write_text(rc)

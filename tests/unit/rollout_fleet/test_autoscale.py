@@ -19,17 +19,38 @@ def _at(x: Signal, servers: int, t: float) -> float:
     return x(servers, t) if callable(x) else x
 
 
-def _run(a: Autoscaler, servers: int, *, wait: Signal, idle: Signal, fill: Signal, t0: float, t1: float,
-         rate: Signal = 1.0, dt: float = 1.0, totals: list[float] | None = None, starting: int = 0):
+def _run(
+    a: Autoscaler,
+    servers: int,
+    *,
+    wait: Signal,
+    idle: Signal,
+    fill: Signal,
+    t0: float,
+    t1: float,
+    rate: Signal = 1.0,
+    dt: float = 1.0,
+    totals: list[float] | None = None,
+    starting: int = 0,
+):
     """Observe from t0 to t1 with these rates (learner wait fraction, slot idle and queue fill fractions,
     fleet groups/s); returns (decisions, servers, totals) with the decisions carried out at once."""
     w, g = totals or [0.0, 0.0]
     out, t = [], t0
     while t <= t1:
-        d = a.observe(t, Observation(servers=servers, starting=starting, learner_wait_s=w,
-                                     inflight_groups=round((1 - _at(idle, servers, t)) * servers * 4),
-                                     slots=servers * 4, queued_groups=int(_at(fill, servers, t) * 24),
-                                     queue_capacity_groups=24, groups_pushed=int(g)))
+        d = a.observe(
+            t,
+            Observation(
+                servers=servers,
+                starting=starting,
+                learner_wait_s=w,
+                inflight_groups=round((1 - _at(idle, servers, t)) * servers * 4),
+                slots=servers * 4,
+                queued_groups=int(_at(fill, servers, t) * 24),
+                queue_capacity_groups=24,
+                groups_pushed=int(g),
+            ),
+        )
         if d is not None:
             out.append(d)
             servers = d.target
@@ -65,8 +86,16 @@ def test_a_drain_that_starves_the_learner_is_undone_once_not_repeated():
     # two servers each worth half the rate the learner needs: one alone starves it
     cfg = AutoscaleConfig(enabled=True, min=1, max=2, window_s=10, sustain_s=5, cooldown_s=30)
     a = Autoscaler(cfg)
-    ds, servers, _ = _run(a, 2, wait=lambda n, t: 0.0 if n == 2 else 0.5, idle=lambda n, t: 0.4 if n == 2 else 0.0,
-                          fill=lambda n, t: 1.0 if n == 2 else 0.0, rate=lambda n, t: 10.0 * n, t0=0, t1=600)
+    ds, servers, _ = _run(
+        a,
+        2,
+        wait=lambda n, t: 0.0 if n == 2 else 0.5,
+        idle=lambda n, t: 0.4 if n == 2 else 0.0,
+        fill=lambda n, t: 1.0 if n == 2 else 0.0,
+        rate=lambda n, t: 10.0 * n,
+        t0=0,
+        t1=600,
+    )
     assert [(d.action, d.target) for d in ds] == [("drain", 1), ("add", 2)] and servers == 2
     assert a.floor == 2 and "the learner waited 50%" in ds[1].reason and "no fewer than 2 servers" in ds[1].reason
     assert ds[1].at - ds[0].at == pytest.approx(cfg.cooldown_s)  # judged on the first whole window after it
@@ -111,12 +140,14 @@ def test_an_add_that_raises_no_throughput_is_drained_again_and_not_repeated():
 def test_an_add_that_pays_is_kept_and_the_fleet_grows_on():
     cfg = AutoscaleConfig(enabled=True, min=1, max=4, window_s=10, sustain_s=5, cooldown_s=30)
     # each server adds 80% of one server's rate: above min_gain (50% of the proportional gain)
-    ds, servers, _ = _run(Autoscaler(cfg), 1, wait=0.6, idle=0.0, fill=0.0, rate=lambda n, t: 10.0 * (1 + 0.8 * (n - 1)),
-                          t0=0, t1=600)
+    ds, servers, _ = _run(
+        Autoscaler(cfg), 1, wait=0.6, idle=0.0, fill=0.0, rate=lambda n, t: 10.0 * (1 + 0.8 * (n - 1)), t0=0, t1=600
+    )
     assert [d.action for d in ds] == ["add", "add", "add"] and servers == 4
     # no gain in rate, but the learner no longer starves: the add did its job (the learner is the bottleneck now)
-    ds, servers, _ = _run(Autoscaler(cfg), 1, wait=lambda n, t: 0.6 if n == 1 else 0.1, idle=0.0, fill=0.0, rate=10.0,
-                          t0=0, t1=600)
+    ds, servers, _ = _run(
+        Autoscaler(cfg), 1, wait=lambda n, t: 0.6 if n == 1 else 0.1, idle=0.0, fill=0.0, rate=10.0, t0=0, t1=600
+    )
     assert [d.action for d in ds] == ["add"] and servers == 2
 
 
@@ -132,8 +163,19 @@ def test_servers_still_starting_hold_the_window():
 
 def test_below_min_adds_without_waiting_for_a_rate():
     a = Autoscaler(CFG)
-    d = a.observe(0.0, Observation(servers=0, starting=0, learner_wait_s=0, inflight_groups=0, slots=0, queued_groups=0,
-                                   queue_capacity_groups=24, groups_pushed=0))
+    d = a.observe(
+        0.0,
+        Observation(
+            servers=0,
+            starting=0,
+            learner_wait_s=0,
+            inflight_groups=0,
+            slots=0,
+            queued_groups=0,
+            queue_capacity_groups=24,
+            groups_pushed=0,
+        ),
+    )
     assert d is not None and d.action == "add" and d.target == 2 and "< autoscale.min 2" in d.reason
 
 
@@ -144,8 +186,16 @@ def test_bad_bands_are_refused():
         AutoscaleConfig(up_wait=0.1, down_wait=0.2)
     with pytest.raises(ValueError, match="time went backwards"):
         a = Autoscaler(CFG)
-        obs = Observation(servers=3, starting=0, learner_wait_s=0, inflight_groups=0, slots=12, queued_groups=0,
-                          queue_capacity_groups=1, groups_pushed=0)
+        obs = Observation(
+            servers=3,
+            starting=0,
+            learner_wait_s=0,
+            inflight_groups=0,
+            slots=12,
+            queued_groups=0,
+            queue_capacity_groups=1,
+            groups_pushed=0,
+        )
         a.observe(5.0, obs)
         a.observe(4.0, obs)
 
@@ -157,13 +207,16 @@ phase = st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0
 @given(st.lists(phase, min_size=1, max_size=12), st.integers(0, 9))
 # found by hypothesis: a fleet started above max is drained to max, the learner then starves, and the
 # drain's trial "added back" to max, an add to the size the fleet already had
-@example([(0.0, 0.0, 0.0, 0.0, 1)] * 3 + [(0.0, 1.0, 1.0, 0.0, 16), (0.0, 0.0, 0.0, 0.0, 18), (1.0, 0.0, 0.0, 0.0, 4)], 8)
+@example(
+    [(0.0, 0.0, 0.0, 0.0, 1)] * 3 + [(0.0, 1.0, 1.0, 0.0, 16), (0.0, 0.0, 0.0, 0.0, 18), (1.0, 0.0, 0.0, 0.0, 4)], 8
+)
 def test_decisions_stay_in_bounds_are_spaced_and_follow_their_rule(phases, start):
     a = Autoscaler(CFG)
     servers, t, totals = start, 0.0, [0.0, 0.0]
     for wait, idle, fill, rate, length in phases:
-        ds, servers, totals = _run(a, servers, wait=wait, idle=idle, fill=fill, rate=rate, t0=t, t1=t + length,
-                                   totals=totals)
+        ds, servers, totals = _run(
+            a, servers, wait=wait, idle=idle, fill=fill, rate=rate, t0=t, t1=t + length, totals=totals
+        )
         t += length + 1
     for prev, d in zip(a.decisions, a.decisions[1:], strict=False):
         assert d.at - prev.at >= CFG.cooldown_s

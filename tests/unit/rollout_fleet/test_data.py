@@ -151,7 +151,9 @@ def test_wrong_types_name_file_row_column(tmp_path, tok):
     list_truth = _addition_rows(2)
     rows = [dict(r, reward_model={"style": "rule", "ground_truth": [1, 2]}) for r in list_truth]
     path = _write(tmp_path / "listgt.parquet", rows)
-    with pytest.raises(DatasetError, match=r"listgt.parquet row 0, column 'reward_model.ground_truth': expected a string"):
+    with pytest.raises(
+        DatasetError, match=r"listgt.parquet row 0, column 'reward_model.ground_truth': expected a string"
+    ):
         PromptDataset([path], tok)
 
     rows = _addition_rows(3)
@@ -166,8 +168,11 @@ def test_too_long_prompt_names_the_longest_row_per_file(tmp_path, tok):
     rows[1]["prompt"] = [{"role": "user", "content": "1+" * 40 + "1="}]
     rows[2]["prompt"] = [{"role": "user", "content": "1+" * 30 + "1="}]
     path = _write(tmp_path / "long.parquet", rows)
-    with pytest.raises(DatasetError, match=r"data.max_prompt_tokens=32 = 32 tokens:\n.*long.parquet: 2 prompts over "
-                       r"32 tokens, the longest row 1 with 82 tokens"):
+    with pytest.raises(
+        DatasetError,
+        match=r"data.max_prompt_tokens=32 = 32 tokens:\n.*long.parquet: 2 prompts over "
+        r"32 tokens, the longest row 1 with 82 tokens",
+    ):
         PromptDataset([path], tok, max_prompt_tokens=32)
 
 

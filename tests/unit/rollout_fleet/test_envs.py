@@ -21,11 +21,15 @@ def turn(text, k=0):
 
 
 def test_parse_hermes_tool_calls():
-    text = ('Let me compute.<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
-            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
+    text = (
+        'Let me compute.<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>'
+    )
     calls = parse_tool_calls(text)
-    assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "12*7"}),
-                                                      ("calculator", {"expression": "1+1"})]
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("calculator", {"expression": "12*7"}),
+        ("calculator", {"expression": "1+1"}),
+    ]
     assert parse_tool_calls("no calls here") == []
     with pytest.raises(ToolCallError, match="not JSON"):
         parse_tool_calls("<tool_call>{name: calculator}</tool_call>")
@@ -43,7 +47,9 @@ def test_tool_env_answers_calls_then_scores_the_final_answer():
     async def main():
         env = calculator_env()
         await env.reset("84", {})
-        r1 = await env.step(turn('<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call><|im_end|>'))
+        r1 = await env.step(
+            turn('<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call><|im_end|>')
+        )
         r2 = await env.step(turn('<tool_call>{"name": "search", "arguments": {}}</tool_call><|im_end|>', 1))
         r3 = await env.step(turn("The answer is 84.<|im_end|>", 2))
         return r1, r2, r3
@@ -83,17 +89,46 @@ def test_episode_limits_are_validated():
 
 
 def traj(i, resp, mask, reward=0.0):
-    return Trajectory(traj_id=f"g/{i}", group_id="g", sample_index=i, group_size=2, step=1, prompt_ids=[1, 2],
-                      response_ids=resp, behaviour_logprobs=[-0.5] * len(resp), reward=reward, loss_mask=mask)
+    return Trajectory(
+        traj_id=f"g/{i}",
+        group_id="g",
+        sample_index=i,
+        group_size=2,
+        step=1,
+        prompt_ids=[1, 2],
+        response_ids=resp,
+        behaviour_logprobs=[-0.5] * len(resp),
+        reward=reward,
+        loss_mask=mask,
+    )
 
 
 def test_schema_checks_the_loss_mask():
     ok = to_record_batch([traj(0, [3, 4, 5], [1, 0, 1]), traj(1, [6], [])])
     assert validate_batch(ok) is ok
-    bad_len = batch_from_rows([dict(traj_id="g/0", group_id="g", sample_index=0, group_size=1, step=1, prompt_ids=[1],
-                                    response_ids=[3, 4], behaviour_logprobs=[-0.1, -0.1], segment_starts=[0],
-                                    segment_versions=[0], reward=0.0, finish_reason="stop", engine_id="e",
-                                    data_source="d", t_start=0.0, t_end=0.0, loss_mask=[1])])
+    bad_len = batch_from_rows(
+        [
+            dict(
+                traj_id="g/0",
+                group_id="g",
+                sample_index=0,
+                group_size=1,
+                step=1,
+                prompt_ids=[1],
+                response_ids=[3, 4],
+                behaviour_logprobs=[-0.1, -0.1],
+                segment_starts=[0],
+                segment_versions=[0],
+                reward=0.0,
+                finish_reason="stop",
+                engine_id="e",
+                data_source="d",
+                t_start=0.0,
+                t_end=0.0,
+                loss_mask=[1],
+            )
+        ]
+    )
     with pytest.raises(SchemaError, match="row 0: 'loss_mask' has 1 values but 'response_ids' has 2"):
         validate_batch(bad_len)
     assert not passes_row_checks(bad_len)
@@ -112,19 +147,22 @@ def test_a_v1_batch_names_both_schema_versions():
 
 def test_plan_step_trains_only_unmasked_tokens():
     b = to_record_batch([traj(0, [3, 4, 5, 6], [1, 0, 0, 1], reward=1.0), traj(1, [7, 8], [], reward=0.0)])
-    plan = plan_step(b, rank=0, world_size=1, micro_batch_tokens=1000, advantage="mean", drop_uniform=False,
-                     aggregation="token")
+    plan = plan_step(
+        b, rank=0, world_size=1, micro_batch_tokens=1000, advantage="mean", drop_uniform=False, aggregation="token"
+    )
     (mb,) = plan.micro_batches
     assert sorted(mb.targets.tolist()) == [3, 6, 7, 8]
     assert plan.stats["response_tokens"] == 4.0
     assert float(mb.weights.sum()) == pytest.approx(1.0, abs=1e-6)  # token weights: 1/4 each, float32 sum
-    seq = plan_step(b, rank=0, world_size=1, micro_batch_tokens=1000, advantage="mean", drop_uniform=False,
-                    aggregation="sequence")
+    seq = plan_step(
+        b, rank=0, world_size=1, micro_batch_tokens=1000, advantage="mean", drop_uniform=False, aggregation="sequence"
+    )
     assert sorted(seq.micro_batches[0].seq_lens.tolist()) == [2, 2]
     # a row whose tokens are all masked is not trained on
     none = to_record_batch([traj(0, [3, 4], [0, 0], reward=1.0), traj(1, [7, 8], [1, 1], reward=0.0)])
-    p = plan_step(none, rank=0, world_size=1, micro_batch_tokens=1000, advantage="mean", drop_uniform=False,
-                  aggregation="token")
+    p = plan_step(
+        none, rank=0, world_size=1, micro_batch_tokens=1000, advantage="mean", drop_uniform=False, aggregation="token"
+    )
     assert p.stats["samples_trained"] == 1.0 and p.micro_batches[0].targets.tolist() == [7, 8]
 
 

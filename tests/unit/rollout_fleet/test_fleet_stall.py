@@ -67,8 +67,15 @@ class StandIn(PausableStandIn):
             raise
         self.answered += 1
         marker = body["prompt"][0]  # each sample names its prompt: a group's samples are its own
-        choices = [{"index": i, "token_ids": [marker, 7, 8], "logprobs": {"token_logprobs": [-0.5, -0.5, -0.5]},
-                    "finish_reason": "stop"} for i in range(body["n"])]
+        choices = [
+            {
+                "index": i,
+                "token_ids": [marker, 7, 8],
+                "logprobs": {"token_logprobs": [-0.5, -0.5, -0.5]},
+                "finish_reason": "stop",
+            }
+            for i in range(body["n"])
+        ]
         return web.json_response({"choices": choices})
 
 
@@ -82,7 +89,9 @@ class StandInFactory:
         self.restarted: list[str] = []
 
     def _client(self, index: int) -> VLLMGenerationClient:
-        return VLLMGenerationClient(f"vllm-{index}", self.stand_ins[index].url, model="tiny", timeout_s=5, request_timeout_s=30)
+        return VLLMGenerationClient(
+            f"vllm-{index}", self.stand_ins[index].url, model="tiny", timeout_s=5, request_timeout_s=30
+        )
 
     async def start(self, index: int) -> VLLMGenerationClient:
         return self._client(index)
@@ -101,8 +110,15 @@ class StandInFactory:
 
 
 def _cfg(stall_timeout_s: float | None, **kw) -> RolloutConfig:
-    return RolloutConfig(engine="vllm", health_interval_s=0.05, health_timeout_s=2.0, request_timeout_s=30.0,
-                         startup_timeout_s=10.0, stall_timeout_s=stall_timeout_s, **kw)
+    return RolloutConfig(
+        engine="vllm",
+        health_interval_s=0.05,
+        health_timeout_s=2.0,
+        request_timeout_s=30.0,
+        startup_timeout_s=10.0,
+        stall_timeout_s=stall_timeout_s,
+        **kw,
+    )
 
 
 async def _fleet(cfg: RolloutConfig, stand_ins: list[StandIn]) -> tuple[FleetController, list[web.AppRunner]]:
@@ -120,7 +136,8 @@ async def _close(fleet: FleetController, runners: list[web.AppRunner]) -> None:
 
 async def _groups(fleet: FleetController, markers: range, limit_s: float = 15.0):
     return await asyncio.wait_for(
-        asyncio.gather(*(fleet.run_group(f"g{m}", [m, 1, 2], PARAMS) for m in markers)), limit_s)
+        asyncio.gather(*(fleet.run_group(f"g{m}", [m, 1, 2], PARAMS) for m in markers)), limit_s
+    )
 
 
 async def _until(cond, limit_s: float = 10.0) -> None:
@@ -174,6 +191,7 @@ def test_a_hung_server_is_stalled_its_groups_run_once_on_the_healthy_one(caplog)
 def test_a_slow_server_that_answers_is_not_stalled():
     """One request at a time, 0.3 s each, five in flight: the last waits 1.5 s, past the stall timeout,
     but the server answers every 0.3 s."""
+
     async def main():
         slow = StandIn(delay_s=0.3, serial=True)
         fleet, runners = await _fleet(_cfg(1.0), [slow])
@@ -199,7 +217,9 @@ def test_a_server_paused_for_a_publish_is_not_stalled_one_left_paused_is(caplog)
     async def main():
         loading, left = StandIn(), StandIn()
         fleet, runners = await _fleet(_cfg(stall_s, restart_dead_servers=False), [loading, left])
-        publisher = [VLLMWeightClient(f"pub-{i}", s.url, model="tiny", timeout_s=5) for i, s in enumerate((loading, left))]
+        publisher = [
+            VLLMWeightClient(f"pub-{i}", s.url, model="tiny", timeout_s=5) for i, s in enumerate((loading, left))
+        ]
         try:
             for p in publisher:
                 await p.pause("keep")
@@ -235,17 +255,20 @@ def test_a_server_paused_for_a_publish_is_not_stalled_one_left_paused_is(caplog)
 def test_the_fleets_own_weight_update_stops_the_clock():
     """An in-flight update (pause keep) freezes the running groups for the 1.5 s of the transfer: longer
     than the stall timeout without an answer, and no stall."""
-    sim = SimulatedEngineConfig(tokens_per_s=100.0, length_median=50.0, length_sigma=0.0, weight_bytes=1.5e9,
-                                transfer_gb_per_s=1.0)
-    cfg = RolloutConfig(engine="simulated", weight_update="inflight", health_interval_s=0.05, stall_timeout_s=1.0,
-                        simulated=sim)
+    sim = SimulatedEngineConfig(
+        tokens_per_s=100.0, length_median=50.0, length_sigma=0.0, weight_bytes=1.5e9, transfer_gb_per_s=1.0
+    )
+    cfg = RolloutConfig(
+        engine="simulated", weight_update="inflight", health_interval_s=0.05, stall_timeout_s=1.0, simulated=sim
+    )
 
     async def main():
         fleet = FleetController(cfg, SimulatedFactory(sim))
         await fleet.start(1)
         try:
-            groups = asyncio.gather(*(fleet.run_group(f"g{i}", [i], SamplingParams(n=2, max_tokens=64))
-                                      for i in range(4)))
+            groups = asyncio.gather(
+                *(fleet.run_group(f"g{i}", [i], SamplingParams(n=2, max_tokens=64)) for i in range(4))
+            )
             await asyncio.sleep(0.1)
             update_s = await fleet.update_fleet(1)
             results = await asyncio.wait_for(groups, 10)
@@ -282,11 +305,29 @@ def test_progress_watch_counts_only_time_in_flight_and_ends_at_answers():
 
 
 def test_status_shows_the_stalls_and_each_servers_silence():
-    server = ServerStatus(engine_id="vllm-1", index=1, state=ServerState.HEALTHY, version=3, simulated=False,
-                          outstanding_tokens=64, inflight_groups=4, groups_done=9, tokens_done=90, restarts=1,
-                          pid=None, tok_per_s=0.0, silent_s=97.4)
-    snap = JobSnapshot(fleet=FleetStatus(servers=[server], server_stalls=1, server_deaths=2, groups_requeued=6),
-                       learner=LearnerStatus(), max_steps=3, max_staleness=2, simulated=False, wall_s=1.0)
+    server = ServerStatus(
+        engine_id="vllm-1",
+        index=1,
+        state=ServerState.HEALTHY,
+        version=3,
+        simulated=False,
+        outstanding_tokens=64,
+        inflight_groups=4,
+        groups_done=9,
+        tokens_done=90,
+        restarts=1,
+        pid=None,
+        tok_per_s=0.0,
+        silent_s=97.4,
+    )
+    snap = JobSnapshot(
+        fleet=FleetStatus(servers=[server], server_stalls=1, server_deaths=2, groups_requeued=6),
+        learner=LearnerStatus(),
+        max_steps=3,
+        max_staleness=2,
+        simulated=False,
+        wall_s=1.0,
+    )
     text = format_status(json.loads(json.dumps(snap.to_wire())))
     assert "fleet: 6 groups re-queued, 2 server deaths, 1 server stalls" in text
     assert re.search(r"vllm-1 +healthy +3 +4 +9 +0 +97s", text), text

@@ -47,8 +47,13 @@ def test_chatml_record_with_a_tool_call(tok):
     async def generate(context, params, min_version):
         contexts.append(list(context))
         ids = turns[len(contexts) - 1]
-        return "scripted-0", Sample(token_ids=np.asarray(ids, np.int32), logprobs=np.full(len(ids), -0.5, np.float32),
-                                    finish_reason="stop", segment_starts=[0], segment_versions=[2])
+        return "scripted-0", Sample(
+            token_ids=np.asarray(ids, np.int32),
+            logprobs=np.full(len(ids), -0.5, np.float32),
+            finish_reason="stop",
+            segment_starts=[0],
+            segment_versions=[2],
+        )
 
     proxy = ChatProxy(generate, tok, model_name="m", stop_token_ids=[end])
     msgs = [{"role": "user", "content": "37*48?"}]

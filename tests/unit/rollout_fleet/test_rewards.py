@@ -319,15 +319,18 @@ def test_batched_reward_with_a_wrong_length_names_the_function(verl_module):
             asyncio.run(pool.score_batch([("4", "4", "s0", None), ("3", "4", "s1", None)]))
 
 
-@pytest.mark.parametrize(("source", "response", "truth", "want"), [
-    ("openai/gsm8k", "... so she has 18 eggs.\n#### 18", "18", 1.0),
-    ("openai/gsm8k", "she has 18 eggs", "18", 0.0),  # strict: GSM8K's #### marker is required
-    ("openai/gsm8k", "#### 1,234", "1234", 1.0),
-    ("fleetrl/word_problems", "Mia has 14 + 5 = 19 shells.", "19", 1.0),  # flexible: the last number
-    ("fleetrl/word_problems", "19 shells, or 20", "19", 0.0),
-    ("addition", "432", "432", 1.0),
-    ("lighteval/MATH", "the answer is $\\frac{1}{2}$", "\\frac{1}{2}", 1.0),
-])
+@pytest.mark.parametrize(
+    ("source", "response", "truth", "want"),
+    [
+        ("openai/gsm8k", "... so she has 18 eggs.\n#### 18", "18", 1.0),
+        ("openai/gsm8k", "she has 18 eggs", "18", 0.0),  # strict: GSM8K's #### marker is required
+        ("openai/gsm8k", "#### 1,234", "1234", 1.0),
+        ("fleetrl/word_problems", "Mia has 14 + 5 = 19 shells.", "19", 1.0),  # flexible: the last number
+        ("fleetrl/word_problems", "19 shells, or 20", "19", 0.0),
+        ("addition", "432", "432", 1.0),
+        ("lighteval/MATH", "the answer is $\\frac{1}{2}$", "\\frac{1}{2}", 1.0),
+    ],
+)
 def test_default_scorer_routes_by_data_source(source, response, truth, want):
     from rollout_fleet.scorers import default
 

@@ -24,8 +24,10 @@ def judge():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    return (AutoModelForCausalLM.from_pretrained(JUDGE, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(JUDGE / "tokenizer"))  # as the server loads it (tokenizer_path)
+    return (
+        AutoModelForCausalLM.from_pretrained(JUDGE, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(JUDGE / "tokenizer"),
+    )  # as the server loads it (tokenizer_path)
 
 
 def test_the_tiny_judge_separates_right_from_wrong_answers(judge):

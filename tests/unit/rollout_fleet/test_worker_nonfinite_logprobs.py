@@ -58,7 +58,6 @@ class Scorer:
         return [float(i % 2) for i in range(len(samples))]
 
 
-
 def run(bad_calls: int):
     async def main():
         sim = SimulatedEngineConfig(tokens_per_s=50_000.0, length_median=8, length_sigma=0.3)
@@ -66,8 +65,14 @@ def run(bad_calls: int):
         fleet = FleetController(cfg, HolesFactory(sim, bad_calls))
         await fleet.start(1)
         producer = MemoryProducer()
-        worker = RolloutWorker(fleet, AsyncProducer(producer), prompts=None, rewards=Scorer(),
-                               sampling=SamplingConfig(n=4, max_tokens=16), max_inflight_groups=4)
+        worker = RolloutWorker(
+            fleet,
+            AsyncProducer(producer),
+            prompts=None,
+            rewards=Scorer(),
+            sampling=SamplingConfig(n=4, max_tokens=16),
+            max_inflight_groups=4,
+        )
         prompt = Prompt(prompt_ids=[5, 6, 7], ground_truth="x")
         await worker._group(Ticket(step=1, ticket_id=0), prompt)
         await fleet.close()

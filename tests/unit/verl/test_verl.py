@@ -61,8 +61,16 @@ def test_seed_script_resolves_to_a_config(tmp_path):
     """The whole mapping through the launcher; the hub id is swapped for a local model (no download)."""
     text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")})
     assert {o.split("=")[0] for o in translate(text).overrides} >= MINI_BATCH_KEYS
-    args = argparse.Namespace(overrides=[], recipe=None, verl=text, rollout_gpus=1, learner_gpus=1, simulate=False,
-                              max_steps=None, run_dir=str(tmp_path))
+    args = argparse.Namespace(
+        overrides=[],
+        recipe=None,
+        verl=text,
+        rollout_gpus=1,
+        learner_gpus=1,
+        simulate=False,
+        max_steps=None,
+        run_dir=str(tmp_path),
+    )
     cfg = resolve_config(args)
     assert cfg.broker.groups_per_step == 1024 and cfg.rollout.sampling.n == 5
     assert cfg.rollout.max_model_len == 1536 and cfg.learner.loss.kl_coef == 0.001
@@ -76,13 +84,23 @@ def test_seed_script_resolves_to_a_config(tmp_path):
 def test_rollout_correction_keys_resolve_to_a_learner_config(tmp_path):
     """verl-recipe's rollout_corr keys (sequence IS, batch-normalised, geometric rejection, the veto) through the
     launcher: learner.rollout_correction validates and carries verl's bounds in log space."""
-    rc = ("algorithm.rollout_correction.rollout_is=sequence algorithm.rollout_correction.rollout_is_batch_normalize=true "
-          "algorithm.rollout_correction.rollout_rs=geometric algorithm.rollout_correction.rollout_rs_threshold=1.01 "
-          "algorithm.rollout_correction.rollout_rs_threshold_lower=0.99 "
-          "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4")
+    rc = (
+        "algorithm.rollout_correction.rollout_is=sequence algorithm.rollout_correction.rollout_is_batch_normalize=true "
+        "algorithm.rollout_correction.rollout_rs=geometric algorithm.rollout_correction.rollout_rs_threshold=1.01 "
+        "algorithm.rollout_correction.rollout_rs_threshold_lower=0.99 "
+        "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4"
+    )
     text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")}) + " " + rc
-    args = argparse.Namespace(overrides=[], recipe=None, verl=text, rollout_gpus=1, learner_gpus=1, simulate=False,
-                              max_steps=None, run_dir=str(tmp_path))
+    args = argparse.Namespace(
+        overrides=[],
+        recipe=None,
+        verl=text,
+        rollout_gpus=1,
+        learner_gpus=1,
+        simulate=False,
+        max_steps=None,
+        run_dir=str(tmp_path),
+    )
     lc = resolve_config(args).learner
     assert lc.loss.correction == "decoupled" and lc.rollout_correction.enable
     assert lc.rollout_correction.is_level == "sequence" and lc.rollout_correction.is_batch_normalize
@@ -93,18 +111,27 @@ def test_rollout_correction_keys_resolve_to_a_learner_config(tmp_path):
 
 
 # entropy_coeff, data.truncation, use_kl_in_reward and the other estimators map now (test_verl_scripts.py)
-@pytest.mark.parametrize(("arg", "needle"), [
-    ("data.truncation=sideways", "verl has error, left, right and middle"),
-    ("actor_rollout_ref.model.lora.rank=32", "[needs lora] LoRA adapters"),  # verl's nested (Megatron) section
-    ("actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=kl",
-     "'kl' (k1) has zero expected gradient"),
-    ("actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=full",
-     "fleetrl has 'low_var_kl' (k3) and 'mse' (k2)"),
-    ("actor_rollout_ref.rollout.name=hf", "[needs other_engine] rollout.name 'hf'"),
-    ("reward_model.enable=True", "[needs other_engine] verl's reward-model worker pool"),
-    ("actor_rollout_ref.actor.ppo_mini_batchsize=8", "not known to fleetrl. Did you mean "
-     "'actor_rollout_ref.actor.ppo_mini_batch_size'?"),
-])
+@pytest.mark.parametrize(
+    ("arg", "needle"),
+    [
+        ("data.truncation=sideways", "verl has error, left, right and middle"),
+        ("actor_rollout_ref.model.lora.rank=32", "[needs lora] LoRA adapters"),  # verl's nested (Megatron) section
+        (
+            "actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=kl",
+            "'kl' (k1) has zero expected gradient",
+        ),
+        (
+            "actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=full",
+            "fleetrl has 'low_var_kl' (k3) and 'mse' (k2)",
+        ),
+        ("actor_rollout_ref.rollout.name=hf", "[needs other_engine] rollout.name 'hf'"),
+        ("reward_model.enable=True", "[needs other_engine] verl's reward-model worker pool"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batchsize=8",
+            "not known to fleetrl. Did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?",
+        ),
+    ],
+)
 def test_refused_keys_are_named_with_the_reason(arg, needle):
     with pytest.raises(ConfigError) as err:
         translate(f"algorithm.adv_estimator=grpo {arg}")
@@ -113,18 +140,21 @@ def test_refused_keys_are_named_with_the_reason(arg, needle):
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        translate("algorithm.adv_estimator=grpo actor_rollout_ref.model.lora.rank=8 data.truncation=sideways "
-                  "trainer.nosuch=1")
+        translate(
+            "algorithm.adv_estimator=grpo actor_rollout_ref.model.lora.rank=8 data.truncation=sideways trainer.nosuch=1"
+        )
     msg = str(err.value)
     assert "lora.rank" in msg and "truncation" in msg and "trainer.nosuch" in msg
 
 
 def test_small_mappings():
-    o = translate("algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=False actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean "
-                  "actor_rollout_ref.rollout.temperature=0.7 +trainer.total_training_steps=7 "
-                  "trainer.total_epochs=3 data.train_files=[a.parquet] custom_reward_function.path=my/score.py "
-                  "reward_model.reward_manager=batch actor_rollout_ref.actor.use_dynamic_bsz=True "
-                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 trainer.resume_mode=disable").overrides
+    o = translate(
+        "algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=False actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean "
+        "actor_rollout_ref.rollout.temperature=0.7 +trainer.total_training_steps=7 "
+        "trainer.total_epochs=3 data.train_files=[a.parquet] custom_reward_function.path=my/score.py "
+        "reward_model.reward_manager=batch actor_rollout_ref.actor.use_dynamic_bsz=True "
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 trainer.resume_mode=disable"
+    ).overrides
     assert "learner.loss.advantage=mean" in o and "learner.loss.aggregation=sequence" in o
     assert "rollout.sampling.temperature=0.7" in o and not any(x.startswith("learner.temperature") for x in o)
     assert "run.max_steps=7" in o  # total_training_steps wins over epochs, as in verl
@@ -135,8 +165,13 @@ def test_small_mappings():
 def test_verl_subcommand_prints_the_mapping_and_config(capsys):
     from launch.cluster import main
 
-    rc = main(["verl", f"algorithm.adv_estimator=grpo data.train_files={DATA / 'train.parquet'} data.val_files={DATA / 'test.parquet'} "
-               f"actor_rollout_ref.model.path={REPO / 'models/tiny-adder'} actor_rollout_ref.rollout.n=4"])
+    rc = main(
+        [
+            "verl",
+            f"algorithm.adv_estimator=grpo data.train_files={DATA / 'train.parquet'} data.val_files={DATA / 'test.parquet'} "
+            f"actor_rollout_ref.model.path={REPO / 'models/tiny-adder'} actor_rollout_ref.rollout.n=4",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "actor_rollout_ref.rollout.n=4" in out and "rollout.sampling.n=4" in out

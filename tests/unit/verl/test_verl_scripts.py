@@ -35,9 +35,18 @@ SEED = (HERE / "run_qwen2-7b_gsm8k_grpo.sh").read_text().replace("$HOME/data/gsm
 # Scripts that map with no refusal today (the table in docs/verl.md); a floor, so new capabilities only raise it
 MAPPED_FLOOR = 46
 # keys agreed for this wave (notes/keys.md) that other branches add to the config models
-AGREED = ("learner.loss.advantage", "learner.loss.entropy_coeff", "learner.loss.policy_loss",
-          "learner.loss.loss_scale_factor", "learner.loss.gamma", "learner.loss.lam", "learner.kl_reward.",
-          "rollout.filter_groups.", "reward.overlong_buffer.", "learner.critic.")
+AGREED = (
+    "learner.loss.advantage",
+    "learner.loss.entropy_coeff",
+    "learner.loss.policy_loss",
+    "learner.loss.loss_scale_factor",
+    "learner.loss.gamma",
+    "learner.loss.lam",
+    "learner.kl_reward.",
+    "rollout.filter_groups.",
+    "reward.overlong_buffer.",
+    "learner.critic.",
+)
 
 
 def _overrides(m) -> dict[str, str]:
@@ -55,8 +64,9 @@ def _known(key: str) -> bool:
         ann = model.model_fields[part].annotation
         union = typing.get_origin(ann) in (typing.Union, types.UnionType)
         args = [a for a in typing.get_args(ann) if a is not type(None)] if union else [ann]
-        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)),
-                     typing.get_origin(args[0]) or args[0])
+        model = next(
+            (a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), typing.get_origin(args[0]) or args[0]
+        )
     return True
 
 
@@ -102,8 +112,9 @@ def test_seed_script_runs_with_verl_defaults():
     assert o["learner.optim.weight_decay"] == "0.01" and o["learner.optim.lr"] == "1e-6"
     assert o["rollout.sampling.max_tokens"] == "1024"  # the script's own
     # without the script's lr and response length, verl's defaults stand in, not fleetrl's 1e-5 and 256
-    bare = translate(SEED.replace("actor_rollout_ref.actor.optim.lr=1e-6", "")
-                     .replace("data.max_response_length=1024", ""))
+    bare = translate(
+        SEED.replace("actor_rollout_ref.actor.optim.lr=1e-6", "").replace("data.max_response_length=1024", "")
+    )
     o = _overrides(bare)
     assert float(o["learner.optim.lr"]) == 1e-6 and o["rollout.sampling.max_tokens"] == "512"  # same literal
     assert o["learner.loss.clip_high"] == "0.2" and o["learner.optim.weight_decay"] == "0.01"
@@ -145,75 +156,144 @@ def test_one_step_off_is_one_version_stale():
     assert o["broker.max_staleness"] == "1" and o["learner.loss.correction"] == "bypass"  # the entry's bypass_mode
 
 
-@pytest.mark.parametrize(("args", "expect"), [
-    ("algorithm.adv_estimator=rloo", {"learner.loss.advantage": "rloo"}),
-    ("algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=False", {"learner.loss.advantage": "mean"}),
-    ("algorithm.adv_estimator=reinforce_plus_plus_baseline",
-     {"learner.loss.advantage": "reinforce_plus_plus_baseline"}),
-    ("algorithm.adv_estimator=gpg", {"learner.loss.advantage": "gpg"}),
-    ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm actor_rollout_ref.actor.loss_scale_factor=1024",
-     {"learner.loss.aggregation": "seq_mean_token_sum_norm", "learner.loss.loss_scale_factor": "1024"}),
-    ("actor_rollout_ref.actor.loss_agg_mode=token-sum", {"learner.loss.aggregation": "token_sum"}),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", {"learner.loss.policy_loss": "gspo"}),
-    ("actor_rollout_ref.actor.entropy_coeff=0.001", {"learner.loss.entropy_coeff": "0.001"}),
-    ("algorithm.use_kl_in_reward=True algorithm.kl_penalty=low_var_kl algorithm.kl_ctrl.type=adaptive "
-     "algorithm.kl_ctrl.kl_coef=0.002", {"learner.kl_reward.enable": "true", "learner.kl_reward.estimator": "k3",
-                                         "learner.kl_reward.type": "adaptive", "learner.kl_reward.coef": "0.002"}),
-    ("algorithm.filter_groups.enable=True algorithm.filter_groups.metric=acc "
-     "algorithm.filter_groups.max_num_gen_batches=10",
-     {"rollout.filter_groups.enable": "true", "rollout.filter_groups.metric": "acc",
-      "rollout.filter_groups.max_num_gen_batches": "10"}),
-    ("reward_model.reward_manager=dapo +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True "
-     "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128 "
-     "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
-     {"reward.overlong_buffer.enable": "true", "reward.overlong_buffer.len": "128",
-      "reward.overlong_buffer.penalty_factor": "0.5"}),
-    ("reward.reward_manager.name=prime", {"reward.mode": "process", "reward.batched": "false"}),
-    ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
-     {"learner.loss.correction": "decoupled", "learner.loss.tis_cap": "3.0"}),
-    ("algorithm.rollout_correction.bypass_mode=True", {"learner.loss.correction": "bypass"}),
-    # verl's fully-async MIS scripts: bypass (the entry's default) with seq_mean_k1 rejection, per micro-batch
-    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.rollout_is=null "
-     "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001",
-     {"learner.loss.correction": "bypass", "learner.rollout_correction.enable": "true",
-      "learner.rollout_correction.is_level": "none"}),
-    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
-     "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
-     {"learner.loss.correction": "tis", "learner.loss.tis_cap": "3.0"}),
-    # IcePop band and sequence IS with batch normalisation: learner.rollout_correction
-    ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=0.5_4.0",
-     {"learner.loss.correction": "decoupled", "learner.rollout_correction.enable": "true",
-      "learner.rollout_correction.is_level": "token", "learner.rollout_correction.is_upper": "4.0",
-      "learner.rollout_correction.is_lower": "0.5", "learner.rollout_correction.rejection": "[]"}),
-    ("algorithm.rollout_correction.rollout_is=sequence algorithm.rollout_correction.rollout_is_batch_normalize=true",
-     {"learner.rollout_correction.is_level": "sequence", "learner.rollout_correction.is_batch_normalize": "true",
-      "learner.rollout_correction.is_upper": "2.0"}),
-    # k2/k3 options take one upper bound each, comma-separated per option
-    ("algorithm.rollout_correction.rollout_rs=token_k2,seq_max_k3 algorithm.rollout_correction.rollout_rs_threshold=0.5,2",
-     {"learner.rollout_correction.rejection": "[{statistic: k2, level: token, lower: null, upper: 0.5, name: "
-      "token_k2}, {statistic: k3, level: seq_max, lower: null, upper: 2.0, name: seq_max_k3}]",
-      "learner.rollout_correction.is_level": "none"}),
-    ("actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.rollout.top_k=0",
-     {"learner.loss.clip_ratio_c": "10.0", "rollout.sampling.top_k": "-1"}),
-    ("actor_rollout_ref.rollout.val_kwargs.top_k=20 actor_rollout_ref.rollout.val_kwargs.n=4",
-     {"rollout.eval_sampling.top_k": "20", "rollout.eval_sampling.n": "4"}),
-    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 "
-     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4 actor_rollout_ref.actor.strategy=megatron",
-     {"learner.megatron.tensor_model_parallel_size": "2", "learner.megatron.pipeline_model_parallel_size": "4",
-      "learner.engine": "megatron"}),
-    ("trainer.val_before_train=False data.truncation=middle", {"run.eval_before_train": "false",
-                                                                "data.truncation": "middle"}),
-    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1 trainer.total_training_steps=50",
-     {"learner.optim.warmup_steps": "5", "run.max_steps": "50"}),
-    ("data.apply_chat_template_kwargs.enable_thinking=False", {"data.chat_template_kwargs.enable_thinking": "false"}),
-    ("actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8",
-     {"rollout.vllm_server_args": '["--kv-cache-dtype", "fp8"]'}),
-    ("actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=4096", {"rollout.max_model_len": "4096"}),
-    # verl 0.9 clips with clip_ratio_low/high (0.2 each); clip_ratio is their fallback only when they are null
-    ("actor_rollout_ref.actor.clip_ratio=0.3", {"learner.loss.clip_low": "0.2", "learner.loss.clip_high": "0.2"}),
-    ("actor_rollout_ref.actor.clip_ratio=0.3 actor_rollout_ref.actor.clip_ratio_high=null",
-     {"learner.loss.clip_low": "0.2", "learner.loss.clip_high": "0.3"}),
-])
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        ("algorithm.adv_estimator=rloo", {"learner.loss.advantage": "rloo"}),
+        ("algorithm.adv_estimator=grpo algorithm.norm_adv_by_std_in_grpo=False", {"learner.loss.advantage": "mean"}),
+        (
+            "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+            {"learner.loss.advantage": "reinforce_plus_plus_baseline"},
+        ),
+        ("algorithm.adv_estimator=gpg", {"learner.loss.advantage": "gpg"}),
+        (
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm actor_rollout_ref.actor.loss_scale_factor=1024",
+            {"learner.loss.aggregation": "seq_mean_token_sum_norm", "learner.loss.loss_scale_factor": "1024"},
+        ),
+        ("actor_rollout_ref.actor.loss_agg_mode=token-sum", {"learner.loss.aggregation": "token_sum"}),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", {"learner.loss.policy_loss": "gspo"}),
+        ("actor_rollout_ref.actor.entropy_coeff=0.001", {"learner.loss.entropy_coeff": "0.001"}),
+        (
+            "algorithm.use_kl_in_reward=True algorithm.kl_penalty=low_var_kl algorithm.kl_ctrl.type=adaptive "
+            "algorithm.kl_ctrl.kl_coef=0.002",
+            {
+                "learner.kl_reward.enable": "true",
+                "learner.kl_reward.estimator": "k3",
+                "learner.kl_reward.type": "adaptive",
+                "learner.kl_reward.coef": "0.002",
+            },
+        ),
+        (
+            "algorithm.filter_groups.enable=True algorithm.filter_groups.metric=acc "
+            "algorithm.filter_groups.max_num_gen_batches=10",
+            {
+                "rollout.filter_groups.enable": "true",
+                "rollout.filter_groups.metric": "acc",
+                "rollout.filter_groups.max_num_gen_batches": "10",
+            },
+        ),
+        (
+            "reward_model.reward_manager=dapo +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True "
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128 "
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+            {
+                "reward.overlong_buffer.enable": "true",
+                "reward.overlong_buffer.len": "128",
+                "reward.overlong_buffer.penalty_factor": "0.5",
+            },
+        ),
+        ("reward.reward_manager.name=prime", {"reward.mode": "process", "reward.batched": "false"}),
+        (
+            "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
+            {"learner.loss.correction": "decoupled", "learner.loss.tis_cap": "3.0"},
+        ),
+        ("algorithm.rollout_correction.bypass_mode=True", {"learner.loss.correction": "bypass"}),
+        # verl's fully-async MIS scripts: bypass (the entry's default) with seq_mean_k1 rejection, per micro-batch
+        (
+            "algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.rollout_is=null "
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001",
+            {
+                "learner.loss.correction": "bypass",
+                "learner.rollout_correction.enable": "true",
+                "learner.rollout_correction.is_level": "none",
+            },
+        ),
+        (
+            "algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
+            "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=3.0",
+            {"learner.loss.correction": "tis", "learner.loss.tis_cap": "3.0"},
+        ),
+        # IcePop band and sequence IS with batch normalisation: learner.rollout_correction
+        (
+            "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=0.5_4.0",
+            {
+                "learner.loss.correction": "decoupled",
+                "learner.rollout_correction.enable": "true",
+                "learner.rollout_correction.is_level": "token",
+                "learner.rollout_correction.is_upper": "4.0",
+                "learner.rollout_correction.is_lower": "0.5",
+                "learner.rollout_correction.rejection": "[]",
+            },
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is=sequence algorithm.rollout_correction.rollout_is_batch_normalize=true",
+            {
+                "learner.rollout_correction.is_level": "sequence",
+                "learner.rollout_correction.is_batch_normalize": "true",
+                "learner.rollout_correction.is_upper": "2.0",
+            },
+        ),
+        # k2/k3 options take one upper bound each, comma-separated per option
+        (
+            "algorithm.rollout_correction.rollout_rs=token_k2,seq_max_k3 algorithm.rollout_correction.rollout_rs_threshold=0.5,2",
+            {
+                "learner.rollout_correction.rejection": "[{statistic: k2, level: token, lower: null, upper: 0.5, name: "
+                "token_k2}, {statistic: k3, level: seq_max, lower: null, upper: 2.0, name: seq_max_k3}]",
+                "learner.rollout_correction.is_level": "none",
+            },
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.rollout.top_k=0",
+            {"learner.loss.clip_ratio_c": "10.0", "rollout.sampling.top_k": "-1"},
+        ),
+        (
+            "actor_rollout_ref.rollout.val_kwargs.top_k=20 actor_rollout_ref.rollout.val_kwargs.n=4",
+            {"rollout.eval_sampling.top_k": "20", "rollout.eval_sampling.n": "4"},
+        ),
+        (
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 "
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4 actor_rollout_ref.actor.strategy=megatron",
+            {
+                "learner.megatron.tensor_model_parallel_size": "2",
+                "learner.megatron.pipeline_model_parallel_size": "4",
+                "learner.engine": "megatron",
+            },
+        ),
+        (
+            "trainer.val_before_train=False data.truncation=middle",
+            {"run.eval_before_train": "false", "data.truncation": "middle"},
+        ),
+        (
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1 trainer.total_training_steps=50",
+            {"learner.optim.warmup_steps": "5", "run.max_steps": "50"},
+        ),
+        (
+            "data.apply_chat_template_kwargs.enable_thinking=False",
+            {"data.chat_template_kwargs.enable_thinking": "false"},
+        ),
+        (
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8",
+            {"rollout.vllm_server_args": '["--kv-cache-dtype", "fp8"]'},
+        ),
+        ("actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=4096", {"rollout.max_model_len": "4096"}),
+        # verl 0.9 clips with clip_ratio_low/high (0.2 each); clip_ratio is their fallback only when they are null
+        ("actor_rollout_ref.actor.clip_ratio=0.3", {"learner.loss.clip_low": "0.2", "learner.loss.clip_high": "0.2"}),
+        (
+            "actor_rollout_ref.actor.clip_ratio=0.3 actor_rollout_ref.actor.clip_ratio_high=null",
+            {"learner.loss.clip_low": "0.2", "learner.loss.clip_high": "0.3"},
+        ),
+    ],
+)
 def test_family_mappings(args, expect):
     o = _overrides(translate("algorithm.adv_estimator=grpo " + args))
     for k, v in expect.items():
@@ -234,24 +314,33 @@ def test_rollout_correction_scripts_map_to_verls_rules():
     o = _overrides(translate(local_command(by_name["run_dapo_qwen2.5_32b_rollout_corr.sh"])))
     rules = yaml.safe_load(o["learner.rollout_correction.rejection"])
     assert [(r["name"], r["statistic"], r["level"]) for r in rules] == [
-        ("geometric", "log_ratio", "seq_mean"), ("veto", "log_ratio", "seq_min")]
+        ("geometric", "log_ratio", "seq_mean"),
+        ("veto", "log_ratio", "seq_min"),
+    ]
     assert rules[0]["lower"] == pytest.approx(math.log(0.99)) and rules[1]["lower"] == pytest.approx(math.log(1e-4))
     assert o["learner.rollout_correction.is_batch_normalize"] == "true"
 
 
-@pytest.mark.parametrize(("arg", "capability"), [
-    ("data.image_key=images", "vlm"),
-    ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=8", "moe_expert_parallel"),
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context_parallel"),
-    ("actor_rollout_ref.model.lora.rank=32", "lora"),  # verl's nested (Megatron) LoRA section
-    ("actor_rollout_ref.rollout.name=trtllm", "other_engine"),
-    ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "other_engine"),
-    ("algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
-     "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01",
-     "rollout_correction"),
-    ("algorithm.rollout_correction.rollout_is=sequence actor_rollout_ref.actor.strategy=megatron",
-     "rollout_correction"),
-])
+@pytest.mark.parametrize(
+    ("arg", "capability"),
+    [
+        ("data.image_key=images", "vlm"),
+        ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=8", "moe_expert_parallel"),
+        ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context_parallel"),
+        ("actor_rollout_ref.model.lora.rank=32", "lora"),  # verl's nested (Megatron) LoRA section
+        ("actor_rollout_ref.rollout.name=trtllm", "other_engine"),
+        ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "other_engine"),
+        (
+            "algorithm.rollout_correction.bypass_mode=True algorithm.rollout_correction.loss_type=reinforce "
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1 algorithm.rollout_correction.rollout_rs_threshold=0.99_1.01",
+            "rollout_correction",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is=sequence actor_rollout_ref.actor.strategy=megatron",
+            "rollout_correction",
+        ),
+    ],
+)
 def test_refusals_by_capability(arg, capability):
     with pytest.raises(Untranslatable) as err:
         translate(f"algorithm.adv_estimator=grpo {arg}")
@@ -259,13 +348,18 @@ def test_refusals_by_capability(arg, capability):
     assert f"[needs {capability}]" in str(err.value)
 
 
-@pytest.mark.parametrize(("arg", "needle"), [
-    ("algorithm.adv_estimator=remax", "remax needs a greedy baseline rollout"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "clip_cov and kl_cov select tokens"),
-    ("data.train_batch_size=0", "0 is the fully-async trainer's"),
-    ("actor_rollout_ref.model.trust_remote_code=True actor_rollout_ref.model.path=Qwen/Qwen2-7B",
-     "not a local model folder"),
-])
+@pytest.mark.parametrize(
+    ("arg", "needle"),
+    [
+        ("algorithm.adv_estimator=remax", "remax needs a greedy baseline rollout"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "clip_cov and kl_cov select tokens"),
+        ("data.train_batch_size=0", "0 is the fully-async trainer's"),
+        (
+            "actor_rollout_ref.model.trust_remote_code=True actor_rollout_ref.model.path=Qwen/Qwen2-7B",
+            "not a local model folder",
+        ),
+    ],
+)
 def test_bad_values_are_refused_with_the_reason(arg, needle):
     with pytest.raises(Untranslatable) as err:
         translate(f"algorithm.adv_estimator=grpo {arg}")
@@ -273,8 +367,10 @@ def test_bad_values_are_refused_with_the_reason(arg, needle):
 
 
 def test_trust_remote_code_on_a_local_folder_of_transformers_classes():
-    m = translate(f"algorithm.adv_estimator=grpo actor_rollout_ref.model.path={REPO / 'models/tiny-adder'} "
-                  "actor_rollout_ref.model.trust_remote_code=True")
+    m = translate(
+        f"algorithm.adv_estimator=grpo actor_rollout_ref.model.path={REPO / 'models/tiny-adder'} "
+        "actor_rollout_ref.model.trust_remote_code=True"
+    )
     assert any("no remote code runs" in v for k, v in m.notes if k.startswith(f"{'actor_rollout_ref'}.model.trust"))
 
 
@@ -324,12 +420,23 @@ VERL_LORA_EXAMPLE = """algorithm.adv_estimator=grpo trainer.val_before_train=Fal
 def test_verl_lora_example_translates_onto_learner_lora(tmp_path):
     cmd = VERL_LORA_EXAMPLE.format(data=REPO / "data/word_problems", model=REPO / "models/tiny-adder")
     o = _overrides(translate(cmd.split()))
-    assert (o["learner.lora.rank"], o["learner.lora.alpha"], o["learner.lora.target_modules"]) == ("64", "32", "all-linear")
+    assert (o["learner.lora.rank"], o["learner.lora.alpha"], o["learner.lora.target_modules"]) == (
+        "64",
+        "32",
+        "all-linear",
+    )
     assert not any(k.startswith("learner.lora.") for k in _overrides(translate(SEED)))
-    o = _overrides(translate(SEED.replace("lr=1e-6", "lr=1e-6 actor_rollout_ref.model.lora_rank=8 "
-                                          "actor_rollout_ref.model.target_modules=[q_proj,v_proj] "
-                                          "actor_rollout_ref.model.exclude_modules=o_proj "
-                                          f"actor_rollout_ref.model.lora_adapter_path={tmp_path}")))
+    o = _overrides(
+        translate(
+            SEED.replace(
+                "lr=1e-6",
+                "lr=1e-6 actor_rollout_ref.model.lora_rank=8 "
+                "actor_rollout_ref.model.target_modules=[q_proj,v_proj] "
+                "actor_rollout_ref.model.exclude_modules=o_proj "
+                f"actor_rollout_ref.model.lora_adapter_path={tmp_path}",
+            )
+        )
+    )
     assert o["learner.lora.target_modules"] == "[q_proj, v_proj]" and o["learner.lora.exclude_modules"] == "[o_proj]"
     assert o["learner.lora.alpha"] == "16" and o["learner.lora.adapter_path"] == str(tmp_path)  # verl's default alpha
 
@@ -342,12 +449,16 @@ def test_lora_no_longer_refused_in_the_corpus():
 def test_ulysses_maps_onto_the_learners_sequence_parallel_size():
     from launch.verl import translate
 
-    m = translate("algorithm.adv_estimator=grpo actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 "
-                  "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4")
+    m = translate(
+        "algorithm.adv_estimator=grpo actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 "
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4"
+    )
     assert "learner.sequence_parallel_size=4" in m.overrides
     with pytest.raises(Untranslatable, match="actor's sequence-parallel group"):
-        translate("algorithm.adv_estimator=grpo actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 "
-                  "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2")
+        translate(
+            "algorithm.adv_estimator=grpo actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 "
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"
+        )
 
 
 def test_verls_ppo_trainer_scripts_give_a_critic_or_a_named_refusal():

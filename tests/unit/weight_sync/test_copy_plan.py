@@ -29,8 +29,13 @@ class Fused(torch.nn.Module):
     @torch.no_grad()
     def load_weights(self, pairs):
         self.calls += 1
-        slots = {"q": (self.qkv, 0, 4), "k": (self.qkv, 4, 4), "v": (self.qkv, 8, 4),
-                 "gate": (self.gate_up, 0, 5), "up": (self.gate_up, 5, 5)}
+        slots = {
+            "q": (self.qkv, 0, 4),
+            "k": (self.qkv, 4, 4),
+            "v": (self.qkv, 8, 4),
+            "gate": (self.gate_up, 0, 5),
+            "up": (self.gate_up, 5, 5),
+        }
         for name, t in pairs:
             if name == "norm":
                 if self.transform == "pad":  # like a vocabulary embedding: padding rows set to 0

@@ -61,9 +61,16 @@ def _plan(state, bucket=16 << 10):
 
 
 # ---- transport choice ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("choice", "cuda", "shared", "want"), [
-    ("auto", True, True, "ipc"), ("auto", True, False, "gloo"), ("auto", False, True, "gloo"),
-    ("gloo", True, True, "gloo"), ("ipc", True, True, "ipc")])
+@pytest.mark.parametrize(
+    ("choice", "cuda", "shared", "want"),
+    [
+        ("auto", True, True, "ipc"),
+        ("auto", True, False, "gloo"),
+        ("auto", False, True, "gloo"),
+        ("gloo", True, True, "gloo"),
+        ("ipc", True, True, "ipc"),
+    ],
+)
 def test_transport_choice(choice, cuda, shared, want):
     assert choose_transport(choice, cuda=cuda, shared_gpu=shared) == want
 
@@ -131,7 +138,9 @@ def test_wrong_part_of_a_fused_parameter_is_named():
     table = _engine_table(state)
     bad = dict(state)
     bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 128)  # k_proj half as tall: rows do not add up
-    with pytest.raises(WeightPlanMismatch, match=r"qkv_proj.weight: its parts \(.*k_proj.weight \[32, 128\].*\) bring 224 rows"):
+    with pytest.raises(
+        WeightPlanMismatch, match=r"qkv_proj.weight: its parts \(.*k_proj.weight \[32, 128\].*\) bring 224 rows"
+    ):
         check_plan(_plan(bad), table, PACKED)
 
 
@@ -158,9 +167,17 @@ def test_tied_head_and_padded_vocabulary():
 
 # ---- messages, as they cross HTTP (msgspec builtins -> JSON -> typed decode) --------------------------------
 def _handle(n: int) -> IpcHandle:
-    return IpcHandle(nbytes=n, tensor_offset=0, handle=bytes(range(64)), storage_size_bytes=n, storage_offset_bytes=512,
-                     ref_counter_handle=b"/torch_123_456", ref_counter_offset=3, event_handle=bytes(64),
-                     event_sync_required=True)
+    return IpcHandle(
+        nbytes=n,
+        tensor_offset=0,
+        handle=bytes(range(64)),
+        storage_size_bytes=n,
+        storage_offset_bytes=512,
+        ref_counter_handle=b"/torch_123_456",
+        ref_counter_offset=3,
+        event_handle=bytes(64),
+        event_sync_required=True,
+    )
 
 
 def test_messages_round_trip_through_json():
@@ -212,8 +229,12 @@ def test_receiver_loads_rounds_and_its_checksum_is_the_publishers():
             rx.slots[s][: buf.numel()].copy_(buf)
             prints.append(bucket_fingerprint(buf))
         last = rnd is rounds(len(plan.buckets), len(rx.slots))[-1] or rnd[-1][0] == len(plan.buckets) - 1
-        sums.append(rx.load(IpcLoad(version=7, plan_id=plan.plan_id, loads=rnd, last=last),
-                            lambda pairs: got.update({n: t.clone() for n, t in pairs})))
+        sums.append(
+            rx.load(
+                IpcLoad(version=7, plan_id=plan.plan_id, loads=rnd, last=last),
+                lambda pairs: got.update({n: t.clone() for n, t in pairs}),
+            )
+        )
     assert sums[:-1] == [None] * (len(sums) - 1)
     assert sums[-1] == combine_fingerprints(prints) and rx.version == 7
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
@@ -255,7 +276,9 @@ def test_publisher_client_of_the_ipc_backend():
     from launch.config import load_run_config
     from weight_sync.ipc_publisher import IpcEndpoint, IpcPublisher
 
-    cfg = load_run_config("smollm2-gpu", ["colocate.enabled=true", "broker.max_staleness=0", "weight_sync.backend=gloo"])
+    cfg = load_run_config(
+        "smollm2-gpu", ["colocate.enabled=true", "broker.max_staleness=0", "weight_sync.backend=gloo"]
+    )
     c = weight_client(cfg, IpcPublisher.backend, "vllm-0", "http://127.0.0.1:1")
     assert isinstance(c, VLLMIpcClient) and isinstance(c, IpcEndpoint)
     assert c.weight_backend == "fleetrl" and c.update_pause_mode == "wait"

@@ -93,8 +93,9 @@ def test_receiver_join_times_out_naming_engine_and_epoch():
 
     store = host_store("127.0.0.1", 0, 5)
     plan = build_plan([("w", [4], torch.float32)], 1024)
-    group = GroupInfo(master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2,
-                      backend="gloo", group_epoch=7)
+    group = GroupInfo(
+        master_addr="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, backend="gloo", group_epoch=7
+    )
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"engine r9: joining weight-sync epoch 7 as rank 1"):
         WeightReceiver("r9").join(group, plan, 1, timeout_s=2)
@@ -175,7 +176,10 @@ def test_fingerprint_sees_a_flip_at_every_edge_of_a_bucket(size):
     if whole and size % 4096:
         swapped = buf.clone()
         n = size - whole
-        swapped[whole - 4096:whole - 4096 + n], swapped[whole:] = buf[whole:].clone(), buf[whole - 4096:whole - 4096 + n].clone()
+        swapped[whole - 4096 : whole - 4096 + n], swapped[whole:] = (
+            buf[whole:].clone(),
+            buf[whole - 4096 : whole - 4096 + n].clone(),
+        )
         assert not torch.equal(swapped, buf) and not torch.equal(bucket_fingerprint(swapped), ref)
 
 
