@@ -12,8 +12,6 @@ megatron-core needs Python >= 3.12 (pyproject's ``megatron`` extra): skipped whe
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -31,10 +29,9 @@ TEMPERATURE = 0.7
 
 
 def _rank(rank: int, world: int, port: int, kw: dict) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    import megatron.core.optimizer as mopt
+    from megatron_cpu import join_cpu_rank
+
+    join_cpu_rank(rank, world, port)
     import torch
     import torch.distributed as dist
     from learner_testkit import make_batches
@@ -43,19 +40,7 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     from learner.config import LearnerConfig
     from learner.losses import policy_loss
     from learner.megatron.engine import MegatronEngine
-    from learner.run import init_distributed
 
-    # megatron-core assumes CUDA in three places on this path: DDP allocates its gradient buffers on
-    # torch.cuda.current_device() (pointed at the CPU here), and every Megatron optimizer allocates flags with
-    # device='cuda' at construction (not built here: the test takes no optimizer step, it compares the
-    # gradients DDP leaves in main_grad). Model, DDP and the engine's head code run as they are.
-    torch.cuda.current_device = lambda: "cpu"
-    mopt.get_megatron_optimizer = lambda *_a, **_k: None
-    # and its core attention forks the CUDA RNG for dropout (0 here): a no-op fork on CPU
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *_a, **_k: contextlib.nullcontext()
-    init_distributed("gloo", timeout_s=60)
     res: dict = {}
     for name, model in kw["models"].items():
         cfg = LearnerConfig.model_validate(

@@ -18,8 +18,6 @@ importable. It also runs on this repository's Python 3.11 with the 0.19.2 wheel 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -35,10 +33,9 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (pip install fl
 
 
 def _rank(rank: int, world: int, port: int, kw: dict) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    import megatron.core.optimizer as mopt
+    from megatron_cpu import join_cpu_rank
+
+    join_cpu_rank(rank, world, port)
     import torch
     import torch.distributed as dist
     from learner_testkit import make_batches
@@ -50,17 +47,7 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     from learner.megatron import convert as cv
     from learner.megatron.critic import MegatronCritic
     from learner.megatron.engine import MegatronEngine
-    from learner.run import init_distributed
 
-    # megatron-core's CUDA assumptions on this path (as in test_megatron_chunked_cpu.py): DDP's gradient buffers
-    # on torch.cuda.current_device() (the CPU here), no optimizer (it allocates flags on 'cuda'), and the
-    # dropout RNG fork of its core attention (dropout is 0) a no-op
-    torch.cuda.current_device = lambda: "cpu"
-    mopt.get_megatron_optimizer = lambda *_a, **_k: None
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *_a, **_k: contextlib.nullcontext()
-    init_distributed("gloo", timeout_s=60)
     res: dict = {}
     for name, model in kw["models"].items():
         cfg = LearnerConfig.model_validate(
