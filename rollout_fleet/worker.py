@@ -400,6 +400,9 @@ class RolloutWorker:
             log.error("rollout: group %s could not be pushed after %d attempts", group_id, self.push_retries)
             return False
         self.groups_pushed += 1
+        # pushed: the group is the broker's now, no longer in flight here (capacity, colocated mode's release,
+        # the prompts a restart replays), even before its task's done callback runs
+        self._tasks.pop(asyncio.current_task(), None)
         self.samples_pushed += len(trajs)
         self.samples_truncated += sum(1 for t in trajs if t.finish_reason == "length")
         self.tokens_pushed += sum(len(t.response_ids) for t in trajs)
