@@ -140,8 +140,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "learner_world_size": learner.world_size,  # ranks that trained (the simulated learner: 1)
         "learner_rank_steps": learner.rank_steps,  # steps each rank applied, rank order (real learner)
         "placement": {
-            "learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.learner],
-            "servers": len(job.placement.servers),
+            "learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.plan.learner],
+            "servers": len(job.placement.plan.servers),
         },
         "wall_s": round(_wall(job), 2),
         "simulated": job.simulated,
