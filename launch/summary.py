@@ -153,7 +153,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     if cfg.colocate.synchronous:
         summary["colocated"] = job.colocated
     if cfg.colocate.shared_async:
-        summary["memory_split"] = getattr(job, "memory_split", None)
+        summary["memory_split"] = job.placement.memory_split
     if not job.simulated:
         from launch.busy import busy_fractions, read_steps
 
