@@ -61,7 +61,7 @@ class Elastic:
             return None
         entry = {**dataclasses.asdict(d), "learner_step": snap.learner.step}
         log.info("autoscale: %s %d -> %d servers at %.0f s: %s", d.action, d.servers_before, d.target, d.at, d.reason)
-        units = d.target * cfg.rollout.tensor_parallel_size if self.job.placement.servers else d.target
+        units = d.target * cfg.rollout.tensor_parallel_size if self.job.placement.plan.servers else d.target
         t = time.monotonic()
         try:
             entry["result"] = self.job.scale(units)

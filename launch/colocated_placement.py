@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def place_colocated(job, ray, gpus: int) -> None:
-    """Fill ``job.placement``, ``job.pgs['learner']`` and ``job.server_slots`` for ``gpus`` shared GPUs."""
+    """Fill ``job.placement``, ``job.placement.pgs['learner']`` and ``job.placement.server_slots`` for ``gpus`` shared GPUs."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -28,11 +28,13 @@ def place_colocated(job, ray, gpus: int) -> None:
         )
     if job.cfg.learner.engine != "fsdp":
         raise ValueError(f"colocated mode runs learner.engine 'fsdp', got {job.cfg.learner.engine!r}")
-    nodes, job._pin = job._nodes(ray)
+    nodes, job.placement.pin = job.placement.nodes(ray)
     plan = plan_placement(nodes, learner_gpus=gpus, rollout_gpus=0)
     slots = [Slot(s.node_id, (g,)) for s in plan.learner for g in s.gpu_ids]
-    pg = job.pgs["learner"] = placement_group(bundles(slots, job._pin), strategy="PACK", name="fleetrl-learner")
-    job._wait_pgs(ray, [pg])
+    pg = job.placement.pgs["learner"] = placement_group(
+        bundles(slots, job.placement.pin), strategy="PACK", name="fleetrl-learner"
+    )
+    job.placement.wait_pgs(ray, [pg])
 
     @ray.remote(num_cpus=0)
     def bundle_gpus() -> list:
@@ -48,8 +50,8 @@ def place_colocated(job, ray, gpus: int) -> None:
     for i, (slot, ref) in enumerate(zip(slots, refs, strict=True)):
         ids = job._get(ref, 60.0, f"GPU id of colocated bundle {i}")
         servers.append(Slot(slot.node_id, tuple(int(g) if g.isdigit() else g for g in ids)))
-        job.server_slots[i] = servers[-1]
-    job.placement = Placement(learner=plan.learner, servers=servers)
+        job.placement.server_slots[i] = servers[-1]
+    job.placement.plan = Placement(learner=plan.learner, servers=servers)
     log.info("colocated: learner rank i and server i share GPU i: %s", [list(s.gpu_ids) for s in servers])
     if job.cfg.colocate.shared_async:  # both resident at once: the split must fit before anything starts
         from launch.shared_gpu import gpu_memory_totals, gpu_split
@@ -65,6 +67,6 @@ def place_colocated(job, ray, gpus: int) -> None:
             )
             for i, s in enumerate(servers)
         ]
-        job.memory_split = gpu_split(
+        job.placement.memory_split = gpu_split(
             job.cfg, [(f"GPU {s.gpu_ids[0]}", t[0] if t else None) for s, t in zip(servers, totals, strict=True)]
         )

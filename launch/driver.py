@@ -41,20 +41,16 @@ from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.fleet_recovery import FleetRecovery
 from launch.fleet_scaling import FleetScaler
+from launch.job_placement import JobFailed, JobPlacement, ray_get
 from launch.monitor import Monitor, setup_logging
 from launch.netsetup import check_shared_dir, resolve_network
 from launch.observe import Endpoints, LearnerRows
-from launch.placement import NodeGPUs, Placement, Slot, bundles, plan_placement
 from launch.snapshot import BrokerView, JobSnapshot
 from learner.status import LearnerStatus
 from rollout_fleet.status import FleetStatus
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0
-
-
-class JobFailed(RuntimeError):
-    """A component of the job failed; the message names it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,9 +86,8 @@ class Job:
         self.learner = None  # the simulated learner, or rank 0 of the real one (status, stop)
         self.learner_ranks = None  # launch.learner_ranks.LearnerRanks: every rank of the real learner
         self.run_ref = None  # the simulated learner's run
-        self.pgs: dict[str, Any] = {}  # "learner" / "server-<i>" -> placement group
-        self.server_slots: dict[int, Slot] = {}
-        self.placement = Placement()
+        # where everything runs: the plan, placement groups, each server's GPUs (launch/job_placement.py)
+        self.placement = JobPlacement(cfg, args, simulated=self.simulated, call_timeout_s=CALL_TIMEOUT_S)
         self.control: ControlServer | None = None
         self.monitor: Monitor | None = None
         self.wandb = None  # launch.monitor.WandbWriter until the monitor takes it over
@@ -101,7 +96,6 @@ class Job:
         self.eval_after: float | None = None
         self.eval_history: list[dict[str, float]] = []  # {"step", "accuracy"} of every evaluation in the run
         self.colocated: dict[str, Any] = {}  # colocated mode's schedule figures (rollout_fleet/colocated_gate.py)
-        self.memory_split: list[dict] | None = None  # shared async mode: each device's split (launch/shared_gpu.py)
         self.fleet_busy: dict[str, list] = {}  # per engine: when it had a group in flight (launch/busy.py)
         self._eval_ref = None  # the evaluation in flight, if any
         self._eval_step = 0  # learner step at which the last evaluation started
@@ -131,7 +125,7 @@ class Job:
 
         for name, fn in (
             ("ray", lambda: self._init_ray(ray)),
-            ("placement", lambda: self._place(ray)),
+            ("placement", lambda: self.placement.place(ray, self)),
             ("broker", self._start_broker),
             ("reward servers", self._launch_rewards),
             ("fleet", lambda: self._start_fleet(ray)),
@@ -210,100 +204,11 @@ class Job:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    def _nodes(self, ray) -> tuple[list[NodeGPUs], dict[str, str]]:
-        nodes, pin = [], {}
-        for n in ray.nodes():
-            if n.get("Alive"):
-                nodes.append(NodeGPUs(n["NodeID"], int(n["Resources"].get("GPU", 0))))
-                pin[n["NodeID"]] = f"node:{n['NodeManagerAddress']}"
-        return nodes, pin
-
-    def _place(self, ray) -> None:
-        from ray.util.placement_group import placement_group
-
-        r, lg = self.args.rollout_gpus, self.args.learner_gpus
-        if self.args.colocate_gpus:
-            from launch.colocated_placement import place_colocated
-
-            place_colocated(self, ray, self.args.colocate_gpus)
-            if self.cfg.reward.model is not None and self.cfg.reward.model.server.colocated:
-                from launch.reward_servers import colocated_slots, place_reward_servers
-
-                place_reward_servers(self, colocated_slots(self.server_slots), self._pin)  # reward i on GPU i
-            return None
-        if r == 0 and lg == 0:
-            if self.cfg.colocate.shared_async:  # checked before the run too (launch/cluster.py); here for the summary
-                from launch.shared_gpu import host_split
-
-                self.memory_split = host_split(self.cfg)
-            self._reward_servers([], {})  # CPU: --reward-gpus counts servers on the driver's node
-            return
-        if (r == 0) != (lg == 0):
-            raise JobFailed(f"give GPUs to both pools or to neither (got --rollout-gpus {r} --learner-gpus {lg})")
-        nodes, self._pin = self._nodes(ray)
-        rm = self.cfg.reward.model
-        self.placement = plan_placement(
-            nodes,
-            learner_gpus=lg,
-            rollout_gpus=r,
-            rollout_tp=self.cfg.rollout.tensor_parallel_size,
-            learner_mp=self.cfg.learner.megatron.tensor_model_parallel_size
-            if self.cfg.learner.engine == "megatron"
-            else 1,
-            reward_gpus=self.args.reward_gpus,
-            reward_tp=rm.server.tensor_parallel_size if rm is not None else 1,
-        )
-        # one bundle per learner GPU: one rank actor each (simulated runs keep one bundle per node)
-        learner_slots = (
-            self.placement.learner
-            if self.simulated
-            else [Slot(s.node_id, (g,)) for s in self.placement.learner for g in s.gpu_ids]
-        )
-        self.pgs["learner"] = placement_group(
-            bundles(learner_slots, self._pin), strategy="PACK", name="fleetrl-learner"
-        )
-        for i, slot in enumerate(self.placement.servers):
-            self._add_server_pg(i, slot)
-        self._reward_servers(self.placement.rewards, self._pin)
-        self._wait_pgs(ray, list(self.pgs.values()))
-        self._pin_server_gpus(ray, list(self.server_slots))
-        log.info(
-            "placed learner on %d GPUs (%d nodes), fleet on %d servers x TP %d",
-            self.placement.learner_gpus(),
-            len(self.placement.learner),
-            len(self.placement.servers),
-            self.cfg.rollout.tensor_parallel_size,
-        )
-
-    def _reward_servers(self, slots: list[Slot], pin: dict[str, str]) -> None:
-        rm = self.cfg.reward.model
-        if self.args.reward_gpus or (rm is not None and rm.server.colocated):  # colocated on CPU: one server
-            from launch.reward_servers import place_reward_servers
-
-            place_reward_servers(self, slots, pin)
-
     def _launch_rewards(self) -> None:
         if self.rewards is not None:  # they start now; the fleet gets their URLs and waits for them
             from launch.reward_servers import with_urls
 
             self.cfg = with_urls(self.cfg, self.rewards.launch())
-
-    def _add_server_pg(self, index: int, slot: Slot):
-        from ray.util.placement_group import placement_group
-
-        pg = placement_group(bundles([slot], self._pin), strategy="STRICT_PACK", name=f"fleetrl-server-{index}")
-        self.pgs[f"server-{index}"] = pg
-        self.server_slots[index] = slot
-        return pg
-
-    @staticmethod
-    def _wait_pgs(ray, pgs: list, timeout_s: float = 60.0) -> None:
-        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
-        if len(ready) != len(pgs):
-            raise JobFailed(
-                f"{len(pgs) - len(ready)} placement group(s) not ready after {timeout_s:.0f} s: "
-                f"the cluster lacks the resources ({ray.available_resources()})"
-            )
 
     def _start_broker(self) -> None:
         from broker.process import BrokerProcess
@@ -317,29 +222,6 @@ class Job:
         self.broker.start()
         self.supervisor = BrokerSupervisor(self)
         log.info("broker at %s", self.broker.address)
-
-    def _n_servers(self) -> int:
-        if self.cfg.rollout.urls:
-            return len(self.cfg.rollout.urls)
-        return len(self.placement.servers) if self.placement.servers else self.cfg.rollout.servers
-
-    @property
-    def server_actors(self) -> bool:
-        """vLLM servers on GPUs (real or fake) are each started by an actor in their own bundle.
-
-        Not in colocated mode: there a server shares its GPU with a learner rank, whose bundle holds
-        the GPU, so the fleet starts it as a process on the GPU id that bundle got (launch/colocated_placement.py).
-        """
-        return (
-            bool(self.placement.servers)
-            and not self.simulated
-            and self.cfg.rollout.engine == "vllm"
-            and not self.cfg.rollout.urls
-            and not self.args.colocate_gpus
-        )
-
-    def _server_pgs(self, indices) -> dict[int, Any] | None:
-        return {i: self.pgs[f"server-{i}"] for i in indices} if self.server_actors else None
 
     def _start_fleet(self, ray) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -366,11 +248,11 @@ class Job:
             self.cfg.model_dump(mode="json"),
             self.broker.address,
             str(self.run_dir),
-            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.server_slots.items()},
-            self._server_pgs(self.server_slots),
+            {i: (s.node_id, list(s.gpu_ids)) for i, s in self.placement.server_slots.items()},
+            self.placement.server_pgs(self.placement.server_slots),
             curve_key_data(self.cfg),
         )
-        n = self._n_servers()
+        n = self.placement.n_servers()
         if self.rewards is not None and self.rewards.shared:
             # on the rollout servers' GPUs: healthy first, so that no two vLLM servers profile one GPU's memory at once
             self.rewards.wait_started(None, self.cfg.reward.model.server.startup_timeout_s + 60)
@@ -395,23 +277,14 @@ class Job:
 
     def _write_placement(self) -> None:
         """``<run_dir>/placement.json``: each server's planned node and GPUs, and where its actor really ran."""
-        if not self.server_actors:
+        if not self.placement.server_actors:
             if self.rewards is not None:
                 (self.run_dir / "placement.json").write_text(
                     json.dumps({"reward_servers": self.rewards.describe()}, indent=2)
                 )
             return
-        ips = {nid: res.split(":", 1)[1] for nid, res in self._pin.items()}
         placed = self._get(self.fleet.placements.remote(), CALL_TIMEOUT_S, "fleet placements")
-        out = {
-            "learner": [{"node_ip": ips.get(s.node_id), "gpus": list(s.gpu_ids)} for s in self.placement.learner],
-            "servers": {
-                str(i): {"planned_node_ip": ips.get(s.node_id), "planned_node_id": s.node_id, **placed.get(i, {})}
-                for i, s in self.server_slots.items()
-            },
-            "reward_servers": self.rewards.describe() if self.rewards is not None else [],
-        }
-        (self.run_dir / "placement.json").write_text(json.dumps(out, indent=2))
+        self.placement.write(self.run_dir, placed, self.rewards.describe() if self.rewards is not None else [])
 
     def _start_learner(self, ray) -> None:
         if not self.simulated:
@@ -432,15 +305,9 @@ class Job:
         self.run_ref = self.learner.run.remote(self.cfg.run.max_steps)
 
     # -- run ------------------------------------------------------------------------------------
-    def _get(self, ref, timeout: float, what: str):
-        import ray
-
-        try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise JobFailed(f"{what}: no answer within {timeout:.0f} s") from None
-        except ray.exceptions.RayActorError as exc:
-            raise JobFailed(f"{what}: the actor died ({exc})") from None
+    @staticmethod
+    def _get(ref, timeout: float, what: str):
+        return ray_get(ref, timeout, what)
 
     def loop(self) -> None:
         import ray
@@ -607,46 +474,6 @@ class Job:
                 self.learner.stop.remote()
         return {"stopping": True, "step": self.snapshot.learner.step if self.snapshot is not None else 0}
 
-    def _pin_server_gpus(self, ray, indices: list[int]) -> None:
-        """Replace each server slot's planned GPU ids by the ids Ray reserved for its bundle.
-
-        The plan numbers GPUs 0..n-1 per node, but Ray picks which physical GPUs a placement
-        group's bundle holds; the learner's rank actors get theirs from Ray. A server process is
-        not a Ray worker, so a zero-CPU task in its bundle asks Ray which GPUs those are, and the
-        server is started with exactly them (CUDA_VISIBLE_DEVICES): never on a learner GPU.
-        """
-        if self.simulated or not indices or self.server_actors:  # a server actor reads its own ids from Ray
-            return
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        @ray.remote(num_cpus=0)
-        def bundle_gpus() -> list:
-            return [str(g) for g in ray.get_gpu_ids()]
-
-        refs = {
-            i: bundle_gpus.options(
-                num_gpus=len(self.server_slots[i].gpu_ids),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pgs[f"server-{i}"], placement_group_bundle_index=0
-                ),
-            ).remote()
-            for i in indices
-        }
-        for i, ref in refs.items():
-            ids = self._get(ref, CALL_TIMEOUT_S * 2, f"GPU ids of server {i}'s bundle")
-            slot = self.server_slots[i]
-            self.server_slots[i] = Slot(slot.node_id, tuple(int(g) if g.isdigit() else g for g in ids))
-            log.info("server %d: Ray bundle GPUs %s (planned %s)", i, ids, list(slot.gpu_ids))
-
-    def _release(self, indices: list[int]) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for i in indices:
-            pg = self.pgs.pop(f"server-{i}", None)
-            self.server_slots.pop(i, None)
-            if pg is not None:
-                remove_placement_group(pg)
-
     # -- shutdown -------------------------------------------------------------------------------
     def shutdown(self) -> dict[str, Any]:
         import ray
@@ -694,7 +521,7 @@ class Job:
             except Exception as exc:
                 log.error("shutdown: W&B finish: %s", exc)
         if ray.is_initialized():
-            for pg in self.pgs.values():
+            for pg in self.placement.pgs.values():
                 try:
                     ray.util.remove_placement_group(pg)
                 except Exception:

@@ -66,7 +66,7 @@ class FleetRecovery:
         """The fleet actor did not answer because it died; begin (or go on with) a recovery. ``initial``: it
         died during the job's start (its restart starts like the first one, with no version to catch up to)."""
         from launch.broker_supervisor import end_engine_groups
-        from launch.driver import JobFailed
+        from launch.job_placement import JobFailed
 
         if self.active:
             return
@@ -97,7 +97,7 @@ class FleetRecovery:
         """One non-blocking step of the recovery; raises JobFailed when it cannot finish."""
         import ray
 
-        from launch.driver import JobFailed
+        from launch.job_placement import JobFailed
 
         if not self.active:
             return
@@ -127,7 +127,7 @@ class FleetRecovery:
                 self.log[-1]["false_alarm"] = True
                 self.since, self._probe = None, None
                 return
-            n = job._n_servers()
+            n = job.placement.n_servers()
             # the learner's policy version now; None at the job's start (a resumed run's export may be ahead)
             version = None if self.initial else job.snapshot.learner.step if job.snapshot is not None else 0
             self._start = job.fleet.start.remote(n, list(range(n)), catch_up=version)
@@ -156,7 +156,7 @@ class FleetRecovery:
         t_end = time.monotonic() + timeout_s
         while self.active:
             if time.monotonic() > t_end:
-                from launch.driver import JobFailed
+                from launch.job_placement import JobFailed
 
                 raise JobFailed(f"fleet recovery not done within {timeout_s:.0f} s")
             self.poll()

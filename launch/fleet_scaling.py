@@ -67,7 +67,7 @@ class FleetScaler:
         if cfg.rollout.urls:
             raise ValueError("the fleet is attached to rollout.urls: it neither starts nor stops servers")
         tp = cfg.rollout.tensor_parallel_size
-        placed = bool(job.placement.servers)  # GPU (or simulated GPU) fleet: one placement group per server
+        placed = bool(job.placement.plan.servers)  # GPU (or simulated GPU) fleet: one placement group per server
         if placed:
             if rollout_gpus % tp:
                 raise ValueError(f"--rollout-gpus {rollout_gpus} is not a multiple of TP {tp}")
@@ -76,17 +76,22 @@ class FleetScaler:
             target = rollout_gpus  # CPU: the number of servers
         servers = job._get(job.fleet.status.remote(), 30.0, "fleet status")["servers"]
         n_now = len(servers)  # servers still starting are listed (state "starting"): they count
-        if job.server_actors:  # servers the fleet dropped (their node was lost) give their bundles back
+        if job.placement.server_actors:  # servers the fleet dropped (their node was lost) give their bundles back
             live = {int(s["engine_id"].rsplit("-", 1)[1]) for s in servers}
-            job._release([i for i in list(job.server_slots) if i not in live and i not in self.starting])
+            job.placement.release(
+                [i for i in list(job.placement.server_slots) if i not in live and i not in self.starting]
+            )
         answer: dict[str, Any] = {"servers_before": n_now, "servers_after": target}
         if target > n_now:
             if placed:
                 indices = self._grow(target - n_now)
-                slots = {i: (job.server_slots[i].node_id, list(job.server_slots[i].gpu_ids)) for i in indices}
+                slots = {
+                    i: (job.placement.server_slots[i].node_id, list(job.placement.server_slots[i].gpu_ids))
+                    for i in indices
+                }
                 ref = (
-                    job.fleet.add_placed.remote(indices, slots, job._server_pgs(indices))
-                    if job.server_actors
+                    job.fleet.add_placed.remote(indices, slots, job.placement.server_pgs(indices))
+                    if job.placement.server_actors
                     else job.fleet.add_servers.remote(indices, slots)
                 )
             else:
@@ -100,7 +105,7 @@ class FleetScaler:
             if self.pending:
                 raise ValueError(f"servers {self.starting} are still starting; scale down once they joined")
             removed = job._get(job.fleet.scale_to.remote(target), cfg.rollout.request_timeout_s, "fleet drain")
-            job._release(removed)
+            job.placement.release(removed)
             log.info("fleet scaled from %d to %d servers (drained %s)", n_now, target, removed)
             job._write_placement()
         return answer
@@ -110,30 +115,30 @@ class FleetScaler:
         import ray
 
         job = self.job
-        nodes, pin = job._nodes(ray)
-        job._pin.update(pin)  # a node that joined since the start (a host brought back)
+        nodes, pin = job.placement.nodes(ray)
+        job.placement.pin.update(pin)  # a node that joined since the start (a host brought back)
         # the learner's, the reward servers' and the live rollout servers' GPUs are taken
-        held = job.placement.learner + job.placement.rewards + list(job.server_slots.values())
+        held = job.placement.plan.learner + job.placement.plan.rewards + list(job.placement.server_slots.values())
         used = {(s.node_id, g) for s in held for g in s.gpu_ids}
         tp = job.cfg.rollout.tensor_parallel_size
         new: list[int] = []
-        next_index = max(job.server_slots, default=-1) + 1
+        next_index = max(job.placement.server_slots, default=-1) + 1
         for n in nodes:
             free = [g for g in range(n.gpus) if (n.node_id, g) not in used]
             while len(new) < k and len(free) >= tp:
-                job._add_server_pg(next_index, Slot(n.node_id, tuple(free[:tp])))
+                job.placement.add_server_pg(next_index, Slot(n.node_id, tuple(free[:tp])))
                 free = free[tp:]
                 new.append(next_index)
                 next_index += 1
         if len(new) < k:
-            job._release(new)
+            job.placement.release(new)
             raise ValueError(f"cannot add {k} servers of TP {tp}: only {len(new)} fit on the free GPUs")
         try:
-            job._wait_pgs(ray, [job.pgs[f"server-{i}"] for i in new])
+            job.placement.wait_pgs(ray, [job.placement.pgs[f"server-{i}"] for i in new])
         except Exception:
-            job._release(new)
+            job.placement.release(new)
             raise
-        job._pin_server_gpus(ray, new)
+        job.placement.pin_server_gpus(ray, new)
         return new
 
     def poll(self) -> None:
@@ -177,7 +182,7 @@ class FleetScaler:
                 except Exception as status_exc:
                     log.warning("fleet status after a failed start: %s", status_exc)
                     joined = set()
-                job._release([i for i in p.indices if i not in joined])
+                job.placement.release([i for i in p.indices if i not in joined])
         self.events.append(event)
         try:
             job._write_placement()

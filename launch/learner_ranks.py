@@ -304,14 +304,14 @@ def start_learner(job) -> tuple[LearnerRanks, float | None]:
         "skipped (run.eval_samples=0 or run.eval_before_train=false)" if before is None else f"{before:.3f}",
         time.monotonic() - t,
     )
-    gpus = job.placement.learner_gpus()
+    gpus = job.placement.plan.learner_gpus()
     ranks = LearnerRanks.start(
         job.cfg.model_dump(mode="json"),
         job.broker.address,
         str(job.run_dir),
         job.fleet,
         n=gpus or job.cfg.learner.cpu_processes,
-        placement_group=job.pgs.get("learner"),
+        placement_group=job.placement.pgs.get("learner"),
         gpus_per_rank=1 if gpus else 0,
         curve_keys=curve_key_data(job.cfg),
     )

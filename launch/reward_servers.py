@@ -405,7 +405,7 @@ def place_reward_servers(job, slots: list[Slot], pin: dict[str, str]) -> None:
         job.cfg, job.run_dir, count=count, slots=slots, pin=pin, loopback=not spans_hosts(job.cfg), shared=shared
     )
     for i, pg in enumerate(job.rewards.place()):
-        job.pgs[f"reward-{i}"] = pg
+        job.placement.pgs[f"reward-{i}"] = pg
 
 
 def with_urls(cfg, urls: list[str]):

@@ -140,8 +140,8 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "learner_world_size": learner.world_size,  # ranks that trained (the simulated learner: 1)
         "learner_rank_steps": learner.rank_steps,  # steps each rank applied, rank order (real learner)
         "placement": {
-            "learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.learner],
-            "servers": len(job.placement.servers),
+            "learner": [[s.node_id, list(s.gpu_ids)] for s in job.placement.plan.learner],
+            "servers": len(job.placement.plan.servers),
         },
         "wall_s": round(_wall(job), 2),
         "simulated": job.simulated,
@@ -153,7 +153,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
     if cfg.colocate.synchronous:
         summary["colocated"] = job.colocated
     if cfg.colocate.shared_async:
-        summary["memory_split"] = getattr(job, "memory_split", None)
+        summary["memory_split"] = job.placement.memory_split
     if not job.simulated:
         from launch.busy import busy_fractions, read_steps
 

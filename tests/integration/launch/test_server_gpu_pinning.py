@@ -28,7 +28,7 @@ def test_server_slot_gets_its_bundles_gpu_not_the_learners():
     ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
         job = Job(cfg, args)
-        job._pin = {}
+        job.placement.pin = {}
         learner_pg = placement_group([{"GPU": 1.0}], strategy="PACK")
         ray.get(learner_pg.ready(), timeout=60)
 
@@ -43,10 +43,10 @@ def test_server_slot_gets_its_bundles_gpu_not_the_learners():
             timeout=60,
         )
         # the plan numbers the server's GPU as the learner's on purpose: pinning must not trust it
-        job._add_server_pg(0, Slot("node", (int(learner[0]),)))
-        job._wait_pgs(ray, [job.pgs["server-0"]])
-        job._pin_server_gpus(ray, [0])
-        server = [str(g) for g in job.server_slots[0].gpu_ids]
+        job.placement.add_server_pg(0, Slot("node", (int(learner[0]),)))
+        job.placement.wait_pgs(ray, [job.placement.pgs["server-0"]])
+        job.placement.pin_server_gpus(ray, [0])
+        server = [str(g) for g in job.placement.server_slots[0].gpu_ids]
         assert len(learner) == 1 and len(server) == 1
         assert server != learner and sorted(learner + server) == ["0", "1"], (learner, server)
     finally:

@@ -236,8 +236,8 @@ def test_colocated_servers_on_gpus_are_processes_not_actors():
 
     cfg = load_run_config("smollm2-tools-1gpu")
     colocated = Job(cfg, LaunchOptions(colocate_gpus=1))
-    colocated.placement = Placement(learner=[Slot("n", (0,))], servers=[Slot("n", (0,))])
-    assert not colocated.server_actors and colocated._server_pgs([0]) is None
+    colocated.placement.plan = Placement(learner=[Slot("n", (0,))], servers=[Slot("n", (0,))])
+    assert not colocated.placement.server_actors and colocated.placement.server_pgs([0]) is None
     disaggregated = Job(cfg, LaunchOptions(rollout_gpus=1, learner_gpus=1))
-    disaggregated.placement = Placement(learner=[Slot("n", (0,))], servers=[Slot("n", (1,))])
-    assert disaggregated.server_actors
+    disaggregated.placement.plan = Placement(learner=[Slot("n", (0,))], servers=[Slot("n", (1,))])
+    assert disaggregated.placement.server_actors

@@ -54,9 +54,11 @@ def test_own_gpu_and_cpu_reward_servers_keep_their_placement():
 
 def test_the_job_gets_shared_reward_servers_without_placement_groups(tmp_path: Path):
     cfg = _resolve("--gpus", "1", SHARED, "rollout.gpu_memory_utilization=0.4")
-    job = SimpleNamespace(cfg=cfg, run_dir=tmp_path, args=SimpleNamespace(reward_gpus=0), pgs={})
+    job = SimpleNamespace(
+        cfg=cfg, run_dir=tmp_path, args=SimpleNamespace(reward_gpus=0), placement=SimpleNamespace(pgs={})
+    )
     place_reward_servers(job, [Slot(A, (0,))], {A: "node:10.0.0.1"})
-    assert job.rewards.shared and job.rewards.count == 1 and job.rewards.pgs == [] and job.pgs == {}
+    assert job.rewards.shared and job.rewards.count == 1 and job.rewards.pgs == [] and job.placement.pgs == {}
     spec = server_spec(cfg, 0)
     assert spec["gpu_memory_utilization"] == 0.1
     cpu = _resolve("--colocate", SHARED)
