@@ -47,6 +47,7 @@ from learner.megatron.engine import (
     _torch_optimizers,
     import_megatron,
     layer_spec,
+    main_grads_finite,
     rope_theta,
     transformer_config,
 )
@@ -195,16 +196,6 @@ class MegatronCritic(Critic):
         return value_loss(v, mb.values, mb.returns, self._weights(mb, plan), self.c.cliprange_value)
 
     # ---- training ------------------------------------------------------------------------------
-    def _grads_finite(self) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        for p in self.model.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not torch.isfinite(g).all():
-                bad.fill_(1)
-                break
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad)
-
     def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
         """One optimizer step of the value loss through Megatron's schedule; metrics reduced over ranks."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -252,7 +243,7 @@ class MegatronCritic(Critic):
         lr = self.c.optim.lr * self.lr_fn(self.steps_taken)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        finite = self._grads_finite()
+        finite = main_grads_finite(self.model, self.device)
         grad_norm = float("nan")
         if finite and plan.stats.get("samples_trained", 1.0) > 0:
             ok, norm, _ = self.optimizer.step()

@@ -138,6 +138,18 @@ def transformer_config(hf: dict, shape: cv.ModelShape, mcfg, *, bf16: bool, reco
     )
 
 
+def main_grads_finite(model, device) -> bool:
+    """Whether every rank's DDP gradients (``main_grad``) are finite: one MAX all-reduce of a flag."""
+    bad = torch.zeros(1, device=device)
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        if g is not None and not torch.isfinite(g).all():
+            bad.fill_(1)
+            break
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad)
+
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm usable with sequence parallelism (Megatron's local spec refuses SP without apex/TE).
 
@@ -521,16 +533,6 @@ class MegatronEngine(TrainingEngine):
                     self._reference_on_gpu(False)
 
     # ---- step ------------------------------------------------------------------------------
-    def _grads_finite(self) -> bool:
-        bad = torch.zeros(1, device=self.device)
-        for p in self.model.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not torch.isfinite(g).all():
-                bad.fill_(1)
-                break
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad)
-
     def train_step(self, plan: StepPlan, *, step_scheduler: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         if self.needs_proximal() and self.post and any(mb.prox_logp is None for mb in plan.micro_batches):
@@ -558,7 +560,7 @@ class MegatronEngine(TrainingEngine):
         lr = self.cfg.optim.lr * self.lr_fn(self.steps_taken)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        finite = self._grads_finite()
+        finite = main_grads_finite(self.model, self.device)
         empty = plan.stats.get("samples_trained", 1.0) == 0
         grad_norm = float("nan")
         if finite and not empty:
