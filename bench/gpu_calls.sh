@@ -249,6 +249,7 @@ for step in "$@"; do
         megatron-pp) megatron_tests tests/gpu/test_megatron_pp_kl_gpu.py megatron_pp_kl_tests ;;
         megatron-resume)  # the one test of test_megatron_gpu.py that failed last session (DP=2 checkpoint)
             megatron_tests tests/gpu/test_megatron_gpu.py megatron_resume_tests -k checkpoint_resume ;;
+        megatron-critic) megatron_tests tests/gpu/test_megatron_critic_gpu.py megatron_critic_tests ;;  # issue 35
         megatron-bench) megatron_bench ;;
         fast-tests)
             with_site "" timeout 240 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider \

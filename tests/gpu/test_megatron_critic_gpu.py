@@ -1,5 +1,6 @@
-"""PPO with the Megatron critic (learner/megatron/critic.py) beside the Megatron actor on 2 GPUs (NCCL; DP=2 with
-the distributed optimizer, and TP=2): a critic warm-up step, PPO steps, a checkpoint/resume of actor + critic.
+"""PPO with the Megatron critic (learner/megatron/critic.py) beside the Megatron actor: on one GPU (DP=1), and on
+2 GPUs (NCCL; DP=2 with the distributed optimizer, and TP=2) where the machine has them. A critic warm-up step,
+PPO steps, a checkpoint/resume of actor + critic.
 
 One uninterrupted 4-step run checkpoints at steps 2 and 4; a fresh pair of processes resumes from a copy of the
 step-2 checkpoint alone and must give steps 3 and 4 again: step 3's values come from the restored critic
@@ -118,22 +119,23 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     dist.destroy_process_group()
 
 
-def _run(d: Path, name: str, model: Path, data: Path, ckpt: Path, tp: int) -> list[dict]:
+def _run(d: Path, name: str, model: Path, data: Path, ckpt: Path, world: int, tp: int) -> list[dict]:
     out = d / name
     out.mkdir()
-    run_procs(_rank, 2, dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt), tp=tp), 250, "spawn")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    kw = dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt), tp=tp)
+    run_procs(_rank, world, kw, 250, "spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_megatron_ppo_critic_warm_up_and_resume(tmp_path, tp):
-    if torch.cuda.device_count() < 2:
-        pytest.fail(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+@pytest.mark.parametrize(("world", "tp"), [(1, 1), (2, 1), (2, 2)], ids=["dp1", "dp2", "tp2"])
+def test_megatron_ppo_critic_warm_up_and_resume(tmp_path, world, tp):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     model = mw.bf16_model(make_tiny_model(tmp_path / "src", seed=3), tmp_path / "model")
     data = write_batches(tmp_path / "data.arrow", make_batches(STEPS, groups=4, group_size=2))
-    straight = _run(tmp_path, "straight", model, data, tmp_path / "ckpt", tp)
+    straight = _run(tmp_path, "straight", model, data, tmp_path / "ckpt", world, tp)
     shutil.copytree(tmp_path / "ckpt" / "step_00000002", tmp_path / "ckpt_resume" / "step_00000002")
-    resumed = _run(tmp_path, "resumed", model, data, tmp_path / "ckpt_resume", tp)
+    resumed = _run(tmp_path, "resumed", model, data, tmp_path / "ckpt_resume", world, tp)
     h = straight[0]["history"]
     for x in h:
         print({k: x.get(k) for k in KEYS + ("learner/optimizer_steps", "critic/optimizer_steps")})
