@@ -263,8 +263,19 @@ class MegatronCritic(Critic):
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------
+    def model_sharded_state_dict(self) -> dict:
+        """The body and value head as Megatron's sharded tensors. GPTModel's own method marks
+        ``output_layer.weight`` whenever ``post_process`` is set, and the critic has dropped that head (its
+        values come through ``output_processor``), so the flag is lowered for the call: the final norm
+        belongs to the decoder, which keeps its own ``post_process``."""
+        self.gpt.post_process = False
+        try:
+            return self.gpt.sharded_state_dict()
+        finally:
+            self.gpt.post_process = True
+
     def _sharded(self, is_loading: bool) -> dict:
-        model_sd = self.gpt.sharded_state_dict()
+        model_sd = self.model_sharded_state_dict()
         return {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),

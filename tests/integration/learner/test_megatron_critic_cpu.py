@@ -92,6 +92,12 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
             return torch.stack(vals) if vals else out
 
         meg_v = [critic.values(mb).detach().clone() for mb in plan.micro_batches]
+        # the model half of the critic's checkpoint (the optimizer half needs CUDA): every parameter, the value
+        # head included, and no entry for the vocabulary head the critic dropped (GPTModel's own method
+        # raised KeyError 'output_layer.weight' on the GPU machine before model_sharded_state_dict)
+        sd = critic.model_sharded_state_dict()
+        assert {n for n, _ in critic.gpt.named_parameters()} <= set(sd), sorted(sd)
+        assert "value_head.weight" in sd and not any(k.startswith("output_layer") for k in sd), sorted(sd)
         with torch.no_grad():
             ref_v = [ref_values(mb) for mb in plan.micro_batches]
         prep = critic.prepare([plan], cfg.loss.gamma, cfg.loss.lam)
