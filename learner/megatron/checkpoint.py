@@ -33,6 +33,27 @@ logger = logging.getLogger(__name__)
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def prime_optimizer_state(optimizer) -> None:
+    """Give a fresh Megatron optimizer zero Adam states at step 0 before a checkpoint is loaded into it.
+
+    megatron-core 0.19's distributed optimizer builds the state dict it loads into from ``state_dict()``, which,
+    with torch's Adam (no Apex or TransformerEngine, as on the GPU machine), reads every parameter state's
+    ``step`` and asserts there is exactly one value; a process that has not stepped yet has no states, and
+    the resume failed there (``assert len(steps) == 1``, first seen in tests/gpu/test_megatron_critic_gpu.py;
+    the engine's own resume test loads into an engine that had stepped). The zeros are overwritten by the
+    load. A no-op for an optimizer that already has state."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or len(inner.state) > 0:
+            continue
+        init = getattr(opt, "init_state_fn", None)
+        if init is not None:
+            init(inner, getattr(opt, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
 def _sharded(engine, is_loading: bool) -> dict:
     model_sd = engine.gpt.sharded_state_dict()
     return {
@@ -94,6 +115,7 @@ def load(engine, path: Path) -> dict[str, Any]:
             f"{path} was written by learner.engine={meta.get('engine', 'fsdp')!r}, not megatron; "
             "FSDP and Megatron checkpoints are not interchangeable (start from its HF export)"
         )
+    prime_optimizer_state(engine.optimizer)
     loaded = dist_checkpointing.load(_sharded(engine, is_loading=True), str(path / "mcore"))
     # No autograd while copying into parameters and optimizer state (megatron-core's dp_reshardable load
     # copies into views of fp32 parameters that require grad, which autograd refuses outside no_grad).

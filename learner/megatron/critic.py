@@ -43,6 +43,7 @@ from learner.engine import lr_lambda
 from learner.gae import value_loss
 from learner.losses import combine_metrics
 from learner.megatron import convert as cv
+from learner.megatron.checkpoint import prime_optimizer_state
 from learner.megatron.engine import (
     _torch_optimizers,
     import_megatron,
@@ -308,6 +309,7 @@ class MegatronCritic(Critic):
             raise FileNotFoundError(
                 f"{path} holds no saved critic (no {PART_SCHEDULER}): the checkpoint was written without learner.critic"
             )
+        prime_optimizer_state(self.optimizer)
         loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(path / "mcore"))
         with torch.no_grad():  # (as the engine's load: dp_reshardable copies into views that require grad)
             self.gpt.load_state_dict(loaded["model"], strict=False)
