@@ -11,7 +11,11 @@ smi.csv,rc.json,command.txt,commit.txt,nvidia_smi.csv} (the names bench/long_tai
 Per step: ``wall_s`` is the time since the previous step's end (step 1: since the learner started, so it
 holds the start); ``generation_s`` the window from the first to the last generation of the step's groups;
 ``training_s`` the learner's compute seconds (host clock); trained tokens/s counts prompt and response tokens.
-``after_step_1`` aggregates the steps after the first (which carries compilation and first-touch costs).
+``after_step_1`` aggregates the steps after the first (which carries compilation and first-touch costs);
+its ``generation_share_of_wall`` is the share of a step spent generating in colocated (synchronous) mode,
+where generation and training alternate; in the async modes generation windows overlap earlier steps and
+it can exceed 1. In async modes a step trains the groups that finished first within the staleness bound,
+so short responses land in earlier steps: the per-step length figures are measured, not the data's blocks.
 """
 
 from __future__ import annotations

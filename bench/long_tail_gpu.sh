@@ -3,8 +3,10 @@
 # SmolLM2's tokenizer, prompts whose response budgets follow a lognormal long tail, every response exactly
 # its budget long (rollout.sampling.ignore_eos=true + the dataset's per-row max_tokens column), trained by the
 # FSDP learner with its long-context settings (activation checkpointing, chunked log-probs, varlen attention),
-# through launch/cluster.py --gpus 1. STATUS: written without a GPU (CPU dry runs of the data, the reward and
-# the config only); NOT RUN on a GPU yet.
+# through launch/cluster.py --gpus 1. STATUS: NOT RUN on a GPU yet. Checked on CPU: the config and preflight
+# of this command line (launch/cluster.py --dry-run, the SmolLM2 tokenizer), and the same keys in real CPU runs
+# on the tiny model (--colocate: every step's responses were exactly its block's budgets, finish 'length';
+# and the async CPU default) collected by bench/long_tail_collect.py.
 #
 #   MODE=colocated  bash bench/long_tail_gpu.sh     # --gpus 1: the engine sleeps while the learner trains (k = 0)
 #   MODE=shared_k1  bash bench/long_tail_gpu.sh     # --gpus 1 --async: engine and learner resident, fleet 1 ahead
@@ -19,9 +21,9 @@
 # for its longest response, so the cap sets the step time. With the defaults (16 prompts x n=4 a step,
 # budgets lognormal median 1,024, sigma 1.5, stratified so that every step holds the whole distribution,
 # its largest budget 10k-16k) a step is ~1-2 min of generation and ~160k response tokens (~5-10 s of
-# training); with ~2 min of start (Ray, vLLM, CUDA graphs, model load) STEPS=3 fits LIMIT_S=540 and the
-# fourth step only if generation runs near the fast end. For the 32k point: CAP=32768 STEPS=2 (a call of
-# its own). Steps that do not finish before the limit are lost, the ones before are kept: the run is stopped
+# training); with ~2 min of start (Ray, vLLM, CUDA graphs, model load) three steps fit LIMIT_S=540 and the
+# default STEPS=4 completes only if generation runs near the fast end. For the 32k point: CAP=32768 STEPS=2
+# (a call of its own). Steps that do not finish before the limit are lost, the ones before are kept: the run is stopped
 # with SIGTERM (its summary is still written) and everything below is collected whatever the exit status.
 #
 # Writes $OUT/long_tail/ (few files: the device tool returns a handful, two folders deep):
