@@ -126,12 +126,12 @@ echo "=== $(date -u +%FT%TZ) $NAME rc=$rc wall=$((t1 - t0))s (limit ${budget}s)"
 grep -v "GET /health\|POST /v1/completions" "$RUN.cluster.log" | tail -5
 for sig in TERM KILL; do
     for p in $(comm -13 "$RUN.ps_before" <(ps -eo pid= | tr -d ' ' | sort)); do
-        [ "$p" != "$$" ] && tr '\0' ' ' < "/proc/$p/cmdline" 2> /dev/null | grep -qE "ray|vllm|launch/cluster" \
+        [ "$p" != "$$" ] && cat "/proc/$p/cmdline" 2> /dev/null | tr '\0' ' ' | grep -qE "ray|vllm|launch/cluster" \
             && kill -"$sig" "$p" 2> /dev/null
     done
     [ "$sig" = TERM ] && sleep 3
 done
-printf '{"mode": "%s", "rc": %d, "job_wall_s": %d, "limit_s": %d}\n' "$MODE" "$rc" $((t1 - t0)) "$budget" > "$RUN.rc.json"
+printf '{"bench_mode": "%s", "rc": %d, "job_wall_s": %d, "limit_s": %d}\n' "$MODE" "$rc" $((t1 - t0)) "$budget" > "$RUN.rc.json"
 
 # 4. collect (whatever the run got to)
 timeout 60 $PY bench/long_tail_collect.py "$RUN" "$D/long_tail_$MODE.json"

@@ -10,7 +10,8 @@ Columns (one row per prompt), as verl's preprocessing scripts write them:
 - ``max_tokens`` (optional, fleetrl's own; null or absent: no budget of its own): this prompt's response
   budget, an integer >= 1. Its responses are cut at ``min(max_tokens, rollout.sampling.max_tokens)``
   (finish reason ``length``); with ``rollout.sampling.ignore_eos`` every response is exactly that long,
-  the way a benchmark draws a long-tail length distribution (docs/long_context.md).
+  the way a benchmark draws a long-tail length distribution (docs/long_context.md). The single-turn
+  rollout worker applies it; multi-turn episodes and evaluation keep their own limits.
 
 A GSM8K file preprocessed for verl loads unchanged. Every prompt must leave room for the
 response under the engine's model length (``max_model_len - response_tokens``, and at most
