@@ -76,6 +76,9 @@ def step_rows(steps: list[dict], metrics: dict[int, dict]) -> list[dict]:
                 },
                 "truncated_samples": round(tf * n) if tf is not None and n is not None else None,
                 "learner_peak_reserved_gib": s.get("gpu_max_reserved_gib"),
+                # learner vs engine log-probs of the step's tokens (the first step's is the run's probe)
+                "mismatch_logp_diff": s.get("mismatch_logp_diff"),
+                "mismatch_kl_k3": s.get("mismatch_kl_k3"),
                 "colocated": {k: v for k, v in s.items() if k.startswith("colocate/")} or None,
             }
         )
