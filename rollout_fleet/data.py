@@ -6,7 +6,12 @@ Columns (one row per prompt), as verl's preprocessing scripts write them:
 - ``reward_model`` (required): a struct with ``ground_truth`` (a string; numbers are
   accepted and turned into strings) and usually ``style``;
 - ``data_source`` (optional, default: the file's stem): names the task;
-- ``extra_info`` (optional, default ``{}``): anything else, passed to the reward.
+- ``extra_info`` (optional, default ``{}``): anything else, passed to the reward;
+- ``max_tokens`` (optional, fleetrl's own; null or absent: no budget of its own): this prompt's response
+  budget, an integer >= 1. Its responses are cut at ``min(max_tokens, rollout.sampling.max_tokens)``
+  (finish reason ``length``); with ``rollout.sampling.ignore_eos`` every response is exactly that long,
+  the way a benchmark draws a long-tail length distribution (docs/long_context.md). The single-turn
+  rollout worker applies it; multi-turn episodes and evaluation keep their own limits.
 
 A GSM8K file preprocessed for verl loads unchanged. Every prompt must leave room for the
 response under the engine's model length (``max_model_len - response_tokens``, and at most
@@ -55,6 +60,7 @@ class PromptRow:
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # the row's own response budget (column max_tokens); None: the config's
 
     @property
     def uid(self) -> str:
@@ -102,6 +108,28 @@ def _check_ground_truth(value: Any, file: str, row: int) -> str:
             file, row, "reward_model.ground_truth", f"expected a string, got {type(value).__name__} {value!r:.80}"
         )
     return str(value)
+
+
+# A budget is a token count: beyond int32 it is a typo or a unit mistake, not a length any engine serves.
+MAX_ROW_BUDGET = 2**31 - 1
+
+
+def check_row_budget(value: Any, file: str, row: int) -> int | None:
+    """The ``max_tokens`` column of one row: None (no budget of its own) or an integer in 1..2**31-1.
+    A float is taken when it is a whole number (pandas stores an integer column with nulls as float64)."""
+    if value is None:
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(file, row, "max_tokens", f"expected an integer >= 1, got {type(value).__name__} {value!r:.80}")
+    if isinstance(value, float):
+        if not value.is_integer():  # also NaN and infinities
+            raise _bad(file, row, "max_tokens", f"expected a whole number of tokens, got {value!r}")
+        value = int(value)
+    if not 1 <= value <= MAX_ROW_BUDGET:
+        raise _bad(file, row, "max_tokens", f"expected an integer in 1..{MAX_ROW_BUDGET}, got {value}")
+    return value
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -232,8 +260,9 @@ class PromptDataset:
             extra = {}
         elif not isinstance(extra, dict):
             raise _bad(file, i, "extra_info", f"expected a struct/map, got {type(extra).__name__}")
+        budget = check_row_budget(raw.get("max_tokens"), file, i)
         ids = self._tokenize(messages, tokenizer, file, i)
-        return PromptRow(file, i, messages, ids, truth, source, extra)
+        return PromptRow(file, i, messages, ids, truth, source, extra, budget)
 
     def _tokenize(self, messages: list[dict[str, str]], tokenizer: Any, file: str, i: int) -> np.ndarray:
         # Render, then encode without special tokens: the template already holds what it

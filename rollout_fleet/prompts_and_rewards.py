@@ -28,6 +28,7 @@ class DatasetPrompts:
             ground_truth=row.ground_truth,
             data_source=row.data_source,
             extra_info=row.extra_info,
+            max_tokens=row.max_tokens,
         )
 
     def state_dict(self) -> dict[str, Any]:

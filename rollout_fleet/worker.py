@@ -48,6 +48,7 @@ class Prompt:
     ground_truth: str = ""
     data_source: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None  # the dataset row's response budget; None: rollout.sampling.max_tokens
 
 
 class PromptSource(Protocol):
@@ -158,7 +159,7 @@ class RolloutWorker:
         self.groups_resampled_nonfinite = 0  # groups sampled again on the same ticket for that reason
         self.prompts_requeued_nonfinite = 0  # prompts put back in the replay queue after the retries
         self.samples_pushed = 0
-        self.samples_truncated = 0  # finish reason 'length': cut at max_tokens
+        self.samples_truncated = 0  # finish reason 'length': cut at the prompt's limit (see limit())
         self.tokens_pushed = 0
         self.reward_sum = 0.0
         self.idle_s = 0.0
@@ -174,6 +175,7 @@ class RolloutWorker:
                     "ground_truth": p.ground_truth,
                     "data_source": p.data_source,
                     "extra_info": p.extra_info,
+                    "max_tokens": p.max_tokens,
                 }
                 for p in inflight
             ],
@@ -259,8 +261,15 @@ class RolloutWorker:
             self.groups_failed += 1
             log.error("rollout: group %s failed for good: %s", group_id, exc)
 
+    def limit(self, prompt: Prompt) -> int:
+        """The longest response of ``prompt``: rollout.sampling.max_tokens, or the row's smaller budget."""
+        cap = self.sampling.max_tokens
+        return cap if prompt.max_tokens is None else min(int(prompt.max_tokens), cap)
+
     def _shaped(self, rewards: list[float], samples: list[Sample]) -> list[float]:
-        """The rewards to push: with overlong shaping, each plus its length penalty."""
+        """The rewards to push: with overlong shaping, each plus its length penalty. The penalty is measured
+        from rollout.sampling.max_tokens whatever the row's own budget (as verl's DAPO manager measures it
+        from max_response_length): a response cut early by its row's budget is not pushed into the buffer."""
         if self.overlong is None:
             return rewards
         out = shape(
@@ -313,10 +322,11 @@ class RolloutWorker:
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         params = SamplingParams(
             n=self.sampling.n,
-            max_tokens=self.sampling.max_tokens,
+            max_tokens=self.limit(prompt),
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k,
+            ignore_eos=self.sampling.ignore_eos,
         )
         t_start = time.time()
         try:

@@ -41,7 +41,11 @@ class SGLangGenerationClient(SGLangHandle, EngineClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
         # every processing field pinned: SGLang's --sampling-defaults=model would fill unset ones from the model
-        sp: dict[str, Any] = {"max_new_tokens": params.max_tokens, **params.processing()}
+        sp: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            **params.processing(),
+            "ignore_eos": params.ignore_eos,
+        }
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None and params.n > 1:

@@ -69,6 +69,7 @@ class VLLMGenerationClient(VLLMHandle, EngineClient):
             **params.processing(),
             "logprobs": 0,
             "stop_token_ids": params.stop_token_ids,
+            "ignore_eos": params.ignore_eos,
         }
         if params.seed is not None:
             sp["seed"] = params.seed

@@ -103,6 +103,47 @@ def test_sglang_requests_pin_every_sampling_field(recorder):
     assert {k: body["sampling_params"][k] for k in PINNED} == PINNED
 
 
+def test_both_clients_send_ignore_eos_and_the_limit(recorder):
+    """rollout.sampling.ignore_eos reaches the engine as its own field (vLLM's completions body and SGLang's
+    sampling_params both call it ignore_eos), False included, beside the request's max_tokens."""
+    from engines.sglang.generation import SGLangGenerationClient
+    from engines.vllm.generation import VLLMGenerationClient
+
+    handler, url = recorder
+
+    async def run(client, params):
+        try:
+            return await client.generate([1, 2], params)
+        finally:
+            await client.close()
+
+    handler.reply = json.dumps(
+        {"choices": [{"index": 0, "token_ids": [5], "finish_reason": "length", "logprobs": {"token_logprobs": [-0.1]}}]}
+    ).encode()
+    for flag in (True, False):
+        client = VLLMGenerationClient("e", url, model="m", timeout_s=5, request_timeout_s=5)
+        asyncio.run(run(client, SamplingParams(n=1, max_tokens=7, ignore_eos=flag)))
+        _, body = handler.bodies[-1]
+        assert (body["ignore_eos"], body["max_tokens"]) == (flag, 7)
+    handler.reply = json.dumps(
+        {
+            "output_ids": [7],
+            "meta_info": {"output_token_logprobs": [[-0.2, 7, None]], "finish_reason": {"type": "length"}},
+        }
+    ).encode()
+    for flag in (True, False):
+        client = SGLangGenerationClient("e", url, timeout_s=5, control_timeout_s=5)
+        asyncio.run(run(client, SamplingParams(n=1, max_tokens=9, ignore_eos=flag)))
+        _, body = handler.bodies[-1]
+        assert (body["sampling_params"]["ignore_eos"], body["sampling_params"]["max_new_tokens"]) == (flag, 9)
+    # n > 1 with a seed: SGLang gets one sampling_params per sample, each with the flag
+    handler.reply = json.dumps([json.loads(handler.reply)] * 2).encode()
+    client = SGLangGenerationClient("e", url, timeout_s=5, control_timeout_s=5)
+    asyncio.run(run(client, SamplingParams(n=2, max_tokens=9, seed=3, ignore_eos=True)))
+    _, body = handler.bodies[-1]
+    assert [sp["ignore_eos"] for sp in body["sampling_params"]] == [True, True]
+
+
 def test_vllm_server_ignores_the_folders_generation_config(tmp_path):
     cmd = VLLMServer(VLLMServerArgs(model="m"), tmp_path).command()
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"

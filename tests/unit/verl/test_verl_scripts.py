@@ -286,6 +286,9 @@ def test_one_step_off_is_one_version_stale():
             {"rollout.vllm_server_args": '["--kv-cache-dtype", "fp8"]'},
         ),
         ("actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=4096", {"rollout.max_model_len": "4096"}),
+        # verl's length control for benchmarks: decode past EOS up to the response length
+        ("actor_rollout_ref.rollout.ignore_eos=True", {"rollout.sampling.ignore_eos": "true"}),
+        ("actor_rollout_ref.rollout.ignore_eos=False", {"rollout.sampling.ignore_eos": "false"}),
         # verl 0.9 clips with clip_ratio_low/high (0.2 each); clip_ratio is their fallback only when they are null
         ("actor_rollout_ref.actor.clip_ratio=0.3", {"learner.loss.clip_low": "0.2", "learner.loss.clip_high": "0.2"}),
         (
