@@ -39,13 +39,13 @@ os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
 STEPS = 4
 KEYS = (
+    "critic/values_mean",  # the restored critic's values, before the step's first update
     "critic/vf_loss",
     "critic/vf_clipfrac",
     "critic/vpred_mean",
     "critic/grad_norm",
     "critic/lr",
     "critic/vf_explained_var",
-    "critic/values_mean",
     "critic/returns_mean",
     "critic/advantages_mean",
     "learner/loss_total",
@@ -147,6 +147,10 @@ def test_megatron_ppo_critic_warm_up_and_resume(tmp_path, world, tp):
     assert (tmp_path / "ckpt" / "step_00000002" / "critic" / "scheduler.json").exists()
     r = resumed[0]
     assert r["resumed"] and [int(x["learner/version"]) for x in r["history"]] == [3, 4]
+    for a, b in zip(h[2:], r["history"], strict=True):  # every metric side by side, for a failure's diagnosis
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                print(f"step {int(a['learner/version'])} {k}: straight {a.get(k)} resumed {b.get(k)}")
     # Same GPUs, layout and data; weights, optimizer states and schedules restored from the checkpoint: the
     # tolerances of the engine's own resume check (tests/gpu/test_megatron_gpu.py), for GPU kernels whose
     # reductions may not be bitwise repeatable between processes.
