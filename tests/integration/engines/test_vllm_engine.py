@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 
 from core.engine_auth import auth_headers
 from engines.base import SamplingParams
+from engines.metrics_text import counter_total
 from engines.vllm.generation import VLLMGenerationClient
+from engines.vllm.handle import GENERATION_TOKENS
 from engines.vllm.weights import VLLMWeightClient
 
 TINY_MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-adder"  # the conftest fixture serves it
@@ -467,3 +469,37 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
     # Scoring at T=1 (what vLLM's default raw_logprobs would report) is outside the probe's tolerance, even
     # the loose one for bf16 engines (the fp32 one, 0.01, by far).
     assert stats[1.0][0] > BF16_TOLERANCE, stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_generated_tokens_counts_what_the_server_decodes(vllm_server, tmp_path):
+    """The stall detector's token count (rollout_fleet/progress.py): an int read from the real server's
+    /metrics that rises by the tokens a request decoded. ignore_eos makes each sample exactly max_tokens long;
+    the tests of this session run one at a time, so no other request adds to the counter in between."""
+    prompt = _tokenizer()("12+34=")["input_ids"]
+    params = SamplingParams(n=2, max_tokens=8, temperature=1.0, ignore_eos=True)
+
+    async def main():
+        c = _client(vllm_server)
+        try:
+            before = await c.generated_tokens()
+            samples = await c.generate(prompt, params)
+            after = await c.generated_tokens()
+            deadline = time.monotonic() + 10.0  # the counter is the API process's; give its update a moment
+            while isinstance(after, int) and after < before + 16 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                after = await c.generated_tokens()
+            return before, samples, after
+        finally:
+            await c.close()
+
+    before, samples, after = asyncio.run(main())
+    r = httpx.get(vllm_server.url + "/metrics", timeout=30, headers=auth_headers())
+    r.raise_for_status()
+    (tmp_path / "vllm_metrics.txt").write_text(r.text)  # the raw text, kept with the test's files
+    assert isinstance(before, int) and isinstance(after, int), (before, after)
+    decoded = sum(len(s.token_ids) for s in samples)
+    assert decoded == 16
+    assert after - before == decoded, f"the counter rose by {after - before}, the request decoded {decoded}"
+    assert counter_total(r.text, GENERATION_TOKENS) == after  # the handle reads what the raw text says
