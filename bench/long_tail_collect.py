@@ -145,6 +145,7 @@ def collect(run: Path) -> dict[str, Any]:
         "steps_done": summary.get("steps", len(rows)),
         "groups_lost": summary.get("groups_lost"),
         "server_stalls": summary.get("server_stalls"),
+        "servers_kept_generating": summary.get("servers_kept_generating"),  # silent, decoding long responses
         "learner_settings": summary.get("learner_settings"),
         "gpu_memory_used_peak_mib": max((u for u, _ in smi), default=None),
         "gpu_util_mean_pct": round(float(np.mean(util)), 1) if util else None,

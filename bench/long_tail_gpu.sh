@@ -98,13 +98,15 @@ $PY -c "import json,sys; b=json.load(open(sys.argv[1])); print('budgets', b['dra
     "$RUN.budgets.json"
 
 # 3. the run, with GPU memory sampled every second (all processes: engine + learner)
+# (the stall detector stays on at its default: a vLLM server decoding minutes-long responses answers nothing
+# for minutes, but its generated-token count rises, which the fleet takes as progress; rollout_fleet/progress.py)
 CMD=($PY launch/cluster.py --gpus 1 --recipe smollm2-gpu --max-steps "$STEPS" --no-live
      --run-dir "$RUN/run" --summary "$RUN.summary.json" "${MODE_ARGS[@]}"   # options first: then only KEY=VALUE
      "model.path=$MODEL" "data.train_files=[$RUN.train.parquet]" "data.test_files=[]" data.shuffle=false
      "data.max_prompt_tokens=$PROMPT_MAX" "reward.function=$REPO/bench/long_tail_data.py:spread_reward"
      reward.on_truncated=score rollout.sampling.ignore_eos=true "rollout.sampling.max_tokens=$CAP"
      "rollout.sampling.n=$N" "rollout.max_model_len=$((CAP + PROMPT_MAX))" "rollout.enforce_eager=$EAGER"
-     rollout.stall_timeout_s=0 rollout.request_timeout_s=900 "broker.groups_per_step=$NGROUPS"
+     rollout.request_timeout_s=900 "broker.groups_per_step=$NGROUPS"
      run.eval_every=0 run.eval_samples=0 "run.seed=$SEED"
      learner.activation_checkpointing=true learner.logprobs=chunked learner.attn_implementation=varlen
      "learner.micro_batch_tokens=$MBT" learner.checkpoint_every=0 learner.log_samples_every=0 "$@")

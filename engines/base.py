@@ -4,7 +4,8 @@ An engine is a server process (vLLM, SGLang, or the simulated engine) plus clien
 one class per role::
 
     weight_sync.endpoint.ServerHandle       engine_id, health, load_weights_from_path, weight_version, close
-     +- EngineClient (here)                 generation: generate, pause, resume, is_paused, reset_prefix_cache
+     +- EngineClient (here)                 generation: generate, pause, resume, is_paused, generated_tokens,
+     |                                      reset_prefix_cache
      |                                      (the fleet's client: workers and the fleet controller see only this)
      +- weight_sync.endpoint.WeightEndpoint weight transfer: init_weight_transfer, update_weights, staged publish
                                             (the learner's publisher sees only this)
@@ -170,6 +171,13 @@ class EngineClient(ServerHandle):
     async def is_paused(self) -> bool | None:
         """Whether the server is paused (by anyone: a publish from the learner is loading); None: this
         engine cannot say. The fleet's stall detector asks it before it takes a silent server out."""
+        return None
+
+    async def generated_tokens(self) -> int | None:
+        """How many tokens the server has generated since it started (a counter that rises while it decodes,
+        before any request ends); None: this engine cannot say. The fleet's stall detector reads it twice in a
+        silence: a server that answers nothing but whose count rises is generating long responses, not hung.
+        Never raises for a failed read: None."""
         return None
 
     @abc.abstractmethod

@@ -103,6 +103,7 @@ def build_summary(cfg, job, final: dict[str, Any], *, error: str | None = None) 
         "episode_turns": fleet.turns,
         "server_deaths": fleet.server_deaths,
         "server_stalls": fleet.server_stalls,  # alive but answering nothing (rollout.stall_timeout_s)
+        "servers_kept_generating": fleet.servers_kept_generating,  # silent, but their token count rose
         "broker_restarts": job.supervisor.restarts if job.supervisor is not None else 0,
         "broker_status_from_spool": broker is not None and broker.from_spool,
         "servers_at_end": len(fleet.servers),

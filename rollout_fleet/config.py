@@ -418,7 +418,10 @@ class RolloutConfig(ConfigModel):
         "is not stalled; with continuous batching give it more than a full batch takes to generate max_tokens. A "
         "timeout is no answer: a value above request_timeout_s catches a server whose every request times out. "
         "The fleet's own weight updates and colocated sleep stop the clock; a server that says it is paused (a "
-        "weight update loading) gets this long again. 0 or None: off",
+        "weight update loading) gets this long again. Tokens are progress too: a silent server whose generated-"
+        "token count (vLLM's /metrics vllm:generation_tokens_total) rose in the silence is decoding long responses, "
+        "not hung; its clock starts again (counted in servers_kept_generating; SGLang cannot say, so it is judged by "
+        "answers alone). 0 or None: off",
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="a server not healthy after this counts as failed")
     max_model_len: int = Field(2048, ge=16, description="vLLM --max-model-len (prompt + response)")

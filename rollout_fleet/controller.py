@@ -42,7 +42,8 @@ Invariants and delivery semantics:
   answering any (rollout_fleet/progress.py measures it) is taken out as a dead one is, and counted
   in ``server_stalls``. The fleet's own weight update (:meth:`update_fleet`) and colocated sleep
   (:meth:`hold`) stop its clock; a server that says it is paused (``is_paused``: a publish from the
-  learner loading) gets ``stall_timeout_s`` more.
+  learner loading) gets ``stall_timeout_s`` more; one whose generated-token count (``generated_tokens``)
+  rose in the silence is decoding long responses: its clock starts again (``servers_kept_generating``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class FleetController:
         self.groups_bad_request = 0  # refused by an engine (HTTP 4xx): failed once, server not blamed
         self.server_deaths = 0
         self.server_stalls = 0  # alive, answering nothing for stall_timeout_s: taken out as a dead server
+        self.servers_kept_generating = 0  # silences past stall_timeout_s excused by a rising token count
         self.weight_updates = 0
         self.weight_update_s = 0.0
         self.busy: dict[str, BusyClock] = {}  # per engine id: when it had a group in flight (rollout_fleet/busy.py)
@@ -327,16 +329,55 @@ class FleetController:
                     await self._suspect(server)  # a death is named as one first
                     await self._check_progress(server)
 
+    async def _generated_tokens(self, server: Server) -> int | None:
+        """The server's generated-token count (``EngineClient.generated_tokens``); None if it cannot say."""
+        read = getattr(server.engine, "generated_tokens", None)
+        if read is None:
+            return None
+        try:
+            tokens = await asyncio.wait_for(read(), timeout=self.cfg.health_timeout_s)
+        except Exception as exc:  # whatever the reason it cannot say, its silence counts as it is
+            log.debug("fleet: %s could not say how many tokens it generated: %s", server.engine_id, exc)
+            return None
+        return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
     async def _check_progress(self, server: Server) -> None:
         """The stall detector: a healthy server that has held requests for ``stall_timeout_s`` and answered
-        none is taken out, unless it says it is paused (a weight update loading; see ProgressWatch.excused)."""
+        none is taken out, unless its generated-token count rose in that silence (long responses still being
+        decoded; see ProgressWatch.tokens_moved) or it says it is paused (a weight update loading; see
+        ProgressWatch.excused)."""
         timeout = self.cfg.stall_timeout_s
-        if (
-            timeout is None
-            or server.state != ServerState.HEALTHY
-            or not server.progress.stalled(time.monotonic(), timeout)
-        ):
+        if timeout is None or server.state != ServerState.HEALTHY:
             return
+        watch = server.progress
+        if watch.wants_baseline(time.monotonic(), timeout):
+            epoch = watch.epoch
+            watch.baseline(await self._generated_tokens(server), epoch)
+        if server.state != ServerState.HEALTHY or not watch.stalled(time.monotonic(), timeout):
+            return
+        epoch = watch.epoch
+        tokens = await self._generated_tokens(server)
+        now = time.monotonic()
+        if server.progress is not watch or server.state != ServerState.HEALTHY or not watch.stalled(now, timeout):
+            return  # an answer (or a death) came while it was asked
+        if watch.epoch == epoch:
+            silent_s = watch.silent_s(now)
+            verdict = watch.tokens_moved(tokens, now)
+            if verdict == "moved":
+                if not watch.kept:
+                    watch.kept = True
+                    self.servers_kept_generating += 1
+                    log.info(
+                        "fleet: %s has answered none of its %d requests for %.1f s but its generated-token count "
+                        "rose to %d (long responses being decoded): kept; its clock starts again",
+                        server.engine_id,
+                        watch.inflight,
+                        silent_s,
+                        tokens,
+                    )
+                return
+            if verdict == "first":
+                return  # the first count read in this silence: judged at the next check
         try:
             paused = await asyncio.wait_for(server.engine.is_paused(), timeout=self.cfg.health_timeout_s)
         except Exception as exc:  # whatever the reason it cannot say, its silence counts as it is
@@ -561,6 +602,7 @@ class FleetController:
             groups_bad_request=self.groups_bad_request,
             server_deaths=self.server_deaths,
             server_stalls=self.server_stalls,
+            servers_kept_generating=self.servers_kept_generating,
             weight_updates=self.weight_updates,
             weight_update_s=round(self.weight_update_s, 4),
         )

@@ -7,12 +7,23 @@ while the server holds none, and ends at every answer. So a slow server that ans
 requests is never silent for long, however long each takes, while one whose every request hangs or
 times out is (a timeout or a connection error is not an answer).
 
+Tokens are progress too: a server decoding only very long responses answers nothing for minutes. Where the
+engine can count its generated tokens (``generated_tokens``: vLLM's ``/metrics``), the controller reads the
+count once the silence is half the timeout (:meth:`wants_baseline`) and again when it would be stalled
+(:meth:`tokens_moved`): a count that rose is progress, and the clock starts again from that reading; one that
+did not move (a hung scheduler) or no count at all leaves the verdict to answers, as before.
+
 Example::
 
     watch = ProgressWatch()
     watch.sent(now=0.0)
     watch.stalled(now=130.0, timeout_s=120.0)   # True: in flight for 130 s, nothing answered
     watch.answered(now=131.0)                    # the silence ends
+
+    watch.sent(now=200.0)
+    watch.wants_baseline(now=260.0, timeout_s=120.0)  # True: half the timeout silent, no count read yet
+    watch.baseline(5000, watch.epoch)
+    watch.tokens_moved(9000, now=320.0)           # "moved": generating; the clock starts again at 320
 """
 
 from __future__ import annotations
@@ -31,6 +42,13 @@ class ProgressWatch:
         default_factory=set
     )  # why the server generates nothing by design (own weight update, sleep)
     paused_since: float | None = None  # when the server was first found paused (by the engine's word) in this silence
+    # the engine's generated-token count (generated_tokens) as last read in this silence, and whether it was read
+    # (read with tokens None: the engine cannot say); epoch counts ends of silences, so a read that an answer
+    # overtook is no baseline; kept: the count has kept the server in this silence (the controller logs it once)
+    tokens: int | None = None
+    tokens_read: bool = False
+    epoch: int = 0
+    kept: bool = False
 
     def sent(self, now: float) -> None:
         """A request went to the server."""
@@ -81,5 +99,35 @@ class ProgressWatch:
             return True
         return False
 
+    def wants_baseline(self, now: float, timeout_s: float) -> bool:
+        """Whether to read the engine's token count now: half the timeout silent and no count read in this
+        silence (the later read at the stall then has a baseline, so a hung server is still found in time)."""
+        return self.inflight > 0 and not self.holds and not self.tokens_read and self.silent_s(now) >= timeout_s / 2
+
+    def baseline(self, tokens: int | None, epoch: int) -> None:
+        """The token count read for :meth:`wants_baseline`; ``epoch``: :attr:`epoch` when the read began (an
+        answer since ended that silence: the read belongs to no silence and is dropped)."""
+        if epoch == self.epoch:
+            self.tokens, self.tokens_read = tokens, True
+
+    def tokens_moved(self, tokens: int | None, now: float) -> str:
+        """A stalled server's token count, read now: ``"moved"`` if it rose past the count read earlier in this
+        silence (progress: the clock starts again from ``now``, this count the new baseline), ``"first"`` if no
+        count was read before in this silence (this one becomes the baseline: judge it at the next check; a
+        health interval longer than half the timeout gets here), else ``"still"`` (no count, or it did not rise:
+        the silence counts as it is)."""
+        last, had = self.tokens, self.tokens_read
+        if tokens is None:
+            return "still"
+        self.tokens, self.tokens_read = tokens, True
+        if not had or last is None:
+            return "first"
+        if tokens <= last:
+            return "still"
+        self.silent_s_before, self.busy_since, self.paused_since = 0.0, now, None
+        return "moved"
+
     def _quiet(self, now: float) -> None:
         self.silent_s_before, self.busy_since, self.paused_since = 0.0, now, None
+        self.tokens, self.tokens_read, self.kept = None, False, False
+        self.epoch += 1

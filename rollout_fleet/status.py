@@ -87,6 +87,8 @@ class FleetStatus(WorkerStatus, kw_only=True, forbid_unknown_fields=True):
     groups_requeued: int = 0
     server_deaths: int = 0  # found dead: process gone, or health_failures failed probes
     server_stalls: int = 0  # alive but answering nothing for rollout.stall_timeout_s (taken out as a dead one)
+    # silent servers kept because their generated-token count rose (long responses decoding), once per silence
+    servers_kept_generating: int = 0
     weight_updates: int = 0
     weight_update_s: float = 0.0
     simulated: bool = False

@@ -106,6 +106,13 @@ class SGLangHandle(HttpServerHandle):
         await self._post("/continue_generation", {"torch_empty_cache": False})
         self._paused = ""
 
+    async def generated_tokens(self) -> None:
+        """None, so the stall detector judges an SGLang server by its answers alone: SGLang's
+        ``sglang:generation_tokens_total`` (served only with ``--enable-metrics``, which fleetrl does not pass)
+        is added to when a request finishes (its TokenizerMetricsCollector), so it stays put while long
+        responses are decoded and could not tell progress from a hang."""
+        return None
+
     async def reset_prefix_cache(self) -> None:
         if self._paused == "keep":
             if self.radix_cache:

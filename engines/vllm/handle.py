@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import logging
 
+import httpx
+
 from engines.base import EngineError, HttpServerHandle, lora_name
+from engines.metrics_text import counter_total
 from engines.vllm.lora import load_adapter
 
 log = logging.getLogger(__name__)
+
+GENERATION_TOKENS = "vllm:generation_tokens_total"  # vllm/v1/metrics/loggers.py, a counter of every step's tokens
 
 
 class VLLMHandle(HttpServerHandle):
@@ -67,6 +72,18 @@ class VLLMHandle(HttpServerHandle):
 
     async def is_paused(self) -> bool:
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+
+    async def generated_tokens(self) -> int | None:
+        """vLLM's ``vllm:generation_tokens_total`` from its Prometheus ``/metrics`` (served by default), summed
+        over its series. vLLM adds each engine step's new tokens to it, so it rises while responses are still
+        being decoded. None where the read fails or the counter is missing (a server started with
+        ``--disable-log-stats`` keeps no stats)."""
+        try:
+            r = await self._request("GET", "/metrics", timeout_s=self.health_timeout_s)
+        except (EngineError, httpx.HTTPError) as exc:
+            log.debug("engine %s: no /metrics: %s", self.engine_id, exc)
+            return None
+        return counter_total(r.text, GENERATION_TOKENS)
 
     # ---- sleep mode (colocated: the server was started with --enable-sleep-mode) ---------------
     async def sleep(self, level: int) -> None:

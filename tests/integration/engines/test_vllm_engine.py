@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 
 from core.engine_auth import auth_headers
 from engines.base import SamplingParams
+from engines.metrics_text import counter_total
 from engines.vllm.generation import VLLMGenerationClient
+from engines.vllm.handle import GENERATION_TOKENS
 from engines.vllm.weights import VLLMWeightClient
 
 TINY_MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-adder"  # the conftest fixture serves it
@@ -467,3 +469,66 @@ def test_logprobs_at_temperature_07_match_the_learner(vllm_server):
     # Scoring at T=1 (what vLLM's default raw_logprobs would report) is outside the probe's tolerance, even
     # the loose one for bf16 engines (the fp32 one, 0.01, by far).
     assert stats[1.0][0] > BF16_TOLERANCE, stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_generated_tokens_counts_what_the_server_decodes(vllm_server, tmp_path):
+    """The stall detector's token count (rollout_fleet/progress.py): an int read from the real server's
+    /metrics that rises while a request is still decoding (the property the detector relies on), and by
+    exactly the tokens each request decoded. ignore_eos makes each sample exactly max_tokens long; the tests of
+    this session run one at a time, so no other request adds to the counter in between.
+
+    A request here decodes for well under a second (56 steps of the tiny model) and a /metrics read on this
+    2-core machine takes a good part of that, so one request may end before a read lands mid-decode: up to
+    three requests are watched, and one read strictly between its start and end counts must be seen. A
+    counter that moves only at the answer (as SGLang's does) never shows one."""
+    prompt = _tokenizer()("12+34=")["input_ids"]
+    n, max_tokens = 16, 64 - len(prompt) - 2  # the server's max_num_seqs and max_model_len: the longest decode
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+
+    async def watch(c):
+        """One request: the counts before, read while it is in flight, and after its answer."""
+        before = await c.generated_tokens()
+        request = asyncio.ensure_future(c.generate(prompt, params))
+        during = []
+        while not request.done():
+            count = await c.generated_tokens()
+            if not request.done():
+                during.append(count)
+        samples = await request
+        after = await c.generated_tokens()
+        deadline = time.monotonic() + 10.0  # the counter is the API process's; give its update a moment
+        while isinstance(after, int) and after < before + n * max_tokens and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            after = await c.generated_tokens()
+        return before, during, samples, after
+
+    async def main():
+        c = _client(vllm_server)
+        try:
+            await c.generate(prompt, SamplingParams(n=1, max_tokens=2))  # a fresh server's first request is slow
+            seen = []
+            for _ in range(3):
+                seen.append(await watch(c))
+                before, during, _, after = seen[-1]
+                if any(isinstance(x, int) and isinstance(before, int) and before < x < after for x in during):
+                    break
+            return seen
+        finally:
+            await c.close()
+
+    seen = asyncio.run(main())
+    r = httpx.get(vllm_server.url + "/metrics", timeout=30, headers=auth_headers())
+    r.raise_for_status()
+    (tmp_path / "vllm_metrics.txt").write_text(r.text)  # the raw text, kept with the test's files
+    for before, during, samples, after in seen:
+        log.info("generated_tokens: before %s, in flight %s, after %s", before, during, after)
+        assert isinstance(before, int) and isinstance(after, int), (before, after)
+        decoded = sum(len(s.token_ids) for s in samples)
+        assert decoded == n * max_tokens
+        assert after - before == decoded, f"the counter rose by {after - before}, the request decoded {decoded}"
+    # read while the last request was in flight: some count strictly between, so it rose before any answer
+    before, during, _, after = seen[-1]
+    assert any(isinstance(x, int) and before < x < after for x in during), seen
+    assert counter_total(r.text, GENERATION_TOKENS) == after  # the handle reads what the raw text says

@@ -38,18 +38,42 @@ PARAMS = SamplingParams(n=2, max_tokens=8)
 
 class StandIn(PausableStandIn):
     """One engine server: answers ``/health`` always; generation answers after ``delay_s``, one request at a
-    time if ``serial``, waits while paused, and never answers while ``hang`` (until a restart)."""
+    time if ``serial``, waits while paused, and never answers while ``hang`` (until a restart).
 
-    def __init__(self, *, delay_s: float = 0.02, hang: bool = False, serial: bool = False) -> None:
+    ``tokens``: serve vLLM's ``/metrics`` with ``vllm:generation_tokens_total`` at this count (None: no
+    ``/metrics``, as before), which every held request raises by ``tokens_per_tick`` every 10 ms (0: a hung
+    scheduler; > 0: responses still being decoded)."""
+
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.02,
+        hang: bool = False,
+        serial: bool = False,
+        tokens: int | None = None,
+        tokens_per_tick: int = 0,
+    ) -> None:
         super().__init__()
         self.delay_s, self.hang = delay_s, hang
         self._serial = asyncio.Lock() if serial else None
         self.received = self.answered = self.dropped = 0  # dropped: the client went away mid-request
+        self.tokens, self.tokens_per_tick, self.metrics_reads = tokens, tokens_per_tick, 0
         self.app.router.add_get("/health", self._ok)
         self.app.router.add_post("/v1/completions", self._completions)
+        if tokens is not None:
+            self.app.router.add_get("/metrics", self._metrics)
 
     async def _ok(self, request):
         return web.json_response({})
+
+    async def _metrics(self, request):
+        self.metrics_reads += 1
+        text = (
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens_total counter\n"
+            f'vllm:generation_tokens_total{{engine="0",model_name="tiny"}} {float(self.tokens)}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def _completions(self, request):
         body = await request.json()
@@ -57,6 +81,8 @@ class StandIn(PausableStandIn):
         try:
             while self.paused or self.hang:  # noqa: ASYNC110 (flags the handlers and the factory set)
                 await asyncio.sleep(0.01)
+                if self.tokens is not None and not self.paused:
+                    self.tokens += self.tokens_per_tick
             if self._serial is not None:
                 async with self._serial:
                     await asyncio.sleep(self.delay_s)
@@ -188,6 +214,97 @@ def test_a_hung_server_is_stalled_its_groups_run_once_on_the_healthy_one(caplog)
     assert re.search(r"server vllm-1 stalled: .* none of its 4 requests in flight for 0\.\d s", lines[0]), lines[0]
 
 
+def test_a_server_decoding_long_responses_is_kept_while_its_token_count_rises(caplog):
+    """Every request held 2 s (over three stall timeouts) with no answer, while the server's generated-token
+    count rises all along (long responses being decoded): kept, its groups end on it, one INFO line."""
+    stall_s = 0.6
+
+    async def main():
+        decoding = StandIn(hang=True, tokens=1000, tokens_per_tick=1)
+        fleet, runners = await _fleet(_cfg(stall_s), [decoding])
+
+        async def finish():
+            await asyncio.sleep(2.0)
+            decoding.hang = False
+
+        try:
+            t0 = time.monotonic()
+            finisher = asyncio.create_task(finish())
+            results = await _groups(fleet, range(4))
+            await finisher
+            took = time.monotonic() - t0
+            return took, results, fleet.status(), decoding, list(fleet.factory.restarted)
+        finally:
+            await _close(fleet, runners)
+
+    with caplog.at_level(logging.INFO, logger="rollout_fleet.controller"):
+        took, results, st, decoding, restarted = asyncio.run(main())
+    assert took >= 2.0
+    assert st["server_stalls"] == 0 and st["groups_requeued"] == 0 and restarted == []
+    assert decoding.dropped == 0 and decoding.answered == 4
+    assert [eid for eid, _ in results] == ["vllm-0"] * 4
+    _check_own_samples(results, range(4))
+    # kept at about 0.6, 1.2 and 1.8 s (each after a count read earlier in the silence): counted and logged once
+    assert decoding.metrics_reads >= 4, decoding.metrics_reads
+    assert st["servers_kept_generating"] == 1
+    lines = [r.getMessage() for r in caplog.records if "generated-token count" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert re.search(
+        r"vllm-0 has answered none of its 4 requests for 0\.\d s but its generated-token count rose", lines[0]
+    )
+    assert not [r for r in caplog.records if "stalled" in r.getMessage()]
+
+
+def test_a_server_whose_token_count_stays_put_is_stalled_as_before():
+    """A hung scheduler that serves /metrics: its count does not move, so it is taken out as one without."""
+    stall_s = 0.6
+
+    async def main():
+        good, hung = StandIn(), StandIn(hang=True, tokens=500, tokens_per_tick=0)
+        fleet, runners = await _fleet(_cfg(stall_s), [good, hung])
+        try:
+            t0 = time.monotonic()
+            results = await _groups(fleet, range(100, 108))
+            return time.monotonic() - t0, results, fleet.status(), hung.metrics_reads
+        finally:
+            await _close(fleet, runners)
+
+    took, results, st, reads = asyncio.run(main())
+    assert stall_s <= took < stall_s + 0.8, f"the stall took {took:.2f} s to clear (stall_timeout_s={stall_s})"
+    assert reads >= 2  # the count was read (at half the timeout and at the timeout), and did not excuse it
+    assert st["server_stalls"] == 1 and st["groups_requeued"] == 4 and st["servers_kept_generating"] == 0
+    assert [eid for eid, _ in results] == ["vllm-0"] * 8
+    _check_own_samples(results, range(100, 108))
+
+
+def test_a_server_whose_token_count_stops_is_stalled_a_timeout_later():
+    """Decoding for 1 s, then hung: kept while the count rose, stalled once it has not moved for a timeout."""
+    stall_s = 0.6
+
+    async def main():
+        good, server = StandIn(), StandIn(hang=True, tokens=0, tokens_per_tick=1)
+        fleet, runners = await _fleet(_cfg(stall_s), [good, server])
+
+        async def hang_up():
+            await asyncio.sleep(1.0)
+            server.tokens_per_tick = 0
+
+        try:
+            t0 = time.monotonic()
+            hanger = asyncio.create_task(hang_up())
+            results = await _groups(fleet, range(4))
+            await hanger
+            return time.monotonic() - t0, results, fleet.status()
+        finally:
+            await _close(fleet, runners)
+
+    took, results, st = asyncio.run(main())
+    # kept at ~0.6 and ~1.2 s (the count rose), found still at ~1.8 s; never later than its stop + 2 timeouts
+    assert 1.0 + stall_s <= took < 1.0 + 2 * stall_s + 0.5, took
+    assert st["server_stalls"] == 1 and st["servers_kept_generating"] == 1 and st["groups_requeued"] == 2
+    assert [eid for eid, _ in results] == ["vllm-0"] * 4
+
+
 def test_a_slow_server_that_answers_is_not_stalled():
     """One request at a time, 0.3 s each, five in flight: the last waits 1.5 s, past the stall timeout,
     but the server answers every 0.3 s."""
@@ -302,6 +419,30 @@ def test_progress_watch_counts_only_time_in_flight_and_ends_at_answers():
     assert not w.excused(None, 720.5, 120.0)  # paused, then it cannot say: no excuse
     assert w.excused(False, 721.0, 120.0) and w.silent_s(721.0) == 0.0  # running again: the pause ended
     assert not w.excused(None, 850.0, 120.0) and w.stalled(850.0, 120.0)  # and it still answers nothing
+
+
+def test_progress_watch_takes_a_rising_token_count_as_progress():
+    w = ProgressWatch()
+    w.sent(0.0)
+    assert not w.wants_baseline(59.0, 120.0) and w.wants_baseline(60.0, 120.0)
+    w.baseline(1000, w.epoch)
+    assert not w.wants_baseline(61.0, 120.0)  # read once per silence
+    assert w.stalled(120.0, 120.0)
+    assert w.tokens_moved(1000, 120.0) == "still" and w.stalled(120.0, 120.0)  # a hung scheduler: no excuse
+    assert w.tokens_moved(1500, 125.0) == "moved" and w.silent_s(125.0) == 0.0  # generating: the clock restarts
+    assert w.tokens_moved(None, 250.0) == "still" and w.stalled(250.0, 120.0)  # cannot say: answers decide
+    assert w.tokens_moved(1600, 251.0) == "moved"  # the last count read (1500) stays the baseline
+    # an answer ends the silence: a count read before it is no baseline for the next one
+    epoch = w.epoch
+    w.answered(260.0)
+    w.baseline(1700, epoch)
+    assert w.tokens is None and not w.tokens_read
+    w.sent(261.0)
+    assert w.tokens_moved(1800, 400.0) == "first"  # no count read in this silence: this one is the baseline
+    assert w.tokens_moved(1800, 401.0) == "still"
+    w.kept = True
+    w.release("x", 402.0)  # a hold's end starts the silence again, as an answer does
+    assert not w.kept and w.tokens is None
 
 
 def test_status_shows_the_stalls_and_each_servers_silence():
