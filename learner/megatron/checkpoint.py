@@ -54,6 +54,44 @@ def prime_optimizer_state(optimizer) -> None:
                 inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
+def _inner_optimizers(optimizer) -> list:
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer]) if getattr(o, "optimizer", None)]
+
+
+def adam_steps(optimizer) -> list[float | None]:
+    """Each inner optimizer's step count (torch's Adam keeps it in every parameter's state, Apex's and
+    TransformerEngine's in the parameter groups); None for one that has not stepped."""
+    out: list[float | None] = []
+    for inner in _inner_optimizers(optimizer):
+        steps = {float(st["step"]) for st in inner.state.values() if "step" in st}
+        steps = steps or {float(g["step"]) for g in inner.param_groups if "step" in g}
+        if len(steps) > 1:
+            raise RuntimeError(f"the optimizer's parameters disagree on their step count: {sorted(steps)}")
+        out.append(steps.pop() if steps else None)
+    return out
+
+
+def restore_adam_steps(optimizer, steps: list[float | None]) -> None:
+    """Set the step counts :func:`adam_steps` recorded at save time, after a load.
+
+    megatron-core 0.19.2's ``dp_reshardable`` load restores the Adam moments and main weights but not torch's
+    per-parameter ``step``: the parameter-state copy writes back the value the optimizer held before the load
+    (0 in a fresh process), so the bias correction of the first update after a resume was that of step 1
+    (found by a CPU run of actor + critic, resumed in a fresh process: every moment equal, every step 0)."""
+    inners = _inner_optimizers(optimizer)
+    if len(steps) != len(inners):
+        raise ValueError(f"checkpoint has step counts for {len(steps)} optimizers, this learner has {len(inners)}")
+    for inner, step in zip(inners, steps, strict=True):
+        if step is None:
+            continue
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(step, dtype=torch.float32, device=st["step"].device)
+        for g in inner.param_groups:
+            if "step" in g:
+                g["step"] = type(g["step"])(step)
+
+
 def _sharded(engine, is_loading: bool) -> dict:
     model_sd = engine.gpt.sharded_state_dict()
     return {
@@ -90,6 +128,7 @@ def save(engine, path: Path, extra: dict[str, Any]) -> None:
         meta = {
             "extra": extra,
             "steps_taken": engine.steps_taken,
+            "adam_steps": adam_steps(engine.optimizer),
             "world_size": engine.world_size,
             "tp": engine.tp,
             "pp": engine.pp,
@@ -122,6 +161,10 @@ def load(engine, path: Path) -> dict[str, Any]:
     with torch.no_grad():
         engine.gpt.load_state_dict(loaded["model"], strict=False)
         engine.optimizer.load_state_dict(loaded["optimizer"])
+    if "adam_steps" in meta:
+        restore_adam_steps(engine.optimizer, meta["adam_steps"])
+    else:
+        logger.warning("%s predates adam_steps in %s: the optimizer's step count is not restored", path, META)
     engine.steps_taken = int(meta["steps_taken"])
     rng_file = path / "rng" / f"rank{engine.rank}.pt"
     same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (engine.world_size, engine.tp, engine.pp)

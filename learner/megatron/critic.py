@@ -43,7 +43,7 @@ from learner.engine import lr_lambda
 from learner.gae import value_loss
 from learner.losses import combine_metrics
 from learner.megatron import convert as cv
-from learner.megatron.checkpoint import prime_optimizer_state
+from learner.megatron.checkpoint import adam_steps, prime_optimizer_state, restore_adam_steps
 from learner.megatron.engine import (
     _torch_optimizers,
     import_megatron,
@@ -297,7 +297,8 @@ class MegatronCritic(Critic):
         dist.barrier()
         dist_checkpointing.save(self._sharded(is_loading=False), str(path / "mcore"))
         if self.rank == 0:
-            (path / PART_SCHEDULER).write_text(json.dumps({"steps_taken": self.steps_taken}))
+            part = {"steps_taken": self.steps_taken, "adam_steps": adam_steps(self.optimizer)}
+            (path / PART_SCHEDULER).write_text(json.dumps(part))
         dist.barrier()
         logger.info("Megatron critic saved in %s (%.1f s)", path, time.perf_counter() - t0)
 
@@ -314,5 +315,10 @@ class MegatronCritic(Critic):
         with torch.no_grad():  # (as the engine's load: dp_reshardable copies into views that require grad)
             self.gpt.load_state_dict(loaded["model"], strict=False)
             self.optimizer.load_state_dict(loaded["optimizer"])
-        self.steps_taken = int(json.loads((path / PART_SCHEDULER).read_text())["steps_taken"])
+        part = json.loads((path / PART_SCHEDULER).read_text())
+        if "adam_steps" in part:
+            restore_adam_steps(self.optimizer, part["adam_steps"])
+        else:
+            logger.warning("%s predates adam_steps: the critic optimizer's step count is not restored", path)
+        self.steps_taken = int(part["steps_taken"])
         logger.info("Megatron critic loaded: %s", path)
