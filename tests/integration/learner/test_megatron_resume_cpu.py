@@ -1,7 +1,8 @@
 """A Megatron learner (actor + critic, PPO with GAE) resumed in a fresh process takes the steps the
 uninterrupted run took, on CPU with Megatron's own distributed optimizer and checkpoint format.
 
-One run trains 4 steps (a critic warm-up step, then two optimizer steps per step for both models) and
+On one rank and on two (data parallel: the distributed optimizer shards the Adam state, each rank saves
+and loads its own shard). One run trains 4 steps (a critic warm-up step, then two optimizer steps per step for both models) and
 checkpoints at steps 2 and 4; a new process resumes from a copy of the step-2 checkpoint alone and trains
 steps 3 and 4. Their metrics must equal the uninterrupted run's. This caught megatron-core 0.19.2's
 ``dp_reshardable`` load leaving torch's Adam step counts at 0 (the moments and weights were restored; the
@@ -80,23 +81,25 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     steps_at_resume = (adam_steps(engine.optimizer), adam_steps(critic.optimizer)) if resumed else None
     history = learner.run()
     out = {"resumed": resumed, "history": history, "steps_at_resume": steps_at_resume}
-    Path(kw["out"]).write_text(json.dumps(out))
+    if rank == 0:
+        Path(kw["out"]).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run(d: Path, name: str, model: Path, data: Path, ckpt: Path) -> dict:
+def _run(d: Path, name: str, model: Path, data: Path, ckpt: Path, world: int) -> dict:
     out = d / f"{name}.json"
-    run_procs(_rank, 1, dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt)), 250, "spawn")
+    run_procs(_rank, world, dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt)), 250, "spawn")
     return json.loads(out.read_text())
 
 
-def test_megatron_actor_and_critic_resume_in_a_fresh_process(tmp_path):
+@pytest.mark.parametrize("world", [1, 2], ids=["dp1", "dp2"])
+def test_megatron_actor_and_critic_resume_in_a_fresh_process(tmp_path, world):
     model = make_tiny_model(tmp_path / "model", seed=3)
     data = write_batches(tmp_path / "data.arrow", make_batches(STEPS, groups=4, group_size=2))
-    straight = _run(tmp_path, "straight", model, data, tmp_path / "ckpt")
+    straight = _run(tmp_path, "straight", model, data, tmp_path / "ckpt", world)
     shutil.copytree(tmp_path / "ckpt" / "step_00000002", tmp_path / "ckpt_resume" / "step_00000002")
-    resumed = _run(tmp_path, "resumed", model, data, tmp_path / "ckpt_resume")
+    resumed = _run(tmp_path, "resumed", model, data, tmp_path / "ckpt_resume", world)
     assert resumed["resumed"] and [int(x["learner/version"]) for x in resumed["history"]] == [3, 4]
     # the actor stepped twice at step 2 (none at the critic's warm-up step); the critic twice at steps 1 and 2
     assert resumed["steps_at_resume"] == [[2.0], [4.0]], resumed["steps_at_resume"]
