@@ -59,6 +59,7 @@ class WorkerStatus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     samples_nonfinite_logprob: int = 0  # samples whose behaviour log-probs were not finite
     groups_resampled_nonfinite: int = 0  # groups generated again on the same ticket for that
     prompts_requeued_nonfinite: int = 0  # prompts put back after a resample failed too
+    tickets_reused_after_drop: int = 0  # a given-up group's ticket carried the next prompt instead of expiring
     samples_pushed: int = 0
     tokens_pushed: int = 0
     mean_reward: float | None = None

@@ -158,6 +158,7 @@ class RolloutWorker:
         self.samples_nonfinite_logprob = 0  # samples that failed their group: a non-finite behaviour log-prob
         self.groups_resampled_nonfinite = 0  # groups sampled again on the same ticket for that reason
         self.prompts_requeued_nonfinite = 0  # prompts put back in the replay queue after the retries
+        self.tickets_reused_after_drop = 0  # a given-up group's ticket carried the next prompt (see _group)
         self.samples_pushed = 0
         self.samples_truncated = 0  # finish reason 'length': cut at the prompt's limit (see limit())
         self.tokens_pushed = 0
@@ -302,23 +303,37 @@ class RolloutWorker:
         self.groups_filtered += 1
         return False
 
+    # A ticket whose group was given up (an engine or reward failure, or a prompt put back for non-finite
+    # log-probs) carries the next prompt, at most this many times, instead of going unused: the broker would
+    # grant its slot again only after broker.ticket_timeout_s (600 s by default), and the step waits for it.
+    DROPPED_TICKET_REUSES = 2
+
     async def _group(self, ticket: Any, prompt: Prompt) -> None:
-        tries = 0
+        tries = reuses = 0
         while True:
             tries += 1
-            if not await self._group_once(ticket, prompt, tries):
+            outcome = await self._group_once(ticket, prompt, tries)
+            if outcome == "given_up":
+                if reuses >= self.DROPPED_TICKET_REUSES or self.prompts is None:
+                    return  # the broker grants the slot again when the ticket expires
+                reuses, tries = reuses + 1, 0
+                self.tickets_reused_after_drop += 1
+            elif outcome != "filtered":
                 return
-            # filtered: the same ticket, the next prompt (now the one in flight for the checkpoint); colocated
-            # mode's gate is honoured as for a new ticket
+            # filtered or given up: the same ticket, the next prompt (now the one in flight for the checkpoint);
+            # colocated mode's gate is honoured as for a new ticket. A given-up ticket takes a fresh prompt: one
+            # just put back for non-finite log-probs waits in the replay queue for another ticket.
             while self.gate is not None and not self.gate():  # noqa: ASYNC110 (the gate is a predicate)
                 await asyncio.sleep(0.02)
-            prompt = self._next_prompt()
+            prompt = self.prompts.next() if outcome == "given_up" else self._next_prompt()
             task = asyncio.current_task()
             if task in self._tasks:
                 self._tasks[task] = prompt
 
-    async def _group_once(self, ticket: Any, prompt: Prompt, tries: int) -> bool:
-        """One generation of the ticket's group; True only when dynamic sampling filtered it (generate again)."""
+    async def _group_once(self, ticket: Any, prompt: Prompt, tries: int) -> str:
+        """One generation of the ticket's group: ``"pushed"``, ``"filtered"`` (dynamic sampling: generate again),
+        ``"given_up"`` (dropped, or its prompt put back: the ticket is free for another prompt) or
+        ``"push_failed"``."""
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         params = SamplingParams(
             n=self.sampling.n,
@@ -358,18 +373,18 @@ class RolloutWorker:
                     group_id,
                     self.logprob_retries + 1,
                 )
-                return False
+                return "given_up"
             rewards = await self.rewards.score(prompt, samples)
         except self.GROUP_ERRORS as exc:
             self._drop(group_id, exc)
-            return False
+            return "given_up"
         if len(rewards) != len(samples):
             raise ValueError(f"reward pool returned {len(rewards)} rewards for {len(samples)} samples of {group_id}")
         self.groups_generated += 1
         raw = [float(r) for r in rewards]
         rewards = self._shaped(raw, samples)
         if not self._keep(group_id, raw, rewards, tries):
-            return True
+            return "filtered"
         t_end = time.time()
         trajs = [
             Trajectory(
@@ -392,8 +407,7 @@ class RolloutWorker:
             )
             for i, (s, r) in enumerate(zip(samples, rewards, strict=True))
         ]
-        await self._push(group_id, trajs)
-        return False
+        return "pushed" if await self._push(group_id, trajs) else "push_failed"
 
     async def _push(self, group_id: str, trajs: list[Trajectory]) -> bool:
         """Push one whole group (retried); counts it pushed or failed."""
@@ -436,6 +450,7 @@ class RolloutWorker:
             samples_nonfinite_logprob=self.samples_nonfinite_logprob,
             groups_resampled_nonfinite=self.groups_resampled_nonfinite,
             prompts_requeued_nonfinite=self.prompts_requeued_nonfinite,
+            tickets_reused_after_drop=self.tickets_reused_after_drop,
             samples_pushed=self.samples_pushed,
             tokens_pushed=self.tokens_pushed,
             groups_generated=self.groups_generated,
