@@ -70,7 +70,9 @@ class AgentWorker(RolloutWorker):
         self.env_errors: Counter[str] = Counter()  # groups dropped, by reason
         self.turns = 0
 
-    async def _group(self, ticket: Any, prompt: Prompt) -> None:
+    async def _group_once(self, ticket: Any, prompt: Prompt, tries: int) -> str:
+        """One group of agent episodes on the ticket (RolloutWorker._group hands a given-up ticket the next
+        prompt)."""
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         floor = int(ticket.min_version)
         sids = [f"{group_id}.{i}" for i in range(self.sampling.n)]  # one path segment: no "/"
@@ -94,7 +96,7 @@ class AgentWorker(RolloutWorker):
             if reason:
                 self.env_errors[reason] += 1
                 log.error("rollout: group %s dropped, an agent failed (%s): %s", group_id, reason, detail)
-                return
+                return "given_up"
             records = [self.proxy.pop(sid) for sid in sids]
         finally:
             for sid in sids:
@@ -124,7 +126,7 @@ class AgentWorker(RolloutWorker):
             )
             for i, (r, reward) in enumerate(zip(records, results, strict=True))
         ]
-        await self._push(group_id, trajs)
+        return "pushed" if await self._push(group_id, trajs) else "push_failed"
 
     def record(self) -> WorkerStatus:
         return msgspec.structs.replace(super().record(), env_errors=dict(self.env_errors), turns=self.turns)

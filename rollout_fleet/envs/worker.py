@@ -76,7 +76,8 @@ class MultiTurnWorker(RolloutWorker):
 
         return generate
 
-    async def _group(self, ticket: Any, prompt: Prompt) -> None:
+    async def _group_once(self, ticket: Any, prompt: Prompt, tries: int) -> str:
+        """One group of episodes on the ticket (RolloutWorker._group hands a given-up ticket the next prompt)."""
         group_id = f"s{ticket.step}-{ticket.ticket_id}"
         min_version = int(ticket.min_version)
         try:
@@ -96,7 +97,7 @@ class MultiTurnWorker(RolloutWorker):
             )
         except self.GROUP_ERRORS as exc:
             self._drop(group_id, exc)
-            return
+            return "given_up"
         bad = sum(1 for e in episodes if not np.isfinite(e.logprobs).all())
         if bad:  # a token the engine gave no log-prob for: the prompt runs again later, counted
             self.samples_nonfinite_logprob += bad
@@ -105,10 +106,11 @@ class MultiTurnWorker(RolloutWorker):
             log.error(
                 "rollout: group %s: %d episodes hold non-finite behaviour log-probs; prompt requeued", group_id, bad
             )
-            return
+            return "given_up"
         self.turns += sum(len(e.turn_spans) for e in episodes)
         self.episode_ends.update(e.end for e in episodes)
-        await self._push(group_id, episode_rows(episodes, group_id, int(ticket.step), prompt.data_source))
+        rows = episode_rows(episodes, group_id, int(ticket.step), prompt.data_source)
+        return "pushed" if await self._push(group_id, rows) else "push_failed"
 
     def record(self) -> WorkerStatus:
         return msgspec.structs.replace(
