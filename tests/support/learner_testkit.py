@@ -150,7 +150,10 @@ def run_ranks(world_size: int, timeout: float = 120.0, start_method: str = "fork
 def _exit_when_done(target, rank: int, world_size: int, port: int, kw: dict) -> None:
     """One rank process: run ``target``, print its traceback if it fails, and leave through ``os._exit``
     (exit code 0 or 1), so no atexit hook or stuck non-daemon thread of a half-torn-down process group
-    can hang the exit."""
+    can hang the exit. transformers loads weights on a thread pool unless told not to; in a forked rank those
+    threads may meet torch's thread pool as the fork left it, invalid ("Invalid thread pool!", seen once), so
+    the ranks load on their own thread."""
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
     try:
         target(rank, world_size, port, kw)
     except BaseException:

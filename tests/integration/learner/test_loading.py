@@ -66,8 +66,10 @@ def test_meta_init_shards_equal_plain_load(tmp_path, tie, bf16):
         m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         m.to(torch.bfloat16).save_pretrained(model)
     file_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    torch.set_num_threads(1)
-    run_procs(_rank, 2, {"model": str(model), "out": str(tmp_path / "r")}, timeout=150, start_method="fork")
+    # spawn, not fork: a forked rank's weight-loading threads (transformers loads tensors on a thread pool) may
+    # meet torch's thread pool as the fork left it, invalid ("pool INTERNAL ASSERT FAILED ... Invalid thread
+    # pool!", seen once in a fresh-clone run where other tests had set torch's thread count first)
+    run_procs(_rank, 2, {"model": str(model), "out": str(tmp_path / "r")}, timeout=150, start_method="spawn")
     results = [json.loads((tmp_path / f"r.rank{r}").read_text()) for r in range(2)]
     for r, res in enumerate(results):
         assert res["n"] > 10 and res["bad"] == [], (r, res["bad"])
