@@ -27,7 +27,14 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests" / "support"))
 import megatron_worker as mw  # noqa: E402
-from learner_testkit import make_batches, make_tiny_model, run_procs, write_batches  # noqa: E402
+from learner_testkit import (  # noqa: E402
+    make_batches,
+    make_tiny_model,
+    ppo_critic_config,
+    read_batches,
+    run_procs,
+    write_batches,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -54,7 +61,6 @@ KEYS = (
 
 
 def _rank(rank: int, world: int, port: int, kw: dict) -> None:
-    import pyarrow as pa
     import torch.distributed as dist
 
     from learner.config import LearnerConfig
@@ -66,21 +72,7 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     torch.cuda.set_device(rank)
     mw._init(rank, world, port)
     cfg = LearnerConfig.model_validate(
-        {
-            "engine": "megatron",
-            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
-            "critic": {
-                "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
-                "warmup_steps": 1,
-                "cliprange_value": 0.2,
-            },
-            "micro_batch_tokens": 48,
-            "checkpoint_every": 2,
-            "ppo_mini_batch_size": 2,
-            "megatron": {"tensor_model_parallel_size": kw["tp"]},
-            "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5},
-            "logprob_probe_tolerance": None,
-        }
+        ppo_critic_config(engine="megatron", megatron={"tensor_model_parallel_size": kw["tp"]})
     )
     engine = MegatronEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     critic = MegatronCritic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
@@ -95,8 +87,7 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     critic.values = record
     source = None
     if rank == 0:
-        with pa.ipc.open_file(kw["data"]) as f:
-            source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
+        source = InProcessSource(read_batches(kw["data"]))
     published: list[int] = []
     learner = Learner(
         engine,

@@ -118,6 +118,34 @@ def write_batches(path: Path, batches) -> Path:
     return path
 
 
+def read_batches(path: str | Path) -> list:
+    """The step batches :func:`write_batches` wrote, in order."""
+    import pyarrow as pa
+
+    with pa.ipc.open_file(str(path)) as f:
+        return [f.get_batch(i) for i in range(f.num_record_batches)]
+
+
+def ppo_critic_config(**extra) -> dict:
+    """The learner config of the critic's warm-up and checkpoint/resume tests (FSDP on CPU, Megatron on CPU and
+    GPU): GAE with gamma, lam < 1, one critic warm-up step, a checkpoint every 2 steps, two mini-batches of the
+    4 groups a step; ``extra`` adds top-level keys (the engine, its layout)."""
+    return {
+        "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
+        "critic": {
+            "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "warmup_steps": 1,
+            "cliprange_value": 0.2,
+        },
+        "micro_batch_tokens": 48,
+        "checkpoint_every": 2,
+        "ppo_mini_batch_size": 2,
+        "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5},
+        "logprob_probe_tolerance": None,
+        **extra,
+    }
+
+
 def _rank_main(rank: int, world_size: int, port: int, kw: dict) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -16,15 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_testkit import join_gloo, make_batches, make_tiny_model, run_procs, write_batches
+from learner_testkit import (
+    join_gloo,
+    make_batches,
+    make_tiny_model,
+    ppo_critic_config,
+    read_batches,
+    run_procs,
+    write_batches,
+)
 
 STEPS = 4
 pytestmark = pytest.mark.timeout(240)
 
 
 def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
-
-    import pyarrow as pa
 
     from learner.config import LearnerConfig
     from learner.critic import Critic
@@ -33,27 +39,12 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
     from learner.source import InProcessSource
 
     join_gloo(rank, world_size, port)
-    cfg = LearnerConfig.model_validate(
-        {
-            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
-            "critic": {
-                "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
-                "warmup_steps": 1,
-                "cliprange_value": 0.2,
-            },
-            "micro_batch_tokens": 48,
-            "checkpoint_every": 2,
-            "ppo_mini_batch_size": 2,
-            "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5},
-            "logprob_probe_tolerance": None,
-        }
-    )
+    cfg = LearnerConfig.model_validate(ppo_critic_config())
     engine = FSDPEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     critic = Critic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
     source = None
     if rank == 0:
-        with pa.ipc.open_file(kw["data"]) as f:
-            source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
+        source = InProcessSource(read_batches(kw["data"]))
     published: list[int] = []
 
     def publish(version: int, eng) -> None:

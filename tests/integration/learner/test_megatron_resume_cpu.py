@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from learner_testkit import make_batches, make_tiny_model, run_procs, write_batches
+from learner_testkit import make_batches, make_tiny_model, ppo_critic_config, read_batches, run_procs, write_batches
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -37,7 +37,6 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     from megatron_cpu import join_cpu_rank
 
     join_cpu_rank(rank, world, port, optimizer=True)
-    import pyarrow as pa
     import torch.distributed as dist
 
     from learner.config import LearnerConfig
@@ -47,26 +46,10 @@ def _rank(rank: int, world: int, port: int, kw: dict) -> None:
     from learner.megatron.engine import MegatronEngine
     from learner.source import InProcessSource
 
-    cfg = LearnerConfig.model_validate(
-        {
-            "engine": "megatron",
-            "loss": {"correction": "decoupled", "advantage": "gae", "gamma": 0.99, "lam": 0.95},
-            "critic": {
-                "optim": {"lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
-                "warmup_steps": 1,
-                "cliprange_value": 0.2,
-            },
-            "micro_batch_tokens": 48,
-            "checkpoint_every": 2,
-            "ppo_mini_batch_size": 2,
-            "optim": {"lr": 1e-3, "warmup_steps": 1, "eps": 1e-5},
-            "logprob_probe_tolerance": None,
-        }
-    )
+    cfg = LearnerConfig.model_validate(ppo_critic_config(engine="megatron"))
     engine = MegatronEngine(cfg, kw["model"], total_steps=STEPS, seed=0)
     critic = MegatronCritic(cfg, kw["model"], total_steps=STEPS, seed=0, engine=engine)
-    with pa.ipc.open_file(kw["data"]) as f:
-        source = InProcessSource([f.get_batch(i) for i in range(f.num_record_batches)])
+    source = InProcessSource(read_batches(kw["data"]))
     learner = Learner(
         engine,
         cfg,
