@@ -1,11 +1,12 @@
-"""Synthetic trajectory batches for the broker tests and bench (realistic shapes, numpy-built)."""
+"""Synthetic trajectory batches for the broker tests and bench (realistic shapes, numpy-built), and an in-memory
+producer for the rollout workers' tests."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 
-from broker.schema import TRAJECTORY_SCHEMA, SchemaError, _find_error
+from broker.schema import TRAJECTORY_SCHEMA, SchemaError, _find_error, validate_batch
 
 
 def make_groups(
@@ -68,3 +69,14 @@ def passes_row_checks(batch: pa.RecordBatch) -> bool:
         return True
     except SchemaError:
         return False
+
+
+class MemoryProducer:
+    """The broker side of a rollout worker's test: keeps each pushed batch after the broker's own checks
+    (``validate_batch``: schema, whole groups, finite log-probs), so a bad push fails the test as it would the run."""
+
+    def __init__(self) -> None:
+        self.batches: list[pa.RecordBatch] = []
+
+    def push(self, batch):
+        self.batches.append(validate_batch(batch))

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from broker_groups import MemoryProducer
 
 from broker.protocol import Ticket
-from broker.schema import from_record_batch, validate_batch
+from broker.schema import from_record_batch
 from engines.vllm.generation import VLLMGenerationClient
 from learner.batch import plan_step
 from rollout_fleet.config import RolloutConfig, SamplingConfig
@@ -62,14 +63,6 @@ class SharedServerFactory:
 
     async def stop(self, engine) -> None:
         await engine.close()
-
-
-class MemoryProducer:
-    def __init__(self) -> None:
-        self.batches = []
-
-    def push(self, batch):
-        self.batches.append(validate_batch(batch))
 
 
 class ExplodingEnv(ChainAdditionEnv):

@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import asyncio
 
-import pyarrow as pa
 import pytest
+from broker_groups import MemoryProducer
 
 from broker.protocol import Ticket
-from broker.schema import validate_batch
 from engines.simulated import SimulatedFactory
 from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.worker import AsyncProducer, Prompt, RewardFailed, RolloutWorker
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class MemoryProducer:
-    def __init__(self) -> None:
-        self.batches: list[pa.RecordBatch] = []
-
-    def push(self, batch):
-        self.batches.append(validate_batch(batch))
 
 
 class Prompts:

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from broker_groups import MemoryProducer
 
 from broker.protocol import Ticket
-from broker.schema import validate_batch
 from engines.base import SamplingParams
 from engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.config import OverlongBufferConfig, RolloutConfig, SamplingConfig, SimulatedEngineConfig
@@ -131,14 +131,6 @@ def test_simulated_engine_runs_every_sample_to_its_limit_under_ignore_eos():
 
 
 # -- the worker: per-request limit, truncation count, overlong penalty ---------------------------------------
-class MemoryProducer:
-    def __init__(self) -> None:
-        self.batches: list[pa.RecordBatch] = []
-
-    def push(self, batch):
-        self.batches.append(validate_batch(batch))
-
-
 class Zero:
     async def score(self, prompt, samples):
         return [0.0] * len(samples)

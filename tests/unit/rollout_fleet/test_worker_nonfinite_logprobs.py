@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pyarrow as pa
 import pytest
+from broker_groups import MemoryProducer
 
 from broker.protocol import Ticket
-from broker.schema import validate_batch
 from engines.simulated import SimulatedEngine, SimulatedFactory
 from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
 from rollout_fleet.controller import FleetController
@@ -43,14 +42,6 @@ class HolesFactory(SimulatedFactory):
 
         engine.generate = generate
         return engine
-
-
-class MemoryProducer:
-    def __init__(self) -> None:
-        self.batches: list[pa.RecordBatch] = []
-
-    def push(self, batch):
-        self.batches.append(validate_batch(batch))  # what the broker checks: finite log-probs
 
 
 class Scorer:
