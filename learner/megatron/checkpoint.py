@@ -92,12 +92,41 @@ def restore_adam_steps(optimizer, steps: list[float | None]) -> None:
                 g["step"] = type(g["step"])(step)
 
 
-def _sharded(engine, is_loading: bool) -> dict:
-    model_sd = engine.gpt.sharded_state_dict()
+def _sharded(model_sd: dict, optimizer, is_loading: bool) -> dict:
     return {
         "model": model_sd,
-        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
     }
+
+
+def save_model_and_optimizer(model_sd: dict, optimizer, folder: Path) -> None:
+    """Collective: a model's sharded state (``model_sd``) and its optimizer's, as Megatron's distributed
+    checkpoint in ``folder`` (the actor's ``mcore/``, the critic's ``critic/mcore/``)."""
+    from megatron.core import dist_checkpointing
+
+    from learner.megatron import patches
+
+    patches.apply()  # no multiprocessing.Manager server per rank (see patches.py)
+    dist_checkpointing.save(_sharded(model_sd, optimizer, is_loading=False), str(folder))
+
+
+def load_model_and_optimizer(gpt, model_sd: dict, optimizer, folder: Path, steps: list[float | None] | None) -> None:
+    """Collective: what :func:`save_model_and_optimizer` wrote in ``folder``, into ``gpt`` (``model_sd`` its
+    sharded state) and ``optimizer``; ``steps``: the Adam step counts saved beside it (:func:`adam_steps`; None
+    for a checkpoint from before they were saved: warned, not restored)."""
+    from megatron.core import dist_checkpointing
+
+    prime_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(_sharded(model_sd, optimizer, is_loading=True), str(folder))
+    # No autograd while copying into parameters and optimizer state (megatron-core's dp_reshardable load
+    # copies into views of fp32 parameters that require grad, which autograd refuses outside no_grad).
+    with torch.no_grad():
+        gpt.load_state_dict(loaded["model"], strict=False)
+        optimizer.load_state_dict(loaded["optimizer"])
+    if steps is None:
+        logger.warning("%s predates saved Adam step counts: the optimizer's step count is not restored", folder)
+    else:
+        restore_adam_steps(optimizer, steps)
 
 
 def _rng(engine) -> dict:
@@ -112,16 +141,11 @@ def _rng(engine) -> dict:
 
 def save(engine, path: Path, extra: dict[str, Any]) -> None:
     """Collective: every rank writes its shards; rank 0 writes ``meta.json`` after all are on disk."""
-    from megatron.core import dist_checkpointing
-
-    from learner.megatron import patches
-
-    patches.apply()  # no multiprocessing.Manager server per rank (see patches.py)
     if engine.rank == 0:
         (path / "mcore").mkdir(parents=True, exist_ok=True)
         (path / "rng").mkdir(exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(engine, is_loading=False), str(path / "mcore"))
+    save_model_and_optimizer(engine.gpt.sharded_state_dict(), engine.optimizer, path / "mcore")
     torch.save(_rng(engine), path / "rng" / f"rank{engine.rank}.pt")
     dist.barrier()
     if engine.rank == 0:
@@ -143,8 +167,6 @@ def save(engine, path: Path, extra: dict[str, Any]) -> None:
 
 def load(engine, path: Path) -> dict[str, Any]:
     """Collective: restore model, optimizer (incl. fp32 main weights), schedule position and RNG."""
-    from megatron.core import dist_checkpointing
-
     meta_path = path / META
     if not meta_path.exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META}); it was interrupted while saving")
@@ -154,17 +176,9 @@ def load(engine, path: Path) -> dict[str, Any]:
             f"{path} was written by learner.engine={meta.get('engine', 'fsdp')!r}, not megatron; "
             "FSDP and Megatron checkpoints are not interchangeable (start from its HF export)"
         )
-    prime_optimizer_state(engine.optimizer)
-    loaded = dist_checkpointing.load(_sharded(engine, is_loading=True), str(path / "mcore"))
-    # No autograd while copying into parameters and optimizer state (megatron-core's dp_reshardable load
-    # copies into views of fp32 parameters that require grad, which autograd refuses outside no_grad).
-    with torch.no_grad():
-        engine.gpt.load_state_dict(loaded["model"], strict=False)
-        engine.optimizer.load_state_dict(loaded["optimizer"])
-    if "adam_steps" in meta:
-        restore_adam_steps(engine.optimizer, meta["adam_steps"])
-    else:
-        logger.warning("%s predates adam_steps in %s: the optimizer's step count is not restored", path, META)
+    load_model_and_optimizer(
+        engine.gpt, engine.gpt.sharded_state_dict(), engine.optimizer, path / "mcore", meta.get("adam_steps")
+    )
     engine.steps_taken = int(meta["steps_taken"])
     rng_file = path / "rng" / f"rank{engine.rank}.pt"
     same_layout = (meta["world_size"], meta["tp"], meta["pp"]) == (engine.world_size, engine.tp, engine.pp)

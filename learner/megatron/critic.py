@@ -43,7 +43,7 @@ from learner.engine import lr_lambda
 from learner.gae import value_loss
 from learner.losses import combine_metrics
 from learner.megatron import convert as cv
-from learner.megatron.checkpoint import adam_steps, prime_optimizer_state, restore_adam_steps
+from learner.megatron.checkpoint import adam_steps, load_model_and_optimizer, save_model_and_optimizer
 from learner.megatron.engine import (
     _torch_optimizers,
     import_megatron,
@@ -55,9 +55,6 @@ from learner.megatron.engine import (
 from learner.megatron.weights import HFWeights, copy_hf_into
 
 logger = logging.getLogger(__name__)
-
-# the engine's checkpoint layout for the distributed optimizer (learner/megatron/checkpoint.py)
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class ValueHead(torch.nn.Module):
@@ -275,27 +272,15 @@ class MegatronCritic(Critic):
         finally:
             self.gpt.post_process = True
 
-    def _sharded(self, is_loading: bool) -> dict:
-        model_sd = self.model_sharded_state_dict()
-        return {
-            "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
-        }
-
     def save(self, path: Path) -> None:
         """Collective: the critic's model and optimizer shards (Megatron's distributed checkpoint) and its
         schedule position, in ``path`` (written before the actor's ``meta.json`` marks the folder complete)."""
-        from megatron.core import dist_checkpointing
-
-        from learner.megatron import patches
-
-        patches.apply()
         path = Path(path)
         t0 = time.perf_counter()
         if self.rank == 0:
             (path / "mcore").mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded(is_loading=False), str(path / "mcore"))
+        save_model_and_optimizer(self.model_sharded_state_dict(), self.optimizer, path / "mcore")
         if self.rank == 0:
             part = {"steps_taken": self.steps_taken, "adam_steps": adam_steps(self.optimizer)}
             (path / PART_SCHEDULER).write_text(json.dumps(part))
@@ -303,22 +288,14 @@ class MegatronCritic(Critic):
         logger.info("Megatron critic saved in %s (%.1f s)", path, time.perf_counter() - t0)
 
     def load(self, path: Path) -> None:
-        from megatron.core import dist_checkpointing
-
         path = Path(path)
         if not (path / PART_SCHEDULER).exists():
             raise FileNotFoundError(
                 f"{path} holds no saved critic (no {PART_SCHEDULER}): the checkpoint was written without learner.critic"
             )
-        prime_optimizer_state(self.optimizer)
-        loaded = dist_checkpointing.load(self._sharded(is_loading=True), str(path / "mcore"))
-        with torch.no_grad():  # (as the engine's load: dp_reshardable copies into views that require grad)
-            self.gpt.load_state_dict(loaded["model"], strict=False)
-            self.optimizer.load_state_dict(loaded["optimizer"])
         part = json.loads((path / PART_SCHEDULER).read_text())
-        if "adam_steps" in part:
-            restore_adam_steps(self.optimizer, part["adam_steps"])
-        else:
-            logger.warning("%s predates adam_steps: the critic optimizer's step count is not restored", path)
+        load_model_and_optimizer(
+            self.gpt, self.model_sharded_state_dict(), self.optimizer, path / "mcore", part.get("adam_steps")
+        )
         self.steps_taken = int(part["steps_taken"])
         logger.info("Megatron critic loaded: %s", path)
