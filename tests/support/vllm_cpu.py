@@ -22,3 +22,23 @@ def cpu_vllm_server(model: str | Path, run_dir: str | Path, **args: Any) -> Iter
         yield server
     finally:
         server.stop()
+
+
+class AttachedServerFactory:
+    """A fleet factory whose every server is one already running vLLM server at ``url`` (a test's shared CPU
+    server): ``start`` gives a new generation client of it (``client_kw``: the client's own arguments), and a
+    restart keeps the client."""
+
+    def __init__(self, url: str, **client_kw: Any) -> None:
+        self.url, self.client_kw = url, client_kw
+
+    async def start(self, index: int) -> Any:
+        from engines.vllm.generation import VLLMGenerationClient
+
+        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", **self.client_kw)
+
+    async def restart(self, engine: Any) -> Any:
+        return engine
+
+    async def stop(self, engine: Any) -> None:
+        await engine.close()

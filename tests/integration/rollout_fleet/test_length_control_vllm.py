@@ -15,9 +15,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from vllm_cpu import AttachedServerFactory
 
 from broker.protocol import Ticket
-from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.data import PromptDataset, load_tokenizer
@@ -29,20 +29,6 @@ pytestmark = pytest.mark.timeout(240)
 TINY_MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-adder"
 MAX_TOKENS = 20  # rollout.sampling.max_tokens; the shared server's max_model_len is 64
 BUDGETS = [3, 11, None, 40]  # the rows' own budgets: None and 40 fall back to / are capped by MAX_TOKENS
-
-
-class Factory:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    async def start(self, index: int) -> VLLMGenerationClient:
-        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", request_timeout_s=120)
-
-    async def restart(self, engine):
-        return engine
-
-    async def stop(self, engine) -> None:
-        await engine.close()
 
 
 class Producer:
@@ -64,7 +50,7 @@ def _rollout(url: str, data: Path, ignore_eos: bool) -> tuple[RolloutWorker, lis
     async def main():
         fleet = FleetController(
             RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=120, startup_timeout_s=30),
-            Factory(url),
+            AttachedServerFactory(url, request_timeout_s=120),
         )
         await fleet.start(1)
         producer = Producer()

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from vllm_cpu import AttachedServerFactory
 
 from broker.protocol import Ticket
 from engines.vllm.generation import VLLMGenerationClient
@@ -122,20 +123,6 @@ def test_bad_requests_get_openai_errors(proxy):
     assert [m.id for m in client.models.list()] == ["tiny-adder"]
 
 
-class _Factory:
-    def __init__(self, url):
-        self.url = url
-
-    async def start(self, index):
-        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder", initial_version=2)
-
-    async def restart(self, engine):
-        return engine
-
-    async def stop(self, engine):
-        await engine.close()
-
-
 def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vllm_server):
     from transformers import AutoTokenizer
 
@@ -163,7 +150,7 @@ def test_agent_worker_pushes_the_proxy_records_of_a_stock_async_openai_agent(vll
     async def main():
         fleet = FleetController(
             RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60, startup_timeout_s=30),
-            _Factory(vllm_server.url),
+            AttachedServerFactory(vllm_server.url, initial_version=2),
         )
         await fleet.start(1)
         tok = AutoTokenizer.from_pretrained(str(TINY_MODEL))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from vllm_cpu import AttachedServerFactory
 
 from broker.protocol import Ticket
-from engines.vllm.generation import VLLMGenerationClient
 from rollout_fleet.config import RolloutConfig, SamplingConfig
 from rollout_fleet.controller import FleetController
 from rollout_fleet.envs.base import HFCodec
@@ -290,20 +290,6 @@ def test_the_real_vllm_server_as_judge_gives_no_verdict_and_that_is_counted(vllm
     assert err.reason == "unparsable_verdict" and judge.failures == {"unparsable_verdict": 2}
 
 
-class Factory:
-    def __init__(self, url):
-        self.url = url
-
-    async def start(self, index):
-        return VLLMGenerationClient(f"vllm-{index}", self.url, model="tiny-adder")
-
-    async def restart(self, engine):
-        return engine
-
-    async def stop(self, engine):
-        await engine.close()
-
-
 @pytest.mark.slow
 def test_a_group_scored_by_a_hanging_judge_is_dropped_and_counted_never_zero(vllm_server):
     pushed = []
@@ -315,7 +301,7 @@ def test_a_group_scored_by_a_hanging_judge_is_dropped_and_counted_never_zero(vll
     async def main():
         fleet = FleetController(
             RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=60, startup_timeout_s=30),
-            Factory(vllm_server.url),
+            AttachedServerFactory(vllm_server.url),
         )
         await fleet.start(1)
         async with HangingServer() as srv:
