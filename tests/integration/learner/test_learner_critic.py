@@ -84,10 +84,16 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
 
 
 def _run(d: Path, name: str, model: Path, data: Path, ckpt: Path) -> list[dict]:
+    # spawn: a rank forked from a pytest process that has run many tests before (threads, thread pools)
+    # hung past its 200 s once, after tests/unit in a fresh clone
     out = d / name
     out.mkdir()
     run_procs(
-        _rank, 2, dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt)), timeout=200, start_method="fork"
+        _rank,
+        2,
+        dict(model=str(model), data=str(data), out=str(out), ckpt=str(ckpt)),
+        timeout=200,
+        start_method="spawn",
     )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
