@@ -3,7 +3,8 @@
 # SmolLM2's tokenizer, prompts whose response budgets follow a lognormal long tail, every response exactly
 # its budget long (rollout.sampling.ignore_eos=true + the dataset's per-row max_tokens column), trained by the
 # FSDP learner with its long-context settings (activation checkpointing, chunked log-probs, varlen attention),
-# through launch/cluster.py --gpus 1. STATUS: NOT RUN on a GPU yet. Checked on CPU: the config and preflight
+# through launch/cluster.py --gpus 1. Ran on one H200 on 2026-12-06 (MODE=colocated; bench/results/long_context/
+# long_tail_gpu/, docs/long_context.md). Checked on CPU before: the config and preflight
 # of this command line (launch/cluster.py --dry-run, the SmolLM2 tokenizer), and the same keys in real CPU runs
 # on the tiny model (--colocate: every step's responses were exactly its block's budgets, finish 'length';
 # and the async CPU default) collected by bench/long_tail_collect.py.
