@@ -11,8 +11,11 @@ shape, bf16 on disk; nothing is downloaded), so only what needs no learning is m
 * ``adapter``: per publish, the learner writes its peft folder and the server loads it under a new name
   (AdapterPublisher -> VLLMWeightClient.load_adapter): seconds end to end, the export alone, the server's calls;
   bytes of the adapter tensors;
-* ``full``: per publish, the merged HF export to disk and the server's reload from it
-  (``load_weights_from_path``), the path a server without LoRA takes from disk; bytes of the model. (The
+* ``full``: per publish, the merged HF export to disk and the server's reload of every weight from it
+  (``load_weights_from_path`` of a client without the adapter prefix: vLLM's ``reload_weights``), the path a
+  server without LoRA takes from disk; bytes of the model. (Before 2026-12-06 evening this reload went
+  through the LoRA client, which loads only the export's adapter: the first GPU figures measured the export
+  and an adapter load, not a full reload.) (The
   NCCL full-weight path is bench/engine_update.py's; FACTS.md has its 0.5B figures.)
 * ``step``: seconds and peak GPU memory (torch max_memory_allocated of the learner process) of one LoRA
   training step of ``--seqs`` x (``--prompt`` + ``--response``) tokens, with the server resident.
@@ -201,11 +204,16 @@ def main(argv: list[str] | None = None) -> int:
             folder = run_dir / "export" / f"v{v}"
             engine.export_hf(folder, dtype=torch.float32 if args.cpu else torch.bfloat16)
             t_export = time.perf_counter() - t
-            asyncio.run(_reload(client, str(folder), v))
+            # a client without the adapter prefix: it reloads every weight (vLLM's reload_weights); the LoRA
+            # client would take only the export's adapter/ folder (what a LoRA fleet does, not a full publish)
+            full_client = VLLMWeightClient("bench-full", server.url, model="base")
+            t_reload = time.perf_counter()
+            asyncio.run(_reload(full_client, str(folder), v))
             full.append(
                 {
                     "seconds": time.perf_counter() - t,
                     "export_seconds": t_export,
+                    "reload_seconds": time.perf_counter() - t_reload,
                     "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
                 }
             )
