@@ -178,6 +178,11 @@ def test_bench_targets_the_colocated_final_accuracy_and_takes_the_best_async_cas
     assert seed["headline_full_budget"] == pytest.approx(4.0)  # (a) reached its target only at its end here
     assert out["headline"]["mean"] == pytest.approx(4.0)
     assert out["cases"]["async_k2"]["time_to_target_s"]["mean"] is None
+    # the common target is the lowest final (0.49, async_k2's): every case has a time to it
+    assert seed["common_target_accuracy"] == 0.49
+    assert all(t is not None for t in seed["time_to_common_target_s"].values())
+    assert seed["time_to_common_target_s"]["colocated"] == 20.0 and seed["time_to_common_target_s"]["async_k1"] == 5.0
+    assert seed["headline_common_target"] == pytest.approx(20.0 / min(5.0, seed["time_to_common_target_s"]["async_k2"]))
     r = runs[("async_k1", 0)]
     assert r["samples_per_s"] == pytest.approx(80 / 10.0) and r["learner_tok_per_busy_s"] == pytest.approx(160 / 5.0)
 
