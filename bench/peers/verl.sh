@@ -25,6 +25,10 @@
 #              torch.compile of its log-prob/entropy functions, its fused (chunked) head kernels
 #   nofused    best without the fused kernels
 #   as_written run_verl.sh as measured (dynamic batch size, 16,384 tokens)
+#   colocate_async  not in the default list: best in verl's V1 `colocate_async` trainer mode
+#              (trainer.v1.trainer_mode, verl/trainer/ppo/v1/trainer_colocate_async.py: engine and trainer on the
+#              same GPU, the rollout one batch ahead with partial rollouts, sleep/wake around training), the
+#              verl side of issue 37's shared-GPU comparison: VERL_ATTEMPTS=colocate_async ... smol verl
 # Not tried, and why: use_remove_padding=True (verl's unpadding imports flash_attn, which has no wheel for torch
 # 2.11 here), Liger kernels (not installed).
 set -uo pipefail
@@ -125,6 +129,9 @@ verl_overrides() {  # verl_overrides ATTEMPT: the keys added to run_verl.sh's co
                       "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$((2 * TOK))" \
                       "actor_rollout_ref.actor.use_torch_compile=True" ;;
         as_written) echo "${common[*]}" ;;
+        colocate_async)  # issue 37: verl's own asynchronous mode on one GPU, with the best attempt's settings
+            verl_overrides best && echo "trainer.use_v1=True trainer.v1.trainer_mode=colocate_async" \
+                "trainer.v1.colocate_async.num_warmup_batches=1" ;;
         *) echo "unknown verl attempt $1" >&2; return 2 ;;
     esac
 }
