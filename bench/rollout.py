@@ -281,7 +281,7 @@ async def drive_fleet(args, client, prompts: list[list[int]], params) -> dict:
 async def _sglang_fleet(args, gpu: str, work: Path, prompts, params) -> dict:
     from bench.rollout_sglang import start_fleet_client
 
-    client, server, startup = await start_fleet_client(args, gpu, work / "fleet", args.startup_timeout)
+    client, server, startup = await start_fleet_client(args, gpu, work / "server", args.startup_timeout)
     try:
         res = await drive_fleet(args, client, prompts, params)
     finally:
@@ -321,7 +321,9 @@ def run_child(args) -> int:
         res = engine_side(args, prompts, params)
     else:
         res = vllm_engine_side(args, prompts, params)
-    Path(args.child_out).write_text(json.dumps(res))
+    tmp = Path(args.child_out + ".tmp")
+    tmp.write_text(json.dumps(res))
+    tmp.rename(args.child_out)  # whole or absent: the parent may read it while this process winds down
     return 0
 
 
@@ -363,13 +365,23 @@ def start_side(args, side: str, gpu: str | None, work: Path) -> tuple[subprocess
     return proc, out, log_path
 
 
-def finish_side(args, side: str, proc: subprocess.Popen, out: Path, log_path: Path) -> dict:
-    try:
-        rc = proc.wait(timeout=args.side_timeout)
-    except subprocess.TimeoutExpired:
+def finish_side(args, side: str, proc: subprocess.Popen, out: Path, log_path: Path, exit_grace_s: float = 60.0) -> dict:
+    """Wait for a side's child; a child that wrote its result and then hangs on its way out (an engine's
+    subprocesses at shutdown) is killed after ``exit_grace_s`` and its result kept."""
+    deadline, written = time.monotonic() + args.side_timeout, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists():
+            written = written or time.monotonic()
+            if time.monotonic() - written > exit_grace_s:
+                log.warning("%s side wrote its result but had not exited %.0f s later: killed", side, exit_grace_s)
+                break
+        time.sleep(0.5)
+    rc = proc.poll()
+    if rc is None:
         proc.kill()
         proc.wait(30)
-        rc = None
+        if out.exists():
+            rc = 0
     if rc != 0 or not out.exists():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
         why = f"ran past --side-timeout {args.side_timeout:.0f}s" if rc is None else f"exited with {rc}"

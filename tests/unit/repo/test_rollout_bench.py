@@ -199,3 +199,20 @@ def test_sglang_sampling_is_what_the_fleets_client_sends():
     assert bodies[0]["return_logprob"] is True and bodies[0]["input_ids"] == [1, 2, 3]
     assert bodies[0]["sampling_params"] == sampling_dict(params)
     assert sampling_dict(params)["n"] == n
+
+
+def test_a_sides_result_is_kept_when_its_process_hangs_on_exit_and_a_failure_names_its_log(tmp_path):
+    import subprocess
+    import sys
+
+    a = _args("--side-timeout", "30")
+    out, log_path = tmp_path / "engine.json", tmp_path / "engine.log"
+    hang = f"import json, time; open({str(out)!r}, 'w').write(json.dumps({{'tok_per_s': 1.0}})); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", hang])
+    assert rollout.finish_side(a, "engine", proc, out, log_path, exit_grace_s=1.0) == {"tok_per_s": 1.0}
+    assert proc.poll() is not None  # killed, not left behind
+    out.unlink()
+    log_path.write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match=r"the engine side exited with 3; tail of .*\n(.|\n)*CUDA out of memory"):
+        rollout.finish_side(a, "engine", proc, out, log_path)
