@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -172,7 +173,7 @@ def vllm_server_args(args, gpu: str | None):
     if args.cpu:
         return VLLMServerArgs(
             model=args.model, dtype="float32", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            enforce_eager=True, cpu_kvcache_gb=1, startup_timeout_s=args.startup_timeout,
+            enforce_eager=True, cpu_kvcache_gb=1, startup_timeout_s=args.startup_timeout, die_with_parent=True,
         )  # fmt: skip
     return VLLMServerArgs(
         model=args.model,
@@ -183,6 +184,7 @@ def vllm_server_args(args, gpu: str | None):
         weight_backend="nccl",
         env={"CUDA_VISIBLE_DEVICES": gpu},
         startup_timeout_s=args.startup_timeout,
+        die_with_parent=True,  # a fleet side killed (the step's timeout) must not leave its server on the GPU
     )
 
 
@@ -365,21 +367,36 @@ def start_side(args, side: str, gpu: str | None, work: Path) -> tuple[subprocess
     return proc, out, log_path
 
 
-def finish_side(args, side: str, proc: subprocess.Popen, out: Path, log_path: Path, exit_grace_s: float = 60.0) -> dict:
-    """Wait for a side's child; a child that wrote its result and then hangs on its way out (an engine's
-    subprocesses at shutdown) is killed after ``exit_grace_s`` and its result kept."""
-    deadline, written = time.monotonic() + args.side_timeout, None
-    while proc.poll() is None and time.monotonic() < deadline:
-        if out.exists():
-            written = written or time.monotonic()
-            if time.monotonic() - written > exit_grace_s:
-                log.warning("%s side wrote its result but had not exited %.0f s later: killed", side, exit_grace_s)
-                break
-        time.sleep(0.5)
-    rc = proc.poll()
-    if rc is None:
+def stop_child(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM (the side stops the server it started), SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(30)
+
+
+def finish_side(args, side: str, proc: subprocess.Popen, out: Path, log_path: Path, exit_grace_s: float = 60.0) -> dict:
+    """Wait for a side's child; a child that wrote its result and then hangs on its way out (an engine's
+    subprocesses at shutdown) is stopped after ``exit_grace_s`` and its result kept."""
+    deadline, written = time.monotonic() + args.side_timeout, None
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if out.exists():
+                written = written or time.monotonic()
+                if time.monotonic() - written > exit_grace_s:
+                    log.warning("%s side wrote its result but had not exited %.0f s later: stopped", side, exit_grace_s)
+                    break
+            time.sleep(0.5)
+    except BaseException:  # this process is being stopped: so is the side
+        stop_child(proc)
+        raise
+    rc = proc.poll()
+    if rc is None:
+        stop_child(proc)
         if out.exists():
             rc = 0
     if rc != 0 or not out.exists():
@@ -482,13 +499,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.child:
+        try:
+            resolve(args, 0 if args.cpu else visible_gpu_count())
+            version = engine_version(args)
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
+    # SIGTERM (a step's timeout) unwinds like an exception, so a side stops the server it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.child:
         return run_child(args)
-    try:
-        resolve(args, 0 if args.cpu else visible_gpu_count())
-        version = engine_version(args)
-    except (ValueError, RuntimeError) as e:
-        ap.error(str(e))
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model_label = "tiny-adder (fp32)" if args.cpu else "qwen2-0.5b-shape (random, bf16)"
@@ -508,8 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = finish_side(args, "engine", *e_proc)
         finally:
             for p in (e_proc[0], f_proc[0]):
-                if p.poll() is None:
-                    p.kill()
+                stop_child(p)
     else:
         gpus = [] if args.cpu else [physical_gpu(args.gpu)]
         gpu = gpus[0] if gpus else None
