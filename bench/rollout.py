@@ -538,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         fleet = finish_side(args, "fleet", *start_side(args, "fleet", gpu, work))
         engine["gpu_used_mib_before"], fleet["gpu_used_mib_before"] = before, between
     case = build_case(args, version, engine, fleet, model_label)
-    out = {"cases": [case], "device": device_name(args, gpus), **run_info(argv)}
+    case["device"] = device_name(args, gpus)  # in the case too: cases of several runs are often put together
+    out = {"cases": [case], "device": case["device"], **run_info(argv)}
     print(json.dumps(out, indent=2))
     print(
         f"{case['engine']}: fleet {fleet['tok_per_s']:.0f} tok/s, engine {engine['tok_per_s']:.0f} tok/s, "
