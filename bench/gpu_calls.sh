@@ -23,7 +23,9 @@
 #                   (after base, vllm-install; ~3-5 min)
 #   engine-update   bench/engine_update.py: a vLLM engine's unavailability per update, direct vs staged
 #   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
-#   rollout         bench/rollout.py (fleet vs LLM.generate)
+#   rollout         bench/rollout.py (fleet vs LLM.generate; its default layout: concurrent on a 2-GPU machine)
+#   rollout-1gpu    bench/rollout.py --gpus 1 --engine $ENGINE (vllm, the default, or sglang): engine side, then fleet
+#                   side on one GPU -> $OUT/rollout_$ENGINE.json and .log (after vllm-install or sglang-install; ~4-8 min)
 #   sglang-install  install the SGLang 0.5.16 bundle into /tmp/site-sglang
 #   sglang          bench/sglang_flags.py alongside tests/gpu/test_sglang_gpu.py
 #   ray-install     pip-install .whl-ray/*.whl (Ray 2.60 without its Java jar, jsonschema, math-verify)
@@ -227,7 +229,19 @@ for step in "$@"; do
             ;;
         rollout)
             VLLM_USE_FLASHINFER_SAMPLER=0 with_site /tmp/site-vllm $PY bench/rollout.py --json "$OUT/rollout.json"
-            tail -5 /tmp/fleetrl-bench-rollout/engine_offline.log
+            tail -5 /tmp/fleetrl-bench-rollout/engine.log
+            ;;
+        rollout-1gpu)  # one GPU, one side after the other; ENGINE=vllm|sglang (site /tmp/site-$ENGINE), ROLLOUT_ARGS pass through
+            e="${ENGINE:-vllm}" w="/tmp/fleetrl-bench-rollout-${ENGINE:-vllm}"
+            [ "$e" = vllm ] || [ "$e" = sglang ] || { echo "ENGINE must be vllm or sglang, got $e" >&2; exit 2; }
+            VLLM_USE_FLASHINFER_SAMPLER=0 with_site "/tmp/site-$e" timeout "${ROLLOUT_TIMEOUT:-580}" $PY bench/rollout.py \
+                --gpus 1 --engine "$e" --workdir "$w" --json "$OUT/rollout_$e.json" ${ROLLOUT_ARGS:-} 2>&1 \
+                | tee "$OUT/rollout_$e.log" | grep -v "^ \|^{\|^}" | tail -20
+            rc=${PIPESTATUS[0]}
+            for f in "$w"/engine.log "$w"/fleet.log "$w"/fleet/server/*_server.log; do
+                [ -f "$f" ] && { echo "--- tail of $f"; grep -v "GET /health\|POST /v1/completions\|POST /generate" "$f" | tail -12; }
+            done
+            (exit $rc)
             ;;
         sglang-install)
             TARGET=/tmp/site-sglang bash /tmp/stage/sglang/install-bundle.sh /tmp/stage/sglang 2>&1 | tail -15
