@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# LoRA on ONE GPU (vLLM: run on an H200, bench/results/lora/gpu_h200/): bench/lora_publish.py at the Qwen2-0.5B shape and at the
-# Qwen2.5-7B shape (random weights, nothing downloaded). Per shape: adapter publish seconds and bytes
+# LoRA on ONE GPU (vLLM: run on an H200, bench/results/lora/gpu_h200/): bench/lora_publish.py at the Qwen2-0.5B
+# shape and at the Qwen2.5-7B shape (random weights, nothing downloaded). Per shape: adapter publish seconds and bytes
 # (peft folder written by the learner, loaded into a LoRA-enabled vLLM server under a new name) against the
 # full-weight publish from disk (merged export + reload), and the seconds and peak GPU memory of one LoRA
 # training step with the vLLM server resident on the same GPU. Writes $OUT/lora_gpu/{0.5b,7b}.json and logs;

