@@ -39,6 +39,15 @@ What was read in sglang 0.5.16 (the wheel's ``sglang/srt``; 2026-12-06):
   server was started with is refused at load (HTTP 400 naming ``--max-lora-rank`` / ``--lora-target-modules``).
 * ``managers/schedule_batch.py``: the radix-cache key of a request includes its adapter id, so KV of another
   version is never reused.
+
+Also run on CPU against the 0.5.16 wheel's own modules (its GPU-only imports stubbed; no server, no kernels):
+SGLang's argparse and ``check_lora_server_args`` accept the full command :class:`~engines.sglang.server.SGLangServer`
+builds with these arguments (and refuse ``--max-loaded-loras`` below ``--max-loras-per-batch``, a missing rank or
+module list, an unknown module); its ``LoRAConfig`` / ``LoRAAdapter.initialize_weights`` read a folder written by
+``learner.lora.save_adapter`` (scale alpha / r, q/k/v and gate/up stacked equal to the learner's tensors
+concatenated, its modules within the server's); and every request body fleetrl sends validates as SGLang's
+request type (``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``, ``UpdateWeightVersionReqInput``,
+``UpdateWeightFromDiskReqInput``, ``GenerateReqInput`` with ``lora_path``; n > 1 copies the adapter to each sample).
 """
 
 from __future__ import annotations
