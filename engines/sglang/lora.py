@@ -25,7 +25,9 @@ What was read in sglang 0.5.16 (the wheel's ``sglang/srt``; 2026-12-06):
   v-2) reloads it from the path it was first loaded from, if that folder still exists (AdapterPublisher keeps 3).
 * ``server_args.py`` (``check_lora_server_args``): ``--enable-lora`` is a plain switch; ``--max-lora-rank`` any int;
   ``--lora-target-modules`` takes module names or ``all``; without ``--lora-paths`` both ``--max-lora-rank`` and
-  ``--lora-target-modules`` are required; ``--max-loaded-loras`` must be >= ``--max-loras-per-batch``.
+  ``--lora-target-modules`` are required; ``--max-loaded-loras`` must be >= ``--max-loras-per-batch`` (and <= twice
+  it with ``--enable-lora-overlap-loading``, off by default). Loading at runtime needs ``--dp-size 1`` (asserted in
+  the tokenizer manager; fleetrl's servers are TP only).
   ``--lora-backend`` defaults to ``csgmv`` (triton, csgmv, ascend, torch_native). Nothing else is asked for:
   server_args turns piecewise CUDA graphs off by itself with LoRA, and fleetrl's 0.5.16 compat flags
   (``engines/sglang/server.py``) run without CUDA graphs anyway.
