@@ -66,7 +66,7 @@ async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path,
     try:
         await srv.start(timeout_s=timeout_s)
         res["healthy_s"] = round(time.monotonic() - t0, 1)
-        client = srv.client(name)
+        client = srv.generation_client(name)
         try:
             samples = await asyncio.wait_for(
                 client.generate(list(range(1000, 1016)), SamplingParams(n=4, max_tokens=32)), 120
