@@ -19,6 +19,7 @@ from typing import Any
 
 from engines.sglang.weights import SGLangPublishClient
 from engines.vllm.ipc import VLLMIpcClient
+from engines.vllm.lora import adapter_versions
 from engines.vllm.nccl import VLLMNcclClient
 from engines.vllm.weights import VLLMWeightClient
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
@@ -49,4 +50,5 @@ def weight_client(cfg: Any, backend: str, eid: str, url: str) -> WeightEndpoint:
         return VLLMNcclClient(eid, url, **kw)
     if adapter_publish(cfg):  # LoRA: the publisher loads adapters through this client (learner/rank.py)
         kw["adapter_prefix"] = ADAPTER_PREFIX
+        kw["adapter_versions"] = adapter_versions(cfg.broker.max_staleness)
     return VLLMWeightClient(eid, url, weight_backend="fleetrl", **kw)

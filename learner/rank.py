@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from core.colocate_config import ColocateConfig
 from engines.registry import weight_client
+from engines.vllm.lora import adapter_versions
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
@@ -276,8 +277,14 @@ class LearnerRank:
                     "learner.lora publishes adapter folders by path, but the servers on other nodes "
                     "cannot read this run directory: set network.shared_dir"
                 )
+            # one folder more than the versions a server keeps loaded: vLLM reloads an evicted adapter that a
+            # running request still names from its folder
             self.adapter_pub = AdapterPublisher(
-                [], self.run_dir / "adapters", timeout_s=self.cfg.weight_sync.timeout_s, dtype=self._wire_dtype()
+                [],
+                self.run_dir / "adapters",
+                keep=adapter_versions(self.cfg.broker.max_staleness) + 1,
+                timeout_s=self.cfg.weight_sync.timeout_s,
+                dtype=self._wire_dtype(),
             )
         if self.rank == 0 and self.fleet is not None:
             try:

@@ -18,7 +18,7 @@ from typing import Any
 
 from engines.base import EngineError, ServerFactory
 from engines.vllm.generation import VLLMGenerationClient
-from engines.vllm.lora import lora_server_settings
+from engines.vllm.lora import adapter_versions, lora_server_settings
 from engines.vllm.server import VLLMServer, VLLMServerArgs
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV
@@ -96,7 +96,7 @@ class VLLMFactory(ServerFactory):
             # every process of the weight-sync group must agree (the learner sets the same)
             env.update({k: os.environ.get(k, v) for k, v in NCCL_ENV.items()})
         if adapter_publish(self.cfg):  # LoRA: the policy arrives as adapters loaded at runtime
-            env.update(lora_server_settings(self.cfg.learner.lora.rank)[1])
+            env.update(lora_server_settings(self.cfg.learner.lora.rank, self._adapter_versions())[1])
         args = VLLMServerArgs(
             model=self.cfg.model.path,
             dtype=self.cfg.model.dtype,
@@ -127,8 +127,11 @@ class VLLMFactory(ServerFactory):
         if c.enabled and c.sleep_level(index in self.slots) and "--enable-sleep-mode" not in args:
             args.append("--enable-sleep-mode")  # colocated: the engines sleep while the learner trains
         if adapter_publish(self.cfg):
-            args += lora_server_settings(self.cfg.learner.lora.rank)[0]
+            args += lora_server_settings(self.cfg.learner.lora.rank, self._adapter_versions())[0]
         return args
+
+    def _adapter_versions(self) -> int:
+        return adapter_versions(self.cfg.broker.max_staleness)
 
     def _adapter_prefix(self) -> str | None:
         return ADAPTER_PREFIX if adapter_publish(self.cfg) else None
@@ -144,6 +147,7 @@ class VLLMFactory(ServerFactory):
             server.url,
             model=server.model_name,
             adapter_prefix=self._adapter_prefix(),
+            adapter_versions=self._adapter_versions(),
             request_timeout_s=self.cfg.rollout.request_timeout_s,
         )
         client.server = server
@@ -162,6 +166,7 @@ class VLLMFactory(ServerFactory):
             model=self.cfg.model.path,
             request_timeout_s=self.cfg.rollout.request_timeout_s,
             adapter_prefix=self._adapter_prefix(),
+            adapter_versions=self._adapter_versions(),
         )
         deadline = asyncio.get_running_loop().time() + self.cfg.rollout.startup_timeout_s
         while True:

@@ -37,6 +37,7 @@ class VLLMHandle(HttpServerHandle):
         initial_version: int = 0,
         update_pause_mode: str = "keep",
         adapter_prefix: str | None = None,
+        adapter_versions: int = 2,
     ) -> None:
         """``update_pause_mode``: how a weight load pauses the server: ``wait`` lets running
         requests finish under the old weights first (``rollout.weight_update: pause``), ``keep``
@@ -53,6 +54,11 @@ class VLLMHandle(HttpServerHandle):
         self._paused = False  # last pause/resume through this instance (the server's /is_paused is authoritative)
         # LoRA (learner.lora): policy version v > 0 is served as adapter '<adapter_prefix>-v<v>' (load_adapter)
         self.adapter_prefix = adapter_prefix
+        if adapter_versions < 2:
+            raise ValueError(
+                f"adapter_versions must be >= 2 (the previous and the new version), got {adapter_versions}"
+            )
+        self.adapter_versions = adapter_versions  # versions whose adapters stay loaded (engines/vllm/lora.py)
         self.prefix_cache_resets_refused = 0  # see reset_prefix_cache
         self._label_api = True  # /update_weight_version exists (vLLM >= 0.32; see label_version)
 

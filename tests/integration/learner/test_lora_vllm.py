@@ -99,7 +99,8 @@ def _rank(rank: int, world_size: int, port: int, kw: dict) -> None:
         }
     )
     engine = FSDPEngine(cfg, str(TINY), total_steps=STEPS, seed=0)
-    client = VLLMWeightClient("vllm-lora", kw["url"], model=kw["served"], adapter_prefix="policy")
+    # three versions kept (broker.max_staleness 2): v-2 and v-1 stay loaded beside v
+    client = VLLMWeightClient("vllm-lora", kw["url"], model=kw["served"], adapter_prefix="policy", adapter_versions=3)
     pub = AdapterPublisher([client], Path(kw["root"]))
     records = []
 
@@ -149,7 +150,7 @@ def test_lora_publish_vllm(tmp_path):
     from engines.vllm.lora import lora_server_settings
     from tests.support.vllm_cpu import cpu_vllm_server
 
-    args, env = lora_server_settings(8)
+    args, env = lora_server_settings(8, 3)
     with cpu_vllm_server(
         TINY,
         tmp_path / "s",
@@ -184,6 +185,8 @@ def test_lora_publish_vllm(tmp_path):
         assert gap.mean() < FP32_TOLERANCE and gap.max() < 10 * FP32_TOLERANCE, (r["version"], gap.tolist())
         # Only the adapter crossed: far fewer bytes than the full fp32 model.
         assert 0 < r["bytes"] < res["full_bytes"] / 4
-        # The adapter two versions back is unloaded; the previous one stays for lagging workers.
+        # The adapter three versions back is unloaded; the two before v stay for requests still running.
         names = set(r["models"])
-        assert f"policy-v{r['version']}" in names and f"policy-v{r['version'] - 2}" not in names
+        v = r["version"]
+        assert {f"policy-v{u}" for u in range(max(1, v - 2), v + 1)} <= names, (v, names)
+        assert f"policy-v{v - 3}" not in names, (v, names)

@@ -124,6 +124,21 @@ def test_vllm_server_settings_round_the_rank_up():
         lora_server_settings(600)
 
 
+def test_a_server_keeps_every_version_the_staleness_bound_lets_run():
+    from engines.registry import weight_client
+    from engines.vllm.lora import adapter_versions
+    from launch.config import load_run_config
+
+    assert [adapter_versions(k) for k in (0, 1, 2, 4)] == [2, 2, 3, 5]
+    args, _ = lora_server_settings(8, adapter_versions(2))
+    assert args[args.index("--max-loras") + 1] == "3" and args[args.index("--max-cpu-loras") + 1] == "4"
+    with pytest.raises(ValueError, match="at least 2"):
+        lora_server_settings(8, 1)
+    cfg = load_run_config("smollm2-lora")  # broker.max_staleness 2
+    client = weight_client(cfg, "gloo", "vllm-0", "http://127.0.0.1:1")
+    assert client.adapter_prefix and client.adapter_versions == 3
+
+
 def test_adapter_publish_only_for_a_lora_vllm_fleet_not_colocated():
     from engines.sglang.lora import sglang_lora_server_args
     from launch.config import load_run_config
