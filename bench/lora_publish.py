@@ -178,16 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, server, clients, model, vocab, seqs, prompt, response, device_name, run_dir, server_start_s)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sglang(args, model: str, run_dir: Path):
     """A LoRA-enabled SGLang server on this process's GPU (not started) and the bench's two clients' makers."""
+    from core.http_client import free_port
     from engines.sglang.lora import sglang_lora_server_args
     from engines.sglang.server import SGLangServer, SGLangServerArgs
 
@@ -198,7 +191,7 @@ def _sglang(args, model: str, run_dir: Path):
         SGLangServerArgs(
             model=model,
             gpus=[gpu],
-            port=_free_port(),
+            port=free_port(),
             dtype="bfloat16",
             mem_fraction_static=args.gpu_memory_utilization,
             fleetrl_loader=False,  # staged NCCL updates are not what is measured; the disk reload needs no loader

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 from bench.report import run_info, write_json  # noqa: E402
+from core.http_client import free_port  # noqa: E402
 
 SAFE = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
 CANDIDATES = {
@@ -36,12 +36,6 @@ CANDIDATES = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path, timeout_s: float) -> dict:
     from engines.base import SamplingParams
     from engines.sglang.server import SGLangServer, SGLangServerArgs
@@ -52,7 +46,7 @@ async def try_one(name: str, extra: list[str], model: str, gpu: int, work: Path,
         SGLangServerArgs(
             model=model,
             gpus=[gpu],
-            port=_port(),
+            port=free_port(),
             mem_fraction_static=0.12,
             max_running_requests=64,
             compat=False,

@@ -15,20 +15,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import socket
 import time
 
 import pytest
 from gpu_helpers import Reference, check_logprobs, record
 
+from core.http_client import free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 GIB = 1 << 30
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +38,7 @@ def server(qwen_checkpoints, loop, tmp_path_factory):
         SGLangServerArgs(
             model=str(v0),
             gpus=[0],
-            port=_port(),
+            port=free_port(),
             mem_fraction_static=0.5,
             max_running_requests=64,
             memory_saver=True,

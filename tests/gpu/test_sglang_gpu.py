@@ -12,23 +12,18 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import time
 
 import pytest
 from gpu_helpers import Reference, check_logprobs, record
+
+from core.http_client import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
 def _record(what: str, **kw) -> None:
     record("sglang", what, **kw)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +38,12 @@ def server(qwen_checkpoints, loop, tmp_path_factory):
     log_path = os.environ.get("FLEETRL_SGLANG_LOG") or str(tmp_path_factory.mktemp("sglang") / "server.log")
     srv = SGLangServer(
         SGLangServerArgs(
-            model=str(v0), gpus=[1], port=_port(), mem_fraction_static=0.5, max_running_requests=128, log_path=log_path
+            model=str(v0),
+            gpus=[1],
+            port=free_port(),
+            mem_fraction_static=0.5,
+            max_running_requests=128,
+            log_path=log_path,
         )
     )
     t0 = time.monotonic()

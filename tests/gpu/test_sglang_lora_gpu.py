@@ -19,12 +19,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import socket
 import time
 from pathlib import Path
 
 import pytest
 from gpu_helpers import MAX_TOL, MEAN_TOL, OTHER_MIN, VOCAB, record
+
+from core.http_client import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -39,12 +40,6 @@ PROBES = [_rng.sample(range(1000, 100000), n) for n in (24, 40, 17)]
 # match proves the adapter was applied, every version must move the learner's log-probs by more than
 # MOVED_MIN = 3 x MEAN_TOL on average, and the last by more than OTHER_MIN (1 nat, the other GPU tests' blind check).
 MOVED_MIN = 3 * MEAN_TOL
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mean_max(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
@@ -70,7 +65,7 @@ def server(qwen_checkpoints, loop, tmp_path_factory):
         SGLangServerArgs(
             model=str(v0),
             gpus=[0],
-            port=_port(),
+            port=free_port(),
             mem_fraction_static=0.3,
             max_running_requests=64,
             radix_cache=False,
@@ -174,7 +169,7 @@ def test_sglang_lora_adapters_match_the_learner(server, loop, qwen_checkpoints, 
     v0, _, _, _ = qwen_checkpoints
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_port()),
+        MASTER_PORT=str(free_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",
