@@ -7,11 +7,9 @@ model length (400); the real vLLM client and the fleet controller talk to it.
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from json_http import json_http_server
 
 from core.http_client import BadRequest, EngineError
 from engines.base import SamplingParams
@@ -30,40 +28,25 @@ VLLM_400 = {
 }
 
 
-class _Handler(BaseHTTPRequestHandler):
-    calls: dict[str, int]
-    status: int
+class _Engine:
+    """Counts the calls per path; every POST gets ``status`` (vLLM's 400 body for 400), every GET 200."""
 
-    def _answer(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    def __init__(self, status: int) -> None:
+        self.calls: dict[str, int] = {}
+        self.status = status
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        self.calls[self.path] = self.calls.get(self.path, 0) + 1
-        self._answer(200, {})
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.calls[self.path] = self.calls.get(self.path, 0) + 1
-        self._answer(self.status, VLLM_400 if self.status == 400 else {"error": "busy"})
-
-    def log_message(self, *a):
-        pass
+    def answer(self, method, path, body):
+        self.calls[path] = self.calls.get(path, 0) + 1
+        if method == "GET":
+            return {}, 200
+        return (VLLM_400 if self.status == 400 else {"error": "busy"}), self.status
 
 
 @pytest.fixture(params=[400, 503, 429])
 def server(request):
-    handler = type("H", (_Handler,), {"calls": {}, "status": request.param})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
-    httpd.shutdown()
-    httpd.server_close()
+    engine = _Engine(request.param)
+    with json_http_server(engine.answer) as url:
+        yield url, engine
 
 
 class _Factory:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from json_http import json_http_server
 
 from engines.base import SamplingParams, model_sampling_defaults
 from engines.vllm.server import VLLMServer, VLLMServerArgs
@@ -27,33 +26,23 @@ PINNED = {
 }
 
 
-class _Recorder(BaseHTTPRequestHandler):
-    bodies: list = []
-    reply: bytes = b"{}"
+class _Recorder:
+    """The requests a client made (path, JSON body) and the JSON reply (bytes) it gets next."""
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
-        n = int(self.headers.get("Content-Length", 0))
-        type(self).bodies.append((self.path, json.loads(self.rfile.read(n))))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(type(self).reply)
+    def __init__(self) -> None:
+        self.bodies: list = []
+        self.reply: bytes = b"{}"
 
-    def log_message(self, *a):
-        pass
+    def answer(self, method, path, body):
+        self.bodies.append((path, body))
+        return json.loads(self.reply), 200
 
 
 @pytest.fixture
 def recorder():
-    handler = type("H", (_Recorder,), {"bodies": []})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    try:
-        yield handler, f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    rec = _Recorder()
+    with json_http_server(rec.answer) as url:
+        yield rec, url
 
 
 def test_vllm_requests_pin_every_sampling_field(recorder):

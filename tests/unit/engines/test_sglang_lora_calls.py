@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from json_http import json_http_server
 
 from core.http_client import EngineError
 from engines.sglang.lora import SGLANG_LOADED_LORAS, SGLANG_LORAS_PER_BATCH, sglang_lora_server_args
@@ -56,27 +54,9 @@ class _SGLangLoRA:
 @pytest.fixture()
 def sglang():
     fake = _SGLangLoRA()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            reply, code = fake.post(self.path, body)
-            data = json.dumps(reply).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    fake.url = f"http://127.0.0.1:{srv.server_address[1]}"
-    yield fake
-    srv.shutdown()
-    srv.server_close()
+    with json_http_server(lambda method, path, body: fake.post(path, body)) as url:
+        fake.url = url
+        yield fake
 
 
 async def _with(client, coro):

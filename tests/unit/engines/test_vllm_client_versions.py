@@ -9,11 +9,9 @@ older weights, so the older version is the one that bounds its staleness.
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from json_http import json_http_server
 
 from engines.base import SamplingParams
 from engines.vllm.generation import VLLMGenerationClient
@@ -21,33 +19,16 @@ from engines.vllm.generation import VLLMGenerationClient
 pytestmark = pytest.mark.timeout(30)
 
 
-def _server(on_request):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            on_request()
-            choice = {
-                "index": 0,
-                "token_ids": [5, 6, 7],
-                "finish_reason": "length",
-                "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]},
-            }
-            if self.server.spans is not None:
-                choice["weight_versions"] = self.server.spans
-            body = json.dumps({"choices": [choice]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.spans = None
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
+def _completion(spans):
+    choice = {
+        "index": 0,
+        "token_ids": [5, 6, 7],
+        "finish_reason": "length",
+        "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]},
+    }
+    if spans is not None:
+        choice["weight_versions"] = spans
+    return {"choices": [choice]}
 
 
 @pytest.mark.parametrize(
@@ -59,9 +40,10 @@ def _server(on_request):
 )
 def test_sample_versions_under_an_update_in_flight(spans, want_starts, want_versions):
     client = VLLMGenerationClient("v", "http://127.0.0.1:1", model="m", initial_version=3)
-    srv = _server(lambda: client.record_version(4))  # the update lands while the request runs
-    srv.spans = spans
-    client.url = f"http://127.0.0.1:{srv.server_address[1]}"
+
+    def answer(method, path, body):
+        client.record_version(4)  # the update lands while the request runs
+        return _completion(spans), 200
 
     async def run():
         try:
@@ -69,9 +51,8 @@ def test_sample_versions_under_an_update_in_flight(spans, want_starts, want_vers
         finally:
             await client.close()
 
-    try:
+    with json_http_server(answer) as url:
+        client.url = url
         (s,) = asyncio.run(run())
-    finally:
-        srv.shutdown()
     assert s.segment_starts == want_starts and s.segment_versions == want_versions
     assert client.weight_version == 4

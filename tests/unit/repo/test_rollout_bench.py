@@ -5,10 +5,9 @@ its server with, and the SGLang sampling off a real request of the fleet's clien
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from json_http import json_http_server
 from packaging.version import Version
 
 from bench import rollout
@@ -155,46 +154,33 @@ def test_sglang_sampling_is_what_the_fleets_client_sends():
     bodies: list[dict] = []
     n = 3
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            out = [
-                {
-                    "output_ids": [5, 6],
-                    "meta_info": {
-                        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
-                        "finish_reason": {"type": "length"},
-                    },
-                }  # fmt: skip
-                for _ in range(n)
-            ]
-            raw = json.dumps(out).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
+    def answer(method, path, body):
+        bodies.append(body)
+        out = [
+            {
+                "output_ids": [5, 6],
+                "meta_info": {
+                    "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+                    "finish_reason": {"type": "length"},
+                },
+            }  # fmt: skip
+            for _ in range(n)
+        ]
+        return out, 200
 
-        def log_message(self, *a):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     a = _args("--engine", "sglang", "--n", str(n), "--max-tokens", "2")
     rollout.resolve(a, visible_gpus=1)
     params = rollout.sampling(a)
 
-    async def one():
-        client = SGLangGenerationClient("t", f"http://127.0.0.1:{httpd.server_address[1]}", timeout_s=30)
+    async def one(url):
+        client = SGLangGenerationClient("t", url, timeout_s=30)
         try:
             return await client.generate([1, 2, 3], params)
         finally:
             await client.close()
 
-    try:
-        samples = asyncio.run(one())
-    finally:
-        httpd.shutdown()
+    with json_http_server(answer) as url:
+        samples = asyncio.run(one(url))
     assert len(samples) == n
     assert bodies[0]["return_logprob"] is True and bodies[0]["input_ids"] == [1, 2, 3]
     assert bodies[0]["sampling_params"] == sampling_dict(params)
