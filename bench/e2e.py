@@ -171,51 +171,49 @@ def time_to(curve: list[dict], target: float | None) -> float | None:
     return next((p["t"] for p in curve if p["accuracy"] is not None and p["accuracy"] >= target), None)
 
 
+def _times_to(seed_runs: dict[str, dict], target: float | None) -> tuple[dict, dict, str | None]:
+    """Each case's time to ``target``, the async cases that reached it, and the fastest of those."""
+    times = {case: time_to(r["curve"], target) for case, r in seed_runs.items()}
+    asyncs = {c: t for c, t in times.items() if c.startswith(("async_k", "shared_k")) and t is not None}
+    return times, asyncs, (min(asyncs, key=asyncs.get) if asyncs else None)
+
+
+def _over_best(t: float | None, asyncs: dict, best: str | None) -> float | None:
+    return t / asyncs[best] if best and t and asyncs[best] > 0 else None
+
+
 def analyse(runs: dict[tuple[str, int], dict]) -> dict:
     """Targets, times to target, per-case spread over seeds and the headline ratio, from collected runs."""
     seeds = sorted({s for _, s in runs})
     per_seed = {}
     for seed in seeds:
-        colo = runs.get(("colocated", seed))
+        seed_runs = {case: r for (case, s), r in runs.items() if s == seed}
+        colo = seed_runs.get("colocated")
         target = colo["final_accuracy"] if colo else None
-        times = {case: time_to(r["curve"], target) for (case, s), r in runs.items() if s == seed}
-        asyncs = {c: t for c, t in times.items() if c.startswith(("async_k", "shared_k")) and t is not None}
-        best = min(asyncs, key=asyncs.get) if asyncs else None
-        t_colo = times.get("colocated")
+        times, asyncs, best = _times_to(seed_runs, target)
         t_full = colo["learner_wall_s"] if colo else None
         # the common target: the lowest final accuracy of this seed's cases, the accuracy every case reached
         # by its end. With 100 evaluation prompts two finals 0.01 apart are equal within noise, and colocated's
         # own final as the target would leave a case that ended 0.01 lower without a time at all.
-        finals = [
-            r["final_accuracy"] for (_, s), r in runs.items() if s == seed and r.get("final_accuracy") is not None
-        ]
+        finals = [r["final_accuracy"] for r in seed_runs.values() if r.get("final_accuracy") is not None]
         common = min(finals) if finals else None
-        times_common = {case: time_to(r["curve"], common) for (case, s), r in runs.items() if s == seed}
-        asyncs_common = {
-            c: t for c, t in times_common.items() if c.startswith(("async_k", "shared_k")) and t is not None
-        }
-        best_common = min(asyncs_common, key=asyncs_common.get) if asyncs_common else None
-        t_colo_common = times_common.get("colocated")
+        times_common, asyncs_common, best_common = _times_to(seed_runs, common)
         per_seed[str(seed)] = {
             "common_target_accuracy": common,
             "time_to_common_target_s": times_common,
-            "headline_common_target": (t_colo_common / asyncs_common[best_common])
-            if best_common and t_colo_common and asyncs_common[best_common] > 0
-            else None,
+            "headline_common_target": _over_best(times_common.get("colocated"), asyncs_common, best_common),
             "target_accuracy": target,
             "time_to_target_s": times,
             "best_async": best,
             # every case by the same rule: its first evaluation at or above the target
-            "headline_colocated_over_best_async": (t_colo / asyncs[best])
-            if best and t_colo and asyncs[best] > 0
-            else None,
+            "headline_colocated_over_best_async": _over_best(times.get("colocated"), asyncs, best),
             # (a) charged its whole budget (the target is by definition its final accuracy)
-            "headline_full_budget": (t_full / asyncs[best]) if best and t_full and asyncs[best] > 0 else None,
+            "headline_full_budget": _over_best(t_full, asyncs, best),
             # steps per second of each case over colocated's, equal step counts (no accuracy involved)
             "per_step_speedup_over_colocated": {
                 c: r["steps_per_s"] / colo["steps_per_s"]
-                for (c, s), r in runs.items()
-                if s == seed and colo and r.get("steps_per_s") and colo.get("steps_per_s")
+                for c, r in seed_runs.items()
+                if colo and r.get("steps_per_s") and colo.get("steps_per_s")
             },
         }
     cases = {}
