@@ -86,11 +86,11 @@ async def load_adapter(client: VLLMHandle, path: str, version: int) -> dict[str,
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
     previous = client.weight_version
     client._version = version
-    oldest_kept = version - client.adapter_versions + 1  # versions oldest_kept..version stay loaded
-    if 0 < previous < oldest_kept:
+    dropped = version - client.adapter_versions  # versions dropped + 1 .. version stay loaded
+    if 0 < previous < dropped:  # a server that skipped versions: its last one left the window earlier
         await _unload(client, lora_name(client.adapter_prefix, previous))
-    if oldest_kept - 1 > 0:  # version 0 is the base model, not an adapter
-        await _unload(client, lora_name(client.adapter_prefix, oldest_kept - 1))
+    if dropped > 0:  # version 0 is the base model, not an adapter
+        await _unload(client, lora_name(client.adapter_prefix, dropped))
     steps["unload_old"] = time.perf_counter() - t
     client.last_update_steps = steps
     return steps
