@@ -12,7 +12,8 @@ SGLang engines do the same through their memory release (engines/sglang/handle.p
 /release_memory_occupation of kv_cache and weights, /resume_memory_occupation of weights, then of kv_cache.
 
 Invariant: while the gate is closed the worker starts no group; :class:`SyncGate` records every
-closed window and the groups that were still running when it closed, so the run's summary can show
+closed window and the groups that were still generating when it closed (a group only waiting on the broker's
+ack of its push does not count: the learner may have its rows before that ack is back), so the run's summary can show
 that the fleet generated nothing while the learner trained. On CPU (level 0) only the gate acts.
 From the sleep to the KV cache's wake the fleet's stall detector is held (``FleetController.hold``):
 a sleeping server answers nothing by design.
@@ -85,7 +86,7 @@ class ColocatedEngines:
         return time.monotonic() - t0
 
     async def release(self, step: int) -> dict[str, float]:
-        self.gate.close(step, time.monotonic(), self.worker.inflight)
+        self.gate.close(step, time.monotonic(), self.worker.generating)
         t0 = time.monotonic()
         if self.worker.inflight:
             log.warning(

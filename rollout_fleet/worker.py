@@ -148,6 +148,7 @@ class RolloutWorker:
         self.samples_overlong_penalised = 0
         self.tickets_held_at_gate = 0  # tickets that arrived as the gate closed (colocated; 0 under k = 0)
         self._tasks: dict[asyncio.Task, Prompt] = {}
+        self._pushing: set[asyncio.Task] = set()  # groups whose generation is over, waiting on the broker's ack
         self._replay: list[Prompt] = []
         self.groups_started = 0
         self.groups_pushed = 0
@@ -246,6 +247,13 @@ class RolloutWorker:
     @property
     def inflight(self) -> int:
         return len(self._tasks)
+
+    @property
+    def generating(self) -> int:
+        """Groups in flight that may still use an engine: in flight, less those only waiting on the broker's ack of
+        their push (the ack comes back through a thread, so on a busy host it can trail the broker's hand-over of the
+        step's batch to the learner, and with it colocated mode's release)."""
+        return sum(1 for t in self._tasks if t not in self._pushing)
 
     # the errors that give up one group (counted by kind in _drop); anything else is a bug and is logged
     GROUP_ERRORS: tuple[type[Exception], ...] = (EngineError, RewardFailed)
@@ -411,27 +419,35 @@ class RolloutWorker:
 
     async def _push(self, group_id: str, trajs: list[Trajectory]) -> bool:
         """Push one whole group (retried); counts it pushed or failed."""
-        batch = to_record_batch(trajs)
-        for attempt in range(self.push_retries):
-            try:
-                await self.producer.push(batch)
-                break
-            except (TimeoutError, OSError, RuntimeError) as exc:
-                log.warning("rollout: push of %s failed (attempt %d): %s", group_id, attempt + 1, exc)
-                await asyncio.sleep(0.2 * (attempt + 1))
-        else:
+        task = asyncio.current_task()
+        self._pushing.add(task)  # generation is over: colocated mode's release does not wait on this group
+        try:
+            pushed = await self._push_retried(group_id, to_record_batch(trajs))
+        finally:
+            self._pushing.discard(task)
+        if not pushed:
             self.groups_failed += 1
             log.error("rollout: group %s could not be pushed after %d attempts", group_id, self.push_retries)
             return False
         self.groups_pushed += 1
         # pushed: the group is the broker's now, no longer in flight here (capacity, colocated mode's release,
         # the prompts a restart replays), even before its task's done callback runs
-        self._tasks.pop(asyncio.current_task(), None)
+        self._tasks.pop(task, None)
         self.samples_pushed += len(trajs)
         self.samples_truncated += sum(1 for t in trajs if t.finish_reason == "length")
         self.tokens_pushed += sum(len(t.response_ids) for t in trajs)
         self.reward_sum += float(sum(t.reward for t in trajs))
         return True
+
+    async def _push_retried(self, group_id: str, batch) -> bool:
+        for attempt in range(self.push_retries):
+            try:
+                await self.producer.push(batch)
+                return True
+            except (TimeoutError, OSError, RuntimeError) as exc:
+                log.warning("rollout: push of %s failed (attempt %d): %s", group_id, attempt + 1, exc)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        return False
 
     def status(self) -> dict[str, Any]:
         """:meth:`record` as plain data."""

@@ -71,7 +71,7 @@ class _Factory:
 
 
 class _Worker:
-    inflight = 0  # the rollout worker's groups in flight (none between two colocated steps)
+    inflight = generating = 0  # the rollout worker's groups in flight (none between two colocated steps)
 
 
 def _token(s: dict[str, torch.Tensor]) -> int:

@@ -96,7 +96,7 @@ class _Fleet:
 
 
 class _Worker:
-    inflight = 0
+    inflight = generating = 0
 
 
 def test_release_and_wake_order_the_engines_calls_and_evaluate_at_the_wake():
