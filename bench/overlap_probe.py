@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# the repository first: run as a script, bench/ is sys.path[0] and its weight_sync.py would shadow the weight_sync
+# package that fleetrl's vLLM plugin imports (the H100 run of 2026-12-07 logged that plugin's import failing)
+sys.path.insert(0, str(REPO))
 CASES = ("gen", "train", "two_process", "one_process")
 CHILD_TIMEOUT_S = 900.0
 

@@ -4,12 +4,15 @@ Reads what the two runs leave behind: verl's console log (one ``step:N - key:val
 ``LocalLogger``) of every verl attempt (its settings, tried best first), and fleetrl's
 ``metrics/learner_steps.jsonl`` (one row a step; colocated mode). The first ``--skip`` steps of each are
 warm-up (compiles, CUDA graphs, allocator growth) and left out. ``ratio`` = fleetrl's median step time / the
-fastest verl attempt's median step time (below 1: fleetrl is faster).
+fastest verl attempt's median step time (below 1: fleetrl is faster); ``ratio_sync`` the same against verl's
+fastest synchronous attempt. An attempt in verl's ``colocate_async`` trainer mode generates the next batch while it
+trains, so its ``timing_s/gen`` is the trainer's wait for a batch begun earlier, not a generation span:
+``generation_ratio`` compares fleetrl's generation with synchronous verl attempts only.
 
     python bench/peers/compare.py --case smol --fleetrl RUN/fleetrl --verl RUN/verl --json out.json
 
-Writes ``{"case", "device", "date_utc", "ratio", "generation_ratio", "fleetrl": {...}, "verl": {"best",
-"attempts": [...]}}``.
+Writes ``{"case", "device", "date_utc", "ratio", "ratio_sync", "generation_ratio", "fleetrl": {...}, "verl":
+{"best", "best_sync", "attempts": [{"name", "schedule": "sync" | "async", ...}]}}``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ def build(case: str, fleetrl_dir: Path, verl_dir: Path, skip: int = 1) -> dict:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "skip_warmup_steps": skip,
         "ratio": None,
+        "ratio_sync": None,
         "generation_ratio": None,
     }
     meta = fleetrl_dir / "case.json"
@@ -128,15 +132,27 @@ def build(case: str, fleetrl_dir: Path, verl_dir: Path, skip: int = 1) -> dict:
                 a[name.split(".")[0]] = f.read_text().strip()
         log = adir / "verl.log"
         steps = verl_steps(parse_verl_log(log.read_text(errors="replace"))) if log.exists() else []
+        a["schedule"] = "async" if "colocate_async" in a.get("overrides", "") else "sync"
         a["summary"] = summarize(steps, skip) if steps else None
         attempts.append(a)
-    ok = [a for a in attempts if _median(a["summary"], "step_s") is not None]
-    best = min(ok, key=lambda a: _median(a["summary"], "step_s")) if ok else None
-    result["verl"] = {"attempts": attempts, "best": best["name"] if best else None}
-    if best is not None and _median(fl, "step_s"):
-        result["ratio"] = _median(fl, "step_s") / _median(best["summary"], "step_s")
-        if _median(fl, "generation_s") and _median(best["summary"], "generation_s"):
-            result["generation_ratio"] = _median(fl, "generation_s") / _median(best["summary"], "generation_s")
+
+    def fastest(schedules: tuple[str, ...]) -> dict | None:
+        ok = [a for a in attempts if a["schedule"] in schedules and _median(a["summary"], "step_s") is not None]
+        return min(ok, key=lambda a: _median(a["summary"], "step_s")) if ok else None
+
+    best, best_sync = fastest(("sync", "async")), fastest(("sync",))
+    result["verl"] = {
+        "attempts": attempts,
+        "best": best["name"] if best else None,
+        "best_sync": best_sync["name"] if best_sync else None,
+    }
+    fl_step, fl_gen = _median(fl, "step_s"), _median(fl, "generation_s")
+    if best is not None and fl_step:
+        result["ratio"] = fl_step / _median(best["summary"], "step_s")
+    if best_sync is not None and fl_step:
+        result["ratio_sync"] = fl_step / _median(best_sync["summary"], "step_s")
+        if fl_gen and _median(best_sync["summary"], "generation_s"):
+            result["generation_ratio"] = fl_gen / _median(best_sync["summary"], "generation_s")
     return result
 
 
@@ -151,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     r = build(a.case, a.fleetrl, a.verl, a.skip)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(r, indent=1))
-    print(json.dumps({k: r.get(k) for k in ("case", "ratio", "generation_ratio")} | {"verl_best": r["verl"]["best"]}))
+    print(
+        json.dumps(
+            {k: r.get(k) for k in ("case", "ratio", "ratio_sync", "generation_ratio")}
+            | {"verl_best": r["verl"]["best"]}
+        )
+    )
     return 0 if r["ratio"] is not None else 1
 
 

@@ -1,5 +1,6 @@
 """bench/peers/compare.py reads verl's console lines and fleetrl's step log, leaves the warm-up out, and takes
-the ratio against verl's fastest attempt that ran (a failed attempt is kept with its error, never chosen)."""
+the ratio against verl's fastest attempt that ran (a failed attempt is kept with its error, never chosen); verl's
+colocate_async attempts count for ``ratio`` but not for ``ratio_sync`` or the generation ratio."""
 
 from __future__ import annotations
 
@@ -75,3 +76,26 @@ def test_ratio_against_the_fastest_verl_attempt_that_ran(tmp_path):
 def test_missing_runs_give_no_ratio(tmp_path):
     r = build("q15-1k", tmp_path / "nofleet", tmp_path / "noverl")
     assert r["ratio"] is None and r["verl"]["best"] is None and "error" in r["fleetrl"]
+
+
+def test_an_async_verl_attempt_is_not_a_generation_baseline(tmp_path):
+    fl, vd = tmp_path / "fleetrl", tmp_path / "verl"
+    fl.mkdir()
+    rows = [
+        {"step": i, "t_unix": 1000.0 + 5.0 * i, "t0_unix": 1000.0, "pull_seconds": 4.0} for i in range(1, 5)
+    ]  # 5 s steps, 4 s of generation
+    (fl / "learner_steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    for name, overrides, total, gen in (
+        ("best", "actor_rollout_ref.actor.use_torch_compile=True", 20.0, 5.0),
+        ("colocate_async", "trainer.use_v1=True trainer.v1.trainer_mode=colocate_async", 8.0, 0.5),
+    ):
+        a = vd / f"attempt_{name}"
+        a.mkdir(parents=True)
+        (a / "overrides.txt").write_text(overrides)
+        (a / "verl.log").write_text("\n".join(_verl_line(i, total, gen) for i in range(1, 5)))
+    r = build("smol", fl, vd, skip=1)
+    kinds = {a["name"]: a["schedule"] for a in r["verl"]["attempts"]}
+    assert kinds == {"best": "sync", "colocate_async": "async"}
+    assert (r["verl"]["best"], r["verl"]["best_sync"]) == ("colocate_async", "best")
+    assert abs(r["ratio"] - 5.0 / 8.0) < 1e-9 and abs(r["ratio_sync"] - 5.0 / 20.0) < 1e-9
+    assert abs(r["generation_ratio"] - 4.0 / 5.0) < 1e-9  # against the synchronous attempt's 5 s, not 0.5 s
