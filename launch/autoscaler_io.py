@@ -52,7 +52,7 @@ class Elastic:
     def tick(self, snap: JobSnapshot, now: float | None = None) -> dict[str, Any] | None:
         now = time.monotonic() - self._t0 if now is None else now
         cfg = self.job.cfg
-        obs = observation(snap, cfg.broker.groups_per_step, cfg.broker.max_staleness, cfg.rollout.max_inflight_groups)
+        obs = observation(snap, cfg.broker.groups_per_step, cfg.broker.max_staleness, cfg.rollout.inflight_groups())
         d = self.scaler.observe(now, obs)
         if self._traced is None or now - self._traced >= TRACE_EVERY_S:
             self._traced = now

@@ -307,6 +307,14 @@ def resolve_config(args: argparse.Namespace):
         cfg = cfg.model_copy(
             update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})}
         )
+    gpu_servers = bool(getattr(args, "gpus", None) or args.rollout_gpus) and not args.simulate
+    cfg = cfg.model_copy(
+        update={
+            "rollout": cfg.rollout.model_copy(
+                update={"max_inflight_groups": cfg.rollout.inflight_groups(gpu=gpu_servers)}
+            )
+        }
+    )
     if cfg.colocate.shared_async and not getattr(args, "gpus", None) and not args.simulate:
         from launch.shared_gpu import host_split
 

@@ -10,6 +10,8 @@ from pydantic import Field, field_validator, model_validator
 from core.configbase import ConfigModel
 from engines.config import SimulatedEngineConfig
 
+CPU_INFLIGHT_GROUPS = 16  # rollout.max_inflight_groups=auto on CPU servers
+
 
 class DataConfig(ConfigModel):
     train_files: list[str] = Field(min_length=1, description="Parquet files in verl's column layout")
@@ -403,7 +405,11 @@ class RolloutConfig(ConfigModel):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="an engine's share of its GPUs' memory")
     max_num_seqs: int = Field(256, ge=1, description="sequences an engine batches at once")
     urls: list[str] = Field(default_factory=list, description="attach to running servers instead of starting them")
-    max_inflight_groups: int = Field(16, ge=1, description="groups a worker keeps in flight per server")
+    max_inflight_groups: int | Literal["auto"] = Field(
+        "auto",
+        description="groups a worker keeps in flight per server. auto: on GPU servers enough to fill the "
+        "engine's batch, ceil(max_num_seqs / sampling.n); on CPU servers 16",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="limit of one generation request")
     health_interval_s: float = Field(5.0, gt=0, description="seconds between health probes of each server")
     health_timeout_s: float = Field(10.0, gt=0, description="limit of one health probe (a loaded CPU server is slow)")
@@ -440,6 +446,15 @@ class RolloutConfig(ConfigModel):
     proxy: ProxyConfig | None = Field(None, description="start the OpenAI-compatible proxy in front of the fleet")
     autoscale: AutoscaleConfig = AutoscaleConfig()
 
+    def inflight_groups(self, *, gpu: bool = False) -> int:
+        """``max_inflight_groups`` as a number. The launcher resolves ``auto`` once it knows the servers' kind
+        (launch/cluster.py): a GPU engine decodes a full batch of ``max_num_seqs`` sequences about as fast as
+        half of one, so fewer groups in flight leave its speed unused (a synchronous step then generates in two
+        waves, each ending on its longest response). An ``auto`` that reaches a fleet unresolved counts as CPU."""
+        if self.max_inflight_groups != "auto":
+            return self.max_inflight_groups
+        return max(1, -(-self.max_num_seqs // self.sampling.n)) if gpu else CPU_INFLIGHT_GROUPS
+
     @model_validator(mode="after")
     def _one_episode_kind(self) -> RolloutConfig:
         if self.env is not None and self.proxy is not None and self.proxy.agent is not None:
@@ -458,6 +473,13 @@ class RolloutConfig(ConfigModel):
                 "episodes, whose turns end at their stop tokens: drop one of them"
             )
         return self
+
+    @field_validator("max_inflight_groups")
+    @classmethod
+    def _at_least_one_group(cls, v: int | str) -> int | str:
+        if v != "auto" and v < 1:
+            raise ValueError(f"expected 'auto' or at least 1 group in flight per server, got {v}")
+        return v
 
     @field_validator("stall_timeout_s")
     @classmethod

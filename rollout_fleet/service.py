@@ -159,7 +159,7 @@ class FleetService:
             prompts,
             rewards,
             self.cfg.rollout.sampling,
-            max_inflight_groups=self.cfg.rollout.max_inflight_groups,
+            max_inflight_groups=self.cfg.rollout.inflight_groups(),  # resolved at launch (GPU or CPU)
             seed=self.cfg.run.seed,
             gate=self._colocated_gate(),
             **extra,
