@@ -306,12 +306,16 @@ class LearnerRank:
                 self._holding.update(dict.fromkeys(ids, version))
                 if self.fleet is not None:
                     self.fleet.engines_updated(ids, version)
+                last = self.adapter_pub.last
+                calls = {eid: {k: round(v, 3) for k, v in st.items()} for eid, st in last["engines"].items()}
                 log.info(
-                    "published LoRA adapter v%d (%d bytes) to %s in %.2fs",
+                    "published LoRA adapter v%d (%d bytes) to %s in %.2fs: write %.3f s, per engine %s",
                     version,
-                    self.adapter_pub.last["bytes"],
+                    last["bytes"],
                     ids,
                     time.monotonic() - t0,
+                    last["write_seconds"],
+                    calls,  # load_adapter / label_version / unload_old seconds (engines/vllm/lora.py)
                 )
         except AdapterPublishError as exc:
             self.publish_errors += 1
