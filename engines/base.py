@@ -137,6 +137,13 @@ def lora_name(prefix: str, version: int) -> str:
     return f"{prefix}-v{version}"
 
 
+def adapter_versions(max_staleness: int) -> int:
+    """How many policy versions' adapters a server keeps loaded (both engines): every version whose requests may
+    still run. With ``broker.max_staleness`` k, requests of versions v-k..v can be in flight when v arrives, so
+    k + 1 (and at least 2: the previous version's requests run beside the new one's)."""
+    return max(2, max_staleness + 1)
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     """One generated sample: token ids and the sampler's log-prob of each.

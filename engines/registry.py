@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.base import adapter_versions
 from engines.sglang.weights import SGLangPublishClient
 from engines.vllm.ipc import VLLMIpcClient
-from engines.vllm.lora import adapter_versions
 from engines.vllm.nccl import VLLMNcclClient
 from engines.vllm.weights import VLLMWeightClient
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
@@ -36,7 +36,15 @@ def weight_client(cfg: Any, backend: str, eid: str, url: str) -> WeightEndpoint:
     """
     engine, ws = cfg.rollout.engine, cfg.weight_sync
     if engine == "sglang":
-        return SGLangPublishClient(eid, url, timeout_s=ws.timeout_s, staging=ws.staging)
+        return SGLangPublishClient(
+            eid,
+            url,
+            timeout_s=ws.timeout_s,
+            staging=ws.staging,
+            # LoRA: the publisher loads adapters through this client (learner/rank.py)
+            adapter_prefix=ADAPTER_PREFIX if adapter_publish(cfg) else None,
+            adapter_versions=adapter_versions(cfg.broker.max_staleness),
+        )
     if engine != "vllm":
         raise ValueError(f"the learner publishes to rollout.engine 'vllm' or 'sglang', not {engine!r}")
     kw = dict(

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 from core.colocate_config import ColocateConfig
+from engines.base import adapter_versions
 from engines.registry import weight_client
-from engines.vllm.lora import adapter_versions
 from learner.broker_source import BrokerSource
 from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
@@ -153,7 +153,7 @@ class LearnerRank:
         self.exports_shared = exports_shared
         self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
         self.pub = None
-        self.adapter_pub: AdapterPublisher | None = None  # learner.lora on a vLLM fleet (_publish_adapter)
+        self.adapter_pub: AdapterPublisher | None = None  # learner.lora on a vLLM or SGLang fleet (_publish_adapter)
         self._source = None
         self.world_size = 0  # known once the process group is up
         self.version = 0
@@ -269,7 +269,7 @@ class LearnerRank:
         return Publisher(ws, plan, rank=0, device=device)
 
     def _publish_adapter(self, version: int, engine) -> None:
-        """learner.lora on a vLLM fleet: only the adapter folder goes out (weight_sync/adapter_publisher.py)."""
+        """learner.lora on a vLLM or SGLang fleet: only the adapter folder goes out (weight_sync/adapter_publisher.py)."""
         t0 = time.monotonic()
         if self.adapter_pub is None:
             if not self.exports_shared:
@@ -277,7 +277,7 @@ class LearnerRank:
                     "learner.lora publishes adapter folders by path, but the servers on other nodes "
                     "cannot read this run directory: set network.shared_dir"
                 )
-            # one folder more than the versions a server keeps loaded: vLLM reloads an evicted adapter that a
+            # one folder more than the versions a server keeps loaded: vLLM and SGLang reload an evicted adapter that a
             # running request still names from its folder
             self.adapter_pub = AdapterPublisher(
                 [],

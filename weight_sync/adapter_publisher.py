@@ -32,8 +32,8 @@ ADAPTER_PREFIX = "policy"
 
 def adapter_publish(cfg) -> bool:
     """Does this run (a launch RunConfig) publish LoRA adapters instead of weights? With ``learner.lora`` on a
-    vLLM fleet that is not colocated; colocated engines take the merged weights over CUDA IPC as before."""
-    return cfg.learner.lora is not None and cfg.rollout.engine == "vllm" and not cfg.colocate.enabled
+    vLLM or SGLang fleet that is not colocated; colocated engines take the merged weights as before."""
+    return cfg.learner.lora is not None and cfg.rollout.engine in ("vllm", "sglang") and not cfg.colocate.enabled
 
 
 class AdapterEndpoint(Protocol):

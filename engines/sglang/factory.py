@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from core.http_client import free_port
-from engines.base import ServerFactory
+from engines.base import ServerFactory, adapter_versions
 from engines.sglang.generation import SGLangGenerationClient
+from engines.sglang.lora import DECODER_LINEAR_MODULES, sglang_lora_server_args
 from engines.sglang.server import SGLangServer, SGLangServerArgs
+from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class SGLangFactory(ServerFactory):
             radix_cache=False,
             # colocated: the engine frees its GPU memory while the learner trains (rollout_fleet/colocated_gate.py)
             memory_saver=self.cfg.colocate.enabled and self.cfg.colocate.sleep_level(cuda=True) > 0,
-            extra_args=["--context-length", str(r.max_model_len), *r.sglang_server_args],
+            extra_args=["--context-length", str(r.max_model_len), *r.sglang_server_args, *self._lora_args()],
             env={
                 **{k: os.environ.get(k, v) for k, v in NCCL_ENV.items()},
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -90,11 +92,29 @@ class SGLangFactory(ServerFactory):
             log_path=str(log_dir / "sglang_server.log"),
         )
 
+    def _lora_args(self) -> list[str]:
+        """LoRA (learner.lora, not colocated): the server takes each policy version as an adapter at runtime,
+        sized for the learner's rank and modules, keeping ``broker.max_staleness + 1`` versions (at least 2)."""
+        if not adapter_publish(self.cfg):
+            return []
+        lora = self.cfg.learner.lora
+        modules = DECODER_LINEAR_MODULES if lora.target_modules == "all-linear" else lora.target_modules
+        return sglang_lora_server_args(lora.rank, modules, adapter_versions(self.cfg.broker.max_staleness))
+
+    def client(self, index: int, url: str) -> FleetSGLangClient:
+        """The fleet's client of server ``index`` at ``url``."""
+        return FleetSGLangClient(
+            f"sglang-{index}",
+            url,
+            radix_cache=False,
+            timeout_s=self.cfg.rollout.request_timeout_s,
+            adapter_prefix=ADAPTER_PREFIX if adapter_publish(self.cfg) else None,  # requests name the adapter
+            adapter_versions=adapter_versions(self.cfg.broker.max_staleness),
+        )
+
     async def start(self, index: int) -> FleetSGLangClient:
         server = SGLangServer(self._args(index))
         await server.start(timeout_s=self.cfg.rollout.startup_timeout_s)
-        client = FleetSGLangClient(
-            f"sglang-{index}", server.url, radix_cache=False, timeout_s=self.cfg.rollout.request_timeout_s
-        )
+        client = self.client(index, server.url)
         client.server = server
         return client

@@ -48,6 +48,7 @@ class SGLangHandle(HttpServerHandle):
         control_timeout_s: float = 120.0,
         max_connections: int = 1024,
         adapter_prefix: str | None = None,
+        adapter_versions: int = 2,
     ) -> None:
         self.engine_id = engine_id
         self.url = url.rstrip("/")
@@ -64,6 +65,11 @@ class SGLangHandle(HttpServerHandle):
         self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.last_update_steps: dict[str, float] = {}
         self.adapter_prefix = adapter_prefix  # LoRA: version v > 0 is adapter '<prefix>-v<v>' (engines/sglang/lora.py)
+        if adapter_versions < 2:
+            raise ValueError(
+                f"adapter_versions must be >= 2 (the previous and the new version), got {adapter_versions}"
+            )
+        self.adapter_versions = adapter_versions  # versions whose adapters stay loaded (engines.base.adapter_versions)
 
     async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
         r = await self._request(

@@ -5,7 +5,7 @@ The same scheme as engines/vllm/lora.py: the server serves the base with LoRA en
 
     POST /load_lora_adapter {lora_name: "<prefix>-v<v>", lora_path: <peft folder>}
     POST /update_weight_version {new_version: "<v>", abort_all_requests: false}
-    POST /unload_lora_adapter {lora_name: "<prefix>-v<v-2>"}
+    POST /unload_lora_adapter {lora_name: "<prefix>-v<v-K>"}   (K versions kept, engines/vllm/lora.py adapter_versions)
 
 and ``/generate`` names the adapter in its ``lora_path`` field (SGLang takes an adapter *name* there).
 
@@ -66,19 +66,28 @@ if TYPE_CHECKING:
 # The linear layers ``learner.lora``'s ``all-linear`` adapts in a Llama/Qwen-style decoder block (every nn.Linear
 # but the output layer): what the server is told to make room for by default.
 DECODER_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Adapters a batch may mix: the previous and the new version, and the base (SGLang counts it as one, unlike
-# vLLM's --max-loras): requests of a third would wait for a batch of their own.
-SGLANG_LORAS_PER_BATCH = 3
-# Adapters registered at once: during a publish v-2, v-1 and v, until v-2 is unloaded.
-SGLANG_LOADED_LORAS = 3
 
 
-def sglang_lora_server_args(rank: int, target_modules: list[str] | tuple[str, ...] | None = None) -> list[str]:
-    """Server arguments for adapters of ``rank`` loaded at runtime. Without ``--lora-paths`` at start SGLang must
-    be told the largest rank and the target modules up front (``target_modules``: default
-    :data:`DECODER_LINEAR_MODULES`; ``["all"]`` also targets the embeddings and the output layer)."""
+def sglang_lora_slots(versions: int = 2) -> tuple[int, int]:
+    """(``--max-loras-per-batch``, ``--max-loaded-loras``) for a server that keeps ``versions`` adapter versions
+    (:func:`engines.base.adapter_versions`). A batch may mix every kept version and the base, which SGLang
+    counts as one adapter (unlike vLLM's ``--max-loras``); requests of one more would wait for a batch of their
+    own. Registered at once: the kept versions and the one being loaded, until the oldest is unloaded."""
+    if versions < 2:
+        raise ValueError(f"a LoRA server keeps at least 2 adapter versions (the previous and the new), got {versions}")
+    return versions + 1, versions + 1
+
+
+def sglang_lora_server_args(
+    rank: int, target_modules: list[str] | tuple[str, ...] | None = None, versions: int = 2
+) -> list[str]:
+    """Server arguments for adapters of ``rank`` loaded at runtime, ``versions`` of them kept
+    (:func:`sglang_lora_slots`). Without ``--lora-paths`` at start SGLang must be told the largest rank and the
+    target modules up front (``target_modules``: default :data:`DECODER_LINEAR_MODULES`; ``["all"]`` also
+    targets the embeddings and the output layer)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    per_batch, loaded = sglang_lora_slots(versions)
     modules = list(target_modules if target_modules is not None else DECODER_LINEAR_MODULES)
     if not modules or any(not isinstance(m, str) or not m or m.startswith("-") for m in modules):
         raise ValueError(f"LoRA target modules must be a non-empty list of module names, got {target_modules!r}")
@@ -91,9 +100,9 @@ def sglang_lora_server_args(rank: int, target_modules: list[str] | tuple[str, ..
         "--lora-target-modules",
         *modules,
         "--max-loras-per-batch",
-        str(SGLANG_LORAS_PER_BATCH),
+        str(per_batch),
         "--max-loaded-loras",
-        str(SGLANG_LOADED_LORAS),
+        str(loaded),
     ]
 
 
@@ -111,17 +120,24 @@ async def load_adapter(client: SGLangHandle, path: str, version: int) -> dict[st
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
     await client._control("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
+    previous = client.weight_version
     client._version = version
-    if version > 2:  # version 0 is the base model; the previous version stays for lagging workers
-        old = lora_name(client.adapter_prefix, version - 2)
-        # waits for v-2's running requests (see above): the generation timeout, not the control one
-        r = await client._request(
-            "POST", "/unload_lora_adapter", json={"lora_name": old}, timeout_s=client.timeout_s, check_status=False
-        )
-        if r.status_code not in (200, 400, 404):  # 400: not loaded here (a server that joined late, or evicted)
-            raise EngineError(
-                f"engine {client.engine_id}: unloading LoRA adapter {old!r} -> HTTP {r.status_code}: {r.text[:300]}"
-            )
+    dropped = version - client.adapter_versions  # versions dropped + 1 .. version stay loaded
+    if 0 < previous < dropped:  # a server that skipped versions: its last one left the window earlier
+        await _unload(client, lora_name(client.adapter_prefix, previous))
+    if dropped > 0:  # version 0 is the base model, not an adapter
+        await _unload(client, lora_name(client.adapter_prefix, dropped))
     steps["unload_old"] = time.perf_counter() - t
     client.last_update_steps = steps
     return steps
+
+
+async def _unload(client: SGLangHandle, name: str) -> None:
+    # waits for the adapter's running requests (see above): the generation timeout, not the control one
+    r = await client._request(
+        "POST", "/unload_lora_adapter", json={"lora_name": name}, timeout_s=client.timeout_s, check_status=False
+    )
+    if r.status_code not in (200, 400, 404):  # 400: not loaded here (a server that joined late, or evicted)
+        raise EngineError(
+            f"engine {client.engine_id}: unloading LoRA adapter {name!r} -> HTTP {r.status_code}: {r.text[:300]}"
+        )

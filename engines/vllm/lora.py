@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from core.http_client import EngineError
-from engines.base import lora_name
+from engines.base import adapter_versions, lora_name  # noqa: F401 (adapter_versions: vLLM's window too)
 
 if TYPE_CHECKING:
     from engines.vllm.handle import VLLMHandle
@@ -33,13 +33,6 @@ log = logging.getLogger(__name__)
 
 # vLLM's --max-lora-rank accepts only these (vllm/config/lora.py MaxLoRARanks, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def adapter_versions(max_staleness: int) -> int:
-    """How many policy versions' adapters a server keeps loaded: every version whose requests may still run.
-    With ``broker.max_staleness`` k, requests of versions v-k..v can be in flight when v arrives, so k + 1 (and
-    at least 2: the previous version's requests run beside the new one's)."""
-    return max(2, max_staleness + 1)
 
 
 def lora_server_settings(rank: int, versions: int = 2) -> tuple[list[str], dict[str, str]]:

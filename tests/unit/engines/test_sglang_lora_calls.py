@@ -19,7 +19,7 @@ import pytest
 from json_http import json_http_server
 
 from core.http_client import EngineError
-from engines.sglang.lora import SGLANG_LOADED_LORAS, SGLANG_LORAS_PER_BATCH, sglang_lora_server_args
+from engines.sglang.lora import sglang_lora_server_args, sglang_lora_slots
 from engines.sglang.weights import SGLangWeightClient
 
 REPO = Path(__file__).resolve().parents[3]
@@ -108,8 +108,15 @@ def test_server_args_meet_sglangs_checks():
     i = args.index("--lora-target-modules")
     assert args[i + 1 : i + 8] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     # check_lora_server_args: max_loaded_loras >= max_loras_per_batch; the base takes a per-batch slot
-    assert int(val("--max-loaded-loras")) >= int(val("--max-loras-per-batch")) == SGLANG_LORAS_PER_BATCH == 3
-    assert SGLANG_LOADED_LORAS >= 3  # v-2, v-1 and v between a load and the unload of v-2
+    assert int(val("--max-loaded-loras")) >= int(val("--max-loras-per-batch")) == 3  # base, v-1, v
+    assert int(val("--max-loaded-loras")) >= 3  # v-2, v-1 and v between a load and the unload of v-2
+    three = sglang_lora_server_args(64, versions=3)  # broker.max_staleness 2: v-2..v run at once
+    assert (
+        three[three.index("--max-loras-per-batch") + 1] == "4" and three[three.index("--max-loaded-loras") + 1] == "4"
+    )
+    assert sglang_lora_slots(3) == (4, 4)
+    with pytest.raises(ValueError, match="at least 2"):
+        sglang_lora_slots(1)
     assert sglang_lora_server_args(8, ["all"])[4:6] == ["all", "--max-loras-per-batch"]
     for bad, match in ((0, "rank"), (-3, "rank")):
         with pytest.raises(ValueError, match=match):
@@ -146,3 +153,46 @@ def test_lora_bench_refuses_what_cannot_run(argv, match, capsys):
 
     assert re.search(match, capsys.readouterr().err)
     assert "sglang" not in sys.modules  # the bench and the clients do not import SGLang (the server does)
+
+
+def test_a_wider_window_keeps_three_versions_and_a_skipping_server_unloads_its_last(sglang):
+    c = SGLangWeightClient("s0", sglang.url, adapter_prefix="policy", adapter_versions=3, timeout_s=10)
+    for v in (1, 2, 3, 4):
+        asyncio.run(_with(c, c.load_adapter(f"/a/v{v}", v)))
+    assert set(sglang.loaded) == {"policy-v2", "policy-v3", "policy-v4"}  # v1 left the window at v4
+    asyncio.run(_with(c, c.load_adapter("/a/v9", 9)))  # a server that missed v5..v8: its v4 is out of the window
+    assert set(sglang.loaded) == {"policy-v2", "policy-v3", "policy-v9"}
+    assert [b["lora_name"] for p, b in sglang.calls if p == "/unload_lora_adapter"] == [
+        "policy-v1",
+        "policy-v4",
+        "policy-v6",
+    ]
+    with pytest.raises(ValueError, match="adapter_versions"):
+        SGLangWeightClient("s1", sglang.url, adapter_prefix="policy", adapter_versions=1)
+
+
+def test_a_lora_sglang_fleet_starts_its_servers_for_adapters_and_the_learner_publishes_them(tmp_path):
+    from engines.registry import weight_client
+    from engines.sglang.factory import SGLangFactory
+    from launch.config import load_run_config
+    from weight_sync.adapter_publisher import adapter_publish
+
+    cfg = load_run_config("tiny-lora", ["rollout.engine=sglang", "broker.max_staleness=2", "learner.lora.rank=8"])
+    assert adapter_publish(cfg)
+    factory = SGLangFactory(cfg, tmp_path, {0: (None, [0])})
+    extra = factory._args(0).extra_args
+    val = lambda flag: extra[extra.index(flag) + 1]  # noqa: E731
+    assert "--enable-lora" in extra and val("--max-lora-rank") == "8" and val("--max-loras-per-batch") == "4"
+    client = factory.client(0, "http://127.0.0.1:1")  # requests name the version's adapter
+    assert client.adapter_prefix == "policy" and client.adapter_versions == 3
+    pub = weight_client(cfg, "nccl", "sglang-0", "http://127.0.0.1:1")
+    assert pub.adapter_prefix == "policy" and pub.adapter_versions == 3
+    # colocated, or without LoRA: the weights as before, no LoRA flags
+    for overrides in (
+        ["rollout.engine=sglang", "colocate.enabled=true", "broker.max_staleness=0"],
+        ["rollout.engine=sglang"],
+    ):
+        plain = load_run_config("tiny-lora" if "colocate.enabled=true" in overrides else "tiny", overrides)
+        assert not adapter_publish(plain)
+        assert "--enable-lora" not in SGLangFactory(plain, tmp_path, {0: (None, [0])})._args(0).extra_args
+        assert weight_client(plain, "nccl", "sglang-0", "http://127.0.0.1:1").adapter_prefix is None

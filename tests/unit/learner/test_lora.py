@@ -139,7 +139,7 @@ def test_a_server_keeps_every_version_the_staleness_bound_lets_run():
     assert client.adapter_prefix and client.adapter_versions == 3
 
 
-def test_adapter_publish_only_for_a_lora_vllm_fleet_not_colocated():
+def test_adapter_publish_only_for_a_lora_fleet_not_colocated():
     from engines.sglang.lora import sglang_lora_server_args
     from launch.config import load_run_config
     from weight_sync.adapter_publisher import adapter_publish
