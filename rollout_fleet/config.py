@@ -448,9 +448,9 @@ class RolloutConfig(ConfigModel):
 
     def inflight_groups(self, *, gpu: bool = False) -> int:
         """``max_inflight_groups`` as a number. The launcher resolves ``auto`` once it knows the servers' kind
-        (launch/cluster.py): a GPU engine decodes a full batch of ``max_num_seqs`` sequences about as fast as
-        half of one, so fewer groups in flight leave its speed unused (a synchronous step then generates in two
-        waves, each ending on its longest response). An ``auto`` that reaches a fleet unresolved counts as CPU."""
+        (launch/cluster.py). On a GPU, fewer groups in flight than fill ``max_num_seqs`` leave the engine's batch
+        part empty, and a synchronous step then generates in waves, each ending on its longest response
+        (docs/fast_default.md). An ``auto`` that reaches a fleet unresolved counts as CPU."""
         if self.max_inflight_groups != "auto":
             return self.max_inflight_groups
         return max(1, -(-self.max_num_seqs // self.sampling.n)) if gpu else CPU_INFLIGHT_GROUPS
