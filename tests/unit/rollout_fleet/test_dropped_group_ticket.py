@@ -12,12 +12,10 @@ import asyncio
 
 import pytest
 from broker_groups import MemoryProducer
+from sim_worker import simulated_worker
 
 from broker.protocol import Ticket
-from engines.simulated import SimulatedFactory
-from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
-from rollout_fleet.controller import FleetController
-from rollout_fleet.worker import AsyncProducer, Prompt, RewardFailed, RolloutWorker
+from rollout_fleet.worker import Prompt, RewardFailed, RolloutWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,23 +52,9 @@ class FailsFor:
 
 def run(bad: set[str], prompts: Prompts | None):
     async def main():
-        sim = SimulatedEngineConfig(tokens_per_s=50_000.0, length_median=8, length_sigma=0.3)
-        fleet = FleetController(
-            RolloutConfig(engine="simulated", health_interval_s=0.1, simulated=sim), SimulatedFactory(sim)
-        )
-        await fleet.start(1)
         producer = MemoryProducer()
-        worker = RolloutWorker(
-            fleet,
-            AsyncProducer(producer),
-            prompts=prompts,
-            rewards=FailsFor(bad),
-            sampling=SamplingConfig(n=2, max_tokens=16),
-            max_inflight_groups=2,
-        )
-        await worker._group(Ticket(step=3, ticket_id=7), Prompt(prompt_ids=[0, 0, 0], ground_truth="0"))
-        await fleet.close()
-        await worker.producer.close()
+        async with simulated_worker(producer, FailsFor(bad), n=2, max_inflight_groups=2, prompts=prompts) as worker:
+            await worker._group(Ticket(step=3, ticket_id=7), Prompt(prompt_ids=[0, 0, 0], ground_truth="0"))
         return worker, producer
 
     return asyncio.run(main())

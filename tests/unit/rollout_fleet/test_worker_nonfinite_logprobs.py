@@ -11,12 +11,11 @@ import asyncio
 import numpy as np
 import pytest
 from broker_groups import MemoryProducer
+from sim_worker import simulated_worker
 
 from broker.protocol import Ticket
 from engines.simulated import SimulatedEngine, SimulatedFactory
-from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
-from rollout_fleet.controller import FleetController
-from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
+from rollout_fleet.worker import Prompt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,23 +50,11 @@ class Scorer:
 
 def run(bad_calls: int):
     async def main():
-        sim = SimulatedEngineConfig(tokens_per_s=50_000.0, length_median=8, length_sigma=0.3)
-        cfg = RolloutConfig(engine="simulated", health_interval_s=0.1, simulated=sim)
-        fleet = FleetController(cfg, HolesFactory(sim, bad_calls))
-        await fleet.start(1)
         producer = MemoryProducer()
-        worker = RolloutWorker(
-            fleet,
-            AsyncProducer(producer),
-            prompts=None,
-            rewards=Scorer(),
-            sampling=SamplingConfig(n=4, max_tokens=16),
-            max_inflight_groups=4,
-        )
-        prompt = Prompt(prompt_ids=[5, 6, 7], ground_truth="x")
-        await worker._group(Ticket(step=1, ticket_id=0), prompt)
-        await fleet.close()
-        await worker.producer.close()
+        factory = lambda sim: HolesFactory(sim, bad_calls)  # noqa: E731
+        async with simulated_worker(producer, Scorer(), n=4, max_inflight_groups=4, factory=factory) as worker:
+            prompt = Prompt(prompt_ids=[5, 6, 7], ground_truth="x")
+            await worker._group(Ticket(step=1, ticket_id=0), prompt)
         return worker, producer, prompt
 
     return asyncio.run(main())

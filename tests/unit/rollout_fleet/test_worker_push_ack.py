@@ -14,12 +14,10 @@ import threading
 
 import pytest
 from broker_groups import MemoryProducer
+from sim_worker import simulated_worker
 
 from broker.protocol import Ticket
-from engines.simulated import SimulatedFactory
-from rollout_fleet.config import RolloutConfig, SamplingConfig, SimulatedEngineConfig
-from rollout_fleet.controller import FleetController
-from rollout_fleet.worker import AsyncProducer, Prompt, RolloutWorker
+from rollout_fleet.worker import Prompt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,32 +40,18 @@ class Rewards:
 
 def test_a_group_waiting_on_its_ack_is_in_flight_but_not_generating():
     async def main():
-        sim = SimulatedEngineConfig(tokens_per_s=50_000.0, length_median=8, length_sigma=0.3)
-        fleet = FleetController(
-            RolloutConfig(engine="simulated", health_interval_s=0.1, simulated=sim), SimulatedFactory(sim)
-        )
-        await fleet.start(1)
         producer = SlowAck()
-        worker = RolloutWorker(
-            fleet,
-            AsyncProducer(producer),
-            prompts=None,
-            rewards=Rewards(),
-            sampling=SamplingConfig(n=2, max_tokens=16),
-            max_inflight_groups=2,
-        )
-        prompt = Prompt(prompt_ids=[1, 1, 1], ground_truth="1")
-        task = asyncio.create_task(worker._group(Ticket(step=1, ticket_id=0), prompt))
-        worker._tasks[task] = prompt  # as RolloutWorker.run registers a started group
-        seen = {"before": (worker.inflight, worker.generating)}
-        assert await asyncio.to_thread(producer.entered.wait, 10), "the group never reached its push"
-        await asyncio.sleep(0.05)  # the worker's task is parked on the push's future
-        seen["waiting_on_ack"] = (worker.inflight, worker.generating)
-        producer.ack.set()
-        await asyncio.wait_for(task, 10)
-        seen["acked"] = (worker.inflight, worker.generating)
-        await fleet.close()
-        await worker.producer.close()
+        async with simulated_worker(producer, Rewards(), n=2, max_inflight_groups=2) as worker:
+            prompt = Prompt(prompt_ids=[1, 1, 1], ground_truth="1")
+            task = asyncio.create_task(worker._group(Ticket(step=1, ticket_id=0), prompt))
+            worker._tasks[task] = prompt  # as RolloutWorker.run registers a started group
+            seen = {"before": (worker.inflight, worker.generating)}
+            assert await asyncio.to_thread(producer.entered.wait, 10), "the group never reached its push"
+            await asyncio.sleep(0.05)  # the worker's task is parked on the push's future
+            seen["waiting_on_ack"] = (worker.inflight, worker.generating)
+            producer.ack.set()
+            await asyncio.wait_for(task, 10)
+            seen["acked"] = (worker.inflight, worker.generating)
         return worker, producer, seen
 
     worker, producer, seen = asyncio.run(main())
