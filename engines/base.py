@@ -144,6 +144,21 @@ def adapter_versions(max_staleness: int) -> int:
     return max(2, max_staleness + 1)
 
 
+def check_adapter_versions(versions: int) -> int:
+    """``versions`` if a server may keep that many adapter versions (the previous and the new one at least)."""
+    if versions < 2:
+        raise ValueError(f"adapter_versions must be at least 2 (the previous and the new version), got {versions}")
+    return versions
+
+
+def adapters_out_of_window(previous: int, version: int, kept: int) -> list[int]:
+    """The adapter versions a server that held ``previous`` unloads once ``version`` is loaded and ``kept`` versions
+    stay (both engines): v - kept, and before it the server's own last version if that left the window earlier (a
+    server that skipped versions). Version 0 is the base model, not an adapter."""
+    dropped = version - kept  # versions dropped + 1 .. version stay loaded
+    return ([previous] if 0 < previous < dropped else []) + ([dropped] if dropped > 0 else [])
+
+
 @dataclass(kw_only=True, slots=True)
 class Sample:
     """One generated sample: token ids and the sampler's log-prob of each.

@@ -25,7 +25,7 @@ import logging
 import httpx
 import msgspec
 
-from engines.base import EngineError, HttpServerHandle, PauseMode
+from engines.base import EngineError, HttpServerHandle, PauseMode, check_adapter_versions
 from engines.sglang.lora import load_adapter as sglang_load_adapter
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,7 @@ class SGLangHandle(HttpServerHandle):
         self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.last_update_steps: dict[str, float] = {}
         self.adapter_prefix = adapter_prefix  # LoRA: version v > 0 is adapter '<prefix>-v<v>' (engines/sglang/lora.py)
-        if adapter_versions < 2:
-            raise ValueError(
-                f"adapter_versions must be >= 2 (the previous and the new version), got {adapter_versions}"
-            )
-        self.adapter_versions = adapter_versions  # versions whose adapters stay loaded (engines.base.adapter_versions)
+        self.adapter_versions = check_adapter_versions(adapter_versions)  # versions whose adapters stay loaded
 
     async def _post(self, path: str, body: dict, timeout_s: float | None = None) -> bytes:
         r = await self._request(

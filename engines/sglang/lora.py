@@ -58,7 +58,7 @@ import time
 from typing import TYPE_CHECKING
 
 from core.http_client import EngineError
-from engines.base import lora_name
+from engines.base import adapters_out_of_window, check_adapter_versions, lora_name
 
 if TYPE_CHECKING:
     from engines.sglang.handle import SGLangHandle
@@ -73,8 +73,7 @@ def sglang_lora_slots(versions: int = 2) -> tuple[int, int]:
     (:func:`engines.base.adapter_versions`). A batch may mix every kept version and the base, which SGLang
     counts as one adapter (unlike vLLM's ``--max-loras``); requests of one more would wait for a batch of their
     own. Registered at once: the kept versions and the one being loaded, until the oldest is unloaded."""
-    if versions < 2:
-        raise ValueError(f"a LoRA server keeps at least 2 adapter versions (the previous and the new), got {versions}")
+    check_adapter_versions(versions)
     return versions + 1, versions + 1
 
 
@@ -120,13 +119,9 @@ async def load_adapter(client: SGLangHandle, path: str, version: int) -> dict[st
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
     await client._control("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
-    previous = client.weight_version
-    client._version = version
-    dropped = version - client.adapter_versions  # versions dropped + 1 .. version stay loaded
-    if 0 < previous < dropped:  # a server that skipped versions: its last one left the window earlier
-        await _unload(client, lora_name(client.adapter_prefix, previous))
-    if dropped > 0:  # version 0 is the base model, not an adapter
-        await _unload(client, lora_name(client.adapter_prefix, dropped))
+    previous, client._version = client.weight_version, version
+    for old in adapters_out_of_window(previous, version, client.adapter_versions):
+        await _unload(client, lora_name(client.adapter_prefix, old))
     steps["unload_old"] = time.perf_counter() - t
     client.last_update_steps = steps
     return steps

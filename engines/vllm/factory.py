@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineError, ServerFactory
+from engines.base import EngineError, ServerFactory, adapter_versions
 from engines.vllm.generation import VLLMGenerationClient
-from engines.vllm.lora import adapter_versions, lora_server_settings
+from engines.vllm.lora import lora_server_settings
 from engines.vllm.server import VLLMServer, VLLMServerArgs
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV

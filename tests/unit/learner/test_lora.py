@@ -125,8 +125,8 @@ def test_vllm_server_settings_round_the_rank_up():
 
 
 def test_a_server_keeps_every_version_the_staleness_bound_lets_run():
+    from engines.base import adapter_versions
     from engines.registry import weight_client
-    from engines.vllm.lora import adapter_versions
     from launch.config import load_run_config
 
     assert [adapter_versions(k) for k in (0, 1, 2, 4)] == [2, 2, 3, 5]
