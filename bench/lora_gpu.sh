@@ -40,7 +40,7 @@ git rev-parse HEAD > "$D/commit.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$D/nvidia_smi_before.csv" 2>&1
 for SHAPE in ${SHAPES:-0.5b 7b}; do
   timeout "${LIMIT_S:-560}" $PY bench/lora_publish.py --engine "$ENGINE" --shape "$SHAPE" --rank "$RANK" --alpha "$ALPHA" \
-    --updates "$UPDATES" --seqs "$SEQS" --gpu-memory-utilization "$GPU_UTIL" --run-dir "$D/run-$SHAPE" \
+    --updates "$UPDATES" --full-publishes "${FULL:-2}" --seqs "$SEQS" --gpu-memory-utilization "$GPU_UTIL" --run-dir "$D/run-$SHAPE" \
     --json "$D/$SHAPE.json" > "$D/$SHAPE.log" 2>&1
   echo "$SHAPE: rc=$? ($D/$SHAPE.log)"
   tail -3 "$D/$SHAPE.log"

