@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from core.configbase import ConfigError, suggest
+from launch.verl_data_rules import engine_arg_overrides
 from launch.verl_defaults import FULLY_ASYNC, MAIN_PPO, defaults_for
 from launch.verl_rules import (
     ARR,
@@ -43,7 +44,6 @@ from launch.verl_rules import (
     async_schedule,
     correction,
     dump,
-    engine_arg_overrides,
     longest,
     num,
     placement_advice,
