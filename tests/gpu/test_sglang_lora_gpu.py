@@ -127,14 +127,22 @@ def _served_adapters(server) -> set[str]:
 
 
 def _learner_logprobs(model, seqs: list[list[int]], start: list[int] | None = None) -> list[list[float]]:
-    """log p(token i | tokens < i) for i >= start (default 1) of each sequence, the learner's forward."""
+    """log p(token i | tokens < i) for i >= start (default 1) of each sequence, the learner's forward (with the
+    varlen kwargs of one packed sequence: on CUDA the learner's attention is varlen by default)."""
     import torch
+
+    from learner.attention import varlen_kwargs
 
     out = []
     with torch.no_grad():
         for k, ids in enumerate(seqs):
             x = torch.tensor([ids], device="cuda")
-            lp = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), -1)[0, :-1]
+            cu = torch.tensor([0, len(ids)], device="cuda", dtype=torch.int32)
+            kw = varlen_kwargs(cu, len(ids))
+            pos = torch.arange(len(ids), device="cuda").unsqueeze(0)
+            lp = torch.log_softmax(model(input_ids=x, position_ids=pos, use_cache=False, **kw).logits.float(), -1)[
+                0, :-1
+            ]
             tok = lp.gather(-1, x[0, 1:].view(-1, 1)).squeeze(-1)
             s = (start[k] if start else 1) - 1
             out.append(tok[s:].tolist())
