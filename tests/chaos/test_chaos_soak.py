@@ -8,9 +8,9 @@ A schedule drawn from ``FLEETRL_CHAOS_SEED`` (default 13) picks the kills and wh
   starts it again, launch/fleet_recovery.py) or the reward server (the launcher restarts it on its
   address, the fleet's scorers wait for it; only this kill gives the run a reward server: the
   judge-tiny recipe, a second vLLM CPU server);
-* then one that ends the launch: a learner rank (the driver names it and ends the job) or the
-  driver itself; launch 2, the same command on the same run directory, resumes from the last
-  checkpoint and finishes the run.
+* then one that ends the launch: a learner rank (the driver names it and ends the job; launch 2
+  redoes at most one checkpoint interval) or the driver itself; launch 2, the same command on the
+  same run directory, resumes from the last checkpoint and finishes the run.
 
 Each kill lands once the learner has reached a seeded step, after a seeded delay (so at a
 random point inside a step). The verdicts come from the run's own records, not from its summary
@@ -343,6 +343,15 @@ def test_chaos_soak_loses_nothing_trains_nothing_twice_and_leaves_no_process(soa
         s = json.loads((soak["dir"] / "summary.json").read_text())
         assert s["bound_violations"] == 0 and s["groups_lost"] == 0, s
         assert soak["starts"][0] == 1 and len(soak["starts"]) >= 2  # the run was resumed, not restarted
+        ending = first["kills"][-1]
+        if ending["what"] == "rank":  # the driver names the dead rank and ends the job, every process with it
+            assert f"error: RankFailed: learner rank 0 (pid {ending['pid']}) died" in first["text"], first["text"][
+                -3000:
+            ]
+            # the re-run starts after the newest checkpoint the dead rank wrote: at most one interval is redone (a
+            # step's record is written before its checkpoint, so the rank may have died before committing the last)
+            nxt, last = soak["starts"][-1], ending["step_at_kill"]
+            assert (nxt - 1) % EVERY == 0 and last - EVERY <= nxt - 1 <= last + 1, (soak["starts"], ending)
         assert not soak["left"], [" ".join(psutil.Process(p).cmdline())[:200] for p in soak["left"]]
         outcome["processes_left"] = 0
         outcome["passed"] = True
