@@ -5,9 +5,9 @@
 # full-weight publish from disk (merged export + reload), and the seconds and peak GPU memory of one LoRA
 # training step with the vLLM server resident on the same GPU. Writes $OUT/lora_gpu/{0.5b,7b}.json and logs;
 # copy them to bench/results/lora/ and the numbers into docs/lora.md.
-# ENGINE=sglang (not run yet; needs the SGLang 0.5.16 bundle on PYTHONPATH, bench/gpu_calls.sh lora-sglang): the
-# same with a LoRA-enabled SGLang server (GPU_UTIL is its --mem-fraction-static) into $OUT/lora_sglang/, the server
-# log beside each JSON as $SHAPE-server.log.
+# ENGINE=sglang (run on an H100, bench/results/lora/sglang_h100/; needs the SGLang 0.5.16 bundle on PYTHONPATH,
+# bench/gpu_calls.sh lora-sglang): the same with a LoRA-enabled SGLang server (GPU_UTIL is its --mem-fraction-static)
+# into $OUT/lora_sglang/, the server log beside each JSON as $SHAPE-server.log. FULL: full publishes per shape (2).
 #
 #   export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 #   bash bench/lora_gpu.sh                     # RANK=64 ALPHA=32 UPDATES=5 SEQS=64 by default
