@@ -11,11 +11,11 @@ name loaded twice, an unknown name); ``/update_weight_version`` and ``/update_we
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from bench_module import load_bench
 from json_http import json_http_server
 
 from core.http_client import EngineError
@@ -127,14 +127,7 @@ def test_server_args_meet_sglangs_checks():
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_lora_publish", REPO / "bench" / "lora_publish.py")
-    mod = importlib.util.module_from_spec(spec)
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path[:] = path
-    return mod
+    return load_bench("bench/lora_publish.py", "bench_lora_publish")
 
 
 @pytest.mark.parametrize(
