@@ -20,6 +20,7 @@ from launch.verl_rule_kit import (
     Refused,
     Rule,
     _above_one,
+    _when_true,
     dump,
 )
 
@@ -106,14 +107,12 @@ def _max_model_len(v: Any, c: Ctx) -> list[str] | str:
     return "(no setting: null, prompt + response)" if v is None else [f"rollout.max_model_len={int(v)}"]
 
 
-def _multi_turn(v: Any, _: Ctx) -> str:
-    if not v:
-        return "(no setting: single turn)"
-    raise Refused(
-        "verl's multi-turn tool agent loop (tool_config_path, sandbox tools); fleetrl runs multi-turn "
-        "episodes through rollout.env or rollout.proxy.agent",
-        OTHER_ENGINE,
-    )
+_multi_turn = _when_true(
+    OTHER_ENGINE,
+    "verl's multi-turn tool agent loop (tool_config_path, sandbox tools); fleetrl runs multi-turn "
+    "episodes through rollout.env or rollout.proxy.agent",
+    "single turn",
+)
 
 
 def _multi_turn_part(v: Any, c: Ctx) -> str:
@@ -250,14 +249,11 @@ def _reward_fn(v: Any, c: Ctx) -> list[str] | str:
     return "(no setting: no custom_reward_function.path)"
 
 
-def _reward_model(v: Any, _: Ctx) -> str:
-    if not v:
-        return "(no setting: rule-based rewards)"
-    raise Refused(
-        "verl's reward-model worker pool; fleetrl scores with reward.model (a judge or classifier server, "
-        "--reward-gpus N)",
-        OTHER_ENGINE,
-    )
+_reward_model = _when_true(
+    OTHER_ENGINE,
+    "verl's reward-model worker pool; fleetrl scores with reward.model (a judge or classifier server, --reward-gpus N)",
+    "rule-based rewards",
+)
 
 
 def _reward_model_part(v: Any, c: Ctx) -> str:
