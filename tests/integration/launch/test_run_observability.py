@@ -142,13 +142,11 @@ def _launch(run_dir: Path, kill: str | None = None, at: int = 0, probe=None) -> 
                 out["probe"] = probe(run_dir)
             mine = _starts(run_dir)[before:]
             if kill and killed is None and mine and step >= mine[0] + at - 1:
-                pid = proc.pid
-                if pid:
-                    killed = {"pid": pid, "step": step, "group": _group(proc.pid), "unix": time.time()}
-                    if kill == "ctrl-c":
-                        os.killpg(pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
-                    else:
-                        os.kill(pid, signal.SIGKILL)
+                killed = {"pid": proc.pid, "step": step, "group": _group(proc.pid), "unix": time.time()}
+                if kill == "ctrl-c":
+                    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
+                else:
+                    os.kill(proc.pid, signal.SIGKILL)
             time.sleep(0.5)
     finally:
         if proc.poll() is None:
