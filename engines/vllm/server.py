@@ -186,15 +186,19 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         c = self.cache_dir
-        tmp = self.run_dir / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "tmp"  # this server's own: its RPC sockets
+        shared_tmp = c / "tmp"  # every server's on this cache: Inductor's precompiled C++ headers (~150 MB on
+        # the CPU build), named by compiler flags and headers and written under file locks, live under the
+        # temp dir; one copy per cache instead of one per server start
+        for d in (tmp, shared_tmp):
+            d.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",  # the RL endpoints (pause, weight transfer, collective_rpc)
             "VLLM_CACHE_ROOT": str(c / "vllm"),
             "TORCHINDUCTOR_CACHE_DIR": str(c / "inductor"),
             "VLLM_RPC_BASE_PATH": str(tmp),
-            "TMPDIR": str(tmp),
+            "TMPDIR": str(shared_tmp),
             "VLLM_CPU_KVCACHE_SPACE": str(self.args.cpu_kvcache_gb),
             "VLLM_USE_FLASHINFER_SAMPLER": "0",  # flashinfer is not bundled with the GPU build we stage
             "PYTHONPATH": os.pathsep.join(
