@@ -18,17 +18,10 @@ engine server comes from :func:`engines.registry.weight_client`. Ranks and place
             on GPU, CUDA_VISIBLE_DEVICES = the learner GPUs of that node (so NCCL sees
             its peers; LOCAL_RANK indexes into that list)
 
-Rank 0 alone holds the :class:`learner.broker_source.BrokerSource`, the weight-sync
-:class:`weight_sync.publisher.Publisher` and the run's counters (status and summary);
-the other ranks get every batch from rank 0 (``learner.loop.share_batch``) and take part
-in the gathers of each publish by draining ``engine.iter_full_params`` in the same order.
-
-Weight-sync membership follows the fleet: before each publish rank 0 asks the fleet
-actor for its healthy servers. A server that vanished (died, drained) leaves the group;
-a new or restarted one joins as a late joiner (it loads the latest HF export first,
-then joins the rebuilt group and receives the broadcast), so it comes back with current
-weights. A failed publish names the engines it blames; the publisher drops them and
-the fleet's health checks decide whether they are dead.
+Rank 0 alone holds the :class:`learner.broker_source.BrokerSource` and the run's counters (status and
+summary); the other ranks get every batch from rank 0 (``learner.loop.share_batch``). Weights go out through
+:class:`learner.publishing.RankPublishing` (rank 0's weight-sync group, clients and publish counters; the other
+ranks take part in the gathers of each publish), whose membership follows the fleet.
 
 Stop and failure: ``stop()`` sets a flag on every rank; after each step the ranks agree
 on it (a MAX all-reduce), so they all leave at the same step. A rank that raises or dies
@@ -52,18 +45,12 @@ import torch
 import torch.distributed as dist
 
 from core.colocate_config import ColocateConfig
-from engines.base import adapter_versions
-from engines.registry import weight_client
 from learner.broker_source import BrokerSource
+from learner.publishing import RankPublishing
 from learner.run import LearnerRunLike, StopRun, init_distributed, run_learner
 from learner.status import LearnerStatus
-from weight_sync.adapter_publisher import AdapterPublisher, AdapterPublishError, adapter_publish
+from weight_sync.adapter_publisher import adapter_publish
 from weight_sync.config import NCCL_ENV, WeightSyncConfig
-from weight_sync.endpoint import WeightEndpoint
-from weight_sync.ipc import choose_transport
-from weight_sync.ipc_publisher import IpcPublisher
-from weight_sync.plan import build_plan
-from weight_sync.publisher import Publisher, PublishError
 
 log = logging.getLogger(__name__)
 
@@ -148,16 +135,11 @@ class LearnerRank:
     ) -> None:
         self.rank = 0
         self.cfg = cfg
-        # False on a multi-node job without network.shared_dir: the run directory's exports are on this
-        # node only, so a late joiner is never sent a path; it gets the weights at the next publish
-        self.exports_shared = exports_shared
         self.broker_address, self.run_dir, self.fleet = broker_address, Path(run_dir), fleet
-        self.pub = None
-        self.adapter_pub: AdapterPublisher | None = None  # learner.lora on a vLLM or SGLang fleet (_publish_adapter)
+        self.weights = RankPublishing(cfg, self.run_dir, fleet, exports_shared)  # weights out (learner/publishing.py)
         self._source = None
         self.world_size = 0  # known once the process group is up
         self.version = 0
-        self.exported_version = 0
         self.stop_flag = False
         self.done = False
         self.error: str | None = None
@@ -167,17 +149,6 @@ class LearnerRank:
         self.bound_violations = 0
         self.groups_consumed = 0
         self.wait_s = 0.0
-        self.publish_s = 0.0
-        self.publishes = 0  # publishes that reached at least one engine
-        self.last_published_version = 0
-        self.publish_errors = 0
-        self._holding: dict[str, int] = {}  # rank 0: the version each weight-sync engine was last given
-        # rank 0: one client per server for the whole run. A client owns the pauses it made (a load that
-        # failed half-way leaves the server paused, and that client's next load resumes it): a server the
-        # publisher dropped and takes back must get the same client, or its pause would have no owner
-        self._clients: dict[str, WeightEndpoint] = {}
-        self.publishes_skipped = 0  # steps without an optimizer update: engines relabelled, no publish
-        self.publish_held_s = 0.0  # the last publish: seconds the engines were held for it
         self.sink = None  # rank 0's per-step metrics (learner/metrics_sink.py), opened at its first step
         self.t0 = time.monotonic()
         self.t0_unix = time.time()
@@ -188,175 +159,7 @@ class LearnerRank:
     # -- rendezvous ----------------------------------------------------------------------------------
     def set_rank(self, rank: int) -> None:
         """Ranks are known once every actor is placed (they are ordered by node and GPU)."""
-        self.rank = rank
-
-    # -- weights out -------------------------------------------------------------------------------
-    def _bucket_bytes(self) -> int:
-        return int(self.cfg.weight_sync.bucket_mb * (1 << 20))
-
-    def _wire_dtype(self):
-        """Publish in the servers' dtype (model.dtype): bf16 servers get bf16, no cast on their side."""
-        return torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
-
-    def _sync_members(self) -> None:
-        if self.fleet is None:  # a learner without a fleet (tests): nothing to publish to
-            return
-        urls = self.fleet.server_urls()
-        for eid, client in list(self.pub.engines.items()):
-            if urls.get(eid) != client.url:
-                log.info("weight sync: %s left the fleet (or moved); removed from the group", eid)
-                self.pub.remove_engine(eid)
-        export = self.run_dir / "export" / "latest"
-        for eid, url in urls.items():
-            if eid in self.pub.engines:
-                continue
-            client = self._clients.get(eid)
-            if client is None or client.url != url:  # new, or restarted elsewhere: a new server, a new client
-                client = self._clients[eid] = weight_client(self.cfg, self.pub.backend, eid, url)
-            if self.exports_shared and self.exported_version > 0 and export.exists():
-                log.info("weight sync: late joiner %s loads export v%d, then joins", eid, self.exported_version)
-                self.pub.add_engine(client, str(export), self.exported_version)
-                self._holding[eid] = self.exported_version
-            else:
-                self.pub.add_engine(client)
-
-    def _needs_weights(self) -> bool:
-        """Rank 0, while no batch comes: has a server joined that holds none of the published weights?
-
-        Without a shared disk a late joiner starts at version 0 and gets the weights at the next
-        publish; when it is the only server left, that publish would wait for its groups forever."""
-        if self.pub is None or self.fleet is None or self.last_published_version == 0:
-            return False
-        try:
-            self._sync_members()
-        except Exception as exc:  # the fleet did not answer: ask again at the next poll
-            log.warning("weight sync: fleet membership unknown (%s)", exc)
-            return False
-        return any(self._holding.get(eid, -1) < self.last_published_version for eid in self.pub.engines)
-
-    def _new_publisher(self, engine):
-        """Rank 0's publisher: on CUDA its buffers live on this rank's GPU; the group kind follows the engine.
-        Colocated with every server on this GPU (``colocate.weight_transport``): CUDA IPC, no group."""
-        ws = self.cfg.weight_sync
-        colo = self.cfg.colocate
-        # SGLang: always its own distributed update over gloo (launch/config.py refuses 'ipc' with it)
-        if (
-            colo.enabled
-            and self.cfg.rollout.engine != "sglang"
-            and choose_transport(colo.weight_transport, cuda=torch.cuda.is_available(), shared_gpu=self.world_size == 1)
-            == "ipc"
-        ):
-            plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes())
-            log.info(
-                "weight sync: CUDA IPC into the colocated engines, %d bucket(s), %d slot(s)",
-                len(plan.buckets),
-                colo.ipc_slots,
-            )
-            return IpcPublisher(
-                plan, device=f"cuda:{torch.cuda.current_device()}", slots=colo.ipc_slots, timeout_s=ws.timeout_s
-            )
-        ws = ws.model_copy(update={"nccl_impl": ws.resolved_nccl_impl(self.cfg.rollout.engine)})
-        nccl = ws.backend == "nccl" or (ws.backend == "auto" and torch.cuda.is_available())
-        device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
-        plan = build_plan(engine.param_plan(self._wire_dtype()), self._bucket_bytes(), ws.tail_bytes(nccl))
-        log.info(
-            "weight sync: backend %s, nccl_impl %s, device %s, %d bucket(s)",
-            "nccl" if nccl else "gloo",
-            ws.nccl_impl,
-            device,
-            len(plan.buckets),
-        )
-        return Publisher(ws, plan, rank=0, device=device)
-
-    def _publish_adapter(self, version: int, engine) -> None:
-        """learner.lora on a vLLM or SGLang fleet: only the adapter folder goes out (weight_sync/adapter_publisher.py)."""
-        t0 = time.monotonic()
-        if self.adapter_pub is None:
-            if not self.exports_shared:
-                raise RuntimeError(
-                    "learner.lora publishes adapter folders by path, but the servers on other nodes "
-                    "cannot read this run directory: set network.shared_dir"
-                )
-            # one folder more than the versions a server keeps loaded: vLLM and SGLang reload an evicted adapter that a
-            # running request still names from its folder
-            self.adapter_pub = AdapterPublisher(
-                [],
-                self.run_dir / "adapters",
-                keep=adapter_versions(self.cfg.broker.max_staleness) + 1,
-                timeout_s=self.cfg.weight_sync.timeout_s,
-                dtype=self._wire_dtype(),
-            )
-        if self.rank == 0 and self.fleet is not None:
-            try:
-                urls = self.fleet.server_urls()
-            except Exception as exc:  # the fleet did not answer: publish to the members we know
-                log.warning("weight sync: fleet membership unknown (%s)", exc)
-                urls = {ep.engine_id: ep.url for ep in self.adapter_pub.endpoints}
-            for eid, url in urls.items():
-                if eid not in self._clients or self._clients[eid].url != url:
-                    self._clients[eid] = weight_client(self.cfg, "gloo", eid, url)
-            self.adapter_pub.endpoints = [self._clients[eid] for eid in urls]
-        try:
-            self.adapter_pub.publish(version, engine)  # collective: every rank gathers the adapters
-            if self.rank == 0 and self.adapter_pub.endpoints:
-                ids = [ep.engine_id for ep in self.adapter_pub.endpoints]
-                self.publishes += 1
-                self.last_published_version = version
-                self.publish_held_s = 0.0  # nothing is paused
-                self._holding.update(dict.fromkeys(ids, version))
-                if self.fleet is not None:
-                    self.fleet.engines_updated(ids, version)
-                last = self.adapter_pub.last
-                calls = {eid: {k: round(v, 3) for k, v in st.items()} for eid, st in last["engines"].items()}
-                log.info(
-                    "published LoRA adapter v%d (%d bytes) to %s in %.2fs: write %.3f s, per engine %s",
-                    version,
-                    last["bytes"],
-                    ids,
-                    time.monotonic() - t0,
-                    last["write_seconds"],
-                    calls,  # load_adapter / label_version / unload_old seconds (engines/vllm/lora.py)
-                )
-        except AdapterPublishError as exc:
-            self.publish_errors += 1
-            log.error("publish of adapter v%d failed: %s", version, exc)
-        self.publish_s += time.monotonic() - t0
-
-    def _publish(self, version: int, engine) -> None:
-        if adapter_publish(self.cfg):
-            self._publish_adapter(version, engine)
-            return
-        t0 = time.monotonic()
-        buckets = engine.iter_full_params(self._bucket_bytes(), self._wire_dtype())
-        tensors = (item for bucket in buckets for item in bucket)
-        if self.rank != 0:  # every gather is a collective: follow rank 0 through the same buckets
-            for _ in tensors:
-                pass
-            return
-        if self.pub is None:
-            self.pub = self._new_publisher(engine)
-        try:
-            self._sync_members()
-        except Exception as exc:  # the fleet did not answer: publish to the members we know
-            log.warning("weight sync: fleet membership unknown (%s)", exc)
-        try:
-            rep = self.pub.publish(version, tensors)
-            log.info("published v%d to %s in %.2fs", version, rep.engines if rep else [], time.monotonic() - t0)
-            if rep is not None:
-                # pause mode holds the engines for the whole publish; staged updates only for the commit
-                staged = self.cfg.weight_sync.staging
-                self.publish_held_s = rep.seconds - (rep.broadcast_seconds if staged else 0.0)
-            if rep is not None and rep.engines:
-                self.publishes += 1
-                self.last_published_version = version
-                self._holding.update(dict.fromkeys(rep.engines, version))
-                if self.fleet is not None:
-                    # vLLM 0.26 cannot tell the fleet which weights it holds (no /weight_info): we do
-                    self.fleet.engines_updated(list(rep.engines), version)
-        except PublishError as exc:
-            self.publish_errors += 1
-            log.error("publish of v%d failed: %s (blamed %s)", version, exc, exc.blamed)
-        self.publish_s += time.monotonic() - t0
+        self.rank = self.weights.rank = rank
 
     # -- colocated mode (core/colocate_config.py) ----------------------------------------------------------
     def _release(self, step: int) -> None:
@@ -373,14 +176,14 @@ class LearnerRank:
         """Wake the engines' weights, publish into them (one GPU: CUDA IPC; else gloo on the host), wake the rest,
         open the gate."""
         if self.rank != 0 or self.fleet is None:
-            self._publish(version, engine)
+            self.weights.publish(version, engine)
             return
         if torch.cuda.is_available():  # hand the activations' cached blocks back before the engines reallocate
             torch.cuda.empty_cache()
         t0 = time.monotonic()
         rep = self.fleet.wake(version, "weights")
         t1 = time.monotonic()
-        self._publish(version, engine)
+        self.weights.publish(version, engine)
         t2 = time.monotonic()
         rep2 = self.fleet.wake(version, "rest")
         self._colo.update({f"colocate/wake_weights_{k}": float(v) for k, v in rep.items()})
@@ -394,22 +197,6 @@ class LearnerRank:
                 "colocate/wake_rest_roundtrip_seconds": time.monotonic() - t2,
             }
         )
-
-    def _unchanged(self, version: int) -> None:
-        """The step applied no update: no publish (it would pause the fleet for the same weights);
-        the servers are told they hold ``version`` so admission and staleness move on."""
-        if self.rank != 0:
-            return
-        self.publishes_skipped += 1
-        if self.fleet is None:
-            return
-        try:
-            ids = list(self.pub.engines) if self.pub is not None else list(self.fleet.server_urls())
-        except Exception as exc:  # the fleet did not answer: the next publish brings the versions up
-            log.warning("weight sync: fleet membership unknown for the relabel to v%d (%s)", version, exc)
-            return
-        log.info("step %d changed no weights: publish skipped, %d engines relabelled", version, len(ids))
-        self.fleet.engines_updated(ids, version, relabel=True)
 
     def _metrics(self, step: int, m: dict[str, float]) -> None:
         """The step's record (rank 0), written before its checkpoint and ack (learner/loop.py)."""
@@ -435,8 +222,8 @@ class LearnerRank:
                 samples_every=self.cfg.learner.log_samples_every,
             )
             self._continue_counts(step)
-        held = self.publish_held_s if not m.get("learner/publish_skipped") else 0.0
-        self.publish_held_s = 0.0
+        held = self.weights.publish_held_s if not m.get("learner/publish_skipped") else 0.0
+        self.weights.publish_held_s = 0.0
         batch = self._source.last_batch
         self.sink.write(step, m, batch, {"learner/publish_engine_held_seconds": held})
 
@@ -456,8 +243,10 @@ class LearnerRank:
     def _count(self, step: int, m: dict[str, float]) -> None:
         self._write_metrics(step, m)
         if self.cfg.learner.export_every and step % self.cfg.learner.export_every == 0:
-            self.exported_version = step
-            if self.fleet is not None and self.exports_shared:  # a restarted server loads this before it takes work
+            self.weights.exported_version = step
+            if (
+                self.fleet is not None and self.weights.exports_shared
+            ):  # a restarted server loads this before it takes work
                 self.fleet.set_latest_export(step, str(self.run_dir / "export" / "latest"))
         self._log_step(step, m)
         self.reward_per_step.append(float(m.get("learner/batch_reward_mean", float("nan"))))
@@ -531,6 +320,7 @@ class LearnerRank:
         # the collective timeout must outlast both, or they would fail before rank 0 says why.
         coll_timeout = max(600.0, self.cfg.rollout.request_timeout_s + 2 * self.cfg.weight_sync.timeout_s + 60)
         _, self.world_size = init_distributed("gloo" if not torch.cuda.is_available() else "auto", coll_timeout)
+        self.weights.world_size = self.world_size
         log.info(
             "learner rank %d/%d up (MASTER %s:%s, LOCAL_RANK %s, CUDA_VISIBLE_DEVICES %s)",
             self.rank,
@@ -554,15 +344,15 @@ class LearnerRank:
             run_learner(
                 self.cfg,
                 source=self._source,
-                publish=self._publish_colocated if colo else self._publish,
+                publish=self._publish_colocated if colo else self.weights.publish,
                 on_metrics=self._metrics,
                 on_committed=self._committed,
                 batch_timeout_s=self.cfg.rollout.request_timeout_s,
                 # adapter publishing: a step without an update still publishes (a relabel alone would
                 # make the fleet name an adapter version no server has loaded); it costs an adapter
-                on_unchanged=None if colo or adapter_publish(self.cfg) else self._unchanged,
+                on_unchanged=None if colo or adapter_publish(self.cfg) else self.weights.unchanged,
                 on_batch=self._release if colo else None,
-                needs_weights=None if colo else self._needs_weights,
+                needs_weights=None if colo else self.weights.needs_weights,
                 on_engine=self._engine_built,
             )
         except StopRequested:
@@ -575,8 +365,7 @@ class LearnerRank:
             self.done = True
             if self._source is not None:
                 self._source.close()
-            if self.pub is not None:
-                self.pub.close()
+            self.weights.close()
             if self.sink is not None:
                 self.sink.close()
             dist.destroy_process_group()
@@ -607,11 +396,11 @@ class LearnerRank:
             staleness_hist={str(k): v for k, v in sorted(self.staleness_hist.items())},
             max_staleness_seen=self.max_staleness_seen,
             bound_violations=self.bound_violations,
-            publish_s=round(self.publish_s, 3),
-            publishes=self.publishes,
-            last_published_version=self.last_published_version,
-            publish_errors=self.publish_errors,
-            publishes_skipped=self.publishes_skipped,
+            publish_s=round(self.weights.publish_s, 3),
+            publishes=self.weights.publishes,
+            last_published_version=self.weights.last_published_version,
+            publish_errors=self.weights.publish_errors,
+            publishes_skipped=self.weights.publishes_skipped,
             settings=self._engine.settings.as_dict() if self._engine is not None else None,
             critic_vf_loss=self.critic_last[0],
             critic_explained_var=self.critic_last[1],

@@ -148,22 +148,23 @@ def test_a_server_the_publisher_dropped_and_takes_back_keeps_the_client_that_own
             "tiny", [f"run.run_dir={tmp_path}", "rollout.weight_update=pause", "weight_sync.timeout_s=5"]
         )
         rank = LearnerRank(cfg, "tcp://127.0.0.1:1", str(tmp_path), Fleet(url))
-        rank.pub = _Members()
+        weights = rank.weights  # learner/publishing.py: rank 0's group, clients and counters
+        weights.pub = _Members()
         try:
-            rank._sync_members()
-            first = rank.pub.engines["vllm-standin"]
+            weights.sync_members()
+            first = weights.pub.engines["vllm-standin"]
             assert isinstance(first, VLLMWeightClient) and first.update_pause_mode == "wait"
             s.fail = True
             with pytest.raises(EngineError):
                 await first.load_weights_from_path("/exports/v5", 5)  # half-way: the server stays paused
-            rank.pub.remove_engine("vllm-standin")  # the next epoch's join failed: dropped
+            weights.pub.remove_engine("vllm-standin")  # the next epoch's join failed: dropped
             s.fail = False
-            rank._sync_members()  # back in the fleet's list: taken back
-            again = rank.pub.engines["vllm-standin"]
+            weights.sync_members()  # back in the fleet's list: taken back
+            again = weights.pub.engines["vllm-standin"]
             await again.load_weights_from_path("/exports/v7", 7)
-            return again is first, len(rank._clients), s.paused
+            return again is first, len(weights.clients), s.paused
         finally:
-            for c in rank._clients.values():
+            for c in weights.clients.values():
                 await c.close()
             await runner.cleanup()
 
