@@ -74,6 +74,7 @@ class RankPublishing:
         return torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
 
     def sync_members(self) -> None:
+        """Rank 0, before a publish: the group becomes the fleet's servers (gone ones leave, new ones join late)."""
         if self.fleet is None:  # a learner without a fleet (tests): nothing to publish to
             return
         urls = self.fleet.server_urls()
@@ -198,6 +199,8 @@ class RankPublishing:
         self.publish_s += time.monotonic() - t0
 
     def publish(self, version: int, engine) -> None:
+        """Every rank, after step ``version``'s update: the full weights (or the adapter) go to every server.
+        A failed publish is counted and logged, never raised: the servers it blames leave the group."""
         if adapter_publish(self.cfg):
             self._publish_adapter(version, engine)
             return
