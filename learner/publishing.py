@@ -200,8 +200,8 @@ class RankPublishing:
 
     def publish(self, version: int, engine) -> None:
         """Every rank, after step ``version``'s update: the full weights (or the adapter) go to every server.
-        A publish the servers fail (PublishError, AdapterPublishError) is counted and logged, not raised: the servers
-        it blames leave the group."""
+        A publish the servers fail (PublishError, AdapterPublishError) is counted and logged, not raised; the
+        full-weight publisher drops the servers it blames from its group."""
         if adapter_publish(self.cfg):
             self._publish_adapter(version, engine)
             return
