@@ -12,14 +12,14 @@ from typing import Any
 def cpu_vllm_server(model: str | Path, run_dir: str | Path, **args: Any) -> Iterator[Any]:
     """A running :class:`engines.vllm.server.VLLMServer` on CPU: fp32, ``--enforce-eager`` (a far quicker
     start on 2 cores), 1 GB of KV cache, 480 s to become healthy; ``args`` are further or other
-    ``VLLMServerArgs``. Its caches are the checkout's (``FLEETRL_CACHE_DIR``, as a launch's servers use), shared by
-    every test server. Stopped (its whole process group) on the way out."""
+    ``VLLMServerArgs``. Its caches are a launch's servers' own (``FLEETRL_CACHE_DIR``/vllm-server, in the checkout),
+    shared by every test server. Stopped (its whole process group) on the way out."""
     import os
 
     from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     settings = {"dtype": "float32", "cpu_kvcache_gb": 1, "enforce_eager": True, "startup_timeout_s": 480, **args}
-    cache = os.environ.get("FLEETRL_CACHE_DIR", Path(__file__).resolve().parents[2] / ".cache")
+    cache = Path(os.environ.get("FLEETRL_CACHE_DIR", Path(__file__).resolve().parents[2] / ".cache")) / "vllm-server"
     server = VLLMServer(VLLMServerArgs(model=str(model), **settings), run_dir, cache_dir=cache)
     server.start()
     try:
