@@ -32,8 +32,10 @@ ADAPTER_PREFIX = "policy"
 
 def adapter_publish(cfg) -> bool:
     """Does this run (a launch RunConfig) publish LoRA adapters instead of weights? With ``learner.lora`` on a
-    vLLM or SGLang fleet that is not colocated; colocated engines take the merged weights as before."""
-    return cfg.learner.lora is not None and cfg.rollout.engine in ("vllm", "sglang") and not cfg.colocate.enabled
+    vLLM or SGLang fleet whose engines stay resident: disaggregated, or sharing the learner's GPUs asynchronously
+    (``colocate.mode=async``, no sleep). Colocated sync engines sleep while the learner trains and take the
+    merged weights at each wake, as before."""
+    return cfg.learner.lora is not None and cfg.rollout.engine in ("vllm", "sglang") and not cfg.colocate.synchronous
 
 
 class AdapterEndpoint(Protocol):

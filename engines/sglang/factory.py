@@ -93,8 +93,9 @@ class SGLangFactory(ServerFactory):
         )
 
     def _lora_args(self) -> list[str]:
-        """LoRA (learner.lora, not colocated): the server takes each policy version as an adapter at runtime,
-        sized for the learner's rank and modules, keeping ``broker.max_staleness + 1`` versions (at least 2)."""
+        """LoRA with resident engines (weight_sync.adapter_publisher.adapter_publish): the server takes each policy
+        version as an adapter at runtime, sized for the learner's rank and modules, keeping
+        ``broker.max_staleness + 1`` versions (at least 2)."""
         if not adapter_publish(self.cfg):
             return []
         lora = self.cfg.learner.lora

@@ -107,6 +107,7 @@ def _run(
     kill: str = "server",
     steps: int = STEPS,
     flags: tuple[str, ...] = (),
+    recipe: str = "tiny",
 ) -> dict:
     """One run of launch/cluster.py; each of ``kills`` (and ``kill_at_step``, ``kill``) is ``(step, what)``:
     ``kill -9`` of the engine server (``"server"``, frozen while it has groups in flight) or of the broker
@@ -122,7 +123,7 @@ def _run(
         "--learner-gpus",
         "0",
         "--recipe",
-        "tiny",
+        recipe,
         "--max-steps",
         str(steps),
         "--summary",

@@ -139,11 +139,15 @@ def test_a_server_keeps_every_version_the_staleness_bound_lets_run():
     assert client.adapter_prefix and client.adapter_versions == 3
 
 
-def test_adapter_publish_only_for_a_lora_fleet_not_colocated():
+def test_adapter_publish_only_for_a_lora_fleet_whose_engines_stay_resident():
     from engines.sglang.lora import sglang_lora_server_args
     from launch.config import load_run_config
     from weight_sync.adapter_publisher import adapter_publish
 
     assert adapter_publish(load_run_config("tiny-lora"))
     assert not adapter_publish(load_run_config("tiny"))
+    # shared async: the engines never sleep, so they take adapters; colocated sync: they sleep, merged weights
+    shared = ["colocate.enabled=true", "colocate.mode=async", "broker.max_staleness=2"]
+    assert adapter_publish(load_run_config("tiny-lora", shared))
+    assert not adapter_publish(load_run_config("tiny-lora", ["colocate.enabled=true", "broker.max_staleness=0"]))
     assert "--enable-lora" in sglang_lora_server_args(8)
