@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 CONFTEST = Path(__file__).resolve().parents[2] / "conftest.py"
+# each child pytest gets --basetemp inside its test's tmp_path: it never numbers or cleans this run's temp folders
 
 SUITE = """
 import pytest
@@ -37,7 +38,16 @@ def test_header_inline_causes_and_closing_room(tmp_path):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_throwaway.py").write_text(SUITE)
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={tmp_path / 'basetemp'}",
+            "-q",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -62,7 +72,15 @@ def test_header_names_the_room(tmp_path):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={tmp_path / 'basetemp'}",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
