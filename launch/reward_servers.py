@@ -34,7 +34,7 @@ import ray
 
 from core.http_client import free_port
 from core.network import LOOPBACK
-from engines.vllm.server import VLLMServer, VLLMServerArgs
+from engines.vllm.server import VLLMServer, VLLMServerArgs, shared_cache_dir
 from launch.placement import Slot, bundles
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,6 @@ class RewardServers:
 
     def launch(self) -> list[str]:
         """Create the actors, let each pick its address, then start every server (not waited for here)."""
-        cache = Path(os.environ.get("FLEETRL_CACHE_DIR", Path(__file__).resolve().parent.parent / ".cache"))
         here = ray.get_runtime_context().get_node_id()
         specs = []
         for i in range(self.count):
@@ -255,7 +254,7 @@ class RewardServers:
             self.actors.append(RewardServerActor.options(**opts).remote())
             specs.append(dict(server_spec(self.cfg, i), gpus=gpus))
         refs = [
-            a.prepare.remote(specs[i], str(self.run_dir / f"reward-{i}"), str(cache / "vllm-server"), self.loopback)
+            a.prepare.remote(specs[i], str(self.run_dir / f"reward-{i}"), str(shared_cache_dir()), self.loopback)
             for i, a in enumerate(self.actors)
         ]
         self.info = ray.get(refs, timeout=CALL_TIMEOUT_S * 2)

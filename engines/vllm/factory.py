@@ -19,12 +19,11 @@ from typing import Any
 from engines.base import EngineError, ServerFactory, adapter_versions
 from engines.vllm.generation import VLLMGenerationClient
 from engines.vllm.lora import lora_server_settings
-from engines.vllm.server import VLLMServer, VLLMServerArgs
+from engines.vllm.server import VLLMServer, VLLMServerArgs, shared_cache_dir
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class FleetVLLMClient(VLLMGenerationClient):
@@ -86,7 +85,7 @@ class VLLMFactory(ServerFactory):
         self.cfg, self.run_dir, self.slots = cfg, Path(run_dir), slots
         self.launcher = launcher or LocalLauncher()
         self.urls = list(cfg.rollout.urls)
-        self.cache_dir = Path(os.environ.get("FLEETRL_CACHE_DIR", REPO_ROOT / ".cache"))  # warm compiles across runs
+        self.cache_dir = shared_cache_dir()  # warm compiles across runs
 
     def _server_args(self, index: int) -> VLLMServerArgs:
         r = self.cfg.rollout
@@ -116,9 +115,7 @@ class VLLMFactory(ServerFactory):
 
     def _server(self, index: int) -> VLLMServer:
         """The server process ``index`` would be, as the local launcher builds it (its command, env)."""
-        return VLLMServer(
-            self._server_args(index), self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir / "vllm-server"
-        )
+        return VLLMServer(self._server_args(index), self.run_dir / f"vllm-{index}", cache_dir=self.cache_dir)
 
     def _extra_args(self, index: int) -> list[str]:
         args = list(self.cfg.rollout.vllm_server_args)
@@ -140,7 +137,7 @@ class VLLMFactory(ServerFactory):
         if self.urls:
             return await self._attach(index)
         server = await self.launcher.start(
-            index, self._server_args(index), self.run_dir / f"vllm-{index}", self.cache_dir / "vllm-server"
+            index, self._server_args(index), self.run_dir / f"vllm-{index}", self.cache_dir
         )
         client = FleetVLLMClient(
             f"vllm-{index}",

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 SUPPORTED = (Version("0.26.0"), Version("0.34.0"))
 
 
+def shared_cache_dir() -> Path:
+    """The cache every vLLM server started from this checkout shares across runs (vLLM's and Inductor's
+    compiles, the precompiled headers): ``FLEETRL_CACHE_DIR`` (default the checkout's ``.cache``)/vllm-server."""
+    return Path(os.environ.get("FLEETRL_CACHE_DIR", Path(__file__).resolve().parents[2] / ".cache")) / "vllm-server"
+
+
 def check_vllm_version() -> str:
     """The installed vLLM version; raises if it is missing or outside what fleetrl supports."""
     found = {}

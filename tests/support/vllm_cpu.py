@@ -12,15 +12,12 @@ from typing import Any
 def cpu_vllm_server(model: str | Path, run_dir: str | Path, **args: Any) -> Iterator[Any]:
     """A running :class:`engines.vllm.server.VLLMServer` on CPU: fp32, ``--enforce-eager`` (a far quicker
     start on 2 cores), 1 GB of KV cache, 480 s to become healthy; ``args`` are further or other
-    ``VLLMServerArgs``. Its caches are a launch's servers' own (``FLEETRL_CACHE_DIR``/vllm-server, in the checkout),
+    ``VLLMServerArgs``. Its caches are a launch's servers' own (:func:`engines.vllm.server.shared_cache_dir`),
     shared by every test server. Stopped (its whole process group) on the way out."""
-    import os
-
-    from engines.vllm.server import VLLMServer, VLLMServerArgs
+    from engines.vllm.server import VLLMServer, VLLMServerArgs, shared_cache_dir
 
     settings = {"dtype": "float32", "cpu_kvcache_gb": 1, "enforce_eager": True, "startup_timeout_s": 480, **args}
-    cache = Path(os.environ.get("FLEETRL_CACHE_DIR", Path(__file__).resolve().parents[2] / ".cache")) / "vllm-server"
-    server = VLLMServer(VLLMServerArgs(model=str(model), **settings), run_dir, cache_dir=cache)
+    server = VLLMServer(VLLMServerArgs(model=str(model), **settings), run_dir, cache_dir=shared_cache_dir())
     server.start()
     try:
         yield server
