@@ -50,9 +50,9 @@ def pytest_runtest_logreport(report):
         return
     _INLINE_FAILURES -= 1
     crash = getattr(report.longrepr, "reprcrash", None)
-    cause = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1:]
-    first = str(cause).splitlines()[0][:300] if cause else "?"
-    print(f"\n[{report.when} failed] {report.nodeid}: {first}", flush=True)
+    # the crash message's first line; without one (a plain-text report), the report's last line
+    lines = crash.message.splitlines()[:1] if crash is not None else str(report.longrepr).strip().splitlines()[-1:]
+    print(f"\n[{report.when} failed] {report.nodeid}: {lines[0][:300] if lines else '?'}", flush=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

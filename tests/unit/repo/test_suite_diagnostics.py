@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 CONFTEST = Path(__file__).resolve().parents[2] / "conftest.py"
-# each child pytest gets --basetemp inside its test's tmp_path: it never numbers or cleans this run's temp folders
 
 SUITE = """
 import pytest
@@ -34,25 +33,23 @@ def test_passes():
 """
 
 
-def test_header_inline_causes_and_closing_room(tmp_path):
+def _child_pytest(tmp_path, tests: str, *args: str) -> subprocess.CompletedProcess:
+    """A pytest over ``tests`` (one test file's text) beside a copy of the suite's conftest, in ``tmp_path``; its
+    --basetemp is there too, so it never numbers or cleans this run's temp folders."""
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
-    (tmp_path / "test_throwaway.py").write_text(SUITE)
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            f"--basetemp={tmp_path / 'basetemp'}",
-            "-q",
-            str(tmp_path),
-        ],
+    (tmp_path / "test_throwaway.py").write_text(tests)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}", *args]
+        + [str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_header_inline_causes_and_closing_room(tmp_path):
+    p = _child_pytest(tmp_path, SUITE, "-q")
     out = p.stdout
     assert p.returncode == 1, out
     lines = out.splitlines()
@@ -69,23 +66,7 @@ def test_header_inline_causes_and_closing_room(tmp_path):
 
 
 def test_header_names_the_room(tmp_path):
-    shutil.copy(CONFTEST, tmp_path / "conftest.py")
-    (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            f"--basetemp={tmp_path / 'basetemp'}",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = _child_pytest(tmp_path, "def test_ok():\n    pass\n")
     assert p.returncode == 0, p.stdout
     header = p.stdout.split("collected", 1)[0]
     assert "free GiB: checkout " in header and ", tmp " in header and "memory " in header, header
