@@ -110,8 +110,14 @@ def rounds(n_buckets: int, slots: int) -> list[list[tuple[int, int]]]:
 
 
 def engine_param_table(model: torch.nn.Module) -> dict[str, tuple[list[int], str]]:
-    """Name -> (shape, dtype name) of an engine model's parameters (what :func:`check_plan` checks against)."""
-    return {n: (list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
+    """Name -> (shape, dtype name) of an engine model's parameters (what :func:`check_plan` checks against).
+
+    A layer that vLLM wrapped for LoRA holds its weight as ``<layer>.base_layer.weight``; it is listed under
+    the checkpoint's name, ``<layer>.weight``, which is what the plan names and the loader takes."""
+    return {
+        n.replace(".base_layer.", "."): (list(p.shape), str(p.dtype).removeprefix("torch."))
+        for n, p in model.named_parameters()
+    }
 
 
 def check_plan(

@@ -309,6 +309,10 @@ def register() -> None:
         raise ImportError(f"engines.vllm.plugin needs vLLM: {_IMPORT_ERROR}")
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from engines.vllm import lora_loading
+
+    lora_loading.install()  # full loads into a LoRA-serving model (vLLM 0.26's wrappers cannot take them)
+
     # vLLM loads general plugins once per process, but tests and re-imports may call this twice.
     for name in BACKENDS:
         if name not in WeightTransferEngineFactory._registry:
