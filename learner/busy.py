@@ -5,6 +5,11 @@ The CUDA span runs from an event recorded before the step's first kernel to one 
 includes any gap in which the stream waited for the host (a lower bound on neither side: with another
 process time-slicing the GPU it also includes the other's slices). Reading it synchronises the
 stream once per step, after the optimizer step, where the loop reads its metrics anyway.
+
+``compiled_graphs``: the graphs torch.compile made during the step (0 once the compiled blocks have met every
+shape they will meet). A step whose compute is many times its neighbours' with a non-zero count was
+recompiling; the reason is in the learner's log (``learner.fastpath.compile_blocks`` turns on torch's
+recompile log).
 """
 
 from __future__ import annotations
@@ -14,11 +19,19 @@ import time
 import torch
 
 
+def _graphs_compiled() -> int:
+    """How many graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class StepTimer:
     """Started at the beginning of a step's training; :meth:`stop` gives its metrics (seconds)."""
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
+        self.graphs0 = _graphs_compiled()
         self._events = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -26,7 +39,10 @@ class StepTimer:
             self._events = (start, end)
 
     def stop(self) -> dict[str, float]:
-        out = {"learner/compute_seconds": time.perf_counter() - self.t0}
+        out = {
+            "learner/compute_seconds": time.perf_counter() - self.t0,
+            "learner/compiled_graphs": float(_graphs_compiled() - self.graphs0),
+        }
         if self._events is not None:
             start, end = self._events
             end.record()

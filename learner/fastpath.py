@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -400,5 +401,9 @@ def compile_blocks(blocks: list) -> None:
 
     # One graph serves every layer of a class; the limit covers a few row lengths per layer before dynamic shapes.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(blocks))
+    # A recompile costs seconds of a step (each step's count: learner_steps.jsonl compiled_graphs); its reason
+    # goes to the learner's log. TORCH_LOGS, when set, is the user's choice and stays.
+    if not os.environ.get("TORCH_LOGS"):
+        torch._logging.set_logs(recompiles=True)
     for m in blocks:
         m.forward = torch.compile(m.forward)

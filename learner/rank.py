@@ -282,6 +282,7 @@ class LearnerRank:
             "learner/compute_seconds",
             "learner/gpu_compute_seconds",
             "learner/gpu_max_reserved_gib",
+            "learner/compiled_graphs",
         )
         row = {
             "step": step,
