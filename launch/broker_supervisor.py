@@ -132,10 +132,12 @@ def end_engine_groups(pgids: set[int], timeout_s: float = 10.0) -> list[int]:
     import psutil
 
     def members() -> list[psutil.Process]:
+        # A zombie has exited; only its entry waits for a parent to reap it (an orphan's new parent, PID 1 of
+        # a container, may never do so). It holds no GPU memory or port and no signal can end it: not counted.
         out = []
         for p in psutil.process_iter():
             try:
-                if os.getpgid(p.pid) in pgids:
+                if os.getpgid(p.pid) in pgids and p.status() != psutil.STATUS_ZOMBIE:
                     out.append(p)
             except (ProcessLookupError, psutil.Error, OSError):
                 pass
@@ -144,8 +146,15 @@ def end_engine_groups(pgids: set[int], timeout_s: float = 10.0) -> list[int]:
     found = members()
     if not found:
         return []
+
+    def desc(p: psutil.Process) -> str:
+        try:
+            return f"{p.pid} ({p.name()}, {p.status()}, parent {p.ppid()})"
+        except psutil.Error:
+            return f"{p.pid} (gone)"
+
     log.warning(
-        "shutdown: %d engine process(es) outlived the fleet; ending them: %s", len(found), [p.pid for p in found]
+        "shutdown: %d engine process(es) outlived the fleet; ending them: %s", len(found), [desc(p) for p in found]
     )
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for g in pgids:

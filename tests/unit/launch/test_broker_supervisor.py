@@ -40,3 +40,32 @@ def test_spool_accounting_counts_accepted_acked_dropped_and_pending(tmp_path):
 def test_engine_groups_are_the_server_pids_of_a_snapshot():
     snap = {"fleet_servers": [{"engine_id": "vllm-0", "pid": 123}, {"engine_id": "vllm-1", "pid": None}]}
     assert engine_groups(snap) == {123} and engine_groups({}) == set()
+
+
+def test_end_engine_groups_ends_live_members_and_passes_over_zombies():
+    """Two real process groups: one alive (ended), one whose leader exited unreaped (a zombie: not counted)."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from launch.broker_supervisor import end_engine_groups
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not yet reaped by us
+            assert time.monotonic() < deadline, "the short-lived child did not exit"
+            time.sleep(0.05)
+        found = end_engine_groups({live.pid, dead.pid}, timeout_s=10.0)
+        assert found == [live.pid]
+        # ended (psutil's wait reaped our child, so Popen cannot read its status: the pid is gone instead)
+        live.wait(10)
+        assert not psutil.pid_exists(live.pid)
+    finally:
+        for p in (live, dead):
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
