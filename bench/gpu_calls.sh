@@ -21,6 +21,9 @@
 #   colocated-ipc   tests/gpu/test_colocated_ipc_gpu.py: vLLM and the test process on ONE GPU, weights by CUDA
 #                   IPC (colocated mode's path) checked against transformers, timed against the gloo path
 #                   (after base, vllm-install; ~3-5 min)
+#   colocated-lora  tests/gpu/test_colocated_lora_gpu.py: full weights into a LoRA-serving vLLM server on ONE GPU (a
+#                   colocated synchronous LoRA run's merged publish by CUDA IPC, then vLLM's reload_weights from disk),
+#                   checked against transformers (after base, vllm-install; ~3 min)
 #   engine-update   bench/engine_update.py: a vLLM engine's unavailability per update, direct vs staged
 #   vllm-tp2        tests/gpu/test_vllm_tp2_gpu.py (TP=2 over both GPUs)
 #   rollout         bench/rollout.py (fleet vs LLM.generate; its default layout: concurrent on a 2-GPU machine)
@@ -224,6 +227,15 @@ for step in "$@"; do
             rc=${PIPESTATUS[0]}
             [ -f /tmp/vllm-colocated-ipc/vllm_server.log ] && { echo "--- tail of the server log"; \
                 grep -v "GET /health\|POST /v1/completions" /tmp/vllm-colocated-ipc/vllm_server.log | tail -25; }
+            (exit $rc)
+            ;;
+        colocated-lora)  # one GPU: a LoRA-enabled vLLM server takes full weights (vLLM 0.26's wrappers: lora_loading.py)
+            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_COLOCATED_LORA_RUN_DIR=/tmp/vllm-colocated-lora
+            NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 360 $PY -m pytest -v -s -rA -p no:cacheprovider \
+                tests/gpu/test_colocated_lora_gpu.py 2>&1 | tee "$OUT/colocated_lora.log" | tail -30
+            rc=${PIPESTATUS[0]}
+            [ -f /tmp/vllm-colocated-lora/vllm_server.log ] && { echo "--- tail of the server log"; \
+                grep -v "GET /health\|POST /v1/completions" /tmp/vllm-colocated-lora/vllm_server.log | tail -25; }
             (exit $rc)
             ;;
         engine-update)  # unavailability per update under load: direct vs staged, pause vs inflight
