@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/peers/verl.sh CASE SYSTEM - verl 0.9.1 and fleetrl (colocated, as shipped) on the same work, on one GPU,
 # one system per call, in one lease (the machine keeps /tmp between calls while it stays warm). Issue 36.
-# STATUS: written without a GPU (2026-12-06); NOT RUN yet. The verl command is ../shared/peers/verl/run_verl.sh,
-# which did run on one H100 (see that README); the settings added here for verl's best case did not.
+# STATUS: run on one H100 for the smol case (2026-12-07: SYSTEM fleetrl, verl with the `best` and `colocate_async`
+# attempts, compare; bench/results/peers/). The q15-1k, q15-4k and q3b-1k cases have not run yet.
+# The verl command is ../shared/peers/verl/run_verl.sh (see that README).
 #
 #   CASE    smol     SmolLM2-135M-Instruct, word problems, 32 prompts x n=8, 512-token responses (the measured work)
 #           q15-1k   random Qwen2-1.5B shape (SmolLM2's tokenizer), 16 prompts x 8, 1,024-token responses
