@@ -14,16 +14,16 @@ recompile log).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
 
 def _graphs_compiled() -> int:
-    """How many graphs torch.compile has made in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+    """How many graphs torch.compile has made in this process so far (none if it was never imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 class StepTimer:
