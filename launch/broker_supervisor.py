@@ -84,7 +84,9 @@ class BrokerSupervisor:
 
     def final_status(self) -> dict[str, Any]:
         """The broker's status, or (broker gone, spool set) the accounting read from the spool."""
-        status = self.job._broker_status() if self.job.broker is not None else {}
+        bp = self.job.broker
+        # a broker whose process has exited is not asked (its status request would wait out its timeout)
+        status = self.job._broker_status() if bp is not None and bp.proc.poll() is None else {}
         if status or not self.spool_dir:
             return status
         try:

@@ -36,7 +36,7 @@ import msgspec
 
 from core.signals import SignalFlag
 from launch import resume
-from launch.broker_supervisor import BrokerSupervisor, end_engine_groups, engine_groups
+from launch.broker_supervisor import BrokerGone, BrokerSupervisor, end_engine_groups, engine_groups
 from launch.config import REPO_ROOT, RunConfig, write_subconfigs
 from launch.control import ControlRequest, ControlServer
 from launch.fleet_recovery import FleetRecovery
@@ -102,6 +102,7 @@ class Job:
         # Set by the Ctrl-C/SIGTERM handler. The handler also raises KeyboardInterrupt, but a library
         # call that catches it (one CI run went on for 2 minutes after a SIGINT) must not eat the stop.
         self.interrupted = SignalFlag()  # set by the SIGINT/SIGTERM handler: no lock (core/signals.py)
+        self.broker_lost = False  # set when the job ends on BrokerGone: the learner cannot finish a step then
         self.elastic = None  # launch.autoscaler_io.Elastic when rollout.autoscale.enabled
         self.rewards = None  # launch.reward_servers.RewardServers with --reward-gpus
         self.resume_version = 0  # the learner checkpoint this launch resumes from (launch.resume.prepare)
@@ -483,7 +484,14 @@ class Job:
             ("learner", lambda: self.learner and self._stop_learner()),
             # servers still starting (scale): let them end, so the fleet's stop stops them too
             ("starting servers", lambda: self.fleet and self.scaler.wait(self.cfg.rollout.startup_timeout_s + 30)),
-            ("fleet", lambda: self.fleet and self._get(self.fleet.stop.remote(), 60.0, "fleet stop")),
+            # its groups cannot end without the broker: cancelled at once then
+            (
+                "fleet",
+                lambda: (
+                    self.fleet
+                    and self._get(self.fleet.stop.remote(0.0 if self.broker_lost else 10.0), 60.0, "fleet stop")
+                ),
+            ),
             ("reward servers", lambda: self.rewards and self.rewards.stop()),
             ("broker", lambda: self.supervisor.final_status() if self.supervisor else {}),
         ]
@@ -541,6 +549,11 @@ class Job:
         return final
 
     def _stop_learner(self) -> dict[str, Any]:
+        if self.broker_lost:
+            # A stop is taken after a committed step, and no step commits without the broker: the ranks would
+            # only wait out their broker client's timeout (30 s). They are ended with the other actors below.
+            log.warning("the broker is gone: the learner's ranks are ended without waiting for their step")
+            return {}
         if self.learner_ranks is not None:
             return self.learner_ranks.stop(CALL_TIMEOUT_S)
         self._get(self.learner.stop.remote(), CALL_TIMEOUT_S, "learner stop")
@@ -580,6 +593,7 @@ def run(cfg: RunConfig, args: LaunchOptions) -> int:
         log.warning("interrupted: shutting down")
     except Exception as exc:
         rc, error = 1, f"{type(exc).__name__}: {exc}"
+        job.broker_lost = isinstance(exc, BrokerGone)
         log.exception("job failed")
     finally:
         # a second Ctrl-C must not cut the shutdown short (that is how orphans are made)

@@ -362,12 +362,14 @@ class FleetService:
             healthy_servers=sum(1 for s in st.servers if s.state == ServerState.HEALTHY),
         )
 
-    async def stop(self) -> dict[str, Any]:
+    async def stop(self, drain_s: float = 10.0) -> dict[str, Any]:
+        """Stop: the loop gets ``drain_s`` to end on its own, then the groups in flight are cancelled (0 when
+        they cannot end: the broker they push to is gone)."""
         self._save_position()  # before in-flight groups are cancelled: their prompts run first next time
         self._stop.set()
         if self._task is not None:
             try:
-                await asyncio.wait_for(self._task, timeout=10.0)
+                await asyncio.wait_for(self._task, timeout=drain_s)
             except (TimeoutError, asyncio.CancelledError):
                 await self.worker.cancel_inflight()
         if self._versions_task is not None:
