@@ -232,6 +232,7 @@ class Monitor:
         # the learner's every step, for W&B: from where the file stood before this launch's learner started
         self._learner_rows = LearnerRows(self.run_dir, learner_rows_from)
         self._wandb_step = -1  # the learner's last step logged to W&B
+        self._wandb_pending: list[dict[str, Any]] = []  # rows read from the learner's file, not yet logged
         if tensorboard:
             try:
                 self._tb = _ScalarWriter(self.run_dir / "tensorboard")
@@ -333,13 +334,20 @@ class Monitor:
         return values
 
     def _learner_to_wandb(self) -> None:
-        """Every step the learner wrote since the last tick (learner/metrics_sink.py), one log each."""
-        for row in self._learner_rows.new_rows():
+        """Every step the learner wrote since the last tick (learner/metrics_sink.py), one log each.
+
+        A row leaves the pending list only once logged: a Ctrl-C raises KeyboardInterrupt wherever the driver
+        is (launch/driver.py's handler), and one that landed mid-way through the rows of a tick once lost
+        them all (the file position had moved past them); :meth:`close` now logs what is left."""
+        self._wandb_pending += self._learner_rows.new_rows()
+        while self._wandb_pending:
+            row = self._wandb_pending[0]
             step = row.get("step")
-            if "metrics" not in row or step <= self._wandb_step:  # a start mark, or a step a resumed run redoes
-                continue
-            self._wandb.add_scalars(self._wandb_values(row), step)
-            self._wandb_step = step
+            # not a start mark, nor a step a resumed run redoes
+            if "metrics" in row and step > self._wandb_step:
+                self._wandb.add_scalars(self._wandb_values(row), step)
+                self._wandb_step = step
+            self._wandb_pending.pop(0)
 
     def render(self, snap: JobSnapshot):
         from rich.table import Table

@@ -94,8 +94,9 @@ class LearnerRows:
             f.seek(self._pos)
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line being written is read next time
-        self._pos += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        rows = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        self._pos += end  # last: the position moves only with the rows in hand
+        return rows
 
 
 class Endpoints:
