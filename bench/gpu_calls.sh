@@ -149,6 +149,17 @@ megatron_bench() {
         | tee "$OUT/learner_bench.log" | tail -60
 }
 
+colocated_test() {  # colocated_test NAME TAIL: tests/gpu/test_colocated_NAME_gpu.py on one GPU, then its server log
+    local d="/tmp/vllm-colocated-$1" var="FLEETRL_COLOCATED_${1^^}_RUN_DIR"
+    export VLLM_USE_FLASHINFER_SAMPLER=0 "$var=$d"
+    NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 360 $PY -m pytest -v -s -rA -p no:cacheprovider \
+        "tests/gpu/test_colocated_$1_gpu.py" 2>&1 | tee "$OUT/colocated_$1.log" | tail -"$2"
+    local rc=${PIPESTATUS[0]}
+    [ -f "$d/vllm_server.log" ] && { echo "--- tail of the server log"; \
+        grep -v "GET /health\|POST /v1/completions" "$d/vllm_server.log" | tail -25; }
+    return $rc
+}
+
 with_site() {  # with_site SITE CMD...: run CMD with fleetrl, SITE and the base wheels importable
     local site="$1"; shift
     PYTHONPATH="$REPO:${site:+$site:}/tmp/site-base" "$@"
@@ -221,23 +232,9 @@ for step in "$@"; do
             grep -v "GET /health\|POST /v1/completions" /tmp/vllm-fleetrl/vllm_server.log | tail -15
             ;;
         colocated-ipc)  # one GPU: vLLM (sleep mode) + this process as learner rank 0; CUDA IPC vs gloo loads
-            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_COLOCATED_IPC_RUN_DIR=/tmp/vllm-colocated-ipc
-            NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 360 $PY -m pytest -v -s -rA -p no:cacheprovider \
-                tests/gpu/test_colocated_ipc_gpu.py 2>&1 | tee "$OUT/colocated_ipc.log" | tail -40
-            rc=${PIPESTATUS[0]}
-            [ -f /tmp/vllm-colocated-ipc/vllm_server.log ] && { echo "--- tail of the server log"; \
-                grep -v "GET /health\|POST /v1/completions" /tmp/vllm-colocated-ipc/vllm_server.log | tail -25; }
-            (exit $rc)
-            ;;
+            colocated_test ipc 40 ;;
         colocated-lora)  # one GPU: a LoRA-enabled vLLM server takes full weights (vLLM 0.26's wrappers: lora_loading.py)
-            export VLLM_USE_FLASHINFER_SAMPLER=0 FLEETRL_COLOCATED_LORA_RUN_DIR=/tmp/vllm-colocated-lora
-            NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 360 $PY -m pytest -v -s -rA -p no:cacheprovider \
-                tests/gpu/test_colocated_lora_gpu.py 2>&1 | tee "$OUT/colocated_lora.log" | tail -30
-            rc=${PIPESTATUS[0]}
-            [ -f /tmp/vllm-colocated-lora/vllm_server.log ] && { echo "--- tail of the server log"; \
-                grep -v "GET /health\|POST /v1/completions" /tmp/vllm-colocated-lora/vllm_server.log | tail -25; }
-            (exit $rc)
-            ;;
+            colocated_test lora 30 ;;
         engine-update)  # unavailability per update under load: direct vs staged, pause vs inflight
             VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_CUMEM_ENABLE=0 with_site /tmp/site-vllm timeout 420 $PY \
                 bench/engine_update.py --json "$OUT/engine_update.json" --run-dir /tmp/engine-update

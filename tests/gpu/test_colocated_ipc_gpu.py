@@ -25,28 +25,35 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 TEST = "colocated_ipc"
 
 
-@pytest.fixture(scope="module")
-def server(qwen_checkpoints, tmp_path_factory):
+def start_server(test: str, model: str, run_dir: str, extra_args: tuple[str, ...] = (), env: dict | None = None):
+    """A vLLM server on GPU 0 (``FLEETRL_IPC_GPU``) as colocated mode starts it: fleetrl's backend, sleep mode,
+    eager; its start-up seconds recorded under ``test``. Also the LoRA variant's (test_colocated_lora_gpu.py)."""
     from engines.vllm.server import VLLMServer, VLLMServerArgs
 
-    run_dir = os.environ.get("FLEETRL_COLOCATED_IPC_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-ipc"))
     srv = VLLMServer(
         VLLMServerArgs(
-            model=str(qwen_checkpoints[0]),
+            model=model,
             dtype="bfloat16",
             max_model_len=2048,
             gpu_memory_utilization=0.35,
             max_num_seqs=64,
             enforce_eager=True,
             weight_backend="fleetrl",
-            extra_args=["--enable-sleep-mode"],
-            env={"CUDA_VISIBLE_DEVICES": os.environ.get("FLEETRL_IPC_GPU", "0")},
+            extra_args=["--enable-sleep-mode", *extra_args],
+            env={"CUDA_VISIBLE_DEVICES": os.environ.get("FLEETRL_IPC_GPU", "0"), **(env or {})},
         ),
         run_dir,
     )
     t0 = time.monotonic()
     srv.start()
-    record(TEST, "startup", seconds=time.monotonic() - t0, command=srv.command())
+    record(test, "startup", seconds=time.monotonic() - t0, command=srv.command())
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(qwen_checkpoints, tmp_path_factory):
+    run_dir = os.environ.get("FLEETRL_COLOCATED_IPC_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-ipc"))
+    srv = start_server(TEST, str(qwen_checkpoints[0]), run_dir)
     yield srv
     srv.stop()
 

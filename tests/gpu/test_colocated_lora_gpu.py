@@ -16,7 +16,7 @@ import time
 
 import pytest
 from gpu_helpers import Reference, check_logprobs, record
-from test_colocated_ipc_gpu import _colocated_publish, _greedy_fits, _on_gpu
+from test_colocated_ipc_gpu import _colocated_publish, _greedy_fits, _on_gpu, start_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -26,27 +26,10 @@ TEST = "colocated_lora"
 @pytest.fixture(scope="module")
 def server(qwen_checkpoints, tmp_path_factory):
     from engines.vllm.lora import lora_server_settings
-    from engines.vllm.server import VLLMServer, VLLMServerArgs
 
     lora_args, lora_env = lora_server_settings(rank=16)
     run_dir = os.environ.get("FLEETRL_COLOCATED_LORA_RUN_DIR") or str(tmp_path_factory.mktemp("vllm-lora"))
-    srv = VLLMServer(
-        VLLMServerArgs(
-            model=str(qwen_checkpoints[0]),
-            dtype="bfloat16",
-            max_model_len=2048,
-            gpu_memory_utilization=0.35,
-            max_num_seqs=64,
-            enforce_eager=True,
-            weight_backend="fleetrl",
-            extra_args=["--enable-sleep-mode", *lora_args],
-            env={"CUDA_VISIBLE_DEVICES": os.environ.get("FLEETRL_IPC_GPU", "0"), **lora_env},
-        ),
-        run_dir,
-    )
-    t0 = time.monotonic()
-    srv.start()
-    record(TEST, "startup", seconds=time.monotonic() - t0, command=srv.command())
+    srv = start_server(TEST, str(qwen_checkpoints[0]), run_dir, tuple(lora_args), lora_env)
     yield srv
     srv.stop()
 
