@@ -174,6 +174,7 @@ def vllm_server_args(args, gpu: str | None):
         return VLLMServerArgs(
             model=args.model, dtype="float32", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             enforce_eager=True, cpu_kvcache_gb=1, startup_timeout_s=args.startup_timeout, die_with_parent=True,
+            skip_tokenizer_init=True,
         )  # fmt: skip
     return VLLMServerArgs(
         model=args.model,
@@ -185,6 +186,7 @@ def vllm_server_args(args, gpu: str | None):
         env={"CUDA_VISIBLE_DEVICES": gpu},
         startup_timeout_s=args.startup_timeout,
         die_with_parent=True,  # a fleet side killed (the step's timeout) must not leave its server on the GPU
+        skip_tokenizer_init=True,  # as the fleet starts its servers (engines/vllm/factory.py)
     )
 
 
@@ -211,8 +213,15 @@ def vllm_engine_side(args, prompts: list[list[int]], params) -> dict:
     from vllm import LLM
     from vllm import SamplingParams as VSamplingParams
 
+    # detokenize=False: the engine at its fastest for token-id work (the fleet's servers render no text either);
+    # its tokenizer stays loaded for EOS, which the fleet's client names instead
     sp = VSamplingParams(
-        n=params.n, max_tokens=params.max_tokens, **params.processing(), logprobs=0, ignore_eos=params.ignore_eos
+        n=params.n,
+        max_tokens=params.max_tokens,
+        **params.processing(),
+        logprobs=0,
+        ignore_eos=params.ignore_eos,
+        detokenize=False,
     )
     kw = vllm_engine_kwargs(args, vllm_server_args(args, args.child_gpu))
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -302,8 +311,15 @@ def fleet_side(args, gpu: str | None, work: Path, prompts, params) -> dict:
     try:
         server.start()
         startup = time.perf_counter() - t0
+        from rollout_fleet.data import load_tokenizer
+
+        eos = load_tokenizer(args.model).eos_token_id  # as VLLMFactory.eos_token_ids
         client = VLLMGenerationClient(
-            "vllm-bench", server.url, model=server.model_name, request_timeout_s=args.request_timeout
+            "vllm-bench",
+            server.url,
+            model=server.model_name,
+            request_timeout_s=args.request_timeout,
+            eos_token_ids=[] if eos is None else [eos],
         )
         res = asyncio.run(drive_fleet(args, client, prompts, params))
     finally:

@@ -399,11 +399,13 @@ def compile_blocks(blocks: list) -> None:
     import torch
     import torch._dynamo
 
-    # One graph serves every layer of a class; the limit covers a few row lengths per layer before dynamic shapes.
+    # One graph serves every layer of a class (per grad mode and train/eval). dynamic=True: the first graph
+    # already takes any token count, so a later micro-batch of a new length does not recompile; the default
+    # (static first, dynamic at the second length seen) recompiled in the measured steps of an H100 run.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(blocks))
     # A recompile costs seconds of a step (each step's count: learner_steps.jsonl compiled_graphs); its reason
     # goes to the learner's log. TORCH_LOGS, when set, is the user's choice and stays.
     if not os.environ.get("TORCH_LOGS"):
         torch._logging.set_logs(recompiles=True)
     for m in blocks:
-        m.forward = torch.compile(m.forward)
+        m.forward = torch.compile(m.forward, dynamic=True)

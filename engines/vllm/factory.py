@@ -11,6 +11,7 @@ choice: a child process of the fleet (:class:`LocalLauncher`) or a Ray actor per
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from pathlib import Path
@@ -110,8 +111,18 @@ class VLLMFactory(ServerFactory):
             env=env,
             # vLLM's own nccl backend only when asked for (and on GPU); else fleetrl's
             weight_backend="auto" if self.cfg.weight_sync.nccl_impl == "vllm" else "fleetrl",
+            skip_tokenizer_init=True,  # token ids in and out: the clients name EOS (self.eos_token_ids)
         )
         return args
+
+    @functools.cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The EOS vLLM takes from the model's tokenizer, which the fleet's servers do not load: every client
+        adds it to the stop ids of a request that does not ``ignore_eos``."""
+        from rollout_fleet.data import load_tokenizer
+
+        eos = load_tokenizer(self.cfg.model.path).eos_token_id
+        return [] if eos is None else [int(eos)]
 
     def _server(self, index: int) -> VLLMServer:
         """The server process ``index`` would be, as the local launcher builds it (its command, env)."""
@@ -146,6 +157,7 @@ class VLLMFactory(ServerFactory):
             adapter_prefix=self._adapter_prefix(),
             adapter_versions=self._adapter_versions(),
             request_timeout_s=self.cfg.rollout.request_timeout_s,
+            eos_token_ids=await asyncio.to_thread(lambda: self.eos_token_ids),
         )
         client.server = server
         return client
@@ -164,6 +176,8 @@ class VLLMFactory(ServerFactory):
             request_timeout_s=self.cfg.rollout.request_timeout_s,
             adapter_prefix=self._adapter_prefix(),
             adapter_versions=self._adapter_versions(),
+            # the same EOS the server takes from its tokenizer (harmless twice; needed if it runs without one)
+            eos_token_ids=await asyncio.to_thread(lambda: self.eos_token_ids),
         )
         deadline = asyncio.get_running_loop().time() + self.cfg.rollout.startup_timeout_s
         while True:

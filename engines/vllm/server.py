@@ -89,6 +89,9 @@ class VLLMServerArgs:
     startup_timeout_s: float = 600.0
     die_with_parent: bool = False  # SIGKILL the server when the process that started it dies (a Ray actor)
     weight_transfer: bool = True  # False: no weight-transfer backend or worker extension (a reward server)
+    # token ids in and out, no text rendered (the fleet's servers; engines/vllm/generation.py says why). Such a
+    # server has no EOS of its own: its clients name it. False: the text APIs too (a judge's chat).
+    skip_tokenizer_init: bool = False
 
 
 def _pdeathsig() -> None:
@@ -171,6 +174,8 @@ class VLLMServer:
             cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
         if a.enforce_eager:
             cmd.append("--enforce-eager")
+        if a.skip_tokenizer_init:
+            cmd.append("--skip-tokenizer-init")
         if a.served_model_name:
             cmd += ["--served-model-name", a.served_model_name]
         if any(x == "--logprobs-mode" or x.startswith("--logprobs-mode=") for x in a.extra_args):

@@ -316,13 +316,14 @@ class MegatronEngine(TrainingEngine):
                 for g in inner.param_groups:
                     g.update(fused=True, foreach=False)
         # learner.compile_blocks: torch.compile of each layer's MLP (fc1, SwiGLU, fc2: shapes only, no packing
-        # state; the attention, whose varlen metadata is module state, stays eager).
+        # state; the attention, whose varlen metadata is module state, stays eager). dynamic=True: one graph for
+        # every micro-batch's token count (learner.fastpath.compile_blocks says why).
         if self.settings.compile_blocks and on_gpu:
             from torch import _dynamo
 
             _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 8 * len(self.layers))
             for layer in self.gpt.decoder.layers:
-                layer.mlp.forward = torch.compile(layer.mlp.forward)
+                layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=True)
         self.lr_fn = lr_lambda(o.schedule, o.warmup_steps, total_steps, o.min_lr_ratio)
         self.steps_taken = 0
         n_local = sum(p.numel() for p in self.gpt.parameters())

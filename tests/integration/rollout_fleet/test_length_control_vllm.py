@@ -5,17 +5,21 @@ The session's shared vLLM CPU server (conftest) serves models/tiny-adder, which 
 few tokens and then emits its end-of-sequence token. With ignore_eos every response must be exactly its
 prompt's limit, min(row budget, rollout.sampling.max_tokens), finish reason 'length'; without it the same
 prompts end early ('stop').
+
+The same on a server started as the fleet starts its own (``--skip-tokenizer-init``: no EOS of its own), where
+the stop comes from the EOS id the client adds: without it the same prompts never stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from vllm_cpu import AttachedServerFactory
+from vllm_cpu import AttachedServerFactory, cpu_vllm_server
 
 from broker.protocol import Ticket
 from rollout_fleet.config import RolloutConfig, SamplingConfig
@@ -44,13 +48,37 @@ class Zero:
         return [0.0] * len(samples)
 
 
-def _rollout(url: str, data: Path, ignore_eos: bool) -> tuple[RolloutWorker, list[pa.RecordBatch]]:
+@pytest.fixture(scope="module")
+def token_only_server(tmp_path_factory):
+    """The tiny model served as the fleet serves (VLLMFactory): token ids in and out, no tokenizer. Its copy's
+    generation_config.json names no EOS (vLLM would stop on one listed there even without a tokenizer), as a
+    model folder may: the tokenizer's EOS then reaches the server only through the client."""
+    model = tmp_path_factory.mktemp("tiny-adder-no-eos")
+    for f in TINY_MODEL.iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    gen = json.loads((TINY_MODEL / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if k != "eos_token_id"}))
+    with cpu_vllm_server(
+        model,
+        tmp_path_factory.mktemp("vllm_token_only"),
+        max_model_len=64,
+        max_num_seqs=16,
+        served_model_name="tiny-adder",
+        skip_tokenizer_init=True,
+    ) as s:
+        yield s
+
+
+def _rollout(
+    url: str, data: Path, ignore_eos: bool, eos: list[int] | None = None
+) -> tuple[RolloutWorker, list[pa.RecordBatch]]:
     prompts = DatasetPrompts(PromptDataset([data], load_tokenizer(TINY_MODEL), shuffle=False))
 
     async def main():
         fleet = FleetController(
             RolloutConfig(engine="vllm", health_interval_s=30, request_timeout_s=120, startup_timeout_s=30),
-            AttachedServerFactory(url, request_timeout_s=120),
+            AttachedServerFactory(url, request_timeout_s=120, eos_token_ids=eos or []),
         )
         await fleet.start(1)
         producer = Producer()
@@ -68,8 +96,7 @@ def _rollout(url: str, data: Path, ignore_eos: bool) -> tuple[RolloutWorker, lis
     return asyncio.run(main())
 
 
-@pytest.mark.slow
-def test_ignore_eos_and_row_budgets_give_exact_lengths_and_without_it_responses_stop(vllm_server, tmp_path):
+def _budget_rows(tmp_path: Path) -> tuple[Path, dict[str, int]]:
     rows = [
         {
             "prompt": [{"role": "user", "content": f"{12 + i}+{34 + i}="}],
@@ -80,29 +107,34 @@ def test_ignore_eos_and_row_budgets_give_exact_lengths_and_without_it_responses_
     ]
     data = tmp_path / "budgets.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
-    limits = {f"{12 + i}+{34 + i}=": min(b or MAX_TOKENS, MAX_TOKENS) for i, b in enumerate(BUDGETS)}
+    return data, {f"{12 + i}+{34 + i}=": min(b or MAX_TOKENS, MAX_TOKENS) for i, b in enumerate(BUDGETS)}
+
+
+def _by_prompt(batches) -> dict[str, list[tuple[int, str]]]:
+    """Each prompt's samples as (response length, finish reason)."""
     tok = load_tokenizer(TINY_MODEL)
-
-    def by_prompt(batches):
-        out = {}
-        for b in batches:
-            prompt = tok.decode(b.column("prompt_ids")[0].as_py())
-            out[prompt] = list(
-                zip(
-                    [len(r) for r in b.column("response_ids").to_pylist()],
-                    b.column("finish_reason").to_pylist(),
-                    strict=True,
-                )
+    out = {}
+    for b in batches:
+        prompt = tok.decode(b.column("prompt_ids")[0].as_py())
+        out[prompt] = list(
+            zip(
+                [len(r) for r in b.column("response_ids").to_pylist()],
+                b.column("finish_reason").to_pylist(),
+                strict=True,
             )
-        return out
+        )
+    return out
 
-    worker, batches = _rollout(vllm_server.url, data, ignore_eos=True)
-    got = by_prompt(batches)
+
+def _check_lengths(url: str, tmp_path: Path, eos: list[int] | None = None) -> None:
+    data, limits = _budget_rows(tmp_path)
+    worker, batches = _rollout(url, data, ignore_eos=True, eos=eos)
+    got = _by_prompt(batches)
     assert got == {p: [(n, "length")] * 4 for p, n in limits.items()}, got
     assert worker.samples_truncated == 16 and worker.groups_pushed == 4
 
-    worker, batches = _rollout(vllm_server.url, data, ignore_eos=False)
-    got = by_prompt(batches)
+    worker, batches = _rollout(url, data, ignore_eos=False, eos=eos)
+    got = _by_prompt(batches)
     assert set(got) == set(limits)
     for p, samples in got.items():
         assert all(n <= limits[p] for n, _ in samples), (p, samples)
@@ -110,3 +142,18 @@ def test_ignore_eos_and_row_budgets_give_exact_lengths_and_without_it_responses_
     stopped = [n for samples in got.values() for n, reason in samples if reason == "stop"]
     assert len(stopped) >= 8, got
     assert worker.samples_truncated == 16 - len(stopped)
+
+
+@pytest.mark.slow
+def test_ignore_eos_and_row_budgets_give_exact_lengths_and_without_it_responses_stop(vllm_server, tmp_path):
+    _check_lengths(vllm_server.url, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_server_without_its_tokenizer_stops_at_the_eos_the_client_names(token_only_server, tmp_path):
+    eos = load_tokenizer(TINY_MODEL).eos_token_id
+    _check_lengths(token_only_server.url, tmp_path, eos=[eos])
+    # the stop came from the client: without the id, the same prompts run to their limits
+    data, limits = _budget_rows(tmp_path)
+    _, batches = _rollout(token_only_server.url, data, ignore_eos=False, eos=[])
+    assert _by_prompt(batches) == {p: [(n, "length")] * 4 for p, n in limits.items()}
