@@ -100,10 +100,20 @@ _compiled: dict[str, object] = {}
 
 
 def _fused(name: str):
-    """The compiled chunk function (compiled once per process, on first use)."""
+    """The compiled chunk function (compiled once per process, on first use). Every tensor's first dimension (a
+    chunk's rows: the full chunk, or a micro-batch's remainder) is dynamic from the first call, so a remainder of
+    a new size in a later step does not recompile; the vocabulary stays static."""
     fn = _compiled.get(name)
     if fn is None:
-        fn = _compiled[name] = torch.compile({"stats": _chunk_stats, "grad": _chunk_grad}[name])
+        compiled = torch.compile({"stats": _chunk_stats, "grad": _chunk_grad}[name])
+
+        def fn(*args):
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() > 0:
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
+            return compiled(*args)
+
+        _compiled[name] = fn
     return fn
 
 

@@ -113,6 +113,9 @@ run_fleetrl() {
     cp "$d/learner_steps.jsonl" "$OUT/fleetrl_${CASE}_steps.jsonl" 2>/dev/null
     cp "$d/summary.json" "$OUT/fleetrl_${CASE}_summary.json" 2>/dev/null
     tail -c 200000 "$d/cluster.log" > "$OUT/fleetrl_${CASE}_cluster_tail.log"
+    # the learner's settings and torch's reason for every recompile of its compiled blocks (learner/fastpath.py)
+    grep -h "learner settings\|Recompiling\|guard failure\|  - " "$d"/run/logs/*.log 2>/dev/null | cut -c1-600 \
+        | head -200 > "$OUT/fleetrl_${CASE}_compiles.log"
     echo "fleetrl rc=$(cat "$d/rc"); $(wc -l < "$d/learner_steps.jsonl" 2>/dev/null || echo 0) steps"
 }
 

@@ -39,3 +39,30 @@ def test_fused_chunk_math_equals_eager(cd):
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref, strict=True):
         torch.testing.assert_close(a, b, **(tol if name.startswith("grad") else dict(rtol=2e-5, atol=2e-5)), msg=name)
     assert not torch.equal(got[2], torch.zeros_like(got[2]))  # a real gradient flowed
+
+
+@pytest.mark.timeout(180)
+def test_fused_chunks_compile_once_for_every_row_count():
+    """A micro-batch's last chunk has rows of its own count: after the first micro-batch, none recompiles (the
+    default compile is static at first and recompiled a later step's new count inside a measured step)."""
+    import learner.logprobs as lp_mod
+    from learner.busy import StepTimer
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    lp_mod._compiled.clear()
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(97, 16, generator=g) * 0.3).requires_grad_(True)
+
+    def step(*rows: int) -> float:
+        timer = StepTimer()
+        for n in rows:  # chunks of 32: full ones, and a tail of n % 32
+            hidden = torch.randn(n, 16, generator=g).requires_grad_(True)
+            targets = torch.randint(0, 97, (n,), generator=g)
+            lp, _ = chunked_logprobs(hidden, weight, targets, 1.0, 32, None, fused=True)
+            lp.sum().backward()
+        return timer.stop()["learner/compiled_graphs"]
+
+    assert step(64) >= 1  # whole chunks only
+    assert step(45, 71) == 0  # tails of 13 and 7 rows
+    assert step(100, 3) == 0
