@@ -2,7 +2,8 @@
 # bench/peers/verl.sh CASE SYSTEM - verl 0.9.1 and fleetrl (colocated, as shipped) on the same work, on one GPU,
 # one system per call, in one lease (the machine keeps /tmp between calls while it stays warm). Issue 36.
 # STATUS: run on one H100 for the smol case (2026-12-07: SYSTEM fleetrl, verl with the `best` and `colocate_async`
-# attempts, compare; bench/results/peers/). The q15-1k, q15-4k and q3b-1k cases have not run yet.
+# attempts, compare) and for q15-1k (fleetrl, verl `best`; bench/results/peers/h100_2026-12-07/). The q15-4k and
+# q3b-1k cases have not run yet.
 # The verl command is ../shared/peers/verl/run_verl.sh (see that README).
 #
 #   CASE    smol     SmolLM2-135M-Instruct, word problems, 32 prompts x n=8, 512-token responses (the measured work)

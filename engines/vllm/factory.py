@@ -119,9 +119,9 @@ class VLLMFactory(ServerFactory):
     def eos_token_ids(self) -> list[int]:
         """The EOS vLLM takes from the model's tokenizer, which the fleet's servers do not load: every client
         adds it to the stop ids of a request that does not ``ignore_eos``."""
-        from rollout_fleet.data import load_tokenizer
+        from transformers import AutoTokenizer  # as vLLM loads it (vllm.tokenizers: AutoTokenizer)
 
-        eos = load_tokenizer(self.cfg.model.path).eos_token_id
+        eos = AutoTokenizer.from_pretrained(str(self.cfg.model.path)).eos_token_id
         return [] if eos is None else [int(eos)]
 
     def _server(self, index: int) -> VLLMServer:
