@@ -5,8 +5,8 @@ Generation goes through ``/v1/completions`` with token-id prompts (or, with ``ap
 sampler's log-prob of every token. Every request pins every sampling field (:class:`engines.base.SamplingParams`)
 and carries a per-version prefix-cache salt.
 
-Token ids in and out: the fleet's own servers run ``--skip-tokenizer-init`` (:class:`engines.vllm.server.VLLMServerArgs`),
-so the server's API process renders no text. The fleet never reads it, and with 256 requests in flight the
+Token ids in and out: the servers the fleet starts run ``--skip-tokenizer-init`` (``engines.vllm.factory``), so
+the server's API process renders no text. The fleet never reads it, and with 256 requests in flight the
 per-token text of the sampled token's log-prob alone was ~2.6 ms of that process's CPU per decoding step (about
 10 us a token with SmolLM2's tokenizer, measured on the development machine). Such a server knows no EOS token:
 the client names it (``eos_token_ids``, the model tokenizer's, as vLLM would have taken it) among the stop ids
