@@ -118,11 +118,11 @@ def gguf_eos_id(src: Path) -> int | None:
     return None if field is None else int(field.parts[field.data[0]][0])
 
 
-def set_gguf_eos(tok, src: Path) -> None:
-    """Make ``tok``'s EOS the GGUF's. transformers' GGUF tokenizer reading differs between releases: 5.19 gives
-    ``<|im_end|>``, while 5.17 (the GPU machine's) gave ``<|im_start|>``, the token that *starts* a turn, so the
-    converted model would stop only once the next turn began (seen in the 2026-12-07 H100 conversion's log)."""
-    eos = gguf_eos_id(src)
+def set_gguf_eos(tok, eos: int | None) -> None:
+    """Make ``tok``'s EOS the GGUF's (``eos``: :func:`gguf_eos_id`). transformers' GGUF tokenizer reading differs
+    between releases: 5.19 gives ``<|im_end|>``, while 5.17 (the GPU machine's) gave ``<|im_start|>``, the token that
+    *starts* a turn, so the converted model would stop only once the next turn began (seen in the 2026-12-07 H100
+    conversion's log)."""
     if eos is None or tok.eos_token_id == eos:
         return
     name = tok.convert_ids_to_tokens(eos)
@@ -143,7 +143,7 @@ def convert(out: Path = DEFAULT_OUT, *, force: bool = False) -> Path:
     t0 = time.monotonic()
     src = gguf_path()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    set_gguf_eos(tok, src)
+    set_gguf_eos(tok, gguf_eos_id(src))
     dq = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     config = dq.config
     if hasattr(config, "quantization_config"):

@@ -59,6 +59,23 @@ def test_conversion_matches_the_gguf_and_catches_a_corrupted_tensor(smollm2_mode
         check_against_gguf(state, gguf_path(), cfg)
 
 
+def test_the_conversion_takes_the_ggufs_eos_whatever_transformers_reads(smollm2_model):
+    """transformers 5.17 (the GPU machine's) read this GGUF's EOS as ``<|im_start|>``, the token that starts a turn:
+    the converted model then stopped only once the next turn began. ``set_gguf_eos`` puts the GGUF's own back."""
+    from transformers import AutoTokenizer
+
+    from tools.smollm2 import set_gguf_eos
+
+    # the GGUF's id (tools.smollm2.gguf_eos_id, 2) is checked by the conversion test: its folder's EOS is <|im_end|>
+    tok = AutoTokenizer.from_pretrained(smollm2_model)
+    tok.eos_token = "<|im_start|>"  # what transformers 5.17 read
+    assert tok.eos_token_id == 1
+    set_gguf_eos(tok, 2)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    set_gguf_eos(tok, 2)  # already right: unchanged
+    assert tok.eos_token_id == 2
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_model, tmp_path_factory):
     with cpu_vllm_server(
