@@ -304,22 +304,19 @@ def fleet_side(args, gpu: str | None, work: Path, prompts, params) -> dict:
     if args.engine == "sglang":
         return asyncio.run(_sglang_fleet(args, gpu, work, prompts, params))
     from engines.vllm.generation import VLLMGenerationClient
-    from engines.vllm.server import VLLMServer
+    from engines.vllm.server import VLLMServer, tokenizer_eos_ids
 
     server = VLLMServer(vllm_server_args(args, gpu), work / "server")
     t0 = time.perf_counter()
     try:
         server.start()
         startup = time.perf_counter() - t0
-        from rollout_fleet.data import load_tokenizer
-
-        eos = load_tokenizer(args.model).eos_token_id  # as VLLMFactory.eos_token_ids
         client = VLLMGenerationClient(
             "vllm-bench",
             server.url,
             model=server.model_name,
             request_timeout_s=args.request_timeout,
-            eos_token_ids=[] if eos is None else [eos],
+            eos_token_ids=tokenizer_eos_ids(args.model),  # as the fleet's factory
         )
         res = asyncio.run(drive_fleet(args, client, prompts, params))
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 from engines.base import EngineError, ServerFactory, adapter_versions
 from engines.vllm.generation import VLLMGenerationClient
 from engines.vllm.lora import lora_server_settings
-from engines.vllm.server import VLLMServer, VLLMServerArgs, shared_cache_dir
+from engines.vllm.server import VLLMServer, VLLMServerArgs, shared_cache_dir, tokenizer_eos_ids
 from weight_sync.adapter_publisher import ADAPTER_PREFIX, adapter_publish
 from weight_sync.config import NCCL_ENV
 
@@ -119,10 +119,7 @@ class VLLMFactory(ServerFactory):
     def eos_token_ids(self) -> list[int]:
         """The EOS vLLM takes from the model's tokenizer, which the fleet's servers do not load: every client
         adds it to the stop ids of a request that does not ``ignore_eos``."""
-        from transformers import AutoTokenizer  # as vLLM loads it (vllm.tokenizers: AutoTokenizer)
-
-        eos = AutoTokenizer.from_pretrained(str(self.cfg.model.path)).eos_token_id
-        return [] if eos is None else [int(eos)]
+        return tokenizer_eos_ids(self.cfg.model.path)
 
     def _server(self, index: int) -> VLLMServer:
         """The server process ``index`` would be, as the local launcher builds it (its command, env)."""

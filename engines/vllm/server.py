@@ -66,6 +66,15 @@ def check_vllm_version() -> str:
     return ver
 
 
+def tokenizer_eos_ids(model: str | Path) -> list[int]:
+    """The EOS a vLLM server takes from ``model``'s tokenizer (vLLM loads it with transformers' AutoTokenizer): what
+    a client names in its stop ids for a server started with ``skip_tokenizer_init``."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(model)).eos_token_id
+    return [] if eos is None else [int(eos)]
+
+
 @dataclass(kw_only=True, slots=True)
 class VLLMServerArgs:
     model: str

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from core.engine_auth import TOKEN_ENV
-from tests.support.vllm_cpu import cpu_vllm_server
+from tests.support.vllm_cpu import cpu_vllm_server, model_copy_with_generation_config
 
 # The session's engine token, as a launcher run has one (core.engine_auth): the shared server
 # requires it, every client of this process and of the processes the tests start sends it.
@@ -42,14 +42,7 @@ HOSTILE_GENERATION_CONFIG = {"top_k": 2, "repetition_penalty": 1.3}
 
 def hostile_generation_config_copy(out: Path) -> Path:
     """The tiny model's files (symlinked) with a generation_config.json that adds HOSTILE_GENERATION_CONFIG."""
-    import json
-
-    for f in TINY_MODEL.iterdir():
-        if f.name != "generation_config.json":
-            (out / f.name).symlink_to(f)
-    gen = json.loads((TINY_MODEL / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**gen, **HOSTILE_GENERATION_CONFIG}, indent=2))
-    return out
+    return model_copy_with_generation_config(TINY_MODEL, out, lambda gen: {**gen, **HOSTILE_GENERATION_CONFIG})
 
 
 @pytest.fixture(scope="session")

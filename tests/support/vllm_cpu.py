@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,18 @@ def cpu_vllm_server(model: str | Path, run_dir: str | Path, **args: Any) -> Iter
         yield server
     finally:
         server.stop()
+
+
+def model_copy_with_generation_config(src: Path, out: Path, edit: Callable[[dict], dict]) -> Path:
+    """``src``'s files symlinked into ``out``, except ``generation_config.json``, written as ``edit`` of ``src``'s."""
+    import json
+
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f)
+    gen = json.loads((src / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps(edit(gen), indent=2))
+    return out
 
 
 class AttachedServerFactory:

@@ -13,13 +13,12 @@ the stop comes from the EOS id the client adds: without it the same prompts neve
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from vllm_cpu import AttachedServerFactory, cpu_vllm_server
+from vllm_cpu import AttachedServerFactory, cpu_vllm_server, model_copy_with_generation_config
 
 from broker.protocol import Ticket
 from rollout_fleet.config import RolloutConfig, SamplingConfig
@@ -53,12 +52,11 @@ def token_only_server(tmp_path_factory):
     """The tiny model served as the fleet serves (VLLMFactory): token ids in and out, no tokenizer. Its copy's
     generation_config.json names no EOS (vLLM would stop on one listed there even without a tokenizer), as a
     model folder may: the tokenizer's EOS then reaches the server only through the client."""
-    model = tmp_path_factory.mktemp("tiny-adder-no-eos")
-    for f in TINY_MODEL.iterdir():
-        if f.name != "generation_config.json":
-            (model / f.name).symlink_to(f)
-    gen = json.loads((TINY_MODEL / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if k != "eos_token_id"}))
+    model = model_copy_with_generation_config(
+        TINY_MODEL,
+        tmp_path_factory.mktemp("tiny-adder-no-eos"),
+        lambda gen: {k: v for k, v in gen.items() if k != "eos_token_id"},
+    )
     with cpu_vllm_server(
         model,
         tmp_path_factory.mktemp("vllm_token_only"),
