@@ -68,12 +68,25 @@ def make_prompts(count: int, length: int, seed: int = 0, low: int = 1000, high: 
     return [[rng.randrange(low, high) for _ in range(length)] for _ in range(count)]
 
 
-def bench_prompts(args) -> list[list[int]]:
-    """The prompts both sides get (ids from 1000 up on a real vocabulary; the tiny model's 128 ids on CPU)."""
+def bench_prompts(args, rep: int = 0) -> list[list[int]]:
+    """The prompts both sides get in timed batch ``rep`` (ids from 1000 up on a real vocabulary; the tiny
+    model's 128 ids on CPU). Each batch has its own prompts, the same on both sides."""
     if args.cpu:
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-        return make_prompts(args.prompts, args.prompt_len, low=3, high=vocab)
-    return make_prompts(args.prompts, args.prompt_len)
+        return make_prompts(args.prompts, args.prompt_len, seed=rep, low=3, high=vocab)
+    return make_prompts(args.prompts, args.prompt_len, seed=rep)
+
+
+def timed_batches(args) -> list[list[list[int]]]:
+    """The ``--reps`` timed batches' prompts, in order."""
+    return [bench_prompts(args, rep) for rep in range(args.reps)]
+
+
+def summed(reps: list[dict]) -> dict:
+    """A side's result over its timed batches: tokens and seconds summed (tok/s = all tokens / all seconds),
+    each batch's figures kept under ``reps``."""
+    tokens, seconds = sum(r["tokens"] for r in reps), sum(r["seconds"] for r in reps)
+    return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "reps": reps}
 
 
 def sampling(args):
@@ -96,6 +109,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=32)
+    ap.add_argument(
+        "--reps", type=int, default=3, help="timed batches per side, each with its own prompts (same on both sides)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM max_num_seqs / SGLang max_running_requests")
     ap.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len / SGLang context_length")
     ap.add_argument(
@@ -120,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
 
 def resolve(args, visible_gpus: int) -> None:
     """Check the arguments against each other and the machine; fill in ``args.gpus`` (raises ValueError)."""
-    for name in ("prompts", "prompt_len", "n", "max_tokens", "max_num_seqs", "max_model_len"):
+    for name in ("prompts", "prompt_len", "n", "max_tokens", "max_num_seqs", "max_model_len", "reps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -208,7 +224,7 @@ def vllm_engine_kwargs(args, sargs) -> dict:
     return kw
 
 
-def vllm_engine_side(args, prompts: list[list[int]], params) -> dict:
+def vllm_engine_side(args, batches: list[list[list[int]]], params) -> dict:
     """vLLM's LLM.generate on this process's device (CUDA_VISIBLE_DEVICES chosen by the parent)."""
     from vllm import LLM
     from vllm import SamplingParams as VSamplingParams
@@ -224,21 +240,26 @@ def vllm_engine_side(args, prompts: list[list[int]], params) -> dict:
         detokenize=False,
     )
     kw = vllm_engine_kwargs(args, vllm_server_args(args, args.child_gpu))
-    inputs = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     llm = LLM(**kw)
     startup = time.perf_counter() - t0
     if args.warmup:
-        llm.generate(inputs[: args.warmup], sp, use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(inputs, sp, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    if len(outs) != len(prompts) or any(len(o.outputs) != params.n for o in outs):
-        raise RuntimeError(f"LLM.generate returned {len(outs)} prompts' outputs, expected {len(prompts)} x {params.n}")
-    if not all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for o in outs for c in o.outputs):
-        raise RuntimeError("LLM.generate returned an output without one log-prob per token")
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt, "startup_s": startup, "engine_kwargs": kw}
+        llm.generate([{"prompt_token_ids": p} for p in batches[0][: args.warmup]], sp, use_tqdm=False)
+    reps = []
+    for prompts in batches:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        t0 = time.perf_counter()
+        outs = llm.generate(inputs, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        if len(outs) != len(prompts) or any(len(o.outputs) != params.n for o in outs):
+            raise RuntimeError(
+                f"LLM.generate returned {len(outs)} prompts' outputs, expected {len(prompts)} x {params.n}"
+            )
+        if not all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for o in outs for c in o.outputs):
+            raise RuntimeError("LLM.generate returned an output without one log-prob per token")
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        reps.append({"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt})
+    return {**summed(reps), "startup_s": startup, "engine_kwargs": kw}
 
 
 class _OneServer:
@@ -257,8 +278,8 @@ class _OneServer:
         await engine.close()
 
 
-async def drive_fleet(args, client, prompts: list[list[int]], params) -> dict:
-    """Every group through ``FleetController.run_group`` on the one server: a warm-up batch, then the timed one."""
+async def drive_fleet(args, client, batches: list[list[list[int]]], params) -> dict:
+    """Every group through ``FleetController.run_group`` on the one server: a warm-up batch, then the timed ones."""
     from rollout_fleet.config import RolloutConfig
     from rollout_fleet.controller import FleetController
 
@@ -271,38 +292,41 @@ async def drive_fleet(args, client, prompts: list[list[int]], params) -> dict:
     )
     fleet = FleetController(cfg, _OneServer(client))
     await fleet.start(1)
+    reps = []
     try:
-        warm = prompts[: args.warmup]
+        warm = batches[0][: args.warmup]
         await asyncio.gather(*(fleet.run_group(f"w{i}", p, params) for i, p in enumerate(warm)))
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(fleet.run_group(f"g{i}", p, params) for i, p in enumerate(prompts)))
-        dt = time.perf_counter() - t0
+        for rep, prompts in enumerate(batches):
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(fleet.run_group(f"r{rep}g{i}", p, params) for i, p in enumerate(prompts)))
+            dt = time.perf_counter() - t0
+            samples = [s for _, group in results for s in group]
+            if len(samples) != len(prompts) * params.n:
+                raise RuntimeError(f"the fleet returned {len(samples)} samples, expected {len(prompts)} x {params.n}")
+            if not all(len(s.logprobs) == len(s.token_ids) for s in samples):
+                raise RuntimeError("the fleet returned a sample without one log-prob per token")
+            tokens = sum(len(s.token_ids) for s in samples)
+            reps.append({"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt})
         requeued = fleet.groups_requeued
     finally:
         await fleet.close()
-    samples = [s for _, group in results for s in group]
-    if len(samples) != len(prompts) * params.n:
-        raise RuntimeError(f"the fleet returned {len(samples)} samples, expected {len(prompts)} x {params.n}")
-    if not all(len(s.logprobs) == len(s.token_ids) for s in samples):
-        raise RuntimeError("the fleet returned a sample without one log-prob per token")
-    tokens = sum(len(s.token_ids) for s in samples)
-    return {"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt, "groups_requeued": requeued}
+    return {**summed(reps), "groups_requeued": requeued}
 
 
-async def _sglang_fleet(args, gpu: str, work: Path, prompts, params) -> dict:
+async def _sglang_fleet(args, gpu: str, work: Path, batches, params) -> dict:
     from bench.rollout_sglang import start_fleet_client
 
     client, server, startup = await start_fleet_client(args, gpu, work / "server", args.startup_timeout)
     try:
-        res = await drive_fleet(args, client, prompts, params)
+        res = await drive_fleet(args, client, batches, params)
     finally:
         server.stop()
     return {**res, "startup_s": startup}
 
 
-def fleet_side(args, gpu: str | None, work: Path, prompts, params) -> dict:
+def fleet_side(args, gpu: str | None, work: Path, batches, params) -> dict:
     if args.engine == "sglang":
-        return asyncio.run(_sglang_fleet(args, gpu, work, prompts, params))
+        return asyncio.run(_sglang_fleet(args, gpu, work, batches, params))
     from engines.vllm.generation import VLLMGenerationClient
     from engines.vllm.server import VLLMServer, tokenizer_eos_ids
 
@@ -318,7 +342,7 @@ def fleet_side(args, gpu: str | None, work: Path, prompts, params) -> dict:
             request_timeout_s=args.request_timeout,
             eos_token_ids=tokenizer_eos_ids(args.model),  # as the fleet's factory
         )
-        res = asyncio.run(drive_fleet(args, client, prompts, params))
+        res = asyncio.run(drive_fleet(args, client, batches, params))
     finally:
         server.stop()
     return {**res, "startup_s": startup}
@@ -327,15 +351,15 @@ def fleet_side(args, gpu: str | None, work: Path, prompts, params) -> dict:
 def run_child(args) -> int:
     """The ``--child`` process: one side, its result written as JSON to ``--child-out``."""
     work = Path(args.workdir)
-    prompts, params = bench_prompts(args), sampling(args)
+    batches, params = timed_batches(args), sampling(args)
     if args.child == "fleet":
-        res = fleet_side(args, args.child_gpu, work, prompts, params)
+        res = fleet_side(args, args.child_gpu, work, batches, params)
     elif args.engine == "sglang":
         from bench.rollout_sglang import engine_side
 
-        res = engine_side(args, prompts, params)
+        res = engine_side(args, batches, params)
     else:
-        res = vllm_engine_side(args, prompts, params)
+        res = vllm_engine_side(args, batches, params)
     tmp = Path(args.child_out + ".tmp")
     tmp.write_text(json.dumps(res))
     tmp.rename(args.child_out)  # whole or absent: the parent may read it while this process winds down
@@ -361,7 +385,7 @@ def side_environment(args, side: str, gpu: str | None, work: Path) -> dict[str, 
 def child_argv(args) -> list[str]:
     """The resolved settings a side's child runs with (sizes, model, limits: never re-derived there)."""
     out = ["--engine", args.engine, "--model", str(args.model)]
-    for name in ("prompts", "prompt_len", "n", "max_tokens", "warmup", "max_num_seqs", "max_model_len",
+    for name in ("prompts", "prompt_len", "n", "max_tokens", "warmup", "reps", "max_num_seqs", "max_model_len",
                  "gpu_memory_utilization", "startup_timeout", "request_timeout"):  # fmt: skip
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out + ["--cpu"] * args.cpu + ["--radix-cache"] * args.radix_cache
@@ -471,6 +495,8 @@ def build_case(args, engine_version: str, engine: dict, fleet: dict, model_label
         "engine_tok_per_s": engine["tok_per_s"],
         "fleet_tok_per_s": fleet["tok_per_s"],
         "ratio": fleet["tok_per_s"] / engine["tok_per_s"],
+        # batch i had the same prompts on both sides: the spread of these is the run's noise
+        "ratio_per_rep": [f["tok_per_s"] / e["tok_per_s"] for f, e in zip(fleet["reps"], engine["reps"], strict=True)],
         "fleet": fleet,
         "engine_offline": engine,
         "layout": layout_text(args),
@@ -480,6 +506,7 @@ def build_case(args, engine_version: str, engine: dict, fleet: dict, model_label
             "n": args.n,
             "max_tokens": args.max_tokens,
             "warmup_prompts": args.warmup,
+            "timed_batches": args.reps,
             "temperature": 1.0,
             "top_p": 1.0,
             "logprobs": "sampled token",

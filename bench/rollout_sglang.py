@@ -130,10 +130,11 @@ def count_outputs(outs: list[dict], expected: int) -> int:
     return tokens
 
 
-def engine_side(args, prompts: list[list[int]], params) -> dict:
-    """SGLang's offline engine on this process's GPU: start-up, a warm-up batch, then the timed batch."""
+def engine_side(args, batches: list[list[list[int]]], params) -> dict:
+    """SGLang's offline engine on this process's GPU: start-up, a warm-up batch, then the timed batches."""
     import sglang
 
+    from bench.rollout import summed
     from engines.sglang.server import check_sglang_version
 
     version = check_sglang_version(sglang.__version__)
@@ -141,22 +142,19 @@ def engine_side(args, prompts: list[list[int]], params) -> dict:
     t0 = time.perf_counter()
     engine = sglang.Engine(**engine_kwargs(args, version))
     startup = time.perf_counter() - t0
+    reps = []
     try:
-        warm = prompts[: args.warmup]
+        warm = batches[0][: args.warmup]
         count_outputs(engine.generate(input_ids=warm, sampling_params=sp, return_logprob=True), len(warm) * params.n)
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
-        dt = time.perf_counter() - t0
-        tokens = count_outputs(outs, len(prompts) * params.n)
+        for prompts in batches:
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+            dt = time.perf_counter() - t0
+            tokens = count_outputs(outs, len(prompts) * params.n)
+            reps.append({"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt})
     finally:
         engine.shutdown()
-    return {
-        "tokens": tokens,
-        "seconds": dt,
-        "tok_per_s": tokens / dt,
-        "startup_s": startup,
-        "engine_kwargs": engine_kwargs(args, version),
-    }
+    return {**summed(reps), "startup_s": startup, "engine_kwargs": engine_kwargs(args, version)}
 
 
 async def start_fleet_client(args, gpu: str, work: Path, timeout_s: float):

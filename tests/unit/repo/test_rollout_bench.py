@@ -68,13 +68,15 @@ def test_the_cpu_smoke_run_takes_the_tiny_model_and_sizes():
     assert a.gpus == 0 and a.model.endswith("models/tiny-adder") and a.prompts == 8 and a.max_model_len == 64
     prompts = rollout.bench_prompts(a)
     assert len(prompts) == 8 and all(len(p) == 8 and max(p) < 128 for p in prompts)  # the tiny vocabulary
+    batches = rollout.timed_batches(a)
+    assert len(batches) == a.reps == 3 and batches[0] == prompts and batches[1] != prompts  # new prompts each batch
 
 
 def test_the_child_gets_the_resolved_settings_not_the_command_line():
     a = _args("--cpu", "--json", "/tmp/x.json")
     rollout.resolve(a, visible_gpus=0)
     child = rollout.parser().parse_args(rollout.child_argv(a))
-    for name in ("engine", "model", "prompts", "prompt_len", "n", "max_tokens", "warmup", "max_num_seqs", "cpu"):
+    for name in ("engine", "model", "prompts", "prompt_len", "n", "max_tokens", "warmup", "reps", "max_num_seqs", "cpu"):
         assert getattr(child, name) == getattr(a, name), name
     assert child.json is None
 
@@ -82,12 +84,16 @@ def test_the_child_gets_the_resolved_settings_not_the_command_line():
 def test_the_case_holds_both_rates_and_their_ratio():
     a = _args("--engine", "sglang")
     rollout.resolve(a, visible_gpus=1)
-    engine = {"tokens": 1000, "seconds": 2.0, "tok_per_s": 500.0}
-    fleet = {"tokens": 990, "seconds": 2.1, "tok_per_s": 471.4}
+    engine = rollout.summed([{"tokens": 1000, "seconds": 2.0, "tok_per_s": 500.0},
+                             {"tokens": 1000, "seconds": 1.0, "tok_per_s": 1000.0}])  # fmt: skip
+    fleet = rollout.summed([{"tokens": 990, "seconds": 2.2, "tok_per_s": 450.0},
+                            {"tokens": 1000, "seconds": 1.25, "tok_per_s": 800.0}])  # fmt: skip
+    assert engine["tok_per_s"] == pytest.approx(2000 / 3.0, rel=1e-12)  # all tokens over all seconds
     case = rollout.build_case(a, "0.5.16", engine, fleet, "m")
     assert case["engine"] == "sglang 0.5.16"
-    assert (case["engine_tok_per_s"], case["fleet_tok_per_s"]) == (500.0, 471.4)
-    assert case["ratio"] == pytest.approx(471.4 / 500.0, rel=1e-12)  # one division, nothing else
+    assert case["ratio"] == pytest.approx((1990 / 3.45) / (2000 / 3.0), rel=1e-12)
+    assert case["ratio_per_rep"] == pytest.approx([0.9, 0.8], rel=1e-12)  # batch i against batch i
+    assert case["workload"]["timed_batches"] == 3
     assert case["layout"].startswith("1 GPU (GPU 0): engine side, then fleet side")
     assert case["workload"]["radix_cache"] is False and case["workload"]["max_num_seqs"] == 256
     json.dumps(case)  # what the bench writes
