@@ -76,7 +76,8 @@ def test_the_child_gets_the_resolved_settings_not_the_command_line():
     a = _args("--cpu", "--json", "/tmp/x.json")
     rollout.resolve(a, visible_gpus=0)
     child = rollout.parser().parse_args(rollout.child_argv(a))
-    for name in ("engine", "model", "prompts", "prompt_len", "n", "max_tokens", "warmup", "reps", "max_num_seqs", "cpu"):
+    names = ("engine", "model", "prompts", "prompt_len", "n", "max_tokens", "warmup", "reps", "max_num_seqs", "cpu")
+    for name in names:
         assert getattr(child, name) == getattr(a, name), name
     assert child.json is None
 
