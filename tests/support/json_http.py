@@ -38,7 +38,10 @@ def json_http_server(answer: Answer) -> Iterator[str]:
         def do_POST(self):  # noqa: N802
             self._serve("POST")
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 1024  # socketserver's 5 resets a burst of connections (a fleet's groups at once)
+
+    srv = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
