@@ -11,7 +11,7 @@ export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast lint install lock
+.PHONY: demo test test-long test-fast lint install lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,11 +41,16 @@ lint: install
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
+# Every test but the three multi-minute runs marked `long` (the chaos soak, the emulated multi-host job and the
+# observed run with its kills and resume, about 9 minutes together): those are `make test-long`. CI runs both.
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest -m "not long" tests
+
+test-long: install
+	$(PY) -m pytest -m long tests
 
 # The quick loop while changing code: lint, then every test not marked slow (no real engine servers, no
-# training runs); the full `make test` stays what CI runs.
+# training runs); `make test` and `make test-long` stay what CI runs.
 test-fast: lint
 	$(PY) -m pytest -m "not slow" -q tests
 

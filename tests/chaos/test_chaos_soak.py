@@ -55,7 +55,7 @@ JUDGE = "tiny-judge"  # reward.model.model of launch/recipes/judge-tiny.yaml: th
 STEPS, GROUPS, EVERY, K = 14, 8, 2, 2  # steps, groups per step, checkpoint interval, max staleness
 LINGER_S = 60.0  # a process of the job may take this long to exit after the job ended
 LAUNCH_LIMIT_S = 900.0  # one launch: a vLLM start (40-80 s on 2 quiet cores, 150+ s loaded) and a server restart
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(2400)]
 
 
 SURVIVED = ("server", "broker", "fleet", "reward")  # the first kill: the run recovers on its own

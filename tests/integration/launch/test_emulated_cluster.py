@@ -53,7 +53,7 @@ RAY = str(Path(sys.executable).parent / "ray")
 # trains until the test has seen that server take a publish, then the test ends it with `stop`.
 MAX_STEPS = 5000
 KILL_AT = 3
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
 
 def _env(token: str) -> dict[str, str]:

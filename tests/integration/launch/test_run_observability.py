@@ -37,7 +37,7 @@ from tests.unit.launch.test_observability import dashboard_series
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS, GROUPS, EVERY = 20, 8, 2  # a step takes ~0.5 s here: enough left after three stops for the probe
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(1500)]
 
 
 def _step(run_dir: Path) -> int:
