@@ -90,6 +90,8 @@ export FLEETRL_GPU_RESULTS="$OUT/gpu_results.jsonl"
 PY=python3
 
 stamp() { echo "=== $(date -u +%FT%TZ) $*"; }
+# shellcheck source=bench/mirror.sh
+. "$REPO/bench/mirror.sh"  # mirror_start / mirror_stop: a run's files into $OUT while it runs
 
 system() {  # system ENGINE SITE: the full-system test with ENGINE's install target, Ray and the base wheels
     local engine="$1" site="$2" out="$OUT/system-$1"
@@ -251,10 +253,14 @@ for step in "$@"; do
         rollout-1gpu)  # one GPU, one side after the other; ENGINE=vllm|sglang (site /tmp/site-$ENGINE), ROLLOUT_ARGS pass through
             e="${ENGINE:-vllm}" w="/tmp/fleetrl-bench-rollout-${ENGINE:-vllm}"
             [ "$e" = vllm ] || [ "$e" = sglang ] || { echo "ENGINE must be vllm or sglang, got $e" >&2; exit 2; }
+            # each side's result and log as they appear: a call stopped at its limit still returns the finished side
+            mirror_start "$OUT/rollout_${e}_sides" "$w/engine.json" "$w/fleet.json" "$w/engine.log" "$w/fleet.log" \
+                "$w/fleet/server/*_server.log"
             VLLM_USE_FLASHINFER_SAMPLER=0 with_site "/tmp/site-$e" timeout "${ROLLOUT_TIMEOUT:-580}" $PY bench/rollout.py \
                 --gpus 1 --engine "$e" --workdir "$w" --json "$OUT/rollout_$e.json" ${ROLLOUT_ARGS:-} 2>&1 \
                 | tee "$OUT/rollout_$e.log" | grep -v "^ \|^{\|^}" | tail -20
             rc=${PIPESTATUS[0]}
+            mirror_stop
             for f in "$w"/engine.log "$w"/fleet.log "$w"/fleet/server/*_server.log; do
                 [ -f "$f" ] && { echo "--- tail of $f"; grep -v "GET /health\|POST /v1/completions\|POST /generate" "$f" | tail -12; }
             done

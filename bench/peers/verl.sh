@@ -49,6 +49,8 @@ PY=python3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
 mkdir -p "$OUT" "$WORK"
+# shellcheck source=bench/mirror.sh
+. "$REPO/bench/mirror.sh"  # mirror_start / mirror_stop: a run's files into $OUT while it runs
 t_start=$(date +%s)
 left() { echo $((LIMIT_S - ($(date +%s) - t_start))); }
 
@@ -106,9 +108,12 @@ run_fleetrl() {
                "rollout.sampling.max_tokens=$RESP" "rollout.max_model_len=$MAXLEN"
                learner.micro_batch_tokens=auto learner.activation_checkpointing=auto)
     echo "${cmd[*]}" > "$d/command.txt"
+    # the steps so far, while it runs: a call the device tool stops at its limit still returns them
+    mirror_start "$OUT/fleetrl_${CASE}_live" "$d/run/metrics/learner_steps.jsonl" "$d/command.txt"
     PYTHONPATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base" timeout -s TERM -k 60 "$(left)" "${cmd[@]}" \
         > "$d/cluster.log" 2>&1
     echo $? > "$d/rc"
+    mirror_stop
     cp "$d/run/metrics/learner_steps.jsonl" "$d/" 2>/dev/null
     rm -rf "$d/run/export" "$d/run/checkpoints"
     cp "$d/learner_steps.jsonl" "$OUT/fleetrl_${CASE}_steps.jsonl" 2>/dev/null
@@ -158,10 +163,12 @@ run_verl() {
         local over
         over=$(verl_overrides "$attempt") || exit 2
         echo "$over" > "$a/overrides.txt"
+        mirror_start "$OUT/verl_${CASE}_${attempt}_live" "$a/verl.log" "$a/overrides.txt"  # as the run goes
         # shellcheck disable=SC2086  # the overrides are whitespace-separated key=value words
         timeout -s TERM -k 30 "$(left)" bash "$VERL_FILES/run_verl.sh" "$VERL_SITE" "$MODEL" "$DATA" \
             trainer.default_local_dir=/tmp/verl_ckpt_$CASE $over > "$a/verl.log" 2>&1
         echo $? > "$a/rc"
+        mirror_stop
         local steps
         steps=$(grep -c "timing_s/step" "$a/verl.log")
         grep -m1 -E "Error|error:|Traceback" "$a/verl.log" > "$a/error.txt"
