@@ -5,6 +5,10 @@
 # attempts, compare) and for q15-1k (fleetrl, verl `best`; bench/results/peers/h100_2026-12-07/). The q15-4k and
 # q3b-1k cases have not run yet.
 # The verl command is ../shared/peers/verl/run_verl.sh (see that README).
+# The device call's own limit: at least LIMIT_S + 90 s (a run gets a 30-60 s grace after LIMIT_S), plus ~60 s when
+# `bench/gpu_calls.sh smollm2` runs in the same call. A call stopped at its limit returns only what bench/mirror.sh
+# had copied: $OUT/fleetrl_CASE_live/learner_steps.jsonl, $OUT/verl_CASE_ATTEMPT_live/verl.log (2026-12-07: a
+# `smollm2` + q15-1k fleetrl call given 335 s for LIMIT_S=280 returned nothing).
 #
 #   CASE    smol     SmolLM2-135M-Instruct, word problems, 32 prompts x n=8, 512-token responses (the measured work)
 #           q15-1k   random Qwen2-1.5B shape (SmolLM2's tokenizer), 16 prompts x 8, 1,024-token responses
