@@ -62,7 +62,7 @@ class HttpEngineClient:
     """Base of the engine clients whose engine answers over HTTP at ``self.url``.
 
     Subclasses set ``engine_id``, ``url`` and ``timeout_s`` (the default limit of a call), and may
-    set ``_http_limits`` (connection-pool limits) before the first call.
+    call ``_keep_open(n)`` before the first call.
     """
 
     engine_id: str
@@ -79,6 +79,13 @@ class HttpEngineClient:
             # the run's engine token on every call (core.engine_auth; none outside a run)
             self._http = httpx.AsyncClient(timeout=self.timeout_s, headers=auth_headers(), **kw)
         return self._http
+
+    def _keep_open(self, max_connections: int) -> None:
+        """Up to ``max_connections`` requests open at once, each connection kept alive for the next (httpx's own
+        pool: 100 open, 20 kept alive; a generation client has a request open per group in flight)."""
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
 
     async def _request(
         self, method: str, path: str, *, timeout_s: float | None = None, check_status: bool = True, **kw

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
 import msgspec
 
 from engines.base import EngineError, HttpServerHandle, PauseMode, check_adapter_versions
@@ -62,7 +61,7 @@ class SGLangHandle(HttpServerHandle):
         self._inflight = 0  # this client's generate calls running (pause(wait) and sleep wait for none)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._keep_open(max_connections)
         self.last_update_steps: dict[str, float] = {}
         self.adapter_prefix = adapter_prefix  # LoRA: version v > 0 is adapter '<prefix>-v<v>' (engines/sglang/lora.py)
         self.adapter_versions = check_adapter_versions(adapter_versions)  # versions whose adapters stay loaded

@@ -43,8 +43,8 @@ class VLLMHandle(HttpServerHandle):
         """``update_pause_mode``: how a weight load pauses the server: ``wait`` lets running
         requests finish under the old weights first (``rollout.weight_update: pause``), ``keep``
         freezes them and lets them continue under the new weights (``inflight``). ``max_connections``:
-        requests this client keeps open at once (one per group in flight; httpx's own default of 100,
-        20 kept alive, would queue the rest in the client and reconnect for most requests)."""
+        requests this client keeps open at once (one per group in flight; with httpx's own pool of 100 the
+        rest waited in the client)."""
         if update_pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"update_pause_mode must be 'keep', 'wait' or 'abort', got {update_pause_mode!r}")
         self.update_pause_mode = update_pause_mode
@@ -60,9 +60,7 @@ class VLLMHandle(HttpServerHandle):
         self.adapter_versions = check_adapter_versions(adapter_versions)  # versions whose adapters stay loaded
         self.prefix_cache_resets_refused = 0  # see reset_prefix_cache
         self._label_api = True  # /update_weight_version exists (vLLM >= 0.32; see label_version)
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
-        self._http_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._keep_open(max_connections)
 
     async def pause(self, mode: str = "keep") -> None:
         if mode not in ("keep", "wait", "abort"):
