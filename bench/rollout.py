@@ -82,10 +82,11 @@ def timed_batches(args) -> list[list[list[int]]]:
     return [bench_prompts(args, rep) for rep in range(args.reps)]
 
 
-def summed(reps: list[dict]) -> dict:
-    """A side's result over its timed batches: tokens and seconds summed (tok/s = all tokens / all seconds),
-    each batch's figures kept under ``reps``."""
-    tokens, seconds = sum(r["tokens"] for r in reps), sum(r["seconds"] for r in reps)
+def summed(batches: list[tuple[int, float]]) -> dict:
+    """A side's result over its timed batches, each ``(tokens, seconds)``: tokens and seconds summed (tok/s = all
+    tokens / all seconds), each batch's figures kept under ``reps``."""
+    reps = [{"tokens": t, "seconds": s, "tok_per_s": t / s} for t, s in batches]
+    tokens, seconds = sum(t for t, _ in batches), sum(s for _, s in batches)
     return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "reps": reps}
 
 
@@ -257,8 +258,7 @@ def vllm_engine_side(args, batches: list[list[list[int]]], params) -> dict:
             )
         if not all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for o in outs for c in o.outputs):
             raise RuntimeError("LLM.generate returned an output without one log-prob per token")
-        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        reps.append({"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt})
+        reps.append((sum(len(c.token_ids) for o in outs for c in o.outputs), dt))
     return {**summed(reps), "startup_s": startup, "engine_kwargs": kw}
 
 
@@ -305,8 +305,7 @@ async def drive_fleet(args, client, batches: list[list[list[int]]], params) -> d
                 raise RuntimeError(f"the fleet returned {len(samples)} samples, expected {len(prompts)} x {params.n}")
             if not all(len(s.logprobs) == len(s.token_ids) for s in samples):
                 raise RuntimeError("the fleet returned a sample without one log-prob per token")
-            tokens = sum(len(s.token_ids) for s in samples)
-            reps.append({"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt})
+            reps.append((sum(len(s.token_ids) for s in samples), dt))
         requeued = fleet.groups_requeued
     finally:
         await fleet.close()

@@ -150,8 +150,7 @@ def engine_side(args, batches: list[list[list[int]]], params) -> dict:
             t0 = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
             dt = time.perf_counter() - t0
-            tokens = count_outputs(outs, len(prompts) * params.n)
-            reps.append({"tokens": tokens, "seconds": dt, "tok_per_s": tokens / dt})
+            reps.append((count_outputs(outs, len(prompts) * params.n), dt))
     finally:
         engine.shutdown()
     return {**summed(reps), "startup_s": startup, "engine_kwargs": engine_kwargs(args, version)}

@@ -85,10 +85,9 @@ def test_the_child_gets_the_resolved_settings_not_the_command_line():
 def test_the_case_holds_both_rates_and_their_ratio():
     a = _args("--engine", "sglang")
     rollout.resolve(a, visible_gpus=1)
-    engine = rollout.summed([{"tokens": 1000, "seconds": 2.0, "tok_per_s": 500.0},
-                             {"tokens": 1000, "seconds": 1.0, "tok_per_s": 1000.0}])  # fmt: skip
-    fleet = rollout.summed([{"tokens": 990, "seconds": 2.2, "tok_per_s": 450.0},
-                            {"tokens": 1000, "seconds": 1.25, "tok_per_s": 800.0}])  # fmt: skip
+    engine = rollout.summed([(1000, 2.0), (1000, 1.0)])
+    fleet = rollout.summed([(990, 2.2), (1000, 1.25)])
+    assert engine["reps"][0] == {"tokens": 1000, "seconds": 2.0, "tok_per_s": 500.0}
     assert engine["tok_per_s"] == pytest.approx(2000 / 3.0, rel=1e-12)  # all tokens over all seconds
     case = rollout.build_case(a, "0.5.16", engine, fleet, "m")
     assert case["engine"] == "sglang 0.5.16"
