@@ -262,7 +262,8 @@ class LearnerRank:
 
     def _log_step(self, step: int, m: dict[str, float]) -> None:
         """One line per step in ``<run_dir>/metrics/learner_steps.jsonl`` (bench/e2e.py reads it): the
-        step's unix time, its training and generation windows, tokens, staleness, mismatch, colocated timings."""
+        step's unix time, its training and generation windows, tokens (sampled, and trained: ``batch_samples_trained``,
+        ``batch_response_tokens``, without the uniform groups the loss drops), staleness, mismatch, colocated timings."""
         keys = (
             "learner/total_step_seconds",
             "learner/pull_seconds",
@@ -274,6 +275,9 @@ class LearnerRank:
             "learner/prompt_tokens",
             "learner/response_tokens",
             "learner/samples",
+            "learner/batch_samples_trained",
+            "learner/batch_response_tokens",
+            "learner/optimizer_steps",
             "learner/staleness_max_versions",
             "learner/staleness_mean_versions",
             "learner/mismatch_kl_k3",

@@ -5,13 +5,19 @@ Reads what the two runs leave behind: verl's console log (one ``step:N - key:val
 ``metrics/learner_steps.jsonl`` (one row a step; colocated mode). The first ``--skip`` steps of each are
 warm-up (compiles, CUDA graphs, allocator growth) and left out. ``ratio`` = fleetrl's median step time / the
 fastest verl attempt's median step time (below 1: fleetrl is faster); ``ratio_sync`` the same against verl's
-fastest synchronous attempt. An attempt in verl's ``colocate_async`` trainer mode generates the next batch while it
+fastest synchronous attempt. ``trained_share`` is the share of its sampled responses fleetrl trained on over the
+measured steps: verl's GRPO trains every response, while fleetrl's learner drops groups whose rewards are all equal
+(``learner.loss.drop_uniform_groups``, on by default), which with a random-weight model is every group, so a
+fleetrl step then does almost no training. ``same_work`` is true when fleetrl trained every response (the bench
+runs it with the drop off unless told otherwise), false when it did not, null for a log without the count.
+An attempt in verl's ``colocate_async`` trainer mode generates the next batch while it
 trains, so its ``timing_s/gen`` is the trainer's wait for a batch begun earlier, not a generation span:
 ``generation_ratio`` compares fleetrl's generation with synchronous verl attempts only.
 
     python bench/peers/compare.py --case smol --fleetrl RUN/fleetrl --verl RUN/verl --json out.json
 
-Writes ``{"case", "device", "date_utc", "ratio", "ratio_sync", "generation_ratio", "fleetrl": {...}, "verl":
+Writes ``{"case", "device", "date_utc", "ratio", "ratio_sync", "generation_ratio", "trained_share", "same_work",
+"fleetrl": {...}, "verl":
 {"best", "best_sync", "attempts": [{"name", "schedule": "sync" | "async", ...}]}}``.
 """
 
@@ -83,6 +89,9 @@ def fleetrl_steps(jsonl: Path) -> list[dict[str, float]]:
             d["train_s"] = r["train_end_unix"] - r["train_start_unix"]
         if "colocate/weight_load_seconds" in r:
             d["weight_update_s"] = r["colocate/weight_load_seconds"]
+        for src, dst in (("samples", "samples"), ("batch_samples_trained", "samples_trained")):
+            if src in r:
+                d[dst] = r[src]
         out.append(d)
     return out
 
@@ -96,6 +105,14 @@ def summarize(steps: list[dict[str, float]], skip: int) -> dict:
         xs = [s[k] for s in kept if k in s]
         out[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
     return out
+
+
+def trained_share(steps: list[dict[str, float]]) -> float | None:
+    """Responses trained / responses sampled over ``steps``; None when a step lacks either count."""
+    if not steps or any("samples" not in s or "samples_trained" not in s for s in steps):
+        return None
+    sampled = sum(s["samples"] for s in steps)
+    return sum(s["samples_trained"] for s in steps) / sampled if sampled else None
 
 
 def _median(summary: dict | None, key: str) -> float | None:
@@ -112,6 +129,8 @@ def build(case: str, fleetrl_dir: Path, verl_dir: Path, skip: int = 1) -> dict:
         "ratio": None,
         "ratio_sync": None,
         "generation_ratio": None,
+        "trained_share": None,
+        "same_work": None,
     }
     meta = fleetrl_dir / "case.json"
     if meta.exists():
@@ -119,7 +138,11 @@ def build(case: str, fleetrl_dir: Path, verl_dir: Path, skip: int = 1) -> dict:
     fl = None
     jsonl = fleetrl_dir / "learner_steps.jsonl"
     if jsonl.exists():
-        fl = summarize(fleetrl_steps(jsonl), skip)
+        steps = fleetrl_steps(jsonl)
+        fl = summarize(steps, skip)
+        share = trained_share(steps[skip:])
+        result["trained_share"] = share
+        result["same_work"] = None if share is None else share == 1.0
         rc = fleetrl_dir / "rc"
         fl["rc"] = int(rc.read_text()) if rc.exists() else None
     result["fleetrl"] = fl if fl is not None else {"error": f"no {jsonl} (fleetrl not run or did not train)"}
@@ -169,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     a.json.write_text(json.dumps(r, indent=1))
     print(
         json.dumps(
-            {k: r.get(k) for k in ("case", "ratio", "ratio_sync", "generation_ratio")}
+            {k: r.get(k) for k in ("case", "ratio", "ratio_sync", "generation_ratio", "trained_share", "same_work")}
             | {"verl_best": r["verl"]["best"]}
         )
     )

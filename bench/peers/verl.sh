@@ -15,7 +15,11 @@
 #           q15-4k   the same, 8 prompts x 8, 4,096-token responses
 #           q3b-1k   random Qwen2.5-3B shape, 16 prompts x 8, 1,024 tokens (a candidate for the largest shape
 #                    that fits one GPU for both; verl with gradient checkpointing)
-#   SYSTEM  fleetrl  launch/cluster.py --gpus 1 (colocated, recipe smollm2-gpu, every learner "auto" as shipped)
+#   SYSTEM  fleetrl  launch/cluster.py --gpus 1 (colocated, recipe smollm2-gpu, every learner "auto" as shipped),
+#                    training every group as verl does: learner.loss.drop_uniform_groups=false, unless
+#                    FLEETRL_DROP_UNIFORM=true (fleetrl's default, which leaves out groups whose rewards are all
+#                    equal: with a random-weight model that is every group, and the step then trains almost
+#                    nothing; the q15-1k figure of 2026-12-07 was measured so, see bench/results/peers/README.md)
 #           verl     verl's GRPO trainer, its best settings that run here first (VERL_ATTEMPTS, below); an
 #                    attempt that fails before two steps is recorded with its error and the next is tried
 #           compare  bench/peers/compare.py over both -> $OUT/peers_CASE.json (top-level "ratio" = fleetrl step /
@@ -73,11 +77,13 @@ if [ -n "$SHAPE" ]; then
 fi
 [ -f "$MODEL/config.json" ] || { echo "no model at $MODEL (bench/gpu_calls.sh ... smollm2)" >&2; exit 2; }
 MAXLEN=$((512 + RESP))
-$PY - "$WORK/case.json" "$CASE" "$MODEL" "$PROMPTS" "$RESP" "$STEPS" <<'EOF'
+case "${FLEETRL_DROP_UNIFORM:-false}" in true | false) ;; *) echo "FLEETRL_DROP_UNIFORM: true or false" >&2; exit 2 ;; esac
+$PY - "$WORK/case.json" "$CASE" "$MODEL" "$PROMPTS" "$RESP" "$STEPS" "${FLEETRL_DROP_UNIFORM:-false}" <<'EOF'
 import json, subprocess, sys
-out, case, model, prompts, resp, steps = sys.argv[1:]
+out, case, model, prompts, resp, steps, drop = sys.argv[1:]
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout
-json.dump({"case": case, "model": model, "prompts_per_step": int(prompts), "n": 8, "response_tokens": int(resp),
+json.dump({"case": case, "model": model, "fleetrl_drop_uniform_groups": drop == "true",
+           "prompts_per_step": int(prompts), "n": 8, "response_tokens": int(resp),
            "steps": int(steps), "device": gpu.strip().splitlines()[0] if gpu.strip() else None,
            "work": "word problems (data/word_problems), GRPO, lr 5e-6, one optimizer step per batch, no KL, T=1.0"},
           open(out, "w"), indent=1)
@@ -110,7 +116,8 @@ run_fleetrl() {
                --run-dir "$d/run" --summary "$d/summary.json" "model.path=$MODEL" rollout.enforce_eager=false
                colocate.sleep=level1 run.eval_every=0 run.eval_samples=0 "broker.groups_per_step=$PROMPTS"
                "rollout.sampling.max_tokens=$RESP" "rollout.max_model_len=$MAXLEN"
-               learner.micro_batch_tokens=auto learner.activation_checkpointing=auto)
+               learner.micro_batch_tokens=auto learner.activation_checkpointing=auto
+               "learner.loss.drop_uniform_groups=${FLEETRL_DROP_UNIFORM:-false}")
     echo "${cmd[*]}" > "$d/command.txt"
     # the steps so far, while it runs: a call the device tool stops at its limit still returns them
     mirror_start "$OUT/fleetrl_${CASE}_live" "$d/run/metrics/learner_steps.jsonl" "$d/command.txt"

@@ -337,6 +337,9 @@ def test_colocated_run_is_synchronous(run_b):
     rows = _steps(run_b)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["staleness_max_versions"] == 0 for r in rows)
+    # the trained count beside the sampled one (bench/peers/compare.py's same_work): the default drops uniform groups
+    assert all(0 <= r["batch_samples_trained"] <= r["samples"] == GROUPS * 8 for r in rows)
+    assert any(r["batch_samples_trained"] > 0 for r in rows)
     assert not _overlaps(rows), f"samples generated while the learner trained, steps {_overlaps(rows)}"
     c = s["colocated"]
     assert c["steps_released"] == STEPS and c["groups_inflight_at_release"] == 0

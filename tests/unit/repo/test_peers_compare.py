@@ -99,3 +99,41 @@ def test_an_async_verl_attempt_is_not_a_generation_baseline(tmp_path):
     assert (r["verl"]["best"], r["verl"]["best_sync"]) == ("colocate_async", "best")
     assert abs(r["ratio"] - 5.0 / 8.0) < 1e-9 and abs(r["ratio_sync"] - 5.0 / 20.0) < 1e-9
     assert abs(r["generation_ratio"] - 4.0 / 5.0) < 1e-9  # against the synchronous attempt's 5 s, not 0.5 s
+
+
+def _fleet_rows(trained: list[float], sampled: float = 128.0) -> list[dict]:
+    return [
+        {
+            "step": i,
+            "t_unix": 1000.0 + 6.0 * i,
+            "t0_unix": 1000.0,
+            "pull_seconds": 5.0,
+            "samples": sampled,
+            "batch_samples_trained": k,
+        }
+        for i, k in enumerate(trained, start=1)
+    ]
+
+
+def test_trained_share_says_whether_fleetrl_did_verls_work(tmp_path):
+    """A random-weight model's rewards are all equal in almost every group; fleetrl's default drops those groups,
+    so its step trains a few samples where verl trains all. The record must say so (measured steps only)."""
+    vd = tmp_path / "verl"
+    for name, trained, share in (("dropped", [8.0, 0.0, 8.0, 8.0], 16.0 / 384.0), ("all", [0.0, 128.0, 128.0], 1.0)):
+        fl = tmp_path / name
+        fl.mkdir()
+        (fl / "learner_steps.jsonl").write_text("\n".join(json.dumps(r) for r in _fleet_rows(trained)) + "\n")
+        r = build("q15-1k", fl, vd, skip=1)  # the warm-up step is left out of the share too
+        assert abs(r["trained_share"] - share) < 1e-12
+        assert r["same_work"] is (share == 1.0)
+        assert r["fleetrl"]["samples_trained"]["min"] == min(trained[1:])
+
+
+def test_a_step_log_without_the_trained_count_leaves_same_work_unknown(tmp_path):
+    fl = tmp_path / "fleetrl"
+    fl.mkdir()
+    rows = _fleet_rows([128.0, 128.0])
+    del rows[1]["batch_samples_trained"]  # a log written before the learner recorded it
+    (fl / "learner_steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = build("q15-1k", fl, tmp_path / "verl", skip=0)
+    assert r["trained_share"] is None and r["same_work"] is None
