@@ -197,6 +197,13 @@ def _schedule(ctx: Ctx, out: Mapping) -> None:
     )
     overrides, why = correction(ctx)
     add("algorithm.rollout_correction", overrides, why)
+    add(
+        "groups whose rewards are all equal",
+        ["learner.loss.drop_uniform_groups=false"],
+        "verl trains them, advantage 0, their tokens counted in the loss's mean; fleetrl's own default leaves them "
+        "out, which saves their compute and scales the gradient up by their share: add "
+        "learner.loss.drop_uniform_groups=true after the verl keys for it",
+    )
     if ctx.entry == FULLY_ASYNC:
         add("async_training", *async_schedule(ctx))
     warm = num(ctx, ARR + "actor.optim.lr_warmup_steps", int)

@@ -110,6 +110,27 @@ def test_rollout_correction_keys_resolve_to_a_learner_config(tmp_path):
     assert (veto.level, veto.upper) == ("seq_min", None) and veto.lower == pytest.approx(math.log(1e-4))
 
 
+@pytest.mark.parametrize("after", [[], ["learner.loss.drop_uniform_groups=true"]])
+def test_a_verl_run_trains_the_groups_verl_trains(tmp_path, after):
+    """verl's GRPO puts every group in the loss's mean, uniform ones (advantage 0) too; fleetrl's own default drops
+    them, which scales the gradient. A verl command keeps verl's scaling, says so, and a fleetrl key after it wins."""
+    text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")})
+    m = translate(text)
+    assert "learner.loss.drop_uniform_groups=false" in m.overrides
+    assert any("all equal" in label and "drop_uniform_groups=true" in why for label, why in m.schedule)
+    args = argparse.Namespace(
+        overrides=after,
+        recipe=None,
+        verl=text,
+        rollout_gpus=1,
+        learner_gpus=1,
+        simulate=False,
+        max_steps=None,
+        run_dir=str(tmp_path),
+    )
+    assert resolve_config(args).learner.loss.drop_uniform_groups is bool(after)
+
+
 # entropy_coeff, data.truncation, use_kl_in_reward and the other estimators map now (test_verl_scripts.py)
 @pytest.mark.parametrize(
     ("arg", "needle"),
