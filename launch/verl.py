@@ -48,6 +48,7 @@ from launch.verl_rules import (
     num,
     placement_advice,
 )
+from learner.config import GROUP_BASELINE_ADVANTAGES
 
 __all__ = ["CAPABILITIES", "RULES", "Mapping", "Refused", "describe", "parse", "split_command", "translate"]
 
@@ -197,13 +198,7 @@ def _schedule(ctx: Ctx, out: Mapping) -> None:
     )
     overrides, why = correction(ctx)
     add("algorithm.rollout_correction", overrides, why)
-    add(
-        "groups whose rewards are all equal",
-        ["learner.loss.drop_uniform_groups=false"],
-        "verl trains them, advantage 0, their tokens counted in the loss's mean; fleetrl's own default leaves them "
-        "out, which saves their compute and scales the gradient up by their share: add "
-        "learner.loss.drop_uniform_groups=true after the verl keys for it",
-    )
+    add("groups whose rewards are all equal", *uniform_groups(out.overrides))
     if ctx.entry == FULLY_ASYNC:
         add("async_training", *async_schedule(ctx))
     warm = num(ctx, ARR + "actor.optim.lr_warmup_steps", int)
@@ -234,6 +229,34 @@ def _schedule(ctx: Ctx, out: Mapping) -> None:
 def _max_steps(out: Mapping) -> int | None:
     steps = [o.split("=", 1)[1] for o in out.overrides if o.startswith("run.max_steps=")]
     return int(steps[-1]) if steps else None
+
+
+def uniform_groups(overrides: list[str]) -> tuple[list[str], str]:
+    """verl trains a group whose rewards are all equal (advantage 0) and counts its tokens in the loss's mean.
+    Where those tokens' loss is exactly zero, fleetrl skips their compute and keeps them in the mean (the same
+    gradient, learner.loss.uniform_groups_in_mean); elsewhere it trains them. Decided on the translated settings
+    (the last override of a key wins, unset keys keep fleetrl's defaults)."""
+    last = dict(o.split("=", 1) for o in overrides if "=" in o)
+    blockers = []
+    if (adv := last.get("learner.loss.advantage", "mean_std")) not in GROUP_BASELINE_ADVANTAGES:
+        blockers.append(f"advantage {adv}")
+    for key in ("learner.loss.entropy_coeff", "learner.loss.kl_coef"):
+        if float(yaml.safe_load(last.get(key, "0")) or 0) > 0:
+            blockers.append(key.rsplit(".", 1)[1])
+    for key in ("learner.kl_reward.enable", "learner.rollout_correction.enable"):
+        if yaml.safe_load(last.get(key, "false")) is True:
+            blockers.append(key.rsplit(".", 2)[1])
+    if not blockers:
+        return (
+            ["learner.loss.drop_uniform_groups=true", "learner.loss.uniform_groups_in_mean=true"],
+            "verl trains them at advantage 0 and counts their tokens in the loss's mean; fleetrl skips their "
+            "compute and keeps them in the mean: the same gradient",
+        )
+    return (
+        ["learner.loss.drop_uniform_groups=false"],
+        f"trained as verl does: with {', '.join(blockers)} their loss is not zero (or their mean is measured), "
+        "so skipping them would change the gradient",
+    )
 
 
 def _differences(ctx: Ctx) -> list[str]:

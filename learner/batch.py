@@ -26,7 +26,7 @@ import pyarrow as pa
 import torch
 
 from broker.schema import loss_mask_of, token_versions, validate_batch
-from learner.losses import aggregation_scale, aggregation_weights, group_advantages
+from learner.losses import aggregation_scale, aggregation_weights, group_advantages, mean_share
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ def plan_step(
     learner_version: int | None = None,
     mask_truncated: bool = False,
     loss_scale_factor: int | None = None,
+    uniform_in_mean: bool = False,
 ) -> StepPlan:
     """Advantages, the rank split and this rank's micro-batches for one optimizer step.
 
@@ -203,6 +204,9 @@ def plan_step(
     ``mask_truncated``: responses cut at the length limit (finish reason ``length``) still
     count in their group's advantage baseline but are not trained on. ``loss_scale_factor``: the
     constant length of ``aggregation='seq_mean_token_sum_norm'`` (learner.losses.aggregation_scale).
+    ``uniform_in_mean`` (with ``drop_uniform``): the dropped groups' rows are not trained, yet count in the
+    loss's mean (``loss_scale`` times :func:`learner.losses.mean_share`): the gradient of training them at
+    advantage 0. Only exact where their token loss is zero (the config checks: learner/config.py).
     """
     validate_batch(batch)
     if batch.num_rows == 0:
@@ -223,13 +227,19 @@ def plan_step(
     t_len = _trained_lengths(batch)  # masked-out tokens (observations) are fed but not trained on
     keep_np = keep.numpy() & (t_len > 0)
     truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
+    in_mean = t_len > 0  # the rows the loss's mean counts with uniform_in_mean: kept or not
     if mask_truncated:
         keep_np &= ~truncated
+        in_mean &= ~truncated
     if select is not None:
         keep_np = keep_np & select
+        in_mean &= select
     rows = [int(i) for i in np.flatnonzero(keep_np)]
     total_tokens = int(t_len[rows].sum())
     loss_scale = aggregation_scale(aggregation, total_tokens, len(rows), loss_scale_factor)
+    if uniform_in_mean and rows:
+        mean_rows = np.flatnonzero(in_mean)
+        loss_scale *= mean_share(aggregation, total_tokens, len(rows), int(t_len[mean_rows].sum()), len(mean_rows))
     stats = {
         "samples": float(batch.num_rows),
         "samples_trained": float(len(rows)),

@@ -28,6 +28,10 @@ def resolve_kl_estimator(name: str) -> str:
         raise ValueError(f"kl_estimator must be one of {sorted(KL_ALIASES)}, got {name!r}") from None
 
 
+# advantage estimators whose uniform groups get an advantage of exactly 0 (a group baseline, nothing batch-wide)
+GROUP_BASELINE_ADVANTAGES = ("mean", "mean_std", "rloo", "gpg")
+
+
 class OptimConfig(ConfigModel):
     lr: float = Field(1e-5, gt=0, le=1.0, description="peak learning rate of AdamW")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
@@ -58,6 +62,13 @@ class LossConfig(ConfigModel):
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per trained token (verl algorithm.gamma)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl algorithm.lam)")
     drop_uniform_groups: bool = Field(True, description="drop groups whose rewards are all equal (zero advantage)")
+    uniform_groups_in_mean: bool = Field(
+        False,
+        description="with drop_uniform_groups: the dropped groups' tokens and sequences still count in the loss's "
+        "mean, as if trained at advantage 0, so the gradient is the one of training them (verl's without "
+        "DAPO's filter) at none of their compute; group-baseline advantages only, no entropy or KL term, no "
+        "rollout_correction (learner/batch.py)",
+    )
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below: the ratio is held at >= 1 - clip_low")
     clip_high: float = Field(0.28, gt=0, description="PPO clip above (DAPO's clip-higher): ratio <= 1 + clip_high")
     clip_ratio_c: float = Field(
@@ -516,6 +527,32 @@ class LearnerConfig(ConfigModel):
                 f"(ratio = 1 at every optimizer step), yet ppo_mini_batch_size={self.ppo_mini_batch_size} "
                 f"/ ppo_epochs={self.ppo_epochs} ask for several optimizer steps per batch: set "
                 "recompute_proximal=true (or use correction=decoupled), or make one optimizer step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _uniform_in_mean(self) -> LearnerConfig:
+        """Counting a skipped group in the mean gives training's gradient only where its tokens' loss is exactly
+        zero: advantage 0 (a group baseline, not whitened over the batch), and no other term in the loss."""
+        lo = self.loss
+        if not lo.uniform_groups_in_mean:
+            return self
+        why = []
+        if not lo.drop_uniform_groups:
+            why.append("drop_uniform_groups is false (nothing is skipped)")
+        if lo.advantage not in GROUP_BASELINE_ADVANTAGES:
+            why.append(f"advantage {lo.advantage!r} gives a uniform group's tokens a non-zero advantage or none")
+        if lo.entropy_coeff > 0 or lo.kl_coef > 0:
+            why.append("an entropy or KL term in the loss has a gradient on a uniform group's tokens")
+        if self.kl_reward.enable:
+            why.append("KL in the reward makes a uniform group's token rewards differ")
+        if self.rollout_correction.enable:
+            why.append("rollout_correction's rejection and batch normalisation count the tokens they see")
+        if why:
+            raise ValueError(
+                "learner.loss.uniform_groups_in_mean=true would not give the gradient of training those groups: "
+                + "; ".join(why)
+                + ". Set uniform_groups_in_mean=false, and drop_uniform_groups=false to train them"
             )
         return self
 

@@ -313,6 +313,7 @@ class Learner:
             learner_version=self.version,
             mask_truncated=self.cfg.loss.mask_truncated,
             loss_scale_factor=self.cfg.loss.loss_scale_factor,
+            uniform_in_mean=self.cfg.loss.uniform_groups_in_mean,
         )
         t1 = time.perf_counter()
         for plan in plans:  # every proximal log-prob before the first optimizer step: the trust region's anchor

@@ -131,6 +131,29 @@ def aggregation_scale(mode: str, total_tokens: int, total_seqs: int, loss_scale_
     raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
 
 
+def mean_share(mode: str, kept_tokens: int, kept_seqs: int, all_tokens: int, all_seqs: int) -> float:
+    """The factor on an optimizer step's loss that puts samples it skipped back into the loss's mean.
+
+    A skipped sample whose every token loss is zero (a uniform group's, at advantage 0) adds nothing to
+    the sums, only to the denominators: ``token`` divides by all tokens (``kept_tokens / all_tokens`` of
+    the kept mean), ``sequence`` and the ``seq_mean_*`` modes by all sequences (``kept_seqs / all_seqs``),
+    ``token_sum`` by nothing (1). With this factor on :func:`aggregation_scale`'s, the step's gradient
+    equals the one of training the skipped samples too.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {mode!r}")
+    if not (0 <= kept_tokens <= all_tokens and 0 <= kept_seqs <= all_seqs):
+        raise ValueError(
+            f"kept counts ({kept_tokens} tokens, {kept_seqs} sequences) must lie within all "
+            f"({all_tokens} tokens, {all_seqs} sequences)"
+        )
+    if mode == "token":
+        return kept_tokens / all_tokens if all_tokens else 1.0
+    if mode == "token_sum":
+        return 1.0
+    return kept_seqs / all_seqs if all_seqs else 1.0
+
+
 CORRECTIONS = ("none", "tis", "decoupled", "bypass")
 
 

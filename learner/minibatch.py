@@ -67,11 +67,16 @@ def plan_mini_batches(
     learner_version: int | None = None,
     mask_truncated: bool = False,
     loss_scale_factor: int | None = None,
+    uniform_in_mean: bool = False,
 ) -> tuple[list[StepPlan], dict[str, float]]:
-    """One :class:`StepPlan` per mini-batch and the whole step batch's stats."""
+    """One :class:`StepPlan` per mini-batch and the whole step batch's stats.
+
+    With ``uniform_in_mean`` the mini-batches are cut from every group, uniform ones included, as if they were
+    trained (each mini-batch's mean counts its own). A mini-batch of uniform groups alone is left out: it has
+    nothing to compute, and verl's AdamW step on its zero gradient (momentum and decay) is the one difference."""
     # the same rows plan_step trains on: a group whose every response was cut (mask_truncated) must not make a
     # mini-batch of its own, which would be an empty optimizer step averaged into the step's metrics
-    trainable = trainable_rows(batch, advantage, drop_uniform, mask_truncated)
+    trainable = trainable_rows(batch, advantage, drop_uniform and not uniform_in_mean, mask_truncated)
     kw = dict(
         rank=rank,
         world_size=world_size,
@@ -82,12 +87,15 @@ def plan_mini_batches(
         learner_version=learner_version,
         mask_truncated=mask_truncated,
         loss_scale_factor=loss_scale_factor,
+        uniform_in_mean=uniform_in_mean,
     )
     masks = group_split(batch, trainable, groups_per_mini)
     if len(masks) == 1:
         plans = [plan_step(batch, **kw)]  # exactly today's single optimizer step
     else:
         plans = [plan_step(batch, select=m, **kw) for m in masks]
+        if uniform_in_mean:  # the same on every rank: samples_trained counts the whole step batch's rows
+            plans = [p for p in plans if p.stats["samples_trained"] > 0] or plans[:1]
     stats = dict(plans[0].stats)
     for name in ("samples_trained", "response_tokens", "micro_batches"):
         stats[name] = float(sum(p.stats[name] for p in plans))

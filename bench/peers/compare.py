@@ -8,8 +8,9 @@ fastest verl attempt's median step time (below 1: fleetrl is faster); ``ratio_sy
 fastest synchronous attempt. ``trained_share`` is the share of its sampled responses fleetrl trained on over the
 measured steps: verl's GRPO trains every response, while fleetrl's learner drops groups whose rewards are all equal
 (``learner.loss.drop_uniform_groups``, on by default), which with a random-weight model is every group, so a
-fleetrl step then does almost no training. ``same_work`` is true when fleetrl trained every response (the bench
-runs it with the drop off unless told otherwise), false when it did not, null for a log without the count.
+fleetrl step then does almost no training. ``same_work`` is true when fleetrl trained every response
+(bench/peers/verl.sh's ``FLEETRL_UNIFORM=train``, its default), false when it did not (``skip``: verl's gradient
+without the uniform groups' compute; ``drop``), null for a log without the count.
 An attempt in verl's ``colocate_async`` trainer mode generates the next batch while it
 trains, so its ``timing_s/gen`` is the trainer's wait for a batch begun earlier, not a generation span:
 ``generation_ratio`` compares fleetrl's generation with synchronous verl attempts only.

@@ -16,10 +16,12 @@
 #           q3b-1k   random Qwen2.5-3B shape, 16 prompts x 8, 1,024 tokens (a candidate for the largest shape
 #                    that fits one GPU for both; verl with gradient checkpointing)
 #   SYSTEM  fleetrl  launch/cluster.py --gpus 1 (colocated, recipe smollm2-gpu, every learner "auto" as shipped),
-#                    training every group as verl does: learner.loss.drop_uniform_groups=false, unless
-#                    FLEETRL_DROP_UNIFORM=true (fleetrl's default, which leaves out groups whose rewards are all
-#                    equal: with a random-weight model that is every group, and the step then trains almost
-#                    nothing; the q15-1k figure of 2026-12-07 was measured so, see bench/results/peers/README.md)
+#                    and FLEETRL_UNIFORM for the groups whose rewards are all equal (with a random-weight model
+#                    nearly every group; the q15-1k figure of 2026-12-07 dropped them, bench/results/peers/README.md):
+#                      train (default)  trained as verl trains them: the same compute as verl's
+#                      skip             not computed, counted in the loss's mean: verl's gradient, what a verl
+#                                       command runs (learner.loss.uniform_groups_in_mean, docs/verl.md)
+#                      drop             not computed, not counted: fleetrl's own default
 #           verl     verl's GRPO trainer, its best settings that run here first (VERL_ATTEMPTS, below); an
 #                    attempt that fails before two steps is recorded with its error and the next is tried
 #           compare  bench/peers/compare.py over both -> $OUT/peers_CASE.json (top-level "ratio" = fleetrl step /
@@ -77,12 +79,13 @@ if [ -n "$SHAPE" ]; then
 fi
 [ -f "$MODEL/config.json" ] || { echo "no model at $MODEL (bench/gpu_calls.sh ... smollm2)" >&2; exit 2; }
 MAXLEN=$((512 + RESP))
-case "${FLEETRL_DROP_UNIFORM:-false}" in true | false) ;; *) echo "FLEETRL_DROP_UNIFORM: true or false" >&2; exit 2 ;; esac
-$PY - "$WORK/case.json" "$CASE" "$MODEL" "$PROMPTS" "$RESP" "$STEPS" "${FLEETRL_DROP_UNIFORM:-false}" <<'EOF'
+UNIFORM=${FLEETRL_UNIFORM:-train}
+case "$UNIFORM" in train | skip | drop) ;; *) echo "FLEETRL_UNIFORM: train, skip or drop, got $UNIFORM" >&2; exit 2 ;; esac
+$PY - "$WORK/case.json" "$CASE" "$MODEL" "$PROMPTS" "$RESP" "$STEPS" "$UNIFORM" <<'EOF'
 import json, subprocess, sys
-out, case, model, prompts, resp, steps, drop = sys.argv[1:]
+out, case, model, prompts, resp, steps, uniform = sys.argv[1:]
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout
-json.dump({"case": case, "model": model, "fleetrl_drop_uniform_groups": drop == "true",
+json.dump({"case": case, "model": model, "fleetrl_uniform_groups": uniform,
            "prompts_per_step": int(prompts), "n": 8, "response_tokens": int(resp),
            "steps": int(steps), "device": gpu.strip().splitlines()[0] if gpu.strip() else None,
            "work": "word problems (data/word_problems), GRPO, lr 5e-6, one optimizer step per batch, no KL, T=1.0"},
@@ -116,8 +119,12 @@ run_fleetrl() {
                --run-dir "$d/run" --summary "$d/summary.json" "model.path=$MODEL" rollout.enforce_eager=false
                colocate.sleep=level1 run.eval_every=0 run.eval_samples=0 "broker.groups_per_step=$PROMPTS"
                "rollout.sampling.max_tokens=$RESP" "rollout.max_model_len=$MAXLEN"
-               learner.micro_batch_tokens=auto learner.activation_checkpointing=auto
-               "learner.loss.drop_uniform_groups=${FLEETRL_DROP_UNIFORM:-false}")
+               learner.micro_batch_tokens=auto learner.activation_checkpointing=auto)
+    case "$UNIFORM" in
+        train) cmd+=(learner.loss.drop_uniform_groups=false) ;;
+        skip) cmd+=(learner.loss.drop_uniform_groups=true learner.loss.uniform_groups_in_mean=true) ;;
+        drop) cmd+=(learner.loss.drop_uniform_groups=true learner.loss.uniform_groups_in_mean=false) ;;
+    esac
     echo "${cmd[*]}" > "$d/command.txt"
     # the steps so far, while it runs: a call the device tool stops at its limit still returns them
     mirror_start "$OUT/fleetrl_${CASE}_live" "$d/run/metrics/learner_steps.jsonl" "$d/command.txt"

@@ -110,16 +110,30 @@ def test_rollout_correction_keys_resolve_to_a_learner_config(tmp_path):
     assert (veto.level, veto.upper) == ("seq_min", None) and veto.lower == pytest.approx(math.log(1e-4))
 
 
-@pytest.mark.parametrize("after", [[], ["learner.loss.drop_uniform_groups=true"]])
-def test_a_verl_run_trains_the_groups_verl_trains(tmp_path, after):
-    """verl's GRPO puts every group in the loss's mean, uniform ones (advantage 0) too; fleetrl's own default drops
-    them, which scales the gradient. A verl command keeps verl's scaling, says so, and a fleetrl key after it wins."""
-    text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")})
+@pytest.mark.parametrize(
+    "swap, skipped",
+    [
+        ({}, False),  # the seed's KL loss has a gradient on a uniform group's tokens: they are trained
+        ({"use_kl_loss=True": "use_kl_loss=False"}, True),  # zero loss on them: skipped, counted in the mean
+        ({"use_kl_loss=True": "use_kl_loss=False", "entropy_coeff=0": "entropy_coeff=0.001"}, False),
+        (
+            {
+                "use_kl_loss=True": "use_kl_loss=False",
+                "adv_estimator=grpo": "adv_estimator=reinforce_plus_plus_baseline",
+            },
+            False,
+        ),
+    ],
+)
+def test_a_verl_run_gets_the_gradient_verl_takes_from_uniform_groups(tmp_path, swap, skipped):
+    """verl's GRPO puts every group in the loss's mean, uniform ones (advantage 0) too. fleetrl skips their compute
+    and keeps them in the mean where their loss is exactly zero (the same gradient), trains them elsewhere; the
+    mapping says which and why, and the launcher's config accepts it."""
+    text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder"), **swap})
     m = translate(text)
-    assert "learner.loss.drop_uniform_groups=false" in m.overrides
-    assert any("all equal" in label and "drop_uniform_groups=true" in why for label, why in m.schedule)
+    (why,) = [w for label, w in m.schedule if "all equal" in label]
     args = argparse.Namespace(
-        overrides=after,
+        overrides=[],
         recipe=None,
         verl=text,
         rollout_gpus=1,
@@ -128,7 +142,9 @@ def test_a_verl_run_trains_the_groups_verl_trains(tmp_path, after):
         max_steps=None,
         run_dir=str(tmp_path),
     )
-    assert resolve_config(args).learner.loss.drop_uniform_groups is bool(after)
+    loss = resolve_config(args).learner.loss
+    assert (loss.drop_uniform_groups, loss.uniform_groups_in_mean) == ((True, True) if skipped else (False, False))
+    assert ("the same gradient" in why) is skipped and ("would change the gradient" in why) is (not skipped)
 
 
 # entropy_coeff, data.truncation, use_kl_in_reward and the other estimators map now (test_verl_scripts.py)
