@@ -7,6 +7,7 @@ is what lets these run in seconds.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -174,6 +175,10 @@ def test_weight_update_choreography_segments(mode):
         assert multi and all(s.segment_versions == [0, 1] and 0 < s.segment_starts[1] < len(s.token_ids) for s in multi)
 
 
+def _inflight(status: dict, engine_id: str) -> int:
+    return sum(s["inflight_groups"] for s in status["servers"] if s["engine_id"] == engine_id)
+
+
 def test_fleet_with_real_broker_kill_and_scale(tmp_path):
     """FleetRunner (controller + worker) against the real broker process: a consumer takes 30 steps
     while a server dies and the fleet is scaled; every consumed group is unique and none is lost."""
@@ -200,7 +205,7 @@ def test_fleet_with_real_broker_kill_and_scale(tmp_path):
         runner = FleetRunner(cfg.model_dump(mode="json"), address)
         await runner.start(3)
         cons = ConsumerClient(address, consumer_id="test")
-        seen, steps = [], 30
+        seen, steps, killed = [], 30, False
         for step in range(1, steps + 1):
             lease = None
             while lease is None:
@@ -210,8 +215,15 @@ def test_fleet_with_real_broker_kill_and_scale(tmp_path):
             await runner.update_weights(step)  # the simulated publish, then the version, then the ack
             await cons.report_version(step)
             await cons.ack(lease.lease_id)
-            if step == 5:
-                await runner.kill_server("sim-1")
+            if 5 <= step <= 9 and not killed:
+                # kill it holding work, so the re-queue is exercised: at one instant it may hold none (seen on a
+                # busy 2-core box: "0 groups in flight are re-queued"), so watch it a while, over a few steps
+                deadline = time.monotonic() + 2.0
+                while not _inflight(runner.status_now(), "sim-1") and time.monotonic() < deadline:
+                    await asyncio.sleep(0.002)
+                if _inflight(runner.status_now(), "sim-1") or step == 9:
+                    await runner.kill_server("sim-1")
+                    killed = True
             if step == 10:
                 await runner.scale_to(5)
             if step == 20:
