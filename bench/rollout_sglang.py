@@ -1,14 +1,17 @@
 """The SGLang case of bench/rollout.py: SGLang's own offline engine against fleetrl's SGLang server and client.
 
-* engine: ``sglang.Engine(**server_args).generate(input_ids=[...], sampling_params={..., "n": n},
-  return_logprob=True)``: every timed prompt in one call, ``n`` samples each, the sampled token's
-  log-prob per generated token (``meta_info.output_token_logprobs``), token ids in and out
-  (``skip_tokenizer_init``);
+* engine: ``sglang.Engine(**server_args).generate(input_ids=[...], sampling_params={...},
+  return_logprob=True)``: every timed prompt in one call, each repeated ``n`` times (SGLang's own ``n`` on a
+  large batch first prefills every prompt alone, one at a time, for its prefix cache: its tokenizer manager warns
+  that a batch with ``n`` > 1 is slow and advises repeating the prompts), the sampled token's log-prob per
+  generated token (``meta_info.output_token_logprobs``), token ids in and out (``skip_tokenizer_init``);
 * fleet: :class:`engines.sglang.server.SGLangServer` started as :class:`engines.sglang.factory.SGLangFactory`
   starts a fleet slot (no radix cache, ``--context-length``, NCCL environment, ``OMP_NUM_THREADS=1``, the
   0.5.16 compatibility flags of :func:`engines.sglang.server.compat_args`), and the fleet's client of it
   (:class:`~engines.sglang.factory.FleetSGLangClient`) behind ``FleetController.run_group`` (driven by
-  bench/rollout.py, as for vLLM): one ``/generate`` per group with ``input_ids``, ``n`` and ``return_logprob``.
+  bench/rollout.py, as for vLLM): one ``/generate`` per group with its prompt ``n`` times and ``return_logprob``
+  (without the radix cache the client repeats the prompt rather than ask for SGLang's ``n``:
+  engines/sglang/generation.py).
 
 Both sides get the same server arguments (model, dtype, ``mem_fraction_static`` = ``--gpu-memory-utilization``,
 ``max_running_requests`` = ``--max-num-seqs``, ``context_length``, seed, radix cache, compatibility flags) and
@@ -108,13 +111,19 @@ def engine_kwargs(args, version) -> dict[str, Any]:
 
 
 def sampling_dict(params) -> dict[str, Any]:
-    """The ``sampling_params`` the fleet's SGLang client sends for ``params`` (no seed: one request per group)."""
+    """The ``sampling_params`` of each sample the fleet's SGLang client sends for ``params`` (no seed: one request
+    per group; no ``n``: the prompt is repeated)."""
     sp: dict[str, Any] = {"max_new_tokens": params.max_tokens, **params.processing(), "ignore_eos": params.ignore_eos}
     if params.stop_token_ids:
         sp["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         raise ValueError("the rollout bench samples without a seed (a seed makes the client split each group)")
-    return dict(sp, n=params.n)
+    return sp
+
+
+def repeated(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt ``n`` times in a row: a group's samples, as the fleet's client sends them."""
+    return [p for p in prompts for _ in range(n)]
 
 
 def count_outputs(outs: list[dict], expected: int) -> int:
@@ -144,11 +153,11 @@ def engine_side(args, batches: list[list[list[int]]], params) -> dict:
     startup = time.perf_counter() - t0
     reps = []
     try:
-        warm = batches[0][: args.warmup]
-        count_outputs(engine.generate(input_ids=warm, sampling_params=sp, return_logprob=True), len(warm) * params.n)
+        warm = repeated(batches[0][: args.warmup], params.n)
+        count_outputs(engine.generate(input_ids=warm, sampling_params=sp, return_logprob=True), len(warm))
         for prompts in batches:
             t0 = time.perf_counter()
-            outs = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+            outs = engine.generate(input_ids=repeated(prompts, params.n), sampling_params=sp, return_logprob=True)
             dt = time.perf_counter() - t0
             reps.append((count_outputs(outs, len(prompts) * params.n), dt))
     finally:

@@ -48,12 +48,16 @@ class SGLangGenerationClient(SGLangHandle, EngineClient):
         }
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
-        if params.seed is not None and params.n > 1:
-            # one seed for n parallel samples would make them identical: give each its own
+        if params.n > 1 and (params.seed is not None or not self.radix_cache):
+            # n copies of the prompt, one sampling dict each. With a seed: one seed for n parallel samples would
+            # make them identical, so each gets its own. Without the radix cache: SGLang's own n first prefills the
+            # prompt alone to cache it for the n samples (its tokenizer manager's prefix step), a prefill that is
+            # then thrown away and a round trip the group waits for
+            seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
             body = {
                 "input_ids": [list(prompt_ids)] * params.n,
                 "return_logprob": True,
-                "sampling_params": [dict(sp, sampling_seed=params.seed + i) for i in range(params.n)],
+                "sampling_params": [sp if s is None else dict(sp, sampling_seed=s) for s in seeds],
             }
         else:
             if params.seed is not None:

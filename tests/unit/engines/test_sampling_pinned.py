@@ -131,6 +131,34 @@ def test_both_clients_send_ignore_eos_and_the_limit(recorder):
     asyncio.run(run(client, SamplingParams(n=2, max_tokens=9, seed=3, ignore_eos=True)))
     _, body = handler.bodies[-1]
     assert [sp["ignore_eos"] for sp in body["sampling_params"]] == [True, True]
+    assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [3, 4]
+
+
+def test_sglang_sends_n_copies_of_the_prompt_without_the_radix_cache(recorder):
+    """Without the radix cache (the fleet's servers) a group is n copies of its prompt, not SGLang's n, whose prefix
+    step prefills the prompt once more for a cache that is not there; with the cache, SGLang's n."""
+    from engines.sglang.generation import SGLangGenerationClient
+
+    handler, url = recorder
+    one = {"output_ids": [7], "meta_info": {"output_token_logprobs": [[-0.2, 7, None]], "finish_reason": None}}
+    handler.reply = json.dumps([one] * 3).encode()
+
+    async def run(client):
+        try:
+            return await client.generate([1, 2], SamplingParams(n=3, max_tokens=4))
+        finally:
+            await client.close()
+
+    samples = asyncio.run(run(SGLangGenerationClient("e", url, radix_cache=False, timeout_s=5, control_timeout_s=5)))
+    _, body = handler.bodies[-1]
+    assert len(samples) == 3 and body["input_ids"] == [[1, 2]] * 3
+    assert len(body["sampling_params"]) == 3 and all(
+        "n" not in sp and "sampling_seed" not in sp for sp in body["sampling_params"]
+    )
+    assert all({k: sp[k] for k in PINNED} == PINNED for sp in body["sampling_params"])
+    asyncio.run(run(SGLangGenerationClient("e", url, radix_cache=True, timeout_s=5, control_timeout_s=5)))
+    _, body = handler.bodies[-1]
+    assert body["input_ids"] == [1, 2] and body["sampling_params"]["n"] == 3
 
 
 def test_vllm_server_ignores_the_folders_generation_config(tmp_path):

@@ -11,7 +11,7 @@ from json_http import json_http_server
 from packaging.version import Version
 
 from bench import rollout
-from bench.rollout_sglang import cli_to_kwargs, engine_kwargs, sampling_dict, server_args
+from bench.rollout_sglang import cli_to_kwargs, engine_kwargs, repeated, sampling_dict, server_args
 
 
 def _args(*argv: str):
@@ -179,7 +179,7 @@ def test_sglang_sampling_is_what_the_fleets_client_sends():
     params = rollout.sampling(a)
 
     async def one(url):
-        client = SGLangGenerationClient("t", url, timeout_s=30)
+        client = SGLangGenerationClient("t", url, radix_cache=False, timeout_s=30)  # as the fleet starts its servers
         try:
             return await client.generate([1, 2, 3], params)
         finally:
@@ -188,9 +188,9 @@ def test_sglang_sampling_is_what_the_fleets_client_sends():
     with json_http_server(answer) as url:
         samples = asyncio.run(one(url))
     assert len(samples) == n
-    assert bodies[0]["return_logprob"] is True and bodies[0]["input_ids"] == [1, 2, 3]
-    assert bodies[0]["sampling_params"] == sampling_dict(params)
-    assert sampling_dict(params)["n"] == n
+    assert bodies[0]["return_logprob"] is True and bodies[0]["input_ids"] == repeated([[1, 2, 3]], n)
+    assert bodies[0]["sampling_params"] == [sampling_dict(params)] * n
+    assert "n" not in sampling_dict(params)
 
 
 def test_a_sides_result_is_kept_when_its_process_hangs_on_exit_and_a_failure_names_its_log(tmp_path):
