@@ -48,7 +48,7 @@ from launch.verl_rules import (
     num,
     placement_advice,
 )
-from learner.config import GROUP_BASELINE_ADVANTAGES
+from learner.config import uniform_in_mean_blockers
 
 __all__ = ["CAPABILITIES", "RULES", "Mapping", "Refused", "describe", "parse", "split_command", "translate"]
 
@@ -237,15 +237,17 @@ def uniform_groups(overrides: list[str]) -> tuple[list[str], str]:
     gradient, learner.loss.uniform_groups_in_mean); elsewhere it trains them. Decided on the translated settings
     (the last override of a key wins, unset keys keep fleetrl's defaults)."""
     last = dict(o.split("=", 1) for o in overrides if "=" in o)
-    blockers = []
-    if (adv := last.get("learner.loss.advantage", "mean_std")) not in GROUP_BASELINE_ADVANTAGES:
-        blockers.append(f"advantage {adv}")
-    for key in ("learner.loss.entropy_coeff", "learner.loss.kl_coef"):
-        if float(yaml.safe_load(last.get(key, "0")) or 0) > 0:
-            blockers.append(key.rsplit(".", 1)[1])
-    for key in ("learner.kl_reward.enable", "learner.rollout_correction.enable"):
-        if yaml.safe_load(last.get(key, "false")) is True:
-            blockers.append(key.rsplit(".", 2)[1])
+
+    def value(key: str, default: Any) -> Any:
+        return yaml.safe_load(last[key]) if key in last else default
+
+    blockers = uniform_in_mean_blockers(
+        advantage=str(value("learner.loss.advantage", "mean_std")),
+        entropy_coeff=float(value("learner.loss.entropy_coeff", 0) or 0),
+        kl_coef=float(value("learner.loss.kl_coef", 0) or 0),
+        kl_reward=value("learner.kl_reward.enable", False) is True,
+        rollout_correction=value("learner.rollout_correction.enable", False) is True,
+    )
     if not blockers:
         return (
             ["learner.loss.drop_uniform_groups=true", "learner.loss.uniform_groups_in_mean=true"],
@@ -254,8 +256,7 @@ def uniform_groups(overrides: list[str]) -> tuple[list[str], str]:
         )
     return (
         ["learner.loss.drop_uniform_groups=false"],
-        f"trained as verl does: with {', '.join(blockers)} their loss is not zero (or their mean is measured), "
-        "so skipping them would change the gradient",
+        f"trained as verl does: skipping them would change the gradient ({'; '.join(blockers)})",
     )
 
 

@@ -225,15 +225,13 @@ def plan_step(
     rewards = torch.from_numpy(batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float32))
     adv, keep = _advantages(batch, advantage, drop_uniform)
     t_len = _trained_lengths(batch)  # masked-out tokens (observations) are fed but not trained on
-    keep_np = keep.numpy() & (t_len > 0)
     truncated = batch.column("finish_reason").to_numpy(zero_copy_only=False) == "length"
-    in_mean = t_len > 0  # the rows the loss's mean counts with uniform_in_mean: kept or not
+    in_mean = t_len > 0  # the rows of this optimizer step's mean; uniform_in_mean counts the dropped ones there
     if mask_truncated:
-        keep_np &= ~truncated
         in_mean &= ~truncated
     if select is not None:
-        keep_np = keep_np & select
         in_mean &= select
+    keep_np = keep.numpy() & in_mean
     rows = [int(i) for i in np.flatnonzero(keep_np)]
     total_tokens = int(t_len[rows].sum())
     loss_scale = aggregation_scale(aggregation, total_tokens, len(rows), loss_scale_factor)

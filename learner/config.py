@@ -32,6 +32,23 @@ def resolve_kl_estimator(name: str) -> str:
 GROUP_BASELINE_ADVANTAGES = ("mean", "mean_std", "rloo", "gpg")
 
 
+def uniform_in_mean_blockers(
+    *, advantage: str, entropy_coeff: float, kl_coef: float, kl_reward: bool, rollout_correction: bool
+) -> list[str]:
+    """Why a uniform group's tokens would not have a loss of exactly zero (so skipping them while counting them in
+    the mean would change the gradient); empty where learner.loss.uniform_groups_in_mean is exact."""
+    why = []
+    if advantage not in GROUP_BASELINE_ADVANTAGES:
+        why.append(f"advantage {advantage!r} gives a uniform group's tokens a non-zero advantage or none")
+    if entropy_coeff > 0 or kl_coef > 0:
+        why.append("an entropy or KL term in the loss has a gradient on a uniform group's tokens")
+    if kl_reward:
+        why.append("KL in the reward makes a uniform group's token rewards differ")
+    if rollout_correction:
+        why.append("rollout_correction's rejection and batch normalisation count the tokens they see")
+    return why
+
+
 class OptimConfig(ConfigModel):
     lr: float = Field(1e-5, gt=0, le=1.0, description="peak learning rate of AdamW")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
@@ -537,17 +554,14 @@ class LearnerConfig(ConfigModel):
         lo = self.loss
         if not lo.uniform_groups_in_mean:
             return self
-        why = []
-        if not lo.drop_uniform_groups:
-            why.append("drop_uniform_groups is false (nothing is skipped)")
-        if lo.advantage not in GROUP_BASELINE_ADVANTAGES:
-            why.append(f"advantage {lo.advantage!r} gives a uniform group's tokens a non-zero advantage or none")
-        if lo.entropy_coeff > 0 or lo.kl_coef > 0:
-            why.append("an entropy or KL term in the loss has a gradient on a uniform group's tokens")
-        if self.kl_reward.enable:
-            why.append("KL in the reward makes a uniform group's token rewards differ")
-        if self.rollout_correction.enable:
-            why.append("rollout_correction's rejection and batch normalisation count the tokens they see")
+        why = [] if lo.drop_uniform_groups else ["drop_uniform_groups is false (nothing is skipped)"]
+        why += uniform_in_mean_blockers(
+            advantage=lo.advantage,
+            entropy_coeff=lo.entropy_coeff,
+            kl_coef=lo.kl_coef,
+            kl_reward=self.kl_reward.enable,
+            rollout_correction=self.rollout_correction.enable,
+        )
         if why:
             raise ValueError(
                 "learner.loss.uniform_groups_in_mean=true would not give the gradient of training those groups: "

@@ -31,6 +31,21 @@ def _seed(**swap: str) -> str:
     return text
 
 
+def _resolve(text: str, tmp_path):
+    """The launcher's run config for a verl command line alone (one rollout and one learner GPU)."""
+    args = argparse.Namespace(
+        overrides=[],
+        recipe=None,
+        verl=text,
+        rollout_gpus=1,
+        learner_gpus=1,
+        simulate=False,
+        max_steps=None,
+        run_dir=str(tmp_path),
+    )
+    return resolve_config(args)
+
+
 def test_every_key_of_the_seed_script_maps():
     keys = parse(_seed())
     assert len(keys) == 37
@@ -61,17 +76,7 @@ def test_seed_script_resolves_to_a_config(tmp_path):
     """The whole mapping through the launcher; the hub id is swapped for a local model (no download)."""
     text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")})
     assert {o.split("=")[0] for o in translate(text).overrides} >= MINI_BATCH_KEYS
-    args = argparse.Namespace(
-        overrides=[],
-        recipe=None,
-        verl=text,
-        rollout_gpus=1,
-        learner_gpus=1,
-        simulate=False,
-        max_steps=None,
-        run_dir=str(tmp_path),
-    )
-    cfg = resolve_config(args)
+    cfg = _resolve(text, tmp_path)
     assert cfg.broker.groups_per_step == 1024 and cfg.rollout.sampling.n == 5
     assert cfg.rollout.max_model_len == 1536 and cfg.learner.loss.kl_coef == 0.001
     assert cfg.data.test_files == [str(DATA / "test.parquet")] and cfg.run.max_steps == 45
@@ -91,17 +96,7 @@ def test_rollout_correction_keys_resolve_to_a_learner_config(tmp_path):
         "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4"
     )
     text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder")}) + " " + rc
-    args = argparse.Namespace(
-        overrides=[],
-        recipe=None,
-        verl=text,
-        rollout_gpus=1,
-        learner_gpus=1,
-        simulate=False,
-        max_steps=None,
-        run_dir=str(tmp_path),
-    )
-    lc = resolve_config(args).learner
+    lc = _resolve(text, tmp_path).learner
     assert lc.loss.correction == "decoupled" and lc.rollout_correction.enable
     assert lc.rollout_correction.is_level == "sequence" and lc.rollout_correction.is_batch_normalize
     geo, veto = lc.rollout_correction.rejection
@@ -132,17 +127,7 @@ def test_a_verl_run_gets_the_gradient_verl_takes_from_uniform_groups(tmp_path, s
     text = _seed(**{"Qwen/Qwen2-7B-Instruct": str(REPO / "models/tiny-adder"), **swap})
     m = translate(text)
     (why,) = [w for label, w in m.schedule if "all equal" in label]
-    args = argparse.Namespace(
-        overrides=[],
-        recipe=None,
-        verl=text,
-        rollout_gpus=1,
-        learner_gpus=1,
-        simulate=False,
-        max_steps=None,
-        run_dir=str(tmp_path),
-    )
-    loss = resolve_config(args).learner.loss
+    loss = _resolve(text, tmp_path).learner.loss
     assert (loss.drop_uniform_groups, loss.uniform_groups_in_mean) == ((True, True) if skipped else (False, False))
     assert ("the same gradient" in why) is skipped and ("would change the gradient" in why) is (not skipped)
 
