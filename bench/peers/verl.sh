@@ -2,8 +2,11 @@
 # bench/peers/verl.sh CASE SYSTEM - verl 0.9.1 and fleetrl (colocated, as shipped) on the same work, on one GPU,
 # one system per call, in one lease (the machine keeps /tmp between calls while it stays warm). Issue 36.
 # STATUS: run on one H100 for the smol case (2026-12-07: SYSTEM fleetrl, verl with the `best` and `colocate_async`
-# attempts, compare) and for q15-1k (fleetrl, verl `best`; bench/results/peers/h100_2026-12-07/). The q15-4k and
-# q3b-1k cases have not run yet.
+# attempts, compare) and for q15-1k (fleetrl, verl `best`; bench/results/peers/h100_2026-12-07/, and with every
+# group trained in h100_2026-12-07b/). The q15-4k and q3b-1k cases have not run yet.
+# Time a q15-1k call needs on a slow host (2026-12-07, fourth lease): fleetrl ~320 s for 4 steps once the Inductor
+# cache is warm (LIMIT_S=260 with a cold cache ran 1 step); verl `best` ~430 s for 2 steps: give it LIMIT_S >= 520
+# (a 600 s call) for 4.
 # The verl command is ../shared/peers/verl/run_verl.sh (see that README).
 # The device call's own limit: at least LIMIT_S + 90 s (a run gets a 30-60 s grace after LIMIT_S), plus ~60 s when
 # `bench/gpu_calls.sh smollm2` runs in the same call. A call stopped at its limit returns only what bench/mirror.sh
@@ -140,6 +143,10 @@ run_fleetrl() {
     # the learner's settings and torch's reason for every recompile of its compiled blocks (learner/fastpath.py)
     grep -h "learner settings\|Recompiling\|guard failure\|  - " "$d"/run/logs/*.log 2>/dev/null | cut -c1-600 \
         | head -200 > "$OUT/fleetrl_${CASE}_compiles.log"
+    # the vLLM server's own view of generation: its resolved settings (async scheduling, CUDA graph mode, KV cache)
+    # and its throughput lines every 10 s (a generation slower than verl's on the same engine is read here first)
+    grep -h "non-default args\|Asynchronous scheduling\|cudagraph_mode\|KV cache size\|Maximum concurrency\|throughput\|Graph capturing\|sleep mode\|WARNING\|ERROR" \
+        "$d"/run/vllm-*/vllm_server.log 2>/dev/null | cut -c1-2000 | head -400 > "$OUT/fleetrl_${CASE}_vllm.log"
     echo "fleetrl rc=$(cat "$d/rc"); $(wc -l < "$d/learner_steps.jsonl" 2>/dev/null || echo 0) steps"
 }
 
