@@ -143,6 +143,12 @@ run_fleetrl() {
     # the learner's settings and torch's reason for every recompile of its compiled blocks (learner/fastpath.py)
     grep -h "learner settings\|Recompiling\|guard failure\|  - " "$d"/run/logs/*.log 2>/dev/null | cut -c1-600 \
         | head -200 > "$OUT/fleetrl_${CASE}_compiles.log"
+    # when each group began and ended generating: a late start adds to the step's generation span
+    # (bench/peers/group_times.py, from the spool the broker kept)
+    PYTHONPATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base" $PY -m broker export "$d/run/spool" \
+        --out "$d/spool.parquet" > /dev/null 2>&1 \
+        && PYTHONPATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base" $PY "$REPO/bench/peers/group_times.py" \
+            "$d/spool.parquet" --json "$OUT/fleetrl_${CASE}_groups.json"
     # the vLLM server's own view of generation: its resolved settings (async scheduling, CUDA graph mode, KV cache)
     # and its throughput lines every 10 s (a generation slower than verl's on the same engine is read here first)
     grep -h "non-default args\|Asynchronous scheduling\|cudagraph_mode\|KV cache size\|Maximum concurrency\|throughput\|Graph capturing\|sleep mode\|WARNING\|ERROR" \
