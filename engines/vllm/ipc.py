@@ -59,7 +59,7 @@ class VLLMIpcClient(VLLMWeightClient, IpcEndpoint):
             self._stuck = True  # ours until the publish succeeds (see VLLMWeightClient.update_weights)
             await self.pause(self.update_pause_mode)
             lap("pause")
-        await self._request("POST", "/start_weight_update")
+        await self._start_session()
         lap("start_weight_update")
 
     async def ipc_load(self, msg: IpcLoad) -> None:

@@ -131,7 +131,7 @@ class VLLMWeightClient(VLLMHandle, WeightEndpoint):
             await self.pause(self.update_pause_mode)
             lap("pause")
         try:
-            await self._request("POST", "/start_weight_update")
+            await self._start_session()
             lap("start_weight_update")
             await self._request("POST", "/update_weights", json={"update_info": info}, timeout_s=self.request_timeout_s)
             lap("update_weights")
@@ -153,6 +153,25 @@ class VLLMWeightClient(VLLMHandle, WeightEndpoint):
         self._stuck = False
         self.last_update_steps = lap.steps
         return checksum
+
+    async def _start_session(self) -> None:
+        """``/start_weight_update``, first closing a session that an earlier load left open.
+
+        vLLM's worker refuses a start while its update session is active ("start_weight_update called while a
+        weight update is already active", vLLM 0.26 and 0.32). A load cancelled after its start and before its
+        finish (the publish aborted because another engine failed) leaves the session open for good, and every
+        later publish into this server failed on it: seen on the emulated cluster (2026-12-08), the surviving
+        server stayed paused at an old version. Closing that session finishes a load this one overwrites in full
+        (the server stays paused meanwhile), so nothing half-loaded is ever served."""
+        try:
+            await self._request("POST", "/start_weight_update")
+            return
+        except EngineError as e:
+            if "already active" not in str(e):
+                raise
+        log.warning("engine %s: a weight update left open by an interrupted load is finished first", self.engine_id)
+        await self._request("POST", "/finish_weight_update", json={})
+        await self._request("POST", "/start_weight_update")
 
     def _pause_emptied_cache(self, pause_here: bool) -> bool:
         """A 'wait'/'abort' pause of ours emptied the prefix cache, and nothing was scheduled since."""
