@@ -59,6 +59,7 @@ SMOL=${SMOL:-/tmp/models/smollm2-135m-instruct}
 LIMIT_S=${LIMIT_S:-540}  # this call's whole run, inside the device tool's 600 s
 DATA=$REPO/data/word_problems
 PY=python3
+FLEETRL_PATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base"  # fleetrl and the sites gpu_calls.sh installs
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
 mkdir -p "$OUT" "$WORK"
@@ -131,7 +132,7 @@ run_fleetrl() {
     echo "${cmd[*]}" > "$d/command.txt"
     # the steps so far, while it runs: a call the device tool stops at its limit still returns them
     mirror_start "$OUT/fleetrl_${CASE}_live" "$d/run/metrics/learner_steps.jsonl" "$d/command.txt"
-    PYTHONPATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base" timeout -s TERM -k 60 "$(left)" "${cmd[@]}" \
+    PYTHONPATH="$FLEETRL_PATH" timeout -s TERM -k 60 "$(left)" "${cmd[@]}" \
         > "$d/cluster.log" 2>&1
     echo $? > "$d/rc"
     mirror_stop
@@ -145,10 +146,9 @@ run_fleetrl() {
         | head -200 > "$OUT/fleetrl_${CASE}_compiles.log"
     # when each group began and ended generating: a late start adds to the step's generation span
     # (bench/peers/group_times.py, from the spool the broker kept)
-    PYTHONPATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base" $PY -m broker export "$d/run/spool" \
-        --out "$d/spool.parquet" > /dev/null 2>&1 \
-        && PYTHONPATH="$REPO:/tmp/site-vllm:/tmp/site-ray:/tmp/site-base" $PY "$REPO/bench/peers/group_times.py" \
-            "$d/spool.parquet" --json "$OUT/fleetrl_${CASE}_groups.json"
+    PYTHONPATH="$FLEETRL_PATH" $PY -m broker export "$d/run/spool" --out "$d/spool.parquet" > /dev/null 2>&1 \
+        && PYTHONPATH="$FLEETRL_PATH" $PY "$REPO/bench/peers/group_times.py" "$d/spool.parquet" \
+            --json "$OUT/fleetrl_${CASE}_groups.json"
     # the vLLM server's own view of generation: its resolved settings (async scheduling, CUDA graph mode, KV cache)
     # and its throughput lines every 10 s (a generation slower than verl's on the same engine is read here first)
     grep -h "non-default args\|Asynchronous scheduling\|cudagraph_mode\|KV cache size\|Maximum concurrency\|throughput\|Graph capturing\|sleep mode\|WARNING\|ERROR" \

@@ -15,6 +15,8 @@ shared test server); the stand-in answers vLLM's errors with vLLM's words, as it
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -87,10 +89,13 @@ class SessionStandIn(PausableStandIn):
         return web.json_response({"message": "Weight update finished"})
 
 
-def _client(url: str) -> VLLMWeightClient:
+@contextlib.asynccontextmanager
+async def _served(s: SessionStandIn) -> AsyncIterator[VLLMWeightClient]:
+    """The stand-in listening, and a client of it with a one-tensor plan announced."""
+    runner = await s.serve()
     c = VLLMWeightClient(
         "vllm-standin",
-        url,
+        s.url,
         model="tiny",
         weight_backend="nccl",  # no checksum call: the session is what is under test
         timeout_s=5,
@@ -98,38 +103,34 @@ def _client(url: str) -> VLLMWeightClient:
         update_pause_mode="wait",
     )
     c._plan = build_plan([("w", [4], torch.float32)], 1 << 20)
-    return c
+    try:
+        yield c
+    finally:
+        await c.close()
+        await runner.cleanup()
 
 
-def _cancel_mid_update(s: SessionStandIn, c: VLLMWeightClient):
-    async def run() -> None:
-        s.hang.set()
-        task = asyncio.create_task(c.update_weights(5, c._plan.plan_id))
-        await asyncio.wait_for(s.in_update.wait(), 10)
-        task.cancel()  # the publisher cancels this engine's load: another engine failed
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        s.hang.clear()
-        s.release.set()  # the server's receive completes on its own; nobody sends the finish
-        await asyncio.sleep(0.05)
-
-    return run()
+async def _cancel_mid_update(s: SessionStandIn, c: VLLMWeightClient) -> None:
+    s.hang.set()
+    task = asyncio.create_task(c.update_weights(5, c._plan.plan_id))
+    await asyncio.wait_for(s.in_update.wait(), 10)
+    task.cancel()  # the publisher cancels this engine's load: another engine failed
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    s.hang.clear()
+    s.release.set()  # the server's receive completes on its own; nobody sends the finish
+    await asyncio.sleep(0.05)
 
 
 def test_a_load_cancelled_between_start_and_finish_does_not_lock_the_next_one_out():
     async def main():
         s = SessionStandIn()
-        runner = await s.serve()
-        c = _client(s.url)
-        try:
+        async with _served(s) as c:
             await _cancel_mid_update(s, c)
             left = (s.active, s.paused)
             s.calls.clear()
             await c.update_weights(6, c._plan.plan_id)
             return left, list(s.calls), s.active, s.paused, s.finished_versions, c.weight_version
-        finally:
-            await c.close()
-            await runner.cleanup()
 
     left, calls, active, paused, finished, version = asyncio.run(main())
     assert left == (True, True), "the cancelled load must leave vLLM's session open and the server paused"
@@ -142,9 +143,7 @@ def test_a_load_cancelled_between_start_and_finish_does_not_lock_the_next_one_ou
 def test_a_session_the_server_already_closed_is_not_finished_again():
     async def main():
         s = SessionStandIn()
-        runner = await s.serve()
-        c = _client(s.url)
-        try:
+        async with _served(s) as c:
             s.fail_update = True  # vLLM clears its session itself when the update raises
             with pytest.raises(EngineError, match="stays paused"):
                 await c.update_weights(5, c._plan.plan_id)
@@ -152,9 +151,6 @@ def test_a_session_the_server_already_closed_is_not_finished_again():
             s.calls.clear()
             await c.update_weights(6, c._plan.plan_id)
             return list(s.calls), s.paused, c.weight_version
-        finally:
-            await c.close()
-            await runner.cleanup()
 
     calls, paused, version = asyncio.run(main())
     assert calls == ["start", "update", "finish"], calls
@@ -165,14 +161,9 @@ def test_other_start_refusals_are_not_taken_for_an_open_session():
     async def main():
         s = SessionStandIn()
         s.start_error = "Weight transfer engine not initialized"
-        runner = await s.serve()
-        c = _client(s.url)
-        try:
+        async with _served(s) as c:
             with pytest.raises(EngineError, match="not initialized"):
                 await c.update_weights(5, c._plan.plan_id)
             return s.calls
-        finally:
-            await c.close()
-            await runner.cleanup()
 
     assert "finish" not in asyncio.run(main())
